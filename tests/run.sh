@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): sets up everything on a fresh machine, then runs
+# linters, type checks and the whole test suite against the real peers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${NODEAGENT_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# Real peers: Debian containerd/runc, Go-built kube-apiserver + etcd + kubelet harness (cached by version).
+if [ -f tests/testbin/setup.sh ]; then
+  # shellcheck disable=SC1091
+  source tests/testbin/setup.sh
+fi
+
+echo "== ruff"; "$VENV/bin/ruff" check nodeagent tests
+echo "== mypy"; "$VENV/bin/mypy"
+echo "== import layers"; "$VENV/bin/lint-imports"
+echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider "$@"
