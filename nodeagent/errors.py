@@ -90,7 +90,18 @@ class InsufficientResourcesError(NvmlError):
 
 
 class KubeError(OperationError):
-    """A Kubernetes API request failed."""
+    """A Kubernetes API request failed; ``status`` is the HTTP status when there was one."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        subject: str | None = None,
+        retryable: bool | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message, subject=subject, retryable=retryable)
+        self.status = status
 
 
 class KubeletError(OperationError):

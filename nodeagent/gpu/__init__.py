@@ -2,3 +2,27 @@
 
 Only ``gpu/nvml.py`` (and the simulator it may be handed) touches NVML; nothing here talks to Kubernetes.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nodeagent.hostpaths import HostPaths
+
+if TYPE_CHECKING:
+    from nodeagent.gpu.nvml import NvmlAdapter
+
+
+def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPaths | None = None) -> NvmlAdapter:
+    """The NVML adapter over the simulator (``simulate`` machine and/or an existing ``sim_state`` file)
+    or, with neither, over the real driver (NvmlNotFoundError when it is not installed)."""
+    from nodeagent.gpu.nvml import NvmlAdapter
+
+    if simulate is not None or sim_state is not None:
+        from nodeagent.gpu.sim import open_sim
+
+        return NvmlAdapter(open_sim(simulate, sim_state), paths)
+    import pynvml
+
+    return NvmlAdapter(pynvml, paths)

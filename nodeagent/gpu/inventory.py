@@ -78,6 +78,8 @@ class Gpu:
     mig_profiles: tuple[MigProfile, ...] = ()
     mig_devices: tuple[MigDevice, ...] = ()
     processes: tuple[GpuProcess, ...] = ()
+    lost: bool = False  # fell off the bus (NVML_ERROR_GPU_IS_LOST); other fields may be stale
+    bare_gpu_instances: tuple[MigDevice, ...] = ()  # GPU instances without a compute instance (ci_id -1)
 
     @property
     def pci_device_id_str(self) -> str:

@@ -2,26 +2,45 @@
 
 ``connect`` builds an API client from a kubeconfig file or the in-cluster service account; ``KubeClient``
 wraps the typed APIs nodeagent uses and converts ``ApiException`` into ``KubeError`` at this boundary.
+
+Besides the typed handles, ``KubeClient.request`` speaks plain JSON to any API path (core, CRDs, patches
+of every content type) and ``KubeClient.stream`` opens a watch stream; both count what they send in
+``KubeClient.stats`` so the daemon's metrics and the benchmarks can see how kind we are to the server.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
 from nodeagent.errors import KubeError
 
+JSON_PATCH = "application/json-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+
+Query = Mapping[str, str | int | bool]
+
 
 def connect(kubeconfig: Path | None = None) -> k8s.ApiClient:
     """An API client from ``kubeconfig``, else from the in-cluster service account."""
     try:
         if kubeconfig is not None:
-            return k8s_config.new_client_from_config(config_file=str(kubeconfig))
+            api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+                config_file=str(kubeconfig)
+            )
+            return api
         cfg = k8s.Configuration()
-        k8s_config.load_incluster_config(client_configuration=cfg)
+        k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
         return k8s.ApiClient(cfg)
     except (k8s_config.ConfigException, OSError) as e:
         where = str(kubeconfig) if kubeconfig else "in-cluster service account"
@@ -32,23 +51,213 @@ def is_transient(e: ApiException) -> bool:
     return e.status in (0, 408, 429) or (e.status is not None and e.status >= 500)
 
 
-class KubeClient:
-    """Typed API handles sharing one connection pool."""
+def _transient_status(status: int) -> bool:
+    return status in (0, 408, 429) or status >= 500
 
-    def __init__(self, api: k8s.ApiClient) -> None:
+
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+@dataclass
+class RequestStats:
+    """Requests sent through one ``KubeClient``: by method, writes, errors (thread-safe)."""
+
+    by_method: Counter[str] = field(default_factory=Counter)
+    errors: Counter[int] = field(default_factory=Counter)
+    watches: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, method: str, status: int | None, *, watch: bool = False) -> None:
+        with self._lock:
+            self.by_method[method] += 1
+            if watch:
+                self.watches += 1
+            if status is not None and not 200 <= status < 300:
+                self.errors[status] += 1
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.by_method.values())
+
+    @property
+    def writes(self) -> int:
+        with self._lock:
+            return sum(n for m, n in self.by_method.items() if m in WRITE_METHODS)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "total": sum(self.by_method.values()),
+                "writes": sum(n for m, n in self.by_method.items() if m in WRITE_METHODS),
+                "by_method": dict(self.by_method),
+                "watches": self.watches,
+                "errors": {str(k): v for k, v in self.errors.items()},
+            }
+
+
+RequestHook = Callable[[str, int | None], None]
+
+
+class WatchStream:
+    """An open watch response: iterate decoded events; ``close`` from any thread ends the iteration."""
+
+    def __init__(self, response: Any, action: str) -> None:
+        self._resp = response
+        self._action = action
+        self._closed = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        buf = b""
+        try:
+            for chunk in self._resp.stream(8192, decode_content=True):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        yield json.loads(line)
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as e:
+            if self._closed:
+                return
+            raise KubeError(f"{self._action}: stream broke: {e}", retryable=True) from e
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        shutdown = getattr(self._resp, "shutdown", None)
+        try:
+            if shutdown is not None:
+                shutdown()
+            self._resp.release_conn()
+            self._resp.close()
+        except Exception:  # closing a broken stream must never raise
+            pass
+
+
+class KubeClient:
+    """Typed API handles sharing one connection pool, plus plain-JSON requests with accounting."""
+
+    def __init__(self, api: k8s.ApiClient, *, on_request: RequestHook | None = None) -> None:
         self.api = api
         self.core = k8s.CoreV1Api(api)
         self.node_api = k8s.NodeV1Api(api)
         self.custom = k8s.CustomObjectsApi(api)
         self.apiext = k8s.ApiextensionsV1Api(api)
+        self.stats = RequestStats()
+        self.on_request = on_request
 
     def close(self) -> None:
-        self.api.close()
+        self.api.close()  # type: ignore[no-untyped-call]
+
+    def _record(self, method: str, status: int | None, *, watch: bool = False) -> None:
+        self.stats.record(method, status, watch=watch)
+        if self.on_request is not None:
+            self.on_request(method, status)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Query | None,
+        body: Any,
+        content_type: str | None,
+        timeout: float | tuple[float, float] | None,
+        action: str,
+        subject: str | None,
+        watch: bool = False,
+    ) -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        q = [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in (query or {}).items()]
+        try:
+            m, url, hdrs, b, post = self.api.param_serialize(
+                method, path, query_params=q, header_params=headers, body=body, auth_settings=["BearerToken"]
+            )
+            resp = self.api.call_api(m, url, hdrs, b, post, _request_timeout=timeout)
+        except ApiException as e:
+            self._record(method, e.status or 0, watch=watch)
+            raise kube_error(action, e, subject) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            self._record(method, 0, watch=watch)
+            raise KubeError(f"{action}: {e}", subject=subject, retryable=True, status=0) from e
+        status = int(resp.status)
+        self._record(method, status, watch=watch)
+        if not 200 <= status < 300:
+            try:
+                resp.read()  # type: ignore[no-untyped-call]
+                detail = json.loads(resp.data or b"{}").get("message", "")
+            except (ValueError, AttributeError, urllib3.exceptions.HTTPError, OSError):
+                detail = ""
+            msg = f"{action}: HTTP {status}" + (f": {detail}" if detail else "")
+            raise KubeError(msg, subject=subject, retryable=_transient_status(status), status=status)
+        return resp
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Query | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+        timeout: float | tuple[float, float] | None = 30.0,
+        action: str | None = None,
+        subject: str | None = None,
+    ) -> dict[str, Any]:
+        """Send one request to ``path`` (e.g. ``/api/v1/nodes/n1``); the decoded JSON answer.
+
+        Non-2xx answers raise ``KubeError`` with ``status`` set; network failures raise a retryable
+        ``KubeError`` with status 0.
+        """
+        act = action or f"{method} {path}"
+        resp = self._send(
+            method, path, query=query, body=body, content_type=content_type, timeout=timeout,
+            action=act, subject=subject,
+        )
+        try:
+            resp.read()
+            data = resp.data
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise KubeError(f"{act}: reading the answer failed: {e}", subject=subject, retryable=True) from e
+        if not data:
+            return {}
+        try:
+            out = json.loads(data)
+        except ValueError as e:
+            raise KubeError(f"{act}: answer is not JSON", subject=subject, retryable=True) from e
+        return out if isinstance(out, dict) else {"items": out}
+
+    def stream(
+        self,
+        path: str,
+        *,
+        query: Query | None = None,
+        timeout: float | tuple[float, float] | None = None,
+        action: str | None = None,
+        subject: str | None = None,
+    ) -> WatchStream:
+        """Open a watch (``watch=true`` is added) on a collection path."""
+        act = action or f"watch {path}"
+        q = dict(query or {})
+        q["watch"] = True
+        resp = self._send(
+            "GET", path, query=q, body=None, content_type=None, timeout=timeout, action=act,
+            subject=subject, watch=True,
+        )
+        return WatchStream(resp.response, act)
 
 
 def kube_error(action: str, e: ApiException, subject: str | None = None) -> KubeError:
     """Convert an ``ApiException`` into a ``KubeError`` that says what was attempted."""
     reason = e.reason or ""
     return KubeError(
-        f"{action}: HTTP {e.status} {reason}".rstrip(), subject=subject, retryable=is_transient(e)
+        f"{action}: HTTP {e.status} {reason}".rstrip(),
+        subject=subject,
+        retryable=is_transient(e),
+        status=e.status,
     )

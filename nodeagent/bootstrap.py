@@ -1,0 +1,346 @@
+"""One-shot node preparation for provisioning pipelines and image builds, with a JSON report.
+
+    discover → MIG config (optional) → containerd runtime (+ leak guard) → restart containerd if changed
+             → RuntimeClass and node labels (only when the API answers)
+
+Each step returns a ``StepResult`` (changed / unchanged / skipped / failed, with a reason). Steps are
+idempotent, so a second run reports no changes. A failed step stops the steps that depend on it
+(nothing is restarted after a failed write) but the report always lists every step. Exit code: 0 all
+good, 1 a step failed, 2 bad input (config, unknown MIG config name), 3 a reboot is needed.
+The real parts are reached through ``BootstrapParts``; tests and image builds inject their own.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeagent.config import AgentConfig
+from nodeagent.errors import InputError, NodeAgentError, RebootRequired
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.StrEnum):
+    CHANGED = "changed"
+    UNCHANGED = "unchanged"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    REBOOT_REQUIRED = "reboot-required"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outcome: Outcome
+    reason: str = ""
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    name: str
+    outcome: Outcome
+    reason: str
+    seconds: float
+    details: Mapping[str, Any]
+    exit_code: int = 0  # the error's exit code when failed
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"step": self.name, "result": self.outcome.value, "seconds": round(self.seconds, 3)}
+        if self.reason:
+            d["reason"] = self.reason
+        if self.details:
+            d["details"] = dict(self.details)
+        return d
+
+
+@dataclass(frozen=True)
+class Report:
+    steps: tuple[StepReport, ...]
+
+    @property
+    def changed(self) -> bool:
+        return any(s.outcome is Outcome.CHANGED for s in self.steps)
+
+    @property
+    def exit_code(self) -> int:
+        codes = [s.exit_code for s in self.steps if s.outcome is Outcome.FAILED]
+        if 2 in codes:
+            return 2
+        if codes:
+            return 1
+        if any(s.outcome is Outcome.REBOOT_REQUIRED for s in self.steps):
+            return 3
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"changed": self.changed, "exit_code": self.exit_code, "steps": [s.to_dict() for s in self.steps]}
+
+
+@dataclass(frozen=True)
+class Options:
+    mig_config: str | None = None  # a name from the MIG config file; None = leave MIG alone
+    restart_containerd: bool = True  # False for image builds (nothing runs under --root)
+    kube: bool = True  # try RuntimeClass and labels when the API answers
+
+
+@dataclass
+class BootstrapParts:
+    """The real operations behind each step; every one is replaceable."""
+
+    discover: Callable[[AgentConfig, HostPaths], Inventory]
+    apply_mig: Callable[[AgentConfig, HostPaths, Inventory, str], StepResult]
+    configure_runtime: Callable[[AgentConfig, HostPaths], StepResult]
+    restart_containerd: Callable[[AgentConfig, HostPaths], StepResult]
+    ensure_runtimeclass: Callable[[Any, AgentConfig], StepResult]
+    publish_labels: Callable[[Any, AgentConfig, HostPaths, Inventory], StepResult]
+    connect: Callable[[AgentConfig, HostPaths], Any]  # a KubeClient that answered, or raises
+
+
+def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: BootstrapParts) -> Report:
+    reports: list[StepReport] = []
+
+    def step(name: str, fn: Callable[[], StepResult]) -> StepReport:
+        t0 = time.monotonic()
+        code = 0
+        try:
+            res = fn()
+        except RebootRequired as e:
+            res = StepResult(Outcome.REBOOT_REQUIRED, str(e))
+        except NodeAgentError as e:
+            res, code = StepResult(Outcome.FAILED, str(e)), e.exit_code
+        except Exception as e:  # a bug in a step must still produce a report
+            log.exception("step %s crashed", name)
+            res, code = StepResult(Outcome.FAILED, f"internal error: {e!r}"), 1
+        rep = StepReport(name, res.outcome, res.reason, time.monotonic() - t0, res.details, code)
+        log.info("%s: %s%s", name, rep.outcome.value, f" ({rep.reason})" if rep.reason else "")
+        reports.append(rep)
+        return rep
+
+    def skip(name: str, why: str) -> None:
+        reports.append(StepReport(name, Outcome.SKIPPED, why, 0.0, {}))
+
+    inventory: Inventory | None = None
+
+    def discover() -> StepResult:
+        nonlocal inventory
+        inventory = parts.discover(config, paths)
+        return StepResult(
+            Outcome.UNCHANGED,
+            details={
+                "gpus": len(inventory.gpus),
+                "mig_devices": sum(len(g.mig_devices) for g in inventory.gpus),
+                "driver": inventory.driver_version,
+            },
+        )
+
+    disc = step("discover", discover)
+
+    if options.mig_config is None:
+        skip("mig", "no MIG config requested")
+    elif disc.outcome is Outcome.FAILED or inventory is None:
+        skip("mig", "discovery failed")
+    else:
+        inv, name = inventory, options.mig_config
+        step("mig", lambda: parts.apply_mig(config, paths, inv, name))
+
+    if not config.runtime.enabled:
+        skip("runtime", "runtime.enabled = false")
+        skip("containerd-restart", "runtime.enabled = false")
+    else:
+        rt = step("runtime", lambda: parts.configure_runtime(config, paths))
+        if rt.outcome is Outcome.CHANGED and rt.details.get("restart_needed") is False:
+            skip("containerd-restart", "only the NVIDIA toolkit config changed")
+        elif rt.outcome is not Outcome.CHANGED:
+            skip("containerd-restart", "containerd config unchanged" if rt.outcome is Outcome.UNCHANGED
+                 else "runtime step did not succeed")
+        elif not options.restart_containerd:
+            skip("containerd-restart", "restart disabled (image build or --no-restart)")
+        elif config.runtime.restart == "none":
+            skip("containerd-restart", "runtime.restart = none")
+        else:
+            step("containerd-restart", lambda: parts.restart_containerd(config, paths))
+
+    kube: Any = None
+    if not (options.kube and config.kube):
+        why = "Kubernetes disabled"
+    else:
+        try:
+            kube = parts.connect(config, paths)
+            why = ""
+        except NodeAgentError as e:
+            why = f"API not reachable: {e}"
+    if kube is None:
+        skip("runtimeclass", why)
+        skip("labels", why)
+    else:
+        try:
+            step("runtimeclass", lambda: parts.ensure_runtimeclass(kube, config))
+            if inventory is None:
+                skip("labels", "discovery failed")
+            elif not config.publish.labels:
+                skip("labels", "publish.labels = false")
+            else:
+                inv2 = inventory
+                step("labels", lambda: parts.publish_labels(kube, config, paths, inv2))
+        finally:
+            close = getattr(kube, "close", None)
+            if callable(close):
+                close()
+    return Report(tuple(reports))
+
+
+# -- the real parts ---------------------------------------------------------------------------------------
+
+
+def _discover(config: AgentConfig, paths: HostPaths) -> Inventory:
+    from nodeagent.gpu import open_nvml
+
+    state = Path(config.simulate.state) if config.simulate.state else None
+    adapter = open_nvml(config.simulate.machine or None, state, paths)
+    try:
+        inv: Inventory = adapter.discover()
+        return inv
+    finally:
+        close = getattr(adapter, "close", None)
+        if callable(close):
+            close()
+
+
+def _connect(config: AgentConfig, paths: HostPaths) -> Any:
+    from nodeagent.kube.client import KubeClient, connect
+
+    kubeconfig = paths(config.kubeconfig) if config.kubeconfig else None
+    kube = KubeClient(connect(kubeconfig))
+    try:
+        kube.request("GET", "/version", timeout=5)
+    except NodeAgentError:
+        kube.close()
+        raise
+    return kube
+
+
+def _open_adapter(config: AgentConfig, paths: HostPaths) -> Any:
+    from nodeagent.gpu import open_nvml
+
+    state = Path(config.simulate.state) if config.simulate.state else None
+    return open_nvml(config.simulate.machine or None, state, paths)
+
+
+def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name: str) -> StepResult:
+    from nodeagent.fileio import read_text
+    from nodeagent.mig.apply import Applier, MigStateFile
+    from nodeagent.mig.hooks import HookRunner, parse_hooks
+    from nodeagent.mig.planner import plan
+    from nodeagent.mig.spec import generate_standard, parse_config, resolve
+
+    adapter = _open_adapter(config, paths)
+    try:
+        inv = adapter.discover()
+        cfg_path = paths(config.mig.config_file)
+        text = read_text(cfg_path)
+        configs = generate_standard(inv) if text is None else parse_config(text, str(cfg_path))
+        selected, entries = configs.select(name)
+        the_plan = plan(inv, resolve(selected, entries, inv, configs.source))
+        if the_plan.applied:
+            return StepResult(Outcome.UNCHANGED, f"MIG config {name} already applied")
+        runner = None
+        if config.mig.hooks_file:
+            hooks_path = paths(config.mig.hooks_file)
+            hooks_text = read_text(hooks_path)
+            if hooks_text is None:
+                raise InputError(f"MIG hooks file {config.mig.hooks_file} does not exist",
+                                 subject=config.mig.hooks_file)
+            env = HookRunner.environment(config_file=config.mig.config_file, hooks_file=config.mig.hooks_file,
+                                         selected=selected, gpus=[g.index for g in the_plan.touched])
+            runner = HookRunner(parse_hooks(hooks_text, str(hooks_path)), env)
+        paths.state_dir.mkdir(parents=True, exist_ok=True)
+        result = Applier(adapter, hooks=runner, state=MigStateFile(paths.state_dir / "mig"),
+                         proc_root=paths.proc).apply(the_plan, inv)
+        return StepResult(
+            Outcome.CHANGED,
+            f"MIG config {name} applied",
+            {"gpus": list(result.touched), "resets": list(result.resets)},
+        )
+    finally:
+        close = getattr(adapter, "close", None)
+        if callable(close):
+            close()
+
+
+def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
+    from nodeagent.runtime.configure import configure, options_from_settings
+
+    result = configure(paths, options_from_settings(config.runtime))
+    changed = [f"{f.path} ({f.action})" for f in result.files if f.action != "unchanged"]
+    details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed}
+    if changed:
+        details["files"] = changed
+    if result.containerd_version:
+        details["containerd_version"] = result.containerd_version
+    if not result.changed:
+        return StepResult(Outcome.UNCHANGED, "containerd already carries the nvidia runtime", details)
+    return StepResult(Outcome.CHANGED, "wrote " + ", ".join(changed), details)
+
+
+def _restart_containerd(config: AgentConfig, paths: HostPaths) -> StepResult:
+    from nodeagent.runtime.restart import DEFAULT_SOCKET, restart_containerd
+
+    took = restart_containerd(config.runtime.restart, paths(DEFAULT_SOCKET))
+    if took is None:
+        return StepResult(Outcome.SKIPPED, "runtime.restart = none")
+    return StepResult(Outcome.CHANGED, f"containerd answered {took:.1f}s after the restart")
+
+
+def _ensure_runtimeclass(kube: Any, config: AgentConfig) -> StepResult:
+    from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
+
+    done = ensure_runtime_classes(kube, desired_classes(cdi=config.runtime.cdi))
+    changed = {k: v for k, v in done.items() if v != "unchanged"}
+    if not changed:
+        return StepResult(Outcome.UNCHANGED, details=dict(done))
+    return StepResult(Outcome.CHANGED, ", ".join(f"RuntimeClass {k} {v}" for k, v in changed.items()), dict(done))
+
+
+def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory: Inventory) -> StepResult:
+    from nodeagent.errors import KubeError
+    from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+    from nodeagent.sharing.spec import load_plugin_config
+
+    node_name = config.resolved_node_name()
+    plugin_config = load_plugin_config(paths(config.device_plugin.config)) if config.device_plugin.config else None
+    publisher = NodePublisher(
+        kube, node_name,
+        PublisherConfig(labels=True, extended_resources=False, gpu_objects=False, events=False),
+    )
+    try:
+        res = publisher.publish(inventory, (), plugin_config)
+    except KubeError as e:
+        if getattr(e, "status", None) == 404:
+            return StepResult(Outcome.SKIPPED, f"node {node_name} is not registered yet; the agent labels it later")
+        raise
+    finally:
+        publisher.close()
+    if not res.label_changes:
+        return StepResult(Outcome.UNCHANGED, f"labels of node {node_name} already right")
+    return StepResult(Outcome.CHANGED, f"{len(res.label_changes)} label(s) set on node {node_name}",
+                      {"labels": dict(res.label_changes)})
+
+
+def default_parts() -> BootstrapParts:
+    return BootstrapParts(
+        discover=_discover,
+        apply_mig=_apply_mig,
+        configure_runtime=_configure_runtime,
+        restart_containerd=_restart_containerd,
+        ensure_runtimeclass=_ensure_runtimeclass,
+        publish_labels=_publish_labels,
+        connect=_connect,
+    )

@@ -1,0 +1,71 @@
+"""``nodeagent bootstrap``: prepare a node once (provisioning pipelines, image builds) and report in JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from nodeagent.cli import Settings
+from nodeagent.config import flag_path, load_config
+
+
+@click.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Config file (default: /etc/nodeagent/config.toml under --root; missing = defaults).")
+@click.option("--simulate", metavar="MACHINE", default=None, help="Use the NVML simulator with this machine.")
+@click.option("--sim-state", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Simulator state file.")
+@click.option("--mig-config", metavar="NAME", default=None,
+              help="Apply this named config from the MIG config file (default: leave MIG alone).")
+@click.option("--no-restart", is_flag=True, default=False,
+              help="Never restart containerd (implied by --root other than /).")
+@click.option("--no-kube", is_flag=True, default=False, help="Skip RuntimeClass and labels.")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--node-name", default=None, help="Node to label (default: $NODE_NAME, else host name).")
+@click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the JSON report to this file.")
+@click.pass_context
+def bootstrap(
+    ctx: click.Context,
+    config_file: Path | None,
+    simulate: str | None,
+    sim_state: Path | None,
+    mig_config: str | None,
+    no_restart: bool,
+    no_kube: bool,
+    kubeconfig: Path | None,
+    node_name: str | None,
+    with_reboot: bool | None,
+    output: Path | None,
+) -> int:
+    """Discover, shape MIG, wire containerd, publish RuntimeClass and labels; print a JSON report.
+
+    Exit code 0 all steps fine, 1 a step failed, 2 bad input, 3 a reboot is required.
+    """
+    from nodeagent import bootstrap as bs
+
+    settings: Settings = ctx.obj
+    config = load_config(
+        settings.paths,
+        config_file,
+        {
+            "simulate.machine": simulate,
+            "simulate.state": None if sim_state is None else str(sim_state.absolute()),
+            "kube": False if no_kube else None,
+            "kubeconfig": flag_path(settings.paths, kubeconfig, "--kubeconfig"),
+            "node_name": node_name,
+            "mig.with_reboot": with_reboot,
+        },
+    )
+    under_root = settings.paths.root.resolve() != Path("/")
+    options = bs.Options(mig_config=mig_config, restart_containerd=not (no_restart or under_root),
+                         kube=not no_kube)
+    report = bs.bootstrap(config, settings.paths, options, bs.default_parts())
+    text = json.dumps(report.to_dict(), indent=2)
+    click.echo(text)
+    if output is not None:
+        output.write_text(text + "\n", encoding="utf-8")
+    return report.exit_code

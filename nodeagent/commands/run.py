@@ -1,0 +1,73 @@
+"""``nodeagent run``: the long-running agent (systemd service or DaemonSet container)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from nodeagent.cli import Settings
+from nodeagent.config import AgentConfig, flag_path, load_config
+from nodeagent.logs import setup_logging
+
+
+@click.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Config file (default: /etc/nodeagent/config.toml under --root; missing = defaults).")
+@click.option("--simulate", metavar="MACHINE", default=None, help="Use the NVML simulator with this machine.")
+@click.option("--sim-state", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Simulator state file (keeps MIG layouts across restarts).")
+@click.option("--no-kube", is_flag=True, default=False, help="Never talk to the Kubernetes API.")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kubeconfig file (default: in-cluster service account).")
+@click.option("--node-name", default=None, help="Node to publish to (default: $NODE_NAME, else host name).")
+@click.option("--kubelet-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Kubelet root directory (default /var/lib/kubelet).")
+@click.option("--device-plugin-config", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="NVIDIA device-plugin config file (version: v1).")
+@click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")
+@click.option("--metrics-address", metavar="HOST:PORT", default=None,
+              help="Serve Prometheus metrics here (default: no listener).")
+@click.pass_context
+def run(
+    ctx: click.Context,
+    config_file: Path | None,
+    simulate: str | None,
+    sim_state: Path | None,
+    no_kube: bool,
+    kubeconfig: Path | None,
+    node_name: str | None,
+    kubelet_dir: Path | None,
+    device_plugin_config: Path | None,
+    with_reboot: bool | None,
+    metrics_address: str | None,
+) -> int:
+    """Run the agent until SIGTERM/SIGINT; SIGHUP reloads the config."""
+    from nodeagent.daemon import build_daemon, run_daemon
+
+    settings: Settings = ctx.obj
+    paths = settings.paths
+    overrides: dict[str, object] = {
+        "simulate.machine": simulate,
+        "simulate.state": None if sim_state is None else str(sim_state.absolute()),
+        "kube": False if no_kube else None,
+        "kubeconfig": flag_path(paths, kubeconfig, "--kubeconfig"),
+        "node_name": node_name,
+        "kubelet.dir": flag_path(paths, kubelet_dir, "--kubelet-dir"),
+        "device_plugin.config": flag_path(paths, device_plugin_config, "--device-plugin-config"),
+        "mig.with_reboot": with_reboot,
+        "metrics.address": metrics_address,
+    }
+    parent = ctx.parent
+    if parent is not None:
+        for key in ("log_format", "log_level"):
+            if parent.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT:
+                overrides[key] = getattr(settings, key)
+
+    def reload() -> AgentConfig:
+        return load_config(settings.paths, config_file, overrides)
+
+    config = reload()
+    setup_logging(config.log_format, config.log_level)
+    daemon = build_daemon(config, settings.paths, reload_config=reload)
+    return run_daemon(daemon)

@@ -1,0 +1,181 @@
+"""``nodeagent runtime``: wire the nvidia runtime into containerd, undo it, show what containerd loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from nodeagent.cli import Settings
+from nodeagent.runtime import configure as rc
+from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_DROPIN
+from nodeagent.runtime.restart import DEFAULT_SOCKET, RESTART_MODES, RestartMode, restart_containerd
+
+
+def _settings(ctx: click.Context) -> Settings:
+    obj = ctx.find_object(Settings)
+    if obj is None:  # invoked without the top-level group (tests calling the command directly)
+        obj = Settings(Path("/"), "text", "info")
+    return obj
+
+
+def _echo_result(result: rc.Result, as_json: bool, extra: dict[str, Any]) -> None:
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(), **extra}, indent=2, sort_keys=True))
+        return
+    for f in result.files:
+        if result.dry_run and f.diff:
+            click.echo(f.diff, nl=False)
+        elif not result.dry_run:
+            backup = f" (backup {f.backup})" if f.backup else ""
+            click.echo(f"{f.action:9} {f.path}{backup}")
+    if result.dry_run:
+        click.echo("dry run: nothing written" if result.changed else "dry run: already configured")
+    elif not result.changed:
+        click.echo("unchanged")
+    for key, value in extra.items():
+        click.echo(f"{key}: {value}")
+    for warning in result.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+
+def _restart(settings: Settings, result: rc.Result, mode: RestartMode, socket: str, timeout: float) -> dict[str, Any]:
+    if result.dry_run or not result.restart_needed:
+        return {}
+    if mode == "none":
+        return {"restart": "needed (--restart none): restart containerd to load the change"}
+    took = restart_containerd(mode, settings.paths(socket), timeout=timeout)
+    return {"restart": f"containerd answered after {took:.1f}s" if took is not None else "skipped"}
+
+
+@click.group()
+def runtime() -> None:
+    """containerd wiring for the nvidia runtime (see README "Container runtime")."""
+
+
+_restart_option = click.option(
+    "--restart",
+    "restart_mode",
+    type=click.Choice(RESTART_MODES),
+    default="systemd",
+    show_default=True,
+    help="How to restart containerd when its config changed.",
+)
+_socket_option = click.option(
+    "--socket", default=DEFAULT_SOCKET, show_default=True, help="containerd's socket (host path)."
+)
+_timeout_option = click.option(
+    "--restart-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for containerd."
+)
+
+
+@runtime.command("configure")
+@click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True,
+              help="containerd's root config (host path).")
+@click.option("--drop-in", "dropin", default=None,
+              help=f"Write a drop-in at this host path and import it [default mode for version >= 2; "
+                   f"{DEFAULT_DROPIN}].")
+@click.option("--in-place", is_flag=True, help="Edit the root config itself instead of writing a drop-in.")
+@click.option("--set-as-default", is_flag=True, help="Make the nvidia runtime containerd's default runtime.")
+@click.option("--cdi", is_flag=True, help="Enable CDI in containerd and add the nvidia-cdi runtime.")
+@click.option("--leak-guard/--no-leak-guard", default=True, show_default=True,
+              help="Stop unprivileged pods from getting GPUs through NVIDIA_VISIBLE_DEVICES.")
+@click.option("--runtime-name", default="nvidia", show_default=True)
+@click.option("--binary", "binary_path", default=DEFAULT_BINARY, show_default=True,
+              help="The nvidia-container-runtime binary (BinaryName).")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also create/update the RuntimeClass objects through this kubeconfig.")
+@_restart_option
+@_socket_option
+@_timeout_option
+@click.option("--dry-run", is_flag=True, help="Print a unified diff of every change; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def configure_cmd(
+    ctx: click.Context,
+    containerd_config: str,
+    dropin: str | None,
+    in_place: bool,
+    set_as_default: bool,
+    cdi: bool,
+    leak_guard: bool,
+    runtime_name: str,
+    binary_path: str,
+    kubeconfig: Path | None,
+    restart_mode: RestartMode,
+    socket: str,
+    restart_timeout: float,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Add the nvidia runtime to containerd, keeping everything else in its files byte for byte."""
+    if dropin is not None and in_place:
+        raise click.UsageError("--drop-in and --in-place exclude each other")
+    settings = _settings(ctx)
+    opts = rc.Options(
+        containerd_config=containerd_config,
+        mode="in-place" if in_place else "drop-in" if dropin is not None else "auto",
+        dropin=dropin or DEFAULT_DROPIN,
+        runtime_name=runtime_name,
+        binary_path=binary_path,
+        set_as_default=set_as_default,
+        cdi=cdi,
+        leak_guard=leak_guard,
+        dry_run=dry_run,
+    )
+    result = rc.configure(settings.paths, opts)
+    extra = _restart(settings, result, restart_mode, socket, restart_timeout)
+    if kubeconfig is not None and not dry_run:
+        from nodeagent.kube.client import KubeClient, connect
+        from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
+
+        kube = KubeClient(connect(kubeconfig))
+        try:
+            done = ensure_runtime_classes(kube, desired_classes(name=runtime_name, handler=runtime_name, cdi=cdi))
+        finally:
+            kube.close()
+        extra["runtimeclasses"] = done if as_json else ", ".join(f"{k} {v}" for k, v in done.items())
+    _echo_result(result, as_json, extra)
+
+
+@runtime.command("unconfigure")
+@_restart_option
+@_socket_option
+@_timeout_option
+@click.option("--dry-run", is_flag=True, help="Print a unified diff of every change; write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def unconfigure_cmd(
+    ctx: click.Context, restart_mode: RestartMode, socket: str, restart_timeout: float, dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Put back the files `runtime configure` changed (exact previous bytes when untouched since)."""
+    settings = _settings(ctx)
+    result = rc.unconfigure(settings.paths, dry_run=dry_run)
+    extra = _restart(settings, result, restart_mode, socket, restart_timeout)
+    _echo_result(result, as_json, extra)
+
+
+@runtime.command("show")
+@click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.pass_context
+def show_cmd(ctx: click.Context, containerd_config: str, as_json: bool) -> None:
+    """What containerd will load: runtimes, the default runtime, and the files they come from."""
+    info = rc.show(_settings(ctx).paths, containerd_config)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    click.echo(f"sources:          {', '.join(info['sources']) or '(no config file: built-in defaults)'}")
+    click.echo(f"config version:   {info['config_version']}")
+    click.echo(f"containerd:       {info['containerd_version'] or 'not found'}")
+    click.echo(f"default runtime:  {info['default_runtime']}")
+    click.echo(f"CDI:              {'on' if info['enable_cdi'] else 'off'}")
+    lg = info["leak_guard"]
+    click.echo(f"leak guard:       {'no toolkit config' if lg is None else 'on' if lg else 'off'}")
+    click.echo(f"{'RUNTIME':16} {'TYPE':24} {'SYSTEMD':8} BINARY")
+    for name, rt in info["runtimes"].items():
+        sc = rt["systemd_cgroup"]
+        click.echo(f"{name:16} {rt['runtime_type']:24} {'-' if sc is None else str(sc).lower():8} {rt['binary']}")

@@ -1,0 +1,208 @@
+"""``nodeagent sim``: the NVML simulator's machines, state, layouts and fault injection.
+
+Every state-changing subcommand works on a ``--sim-state FILE`` (the same file a running
+``nodeagent run --simulate ... --sim-state FILE`` reads), so faults reach a live daemon.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from nodeagent.commands.common import gpu_options, gpu_opts
+from nodeagent.errors import InputError
+
+if TYPE_CHECKING:
+    from nodeagent.gpu.sim.state import SimStore
+
+
+def _store(ctx: click.Context) -> SimStore:
+    from nodeagent.gpu.sim.state import SimStore
+
+    opts = gpu_opts(ctx)
+    if opts.sim_state is None:
+        raise InputError("this command changes simulator state and needs --sim-state FILE")
+    return SimStore.open(opts.simulate, opts.sim_state)
+
+
+def _error_code(value: str) -> int:
+    import pynvml
+
+    text = value.strip().upper()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    name = text if text.startswith("NVML_ERROR_") else "NVML_ERROR_" + text
+    code = getattr(pynvml, name, None)
+    if not isinstance(code, int):
+        raise InputError(f"unknown NVML error {value!r} (use a number or a name like IN_USE)", subject=value)
+    return code
+
+
+@click.group()
+def sim() -> None:
+    """The NVML simulator: machines, MIG layouts, reboots and fault injection."""
+
+
+@sim.command("machines")
+@click.option("--json", "as_json", is_flag=True)
+def machines(as_json: bool) -> None:
+    """List the simulated machines."""
+    from nodeagent.gpu.sim import load_machine, machine_names
+
+    rows: list[dict[str, Any]] = []
+    for name in machine_names():
+        m = load_machine(name)
+        models = sorted({g.name for g in m.gpus})
+        rows.append({"name": name, "gpus": len(m.gpus), "models": models, "description": m.description})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        click.echo(f"{r['name']:<{width}}  {r['gpus']} GPU(s)  {r['description']}")
+
+
+@sim.command("show")
+@gpu_options
+@click.pass_context
+def show(ctx: click.Context) -> None:
+    """Print the raw simulator state (JSON)."""
+    store = _store(ctx)
+    click.echo(json.dumps(store.read(), indent=2, sort_keys=True))
+
+
+@sim.command("reboot")
+@gpu_options
+@click.pass_context
+def reboot(ctx: click.Context) -> None:
+    """Reboot the simulated host: MIG instances vanish, pending (Ampere) MIG modes apply."""
+    from nodeagent.gpu.sim import inject
+
+    store = _store(ctx)
+    inject.reboot(store)
+    click.echo("rebooted")
+
+
+@sim.command("mig")
+@gpu_options
+@click.option("--gpu", "gpus", required=True, help="GPU index, comma-separated indices, or 'all'.")
+@click.option("--disable", is_flag=True, help="Turn MIG off (no instances) instead of writing a layout.")
+@click.argument("profiles", nargs=-1)
+@click.pass_context
+def mig(ctx: click.Context, gpus: str, disable: bool, profiles: tuple[str, ...]) -> None:
+    """Write a MIG layout straight into the state, e.g. ``--gpu 0 3g.40gb 3g.40gb``.
+
+    MIG is switched on as if already applied and reset; no PROFILES gives MIG on with no instances.
+    For tests and demos — ``nodeagent mig apply`` is the real way.
+    """
+    from nodeagent.gpu.sim import inject
+    store = _store(ctx)
+    count = len(store.machine.gpus)
+    if gpus == "all":
+        indices = [g.index for g in store.machine.gpus if g.mig_product is not None]
+    else:
+        try:
+            indices = [int(x) for x in gpus.split(",")]
+        except ValueError as e:
+            raise InputError(f"--gpu must be an index, a list like 0,1 or 'all'; got {gpus!r}") from e
+    for i in indices:
+        if not 0 <= i < count:
+            raise InputError(f"GPU {i} does not exist on {store.machine.name} (0..{count - 1})")
+        if disable:
+            if profiles:
+                raise InputError("--disable takes no profiles")
+            inject.set_mig_mode(store, i, False)
+        elif profiles:
+            inject.write_mig_layout(store, i, list(profiles))
+        else:
+            inject.set_mig_mode(store, i, True)
+    click.echo(f"MIG {'disabled' if disable else 'layout written'} on GPU(s) {', '.join(map(str, indices))}")
+
+
+@sim.group("inject")
+def inject_group() -> None:
+    """Inject faults into a simulator state file (a running daemon notices them)."""
+
+
+@inject_group.command("xid")
+@gpu_options
+@click.option("--gpu", type=int, required=True)
+@click.option("--code", type=int, required=True, help="XID number, e.g. 48 (DBE), 79 (fallen off the bus).")
+@click.option("--gi", "gi_id", type=int, default=None, help="GPU instance the error is attributed to.")
+@click.pass_context
+def inject_xid(ctx: click.Context, gpu: int, code: int, gi_id: int | None) -> None:
+    """An XID critical-error event on a GPU."""
+    from nodeagent.gpu.sim import inject
+
+    inject.inject_xid(_store(ctx), gpu, code, gi_id)
+    click.echo(f"XID {code} on GPU {gpu}")
+
+
+@inject_group.command("lost")
+@gpu_options
+@click.option("--gpu", type=int, required=True)
+@click.pass_context
+def inject_lost(ctx: click.Context, gpu: int) -> None:
+    """The GPU falls off the bus (NVML_ERROR_GPU_IS_LOST on every call, XID 79 event)."""
+    from nodeagent.gpu.sim import inject
+
+    inject.inject_lost(_store(ctx), gpu)
+    click.echo(f"GPU {gpu} lost")
+
+
+@inject_group.command("process")
+@gpu_options
+@click.option("--gpu", type=int, required=True)
+@click.option("--pid", type=int, required=True)
+@click.option("--name", default="python3", show_default=True)
+@click.option("--used-mib", type=int, default=1024, show_default=True)
+@click.option("--gi", "gi_id", type=int, default=None, help="Run inside this GPU instance.")
+@click.pass_context
+def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: int, gi_id: int | None) -> None:
+    """A process running on a GPU (blocks MIG changes and resets with IN_USE)."""
+    from nodeagent.gpu.sim import inject
+
+    inject.inject_process(_store(ctx), gpu, pid, name, used_mib, gi_id)
+    click.echo(f"process {pid} ({name}) on GPU {gpu}")
+
+
+@inject_group.command("kill")
+@gpu_options
+@click.option("--gpu", type=int, required=True)
+@click.option("--pid", type=int, default=None, help="Only this process (default: all on the GPU).")
+@click.pass_context
+def inject_kill(ctx: click.Context, gpu: int, pid: int | None) -> None:
+    """End processes on a GPU."""
+    from nodeagent.gpu.sim import inject
+
+    inject.kill_process(_store(ctx), gpu, pid)
+    click.echo(f"processes ended on GPU {gpu}")
+
+
+@inject_group.command("recover")
+@gpu_options
+@click.option("--gpu", type=int, default=None, help="Only this GPU (default: all, and pending failures).")
+@click.pass_context
+def inject_recover(ctx: click.Context, gpu: int | None) -> None:
+    """Undo faults: lost GPUs come back, processes end."""
+    from nodeagent.gpu.sim import inject
+
+    inject.recover(_store(ctx), gpu)
+    click.echo("recovered")
+
+
+@inject_group.command("fail-next")
+@gpu_options
+@click.option("--function", "function", required=True, help="NVML function, e.g. nvmlDeviceCreateGpuInstance.")
+@click.option("--code", required=True, help="NVML error number or name, e.g. 23 or INSUFFICIENT_RESOURCES.")
+@click.option("--count", type=int, default=1, show_default=True, help="How many calls fail.")
+@click.option("--after", type=int, default=0, show_default=True, help="Let this many calls succeed first.")
+@click.pass_context
+def inject_fail_next(ctx: click.Context, function: str, code: str, count: int, after: int) -> None:
+    """Fail upcoming calls of one NVML function with an NVML error (one-shot)."""
+    from nodeagent.gpu.sim import inject
+
+    inject.fail_next(_store(ctx), function, _error_code(code), count, after)
+    click.echo(f"{function} fails {count} time(s) after {after} success(es)")

@@ -1,0 +1,317 @@
+"""The agent's own configuration: ``/etc/nodeagent/config.toml`` → frozen dataclasses.
+
+Every key has a default, so an empty or missing default file is a valid configuration. Command-line flags
+override the file through dotted keys (``{"mig.with_reboot": True}``). Unknown keys, wrong types and bad
+values raise ``ConfigError`` naming the key and the file (or the flag) they came from; nothing is applied
+from a file that fails validation. Paths inside the config are HOST paths (``/etc/...``); callers resolve
+them through ``HostPaths`` so ``--root`` keeps working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from nodeagent.errors import ConfigError
+from nodeagent.hostpaths import HostPaths
+
+DEFAULT_CONFIG = "/etc/nodeagent/config.toml"
+
+LogFormat = Literal["text", "json"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+RuntimeMode = Literal["drop-in", "in-place"]
+RestartMode = Literal["systemd", "signal", "none"]
+
+
+@dataclass(frozen=True)
+class KubeletSettings:
+    dir: str = "/var/lib/kubelet"  # device-plugins/ and pod-resources/ live below it
+
+    @property
+    def device_plugins(self) -> str:
+        return self.dir.rstrip("/") + "/device-plugins"
+
+    @property
+    def pod_resources_socket(self) -> str:
+        return self.dir.rstrip("/") + "/pod-resources/kubelet.sock"
+
+
+@dataclass(frozen=True)
+class DevicePluginSettings:
+    enabled: bool = True
+    config: str = ""  # NVIDIA device-plugin config (version: v1); "" = built-in defaults
+
+
+@dataclass(frozen=True)
+class MigSettings:
+    enabled: bool = True
+    config_file: str = "/etc/nodeagent/mig-config.yaml"  # mig-parted v1 file with named configs
+    hooks_file: str = ""  # mig-parted hooks file; "" = none
+    with_reboot: bool = False  # allowed to reboot the node when a mode change cannot take effect otherwise
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    enabled: bool = True
+    containerd_config: str = "/etc/containerd/config.toml"
+    mode: RuntimeMode = "drop-in"
+    dropin: str = "/etc/containerd/conf.d/99-nvidia.toml"
+    set_as_default: bool = False
+    cdi: bool = False
+    leak_guard: bool = True
+    restart: RestartMode = "systemd"
+    check_interval: float = 300.0  # seconds between checks that the wiring is still in place (0 = never)
+
+
+@dataclass(frozen=True)
+class PublishSettings:
+    labels: bool = True
+    extended_resources: bool = True
+    gpu_objects: bool = True
+    events: bool = True
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    address: str = ""  # "127.0.0.1:9400"; "" = no listener at all
+    interval: float = 15.0
+
+    def host_port(self) -> tuple[str, int] | None:
+        return parse_address(self.address) if self.address else None
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    window: float = 60.0  # seconds an event counts towards a device's health
+    poll_interval: float = 30.0  # fallback poll of every GPU's health
+
+
+@dataclass(frozen=True)
+class SimulateSettings:
+    machine: str = ""  # simulated machine name; "" = real NVML
+    state: str = ""  # simulator state file: a path on this machine, never re-rooted under --root
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_name: str = ""  # "" = $NODE_NAME, else the host name
+    kube: bool = True  # False = no Kubernetes API at all (demos, kubelet-only nodes)
+    kubeconfig: str = ""  # "" = in-cluster service account
+    log_format: LogFormat = "text"
+    log_level: LogLevel = "info"
+    resync_interval: float = 60.0  # seconds between full rediscovery + publish passes
+    kubelet: KubeletSettings = field(default_factory=KubeletSettings)
+    device_plugin: DevicePluginSettings = field(default_factory=DevicePluginSettings)
+    mig: MigSettings = field(default_factory=MigSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    publish: PublishSettings = field(default_factory=PublishSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    simulate: SimulateSettings = field(default_factory=SimulateSettings)
+    source: str = field(default="", compare=False)  # where it was read from (for messages)
+
+    def resolved_node_name(self) -> str:
+        return self.node_name or os.environ.get("NODE_NAME", "") or socket.gethostname()
+
+    def sections_changed(self, other: AgentConfig) -> set[str]:
+        """Names of top-level keys/sections whose value differs between two configs."""
+        return {
+            f.name
+            for f in dataclasses.fields(self)
+            if f.compare and getattr(self, f.name) != getattr(other, f.name)
+        }
+
+
+def flag_path(paths: HostPaths, value: Path | None, flag: str) -> str | None:
+    """A path typed on the command line (a real path) as the host path the config holds.
+
+    Under ``--root DIR`` the path must lie inside DIR; with the root ``/`` it is just made absolute.
+    """
+    if value is None:
+        return None
+    real = value.absolute()
+    try:
+        return paths.to_host(real)
+    except ValueError as e:
+        raise ConfigError(f"{flag} {value} is not inside --root {paths.root}", subject=flag) from e
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` → (host, port); raises ValueError."""
+    host, sep, port_s = address.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    port = int(port_s)
+    if not 0 < port < 65536:
+        raise ValueError(f"port out of range in {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+# --- validation ------------------------------------------------------------------------------------------
+
+_POSITIVE = {
+    "resync_interval",
+    "metrics.interval",
+    "health.window",
+    "health.poll_interval",
+}
+_NON_NEGATIVE = {"runtime.check_interval"}
+_ABSOLUTE_PATHS = {
+    "kubeconfig",
+    "kubelet.dir",
+    "device_plugin.config",
+    "mig.config_file",
+    "mig.hooks_file",
+    "runtime.containerd_config",
+    "runtime.dropin",
+    "simulate.state",
+}
+
+
+def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
+    """Value of ``value`` for a field of type ``tp``, or ConfigError naming key and source."""
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}", subject=key)
+
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise bad("one of " + ", ".join(repr(c) for c in choices))
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad("a number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    raise AssertionError(f"unsupported config type {tp!r} for {key}")
+
+
+def _semantic_checks(key: str, value: Any, where: str) -> None:
+    if key in _POSITIVE and value <= 0:
+        raise ConfigError(f"{where}: key '{key}' must be greater than 0, got {value!r}", subject=key)
+    if key in _NON_NEGATIVE and value < 0:
+        raise ConfigError(f"{where}: key '{key}' must not be negative, got {value!r}", subject=key)
+    if key in _ABSOLUTE_PATHS and value and not value.startswith("/"):
+        raise ConfigError(f"{where}: key '{key}' must be an absolute path, got {value!r}", subject=key)
+    if key == "metrics.address" and value:
+        try:
+            parse_address(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: key '{key}': {e}", subject=key) from e
+    if key == "node_name" and value and (len(value) > 253 or any(c.isspace() for c in value)):
+        raise ConfigError(f"{where}: key '{key}' is not a valid node name: {value!r}", subject=key)
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], prefix: str, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        key = prefix + name
+        if name not in known:
+            raise ConfigError(f"{where}: unknown key '{key}'", subject=key)
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{where}: key '{key}' must be a table ([{key}])", subject=key)
+            kwargs[name] = _build(tp, value, key + ".", where)  # type: ignore[arg-type]
+        else:
+            checked = _check_value(key, tp, value, where)
+            _semantic_checks(key, checked, where)
+            kwargs[name] = checked
+    return cls(**kwargs)
+
+
+def parse_config(text: str, where: str) -> AgentConfig:
+    """Parse and validate TOML text (pure)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: not valid TOML: {e}", subject=where) from e
+    cfg: AgentConfig = _build(AgentConfig, data, "", where)
+    return dataclasses.replace(cfg, source=where)
+
+
+def apply_overrides(cfg: AgentConfig, overrides: Mapping[str, Any], where: str = "command line") -> AgentConfig:
+    """A copy of ``cfg`` with dotted keys replaced; ``None`` values mean "not given" and are skipped."""
+    tree: dict[str, Any] = {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        parts = dotted.split(".")
+        node = tree
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    if not tree:
+        return cfg
+    merged = _merge(_as_dict(cfg), tree)
+    new: AgentConfig = _build(AgentConfig, merged, "", where)
+    return dataclasses.replace(new, source=cfg.source)
+
+
+def _as_dict(cfg: AgentConfig) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d.pop("source", None)
+    return d
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(
+    paths: HostPaths,
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> AgentConfig:
+    """Read the config file (the default one under the host root unless ``config_file`` is given).
+
+    A missing default file means all defaults; a missing explicit file is an error.
+    """
+    if config_file is None:
+        path = paths(DEFAULT_CONFIG)
+        explicit = False
+    else:
+        path = config_file
+        explicit = True
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        if explicit:
+            raise ConfigError(f"{where}: config file not found", subject=where) from e
+        cfg = dataclasses.replace(AgentConfig(), source="defaults")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: cannot read config file: {e}", subject=where) from e
+    else:
+        cfg = parse_config(text, where)
+    return apply_overrides(cfg, overrides or {})

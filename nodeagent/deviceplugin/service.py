@@ -1,0 +1,223 @@
+"""The device-plugin side of nodeagent as one object the daemon drives.
+
+``DevicePluginService`` turns an Inventory + NVIDIA plugin config into one server per resource,
+registers each with the kubelet (retrying with backoff, logging each cause once), re-registers when
+the kubelet restarts, follows live Inventory/config changes without a restart, and feeds health
+changes into every ListAndWatch stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from nodeagent.deviceplugin.registrar import KubeletWatcher, register
+from nodeagent.deviceplugin.server import ResourceServer
+from nodeagent.errors import KubeletError
+from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.topology import score_matrix
+from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, resource_ids
+from nodeagent.sharing.spec import DEFAULT_CONFIG, PluginConfig
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+
+class DevicePluginService:
+    """All device-plugin servers of this node."""
+
+    def __init__(
+        self,
+        *,
+        plugin_dir: Path,
+        plugin_config: PluginConfig | None = None,
+        nvml: HealthSource | None = None,
+        health: HealthSettings | None = None,
+        register_timeout_s: float = 5.0,
+        backoff_max_s: float = BACKOFF_MAX_S,
+    ) -> None:
+        self.plugin_dir = plugin_dir
+        self.config = plugin_config or DEFAULT_CONFIG
+        self._register_timeout = register_timeout_s
+        self._backoff_max = backoff_max_s
+        self._inventory: Inventory | None = None
+        self._withdrawn: frozenset[int] = frozenset()
+        self._servers: dict[str, ResourceServer] = {}
+        self._registering: dict[str, asyncio.Task[None]] = {}
+        self._last_cause: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+        self._watcher = KubeletWatcher(plugin_dir, self._on_kubelet_start)
+        self._restart_task: asyncio.Task[None] | None = None
+        self._restart_pending = False
+        self._scores: dict[tuple[int, int], int] = {}
+        self._started = False
+        self.registrations: dict[str, int] = {}  # successful Register calls per resource
+        self.monitor: HealthMonitor | None = None
+        if nvml is not None:
+            self.monitor = HealthMonitor(
+                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed
+            )
+
+    # ------------------------------------------------------------------ public interface
+    async def start(self, inventory: Inventory) -> None:
+        """Serve and register every resource of ``inventory``."""
+        async with self._lock:
+            if self._started:
+                raise RuntimeError("DevicePluginService already started")
+            resources = build_resources(inventory, self.config)
+            self._inventory = inventory
+            self._scores = score_matrix(inventory)
+            self._started = True
+            self._watcher.start()
+            if self.monitor is not None:
+                await self.monitor.start(g.index for g in inventory.gpus)
+            await self._apply(resources)
+
+    async def update(self, inventory: Inventory, plugin_config: PluginConfig | None = None) -> None:
+        """Follow a new Inventory and/or config; raises ConfigError (changing nothing) when invalid."""
+        async with self._lock:
+            config = plugin_config or self.config
+            resources = build_resources(inventory, config)
+            self.config, self._inventory, self._withdrawn = config, inventory, frozenset()
+            self._scores = score_matrix(inventory)
+            if self.monitor is not None:
+                self.monitor.set_gpus(g.index for g in inventory.gpus)
+            if self._started:
+                await self._apply(resources)
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        """Stop advertising these GPUs' devices (e.g. during MIG reconfiguration) until the next update."""
+        async with self._lock:
+            if self._inventory is None:
+                return
+            self._withdrawn = self._withdrawn | frozenset(gpu_indices)
+            resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn)
+            await self._apply(resources)
+
+    def served_resources(self) -> dict[str, list[str]]:
+        return resource_ids({n: s.resource for n, s in self._servers.items()})
+
+    def resources(self) -> dict[str, Resource]:
+        return {n: s.resource for n, s in self._servers.items()}
+
+    def server(self, resource_name: str) -> ResourceServer:
+        return self._servers[resource_name]
+
+    def device_health(self) -> dict[str, dict[str, bool]]:
+        """Resource → device ID → healthy."""
+        return {n: {d.id: self._healthy(d) for d in s.resource.devices} for n, s in self._servers.items()}
+
+    async def stop(self) -> None:
+        """Stop every server, watcher, health task and registration attempt."""
+        async with self._lock:
+            self._started = False
+            if self._restart_task is not None:
+                self._restart_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._restart_task
+                self._restart_task = None
+            await self._watcher.stop()
+            if self.monitor is not None:
+                await self.monitor.stop()
+            for name in list(self._registering):
+                await self._cancel_registration(name)
+            for server in list(self._servers.values()):
+                await server.stop()
+            self._servers.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _healthy(self, device: AdvertisedDevice) -> bool:
+        if self.monitor is None:
+            return True
+        mig = device.physical.mig
+        return self.monitor.is_healthy(device.physical.gpu_index, mig.gi_id if mig else None)
+
+    async def _apply(self, resources: dict[str, Resource]) -> None:
+        flags, policy = self.config.flags.plugin, self.config.allocation_policy
+        for name in [n for n in self._servers if n not in resources]:
+            await self._cancel_registration(name)
+            await self._servers.pop(name).stop()
+        for name, resource in resources.items():
+            server = self._servers.get(name)
+            if server is None:
+                server = ResourceServer(
+                    self.plugin_dir, resource, flags, scores=self._scores, policy=policy, health_of=self._healthy
+                )
+                await server.start()
+                self._servers[name] = server
+                self._start_registration(name)
+            elif await server.set_resource(resource, flags, self._scores, policy):
+                log.info("%s: device list changed (%d devices), re-sent", name, len(resource.devices))
+
+    def _start_registration(self, name: str) -> None:
+        old = self._registering.pop(name, None)
+        if old is not None:
+            old.cancel()
+        self._registering[name] = asyncio.create_task(self._register_loop(name), name=f"register {name}")
+
+    async def _cancel_registration(self, name: str) -> None:
+        task = self._registering.pop(name, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _register_loop(self, name: str) -> None:
+        delay = BACKOFF_START_S
+        while True:
+            server = self._servers.get(name)
+            if server is None:
+                return
+            try:
+                await register(self.plugin_dir, name, server.endpoint, timeout=self._register_timeout)
+            except KubeletError as e:
+                if self._last_cause.get(name) != e.message:
+                    self._last_cause[name] = e.message
+                    log.warning("registering %s failed, retrying with backoff: %s", name, e.message)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff_max)
+                continue
+            self._last_cause.pop(name, None)
+            self.registrations[name] = self.registrations.get(name, 0) + 1
+            log.info("registered %s with the kubelet (endpoint %s)", name, server.endpoint)
+            if self._registering.get(name) is asyncio.current_task():
+                del self._registering[name]
+            return
+
+    def _on_kubelet_start(self) -> None:
+        """kubelet.sock appeared: the kubelet (re)started and wiped our sockets; serve and register again."""
+        if not self._started:
+            return
+        self._restart_pending = True
+        if self._restart_task is None or self._restart_task.done():
+            self._restart_task = asyncio.create_task(self._restart_all(), name="kubelet restart")
+
+    async def _restart_all(self) -> None:
+        while self._restart_pending:
+            self._restart_pending = False
+            await self._restart_once()
+
+    async def _restart_once(self) -> None:
+        async with self._lock:
+            if not self._started:
+                return
+            log.info("kubelet.sock re-created: restarting %d server(s) and registering again", len(self._servers))
+            for name, server in self._servers.items():
+                await self._cancel_registration(name)
+                await server.restart()
+            for name in self._servers:
+                self._start_registration(name)
+
+    async def _health_changed(self) -> None:
+        for server in list(self._servers.values()):
+            await server.health_changed()
+
+    # convenience for callers holding only GPU indices
+    def gpu_indices(self) -> Iterable[int]:
+        return sorted({d.physical.gpu_index for s in self._servers.values() for d in s.resource.devices})

@@ -1,0 +1,134 @@
+"""Crash-safe file writes for node-critical files (containerd config, toolkit config, state, checkpoints).
+
+``atomic_write`` never leaves a half-written file behind: the new bytes go to a temporary file in the
+same directory, are flushed to disk, get the previous file's mode and owner, and only then replace the
+target with one ``rename``; the directory is flushed afterwards so the rename itself survives a crash.
+A process killed at any point leaves either the whole old file or the whole new one (plus, at worst, a
+stray ``.<name>.nodeagent-tmp-*`` file that ``atomic_write`` ignores and the next write does not need).
+
+Backups: with ``backup=True`` the exact previous bytes are kept next to the file as
+``<name>.nodeagent.bak`` (same mode and owner, written atomically too). Only the most recent previous
+version is kept; callers that need the original across several writes (``runtime unconfigure``) keep it
+in their own state file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+BACKUP_SUFFIX = ".nodeagent.bak"
+TMP_MARKER = ".nodeagent-tmp-"
+DEFAULT_MODE = 0o644
+
+
+def backup_path(path: Path) -> Path:
+    """Where ``atomic_write`` keeps the previous bytes of ``path``."""
+    return path.with_name(path.name + BACKUP_SUFFIX)
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or ``None`` when it does not exist."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def read_text(path: Path) -> str | None:
+    """The file's text (UTF-8, newlines untouched), or ``None`` when it does not exist."""
+    data = read_bytes(path)
+    return None if data is None else data.decode("utf-8")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Flush a directory entry change (create, rename, unlink) to disk."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _target(path: Path) -> Path:
+    # Writing through a symlink replaces the file it points to, not the link itself.
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def _write_replace(
+    target: Path,
+    data: bytes,
+    mode: int,
+    owner: tuple[int, int] | None,
+    before_rename: Callable[[Path], None] | None,
+) -> None:
+    fd, tmp_name = tempfile.mkstemp(prefix="." + target.name + TMP_MARKER, dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            if owner is not None:
+                # Only root may give a file away; an unprivileged caller keeps its own ownership.
+                with contextlib.suppress(PermissionError):
+                    os.fchown(f.fileno(), owner[0], owner[1])
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    fsync_dir(target.parent)
+
+
+def atomic_write(
+    path: Path | str,
+    data: bytes | str,
+    *,
+    mode: int | None = None,
+    backup: bool = True,
+    before_rename: Callable[[Path], None] | None = None,
+) -> Path | None:
+    """Replace ``path`` with ``data`` atomically; return the backup path if a backup was written.
+
+    ``mode``: file mode for the new file; default is the previous file's mode, else 0644. The previous
+    owner is kept when the caller may set it. The parent directory must exist. ``str`` data is written
+    as UTF-8 exactly as given (no newline translation). ``before_rename`` is a test hook called with the
+    fully written temporary file just before it replaces the target.
+    """
+    target = _target(Path(path))
+    payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise IsADirectoryError(f"not a regular file: {target}")
+    new_mode = mode if mode is not None else (stat.S_IMODE(st.st_mode) if st is not None else DEFAULT_MODE)
+    owner = (st.st_uid, st.st_gid) if st is not None else None
+
+    written_backup: Path | None = None
+    if backup and st is not None:
+        old = target.read_bytes()
+        written_backup = backup_path(target)
+        _write_replace(written_backup, old, stat.S_IMODE(st.st_mode), owner, None)
+    _write_replace(target, payload, new_mode, owner, before_rename)
+    return written_backup
+
+
+def remove(path: Path | str) -> bool:
+    """Delete a file durably (directory flushed); ``False`` when it was already gone."""
+    p = Path(path)
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        return False
+    fsync_dir(p.parent)
+    return True

@@ -1,0 +1,255 @@
+"""GPU health from NVML: critical XID events, lost GPUs, and recovery.
+
+XID events come from the adapter's ``wait_events`` (a blocking call, run in a worker thread); a poll
+asks ``gpu_healthy`` for every GPU. Which XIDs count as critical follows NVIDIA's plugin, including
+its ``DP_DISABLE_HEALTHCHECKS`` / ``DP_ENABLE_HEALTHCHECKS`` variables. Unlike NVIDIA's plugin, an
+unhealthy GPU (or MIG device) becomes healthy again once NVML has shown it healthy for
+``recovery_window_s`` with no new critical XID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from nodeagent.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SKIPPED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+ENV_DISABLE = "DP_DISABLE_HEALTHCHECKS"
+ENV_ENABLE = "DP_ENABLE_HEALTHCHECKS"
+_NO_INSTANCE = 0xFFFFFFFF  # NVML's "not a MIG event" GPU/compute-instance id
+
+
+class HealthSource(Protocol):
+    """What health monitoring needs from the NVML adapter."""
+
+    def wait_events(self, timeout_ms: int) -> Sequence[Any]: ...
+
+    def gpu_healthy(self, index: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """Which XIDs are critical, and how a device recovers."""
+
+    enabled: bool = True  # False: DP_DISABLE_HEALTHCHECKS=all — every device stays Healthy
+    ignore_all_xids: bool = False  # DP_DISABLE_HEALTHCHECKS=xids
+    skipped_xids: frozenset[int] = DEFAULT_SKIPPED_XIDS
+    all_xids_critical: bool = False  # DP_ENABLE_HEALTHCHECKS=all|xids
+    forced_xids: frozenset[int] = frozenset()  # DP_ENABLE_HEALTHCHECKS=<list>
+    recovery_window_s: float | None = 60.0  # None: never recover (NVIDIA's behaviour)
+    poll_interval_s: float = 1.0
+    event_wait_ms: int = 200
+
+    def is_critical(self, xid: int) -> bool:
+        if not self.enabled:
+            return False
+        if self.all_xids_critical or xid in self.forced_xids:
+            return True
+        if self.ignore_all_xids:
+            return False
+        return xid not in self.skipped_xids
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> HealthSettings:
+        """Settings from NVIDIA's variables; ``overrides`` set the remaining fields."""
+        env = os.environ if environ is None else environ
+        disabled = _tokens(env.get(ENV_DISABLE, ""), ENV_DISABLE)
+        enabled = _tokens(env.get(ENV_ENABLE, ""), ENV_ENABLE)
+        fields: dict[str, Any] = {
+            "enabled": "all" not in disabled,
+            "ignore_all_xids": "xids" in disabled,
+            "skipped_xids": DEFAULT_SKIPPED_XIDS | {int(t) for t in disabled if t.isdigit()},
+            "all_xids_critical": bool({"all", "xids"} & enabled),
+            "forced_xids": frozenset(int(t) for t in enabled if t.isdigit()),
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _tokens(value: str, name: str) -> set[str]:
+    out: set[str] = set()
+    for raw in value.split(","):
+        t = raw.strip().lower()
+        if not t:
+            continue
+        if t not in ("all", "xids") and not t.isdigit():
+            raise ConfigError(f"{name}: {raw.strip()!r} is not 'all', 'xids' or an XID number", subject=name)
+        out.add(t)
+    return out
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """A critical-event report for a GPU; ``gi_id`` set when NVML tied it to one MIG instance."""
+
+    gpu_index: int
+    xid: int
+    gi_id: int | None = None
+
+
+def to_xid_event(raw: Any) -> XidEvent | None:
+    """Normalise an adapter event (object or mapping); None for events that are not XIDs."""
+
+    def get(*names: str) -> Any:
+        for n in names:
+            v = raw.get(n) if isinstance(raw, Mapping) else getattr(raw, n, None)
+            if v is not None:
+                return v
+        return None
+
+    kind = get("kind", "type")
+    if kind is not None and str(kind).lower() not in ("xid", "critical_xid", "xid_critical_error"):
+        return None
+    gpu = get("gpu_index", "gpu", "index")
+    xid = get("xid", "event_data", "data")
+    if gpu is None or xid is None:
+        return None
+    gi = get("gi_id", "gpu_instance_id")
+    if gi is not None and int(gi) == _NO_INSTANCE:
+        gi = None
+    return XidEvent(gpu_index=int(gpu), xid=int(xid), gi_id=None if gi is None else int(gi))
+
+
+HealthKey = tuple[int, int | None]  # (gpu index, GPU-instance id or None for the whole GPU)
+
+
+@dataclass
+class _Fault:
+    reason: str
+    last_bad: float
+    healthy_since: float | None = None
+
+
+@dataclass
+class HealthMonitor:
+    """Tracks unhealthy GPUs / MIG instances and calls ``on_change`` whenever the set changes."""
+
+    source: HealthSource
+    settings: HealthSettings
+    on_change: Callable[[], Awaitable[None]]
+    clock: Callable[[], float] = time.monotonic
+    gpu_indices: frozenset[int] = frozenset()
+    faults: dict[HealthKey, _Fault] = field(default_factory=dict)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopping: bool = False
+    _logged: set[str] = field(default_factory=set)
+
+    def is_healthy(self, gpu_index: int, gi_id: int | None = None) -> bool:
+        if (gpu_index, None) in self.faults:
+            return False
+        return gi_id is None or (gpu_index, gi_id) not in self.faults
+
+    def unhealthy(self) -> dict[HealthKey, str]:
+        return {k: f.reason for k, f in self.faults.items()}
+
+    async def start(self, gpu_indices: Iterable[int]) -> None:
+        self.gpu_indices = frozenset(gpu_indices)
+        self._stopping = False
+        if not self.settings.enabled:
+            log.info("health checks disabled (%s=all)", ENV_DISABLE)
+            return
+        self._tasks = [
+            asyncio.create_task(self._event_loop(), name="health-events"),
+            asyncio.create_task(self._poll_loop(), name="health-poll"),
+        ]
+
+    def set_gpus(self, gpu_indices: Iterable[int]) -> None:
+        self.gpu_indices = frozenset(gpu_indices)
+        for key in [k for k in self.faults if k[0] not in self.gpu_indices]:
+            del self.faults[key]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(msg, *args)
+
+    async def _event_loop(self) -> None:
+        wait_ms = self.settings.event_wait_ms
+        while not self._stopping:
+            try:
+                events = await asyncio.to_thread(self.source.wait_events, wait_ms)
+            except Exception as e:  # the adapter failing must not kill health monitoring
+                self._log_once(f"wait:{type(e).__name__}", "waiting for NVML events failed: %s", e)
+                await asyncio.sleep(self.settings.poll_interval_s)
+                continue
+            if events and await self.handle_events(events):
+                await self.on_change()
+
+    async def handle_events(self, events: Iterable[Any]) -> bool:
+        """Apply adapter events; True when the unhealthy set changed."""
+        changed = False
+        now = self.clock()
+        for raw in events:
+            ev = to_xid_event(raw)
+            if ev is None or ev.gpu_index not in self.gpu_indices or not self.settings.is_critical(ev.xid):
+                if ev is not None:
+                    log.info("GPU %d: XID %d ignored", ev.gpu_index, ev.xid)
+                continue
+            key: HealthKey = (ev.gpu_index, ev.gi_id)
+            where = f"GPU {ev.gpu_index}" + (f" GI {ev.gi_id}" if ev.gi_id is not None else "")
+            fault = self.faults.get(key)
+            if fault is None:
+                log.warning("%s: critical XID %d, marking unhealthy", where, ev.xid)
+                self.faults[key] = _Fault(reason=f"XID {ev.xid}", last_bad=now)
+                changed = True
+            else:
+                fault.last_bad, fault.reason = now, f"XID {ev.xid}"
+        return changed
+
+    async def _poll_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.settings.poll_interval_s)
+            if await self.poll_once():
+                await self.on_change()
+
+    async def poll_once(self) -> bool:
+        """Ask NVML about every GPU; mark lost ones, recover quiet ones. True when anything changed."""
+        changed = False
+        now = self.clock()
+        window = self.settings.recovery_window_s
+        for index in sorted(self.gpu_indices):
+            try:
+                ok = await asyncio.to_thread(self.source.gpu_healthy, index)
+            except Exception as e:
+                self._log_once(f"poll:{index}:{type(e).__name__}", "GPU %d: health query failed: %s", index, e)
+                ok = False
+            keys = [k for k in self.faults if k[0] == index]
+            if not ok:
+                if (index, None) not in self.faults:
+                    log.warning("GPU %d: NVML reports it lost/unhealthy, marking all its devices unhealthy", index)
+                    self.faults[(index, None)] = _Fault(reason="GPU lost", last_bad=now)
+                    changed = True
+                for k in keys:
+                    self.faults[k].healthy_since = None
+                    self.faults[k].last_bad = now
+                continue
+            if window is None:
+                continue
+            for k in keys:
+                fault = self.faults[k]
+                if fault.healthy_since is None:
+                    fault.healthy_since = now
+                if now - max(fault.healthy_since, fault.last_bad) >= window:
+                    log.info("GPU %d%s healthy again after %.1fs without critical events", index,
+                             f" GI {k[1]}" if k[1] is not None else "", window)
+                    del self.faults[k]
+                    changed = True
+        return changed

@@ -1,0 +1,141 @@
+"""Simulated machines: the YAML files in ``machines/`` turned into frozen dataclasses."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from nodeagent.errors import InputError
+from nodeagent.gpu.profiles import PRODUCTS, MigProduct
+
+_UUID_NAMESPACE = uuid.UUID("6f1d3a52-8c1e-4c55-9d0b-6a0c1f1e2b7d")
+
+ARCH_NVML = {"turing": 6, "ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}
+FABRICS = ("nvswitch", "bridges", "none")
+SWITCH_LEVELS = {"single": 10, "multiple": 20, "hostbridge": 30}
+
+
+@dataclass(frozen=True)
+class SimGpuSpec:
+    index: int
+    uuid: str
+    name: str
+    pci_device_id: int
+    pci_subsystem_id: int
+    bus_id: str  # "00000000:18:00.0"
+    numa: int | None
+    switch: int
+    memory_mib: int
+    architecture: str
+    compute_capability: tuple[int, int]
+    mig_product: MigProduct | None
+    nvlinks: int
+    power_idle_w: int
+    power_max_w: int
+
+    @property
+    def arch_nvml(self) -> int:
+        return ARCH_NVML[self.architecture]
+
+    @property
+    def mig_needs_reset(self) -> bool:
+        """Ampere keeps a MIG mode change pending until a GPU reset; Hopper and later apply it at once."""
+        return self.architecture == "ampere"
+
+    @property
+    def bus_tuple(self) -> tuple[int, int, int]:
+        domain, bus, rest = self.bus_id.split(":")
+        return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+
+
+@dataclass(frozen=True)
+class SimMachine:
+    name: str
+    description: str
+    driver_version: str
+    cuda_driver_version: int
+    nvlink_fabric: str  # nvswitch | bridges | none
+    nvlink_bridges: tuple[tuple[int, int], ...]
+    pcie_switch_level: int  # NVML topology level between GPUs behind the same PCIe switch
+    gpus: tuple[SimGpuSpec, ...]
+
+    def nvlink_peers(self, index: int) -> tuple[int, ...]:
+        """GPUs this GPU reaches over NVLink."""
+        if self.nvlink_fabric == "nvswitch":
+            return tuple(g.index for g in self.gpus if g.index != index and g.nvlinks)
+        out: list[int] = []
+        for a, b in self.nvlink_bridges:
+            if index == a:
+                out.append(b)
+            elif index == b:
+                out.append(a)
+        return tuple(out)
+
+
+def machine_names() -> list[str]:
+    """Names of the bundled machines."""
+    root = resources.files("nodeagent.gpu.sim") / "machines"
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_machine(name: str) -> SimMachine:
+    """Load a bundled machine by name; unknown names are an InputError listing the known ones."""
+    if name not in machine_names():
+        raise InputError(
+            f"unknown simulated machine {name!r}; known: {', '.join(machine_names())}", subject=name
+        )
+    text = (resources.files("nodeagent.gpu.sim") / "machines" / f"{name}.yaml").read_text()
+    return parse_machine(name, yaml.safe_load(text))
+
+
+def parse_machine(name: str, doc: Any) -> SimMachine:
+    """Build a machine from its YAML document (pure)."""
+    try:
+        models: dict[str, Any] = doc["models"]
+        gpus: list[SimGpuSpec] = []
+        for index, entry in enumerate(doc["gpus"]):
+            m = models[entry["model"]]
+            product = m.get("mig_product")
+            if product is not None and product not in PRODUCTS:
+                raise ValueError(f"unknown mig_product {product!r}")
+            if m["architecture"] not in ARCH_NVML:
+                raise ValueError(f"unknown architecture {m['architecture']!r}")
+            gpus.append(
+                SimGpuSpec(
+                    index=index,
+                    uuid="GPU-" + str(uuid.uuid5(_UUID_NAMESPACE, f"{name}/{index}")),
+                    name=str(m["name"]),
+                    pci_device_id=int(m["pci_device_id"]),
+                    pci_subsystem_id=int(m.get("pci_subsystem_id", 0)),
+                    bus_id=str(entry["bus_id"]).upper(),
+                    numa=None if entry.get("numa") is None else int(entry["numa"]),
+                    switch=int(entry.get("switch", index)),
+                    memory_mib=int(m["memory_mib"]),
+                    architecture=str(m["architecture"]),
+                    compute_capability=(int(m["compute_capability"][0]), int(m["compute_capability"][1])),
+                    mig_product=PRODUCTS[product] if product else None,
+                    nvlinks=int(m.get("nvlinks", 0)),
+                    power_idle_w=int(m.get("power_idle_w", 30)),
+                    power_max_w=int(m.get("power_max_w", 300)),
+                )
+            )
+        fabric = str(doc.get("nvlink_fabric", "none"))
+        if fabric not in FABRICS:
+            raise ValueError(f"nvlink_fabric must be one of {FABRICS}")
+        bridges = tuple((int(a), int(b)) for a, b in doc.get("nvlink_bridges", []))
+        return SimMachine(
+            name=name,
+            description=str(doc.get("description", name)),
+            driver_version=str(doc["driver_version"]),
+            cuda_driver_version=int(doc["cuda_driver_version"]),
+            nvlink_fabric=fabric,
+            nvlink_bridges=bridges,
+            pcie_switch_level=SWITCH_LEVELS[str(doc.get("pcie_switch_level", "single"))],
+            gpus=tuple(gpus),
+        )
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise InputError(f"simulated machine {name!r} is malformed: {e}", subject=name) from e

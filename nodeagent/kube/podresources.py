@@ -1,0 +1,101 @@
+"""Client of the kubelet PodResources v1 API: which pod's container holds which device.
+
+Blocking gRPC over the kubelet's unix socket (``/var/lib/kubelet/pod-resources/kubelet.sock``); callers
+run it in a thread. Answers are converted into plain frozen dataclasses at this boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from nodeagent.errors import KubeletError
+from nodeagent.kube.podresources_api import podresources_pb2 as pb
+from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Devices of one resource assigned to one container of one pod."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+
+
+def assignments_from_response(resp: pb.ListPodResourcesResponse) -> list[Assignment]:
+    out: list[Assignment] = []
+    for pod in resp.pod_resources:
+        for c in pod.containers:
+            for d in c.devices:
+                if d.device_ids:
+                    out.append(
+                        Assignment(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
+                    )
+    return out
+
+
+def by_device(assignments: Iterable[Assignment]) -> dict[str, list[Assignment]]:
+    """Device ID → the assignments holding it (pure)."""
+    out: dict[str, list[Assignment]] = {}
+    for a in assignments:
+        for dev in a.device_ids:
+            out.setdefault(dev, []).append(a)
+    return out
+
+
+class PodResourcesClient:
+    """Blocking client; one channel, reused. ``close`` when done."""
+
+    def __init__(self, socket_path: Path, *, timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.PodResourcesListerStub | None = None
+
+    def _lister(self) -> pb_grpc.PodResourcesListerStub:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._stub = pb_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
+        return self._stub
+
+    def _fail(self, what: str, e: grpc.RpcError) -> KubeletError:
+        code = e.code() if hasattr(e, "code") else None
+        name = code.name if code is not None else "UNKNOWN"
+        return KubeletError(
+            f"PodResources {what} on {self.socket_path} failed: {name}",
+            subject=str(self.socket_path),
+            retryable=True,
+        )
+
+    def list(self) -> list[Assignment]:
+        """Every device assignment the kubelet knows about."""
+        try:
+            resp = self._lister().List(pb.ListPodResourcesRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise self._fail("List", e) from e
+        return assignments_from_response(resp)
+
+    def allocatable(self) -> dict[str, tuple[str, ...]]:
+        """Resource name → device IDs the kubelet can hand out."""
+        try:
+            resp = self._lister().GetAllocatableResources(
+                pb.AllocatableResourcesRequest(), timeout=self.timeout
+            )
+        except grpc.RpcError as e:
+            raise self._fail("GetAllocatableResources", e) from e
+        out: dict[str, list[str]] = {}
+        for d in resp.devices:
+            out.setdefault(d.resource_name, []).extend(d.device_ids)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None

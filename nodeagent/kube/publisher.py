@@ -1,0 +1,306 @@
+"""``NodePublisher``: what the node has, made visible on the API server with the fewest writes.
+
+``publish(inventory, served_resources, plugin_config)`` computes labels, unserved extended resources and
+GPU objects (pure planners), compares them with the last known Node (from the watch, else one GET) and
+writes only differences: a pass where nothing changed makes no write at all. With ``start_watch`` the
+publisher keeps one watch on the own Node and re-applies its values when somebody (the kubelet, a user)
+resets them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodeagent.errors import KubeError, KubeletError
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient
+from nodeagent.kube.events import RESOURCE_REFUSED, EventRecorder
+from nodeagent.kube.gpuobjects import GpuObjects, SyncResult, desired_gpu_objects
+from nodeagent.kube.labels import (
+    MANAGED_LABELS_ANNOTATION,
+    NetFacts,
+    desired_labels,
+    parse_managed,
+    plan_label_patch,
+    sharing_facts,
+)
+from nodeagent.kube.node import NodeClient, NodeView, NodeWatch
+from nodeagent.kube.podresources import Assignment, PodResourcesClient
+from nodeagent.kube.resources import (
+    GPU_MEMORY,
+    MANAGED_RESOURCES_ANNOTATION,
+    ResourceSettings,
+    desired_resources,
+    plan_status,
+)
+from nodeagent.net.nics import read_nics
+from nodeagent.sharing.spec import PluginConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    labels: bool = True
+    extended_resources: bool = True
+    gpu_objects: bool = True
+    events: bool = True
+    network_labels: bool = True
+    resources: ResourceSettings = field(default_factory=ResourceSettings)
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides: Any) -> PublisherConfig:
+        """From the agent config's ``[publish]`` section (attributes labels/extended_resources/...)."""
+        kw: dict[str, Any] = {}
+        for name in ("labels", "extended_resources", "gpu_objects", "events", "network_labels"):
+            v = getattr(settings, name, None)
+            if isinstance(v, bool):
+                kw[name] = v
+        gm = getattr(settings, "gpu_memory_resource", None)
+        gs = getattr(settings, "gpushare_resource", None)
+        if isinstance(gm, str) or isinstance(gs, str):
+            kw["resources"] = ResourceSettings(
+                gpu_memory=(gm or None) if isinstance(gm, str) else GPU_MEMORY,
+                gpushare_memory=(gs or None) if isinstance(gs, str) else None,
+            )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass
+class PublishResult:
+    label_changes: dict[str, str | None] = field(default_factory=dict)
+    status_ops: list[dict[str, Any]] = field(default_factory=list)
+    metadata_writes: int = 0
+    status_writes: int = 0
+    gpu_objects: SyncResult = field(default_factory=SyncResult)
+    refused: tuple[str, ...] = ()
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def writes(self) -> int:
+        return self.metadata_writes + self.status_writes + self.gpu_objects.writes
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    inventory: Inventory
+    served: frozenset[str]
+    plugin_config: PluginConfig | None
+    health: Mapping[int, bool] | None
+
+
+class NodePublisher:
+    """Publishes one node's GPU facts; blocking ``publish`` (use ``apublish`` from asyncio)."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        node_name: str,
+        config: PublisherConfig | None = None,
+        *,
+        paths: HostPaths | None = None,
+        pod_resources: PodResourcesClient | None = None,
+        net: NetFacts | None = None,
+        events: EventRecorder | None = None,
+    ) -> None:
+        self.kube = kube
+        self.config = config or PublisherConfig()
+        self.node = NodeClient(kube, node_name)
+        self.paths = paths or HostPaths()
+        self.pod_resources = pod_resources
+        self.fixed_net = net
+        self.events = events or EventRecorder(self.node, enabled=self.config.events)
+        self.gpus = GpuObjects(kube, node_name)
+        self.reapplied = 0
+        self.reapply_min_interval = 5.0
+        self._last_reapply = -1e9
+        self._latest: NodeView | None = None
+        self._inputs: _Inputs | None = None
+        self._lock = threading.RLock()
+        self._watch: NodeWatch | None = None
+        self._refused_reported: frozenset[str] = frozenset()
+        self._assignments: list[Assignment] = []
+        self._want_labels: dict[str, str] = {}
+        self._want_resources: dict[str, str] = {}
+
+    # node state ---------------------------------------------------------------------------------
+    def _current(self) -> NodeView:
+        if self._latest is None or self._watch is None:
+            self._latest = self.node.get()
+        return self._latest
+
+    def _net(self) -> NetFacts | None:
+        if not self.config.network_labels:
+            return None
+        if self.fixed_net is not None:
+            return self.fixed_net
+        try:
+            s = read_nics(self.paths)
+        except OSError as e:
+            log.warning("cannot read network facts: %s", e)
+            return None
+        return NetFacts(s.fastest_nic_speed_mbps, s.rdma_nics)
+
+    def _read_assignments(self) -> list[Assignment]:
+        if self.pod_resources is None:
+            return []
+        try:
+            self._assignments = self.pod_resources.list()
+        except KubeletError as e:
+            log.warning("PodResources unavailable, keeping the last known allocations: %s", e)
+        return self._assignments
+
+    # publishing ---------------------------------------------------------------------------------
+    def publish(
+        self,
+        inventory: Inventory,
+        served_resources: Iterable[str] = (),
+        plugin_config: PluginConfig | None = None,
+        *,
+        health: Mapping[int, bool] | None = None,
+    ) -> PublishResult:
+        """Bring labels, status and GPU objects in line with ``inventory``; writes only differences."""
+        with self._lock:
+            self._inputs = _Inputs(inventory, frozenset(served_resources), plugin_config, health)
+            return self._publish(self._inputs)
+
+    async def apublish(
+        self,
+        inventory: Inventory,
+        served_resources: Iterable[str] = (),
+        plugin_config: PluginConfig | None = None,
+        *,
+        health: Mapping[int, bool] | None = None,
+    ) -> PublishResult:
+        served = tuple(served_resources)
+        return await asyncio.to_thread(self.publish, inventory, served, plugin_config, health=health)
+
+    def _publish(self, inp: _Inputs) -> PublishResult:
+        res = PublishResult()
+        cfg = self.config
+        node = self._current()
+        sharing = sharing_facts(inp.plugin_config)
+
+        labels_meta: dict[str, str | None] = {}
+        annotations: dict[str, str | None] = {}
+        if cfg.labels:
+            self._want_labels = desired_labels(inp.inventory, sharing, self._net())
+            lp = plan_label_patch(node.labels, node.annotations, self._want_labels)
+            labels_meta, annotations = dict(lp.labels), dict(lp.annotations)
+
+        want_res = desired_resources(inp.inventory, cfg.resources) if cfg.extended_resources else {}
+        self._want_resources = {k: v for k, v in want_res.items() if k not in inp.served}
+        sp = plan_status(
+            node.capacity, node.allocatable, node.annotations, want_res, inp.served,
+            has_capacity=bool(node.capacity), has_allocatable=bool(node.allocatable),
+        )
+        status_ops: list[dict[str, Any]] = sp.ops
+        if sp.annotation_before is not None:
+            annotations[MANAGED_RESOURCES_ANNOTATION] = sp.annotation_before
+        after: str | None = sp.annotation_after
+        res.refused = sp.refused
+
+        if labels_meta or annotations:
+            view = self.node.patch_metadata(labels=labels_meta, annotations=annotations)
+            res.metadata_writes += 1
+            res.label_changes = labels_meta
+            if view is not None:
+                node = self._remember(view)
+        if status_ops:
+            view = self.node.patch_status(status_ops)
+            res.status_writes += 1
+            res.status_ops = status_ops
+            if view is not None:
+                node = self._remember(view)
+        if after is not None:
+            view = self.node.patch_metadata(annotations={MANAGED_RESOURCES_ANNOTATION: after or None})
+            res.metadata_writes += 1
+            if view is not None:
+                node = self._remember(view)
+
+        if sp.refused and frozenset(sp.refused) != self._refused_reported:
+            self.events.record(
+                RESOURCE_REFUSED,
+                "not publishing " + ", ".join(sp.refused) + ": a device plugin serves these names",
+                "Warning",
+            )
+        self._refused_reported = frozenset(sp.refused)
+
+        if cfg.gpu_objects:
+            desired = desired_gpu_objects(
+                self.node.name, inp.inventory, sharing, self._read_assignments(), inp.health
+            )
+            try:
+                res.gpu_objects = self.gpus.sync(desired, node.uid or self.node.uid())
+            except KubeError as e:
+                log.warning("GPU objects not published: %s", e)
+                res.errors.append(str(e))
+        return res
+
+    def _remember(self, view: NodeView) -> NodeView:
+        if self._latest is None or not self._latest.resource_version or _rv_newer(view, self._latest):
+            self._latest = view
+        return view
+
+    # watching -----------------------------------------------------------------------------------
+    def drifted(self, view: NodeView) -> bool:
+        """True when ``view`` lacks a label or resource value this publisher last wanted."""
+        for k, v in self._want_labels.items():
+            if view.labels.get(k) != v:
+                return True
+        owned = parse_managed(view.annotations.get(MANAGED_LABELS_ANNOTATION))
+        if self._want_labels and owned != set(self._want_labels):
+            return True
+        for k, v in self._want_resources.items():
+            if view.capacity.get(k) != v or view.allocatable.get(k) != v:
+                return True
+        return False
+
+    def on_node(self, view: NodeView) -> None:
+        """Watch callback: keep the newest Node; re-apply our values if they were reset."""
+        if view.deleted:
+            with self._lock:
+                self._latest = None
+                self.gpus.invalidate()
+            return
+        with self._lock:
+            self._latest = view
+            if self._inputs is None or not self.drifted(view):
+                return
+            now = time.monotonic()
+            if now - self._last_reapply < self.reapply_min_interval:
+                # something keeps resetting our values: do not fight it faster than this
+                log.warning("node %s keeps losing values nodeagent set; next resync re-applies", self.node.name)
+                return
+            self._last_reapply = now
+            log.info("node %s lost values nodeagent set; re-applying", self.node.name)
+            self.reapplied += 1
+            try:
+                self._publish(self._inputs)
+            except KubeError as e:
+                log.warning("re-applying to node %s failed: %s", self.node.name, e)
+
+    def start_watch(self, **kwargs: Any) -> NodeWatch:
+        if self._watch is None:
+            self._watch = self.node.watch(self.on_node, **kwargs)
+        return self._watch
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+
+def _rv_newer(a: NodeView, b: NodeView) -> bool:
+    try:
+        return int(a.resource_version) >= int(b.resource_version)
+    except ValueError:
+        return True

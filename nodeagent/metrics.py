@@ -1,0 +1,215 @@
+"""Prometheus exposition: dcgm-exporter's GPU metric names and labels, plus the agent's own metrics.
+
+Everything lives in one dedicated ``CollectorRegistry`` per ``Metrics`` object (never the global one).
+GPU values are pushed in with ``update_gpus`` (a snapshot swapped atomically) and rendered at scrape
+time; pod/namespace/container come from the kubelet PodResources assignments. The HTTP listener is
+only started by ``serve`` and binds 127.0.0.1:9400 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.kube.gpuobjects import gpu_of_device
+from nodeagent.kube.podresources import Assignment
+
+DEFAULT_ADDRESS = "127.0.0.1:9400"
+
+DCGM_LABELS = (
+    "gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "hostname",
+    "namespace", "pod", "container",
+)
+
+# dcgm-exporter name → (help, GpuSample attribute)
+DCGM_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "gpu_util"),
+    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "fb_used_mib"),
+    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "fb_free_mib"),
+    ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temp_c"),
+    ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w"),
+    ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.", "last_xid"),
+)
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One reading of one GPU; None = NVML did not give this value."""
+
+    gpu_util: float | None = None
+    fb_used_mib: float | None = None
+    fb_free_mib: float | None = None
+    temp_c: float | None = None
+    power_w: float | None = None
+    last_xid: float | None = None
+
+
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "gpu_util": ("gpu_util", "utilisation_pct", "utilization", "util", "gpu_utilization"),
+    "fb_used_mib": ("fb_used_mib", "memory_used_mib", "fb_used", "used_mib"),
+    "fb_free_mib": ("fb_free_mib", "memory_free_mib", "fb_free", "free_mib"),
+    "temp_c": ("temp_c", "temperature_c", "temperature", "temp"),
+    "power_w": ("power_w", "power_watts", "power", "power_usage_w"),
+    "last_xid": ("last_xid", "xid"),
+}
+
+
+def sample_from(obj: Any) -> GpuSample:
+    """A ``GpuSample`` from the NVML adapter's metrics reading (a dataclass/object or a mapping)."""
+    if isinstance(obj, GpuSample):
+        return obj
+
+    def get(field_name: str) -> float | None:
+        for alias in _ALIASES[field_name]:
+            v = obj.get(alias) if isinstance(obj, Mapping) else getattr(obj, alias, None)
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                return float(v)
+        return None
+
+    return GpuSample(**{f: get(f) for f in _ALIASES})
+
+
+@dataclass(frozen=True)
+class _Series:
+    labels: tuple[str, ...]
+    sample: GpuSample
+
+
+def gpu_series(
+    inv: Inventory,
+    samples: Mapping[int, GpuSample],
+    assignments: Iterable[Assignment],
+    hostname: str,
+) -> list[_Series]:
+    """One label set per GPU (or MIG device) and holder, with the GPU's reading (pure)."""
+    holders: dict[int, list[tuple[str, str, str, str, str]]] = {}
+    mig_by_uuid = {d.uuid: d for g in inv.gpus for d in g.mig_devices}
+    for a in assignments:
+        for dev in a.device_ids:
+            idx = gpu_of_device(dev, inv)
+            if idx is None:
+                continue
+            mig = mig_by_uuid.get(dev.split("::", 1)[0])
+            prof, gi = (mig.profile, str(mig.gi_id)) if mig is not None else ("", "")
+            entry = (prof, gi, a.namespace, a.pod, a.container)
+            if entry not in holders.setdefault(idx, []):
+                holders[idx].append(entry)
+    out: list[_Series] = []
+    for g in sorted(inv.gpus, key=lambda x: x.index):
+        sample = samples.get(g.index)
+        if sample is None:
+            continue
+        base = (str(g.index), g.uuid, g.pci_bus_id, f"nvidia{g.minor_number}", g.name)
+        for prof, gi, ns, pod, ctr in holders.get(g.index) or [("", "", "", "", "")]:
+            out.append(_Series((*base, prof, gi, hostname, ns, pod, ctr), sample))
+    return out
+
+
+class _GpuCollector(Collector):
+    def __init__(self) -> None:
+        self._series: list[_Series] = []
+        self._lock = threading.Lock()
+
+    def set(self, series: list[_Series]) -> None:
+        with self._lock:
+            self._series = series
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            series = self._series
+        for name, help_text, attr in DCGM_METRICS:
+            fam = GaugeMetricFamily(name, help_text, labels=DCGM_LABELS)
+            for s in series:
+                v = getattr(s.sample, attr)
+                if v is not None:
+                    fam.add_metric(list(s.labels), v)
+            yield fam
+
+
+class Metrics:
+    """The agent's registry: GPU metrics in dcgm-exporter form and nodeagent's own counters."""
+
+    def __init__(self, hostname: str, registry: CollectorRegistry | None = None) -> None:
+        self.hostname = hostname
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self._gpus = _GpuCollector()
+        self.registry.register(self._gpus)
+        r = self.registry
+        self.reconciles = Counter(
+            "nodeagent_reconciles", "Reconcile passes by component and result.", ["component", "result"], registry=r
+        )
+        self.apply_seconds = Histogram(
+            "nodeagent_apply_duration_seconds",
+            "Time taken to apply a change, by component.",
+            ["component"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 15, 60, 300),
+            registry=r,
+        )
+        self.api_requests = Counter(
+            "nodeagent_kube_api_requests", "Kubernetes API requests sent, by HTTP method.", ["method"], registry=r
+        )
+        self.api_errors = Counter(
+            "nodeagent_kube_api_errors", "Failed Kubernetes API requests, by HTTP status (0 = no answer).",
+            ["code"], registry=r,
+        )
+        self.device_healthy = Gauge(
+            "nodeagent_device_healthy", "1 when the GPU is healthy, 0 when not.", ["gpu", "UUID"], registry=r
+        )
+        self.publish_writes = Counter(
+            "nodeagent_publish_writes", "Writes made by the node publisher, by target.", ["target"], registry=r
+        )
+
+    def update_gpus(
+        self,
+        inv: Inventory,
+        samples: Mapping[int, Any],
+        assignments: Iterable[Assignment] = (),
+        health: Mapping[int, bool] | None = None,
+    ) -> None:
+        """Replace the GPU readings shown at the next scrape."""
+        conv = {i: sample_from(s) for i, s in samples.items()}
+        self._gpus.set(gpu_series(inv, conv, assignments, self.hostname))
+        for g in inv.gpus:
+            ok = True if health is None else health.get(g.index, True)
+            self.device_healthy.labels(gpu=str(g.index), UUID=g.uuid).set(1 if ok else 0)
+
+    def record_request(self, method: str, status: int | None) -> None:
+        """Hook for ``KubeClient(on_request=...)``."""
+        self.api_requests.labels(method=method).inc()
+        if status is not None and not 200 <= status < 300:
+            self.api_errors.labels(code=str(status)).inc()
+
+    def kube_hook(self) -> Callable[[str, int | None], None]:
+        return self.record_request
+
+    def serve(self, address: str = DEFAULT_ADDRESS) -> MetricsServer:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"metrics address must be HOST:PORT, got {address!r}")
+        host = host.strip("[]")
+        server, thread = start_http_server(int(port), addr=host, registry=self.registry)
+        return MetricsServer(server, thread)
+
+
+class MetricsServer:
+    """A running exposition listener; ``stop`` shuts it down and joins its thread."""
+
+    def __init__(self, server: Any, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)

@@ -1,0 +1,375 @@
+"""Apply a MIG plan through the NVML adapter: checkpoint, busy check, mode, instances, verify, rollback.
+
+Order for the GPUs a plan touches (the others are never called):
+
+1. checkpoint each touched GPU's exact layout (mode, pending mode, every instance's profile and start)
+   and persist it with the progress in a small state file, so a killed agent can resume;
+2. refuse when a GPU whose instances or mode must change runs processes — naming pid, command and pod;
+3. ``pre-apply-mode`` hook, then per GPU: destroy its instances, set the mode; a pending mode (Ampere)
+   is made effective by resetting THAT GPU only; when no reset is possible → ``RebootRequired``;
+4. ``pre-apply-config`` hook, then destroy and create instances at the planned placement starts;
+5. re-read the GPUs and check that they match the plan;
+6. on any failure, restore every touched GPU to its checkpoint (same mode, same profiles at the same
+   starts) and report the failure together with the restore result.
+
+Hooks ``apply-start`` / ``apply-exit`` wrap the whole run (``apply-exit`` always runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from nodeagent.errors import (
+    GpuBusyError,
+    NodeAgentError,
+    NvmlError,
+    OperationError,
+    RebootRequired,
+)
+from nodeagent.fileio import atomic_write
+from nodeagent.gpu.inventory import Gpu, GpuProcess, Inventory, MigDevice
+from nodeagent.mig.hooks import HookRunner
+from nodeagent.mig.planner import GpuPlan, Plan
+
+log = logging.getLogger(__name__)
+
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_IN_USE = 19
+
+
+class MigAdapter(Protocol):
+    """The part of ``nodeagent.gpu.nvml.NvmlAdapter`` that applying a plan needs."""
+
+    def discover(self) -> Inventory: ...
+
+    def set_mig_mode(self, index: int, enabled: bool) -> bool: ...
+
+    def reset_gpu(self, index: int) -> None: ...
+
+    def create_mig_device(self, index: int, profile_name: str, placement_start: int | None) -> MigDevice: ...
+
+    def destroy_mig_device(self, index: int, gi_id: int) -> None: ...
+
+    def processes(self, index: int) -> tuple[GpuProcess, ...]: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints and the persisted progress
+
+
+@dataclass(frozen=True)
+class GpuCheckpoint:
+    index: int
+    uuid: str
+    mig_current: bool
+    mig_pending: bool
+    instances: tuple[tuple[str, int], ...]  # (profile, placement start), sorted
+
+    @classmethod
+    def of(cls, gpu: Gpu) -> GpuCheckpoint:
+        return cls(gpu.index, gpu.uuid, gpu.mig_current, gpu.mig_pending, layout_of(gpu))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "mig_current": self.mig_current,
+                "mig_pending": self.mig_pending, "instances": [list(i) for i in self.instances]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GpuCheckpoint:
+        return cls(int(d["index"]), str(d["uuid"]), bool(d["mig_current"]), bool(d["mig_pending"]),
+                   tuple((str(p), int(s)) for p, s in d["instances"]))
+
+
+def layout_of(gpu: Gpu) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((d.profile, d.placement_start) for d in gpu.mig_devices))
+
+
+class MigStateFile:
+    """``<state_dir>/mig-state.json``: selected config, phase and checkpoints, written atomically.
+
+    Phases: ``applying`` (a run is in progress — after a crash the reconciler applies the same
+    config again), ``rebooting`` (a mode change waits for a reboot), ``success``, ``failed``.
+    """
+
+    NAME = "mig-state.json"
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / self.NAME
+
+    def load(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable MIG state file %s: %s", self.path, e)
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def save(self, doc: Mapping[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, json.dumps(dict(doc), indent=1, sort_keys=True) + "\n", mode=0o600, backup=False)
+
+    def update(self, **changes: Any) -> None:
+        doc = self.load() or {}
+        doc.update(changes)
+        doc["updated"] = time.time()
+        self.save(doc)
+
+
+# --------------------------------------------------------------------------------------------------
+# Who is using a GPU
+
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+
+
+def pod_uid_from_cgroup(text: str) -> str | None:
+    """The pod UID in a ``/proc/<pid>/cgroup`` text (systemd ``…pod<uid_with_underscores>.slice`` or
+    cgroupfs ``/kubepods/…/pod<uid>/…``)."""
+    m = _POD_UID.search(text)
+    return m.group(1).replace("_", "-") if m else None
+
+
+def describe_process(proc: GpuProcess, proc_root: Path, pod_name: Callable[[str], str | None] | None = None) -> str:
+    """``pid 42 (python train.py) in pod default/train-0`` from /proc under the host root."""
+    base = proc_root / str(proc.pid)
+    command = proc.name
+    try:
+        raw = (base / "cmdline").read_bytes()
+        argv = [a for a in raw.decode(errors="replace").split("\0") if a]
+        if argv:
+            command = " ".join(argv)
+    except OSError:
+        pass
+    where = ""
+    try:
+        uid = pod_uid_from_cgroup((base / "cgroup").read_text())
+    except OSError:
+        uid = None
+    if uid:
+        name = pod_name(uid) if pod_name else None
+        where = f" in pod {name} (uid {uid})" if name else f" in pod uid {uid}"
+    return f"pid {proc.pid} ({command}){where}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Apply
+
+
+@dataclass
+class ApplyResult:
+    inventory: Inventory
+    touched: tuple[int, ...]
+    resets: tuple[int, ...]
+
+
+class Applier:
+    """Applies one plan; construct per run."""
+
+    def __init__(
+        self,
+        adapter: MigAdapter,
+        *,
+        hooks: HookRunner | None = None,
+        state: MigStateFile | None = None,
+        proc_root: Path = Path("/proc"),
+        pod_name: Callable[[str], str | None] | None = None,
+        on_step: Callable[[str], None] | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.hooks = hooks
+        self.state = state
+        self.proc_root = proc_root
+        self.pod_name = pod_name
+        self.on_step = on_step
+        self.resets: list[int] = []
+
+    def _step(self, what: str) -> None:
+        log.info("mig: %s", what)
+        if self.on_step:
+            self.on_step(what)
+
+    def check_busy(self, plan: Plan) -> None:
+        """Raise ``GpuBusyError`` naming the processes on GPUs whose mode or instances must go."""
+        busy: list[str] = []
+        for g in plan.touched:
+            if g.mode is None and not g.destroy:
+                continue  # only new instances: running work is not disturbed
+            procs = self.adapter.processes(g.index)
+            if procs:
+                names = "; ".join(describe_process(p, self.proc_root, self.pod_name) for p in procs)
+                busy.append(f"GPU {g.index}: {names}")
+        if busy:
+            raise GpuBusyError(
+                "refusing to change MIG layout, processes are using GPUs that must change: " + " | ".join(busy),
+                subject=",".join(str(g.index) for g in plan.touched),
+                code=NVML_ERROR_IN_USE,
+            )
+
+    def apply(self, plan: Plan, inventory: Inventory) -> ApplyResult:
+        """Apply ``plan`` (made from ``inventory``); returns the re-read inventory."""
+        touched = plan.touched
+        if not touched:
+            return ApplyResult(inventory, (), ())
+        self.check_busy(plan)
+        checkpoints = [GpuCheckpoint.of(inventory.gpu(g.index)) for g in touched]
+        if self.state:
+            self.state.update(config=plan.config, phase="applying", touched=[g.index for g in touched],
+                              checkpoint=[c.to_dict() for c in checkpoints], started=time.time())
+        if self.hooks:
+            self.hooks.run("apply-start")
+        try:
+            try:
+                self._apply_modes(touched)
+                self._apply_instances(touched)
+                new = self.adapter.discover()
+                self._verify(touched, new)
+            except RebootRequired:
+                if self.state:
+                    self.state.update(phase="rebooting")
+                raise
+            except NodeAgentError as e:
+                self._rollback_and_raise(e, checkpoints)
+            except Exception as e:  # an adapter bug must not leave GPUs half-changed either
+                self._rollback_and_raise(OperationError(f"unexpected error: {e!r}"), checkpoints)
+        finally:
+            if self.hooks:
+                try:
+                    self.hooks.run("apply-exit")
+                except NodeAgentError as e:
+                    log.error("apply-exit hook failed: %s", e)
+        if self.state:
+            self.state.update(phase="success", step="done")
+        return ApplyResult(new, tuple(g.index for g in touched), tuple(self.resets))
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _set_mode(self, index: int, enabled: bool) -> None:
+        word = "on" if enabled else "off"
+        self._step(f"GPU {index}: MIG mode {word}")
+        try:
+            pending = self.adapter.set_mig_mode(index, enabled)
+        except NvmlError as e:
+            if e.code == NVML_ERROR_RESET_REQUIRED:
+                raise RebootRequired(f"GPU {index}: MIG mode {word} needs a reboot to take effect",
+                                     subject=str(index)) from e
+            raise
+        if pending:
+            # Ampere: the new mode waits for a reset of this GPU (and only this one).
+            self._step(f"GPU {index}: reset to activate MIG mode {word}")
+            try:
+                self.adapter.reset_gpu(index)
+            except NvmlError as e:
+                if e.code == NVML_ERROR_RESET_REQUIRED:
+                    raise RebootRequired(f"GPU {index}: MIG mode {word} is pending until the host reboots",
+                                         subject=str(index)) from e
+                raise
+            self.resets.append(index)
+
+    def _apply_modes(self, touched: tuple[GpuPlan, ...]) -> None:
+        changing = [g for g in touched if g.mode is not None]
+        if not changing:
+            return
+        if self.hooks:
+            self.hooks.run("pre-apply-mode")
+        for g in changing:
+            for d in g.destroy:  # a GPU leaving MIG mode must be empty first
+                self._step(f"GPU {g.index}: destroy {d.profile}@{d.placement_start} (GI {d.gi_id})")
+                self.adapter.destroy_mig_device(g.index, d.gi_id)
+            assert g.mode is not None
+            self._set_mode(g.index, g.mode)
+
+    def _apply_instances(self, touched: tuple[GpuPlan, ...]) -> None:
+        work = [g for g in touched if (g.destroy and g.mode is None) or g.create]
+        if not work:
+            return
+        if self.hooks:
+            self.hooks.run("pre-apply-config")
+        for g in work:
+            if g.mode is None:
+                for d in g.destroy:
+                    self._step(f"GPU {g.index}: destroy {d.profile}@{d.placement_start} (GI {d.gi_id})")
+                    self.adapter.destroy_mig_device(g.index, d.gi_id)
+        for g in work:
+            for s in g.create:
+                self._step(f"GPU {g.index}: create {s.profile}@{s.start}")
+                self.adapter.create_mig_device(g.index, s.profile, s.start)
+
+    def _verify(self, touched: tuple[GpuPlan, ...], inv: Inventory) -> None:
+        for g in touched:
+            gpu = inv.gpu(g.index)
+            want_on = g.desired.enabled
+            if gpu.mig_current != want_on:
+                raise OperationError(f"GPU {g.index}: MIG mode is still {'on' if gpu.mig_current else 'off'} "
+                                     "after the change", subject=str(g.index))
+            want = sorted([(d.profile, d.placement_start) for d in g.keep] + [(s.profile, s.start) for s in g.create])
+            have = list(layout_of(gpu))
+            if want_on and have != want:
+                raise OperationError(f"GPU {g.index}: layout after apply is {_fmt(have)}, expected {_fmt(want)}",
+                                     subject=str(g.index))
+
+    # -- rollback ------------------------------------------------------------------------------
+
+    def _rollback_and_raise(self, error: NodeAgentError, checkpoints: list[GpuCheckpoint]) -> None:
+        log.error("mig: apply failed (%s); restoring %d GPU(s)", error, len(checkpoints))
+        problems: list[str] = []
+        for cp in checkpoints:
+            try:
+                self.restore(cp)
+            except Exception as e:
+                problems.append(f"GPU {cp.index}: {e}")
+        gpus = ", ".join(str(c.index) for c in checkpoints)
+        if problems:
+            if self.state:
+                self.state.update(phase="failed", error=str(error), restore_failed=problems)
+            raise OperationError(
+                f"{error}; restoring the previous layout FAILED ({'; '.join(problems)}) — check GPU(s) {gpus}",
+                subject=error.subject,
+            ) from error
+        if self.state:
+            self.state.update(phase="failed", error=str(error))
+        cls = type(error) if isinstance(error, OperationError) else OperationError
+        try:
+            new_error: NodeAgentError = cls(f"{error}; GPU(s) {gpus} restored to their previous layout",
+                                            subject=error.subject)
+        except TypeError:
+            new_error = OperationError(f"{error}; GPU(s) {gpus} restored to their previous layout",
+                                       subject=error.subject)
+        if isinstance(error, NvmlError) and isinstance(new_error, NvmlError):
+            new_error.code = error.code
+        raise new_error from error
+
+    def restore(self, cp: GpuCheckpoint) -> None:
+        """Bring one GPU back to ``cp``: same mode and pending mode, same profiles at the same starts."""
+        gpu = self.adapter.discover().gpu(cp.index)
+        want = set(cp.instances) if cp.mig_current else set()
+        if gpu.mig_current:
+            for d in gpu.mig_devices:
+                if (d.profile, d.placement_start) not in want:
+                    self.adapter.destroy_mig_device(cp.index, d.gi_id)
+        if gpu.mig_current != cp.mig_current:
+            if self.adapter.set_mig_mode(cp.index, cp.mig_current):
+                self.adapter.reset_gpu(cp.index)
+            gpu = self.adapter.discover().gpu(cp.index)
+        if gpu.mig_pending != cp.mig_pending:
+            self.adapter.set_mig_mode(cp.index, cp.mig_pending)  # only the pending value differs: no reset
+        gpu = self.adapter.discover().gpu(cp.index)
+        if cp.mig_current:
+            have = set(layout_of(gpu))
+            for prof, start in sorted(want - have, key=lambda x: x[1]):
+                self.adapter.create_mig_device(cp.index, prof, start)
+        gpu = self.adapter.discover().gpu(cp.index)
+        if GpuCheckpoint.of(gpu) != cp:
+            got = GpuCheckpoint.of(gpu)
+            raise OperationError(f"GPU {cp.index} is {_fmt(list(got.instances))} (mode {got.mig_current}), "
+                                 f"checkpoint was {_fmt(list(cp.instances))} (mode {cp.mig_current})")
+
+
+def _fmt(layout: list[tuple[str, int]]) -> str:
+    return "[" + ", ".join(f"{p}@{s}" for p, s in layout) + "]" if layout else "[]"

@@ -1,0 +1,142 @@
+"""mig-parted hooks files: parse (pure) and run the hooks around an apply.
+
+File shape, as mig-parted reads it::
+
+    version: v1
+    hooks:
+      apply-start:      [{workdir: DIR, command: PROG, args: [...], envs: {K: V}}, ...]
+      pre-apply-mode:   [...]   # before a MIG mode change
+      pre-apply-config: [...]   # before instances are destroyed/created
+      apply-exit:       [...]   # always, at the end (also after a failure)
+
+Each hook runs with the agent's environment plus ``MIG_PARTED_CONFIG_FILE``, ``MIG_PARTED_HOOKS_FILE``,
+``MIG_PARTED_SELECTED_CONFIG``, ``MIG_PARTED_SKIP_RESET`` (as mig-parted sets them), ``NODEAGENT_MIG_GPUS``
+(comma-separated indices of the GPUs that change) and the hook's own ``envs``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from nodeagent.errors import ConfigError, OperationError
+
+log = logging.getLogger(__name__)
+
+HOOK_NAMES = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
+_HOOK_KEYS = frozenset({"workdir", "command", "args", "envs"})
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Hook:
+    command: str
+    args: tuple[str, ...] = ()
+    workdir: str | None = None
+    envs: tuple[tuple[str, str], ...] = ()
+
+    def argv(self) -> list[str]:
+        return [self.command, *self.args]
+
+
+@dataclass(frozen=True)
+class Hooks:
+    by_name: Mapping[str, tuple[Hook, ...]] = field(default_factory=dict)
+    source: str = ""
+
+    def get(self, name: str) -> tuple[Hook, ...]:
+        return tuple(self.by_name.get(name, ()))
+
+
+def parse_hooks(text: str, source: str = "<hooks>") -> Hooks:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {getattr(e, 'problem', None) or e}", subject=source) from e
+    return load_hooks(doc, source)
+
+
+def load_hooks(doc: Any, source: str = "<hooks>") -> Hooks:
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'version' and 'hooks'", subject=source)
+    for key in doc:
+        if key not in ("version", "hooks"):
+            raise ConfigError(f"{source}: unknown top-level key {key!r}", subject=source)
+    if doc.get("version") != "v1":
+        raise ConfigError(f"{source}: 'version' must be v1, not {doc.get('version')!r}", subject=source)
+    raw = doc.get("hooks") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: 'hooks' must be a mapping of hook name → list", subject=source)
+    out: dict[str, tuple[Hook, ...]] = {}
+    for name, items in raw.items():
+        if name not in HOOK_NAMES:
+            raise ConfigError(f"{source}: unknown hook {name!r} (known: {', '.join(HOOK_NAMES)})", subject=source)
+        if items is None:
+            items = []
+        if not isinstance(items, list):
+            raise ConfigError(f"{source}: hook {name} must be a list", subject=source)
+        out[name] = tuple(_hook(item, f"{source}: hook {name}[{i}]") for i, item in enumerate(items))
+    return Hooks(out, source)
+
+
+def _hook(raw: Any, here: str) -> Hook:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{here}: must be a mapping with 'command'", subject=here)
+    for key in raw:
+        if key not in _HOOK_KEYS:
+            raise ConfigError(f"{here}: unknown key {key!r}", subject=here)
+    command = raw.get("command")
+    if not isinstance(command, str) or not command:
+        raise ConfigError(f"{here}: 'command' must be a non-empty string", subject=here)
+    args = raw.get("args") or []
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ConfigError(f"{here}: 'args' must be a list of strings", subject=here)
+    workdir = raw.get("workdir")
+    if workdir is not None and not isinstance(workdir, str):
+        raise ConfigError(f"{here}: 'workdir' must be a string", subject=here)
+    envs = raw.get("envs") or {}
+    if not isinstance(envs, dict) or not all(isinstance(k, str) for k in envs):
+        raise ConfigError(f"{here}: 'envs' must be a mapping of names to values", subject=here)
+    return Hook(command, tuple(args), workdir, tuple((k, str(v)) for k, v in envs.items()))
+
+
+class HookRunner:
+    """Runs hooks by name with the mig-parted environment; a failing hook raises ``OperationError``."""
+
+    def __init__(self, hooks: Hooks | None, env: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.hooks = hooks or Hooks()
+        self.env = dict(env)
+        self.timeout_s = timeout_s
+        self.ran: list[str] = []
+
+    @staticmethod
+    def environment(*, config_file: str, hooks_file: str, selected: str, gpus: list[int],
+                    skip_reset: bool = False) -> dict[str, str]:
+        return {
+            "MIG_PARTED_CONFIG_FILE": config_file,
+            "MIG_PARTED_HOOKS_FILE": hooks_file,
+            "MIG_PARTED_SELECTED_CONFIG": selected,
+            "MIG_PARTED_SKIP_RESET": "true" if skip_reset else "false",
+            "NODEAGENT_MIG_GPUS": ",".join(str(i) for i in gpus),
+        }
+
+    def run(self, name: str) -> None:
+        for i, hook in enumerate(self.hooks.get(name)):
+            env = {**os.environ, **self.env, **dict(hook.envs)}
+            what = f"hook {name}[{i}] ({' '.join(hook.argv())})"
+            log.info("running %s", what)
+            self.ran.append(name)
+            try:
+                proc = subprocess.run(hook.argv(), cwd=hook.workdir, env=env, capture_output=True, text=True,
+                                      timeout=self.timeout_s, check=False)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise OperationError(f"{what} could not run: {e}", subject=name) from e
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
+                raise OperationError(f"{what} exited {proc.returncode}: {tail[0]}".rstrip(": "), subject=name)

@@ -1,0 +1,284 @@
+"""Label-driven MIG reconfiguration for the daemon.
+
+The own Node's ``nvidia.com/mig.config`` names the wanted config. On start and on every change of that
+value (or of the annotation ``nodeagent.io/mig.config.generation``, which re-applies the same value):
+
+    nvidia.com/mig.config.state=pending
+    → the device-plugin resources of the GPUs that change are withdrawn (the plugin process stays)
+    → apply (apply.py) → rediscover → resources re-advertised
+    → state=success, or state=failed with the reason in a Warning Event on the Node.
+
+Every path ends in ``success`` or ``failed`` within bounded waits — except a mode change that needs a
+host reboot, which ends in ``rebooting``. With ``with_reboot`` the agent then reboots the host; after the
+boot the persisted selection is applied again and ends ``success``/``failed``. An unknown config name
+ends ``failed`` with a clear Event and nothing touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from nodeagent.errors import NodeAgentError, OperationError, RebootRequired
+from nodeagent.fileio import read_text
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile
+from nodeagent.mig.hooks import HookRunner, Hooks, parse_hooks
+from nodeagent.mig.planner import Plan, plan
+from nodeagent.mig.spec import MigConfigFile, generate_standard, parse_config, resolve
+
+log = logging.getLogger(__name__)
+
+CONFIG_LABEL = "nvidia.com/mig.config"
+STATE_LABEL = "nvidia.com/mig.config.state"
+GENERATION_ANNOTATION = "nodeagent.io/mig.config.generation"
+
+PENDING, REBOOTING, SUCCESS, FAILED = "pending", "rebooting", "success", "failed"
+
+
+class NodeViewLike(Protocol):
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
+    @property
+    def annotations(self) -> Mapping[str, str]: ...
+
+
+class NodeApi(Protocol):
+    """What the reconciler needs of ``nodeagent.kube.node.NodeClient``."""
+
+    async def aget(self) -> Any: ...
+
+    async def apatch_labels(self, changes: Mapping[str, str | None]) -> Any: ...
+
+    async def acreate_event(
+        self, reason: str, message: str, type: str = "Normal", action: str | None = None
+    ) -> str: ...
+
+    def updates(self, **kwargs: Any) -> AsyncIterator[Any]: ...
+
+
+class ResourcePublisher(Protocol):
+    """What the reconciler needs of the device-plugin service."""
+
+    async def withdraw(self, gpu_indices: set[int]) -> None: ...
+
+    async def update(self, inventory: Inventory) -> None: ...
+
+
+@dataclass(frozen=True)
+class MigReconcilerOptions:
+    config_file: Path | None = None  # mig-parted file (host path already resolved); None → generated configs
+    hooks_file: Path | None = None
+    with_reboot: bool = False
+    apply_timeout_s: float = 600.0  # upper bound for one apply (NVML + hooks)
+    kube_timeout_s: float = 30.0  # upper bound for one Kubernetes call
+    publish_timeout_s: float = 30.0  # upper bound for withdraw / re-advertise
+
+
+def _key(view: NodeViewLike) -> tuple[str, str] | None:
+    value = view.labels.get(CONFIG_LABEL)
+    if not value:
+        return None
+    return value, view.annotations.get(GENERATION_ANNOTATION, "")
+
+
+class MigReconciler:
+    """Watches the own Node and applies the selected MIG config; one reconcile at a time."""
+
+    def __init__(
+        self,
+        node: NodeApi,
+        adapter: MigAdapter,
+        state_dir: Path,
+        *,
+        publisher: ResourcePublisher | None = None,
+        options: MigReconcilerOptions | None = None,
+        reboot: Callable[[], None] | None = None,
+        boot_id: Callable[[], str] | None = None,
+        proc_root: Path = Path("/proc"),
+        on_inventory: Callable[[Inventory], Awaitable[None]] | None = None,
+    ) -> None:
+        self.node = node
+        self.adapter = adapter
+        self.state = MigStateFile(state_dir)
+        self.publisher = publisher
+        self.options = options or MigReconcilerOptions()
+        self.reboot = reboot
+        self.boot_id = boot_id or (lambda: "")
+        self.proc_root = proc_root
+        self.on_inventory = on_inventory
+        self.last_key: tuple[str, str] | None = None
+        self.last_state: str | None = None
+        self.last_plan: Plan | None = None
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Reconcile the current value, then every change; runs until cancelled."""
+        latest: asyncio.Queue[NodeViewLike] = asyncio.Queue()
+
+        async def feed() -> None:
+            async for view in self.node.updates():
+                latest.put_nowait(view)
+
+        feeder = asyncio.create_task(feed(), name="mig-node-watch")
+        try:
+            while True:
+                view = await latest.get()
+                while not latest.empty():  # only the newest version matters
+                    view = latest.get_nowait()
+                key = _key(view)
+                if key is None or key == self.last_key:
+                    continue
+                await self.reconcile(view)
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await feeder
+
+    # -- one reconcile ------------------------------------------------------------------------
+
+    async def reconcile(self, view: NodeViewLike) -> str | None:
+        """Handle one version of the Node; returns the state label written (None: nothing to do)."""
+        key = _key(view)
+        if key is None:
+            return None
+        self.last_key = key
+        name, generation = key
+        persisted = self.state.load() or {}
+        resuming = persisted.get("config") == name and persisted.get("phase") == REBOOTING
+        if resuming and persisted.get("boot_id") == self.boot_id() and self.boot_id():
+            # Still the boot in which the reboot was asked for: wait for it, do not loop.
+            log.info("mig: config %s waits for a host reboot", name)
+            await self._set_state(REBOOTING)
+            if self.options.with_reboot and self.reboot is not None:
+                await asyncio.to_thread(self.reboot)
+            return REBOOTING
+        await self._set_state(PENDING)
+        self.state.update(config=name, generation=generation, phase="applying", boot_id=self.boot_id())
+        try:
+            result, message = await self._apply(name, after_reboot=resuming)
+        except RebootRequired as e:
+            self.state.update(phase=REBOOTING, boot_id=self.boot_id(), error=str(e))
+            if resuming:
+                msg = f"MIG config {name} still needs a reboot after the host rebooted: {e}"
+                self.state.update(phase=FAILED)
+                await self._event("MigConfigFailed", msg, "Warning")
+                await self._set_state(FAILED)
+                return FAILED
+            await self._event("MigConfigRebootRequired", f"MIG config {name}: {e}", "Warning")
+            await self._set_state(REBOOTING)
+            if self.options.with_reboot and self.reboot is not None:
+                log.warning("mig: rebooting the host to finish MIG config %s", name)
+                await asyncio.to_thread(self.reboot)
+            return REBOOTING
+        except NodeAgentError as e:
+            self.state.update(phase=FAILED, error=str(e))
+            await self._event("MigConfigFailed", f"MIG config {name} failed: {e}", "Warning")
+            await self._set_state(FAILED)
+            return FAILED
+        except Exception as e:  # never leave the node in pending, whatever broke
+            log.exception("mig: unexpected error applying %s", name)
+            self.state.update(phase=FAILED, error=repr(e))
+            await self._event("MigConfigFailed", f"MIG config {name} failed: internal error {e!r}", "Warning")
+            await self._set_state(FAILED)
+            return FAILED
+        self.state.update(phase=SUCCESS, error=None)
+        await self._event("MigConfigApplied", message, "Normal")
+        await self._set_state(SUCCESS)
+        return result
+
+    def _load_configs(self, inventory: Inventory) -> MigConfigFile:
+        path = self.options.config_file
+        if path is None:
+            return generate_standard(inventory)
+        text = read_text(path)
+        if text is None:
+            raise OperationError(f"MIG config file {path} does not exist", subject=str(path))
+        return parse_config(text, str(path))
+
+    def _load_hooks(self) -> Hooks | None:
+        path = self.options.hooks_file
+        if path is None:
+            return None
+        text = read_text(path)
+        if text is None:
+            raise OperationError(f"MIG hooks file {path} does not exist", subject=str(path))
+        return parse_hooks(text, str(path))
+
+    async def _apply(self, name: str, *, after_reboot: bool) -> tuple[str, str]:
+        inventory = await asyncio.to_thread(self.adapter.discover)
+        configs = self._load_configs(inventory)
+        config_name, entries = configs.select(name)  # unknown name → ConfigError, nothing touched
+        selection = resolve(config_name, entries, inventory, configs.source)
+        the_plan = plan(inventory, selection)
+        self.last_plan = the_plan
+        if the_plan.applied:
+            return SUCCESS, f"MIG config {name} is applied (no GPU needed a change)"
+        touched = {g.index for g in the_plan.touched}
+        hooks = self._load_hooks()
+        runner = None
+        if hooks is not None:
+            env = HookRunner.environment(
+                config_file=str(self.options.config_file or ""), hooks_file=str(self.options.hooks_file or ""),
+                selected=name, gpus=sorted(touched))
+            runner = HookRunner(hooks, env)
+        if self.publisher is not None:
+            await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
+        applier = Applier(self.adapter, hooks=runner, state=self.state, proc_root=self.proc_root)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(applier.apply, the_plan, inventory),
+                                   self.options.apply_timeout_s)
+        except TimeoutError as e:
+            raise OperationError(f"applying MIG config {name} took longer than "
+                                 f"{self.options.apply_timeout_s:.0f}s") from e
+        finally:
+            # Re-advertise whatever the GPUs are now (new layout, or the restored old one).
+            with contextlib.suppress(Exception):
+                current = await asyncio.to_thread(self.adapter.discover)
+                await self._publish(current)
+        changed = ", ".join(g.describe() for g in the_plan.touched)
+        return SUCCESS, f"MIG config {name} applied: {changed}"[:1000]
+
+    async def _publish(self, inventory: Inventory) -> None:
+        if self.publisher is not None:
+            await asyncio.wait_for(self.publisher.update(inventory), self.options.publish_timeout_s)
+        if self.on_inventory is not None:
+            await asyncio.wait_for(self.on_inventory(inventory), self.options.publish_timeout_s)
+
+    # -- kube helpers (bounded, retried a few times) -------------------------------------------
+
+    async def _set_state(self, state: str) -> None:
+        self.last_state = state
+        await self._kube(lambda: self.node.apatch_labels({STATE_LABEL: state}), f"set {STATE_LABEL}={state}")
+
+    async def _event(self, reason: str, message: str, type_: str) -> None:
+        (log.info if type_ == "Normal" else log.warning)("mig: %s: %s", reason, message)
+        await self._kube(lambda: self.node.acreate_event(reason, message, type_), f"record event {reason}",
+                         attempts=2)
+
+    async def _kube(self, call: Callable[[], Awaitable[Any]], what: str, attempts: int = 5) -> None:
+        delay = 0.2
+        for attempt in range(attempts):
+            try:
+                await asyncio.wait_for(call(), self.options.kube_timeout_s)
+                return
+            except (NodeAgentError, TimeoutError) as e:
+                if attempt == attempts - 1:
+                    log.error("mig: could not %s: %s", what, e)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+def read_boot_id(proc_root: Path) -> str:
+    """The kernel's boot id (changes at every boot), or "" when unreadable."""
+    text = read_text(proc_root / "sys/kernel/random/boot_id")
+    return text.strip() if text else ""
+

@@ -1,0 +1,529 @@
+"""Pure containerd config editing: text in, text out, no I/O.
+
+The editor works on tomlkit's document model, so everything it does not touch keeps its comments, key
+order, quoting and whitespace, and rendering its own output again returns the identical text.
+
+Facts it relies on (containerd):
+- ``version`` missing means 1; 2 from containerd 1.3; 3 from 2.0; 4 from 2.3.
+- The CRI runtime settings live in ``plugins.cri`` (v1), ``plugins."io.containerd.grpc.v1.cri"`` (v2) or
+  ``plugins."io.containerd.cri.v1.runtime"`` (v3, v4); runtimes in ``<cri>.containerd.runtimes.<name>``,
+  the default in ``<cri>.containerd.default_runtime_name`` (``runc`` when unset), CDI in ``<cri>.enable_cdi``.
+- ``imports`` pulls in more files. Up to 1.7 an imported plugin table REPLACES the root's table of the same
+  plugin, so a drop-in must carry the whole CRI table; from 2.0 plugin tables are merged key by key, so a
+  drop-in carries only what changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import posixpath
+import re
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomlkit
+from tomlkit.container import Container, OutOfOrderTableProxy
+from tomlkit.exceptions import ParseError, TOMLKitError
+from tomlkit.items import AoT, InlineTable, Item, Table
+from tomlkit.toml_document import TOMLDocument
+
+from nodeagent.errors import ConfigError, RuntimeConfigError
+
+RUNC_V2 = "io.containerd.runc.v2"
+DEFAULT_BINARY = "/usr/bin/nvidia-container-runtime"
+DEFAULT_CDI_BINARY = "/usr/bin/nvidia-container-runtime.cdi"
+DEFAULT_DROPIN = "/etc/containerd/conf.d/99-nvidia.toml"
+DROPIN_HEADER = (
+    "# Written by nodeagent (`nodeagent runtime configure`); `nodeagent runtime unconfigure` removes it.\n"
+    "# Changes here are overwritten on the next configure.\n"
+)
+
+Version = tuple[int, int, int]
+TableLike = Container | Table | InlineTable | OutOfOrderTableProxy
+
+
+def cri_path(version: int) -> tuple[str, ...]:
+    """Key path of the CRI plugin table that holds ``containerd.runtimes`` for a config version."""
+    if version <= 1:
+        return ("plugins", "cri")
+    if version == 2:
+        return ("plugins", "io.containerd.grpc.v1.cri")
+    return ("plugins", "io.containerd.cri.v1.runtime")
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What the containerd config must say after rendering."""
+
+    runtime_name: str = "nvidia"
+    binary_path: str = DEFAULT_BINARY
+    set_as_default: bool = False
+    enable_cdi: bool = False
+    cdi_runtime_name: str = "nvidia-cdi"
+    cdi_binary_path: str = DEFAULT_CDI_BINARY
+    # The node's cgroup driver; used only when no runtime table exists to copy from.
+    systemd_cgroup: bool = False
+    # The installed containerd's version (``containerd --version``), when known.
+    containerd_version: Version | None = None
+
+    def runtimes(self) -> dict[str, str]:
+        """Runtime name -> BinaryName of every runtime this config adds."""
+        out = {self.runtime_name: self.binary_path}
+        if self.enable_cdi:
+            out[self.cdi_runtime_name] = self.cdi_binary_path
+        return out
+
+
+@dataclass(frozen=True)
+class Previous:
+    """What a render replaced, so unconfigure can put it back even after later edits by hand."""
+
+    default_runtime_name: str | None
+    enable_cdi: bool | None
+    added_runtimes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DropinRender:
+    """Result of rendering in drop-in mode."""
+
+    root_text: str
+    dropin_text: str
+    added_import: str | None
+    previous: Previous
+
+
+@dataclass(frozen=True)
+class RuntimeView:
+    """What one config document (or the merged set) says about runtimes."""
+
+    version: int
+    default_runtime: str
+    runtimes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    enable_cdi: bool = False
+    imports: tuple[str, ...] = ()
+
+    def binary_of(self, name: str) -> str | None:
+        opts = self.runtimes.get(name, {}).get("options", {})
+        value = opts.get("BinaryName") if isinstance(opts, dict) else None
+        return value if isinstance(value, str) else None
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+_TEMPLATE_HINT = (
+    "k3s/rke2 generate containerd's config from a Go template: they add the nvidia runtime by themselves "
+    "when /usr/bin/nvidia-container-runtime exists, or edit config.toml.tmpl by hand"
+)
+
+
+def parse(text: str, source: str = "config.toml") -> TOMLDocument:
+    """Parse a containerd config; templates and invalid TOML raise ``ConfigError`` naming the spot."""
+    if source.endswith(".tmpl") or "{{" in text:
+        line = next((i for i, ln in enumerate(text.splitlines(), 1) if "{{" in ln), 1)
+        raise ConfigError(
+            f"{source}: line {line} is a Go template, not TOML; nothing was written ({_TEMPLATE_HINT})",
+            subject=source,
+        )
+    try:
+        return tomlkit.parse(text)
+    except ParseError as e:
+        raise ConfigError(
+            f"{source}: invalid TOML at line {e.line}, column {e.col}: {_parse_reason(e)}; nothing was written",
+            subject=source,
+        ) from e
+    except TOMLKitError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}; nothing was written", subject=source) from e
+
+
+def _parse_reason(e: ParseError) -> str:
+    return re.sub(r"\s+at line \d+ col \d+$", "", str(e))
+
+
+def config_version(doc: Mapping[str, Any], source: str = "config.toml") -> int:
+    raw = doc.get("version", 1)
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1 or raw > 4:
+        raise ConfigError(f"{source}: unsupported containerd config version {raw!r} (1-4 known)", subject=source)
+    return int(raw)
+
+
+def parse_containerd_version(output: str) -> Version | None:
+    """The version in ``containerd --version`` output (``containerd github.com/... v1.7.2 <rev>``)."""
+    m = re.search(r"(?:^|\s)v?(\d+)\.(\d+)\.(\d+)", output)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def merges_plugins(containerd_version: Version | None, config_ver: int) -> bool:
+    """Whether imports merge plugin tables key by key (containerd >= 2.0) instead of replacing them."""
+    if containerd_version is not None:
+        return containerd_version >= (2, 0, 0)
+    return config_ver >= 3
+
+
+# ----------------------------------------------------------------------------------------- table helpers
+def _get(c: Any, keys: tuple[str, ...]) -> Any:
+    for k in keys:
+        if not isinstance(c, Mapping) or k not in c:
+            return None
+        c = c[k]
+    return c
+
+
+def _ensure(c: TableLike, keys: tuple[str, ...]) -> TableLike:
+    for k in keys:
+        if k not in c:
+            c[k] = tomlkit.table(is_super_table=True)
+        nxt = c[k]
+        if not isinstance(nxt, Table | InlineTable | OutOfOrderTableProxy):
+            raise ConfigError(f"containerd config: {'.'.join(keys)} must be a table, found {type(nxt).__name__}")
+        c = nxt
+    return c
+
+
+def _key_indent(t: TableLike) -> str | None:
+    body = t.value.body if isinstance(t, Table | InlineTable) else t.body if isinstance(t, Container) else []
+    for k, v in body:
+        if k is not None and not isinstance(v, Table | AoT) and isinstance(v, Item):
+            return v.trivia.indent
+    return None
+
+
+def _set(t: Any, key: str, value: Any) -> bool:
+    """Set ``t[key] = value`` keeping the old item's formatting; new keys take their siblings' indent.
+
+    Returns whether anything changed.
+    """
+    if key in t:
+        old = t[key]
+        if isinstance(old, Item) and old.unwrap() == value and type(old.unwrap()) is type(value):
+            return False
+        t[key] = value
+        return True
+    indent = _key_indent(t) if not isinstance(t, InlineTable) else None
+    t[key] = value
+    if indent is not None:
+        new = _item_of(t, key)
+        if new is not None:
+            new.trivia.indent = indent
+    return True
+
+
+def _item_of(t: TableLike, key: str) -> Item | None:
+    # Table.__getitem__ unwraps booleans; go to the container for the formatting-carrying item.
+    container = t.value if isinstance(t, Table | InlineTable) else t if isinstance(t, Container) else None
+    if container is None:
+        return None
+    try:
+        found = container.item(key)
+    except KeyError:
+        return None
+    return found if isinstance(found, Item) else None
+
+
+def _plain(value: Any) -> Any:
+    return value.unwrap() if isinstance(value, Item | Container | OutOfOrderTableProxy) else value
+
+
+def _runtime_tables(cri: Any) -> Any:
+    return _get(cri, ("containerd", "runtimes"))
+
+
+def _pick_base(cri: Any, exclude: set[str]) -> tuple[str | None, Any]:
+    runtimes = _runtime_tables(cri)
+    default = _get(cri, ("containerd", "default_runtime_name"))
+    candidates = [str(default)] if isinstance(default, str) and default else []
+    candidates += ["runc", "crun"]
+    if isinstance(runtimes, Mapping):
+        for name in candidates:
+            if name not in exclude and isinstance(runtimes.get(name), Mapping):
+                return name, runtimes[name]
+    return None, None
+
+
+def _sane_default(desired: Desired) -> dict[str, Any]:
+    return {"runtime_type": RUNC_V2, "options": {"SystemdCgroup": desired.systemd_cgroup}}
+
+
+def _new_runtime(base: Any, desired: Desired, binary: str, version: int, keep_style: bool) -> Any:
+    if base is None:
+        table: Any = tomlkit.item(_sane_default(desired))
+    elif keep_style and isinstance(base, Table):
+        table = copy.deepcopy(base)
+    else:
+        table = tomlkit.item(_plain(base))
+    _fix_runtime(table, binary, version)
+    return table
+
+
+def _fix_runtime(table: Any, binary: str, version: int) -> bool:
+    changed = False
+    rtype = table.get("runtime_type")
+    if not isinstance(rtype, str) or not rtype:
+        changed |= _set(table, "runtime_type", RUNC_V2)
+    if "options" not in table:
+        table["options"] = tomlkit.table()
+        changed = True
+    opts = table["options"]
+    if not isinstance(opts, Mapping):
+        raise ConfigError("containerd config: a runtime's `options` must be a table")
+    changed |= _set(opts, "BinaryName", binary)
+    if version == 1:
+        changed |= _set(opts, "Runtime", binary)
+    return changed
+
+
+def _place_like(runtimes: TableLike, name: str, sibling: Any) -> None:
+    # tomlkit indents an inserted table relative to its parent; make it line up with its sibling instead.
+    new = runtimes[name]
+    if isinstance(new, Table) and isinstance(sibling, Table):
+        new.trivia.indent = sibling.trivia.indent
+        # The base's header comment describes the base, not the copy.
+        new.trivia.comment = ""
+        new.trivia.comment_ws = ""
+
+
+def _apply(doc: TOMLDocument | Table, cri_keys: tuple[str, ...], version: int, desired: Desired,
+           base_cri: Any, keep_style: bool) -> Previous:
+    """Apply ``desired`` to the CRI table at ``cri_keys`` of ``doc``; base runtimes come from ``base_cri``."""
+    existing_cri = _get(doc, cri_keys)
+    prev_default = _get(existing_cri, ("containerd", "default_runtime_name"))
+    prev_cdi = _get(existing_cri, ("enable_cdi",))
+    existing_runtimes = _runtime_tables(existing_cri)
+    added: list[str] = []
+    wanted = desired.runtimes()
+    for name, binary in wanted.items():
+        if isinstance(existing_runtimes, Mapping) and isinstance(existing_runtimes.get(name), Mapping):
+            _fix_runtime(existing_runtimes[name], binary, version)
+            continue
+        base_name, base = _pick_base(base_cri, set(wanted))
+        runtimes = _ensure(doc, (*cri_keys, "containerd", "runtimes"))
+        runtimes[name] = _new_runtime(base, desired, binary, version, keep_style)
+        if keep_style and base_name is not None and base_name in runtimes:
+            _place_like(runtimes, name, runtimes[base_name])
+        added.append(name)
+    # containerd's built-in `runc` runtime exists only while the config names no runtimes at all; once we
+    # add one, the previous default (`runc` when unset) needs its own table or pods without a runtime
+    # class stop starting.
+    old_default = _str_or_none(_get(base_cri, ("containerd", "default_runtime_name"))) or "runc"
+    base_runtimes = _runtime_tables(base_cri)
+    has_old_default = isinstance(base_runtimes, Mapping) and isinstance(base_runtimes.get(old_default), Mapping)
+    if old_default == "runc" and not has_old_default and added:
+        runtimes = _ensure(doc, (*cri_keys, "containerd", "runtimes"))
+        if "runc" not in runtimes:
+            runtimes["runc"] = tomlkit.item(_sane_default(desired))
+            added.append("runc")
+    if desired.set_as_default:
+        _set(_ensure(doc, (*cri_keys, "containerd")), "default_runtime_name", desired.runtime_name)
+    if desired.enable_cdi:
+        _set(_ensure(doc, cri_keys), "enable_cdi", True)
+    return Previous(
+        default_runtime_name=str(prev_default) if isinstance(prev_default, str) else None,
+        enable_cdi=bool(prev_cdi) if isinstance(prev_cdi, bool) else None,
+        added_runtimes=tuple(added),
+    )
+
+
+# ------------------------------------------------------------------------------------------- rendering
+def _new_version(desired: Desired) -> int:
+    cv = desired.containerd_version
+    return 3 if cv is not None and cv >= (2, 0, 0) else 2
+
+
+def render(old_text: str | None, desired: Desired, *, source: str = "config.toml") -> str:
+    """In-place mode: the whole containerd config with the nvidia runtime(s) wired in."""
+    return render_with_previous(old_text, desired, source=source)[0]
+
+
+def render_with_previous(
+    old_text: str | None, desired: Desired, *, source: str = "config.toml"
+) -> tuple[str, Previous]:
+    text = old_text or ""
+    doc = parse(text, source)
+    if not text.strip():
+        doc = tomlkit.document()
+        doc["version"] = _new_version(desired)
+    version = config_version(doc, source)
+    keys = cri_path(version)
+    prev = _apply(doc, keys, version, desired, _get(doc, keys), keep_style=True)
+    out = tomlkit.dumps(doc)
+    _verify(out, desired, source)
+    return out, prev
+
+
+def import_covered(imports: list[str], dropin: str, root_dir: str) -> bool:
+    """Whether one of ``imports`` (globs, relative to ``root_dir``) already names ``dropin``."""
+    for entry in imports:
+        pattern = entry if posixpath.isabs(entry) else posixpath.join(root_dir, entry)
+        if fnmatch.fnmatchcase(dropin, posixpath.normpath(pattern)):
+            return True
+    return False
+
+
+def render_dropin(
+    root_text: str | None,
+    desired: Desired,
+    *,
+    dropin_path: str = DEFAULT_DROPIN,
+    root_path: str = "/etc/containerd/config.toml",
+) -> DropinRender:
+    """Drop-in mode: a generated drop-in file plus the root file with ``imports`` naming it.
+
+    ``dropin_path`` and ``root_path`` are host paths; the import written into the root is ``dropin_path``.
+    """
+    text = root_text or ""
+    doc = parse(text, root_path)
+    if not text.strip():
+        doc = tomlkit.document()
+        doc["version"] = _new_version(desired)
+    version = config_version(doc, root_path)
+    keys = cri_path(version)
+    root_cri = _get(doc, keys)
+
+    # The root file: only `imports` changes.
+    imports_item = doc.get("imports")
+    if imports_item is not None and not isinstance(_plain(imports_item), list):
+        raise ConfigError(f"{root_path}: `imports` must be a list of paths", subject=root_path)
+    imports = [str(x) for x in _plain(imports_item)] if imports_item is not None else []
+    added_import: str | None = None
+    if not import_covered(imports, dropin_path, posixpath.dirname(root_path)):
+        if imports_item is None:
+            doc["imports"] = [dropin_path]
+        else:
+            doc["imports"].append(dropin_path)
+        added_import = dropin_path
+    new_root = tomlkit.dumps(doc) if added_import is not None else text
+
+    # The drop-in: fully generated from the root's current state.
+    drop = tomlkit.document()
+    drop.add(tomlkit.comment(DROPIN_HEADER.splitlines()[0][2:]))
+    drop.add(tomlkit.comment(DROPIN_HEADER.splitlines()[1][2:]))
+    drop["version"] = version
+    if not merges_plugins(desired.containerd_version, version) and isinstance(root_cri, Mapping):
+        # containerd < 2.0 replaces the whole plugin table from an import: carry all of it.
+        cri_table = _ensure(drop, keys[:-1])
+        cri_table[keys[-1]] = tomlkit.item(_plain(root_cri))
+    prev = _apply(drop, keys, version, desired, root_cri, keep_style=False)
+    prev = Previous(
+        default_runtime_name=_str_or_none(_get(root_cri, ("containerd", "default_runtime_name"))),
+        enable_cdi=_bool_or_none(_get(root_cri, ("enable_cdi",))),
+        added_runtimes=prev.added_runtimes,
+    )
+    drop_text = tomlkit.dumps(drop)
+    _verify(drop_text, desired, dropin_path)
+    return DropinRender(new_root, drop_text, added_import, prev)
+
+
+def _str_or_none(v: Any) -> str | None:
+    return str(v) if isinstance(v, str) else None
+
+
+def _bool_or_none(v: Any) -> bool | None:
+    return bool(v) if isinstance(v, bool) else None
+
+
+def _verify(text: str, desired: Desired, source: str) -> None:
+    view = view_of(text, source)
+    for name, binary in desired.runtimes().items():
+        if view.binary_of(name) != binary:
+            raise RuntimeConfigError(f"{source}: rendering did not produce runtime {name!r} (internal error)")
+    if desired.set_as_default and view.default_runtime != desired.runtime_name:
+        raise RuntimeConfigError(f"{source}: rendering did not set the default runtime (internal error)")
+
+
+# ------------------------------------------------------------------------------------ removal and views
+def render_remove(text: str, previous: Previous, *, source: str = "config.toml") -> str:
+    """Undo a render on a file that was edited since: drop the added runtimes, restore the old default/CDI."""
+    doc = parse(text, source)
+    version = config_version(doc, source)
+    cri: Any = _get(doc, cri_path(version))
+    if not isinstance(cri, MutableMapping):
+        return text
+    runtimes: Any = _runtime_tables(cri)
+    for name in previous.added_runtimes:
+        if isinstance(runtimes, MutableMapping) and name in runtimes:
+            del runtimes[name]
+    containerd: Any = _get(cri, ("containerd",))
+    if isinstance(containerd, MutableMapping) and containerd.get("default_runtime_name") in previous.added_runtimes:
+        if previous.default_runtime_name is None:
+            del containerd["default_runtime_name"]
+        else:
+            _set(containerd, "default_runtime_name", previous.default_runtime_name)
+    if "enable_cdi" in cri and previous.enable_cdi is not True:
+        if previous.enable_cdi is None:
+            del cri["enable_cdi"]
+        else:
+            _set(cri, "enable_cdi", previous.enable_cdi)
+    return tomlkit.dumps(doc)
+
+
+def remove_import(text: str, entry: str, *, source: str = "config.toml") -> str:
+    """The root config without one ``imports`` entry (the rest untouched)."""
+    doc = parse(text, source)
+    imports = doc.get("imports")
+    if not isinstance(imports, list) or entry not in [str(x) for x in imports]:
+        return text
+    idx = [str(x) for x in imports].index(entry)
+    del imports[idx]
+    return tomlkit.dumps(doc)
+
+
+def view_of(text: str, source: str = "config.toml") -> RuntimeView:
+    """What a single config document says about runtimes."""
+    doc = parse(text, source)
+    version = config_version(doc, source)
+    return _view(doc.unwrap(), version)
+
+
+def _view(plain: Mapping[str, Any], version: int) -> RuntimeView:
+    cri = _get(plain, cri_path(version)) or {}
+    runtimes = _get(cri, ("containerd", "runtimes")) or {}
+    default = _get(cri, ("containerd", "default_runtime_name"))
+    imports = plain.get("imports") or []
+    return RuntimeView(
+        version=version,
+        default_runtime=default if isinstance(default, str) and default else "runc",
+        runtimes={str(k): dict(v) for k, v in runtimes.items() if isinstance(v, Mapping)},
+        enable_cdi=bool(cri.get("enable_cdi", False)),
+        imports=tuple(str(i) for i in imports),
+    )
+
+
+def _deep_merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
+    for k, v in other.items():
+        if isinstance(v, Mapping) and isinstance(into.get(k), dict):
+            _deep_merge(into[k], v)
+        else:
+            into[k] = copy.deepcopy(v) if not isinstance(v, Mapping) else _to_dict(v)
+
+
+def _to_dict(m: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _to_dict(v) if isinstance(v, Mapping) else copy.deepcopy(v) for k, v in m.items()}
+
+
+def merged_view(root_text: str, imported: list[tuple[str, str]], containerd_version: Version | None) -> RuntimeView:
+    """The effective runtimes after containerd loads ``root_text`` and the ``imported`` (path, text) files."""
+    root = parse(root_text, "config.toml").unwrap() if root_text.strip() else {}
+    version = config_version(root)
+    merged = _to_dict(root)
+    deep = merges_plugins(containerd_version, version)
+    for path, text in imported:
+        plain = parse(text, path).unwrap()
+        plugins = plain.get("plugins") or {}
+        target = merged.setdefault("plugins", {})
+        for name, table in plugins.items():
+            if deep and isinstance(target.get(name), dict) and isinstance(table, Mapping):
+                _deep_merge(target[name], table)
+            else:
+                target[name] = _to_dict(table) if isinstance(table, Mapping) else table
+    view = _view(merged, version)
+    return RuntimeView(view.version, view.default_runtime, view.runtimes, view.enable_cdi, view.imports)
+
+
+def iter_keys(plain: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Every leaf (path, value) of a plain TOML mapping; used to check that untouched keys stay put."""
+    for k, v in plain.items():
+        if isinstance(v, Mapping):
+            yield from iter_keys(v, (*prefix, k))
+        else:
+            yield (*prefix, k), v

@@ -1,0 +1,138 @@
+"""MIG figures: planner time for the worst mixed layouts on 8 GPUs, and label change → success turnaround.
+
+Run: .venv/bin/python tests/bench/bench_mig.py [--skip-peers]
+Prints readable figures and one JSON line. The turnaround part uses the real kube-apiserver and the
+kubelet harness (tests/peers), the NVML simulator for the GPUs and the real DevicePluginService.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
+from nodeagent.gpu.profiles import PRODUCTS, gpu_instance_id
+from nodeagent.mig.planner import plan
+from nodeagent.mig.spec import Desired, Selection
+
+
+def gpu(index: int, layout: list[tuple[str, int]]) -> Gpu:
+    prod = PRODUCTS["A100-40GB"]
+    devs = []
+    for name, start in layout:
+        p = prod.profile(name)
+        assert p is not None
+        gi = gpu_instance_id(prod, start, p.placement_size)
+        devs.append(MigDevice(index, gi, 0, name, start, p.placement_size, p.memory_mib, f"MIG-{index}-{gi}"))
+    return Gpu(index=index, uuid=f"GPU-{index}", name="NVIDIA A100-SXM4-40GB", pci_bus_id=f"0000:{index:02x}:00.0",
+               pci_device_id=prod.pci_device_ids[0], memory_mib=40960, numa_node=0, compute_major=8,
+               compute_minor=0, minor_number=index, architecture="ampere", mig_capable=True, mig_current=True,
+               mig_pending=True, mig_profiles=prod.profiles, mig_devices=tuple(devs))
+
+
+def bench_planner(rounds: int = 50) -> dict[str, float]:
+    # Worst cases for the search: many small existing instances (many keep-subsets to try) and a mixed
+    # target that keeps only some of them, plus a target that fills every slice.
+    existing = [("1g.5gb", s) for s in range(7)]
+    targets = [
+        (("1g.10gb", 1), ("2g.10gb", 1), ("1g.5gb", 3), ("1g.5gb+me", 1)),
+        (("1g.10gb", 2), ("2g.10gb", 1), ("1g.5gb", 2)),
+        (("3g.20gb", 1), ("1g.5gb", 4)),
+    ]
+    inv = Inventory("550", 12040, tuple(gpu(i, existing) for i in range(8)))
+    out: dict[str, float] = {}
+    for t_i, target in enumerate(targets):
+        sel = Selection("bench", {i: Desired(True, target) for i in range(8)})
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            plan(inv, sel)
+            times.append((time.perf_counter() - t0) * 1000)
+        out[f"planner_8gpu_target{t_i}_ms_median"] = round(statistics.median(times), 3)
+        out[f"planner_8gpu_target{t_i}_ms_max"] = round(max(times), 3)
+    return out
+
+
+async def bench_label(runs: int = 3) -> dict[str, Any]:
+    from kubernetes import client as k8s
+
+    from nodeagent.deviceplugin.service import DevicePluginService
+    from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.gpu.sim import open_sim
+    from nodeagent.kube.client import KubeClient
+    from nodeagent.kube.node import NodeClient
+    from nodeagent.mig.reconciler import CONFIG_LABEL, STATE_LABEL, MigReconciler
+    from nodeagent.sharing.spec import parse_plugin_config
+    from tests.peers import running_apiserver, running_harness
+
+    results: list[dict[str, float]] = []
+    with running_apiserver() as apiserver, running_harness() as harness:
+        api = apiserver.api_client()
+        k8s.CoreV1Api(api).create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name="bench-mig")))
+        node = NodeClient(KubeClient(apiserver.api_client()), "bench-mig")
+        adapter = NvmlAdapter(open_sim("dgx-h100"))
+        svc = DevicePluginService(plugin_dir=harness.plugin_dir,
+                                  plugin_config=parse_plugin_config("version: v1\nflags:\n  migStrategy: mixed\n"))
+        await svc.start(adapter.discover())
+        await asyncio.to_thread(harness.wait, "nvidia.com/gpu", total=8, registered=True)
+        with tempfile.TemporaryDirectory() as state_dir:
+            rec = MigReconciler(node, adapter, Path(state_dir), publisher=svc)
+            task = asyncio.create_task(rec.run())
+            try:
+                for i in range(runs):
+                    config, resource, total = (("all-3g.40gb", "nvidia.com/mig-3g.40gb", 16) if i % 2 == 0
+                                               else ("all-1g.10gb", "nvidia.com/mig-1g.10gb", 56))
+                    t0 = time.time()
+                    await node.apatch_labels({CONFIG_LABEL: config})
+                    while True:
+                        view = await node.aget()
+                        done = view.labels.get(STATE_LABEL) in ("success", "failed")
+                        if done and view.labels.get(CONFIG_LABEL) == config and rec.last_key == (config, ""):
+                            break
+                        await asyncio.sleep(0.01)
+                    t_state = time.time()
+                    seen, _ = await asyncio.to_thread(harness.wait, resource, total=total, healthy=total, timeout=20)
+                    results.append({"state_s": t_state - t0, "kubelet_s": max(seen, t_state) - t0,
+                                    "state": view.labels[STATE_LABEL] == "success"})
+            finally:
+                task.cancel()
+                with __import__("contextlib").suppress(asyncio.CancelledError):
+                    await task
+                await svc.stop()
+                k8s.CoreV1Api(api).delete_node("bench-mig")
+                api.close()
+    return {
+        "label_to_success_s_median": round(statistics.median(r["state_s"] for r in results), 3),
+        "label_to_kubelet_resources_s_median": round(statistics.median(r["kubelet_s"] for r in results), 3),
+        "label_to_kubelet_resources_s_max": round(max(r["kubelet_s"] for r in results), 3),
+        "label_runs": len(results),
+        "label_all_success": all(bool(r["state"]) for r in results),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-peers", action="store_true", help="planner figures only")
+    args = ap.parse_args()
+    figures: dict[str, Any] = bench_planner()
+    for k, v in figures.items():
+        print(f"{k:45s} {v}")
+    if not args.skip_peers:
+        label = asyncio.run(bench_label())
+        for k, v in label.items():
+            print(f"{k:45s} {v}")
+        figures.update(label)
+    print(json.dumps({"bench": "mig", **figures}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+"""Shared pytest configuration: the real-peer fixtures (see tests/peers/__init__.py for their API)."""
+
+from tests.peers.fixtures import containerd, kube_apiserver, kubelet_harness
+
+__all__ = ["containerd", "kube_apiserver", "kubelet_harness"]

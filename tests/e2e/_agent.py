@@ -1,0 +1,95 @@
+"""Start the real ``nodeagent run`` process for end-to-end tests and listen on its NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen[bytes]
+    notify: socket.socket
+    log_path: Path
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def poll_notify(self) -> list[str]:
+        while True:
+            try:
+                self.messages.append(self.notify.recv(65536).decode())
+            except BlockingIOError:
+                return self.messages
+
+    def wait_notify(self, prefix: str, timeout: float = 15.0, after: int = 0) -> str:
+        """The first datagram (from index ``after``) starting with ``prefix``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self.poll_notify()[after:]:
+                if m.startswith(prefix):
+                    return m
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited {self.proc.returncode} before {prefix!r}:\n{self.log()}")
+            time.sleep(0.02)
+        raise AssertionError(f"no {prefix!r} on NOTIFY_SOCKET within {timeout}s; got {self.messages}\n{self.log()}")
+
+    def send(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 5.0) -> tuple[int, float]:
+        """Send ``sig``; the exit code and how long the exit took."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"agent did not exit within {timeout}s of {sig.name}:\n{self.log()}") from e
+        return code, time.monotonic() - t0
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/task"))
+
+
+@contextmanager
+def running_agent(workdir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> Iterator[Agent]:
+    """``python -m nodeagent <args>`` with a fresh NOTIFY_SOCKET; killed at the end if still running."""
+    notify_path = workdir / "notify.sock"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(notify_path))
+    notify.setblocking(False)
+    log_path = workdir / "agent.log"
+    full_env = {**os.environ, "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "2000000",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("NODE_NAME", None)
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "nodeagent", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=full_env, cwd=REPO)
+    agent = Agent(proc, notify, log_path)
+    try:
+        yield agent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()

@@ -1,0 +1,126 @@
+"""``nodeagent run`` as a real process against the real kubelet device-manager code (the harness)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._agent import running_agent
+from tests.peers.harness import KubeletHarness
+
+pytestmark = pytest.mark.peers
+
+
+def demo_args(workdir: Path, harness: KubeletHarness, *extra: str) -> list[str]:
+    return ["run", "--simulate", "dgx-h100", "--sim-state", str(workdir / "sim.json"), "--no-kube",
+            "--kubelet-dir", str(harness.plugin_dir.parent), *extra]
+
+
+def plugin_sockets(harness: KubeletHarness) -> set[str]:
+    return {p.name for p in harness.plugin_dir.glob("*.sock")} - {"kubelet.sock"}
+
+
+def restart_and_wait_registration(harness: KubeletHarness, resource: str, devices: int = 8,
+                                  timeout: float = 15.0) -> float:
+    """Restart the kubelet; seconds until the plugin registered again and listed its devices."""
+    seq = max((u.seq for u in harness.updates()), default=0)
+    t0 = time.monotonic()
+    harness.restart()
+    while time.monotonic() - t0 < timeout:
+        fresh = harness.updates(resource, since=seq)
+        if any(u.resource.registered and len(u.resource.devices) == devices for u in fresh):
+            took = time.monotonic() - t0
+            # the plugin may churn once more (a late kubelet.sock event); wait until it is settled
+            while time.monotonic() - t0 < timeout:
+                state = harness.resource(resource)
+                if plugin_sockets(harness) and state.registered and state.capacity == devices:
+                    return took
+                time.sleep(0.02)
+            break
+        time.sleep(0.02)
+    raise AssertionError(f"{resource} not registered again within {timeout}s of a kubelet restart")
+
+
+def test_demo_registers_ready_and_sigterm_exits_clean(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    with running_agent(tmp_path, demo_args(tmp_path, kubelet_harness)) as agent:
+        ready = agent.wait_notify("READY=1")
+        assert "8 GPU(s)" in ready
+        _, res = kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, healthy=8)
+        assert len(res.devices) == 8
+        assert plugin_sockets(kubelet_harness) == {"nvidia-gpu.sock"}
+        agent.wait_notify("WATCHDOG=1", timeout=3)
+        code, took = agent.stop(signal.SIGTERM)
+        assert code == 0, agent.log()
+        assert took < 5.0
+        assert plugin_sockets(kubelet_harness) == set()
+        assert any(m.startswith("STOPPING=1") for m in agent.poll_notify())
+
+
+def test_sigint_exits_zero(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    with running_agent(tmp_path, demo_args(tmp_path, kubelet_harness)) as agent:
+        agent.wait_notify("READY=1")
+        code, took = agent.stop(signal.SIGINT)
+        assert code == 0 and took < 5.0
+        assert plugin_sockets(kubelet_harness) == set()
+
+
+def test_sighup_applies_the_new_config_live(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[health]\nwindow = 30.0\n")
+    dp_config = tmp_path / "dp.yaml"
+    dp_config.write_text(
+        "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
+    )
+    with running_agent(tmp_path, demo_args(tmp_path, kubelet_harness, "--config", str(config))) as agent:
+        agent.wait_notify("READY=1")
+        kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
+        pid = agent.pid
+        # a broken edit is refused and changes nothing
+        config.write_text("[health]\nwindo = 1\n")
+        seen = len(agent.poll_notify())
+        agent.send(signal.SIGHUP)
+        agent.wait_notify("READY=1", after=seen)
+        assert "unknown key 'health.windo'" in agent.log()
+        # a good edit: time-slicing with 4 replicas, applied without a restart
+        config.write_text(f'[device_plugin]\nconfig = "{dp_config}"\n')
+        seen = len(agent.poll_notify())
+        agent.send(signal.SIGHUP)
+        agent.wait_notify("RELOADING=1", after=seen)
+        _, res = kubelet_harness.wait("nvidia.com/gpu", total=32, registered=True, timeout=15)
+        assert all("::" in d.id for d in res.devices)
+        assert agent.proc.poll() is None and agent.pid == pid
+        code, _ = agent.stop()
+        assert code == 0
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[mig]\nwith_reboot = 'sometimes'\n")
+    with running_agent(tmp_path, ["run", "--config", str(config), "--simulate", "t4x1", "--no-kube"]) as agent:
+        assert agent.proc.wait(10) == 2
+        assert "mig.with_reboot" in agent.log() and str(config) in agent.log()
+
+
+def test_kubelet_restarts_reregister_without_leaks(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    restarts = 20
+    with running_agent(tmp_path, demo_args(tmp_path, kubelet_harness)) as agent:
+        agent.wait_notify("READY=1")
+        kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
+        # settle, then take the baseline after one restart (lazily created resources exist by then)
+        restart_and_wait_registration(kubelet_harness, "nvidia.com/gpu")
+        time.sleep(0.3)
+        fds0, threads0 = agent.fds(), agent.threads()
+        for i in range(restarts):
+            restart_and_wait_registration(kubelet_harness, "nvidia.com/gpu")
+            assert plugin_sockets(kubelet_harness) == {"nvidia-gpu.sock"}, f"after restart {i + 1}"
+            assert kubelet_harness.resource("nvidia.com/gpu").capacity == 8
+        time.sleep(0.5)
+        fds1, threads1 = agent.fds(), agent.threads()
+        assert fds1 <= fds0 + 2, f"fds grew {fds0} -> {fds1} over {restarts} kubelet restarts"
+        assert threads1 <= threads0 + 2, f"threads grew {threads0} -> {threads1}"
+        assert "Traceback" not in agent.log()
+        code, took = agent.stop()
+        assert code == 0 and took < 5.0

@@ -1,0 +1,276 @@
+"""Label-driven MIG reconfiguration against the real kube-apiserver (and the kubelet device manager).
+
+GPUs are the NVML simulator; the Node, its labels and Events live in a real kube-apiserver; the
+device-plugin resources are judged by the kubelet's own device-manager code in the harness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.nvml import NvmlAdapter
+from nodeagent.gpu.sim import inject, open_sim
+from nodeagent.gpu.sim.state import SimStore
+from nodeagent.kube.client import KubeClient
+from nodeagent.kube.node import NodeClient, NodeView
+from nodeagent.mig.apply import MigStateFile
+from nodeagent.mig.reconciler import (
+    CONFIG_LABEL,
+    GENERATION_ANNOTATION,
+    STATE_LABEL,
+    MigReconciler,
+    MigReconcilerOptions,
+)
+from tests.peers import KubeApiServer, KubeletHarness
+
+TERMINAL = {"success", "failed", "rebooting"}
+
+
+class RecordingPublisher:
+    """Stands in for the device-plugin service where only the calls matter."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        self.calls.append(("withdraw", sorted(gpu_indices)))
+
+    async def update(self, inventory: Inventory) -> None:
+        self.calls.append(("update", sum(len(g.mig_devices) for g in inventory.gpus)))
+
+
+@pytest.fixture
+def node(kube_apiserver: KubeApiServer, request: pytest.FixtureRequest) -> Iterator[NodeClient]:
+    from kubernetes import client as k8s
+
+    name = "mig-" + re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:50]
+    api = kube_apiserver.api_client()
+    core = k8s.CoreV1Api(api)
+    core.create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name=name)))
+    kube = KubeClient(kube_apiserver.api_client())
+    try:
+        yield NodeClient(kube, name)
+    finally:
+        core.delete_node(name)
+        api.close()
+        kube.close()
+
+
+class StateLog:
+    """Every value of the state label the apiserver hands out, through a real watch."""
+
+    def __init__(self, node: NodeClient) -> None:
+        self.values: list[str] = []
+        self._cond = threading.Condition()
+        self._watch = node.watch(self._on)
+
+    def _on(self, view: NodeView) -> None:
+        v = view.labels.get(STATE_LABEL)
+        with self._cond:
+            if v and (not self.values or self.values[-1] != v):
+                self.values.append(v)
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
+def sim(machine: str) -> tuple[NvmlAdapter, SimStore]:
+    nvml = open_sim(machine)
+    return NvmlAdapter(nvml), nvml.store
+
+
+async def run_until_terminal(rec: MigReconciler, node: NodeClient, timeout: float = 20.0) -> str:
+    """Run the reconciler loop until it has written a terminal state for the current label value."""
+    task = asyncio.create_task(rec.run())
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            await asyncio.sleep(0.05)
+            if task.done():
+                task.result()
+            if rec.last_state in TERMINAL:
+                view = await node.aget()
+                if view.labels.get(STATE_LABEL) == rec.last_state:
+                    return rec.last_state
+        raise AssertionError(f"no terminal state within {timeout}s (last {rec.last_state})")
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def layout(adapter: NvmlAdapter) -> dict[int, list[tuple[str, int]]]:
+    return {g.index: sorted((d.profile, d.placement_start) for d in g.mig_devices) for g in adapter.discover().gpus}
+
+
+def events(node: NodeClient) -> list[tuple[str, str, str]]:
+    return [(e["reason"], e["type"], e["message"]) for e in node.list_events()]
+
+
+async def test_label_pending_to_success(node: NodeClient, tmp_path: Path) -> None:
+    adapter, _ = sim("dgx-a100-40gb")
+    pub = RecordingPublisher()
+    log = StateLog(node)
+    try:
+        node.patch_labels({CONFIG_LABEL: "all-balanced"})
+        rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+        assert await run_until_terminal(rec, node) == "success"
+    finally:
+        log.stop()
+    assert log.values == ["pending", "success"]
+    assert all(v == [("1g.5gb", 2), ("1g.5gb", 3), ("2g.10gb", 0), ("3g.20gb", 4)] for v in layout(adapter).values())
+    assert pub.calls[0] == ("withdraw", list(range(8)))
+    assert pub.calls[-1] == ("update", 32)
+    reasons = [e[0] for e in events(node)]
+    assert "MigConfigApplied" in reasons
+    assert MigStateFile(tmp_path).load()["phase"] == "success"  # type: ignore[index]
+
+
+async def test_unknown_config_fails_with_event_and_touches_nothing(node: NodeClient, tmp_path: Path) -> None:
+    adapter, store = sim("dgx-a100-40gb")
+    inject.write_mig_layout(store, 0, ["7g.40gb"])
+    before = layout(adapter)
+    pub = RecordingPublisher()
+    node.patch_labels({CONFIG_LABEL: "all-3g.99gb"})
+    rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+    assert await run_until_terminal(rec, node) == "failed"
+    assert layout(adapter) == before
+    assert pub.calls == []
+    (_reason, type_, message), = [e for e in events(node) if e[0] == "MigConfigFailed"]
+    assert type_ == "Warning"
+    assert "no config named 'all-3g.99gb' (known: all-disabled, all-enabled, all-balanced" in message
+
+
+async def test_config_file_and_layout_that_cannot_fit(node: NodeClient, tmp_path: Path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\nmig-configs:\n  too-big:\n    - devices: [0]\n      mig-enabled: true\n"
+                   "      mig-devices: {3g.20gb: 2, 1g.5gb: 1}\n")
+    adapter, _ = sim("dgx-a100-40gb")
+    node.patch_labels({CONFIG_LABEL: "too-big"})
+    rec = MigReconciler(node, adapter, tmp_path / "state", options=MigReconcilerOptions(config_file=cfg))
+    assert await run_until_terminal(rec, node) == "failed"
+    msg = next(e[2] for e in events(node) if e[0] == "MigConfigFailed")
+    assert "need 9 memory slices but NVIDIA A100-SXM4-40GB has 8" in msg
+
+
+async def test_failure_midway_rolls_back_and_ends_failed(node: NodeClient, tmp_path: Path) -> None:
+    adapter, store = sim("dgx-h100")
+    inject.write_mig_layout(store, 1, ["7g.80gb"])
+    before = layout(adapter)
+    inject.fail_next(store, "nvmlDeviceCreateGpuInstanceWithPlacement", int(pynvml.NVML_ERROR_UNKNOWN), after=4)
+    pub = RecordingPublisher()
+    node.patch_labels({CONFIG_LABEL: "all-3g.40gb"})
+    rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+    assert await run_until_terminal(rec, node) == "failed"
+    assert layout(adapter) == before
+    assert pub.calls[-1] == ("update", 1)  # the restored layout is advertised again
+    msg = next(e[2] for e in events(node) if e[0] == "MigConfigFailed")
+    assert "restored to their previous layout" in msg
+
+
+async def test_restart_mid_way_ends_terminal(node: NodeClient, tmp_path: Path) -> None:
+    """An agent killed while applying leaves `pending`, a half-made layout and its state file behind;
+    the next agent finishes the job."""
+    adapter, store = sim("dgx-a100-80gb")
+    inject.write_mig_layout(store, 0, ["3g.40gb"])  # half of all-3g.40gb on GPU 0
+    MigStateFile(tmp_path).update(config="all-3g.40gb", phase="applying", touched=[0, 1])
+    node.patch_labels({CONFIG_LABEL: "all-3g.40gb", STATE_LABEL: "pending"})
+    rec = MigReconciler(node, adapter, tmp_path)
+    assert await run_until_terminal(rec, node) == "success"
+    assert all(v == [("3g.40gb", 0), ("3g.40gb", 4)] for v in layout(adapter).values())
+    # Same value again (e.g. after the restart) with everything in place: success without touching GPUs.
+    uuids = {d.uuid for g in adapter.discover().gpus for d in g.mig_devices}
+    rec2 = MigReconciler(node, adapter, tmp_path)
+    assert await run_until_terminal(rec2, node) == "success"
+    assert {d.uuid for g in adapter.discover().gpus for d in g.mig_devices} == uuids
+
+
+async def test_generation_annotation_reapplies_same_value(node: NodeClient, tmp_path: Path) -> None:
+    adapter, store = sim("a30x4")
+    node.patch_labels({CONFIG_LABEL: "all-2g.12gb"})
+    rec = MigReconciler(node, adapter, tmp_path)
+    task = asyncio.create_task(rec.run())
+    try:
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if rec.last_state == "success":
+                break
+        assert rec.last_state == "success"
+        inject.write_mig_layout(store, 2, ["4g.24gb"])  # someone changed GPU 2 by hand
+        rec.last_state = None
+        await node.apatch_labels({})  # nothing: same key, no reconcile
+        node.patch_metadata(annotations={GENERATION_ANNOTATION: "2"})
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if rec.last_state == "success":
+                break
+        assert rec.last_state == "success"
+        assert layout(adapter)[2] == [("2g.12gb", 0), ("2g.12gb", 2)]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_reboot_required_then_resume_after_boot(node: NodeClient, tmp_path: Path) -> None:
+    adapter, store = sim("dgx-a100-40gb")
+    inject.fail_next(store, "simResetGpu", int(pynvml.NVML_ERROR_RESET_REQUIRED), count=8)
+    reboots: list[int] = []
+
+    def reboot() -> None:  # the reboot adapter: here the simulated host reboots
+        reboots.append(1)
+        inject.reboot(store)
+
+    def boot_id() -> str:
+        return str(store.read()["boot"])
+
+    node.patch_labels({CONFIG_LABEL: "all-7g.40gb"})
+    opts = MigReconcilerOptions(with_reboot=True)
+    rec = MigReconciler(node, adapter, tmp_path, options=opts, reboot=reboot, boot_id=boot_id)
+    assert await run_until_terminal(rec, node) == "rebooting"
+    assert reboots == [1]
+    assert MigStateFile(tmp_path).load()["phase"] == "rebooting"  # type: ignore[index]
+    # After the boot a new agent resumes the persisted selection and finishes.
+    adapter2 = NvmlAdapter(open_sim_from(store))
+    rec2 = MigReconciler(node, adapter2, tmp_path, options=opts, reboot=reboot, boot_id=boot_id)
+    assert await run_until_terminal(rec2, node) == "success"
+    assert reboots == [1]
+    assert all(v == [("7g.40gb", 0)] for v in layout(adapter2).values())
+
+
+def open_sim_from(store: SimStore) -> Any:
+    from nodeagent.gpu.sim import SimulatedNvml
+
+    return SimulatedNvml(store)
+
+
+async def test_label_change_advertises_new_resources_at_kubelet(
+    node: NodeClient, tmp_path: Path, kubelet_harness: KubeletHarness
+) -> None:
+    from nodeagent.deviceplugin.service import DevicePluginService
+    from nodeagent.sharing.spec import parse_plugin_config
+
+    adapter, _ = sim("dgx-h100")
+    plugin_cfg = parse_plugin_config("version: v1\nflags:\n  migStrategy: mixed\n", source="plugin.yaml")
+    svc = DevicePluginService(plugin_dir=kubelet_harness.plugin_dir, plugin_config=plugin_cfg)
+    await svc.start(adapter.discover())
+    try:
+        await asyncio.to_thread(kubelet_harness.wait, "nvidia.com/gpu", total=8, registered=True)
+        node.patch_labels({CONFIG_LABEL: "all-3g.40gb"})
+        rec = MigReconciler(node, adapter, tmp_path, publisher=svc)
+        assert await run_until_terminal(rec, node) == "success"
+        _, res = await asyncio.to_thread(kubelet_harness.wait, "nvidia.com/mig-3g.40gb", total=16, healthy=16)
+        assert len(res.devices) == 16
+    finally:
+        await svc.stop()

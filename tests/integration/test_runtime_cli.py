@@ -1,0 +1,63 @@
+"""`nodeagent runtime ...` end to end under --root (no containerd restart)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "containerd"
+
+
+def _run(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nodeagent", "--root", str(root), "runtime", *args],
+                          capture_output=True, text=True, check=False, timeout=60)
+
+
+def test_configure_show_unconfigure(tmp_path: Path) -> None:
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
+    original = cfg.read_bytes()
+
+    dry = _run(tmp_path, "configure", "--dry-run", "--set-as-default")
+    assert dry.returncode == 0, dry.stderr
+    assert '+imports = ["/etc/containerd/conf.d/99-nvidia.toml"]' in dry.stdout
+    assert "+++ /etc/containerd/conf.d/99-nvidia.toml" in dry.stdout
+    assert cfg.read_bytes() == original
+
+    done = _run(tmp_path, "configure", "--set-as-default", "--restart", "none", "--json")
+    assert done.returncode == 0, done.stderr
+    res = json.loads(done.stdout)
+    assert res["changed"] and res["restart_needed"] and res["mode"] == "drop-in"
+    assert "restart containerd" in res["restart"]
+    assert (tmp_path / "etc/containerd/conf.d/99-nvidia.toml").exists()
+    assert (tmp_path / "var/lib/nodeagent/runtime.json").stat().st_mode & 0o777 == 0o600
+
+    again = _run(tmp_path, "configure", "--set-as-default", "--restart", "none")
+    assert again.returncode == 0 and again.stdout.strip().endswith("unchanged")
+
+    shown = json.loads(_run(tmp_path, "show", "--json").stdout)
+    assert shown["default_runtime"] == "nvidia" and shown["leak_guard"] is True
+    assert shown["runtimes"]["nvidia"]["binary"] == "/usr/bin/nvidia-container-runtime"
+    assert "nvidia" in _run(tmp_path, "show").stdout
+
+    undo = _run(tmp_path, "unconfigure", "--restart", "none")
+    assert undo.returncode == 0, undo.stderr
+    assert cfg.read_bytes() == original
+    assert not (tmp_path / "etc/containerd/conf.d/99-nvidia.toml").exists()
+
+
+def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_bytes((CORPUS / "invalid.toml.bad").read_bytes())
+    bad = _run(tmp_path, "configure", "--restart", "none")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: /etc/containerd/config.toml: invalid TOML at line 2, column")
+    both = _run(tmp_path, "configure", "--in-place", "--drop-in", "/x.toml")
+    assert both.returncode == 2 and "exclude each other" in both.stderr
+    assert sorted(p.name for p in cfg.parent.iterdir()) == ["config.toml"]
+    assert not (tmp_path / "var").exists()

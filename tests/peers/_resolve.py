@@ -1,0 +1,49 @@
+"""Finding the peer binaries: the variables tests/testbin/setup.sh exports, else setup.sh's own logic."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+TESTBIN = Path(__file__).resolve().parent.parent / "testbin"
+SETUP_SH = TESTBIN / "setup.sh"
+
+
+class PeerMissingError(RuntimeError):
+    """A real peer is not available; the message says how to get it."""
+
+
+def peer_binary(env_var: str, setup_function: str, what: str) -> Path:
+    """Path of a peer binary.
+
+    Uses ``$env_var`` when set (tests/run.sh sources setup.sh, which exports it); otherwise runs the
+    named setup.sh function, which builds into the cache only when the binary is not there yet.
+    """
+    value = os.environ.get(env_var)
+    if not value:
+        script = (
+            f"NODEAGENT_PEERS_LIB_ONLY=1; source {SETUP_SH}; set -euo pipefail; "
+            f'{setup_function} >&2; printf "%s" "${{{env_var}}}"'
+        )
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+        if proc.returncode != 0 or not proc.stdout:
+            raise PeerMissingError(
+                f"{what} is not available ({env_var} unset and `{setup_function}` from {SETUP_SH} failed: "
+                f"{proc.stderr.strip()[-2000:]}). Run `bash tests/run.sh` or `bash {SETUP_SH}`."
+            )
+        value = proc.stdout.strip()
+        os.environ[env_var] = value
+    path = Path(value)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise PeerMissingError(f"{what}: {env_var}={value} is not an executable file; run `bash {SETUP_SH}`")
+    return path
+
+
+def system_binary(name: str, package: str) -> Path:
+    found = shutil.which(name)
+    if found is None:
+        raise PeerMissingError(f"`{name}` is not installed: apt-get install {package} (tests/testbin/setup.sh does)")
+    return Path(found)
+

@@ -1,0 +1,189 @@
+# shellcheck shell=bash
+# Sets up the real test peers. SOURCED by tests/run.sh (under `set -euo pipefail`), so everything here
+# lives in functions that `return` non-zero with a message instead of exiting.
+#
+# What it does:
+#   * installs Debian `containerd` and `runc` when missing (apt-get; needs root);
+#   * builds the Go peers into a cache outside the repo, keyed by version and a hash of the module files
+#     and sources, so a warm run builds nothing:
+#       ${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}/bin/<name>-<version>-<hash>
+#   * exports the paths the pytest fixtures (tests/peers/) read:
+#       NODEAGENT_KUBE_APISERVER, NODEAGENT_ETCD, NODEAGENT_KUBELET_HARNESS,
+#       NODEAGENT_CONTAINERD, NODEAGENT_RUNC
+# KUBEBUILDER_ASSETS, when set to a directory holding kube-apiserver and etcd, is used instead of building
+# those two.
+#
+# Adding another Go peer (e.g. a sample device plugin): put its main package in a module under
+# tests/testbin/, then in a function called from nodeagent_peers_setup:
+#     build_go_binary my-plugin "$NODEAGENT_TESTBIN/my-module" ./cmd/my-plugin || return 1
+#     export NODEAGENT_MY_PLUGIN=$NODEAGENT_GO_BINARY
+# NODEAGENT_PEERS_LIB_ONLY=1 when sourcing defines the functions without running the setup.
+# Standalone use: `bash tests/testbin/setup.sh` runs the whole setup and prints the exported variables.
+
+NODEAGENT_TESTBIN=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+NODEAGENT_CACHE=${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}
+export NODEAGENT_CACHE
+
+_peers_log() { echo "peers: $*" >&2; }
+
+# _go_mod_version MODDIR MODULE: the version MODDIR/go.mod requires for MODULE (or "dev").
+_go_mod_version() {
+  local v
+  v=$(awk -v m="$2" '($1 == m || $2 == m) && $NF ~ /^v[0-9]/ {print $NF; exit}' "$1/go.mod" 2>/dev/null || true)
+  echo "${v:-dev}"
+}
+
+# _go_sources_hash MODDIR PKG: short hash over the Go toolchain version, go.mod, go.sum and the files of
+# the main package, so editing one command does not rebuild the others.
+_go_sources_hash() {
+  local moddir=$1 pkg=$2
+  (
+    cd "$moddir" || exit 1
+    go env GOVERSION
+    cat go.mod go.sum 2>/dev/null
+    if [ -d "$pkg" ]; then
+      find "$pkg" -type f -name '*.go' -print0 | LC_ALL=C sort -z | xargs -0 -r cat
+    else
+      echo "$pkg"
+    fi
+  ) | sha256sum | cut -c1-12
+}
+
+# build_go_binary NAME MODDIR PKG [VERSION [LDFLAGS]]
+# Builds package PKG (relative to MODDIR, e.g. ./cmd/etcd) of the Go module in MODDIR into the cache
+# unless it is already there. Sets NODEAGENT_GO_BINARY to the binary's path. VERSION (default "dev") goes
+# into the file name, e.g. "$(_go_mod_version MODDIR k8s.io/kubernetes)"; LDFLAGS (e.g. -X stamps) are
+# added to "-s -w" and to the cache key. Concurrent callers wait on a lock instead of building twice;
+# the binary appears atomically.
+build_go_binary() {
+  local name=$1 moddir=$2 pkg=$3 version=${4:-} ldflags=${5:-}
+  if ! command -v go >/dev/null 2>&1; then
+    _peers_log "cannot build $name: the Go toolchain is not installed (need go >= 1.24 on PATH)"
+    return 1
+  fi
+  version=${version:-dev}
+  local hash dest bindir logdir
+  hash=$( (_go_sources_hash "$moddir" "$pkg" && echo "$ldflags") | sha256sum | cut -c1-12) || {
+    _peers_log "cannot hash $moddir"
+    return 1
+  }
+  bindir=$NODEAGENT_CACHE/bin
+  logdir=$NODEAGENT_CACHE/logs
+  dest=$bindir/$name-$version-$hash
+  mkdir -p "$bindir" "$logdir" || return 1
+  if [ ! -x "$dest" ]; then
+    local lock=$bindir/.$name.lock log=$logdir/build-$name-$version-$hash.log
+    exec {_peers_lock_fd}>"$lock" || return 1
+    if ! flock -n "$_peers_lock_fd"; then
+      _peers_log "waiting for another build of $name (log: $log)"
+      flock "$_peers_lock_fd" || return 1
+    fi
+    if [ ! -x "$dest" ]; then
+      _peers_log "building $name $version (cold build; log: $log)"
+      local start=$SECONDS rc=0
+      (
+        cd "$moddir" &&
+          CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
+            nice -n 10 go build -trimpath -ldflags="-s -w $ldflags" -o "$dest.tmp.$$" "$pkg"
+      ) >"$log" 2>&1 || rc=$?
+      if [ "$rc" -ne 0 ]; then
+        rm -f "$dest.tmp.$$"
+        exec {_peers_lock_fd}>&-
+        _peers_log "building $name failed (exit $rc); last lines of $log:"
+        tail -n 20 "$log" >&2
+        return 1
+      fi
+      mv -f "$dest.tmp.$$" "$dest"
+      _peers_log "built $name in $((SECONDS - start))s -> $dest"
+    fi
+    exec {_peers_lock_fd}>&-
+  fi
+  NODEAGENT_GO_BINARY=$dest
+}
+
+# _peers_install_debian PKG...: apt-get install the packages that are not installed yet.
+_peers_install_debian() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    _peers_log "missing Debian packages: ${missing[*]} (install them: apt-get install ${missing[*]})"
+    return 1
+  fi
+  _peers_log "installing ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null || {
+    _peers_log "apt-get update failed"
+    return 1
+  }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || {
+    _peers_log "apt-get install ${missing[*]} failed"
+    return 1
+  }
+}
+
+nodeagent_peers_containerd() {
+  _peers_install_debian containerd runc || return 1
+  NODEAGENT_CONTAINERD=$(command -v containerd) || { _peers_log "containerd not on PATH"; return 1; }
+  NODEAGENT_RUNC=$(command -v runc) || { _peers_log "runc not on PATH"; return 1; }
+  export NODEAGENT_CONTAINERD NODEAGENT_RUNC
+}
+
+nodeagent_peers_apiserver() {
+  if [ -n "${KUBEBUILDER_ASSETS:-}" ]; then
+    if [ -x "$KUBEBUILDER_ASSETS/kube-apiserver" ] && [ -x "$KUBEBUILDER_ASSETS/etcd" ]; then
+      export NODEAGENT_KUBE_APISERVER=$KUBEBUILDER_ASSETS/kube-apiserver
+      export NODEAGENT_ETCD=$KUBEBUILDER_ASSETS/etcd
+      return 0
+    fi
+    _peers_log "KUBEBUILDER_ASSETS=$KUBEBUILDER_ASSETS lacks kube-apiserver or etcd; building them"
+  fi
+  local etcd_mod=$NODEAGENT_TESTBIN/etcd peers_mod=$NODEAGENT_TESTBIN/peers
+  build_go_binary etcd "$etcd_mod" ./cmd/etcd "$(_go_mod_version "$etcd_mod" go.etcd.io/etcd/server/v3)" ||
+    return 1
+  export NODEAGENT_ETCD=$NODEAGENT_GO_BINARY
+  local kube_version
+  kube_version=$(_go_mod_version "$peers_mod" k8s.io/kubernetes)
+  build_go_binary kube-apiserver "$peers_mod" ./cmd/kube-apiserver "$kube_version" \
+    "$(_kube_version_ldflags "$kube_version")" || return 1
+  export NODEAGENT_KUBE_APISERVER=$NODEAGENT_GO_BINARY
+}
+
+# _kube_version_ldflags v1.X.Y: the -X stamps a release build of Kubernetes carries (/version answers).
+_kube_version_ldflags() {
+  local v=$1 major minor rest
+  major=${v#v}
+  major=${major%%.*}
+  rest=${v#v*.}
+  minor=${rest%%.*}
+  local pkg=k8s.io/component-base/version
+  echo "-X $pkg.gitVersion=$v -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+}
+
+nodeagent_peers_harness() {
+  local peers_mod=$NODEAGENT_TESTBIN/peers
+  build_go_binary kubelet-harness "$peers_mod" ./cmd/kubelet-harness \
+    "$(_go_mod_version "$peers_mod" k8s.io/kubernetes)" || return 1
+  export NODEAGENT_KUBELET_HARNESS=$NODEAGENT_GO_BINARY
+}
+
+# nodeagent_peers_setup: everything above; the one entry point tests/run.sh relies on.
+nodeagent_peers_setup() {
+  local start=$SECONDS
+  nodeagent_peers_containerd || return 1
+  nodeagent_peers_harness || return 1
+  nodeagent_peers_apiserver || return 1
+  _peers_log "ready in $((SECONDS - start))s"
+}
+
+if [ -n "${NODEAGENT_PEERS_LIB_ONLY:-}" ]; then
+  : # only define the functions (for scripts that build one peer)
+elif [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  # Executed rather than sourced.
+  set -euo pipefail
+  nodeagent_peers_setup
+  env | grep '^NODEAGENT_' | sort
+else
+  nodeagent_peers_setup || return 1
+fi

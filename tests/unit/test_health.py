@@ -1,0 +1,141 @@
+"""XID classification (NVIDIA's env variables), lost GPUs and recovery after a quiet window."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from nodeagent.errors import ConfigError
+from nodeagent.gpu.health import DEFAULT_SKIPPED_XIDS, HealthMonitor, HealthSettings, XidEvent, to_xid_event
+
+
+class Source:
+    """Our own HealthSource interface, scripted."""
+
+    def __init__(self) -> None:
+        self.healthy: dict[int, bool] = {}
+
+    def wait_events(self, timeout_ms: int) -> Sequence[Any]:
+        return []
+
+    def gpu_healthy(self, index: int) -> bool:
+        return self.healthy.get(index, True)
+
+
+def test_default_skip_list() -> None:
+    s = HealthSettings.from_env({})
+    assert {13, 31, 43, 45, 68, 109} == DEFAULT_SKIPPED_XIDS
+    assert not any(s.is_critical(x) for x in DEFAULT_SKIPPED_XIDS)
+    assert s.is_critical(79) and s.is_critical(48)
+
+
+@pytest.mark.parametrize(
+    ("env", "critical", "not_critical", "enabled"),
+    [
+        ({"DP_DISABLE_HEALTHCHECKS": "all"}, [], [79, 48], False),
+        ({"DP_DISABLE_HEALTHCHECKS": "xids"}, [], [79, 48], True),
+        ({"DP_DISABLE_HEALTHCHECKS": "79, 94"}, [48], [79, 94, 13], True),
+        ({"DP_ENABLE_HEALTHCHECKS": "13"}, [13, 79], [31], True),
+        ({"DP_ENABLE_HEALTHCHECKS": "all"}, [13, 31, 109, 79], [], True),
+        ({"DP_DISABLE_HEALTHCHECKS": "xids", "DP_ENABLE_HEALTHCHECKS": "79"}, [79], [48], True),
+    ],
+)
+def test_env_variables(env: dict[str, str], critical: list[int], not_critical: list[int], enabled: bool) -> None:
+    s = HealthSettings.from_env(env)
+    assert s.enabled is enabled
+    assert all(s.is_critical(x) for x in critical)
+    assert not any(s.is_critical(x) for x in not_critical)
+
+
+def test_bad_env_value_named() -> None:
+    with pytest.raises(ConfigError, match="DP_DISABLE_HEALTHCHECKS: 'sometimes'"):
+        HealthSettings.from_env({"DP_DISABLE_HEALTHCHECKS": "sometimes"})
+
+
+def test_event_normalisation() -> None:
+    assert to_xid_event({"kind": "xid", "gpu_index": 2, "xid": 79}) == XidEvent(2, 79)
+    assert to_xid_event({"gpu": 1, "xid": 48, "gi_id": 3}) == XidEvent(1, 48, 3)
+    assert to_xid_event({"gpu": 1, "xid": 48, "gi_id": 0xFFFFFFFF}) == XidEvent(1, 48)
+    assert to_xid_event({"kind": "clock", "gpu_index": 1}) is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _noop() -> None:
+    return None
+
+
+def monitor(window: float | None = 10.0) -> tuple[HealthMonitor, Source, Clock]:
+    src, clock = Source(), Clock()
+    m = HealthMonitor(
+        source=src, settings=HealthSettings(recovery_window_s=window), on_change=_noop, clock=clock,
+        gpu_indices=frozenset({0, 1}),
+    )
+    return m, src, clock
+
+
+async def test_xid_marks_unhealthy_and_recovers_after_window() -> None:
+    m, _, clock = monitor()
+    assert await m.handle_events([{"gpu_index": 0, "xid": 79}])
+    assert not m.is_healthy(0) and not m.is_healthy(0, 3) and m.is_healthy(1)
+    assert not await m.handle_events([{"gpu_index": 0, "xid": 13}])  # skipped XID changes nothing
+    assert not await m.poll_once()  # first healthy poll starts the window
+    clock.now += 5
+    assert await m.handle_events([]) is False
+    assert not await m.poll_once()
+    clock.now += 6
+    assert await m.poll_once()
+    assert m.is_healthy(0)
+
+
+async def test_new_xid_restarts_window() -> None:
+    m, _, clock = monitor()
+    await m.handle_events([{"gpu_index": 1, "xid": 48}])
+    await m.poll_once()
+    clock.now += 8
+    await m.handle_events([{"gpu_index": 1, "xid": 48}])
+    clock.now += 8
+    assert not await m.poll_once()
+    assert not m.is_healthy(1)
+    clock.now += 3
+    assert await m.poll_once() and m.is_healthy(1)
+
+
+async def test_lost_gpu_and_no_recovery_while_lost() -> None:
+    m, src, clock = monitor()
+    src.healthy[0] = False
+    assert await m.poll_once()
+    assert m.unhealthy() == {(0, None): "GPU lost"}
+    clock.now += 100
+    assert not await m.poll_once()
+    src.healthy[0] = True
+    assert not await m.poll_once()
+    clock.now += 10
+    assert await m.poll_once() and m.is_healthy(0)
+
+
+async def test_mig_instance_fault_is_local() -> None:
+    m, _, _ = monitor()
+    await m.handle_events([{"gpu_index": 0, "xid": 79, "gi_id": 2}])
+    assert m.is_healthy(0) and m.is_healthy(0, 1) and not m.is_healthy(0, 2)
+
+
+async def test_nvidia_mode_never_recovers() -> None:
+    m, _, clock = monitor(window=None)
+    await m.handle_events([{"gpu_index": 0, "xid": 79}])
+    clock.now += 10_000
+    await m.poll_once()
+    assert not m.is_healthy(0)
+
+
+async def test_unknown_gpu_ignored() -> None:
+    m, _, _ = monitor()
+    assert not await m.handle_events([{"gpu_index": 7, "xid": 79}])

@@ -1,0 +1,121 @@
+"""Metrics: dcgm-exporter names/labels from samples + PodResources, agent counters, real HTTP scrape."""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
+from nodeagent.kube.podresources import Assignment
+from nodeagent.metrics import DEFAULT_ADDRESS, GpuSample, Metrics, sample_from
+
+MIG = MigDevice(1, 5, 0, "3g.20gb", 0, 4, 19968, "MIG-x")
+INV = Inventory("535.1.2", 12020, (
+    Gpu(0, "GPU-a", "NVIDIA A100-SXM4-40GB", "00000000:07:00.0", 0x20B010DE, 40960, 0, 8, 0, 0, "ampere"),
+    Gpu(1, "GPU-b", "NVIDIA A100-SXM4-40GB", "00000000:0F:00.0", 0x20B010DE, 40960, 0, 8, 0, 1, "ampere",
+        mig_capable=True, mig_current=True, mig_devices=(MIG,)),
+))
+
+
+@dataclass
+class AdapterReading:  # the shape an NVML adapter may hand over
+    utilization: int
+    memory_used_mib: int
+    memory_free_mib: int
+    temperature_c: int
+    power_w: float
+
+
+def _families(m: Metrics) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = generate_latest(m.registry).decode()
+    return {f.name: [(s.labels, s.value) for s in f.samples] for f in text_string_to_metric_families(text)}
+
+
+def test_default_address_is_loopback() -> None:
+    assert DEFAULT_ADDRESS == "127.0.0.1:9400"
+
+
+def test_sample_conversion_from_object_and_mapping() -> None:
+    s = sample_from(AdapterReading(55, 100, 900, 40, 71.5))
+    assert s == GpuSample(55.0, 100.0, 900.0, 40.0, 71.5, None)
+    assert sample_from({"gpu_util": 3, "last_xid": 79}).last_xid == 79.0
+
+
+def test_dcgm_series_with_pods_and_mig_labels() -> None:
+    m = Metrics("node-a")
+    m.update_gpus(
+        INV,
+        {0: AdapterReading(80, 1000, 39960, 50, 250.0), 1: {"gpu_util": 10, "fb_used_mib": 5, "last_xid": 48}},
+        [Assignment("ml", "train", "main", "nvidia.com/gpu", ("GPU-a",)),
+         Assignment("ml", "infer", "srv", "nvidia.com/mig-3g.20gb", ("MIG-x",))],
+        health={1: False},
+    )
+    fams = _families(m)
+    util = {lab["gpu"]: (lab, v) for lab, v in fams["DCGM_FI_DEV_GPU_UTIL"]}
+    lab0, v0 = util["0"]
+    assert v0 == 80.0
+    assert lab0 == {"gpu": "0", "UUID": "GPU-a", "pci_bus_id": "00000000:07:00.0", "device": "nvidia0",
+                    "modelName": "NVIDIA A100-SXM4-40GB", "GPU_I_PROFILE": "", "GPU_I_ID": "", "hostname": "node-a",
+                    "namespace": "ml", "pod": "train", "container": "main"}
+    lab1, _ = util["1"]
+    assert (lab1["GPU_I_PROFILE"], lab1["GPU_I_ID"], lab1["pod"]) == ("3g.20gb", "5", "infer")
+    assert [v for _, v in fams["DCGM_FI_DEV_XID_ERRORS"]] == [48.0]
+    assert {lab["gpu"]: v for lab, v in fams["DCGM_FI_DEV_FB_FREE"]} == {"0": 39960.0}
+    health = {lab["gpu"]: v for lab, v in fams["nodeagent_device_healthy"]}
+    assert health == {"0": 1.0, "1": 0.0}
+
+
+def test_agent_counters_and_kube_hook() -> None:
+    m = Metrics("n")
+    hook = m.kube_hook()
+    hook("PATCH", 200)
+    hook("GET", 503)
+    m.reconciles.labels(component="mig", result="success").inc()
+    with m.apply_seconds.labels(component="mig").time():
+        pass
+    fams = _families(m)
+    req = {lab["method"]: v for lab, v in fams["nodeagent_kube_api_requests"] if "method" in lab}
+    assert req == {"PATCH": 1.0, "GET": 1.0}
+    errs = {lab["code"]: v for lab, v in fams["nodeagent_kube_api_errors"] if "code" in lab}
+    assert errs == {"503": 1.0}
+    assert any(v == 1.0 for lab, v in fams["nodeagent_apply_duration_seconds"] if lab.get("le") == "+Inf")
+
+
+def test_two_registries_do_not_collide() -> None:
+    Metrics("a")
+    Metrics("b")  # would raise "Duplicated timeseries" on a shared registry
+
+
+def test_scrape_over_http() -> None:
+    m = Metrics("node-z")
+    m.update_gpus(INV, {0: GpuSample(gpu_util=12)})
+    server = m.serve("127.0.0.1:0")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        server.stop()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    (sample,) = fams["DCGM_FI_DEV_GPU_UTIL"].samples
+    assert sample.value == 12.0 and sample.labels["hostname"] == "node-z"
+
+
+def test_readings_from_the_nvml_adapter_on_the_simulator() -> None:
+    from nodeagent.gpu import open_nvml
+
+    nvml = open_nvml("dgx-a100-40gb")
+    try:
+        inv = nvml.discover()
+        m = Metrics("sim-node")
+        m.update_gpus(inv, {g.index: nvml.metrics(g.index) for g in inv.gpus})
+    finally:
+        nvml.close()
+    fams = _families(m)
+    assert len(fams["DCGM_FI_DEV_FB_FREE"]) == 8
+    total = {lab["gpu"]: v for lab, v in fams["DCGM_FI_DEV_FB_FREE"]}
+    used = {lab["gpu"]: v for lab, v in fams["DCGM_FI_DEV_FB_USED"]}
+    assert all(total[k] + used[k] == 40960 for k in total)
+    assert {lab["modelName"] for lab, _ in fams["DCGM_FI_DEV_GPU_TEMP"]} == {"NVIDIA A100-SXM4-40GB"}
