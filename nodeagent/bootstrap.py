@@ -217,7 +217,7 @@ def _discover(config: AgentConfig, paths: HostPaths) -> Inventory:
 def _connect(config: AgentConfig, paths: HostPaths) -> Any:
     from nodeagent.kube.client import KubeClient, connect
 
-    kubeconfig = paths(config.kubeconfig) if config.kubeconfig else None
+    kubeconfig = Path(config.kubeconfig) if config.kubeconfig else None
     kube = KubeClient(connect(kubeconfig))
     try:
         kube.request("GET", "/version", timeout=5)

@@ -103,7 +103,7 @@ class SimulateSettings:
 class AgentConfig:
     node_name: str = ""  # "" = $NODE_NAME, else the host name
     kube: bool = True  # False = no Kubernetes API at all (demos, kubelet-only nodes)
-    kubeconfig: str = ""  # "" = in-cluster service account
+    kubeconfig: str = ""  # "" = in-cluster service account; a path on this machine, never re-rooted
     log_format: LogFormat = "text"
     log_level: LogLevel = "info"
     resync_interval: float = 60.0  # seconds between full rediscovery + publish passes

@@ -528,7 +528,7 @@ def open_gpu(config: AgentConfig, paths: HostPaths) -> GpuSource:
 def open_kube(config: AgentConfig, paths: HostPaths) -> Any:
     from nodeagent.kube.client import KubeClient, connect
 
-    kubeconfig = paths(config.kubeconfig) if config.kubeconfig else None
+    kubeconfig = Path(config.kubeconfig) if config.kubeconfig else None
     return KubeClient(connect(kubeconfig))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from nodeagent.cli import Settings
-from nodeagent.config import flag_path, load_config
+from nodeagent.config import load_config
 
 
 @click.command()
@@ -55,7 +55,7 @@ def bootstrap(
             "simulate.machine": simulate,
             "simulate.state": None if sim_state is None else str(sim_state.absolute()),
             "kube": False if no_kube else None,
-            "kubeconfig": flag_path(settings.paths, kubeconfig, "--kubeconfig"),
+            "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
             "node_name": node_name,
             "mig.with_reboot": with_reboot,
         },

@@ -51,7 +51,7 @@ def run(
         "simulate.machine": simulate,
         "simulate.state": None if sim_state is None else str(sim_state.absolute()),
         "kube": False if no_kube else None,
-        "kubeconfig": flag_path(paths, kubeconfig, "--kubeconfig"),
+        "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
         "node_name": node_name,
         "kubelet.dir": flag_path(paths, kubelet_dir, "--kubelet-dir"),
         "device_plugin.config": flag_path(paths, device_plugin_config, "--device-plugin-config"),

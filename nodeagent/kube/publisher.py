@@ -120,8 +120,8 @@ class NodePublisher:
         self.events = events or EventRecorder(self.node, enabled=self.config.events)
         self.gpus = GpuObjects(kube, node_name)
         self.reapplied = 0
-        self.reapply_min_interval = 5.0
-        self._last_reapply = -1e9
+        self.reapply_per_minute = 6  # more re-applies than this in a minute wait for the next resync
+        self._reapplies: list[float] = []
         self._latest: NodeView | None = None
         self._inputs: _Inputs | None = None
         self._lock = threading.RLock()
@@ -276,11 +276,12 @@ class NodePublisher:
             if self._inputs is None or not self.drifted(view):
                 return
             now = time.monotonic()
-            if now - self._last_reapply < self.reapply_min_interval:
+            recent = [t for t in self._reapplies if now - t < 60.0]
+            if len(recent) >= self.reapply_per_minute:
                 # something keeps resetting our values: do not fight it faster than this
                 log.warning("node %s keeps losing values nodeagent set; next resync re-applies", self.node.name)
                 return
-            self._last_reapply = now
+            self._reapplies = [*recent, now]
             log.info("node %s lost values nodeagent set; re-applying", self.node.name)
             self.reapplied += 1
             try:

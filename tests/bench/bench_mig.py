@@ -91,12 +91,13 @@ async def bench_label(runs: int = 3) -> dict[str, Any]:
                 for i in range(runs):
                     config, resource, total = (("all-3g.40gb", "nvidia.com/mig-3g.40gb", 16) if i % 2 == 0
                                                else ("all-1g.10gb", "nvidia.com/mig-1g.10gb", 56))
+                    rec.last_state = None
                     t0 = time.time()
                     await node.apatch_labels({CONFIG_LABEL: config})
                     while True:
                         view = await node.aget()
-                        done = view.labels.get(STATE_LABEL) in ("success", "failed")
-                        if done and view.labels.get(CONFIG_LABEL) == config and rec.last_key == (config, ""):
+                        done = rec.last_state in ("success", "failed")
+                        if done and view.labels.get(STATE_LABEL) == rec.last_state:
                             break
                         await asyncio.sleep(0.01)
                     t_state = time.time()

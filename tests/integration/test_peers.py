@@ -88,7 +88,12 @@ def test_plugin_registers_and_is_allocated(kubelet_harness: KubeletHarness, plug
     pr_grpc: Any = podresources_pb2_grpc
 
     with grpc.insecure_channel(f"unix://{kubelet_harness.pod_resources_socket}") as ch:
-        listed = pr_grpc.PodResourcesListerStub(ch).List(pr.ListPodResourcesRequest(), timeout=5)
+        stub = pr_grpc.PodResourcesListerStub(ch)
+        listed = stub.List(pr.ListPodResourcesRequest(), timeout=5)
+        allocatable = stub.GetAllocatableResources(pr.AllocatableResourcesRequest(), timeout=5)
+        got = stub.Get(pr.GetPodResourcesRequest(pod_name="p1", pod_namespace="default"), timeout=5)
+    assert sorted(i for d in allocatable.devices for i in d.device_ids) == [f"dongle-{i}" for i in range(4)]
+    assert got.pod_resources.containers[0].name == "c"
     (pod,) = listed.pod_resources
     assert (pod.name, pod.namespace, pod.containers[0].name) == ("p1", "default", "c")
     assert sorted(i for d in pod.containers[0].devices for i in d.device_ids) == ["dongle-1", "dongle-3"]

@@ -24,7 +24,7 @@ from tests.peers.containerd import Containerd
 pytestmark = pytest.mark.peers
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "containerd"
-JUDGED = sorted(p.name for p in CORPUS.glob("*.toml") if "version = 3" not in p.read_text()) + ["(no file)"]
+JUDGED = [*sorted(p.name for p in CORPUS.glob("*.toml") if "version = 3" not in p.read_text()), "(no file)"]
 OWNED = ("default_runtime_name", "enable_cdi", "imports")
 
 

@@ -56,7 +56,7 @@ def test_signal_restart_waits_for_a_new_process(supervised: tuple[Path, subproce
     os.kill(loop.pid, signal.SIGKILL)
     loop.wait()
     t0 = time.monotonic()
-    with pytest.raises(RestartError, match=r"did not answer on .* within 1.5s"):
+    with pytest.raises(RestartError, match=r"did not answer on .* within 1\.5s"):
         restart_containerd("signal", socket, timeout=1.5)
     assert time.monotonic() - t0 < 10
 
@@ -75,7 +75,7 @@ def test_systemd_mode_runs_systemctl_then_waits(supervised: tuple[Path, subproce
     def failing(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(list(cmd), 5, "", "Failed to restart containerd.service: Unit not found.\n")
 
-    with pytest.raises(RestartError, match="exited 5: Failed to restart containerd.service: Unit not found."):
+    with pytest.raises(RestartError, match=r"exited 5: Failed to restart containerd\.service: Unit not found\."):
         restart_containerd("systemd", socket, runner=failing)
 
 
@@ -85,5 +85,5 @@ def test_none_mode_and_missing_socket(tmp_path: Path) -> None:
     assert not answers(sock)
     with pytest.raises(RestartError, match="no process is serving"):
         restart_containerd("signal", sock, timeout=0.5)
-    with pytest.raises(RestartError, match="within 0.3s"):
+    with pytest.raises(RestartError, match=r"within 0\.3s"):
         wait_ready(sock, 0.3)

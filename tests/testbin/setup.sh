@@ -79,7 +79,7 @@ build_go_binary() {
       flock "$_peers_lock_fd" || return 1
     fi
     if [ ! -x "$dest" ]; then
-      _peers_log "building $name $version (cold build; log: $log)"
+      _peers_log "building $name $version (not in the cache; log: $log)"
       local start=$SECONDS rc=0
       (
         cd "$moddir" &&
@@ -166,6 +166,15 @@ nodeagent_peers_harness() {
   build_go_binary kubelet-harness "$peers_mod" ./cmd/kubelet-harness \
     "$(_go_mod_version "$peers_mod" k8s.io/kubernetes)" || return 1
   export NODEAGENT_KUBELET_HARNESS=$NODEAGENT_GO_BINARY
+}
+
+# The Kubernetes sample device plugin, for tests/bench/bench_deviceplugin.py only (not part of the setup
+# run by tests/run.sh): NODEAGENT_PEERS_LIB_ONLY=1 source this file, then call this function.
+nodeagent_peers_sample_device_plugin() {
+  local mod=$NODEAGENT_TESTBIN/sample-device-plugin
+  build_go_binary sample-device-plugin "$mod" k8s.io/kubernetes/test/images/sample-device-plugin \
+    "$(_go_mod_version "$mod" k8s.io/kubernetes)" || return 1
+  export NODEAGENT_SAMPLE_DEVICE_PLUGIN=$NODEAGENT_GO_BINARY
 }
 
 # nodeagent_peers_setup: everything above; the one entry point tests/run.sh relies on.

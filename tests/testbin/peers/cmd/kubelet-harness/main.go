@@ -640,12 +640,17 @@ func (h *harness) wait(req *request) reply {
 	for {
 		rs, present := h.state[req.Resource]
 		if req.matches(rs, present) {
+			// The earliest update since which the condition has held without a break.
 			seen := float64(time.Now().UnixNano()) / 1e9
 			for i := len(h.updates) - 1; i >= 0; i-- {
-				if h.updates[i].Resource == req.Resource {
-					seen = h.updates[i].Time
+				u := h.updates[i]
+				if u.Resource != req.Resource {
+					continue
+				}
+				if !req.matches(u.State, u.State.Registered || len(u.State.Devices) > 0) {
 					break
 				}
+				seen = u.Time
 			}
 			return reply{"ok": true, "time": seen, "state": rs}
 		}

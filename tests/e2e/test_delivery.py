@@ -1,0 +1,124 @@
+"""Delivery: the systemd units pass `systemd-analyze verify`; the .deb builds, installs into a throwaway root
+and its installed `nodeagent` runs; purge leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._agent import REPO
+
+UNITS = ("nodeagent.service", "nodeagent-bootstrap.service")
+
+
+def need(tool: str, package: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is missing: apt-get install {package}", pytrace=False)
+    return path
+
+
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = need("systemd-analyze", "systemd")
+    system_units = Path("/lib/systemd/system")
+    if not (system_units / "sysinit.target").exists():
+        pytest.fail("systemd's own units are missing: apt-get install systemd", pytrace=False)
+    # A throwaway root holding the system's units, ours, and the binaries our Exec lines name.
+    root = tmp_path / "root"
+    shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    for unit in UNITS:
+        shutil.copy(REPO / "systemd" / unit, root / "etc/systemd/system" / unit)
+    for exe in ("usr/bin/nodeagent", "bin/kill"):
+        (root / exe).parent.mkdir(parents=True, exist_ok=True)
+        (root / exe).write_text("#!/bin/sh\n")
+        (root / exe).chmod(0o755)
+    proc = subprocess.run([analyze, "verify", f"--root={root}", *UNITS], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    # verify reports unknown keys and bad values only as warnings: none may mention our units
+    assert not [ln for ln in out.splitlines() if "nodeagent" in ln], out
+
+
+def test_unit_contract() -> None:
+    text = (REPO / "systemd/nodeagent.service").read_text()
+    for line in ("Type=notify", "Restart=always", "WatchdogSec=", "ExecReload=/bin/kill -HUP $MAINPID",
+                 "After=network-online.target containerd.service", "ReadWritePaths=/etc/containerd",
+                 "/var/lib/kubelet", "DeviceAllow=char-nvidia-frontend rw"):
+        assert line in text, line
+    boot = (REPO / "systemd/nodeagent-bootstrap.service").read_text()
+    for line in ("Type=oneshot", "Before=kubelet.service", "SuccessExitStatus=3"):
+        assert line in boot, line
+
+
+@pytest.fixture(scope="module")
+def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    need("dpkg-deb", "dpkg")
+    out = tmp_path_factory.mktemp("deb")
+    proc = subprocess.run(["bash", str(REPO / "packaging/build-deb.sh"), str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    assert path.exists()
+    return path
+
+
+def dpkg(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["dpkg", f"--root={root}", "--force-script-chrootless", "--force-depends", *args],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": os.environ["PATH"]
+                                                                          + ":/usr/sbin:/sbin"})
+
+
+def test_deb_contents(deb: Path) -> None:
+    info = subprocess.run(["dpkg-deb", "--info", str(deb)], capture_output=True, text=True, check=True).stdout
+    assert "Package: nodeagent" in info and "Depends: python3.11" in info
+    conffiles = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
+    assert b"conffiles" in conffiles
+    listing = subprocess.run(["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True, check=True).stdout
+    for path in ("./opt/nodeagent/bin/nodeagent", "./usr/bin/nodeagent -> /opt/nodeagent/bin/nodeagent",
+                 "./lib/systemd/system/nodeagent.service", "./lib/systemd/system/nodeagent-bootstrap.service",
+                 "./etc/nodeagent/config.toml"):
+        assert path in listing, path
+    assert "__pycache__" not in listing
+
+
+def test_deb_installs_runs_and_purges(tmp_path: Path, deb: Path) -> None:
+    root = tmp_path / "root"
+    (root / "var/lib/dpkg/info").mkdir(parents=True)
+    (root / "var/lib/dpkg/updates").mkdir()
+    (root / "var/lib/dpkg/status").touch()
+    (root / "var/lib/dpkg/available").touch()
+    proc = dpkg(root, "-i", str(deb))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (root / "var/lib/nodeagent").is_dir()  # made by postinst
+    assert (root / "etc/nodeagent/config.toml").read_text() == (REPO / "configs/config.toml").read_text()
+    assert os.readlink(root / "usr/bin/nodeagent") == "/opt/nodeagent/bin/nodeagent"
+    script = root / "opt/nodeagent/bin/nodeagent"
+    assert script.read_text().splitlines()[0] == "#!/opt/nodeagent/bin/python"
+    # Run the installed program at its installed path: a private mount namespace shows the throwaway root's
+    # /opt/nodeagent at /opt/nodeagent (nothing on the host changes).
+    need("unshare", "util-linux")
+    cmd = (f"mount --make-rprivate / && mount -t tmpfs none /opt && mkdir /opt/nodeagent && "
+           f"mount --bind {root}/opt/nodeagent /opt/nodeagent && "
+           f"{root}/usr/bin/nodeagent --version && "
+           f"{root}/usr/bin/nodeagent discover --simulate dgx-h100 --json")
+    run = subprocess.run(["unshare", "--mount", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("nodeagent, version ")
+    assert run.stdout.count("GPU-") >= 8 and "H100" in run.stdout
+    # a local edit of the conffile survives a reinstall
+    (root / "etc/nodeagent/config.toml").write_text('node_name = "edited"\n')
+    proc = dpkg(root, "--force-confold", "-i", str(deb))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (root / "etc/nodeagent/config.toml").read_text() == 'node_name = "edited"\n'
+    # purge removes the program, the conffile and the state
+    proc = dpkg(root, "--purge", "nodeagent")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    left = [p for p in root.rglob("*") if "var/lib/dpkg" not in str(p) and p.is_file()]
+    assert left == []
+    assert not (root / "opt/nodeagent").exists()
