@@ -1,0 +1,294 @@
+"""Device-plugin benchmark: prints figures and one JSON line (no assertions on timings).
+
+    .venv/bin/python tests/bench/bench_deviceplugin.py [--quick] [--no-sample]
+
+Measures, over real Unix sockets:
+  * Allocate p50/p99 (1 device) of nodeagent's server, and of the Kubernetes sample device plugin in Go
+    (k8s.io/kubernetes/test/images/sample-device-plugin) with the same Python gRPC client in the same run;
+  * GetPreferredAllocation on dgx-h100 for sizes 1..8;
+  * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
+  * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
+Servers run in a child process so client and server do not share an interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from nodeagent.deviceplugin.api import pb2, pb2_grpc  # noqa: E402
+
+SERVER = r"""
+import asyncio, sys
+from pathlib import Path
+from nodeagent.deviceplugin.service import DevicePluginService
+from nodeagent.gpu import open_nvml
+from nodeagent.gpu.health import HealthSettings
+from nodeagent.sharing.spec import parse_plugin_config
+
+async def main(plugin_dir, state, config):
+    nvml = open_nvml(None, Path(state))
+    svc = DevicePluginService(plugin_dir=Path(plugin_dir), plugin_config=parse_plugin_config(config), nvml=nvml,
+                              health=HealthSettings(recovery_window_s=None, poll_interval_s=5, event_wait_ms=100),
+                              backoff_max_s=60)
+    await svc.start(nvml.discover())
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await svc.stop()
+    nvml.close()
+
+asyncio.run(main(*sys.argv[1:4]))
+"""
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def ms(values: list[float]) -> dict[str, float]:
+    return {"p50_ms": round(pct(values, 50) * 1e3, 3), "p99_ms": round(pct(values, 99) * 1e3, 3),
+            "max_ms": round(max(values) * 1e3, 3), "n": len(values)}
+
+
+def sim_state(tmp: Path, machine: str, layouts: dict[int, list[str]] | None = None) -> Path:
+    from nodeagent.gpu.sim.inject import write_mig_layout
+    from nodeagent.gpu.sim.state import SimStore
+
+    path = tmp / f"{machine}-{len(list(tmp.iterdir()))}.json"
+    store = SimStore.open(machine, path)
+    for gpu, profiles in (layouts or {}).items():
+        write_mig_layout(store, gpu, profiles)
+    return path
+
+
+class Child:
+    """nodeagent's DevicePluginService in its own Python process."""
+
+    def __init__(self, plugin_dir: Path, state: Path, config: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(plugin_dir), str(state), config],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError("device-plugin child did not start")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def timed(fn: Callable[[], Any], n: int, warmup: int = 50) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_allocate(sock: Path, device: str, n: int) -> dict[str, float]:
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        stub = pb2_grpc.DevicePluginStub(ch)
+        req = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
+        return ms(timed(lambda: stub.Allocate(req, timeout=10), n))
+
+
+def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with grpc.insecure_channel(f"unix://{sock}") as ch:
+        stub = pb2_grpc.DevicePluginStub(ch)
+        ids = [d.ID for d in next(iter(stub.ListAndWatch(pb2.Empty()))).devices]
+        for size in range(1, 9):
+            req = pb2.PreferredAllocationRequest(container_requests=[pb2.ContainerPreferredAllocationRequest(
+                available_deviceIDs=ids, must_include_deviceIDs=ids[3:4], allocation_size=size)])
+            out[str(size)] = ms(timed(lambda req=req: stub.GetPreferredAllocation(req, timeout=10), n, warmup=10))
+    return out
+
+
+def bench_list_896(tmp: Path, quick: bool) -> dict[str, Any]:
+    from nodeagent.gpu.sim.inject import inject_xid
+    from nodeagent.gpu.sim.state import SimStore
+
+    state = sim_state(tmp, "dgx-h100", {g: ["1g.10gb"] * 7 for g in range(8)})
+    config = ("version: v1\nflags:\n  migStrategy: single\nsharing:\n  timeSlicing:\n    resources:\n"
+              "    - name: nvidia.com/gpu\n      replicas: 16\n")
+    pdir = tmp / "dp896"
+    child = Child(pdir, state, config)
+    try:
+        sock = pdir / "nvidia-gpu.sock"
+        first: list[float] = []
+        size = count = 0
+        for _ in range(5 if quick else 20):
+            with grpc.insecure_channel(f"unix://{sock}") as ch:
+                stub = pb2_grpc.DevicePluginStub(ch)
+                t = time.perf_counter()
+                stream = stub.ListAndWatch(pb2.Empty())
+                msg = next(stream)
+                first.append(time.perf_counter() - t)
+                size, count = msg.ByteSize(), len(msg.devices)
+                stream.cancel()
+        # re-send after an XID: time from injecting into the sim until the stream delivers the new list
+        resend: list[float] = []
+        store = SimStore.open(None, state)
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            stub = pb2_grpc.DevicePluginStub(ch)
+            stream = stub.ListAndWatch(pb2.Empty())
+            next(stream)
+            for gpu in range(3 if quick else 8):
+                t = time.perf_counter()
+                inject_xid(store, gpu, 48)
+                msg = next(stream)
+                resend.append(time.perf_counter() - t)
+                unhealthy = sum(1 for d in msg.devices if d.health == "Unhealthy")
+                assert unhealthy == 112 * (gpu + 1), unhealthy
+            stream.cancel()
+        return {"devices": count, "bytes": size, "first_list": ms(first), "xid_resend": ms(resend)}
+    finally:
+        child.close()
+
+
+async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
+    from nodeagent.deviceplugin.service import DevicePluginService
+    from nodeagent.gpu import open_nvml
+    from nodeagent.gpu.health import HealthSettings
+    from nodeagent.gpu.sim.inject import inject_xid
+    from nodeagent.gpu.sim.state import SimStore
+    from tests.peers.harness import running_harness
+
+    state = sim_state(tmp, "dgx-h100")
+    store = SimStore.open(None, state)
+    nvml = open_nvml(None, state)
+    xid: list[float] = []
+    restart: list[float] = []
+    with running_harness() as h:
+        svc = DevicePluginService(plugin_dir=h.plugin_dir, nvml=nvml,
+                                  health=HealthSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=50))
+        await svc.start(nvml.discover())
+        try:
+            await asyncio.to_thread(h.wait, "nvidia.com/gpu", total=8, healthy=8, registered=True)
+            ids = svc.served_resources()["nvidia.com/gpu"]
+            for i in range(3 if quick else 8):
+                t = time.time()
+                inject_xid(store, i, 79 if i % 2 else 48)
+                seen, _ = await asyncio.to_thread(h.wait, "nvidia.com/gpu", device=ids[i], health="Unhealthy")
+                xid.append(seen - t)
+                await asyncio.to_thread(h.wait, "nvidia.com/gpu", healthy=8, timeout=10)
+            for _ in range(3 if quick else 8):
+                t = time.time()
+                await asyncio.to_thread(h.restart)
+                seen, _ = await asyncio.to_thread(h.wait, "nvidia.com/gpu", healthy=8, registered=True)
+                restart.append(seen - t)
+        finally:
+            await svc.stop()
+            nvml.close()
+    return {"xid_to_unhealthy": ms(xid), "restart_to_registered": ms(restart)}
+
+
+def sample_plugin_binary() -> Path | None:
+    value = os.environ.get("NODEAGENT_SAMPLE_DEVICE_PLUGIN")
+    if not value:
+        script = (f"NODEAGENT_PEERS_LIB_ONLY=1; source {ROOT}/tests/testbin/setup.sh; "
+                  'nodeagent_peers_sample_device_plugin >&2 && printf %s "$NODEAGENT_SAMPLE_DEVICE_PLUGIN"')
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(f"sample device plugin unavailable: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+            return None
+        value = proc.stdout.strip()
+    return Path(value)
+
+
+def bench_sample(binary: Path, tmp: Path, n: int) -> dict[str, float]:
+    sdir = tmp / "sample"
+    sdir.mkdir()
+    # REGISTER_CONTROL_FILE: serve without registering (its kubelet path is fixed to /var/lib/kubelet).
+    env = dict(os.environ, PLUGIN_SOCK_DIR=str(sdir), REGISTER_CONTROL_FILE=str(tmp / "ctl" / "register"))
+    (tmp / "ctl").mkdir()
+    proc = subprocess.Popen([str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        socks: list[Path] = []
+        while time.monotonic() < deadline and not socks:
+            socks = [p for p in sdir.iterdir() if p.name.startswith("dp.")]
+            time.sleep(0.05)
+        if not socks:
+            raise RuntimeError("sample device plugin did not create its socket")
+        time.sleep(0.2)
+        return bench_allocate(socks[0], "Dev-1", n)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--no-sample", action="store_true", help="skip the Go sample device plugin")
+    args = ap.parse_args()
+    n = 300 if args.quick else 2000
+    result: dict[str, Any] = {"bench": "deviceplugin"}
+    with tempfile.TemporaryDirectory(prefix="na-dpbench-") as t:
+        tmp = Path(t)
+        state = sim_state(tmp, "dgx-h100")
+        pdir = tmp / "dp"
+        child = Child(pdir, state, "version: v1\n")
+        try:
+            with grpc.insecure_channel(f"unix://{pdir / 'nvidia-gpu.sock'}") as ch:
+                first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
+            result["allocate_nodeagent"] = bench_allocate(pdir / "nvidia-gpu.sock", first, n)
+            result["preferred_dgx_h100"] = bench_preferred(pdir / "nvidia-gpu.sock", 50 if args.quick else 300)
+        finally:
+            child.close()
+        if not args.no_sample:
+            binary = sample_plugin_binary()
+            if binary is not None:
+                result["allocate_k8s_sample_go"] = bench_sample(binary, tmp, n)
+        result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
+        result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
+
+    a = result["allocate_nodeagent"]
+    print(f"Allocate (nodeagent, 1 GPU):        p50 {a['p50_ms']} ms  p99 {a['p99_ms']} ms  (n={a['n']})")
+    if "allocate_k8s_sample_go" in result:
+        s = result["allocate_k8s_sample_go"]
+        print(f"Allocate (k8s sample plugin, Go):   p50 {s['p50_ms']} ms  p99 {s['p99_ms']} ms  (n={s['n']})")
+    for size, r in result["preferred_dgx_h100"].items():
+        print(f"GetPreferredAllocation size {size}:    p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms")
+    lw = result["list_and_watch_896"]
+    print(f"ListAndWatch {lw['devices']} devices ({lw['bytes']} B): first list p50 {lw['first_list']['p50_ms']} ms "
+          f"p99 {lw['first_list']['p99_ms']} ms; XID re-send p50 {lw['xid_resend']['p50_ms']} ms "
+          f"max {lw['xid_resend']['max_ms']} ms")
+    x, r = result["xid_to_unhealthy"], result["restart_to_registered"]
+    print(f"XID -> Unhealthy at kubelet:        p50 {x['p50_ms']} ms  max {x['max_ms']} ms")
+    print(f"kubelet restart -> re-registered:   p50 {r['p50_ms']} ms  max {r['max_ms']} ms")
+    print(json.dumps(result, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
