@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ asyncio.run(main(*sys.argv[1:4]))
 
 def pct(values: list[float], p: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def ms(values: list[float]) -> dict[str, float]:
@@ -202,10 +201,21 @@ async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
                 xid.append(seen - t)
                 await asyncio.to_thread(h.wait, "nvidia.com/gpu", healthy=8, timeout=10)
             for _ in range(3 if quick else 8):
+                seq = max((u.seq for u in h.updates()), default=0)
+                registered = svc.registrations.get("nvidia.com/gpu", 0)
                 t = time.time()
                 await asyncio.to_thread(h.restart)
-                seen, _ = await asyncio.to_thread(h.wait, "nvidia.com/gpu", healthy=8, registered=True)
-                restart.append(seen - t)
+                while svc.registrations.get("nvidia.com/gpu", 0) == registered:
+                    await asyncio.sleep(0.005)
+                await asyncio.to_thread(h.wait, "nvidia.com/gpu", healthy=8, registered=True)
+                # the restarted manager first shows the resource empty, then our devices again
+                dipped = False
+                for u in h.updates("nvidia.com/gpu", since=seq):
+                    if u.resource.allocatable < 8:
+                        dipped = True
+                    elif dipped:
+                        restart.append(u.time - t)
+                        break
         finally:
             await svc.stop()
             nvml.close()

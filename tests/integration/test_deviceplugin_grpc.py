@@ -149,3 +149,18 @@ async def test_lost_gpu_turns_unhealthy_then_recovers(tmp_path: Path) -> None:
             assert [d.health for d in (await asyncio.wait_for(stream.read(), 3)).devices] == ["Healthy", "Healthy"]
     finally:
         await svc.stop()
+
+
+async def test_register_failure_logged_once_and_retried(
+    service: DevicePluginService, caplog: pytest.LogCaptureFixture
+) -> None:
+    # No kubelet in this directory: registration keeps retrying with backoff, one warning per cause.
+    import logging
+
+    caplog.set_level(logging.INFO, logger="nodeagent.deviceplugin")
+    await service.start(nvswitch_box(1))
+    await asyncio.sleep(0.8)
+    warnings = [r for r in caplog.records if "registering nvidia.com/gpu failed" in r.getMessage()]
+    assert len(warnings) == 1 and "kubelet.sock does not exist" in warnings[0].getMessage()
+    assert service.registrations == {}
+    assert service.served_resources()["nvidia.com/gpu"]  # still serving

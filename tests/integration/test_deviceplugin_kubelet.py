@@ -317,3 +317,16 @@ async def test_invalid_config_and_bad_requests(node_factory: Any) -> None:
     assert "failRequestsGreaterThanOne" in str(e2.value) + str(e2.value.message)
     ok = await node.call(node.harness.allocate, "nvidia.com/gpu.shared", 1, pod="modest")
     assert len(ok.device_ids) == 1
+
+
+async def test_mig_instance_xid_only_hits_that_device(node_factory: Any) -> None:
+    node = await node_factory(
+        "dgx-a100-80gb", config("flags:\n  migStrategy: mixed\n"), layouts={0: ["1g.10gb"] * 3},
+        health=HealthSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=50),
+    )
+    await node.wait("nvidia.com/mig-1g.10gb", total=3, healthy=3, registered=True)
+    migs = node.nvml.discover().gpus[0].mig_devices
+    inject_xid(node.store, 0, 48, gi_id=migs[1].gi_id)
+    _, state = await node.wait("nvidia.com/mig-1g.10gb", device=migs[1].uuid, health="Unhealthy", timeout=5)
+    assert state.allocatable == 2
+    assert state.device(migs[0].uuid).health == "Healthy"

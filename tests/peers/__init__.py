@@ -50,6 +50,9 @@ Fixtures (registered by tests/conftest.py):
     ``.ctr(*args)``, ``.log()``. Stopped at the end of the test. ``.version()``.
 
 Outside pytest: ``running_apiserver()``, ``running_harness()``, ``containerd_peer()`` context managers.
+``tests.peers.sampleplugin.SampleDevicePlugin`` is a minimal Python device plugin (the project's generated
+v1beta1 code) for exercising the harness: ``start()``, ``register()``, ``set_health(id, health)``,
+``calls`` (what the kubelet called), ``preferred``/``pre_start_required``/``fail_allocate`` knobs.
 """
 
 from tests.peers._resolve import PeerMissingError

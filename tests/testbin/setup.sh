@@ -9,7 +9,7 @@
 #       ${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}/bin/<name>-<version>-<hash>
 #   * exports the paths the pytest fixtures (tests/peers/) read:
 #       NODEAGENT_KUBE_APISERVER, NODEAGENT_ETCD, NODEAGENT_KUBELET_HARNESS,
-#       NODEAGENT_CONTAINERD, NODEAGENT_RUNC
+#       NODEAGENT_CONTAINERD, NODEAGENT_RUNC, NODEAGENT_CONTAINERD2, NODEAGENT_CRI_STATUS
 # KUBEBUILDER_ASSETS, when set to a directory holding kube-apiserver and etcd, is used instead of building
 # those two.
 #
@@ -103,9 +103,10 @@ build_go_binary() {
 
 # _peers_install_debian PKG...: apt-get install the packages that are not installed yet.
 _peers_install_debian() {
-  local missing=() p
+  local missing=() p st
   for p in "$@"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    [ "$st" = "install ok installed" ] || missing+=("$p")
   done
   [ "${#missing[@]}" -eq 0 ] && return 0
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
@@ -168,6 +169,17 @@ nodeagent_peers_harness() {
   export NODEAGENT_KUBELET_HARNESS=$NODEAGENT_GO_BINARY
 }
 
+# containerd 2 (config versions 3 and 4), built from the module pinned in tests/testbin/containerd2/go.mod.
+nodeagent_peers_containerd2() {
+  local mod=$NODEAGENT_TESTBIN/containerd2 version
+  version=$(_go_mod_version "$mod" github.com/containerd/containerd/v2)
+  build_go_binary containerd2 "$mod" ./cmd/containerd "$version" \
+    "-X github.com/containerd/containerd/v2/version.Version=$version" || return 1
+  export NODEAGENT_CONTAINERD2=$NODEAGENT_GO_BINARY
+  build_go_binary cri-status "$mod" ./cmd/cri-status "$version" || return 1
+  export NODEAGENT_CRI_STATUS=$NODEAGENT_GO_BINARY
+}
+
 # The Kubernetes sample device plugin, for tests/bench/bench_deviceplugin.py only (not part of the setup
 # run by tests/run.sh): NODEAGENT_PEERS_LIB_ONLY=1 source this file, then call this function.
 nodeagent_peers_sample_device_plugin() {
@@ -181,6 +193,7 @@ nodeagent_peers_sample_device_plugin() {
 nodeagent_peers_setup() {
   local start=$SECONDS
   nodeagent_peers_containerd || return 1
+  nodeagent_peers_containerd2 || return 1
   nodeagent_peers_harness || return 1
   nodeagent_peers_apiserver || return 1
   _peers_log "ready in $((SECONDS - start))s"

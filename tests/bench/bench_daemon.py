@@ -1,0 +1,135 @@
+"""Benchmark: the whole `nodeagent run` process on a simulated dgx-h100 with mixed MIG (7 x 1g.10gb per GPU)
+and 4 time-slicing replicas, against the real kubelet device manager (harness) and, unless --no-kube, the
+real kube-apiserver.
+
+Figures:
+  start_to_register_s   process start -> first Register accepted by the kubelet harness
+  start_to_ready_s      process start -> READY=1 on NOTIFY_SOCKET
+  idle_rss_mib          resident memory at the end of the idle window (plus peak RSS seen)
+  idle_cpu_pct          CPU used over the idle window, % of one core
+  mig_change_s          label nvidia.com/mig.config change -> state label "success" (with the apiserver)
+  kubelet_restarts      N kubelet restarts -> each re-registered; fds/threads before and after
+Prints figures and one JSON line. No timing asserts. Usage:
+    .venv/bin/python tests/bench/bench_daemon.py [--idle 60] [--restarts 100] [--no-kube]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psutil
+
+from tests.e2e._agent import running_agent
+from tests.e2e.test_run import restart_and_wait_registration
+from tests.e2e.test_run_cluster import eventually, make_node, node_obj, set_label
+from tests.peers.apiserver import start_apiserver
+from tests.peers.harness import running_harness
+
+DP_CONFIG = """version: v1
+flags:
+  migStrategy: mixed
+sharing:
+  timeSlicing:
+    resources:
+    - name: nvidia.com/mig-1g.10gb
+      replicas: 4
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--idle", type=float, default=60.0, help="idle window in seconds (the target is stated for 300)")
+    ap.add_argument("--restarts", type=int, default=100)
+    ap.add_argument("--no-kube", action="store_true")
+    opts = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-daemon-"))
+    sim = work / "sim.json"
+    # the mixed MIG layout, written as if applied earlier: 7 x 1g.10gb on each of the 8 GPUs
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "nodeagent", "sim", "mig", "--simulate", "dgx-h100", "--sim-state",
+                    str(sim), "--gpu", "all", *(["1g.10gb"] * 7)], check=True, capture_output=True)
+    (work / "dp.yaml").write_text(DP_CONFIG)
+    figures: dict[str, Any] = {"machine": "dgx-h100", "mig": "7x1g.10gb per GPU", "replicas": 4}
+    server = None if opts.no_kube else start_apiserver()
+    node = "bench-daemon"
+    try:
+        cfg = work / "config.toml"
+        lines = [f'[device_plugin]\nconfig = "{work / "dp.yaml"}"', "[runtime]\nenabled = false"]
+        if server is not None:
+            make_node(server, node)
+            lines.insert(0, f'kubeconfig = "{server.kubeconfig}"\nnode_name = "{node}"')
+        else:
+            lines.insert(0, "kube = false")
+        cfg.write_text("\n".join(lines) + "\n")
+        with running_harness() as harness:
+            args = ["run", "--config", str(cfg), "--sim-state", str(sim), "--kubelet-dir",
+                    str(harness.plugin_dir.parent)]
+            t_start = time.time()
+            with running_agent(work, args) as agent:
+                resource = "nvidia.com/mig-1g.10gb"
+                agent.wait_notify("READY=1", timeout=60)
+                t_ready = time.time()
+                _, res = harness.wait(resource, registered=True, timeout=30)
+                first = min(u.time for u in harness.updates(resource) if u.resource.registered)
+                figures["start_to_register_s"] = round(first - t_start, 3)
+                figures["start_to_ready_s"] = round(t_ready - t_start, 3)
+                figures["devices_advertised"] = len(res.devices)
+                proc = psutil.Process(agent.pid)
+                time.sleep(3)  # let start-up publishing settle
+                cpu0 = proc.cpu_times()
+                t0 = time.monotonic()
+                peak = 0
+                while time.monotonic() - t0 < opts.idle:
+                    peak = max(peak, proc.memory_info().rss)
+                    time.sleep(1)
+                cpu1 = proc.cpu_times()
+                used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+                figures["idle_window_s"] = opts.idle
+                figures["idle_cpu_pct"] = round(100 * used / (time.monotonic() - t0), 3)
+                figures["idle_rss_mib"] = round(proc.memory_info().rss / 2**20, 1)
+                figures["idle_peak_rss_mib"] = round(peak / 2**20, 1)
+                figures["threads"] = proc.num_threads()
+                if server is not None:
+                    t = time.monotonic()
+                    set_label(server, node, "nvidia.com/mig.config", "all-3g.40gb")
+                    state = lambda: node_obj(server, node)["metadata"]["labels"].get("nvidia.com/mig.config.state")  # noqa: E731
+                    eventually(lambda: state() in ("success", "failed"), 120, "terminal state")
+                    figures["mig_change_s"] = round(time.monotonic() - t, 3)
+                    figures["mig_change_state"] = state()
+                    resource = "nvidia.com/mig-3g.40gb"
+                    harness.wait(resource, registered=True, timeout=30)
+                fds0, thr0 = agent.fds(), agent.threads()
+                times = []
+                devices = harness.resource(resource).capacity
+                for _ in range(opts.restarts):
+                    times.append(restart_and_wait_registration(harness, resource, devices=devices, timeout=30))
+                time.sleep(1)
+                figures["kubelet_restarts"] = opts.restarts
+                if times:
+                    times.sort()
+                    figures["reregister_p50_s"] = round(times[len(times) // 2], 3)
+                    figures["reregister_max_s"] = round(times[-1], 3)
+                figures["fds_before_after"] = [fds0, agent.fds()]
+                figures["threads_before_after"] = [thr0, agent.threads()]
+                code, took = agent.stop()
+                figures["sigterm_exit"] = code
+                figures["sigterm_s"] = round(took, 3)
+    finally:
+        if server is not None:
+            server.stop()
+    for k, v in figures.items():
+        print(f"{k:24} {v}")
+    print(json.dumps({"bench": "daemon", **figures}))
+
+
+if __name__ == "__main__":
+    main()
