@@ -253,8 +253,10 @@ class Daemon:
         self.spawn(self._announce_ready(), "ready")
 
     def _schedule_core_jobs(self) -> None:
+        # Jobs are coroutines so they run on the loop itself: a wedged loop then stops the watchdog pings
+        # (and systemd restarts the agent), and the jobs may touch asyncio objects safely.
         self.scheduler.add_job(
-            self.request_resync,
+            self._resync_job,
             "interval",
             seconds=self.config.resync_interval,
             id="resync",
@@ -265,9 +267,16 @@ class Daemon:
         interval = self.notifier.watchdog_interval
         if interval:
             self.scheduler.add_job(
-                self.notifier.watchdog, "interval", seconds=interval, id="watchdog", replace_existing=True
+                self._watchdog_job, "interval", seconds=interval, id="watchdog", replace_existing=True,
+                coalesce=True, max_instances=1,
             )
             self.notifier.watchdog()
+
+    async def _resync_job(self) -> None:
+        self.request_resync()
+
+    async def _watchdog_job(self) -> None:
+        self.notifier.watchdog()
 
     async def _start_slot(self, slot: _Slot) -> None:
         try:

@@ -46,7 +46,10 @@ class Notifier:
         payload = "\n".join(f"{k.upper()}={v}" for k, v in fields.items()).encode()
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # non-blocking: a receiver that stopped reading must never stall the agent
+                self._sock = socket.socket(
+                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                )
             self._sock.sendto(payload, self._address)
         except OSError as e:
             log.debug("sd_notify to %r failed: %s", self._address, e)

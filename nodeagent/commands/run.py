@@ -28,6 +28,8 @@ from nodeagent.logs import setup_logging
 @click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")
 @click.option("--metrics-address", metavar="HOST:PORT", default=None,
               help="Serve Prometheus metrics here (default: no listener).")
+@click.option("--log-format", "run_log_format", type=click.Choice(["text", "json"]), default=None,
+              help="Log lines for a terminal or JSON for collectors (same as the global option).")
 @click.pass_context
 def run(
     ctx: click.Context,
@@ -41,6 +43,7 @@ def run(
     device_plugin_config: Path | None,
     with_reboot: bool | None,
     metrics_address: str | None,
+    run_log_format: str | None,
 ) -> int:
     """Run the agent until SIGTERM/SIGINT; SIGHUP reloads the config."""
     from nodeagent.daemon import build_daemon, run_daemon
@@ -63,6 +66,8 @@ def run(
         for key in ("log_format", "log_level"):
             if parent.get_parameter_source(key) is not click.core.ParameterSource.DEFAULT:
                 overrides[key] = getattr(settings, key)
+    if run_log_format is not None:
+        overrides["log_format"] = run_log_format
 
     def reload() -> AgentConfig:
         return load_config(settings.paths, config_file, overrides)

@@ -127,7 +127,7 @@ def parse(text: str, source: str = "config.toml") -> TOMLDocument:
             subject=source,
         )
     try:
-        return tomlkit.parse(text)
+        doc = tomlkit.parse(text)
     except ParseError as e:
         raise ConfigError(
             f"{source}: invalid TOML at line {e.line}, column {e.col}: {_parse_reason(e)}; nothing was written",
@@ -135,6 +135,35 @@ def parse(text: str, source: str = "config.toml") -> TOMLDocument:
         ) from e
     except TOMLKitError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}; nothing was written", subject=source) from e
+    if doc.as_string() != text:
+        _repair_indents(doc, text)
+    return doc
+
+
+def _tables(c: Container) -> Iterator[Table]:
+    for _, v in c.body:
+        if isinstance(v, Table):
+            yield v
+            yield from _tables(v.value)
+        elif isinstance(v, AoT):
+            for t in v.body:
+                yield from _tables(t.value)
+
+
+def _repair_indents(doc: TOMLDocument, text: str) -> None:
+    """Give every table header back its indentation from ``text``.
+
+    tomlkit 0.13-0.15 does not render some parsed documents back byte for byte: a second indented table
+    under an implicit parent (``[a]`` then ``  [a.b.x]`` and ``  [a.b.y]``: ``a.b`` never has a header)
+    gets the parent's indent added again. Table headers are unique in TOML, so the source says what
+    each header's indent was.
+    """
+    for t in _tables(doc):
+        if t.is_super_table() or not t.display_name:
+            continue
+        m = re.search(r"(?m)^([ \t]*)\[[ \t]*" + re.escape(t.display_name) + r"[ \t]*\]", text)
+        if m:
+            t.trivia.indent = re.sub(r"[ \t]*$", m.group(1), t.trivia.indent, count=1)
 
 
 def _parse_reason(e: ParseError) -> str:
@@ -315,13 +344,24 @@ def _apply(doc: TOMLDocument | Table, cri_keys: tuple[str, ...], version: int, d
             added.append("runc")
     if desired.set_as_default:
         _set(_ensure(doc, (*cri_keys, "containerd")), "default_runtime_name", desired.runtime_name)
-    if desired.enable_cdi:
+    if desired.enable_cdi and _needs_enable_cdi(desired.containerd_version, base_cri):
         _set(_ensure(doc, cri_keys), "enable_cdi", True)
     return Previous(
         default_runtime_name=str(prev_default) if isinstance(prev_default, str) else None,
         enable_cdi=bool(prev_cdi) if isinstance(prev_cdi, bool) else None,
         added_runtimes=tuple(added),
     )
+
+
+def _needs_enable_cdi(containerd_version: Version | None, base_cri: Any) -> bool:
+    """Whether CDI must be switched on with ``enable_cdi = true``. containerd 2.0 turned CDI on by default
+    (only an explicit ``false`` turns it off) and 2.4 removed the key (CDI always on; a version-4 file with
+    it gets an "unknown key" warning), so from 2.0 the key is written only to override a ``false``."""
+    if containerd_version is None or containerd_version < (2, 0, 0):
+        return True
+    if containerd_version >= (2, 4, 0):
+        return False
+    return _get(base_cri, ("enable_cdi",)) is False
 
 
 # ------------------------------------------------------------------------------------------- rendering

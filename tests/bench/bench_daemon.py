@@ -109,7 +109,9 @@ def main() -> None:
                     harness.wait(resource, registered=True, timeout=30)
                 fds0, thr0 = agent.fds(), agent.threads()
                 times = []
-                devices = harness.resource(resource).capacity
+                eventually(lambda: harness.resource(resource).capacity > 0, 30, f"{resource} devices listed")
+                devices = len(harness.resource(resource).devices)
+                figures["devices_after_change"] = devices
                 for _ in range(opts.restarts):
                     times.append(restart_and_wait_registration(harness, resource, devices=devices, timeout=30))
                 time.sleep(1)

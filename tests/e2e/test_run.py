@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -59,12 +60,16 @@ def test_demo_registers_ready_and_sigterm_exits_clean(tmp_path: Path, kubelet_ha
         assert any(m.startswith("STOPPING=1") for m in agent.poll_notify())
 
 
-def test_sigint_exits_zero(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
-    with running_agent(tmp_path, demo_args(tmp_path, kubelet_harness)) as agent:
+def test_sigint_exits_zero_and_json_logs(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    with running_agent(tmp_path, demo_args(tmp_path, kubelet_harness, "--log-format", "json")) as agent:
         agent.wait_notify("READY=1")
         code, took = agent.stop(signal.SIGINT)
         assert code == 0 and took < 5.0
         assert plugin_sockets(kubelet_harness) == set()
+        lines = agent.log().splitlines()
+        docs = [json.loads(ln) for ln in lines]  # every line is one JSON object
+        assert any(d["msg"].startswith("ready after") for d in docs)
+        assert {"ts", "level", "logger", "msg"} <= set(docs[0])
 
 
 def test_sighup_applies_the_new_config_live(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:

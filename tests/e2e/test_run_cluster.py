@@ -17,6 +17,7 @@ import yaml
 
 from tests.e2e._agent import running_agent
 from tests.e2e._proxy import Outage
+from tests.e2e.test_run import restart_and_wait_registration
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
@@ -121,17 +122,17 @@ def test_api_outage_device_plugin_keeps_serving_and_labels_catch_up(
             # while the agent cannot reach the API: somebody removes a label, and the kubelet restarts
             set_label(kube_apiserver, node, "nvidia.com/gpu.count", None)
             time.sleep(3)
-            kubelet_harness.restart()
-            kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, timeout=15)
+            restart_and_wait_registration(kubelet_harness, "nvidia.com/gpu")
+            kubelet_harness.wait("nvidia.com/gpu", registered=True, healthy=8, timeout=15)
             alloc = kubelet_harness.allocate("nvidia.com/gpu", 2, pod="during-outage")
             assert len(alloc.device_ids) == 2
             assert agent.proc.poll() is None
             outage.restore()
             took = eventually(lambda: count() == "8", 30, "gpu.count label re-applied after the outage")
             print(f"labels caught up {took:.1f}s after the API came back")
+            assert "Traceback" not in agent.log()  # nothing crashed through the outage
             code, took = agent.stop(signal.SIGTERM)
             assert code == 0 and took < 5.0, agent.log()
-            assert "Traceback" not in agent.log()
     finally:
         outage.cut()
 

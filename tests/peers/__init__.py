@@ -49,7 +49,15 @@ Fixtures (registered by tests/conftest.py):
     ``.default_runtime``, ``.cri_error`` (the CRI plugin's load error, if any), ``.address``,
     ``.ctr(*args)``, ``.log()``. Stopped at the end of the test. ``.version()``.
 
-Outside pytest: ``running_apiserver()``, ``running_harness()``, ``containerd_peer()`` context managers.
+``containerd2`` (function) -> ``Containerd2`` (tests/peers/containerd2.py)
+    containerd 2 built from github.com/containerd/containerd/v2 (NODEAGENT_CONTAINERD2; version in
+    tests/testbin/containerd2/go.mod), for config versions 3 and 4: the ``containerd`` API, plus
+    ``.cri_status(running)`` -> ``CriStatus`` (``.handlers``, ``.conditions``, ``.runtimes``,
+    ``.default_runtime``) from the running CRI service's ``RuntimeService.Status`` (verbose), the call the
+    kubelet makes, and ``.version_tuple()``.
+
+Outside pytest: ``running_apiserver()``, ``running_harness()``, ``containerd_peer()`` context managers
+(``containerd_peer(Containerd2)`` for containerd 2).
 ``tests.peers.sampleplugin.SampleDevicePlugin`` is a minimal Python device plugin (the project's generated
 v1beta1 code) for exercising the harness: ``start()``, ``register()``, ``set_health(id, health)``,
 ``calls`` (what the kubelet called), ``preferred``/``pre_start_required``/``fail_allocate`` knobs.

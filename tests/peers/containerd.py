@@ -8,7 +8,7 @@ import subprocess
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,11 +156,20 @@ def _absolute_imports(doc: Any, base: Path) -> None:
     doc["imports"] = [str(base / p) if not Path(str(p)).is_absolute() else str(p) for p in imports]
 
 
-class Containerd:
-    """Entry point of the ``containerd`` fixture."""
+def _with_top_level(doc: Any, values: dict[str, Any]) -> str:
+    """``doc`` rendered with ``values`` as top-level keys. They go first in the file: after a table header
+    or a dotted ``plugins.…`` key tomlkit would insert them where TOML reads them as keys of a table."""
+    for key in values:
+        if key in doc:
+            del doc[key]
+    return tomlkit.dumps(values) + tomlkit.dumps(doc)
 
-    def __init__(self, workdir: Path) -> None:
-        self.binary = containerd_binary()
+
+class Containerd:
+    """Entry point of the ``containerd`` fixture (``binary``: another containerd build, e.g. containerd 2)."""
+
+    def __init__(self, workdir: Path, binary: Path | None = None) -> None:
+        self.binary = binary if binary is not None else containerd_binary()
         self.workdir = workdir
         self._running: list[RunningContainerd] = []
         self._count = 0
@@ -185,8 +194,9 @@ class Containerd:
         wd.mkdir(parents=True)
         doc = tomlkit.parse(path.read_text())
         _absolute_imports(doc, path.resolve().parent)
-        doc["root"] = str(wd / "root")
-        doc["state"] = str(wd / "state")
+        top: dict[str, Any] = {"root": str(wd / "root"), "state": str(wd / "state")}
+        if "imports" in doc:
+            top["imports"] = doc["imports"].unwrap()
         address = wd / "containerd.sock"
         for table, key, value in (("grpc", "address", str(address)), ("ttrpc", "address", str(wd / "ttrpc.sock")),
                                   ("debug", "address", ""), ("metrics", "address", "")):
@@ -199,8 +209,9 @@ class Containerd:
             plugins = doc.setdefault("plugins", tomlkit.table())
             opt = plugins.setdefault("io.containerd.internal.v1.opt", tomlkit.table())
             opt["path"] = str(wd / "opt")
+        self._isolate(doc, wd)
         config = wd / "config.toml"
-        config.write_text(tomlkit.dumps(doc))
+        config.write_text(_with_top_level(doc, top))
         log_path = wd / "containerd.log"
         with log_path.open("wb") as log:
             proc = subprocess.Popen([str(self.binary), "--config", str(config), "--log-level", "info"],
@@ -217,17 +228,25 @@ class Containerd:
         else:
             stop_process(proc)
             raise RuntimeError(f"containerd did not boot in {BOOT_TIMEOUT:.0f}s:\n{tail(log_path)}")
-        cri_line = next((ln for ln in text.splitlines() if "Start cri plugin with config" in ln), "")
         cri_error = next((ln for ln in text.splitlines()
                           if "failed to load plugin" in ln and any(p in ln for p in CRI_PLUGINS)), None)
+        cri_line, runtimes, default_runtime = self._cri_report(text)
         running = RunningContainerd(
-            address=address, config=config, workdir=wd,
-            runtimes=parse_cri_runtimes(cri_line) if cri_line else {},
-            default_runtime=_cri_field(cri_line, "DefaultRuntimeName") if cri_line else None,
+            address=address, config=config, workdir=wd, runtimes=runtimes, default_runtime=default_runtime,
             cri_config_line=cri_line, cri_error=cri_error, _proc=proc,
         )
         self._running.append(running)
         return running
+
+    def _isolate(self, doc: Any, wd: Path) -> None:
+        """Hook: move further host-global paths of this containerd build into ``wd``."""
+
+    def _cri_report(self, log_text: str) -> tuple[str, dict[str, dict[str, Any]], str | None]:
+        """(CRI config log line, runtime handlers, default runtime) from containerd's boot log."""
+        line = next((ln for ln in log_text.splitlines() if "Start cri plugin with config" in ln), "")
+        if not line:
+            return "", {}, None
+        return line, parse_cri_runtimes(line), _cri_field(line, "DefaultRuntimeName")
 
     def stop_all(self) -> None:
         for r in self._running:
@@ -236,10 +255,10 @@ class Containerd:
 
 
 @contextlib.contextmanager
-def containerd_peer() -> Iterator[Containerd]:
+def containerd_peer(factory: Callable[[Path], Containerd] = Containerd) -> Iterator[Containerd]:
     wd = Path(tempfile.mkdtemp(prefix="nodeagent-containerd-"))
     try:
-        peer = Containerd(wd)
+        peer = factory(wd)
         try:
             yield peer
         finally:

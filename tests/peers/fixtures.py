@@ -9,6 +9,7 @@ import pytest
 from tests.peers._resolve import PeerMissingError
 from tests.peers.apiserver import KubeApiServer, running_apiserver
 from tests.peers.containerd import Containerd, containerd_peer
+from tests.peers.containerd2 import Containerd2
 from tests.peers.harness import KubeletHarness, running_harness
 
 
@@ -38,6 +39,17 @@ def containerd() -> Iterator[Containerd]:
     """Debian's containerd: ``config_dump(path)`` and ``start(path)``; started instances stop at the end."""
     try:
         with containerd_peer() as peer:
+            yield peer
+    except PeerMissingError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture
+def containerd2() -> Iterator[Containerd2]:
+    """containerd 2 built from source (config versions 3/4): the ``containerd`` API plus ``cri_status``."""
+    try:
+        with containerd_peer(Containerd2) as peer:
+            assert isinstance(peer, Containerd2)
             yield peer
     except PeerMissingError as e:
         pytest.fail(str(e), pytrace=False)

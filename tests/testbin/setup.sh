@@ -97,6 +97,8 @@ build_go_binary() {
       _peers_log "built $name in $((SECONDS - start))s -> $dest"
     fi
     exec {_peers_lock_fd}>&-
+    # Other builds of this peer (older sources or versions) go once nobody has touched them for a week.
+    find "$bindir" -maxdepth 1 -type f -name "$name-*" ! -name "${dest##*/}" -mtime +7 -delete 2>/dev/null || true
   fi
   NODEAGENT_GO_BINARY=$dest
 }

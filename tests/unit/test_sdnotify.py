@@ -69,3 +69,17 @@ def test_send_failure_is_not_raised(tmp_path: Path) -> None:
     assert n.enabled
     assert n.ready() is False
     n.close()
+
+
+def test_a_receiver_that_stops_reading_never_blocks(tmp_path: Path) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = str(tmp_path / "full.sock")
+    s.bind(path)
+    try:
+        n = Notifier({"NOTIFY_SOCKET": path})
+        results = [n.status("x" * 1000) for _ in range(2000)]  # far more than the socket buffer holds
+        assert results[0] is True
+        assert results[-1] is False
+        n.close()
+    finally:
+        s.close()
