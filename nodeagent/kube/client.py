@@ -100,14 +100,32 @@ RequestHook = Callable[[str, int | None], None]
 
 
 class WatchStream:
-    """An open watch response: iterate decoded events; ``close`` from any thread ends the iteration."""
+    """An open watch response: iterate decoded events; ``close`` from any thread ends the iteration.
+
+    Only the iterating thread tears the response down. ``close`` from another thread merely shuts the
+    socket's read side, which wakes the blocked read with end-of-stream; the iteration then ends quietly
+    (no exception) and closes the response itself. Closing the response under a reading thread instead
+    would pull its file object away mid-read (urllib3 then fails with ``AttributeError``).
+    """
 
     def __init__(self, response: Any, action: str) -> None:
         self._resp = response
         self._action = action
         self._closed = False
+        self._reading = False
+        self._torn_down = False
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        with self._lock:
+            if self._closed:
+                self._teardown()
+                return
+            self._reading = True
         buf = b""
         try:
             for chunk in self._resp.stream(8192, decode_content=True):
@@ -116,23 +134,47 @@ class WatchStream:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
                         yield json.loads(line)
-        except (urllib3.exceptions.HTTPError, OSError, ValueError) as e:
+        except (urllib3.exceptions.HTTPError, OSError, ValueError, AttributeError, TypeError) as e:
             if self._closed:
-                return
+                return  # closed on purpose: whatever the interrupted read raised is expected
+            if isinstance(e, AttributeError | TypeError):
+                raise
             raise KubeError(f"{self._action}: stream broke: {e}", retryable=True) from e
         finally:
-            self.close()
+            with self._lock:
+                self._reading = False
+                self._closed = True
+                self._teardown()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """End the stream; safe from any thread, any number of times, never raises."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._reading:
+                self._interrupt()
+            else:
+                self._teardown()
+
+    def _interrupt(self) -> None:
         shutdown = getattr(self._resp, "shutdown", None)
+        if shutdown is None:
+            return
         try:
-            if shutdown is not None:
-                shutdown()
-            self._resp.release_conn()
+            shutdown()
+        except Exception:  # already released or closed: the reader is finishing anyway
+            return
+
+    def _teardown(self) -> None:
+        if self._torn_down:
+            return
+        self._torn_down = True
+        try:
+            # close first (this closes the half-read connection), then hand the closed connection back
+            # so the pool opens a fresh one next time instead of losing the slot
             self._resp.close()
+            self._resp.release_conn()
         except Exception:  # closing a broken stream must never raise
             pass
 

@@ -393,3 +393,11 @@ class NodeWatch:
                 delay = self.backoff.next()
                 log.warning("watch of node %s failed: %s; retrying in %.1fs", self.node.name, e, delay)
                 self._stop.wait(delay)
+            except Exception:
+                # a bug below us must not end the only watch on the node: log it and try again later
+                if self._stop.is_set():
+                    break
+                self.errors += 1
+                delay = self.backoff.next()
+                log.exception("watch of node %s broke unexpectedly; retrying in %.1fs", self.node.name, delay)
+                self._stop.wait(delay)

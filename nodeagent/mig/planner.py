@@ -48,8 +48,9 @@ class GpuPlan:
             return f"{head}: unchanged ({state}{': ' + layout if layout else ''})"
         steps: list[str] = []
         if self.destroy:
-            steps.append("destroy " + ", ".join(f"{d.profile}@{d.placement_start} (GI {d.gi_id})"
-                                                 for d in self.destroy))
+            steps.append("destroy " + ", ".join(
+                f"{d.profile}@{d.placement_start} (GI {d.gi_id}{', no compute instance' if d.ci_id < 0 else ''})"
+                for d in self.destroy))
         if self.mode is not None:
             steps.append("enable MIG mode" if self.mode else "disable MIG mode")
         if self.keep:
@@ -107,19 +108,26 @@ def plan_gpu(gpu: Gpu, desired: Desired) -> GpuPlan:
     base = GpuPlan(gpu.index, gpu.uuid, gpu.name, gpu.architecture, desired)
     current, pending = mig_mode(gpu)
     existing = tuple(sorted(gpu.mig_devices, key=lambda d: (d.placement_start, d.gi_id)))
+    # GPU instances without a compute instance (left by an interrupted create or destroy) serve nobody
+    # and hold memory slices: they are always destroyed, never kept.
+    bare = tuple(sorted(gpu.bare_gpu_instances, key=lambda d: (d.placement_start, d.gi_id))) if current else ()
     if not desired.enabled:
         if not current and not pending:
             return base
-        return _replace(base, mode=False, destroy=existing)
+        return _replace(base, mode=False, destroy=_by_start(existing + bare))
     if current:
         layout = find_layout(gpu, desired.count_map, existing)
         kept = {d.gi_id for d in layout.keep}
-        destroy = tuple(d for d in existing if d.gi_id not in kept)
+        destroy = _by_start(tuple(d for d in existing if d.gi_id not in kept) + bare)
         # A pending switch to "off" is cancelled by setting the mode on again (no reset needed).
         return _replace(base, mode=None if pending else True, destroy=destroy, keep=layout.keep,
                         create=layout.create)
     layout = find_layout(gpu, desired.count_map, ())
     return _replace(base, mode=True, create=layout.create)
+
+
+def _by_start(devices: tuple[MigDevice, ...]) -> tuple[MigDevice, ...]:
+    return tuple(sorted(devices, key=lambda d: (d.placement_start, d.gi_id, d.ci_id)))
 
 
 def _replace(p: GpuPlan, **kw: Any) -> GpuPlan:

@@ -1,0 +1,129 @@
+"""The own-Node watch against the REAL kube-apiserver: stopping it from another thread is clean.
+
+A watch thread blocked in a read while ``stop`` runs must end without a traceback and without leaving a
+thread behind, whatever moment the stop hits (before the first event, while idle, while data arrives).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from nodeagent.kube.client import KubeClient, WatchStream, connect
+from nodeagent.kube.node import NodeClient, NodeView, NodeWatch
+from tests.peers.apiserver import KubeApiServer
+
+
+@pytest.fixture(scope="module")
+def kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
+    k = KubeClient(connect(kube_apiserver.kubeconfig))
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def node_name(kube: KubeClient) -> Iterator[str]:
+    name = f"watch-node-{uuid.uuid4().hex[:8]}"
+    kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    yield name
+    kube.request("DELETE", f"/api/v1/nodes/{name}")
+
+
+@pytest.fixture
+def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every exception that escapes a thread while the test runs (instead of pytest's warning)."""
+    seen: list[str] = []
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        name = args.thread.name if args.thread is not None else "?"
+        seen.append(f"{name}: {args.exc_type.__name__}: {args.exc_value}")
+
+    monkeypatch.setattr(threading, "excepthook", hook)
+    return seen
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (v := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+    return v
+
+
+def watch_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(("node-watch-", "stream-reader"))}
+
+
+def test_node_watch_start_stop_repeatedly_is_clean(
+    kube: KubeClient, node_name: str, thread_errors: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    nc = NodeClient(kube, node_name)
+    before = set(threading.enumerate())
+    for i in range(30):
+        seen: list[NodeView] = []
+        w = NodeWatch(nc, seen.append, watch_timeout_s=60)
+        w.start()
+        mode = i % 3
+        if mode == 1:  # stop while the thread is blocked reading an idle stream
+            wait_for(lambda s=seen: s)  # type: ignore[misc]
+            wait_for(lambda w=w: w._stream is not None)  # type: ignore[misc]
+        elif mode == 2:  # stop while changes arrive
+            wait_for(lambda s=seen: s)  # type: ignore[misc]
+            nc.patch_labels({"example.com/round": str(i)})
+        w.stop(timeout=5)
+        assert w._thread is not None and not w._thread.is_alive(), f"round {i}: watch thread still running"
+        assert w.errors == 0, f"round {i}: {w.errors} watch error(s)"
+    assert thread_errors == []
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    assert set(threading.enumerate()) - before == set()
+
+
+def test_stream_closed_from_another_thread_ends_quietly(
+    kube: KubeClient, node_name: str, thread_errors: list[str]
+) -> None:
+    """The stream itself: one thread iterates, another closes, many times over one connection pool."""
+    nc = NodeClient(kube, node_name)
+    before = set(threading.enumerate())
+    for i in range(20):
+        stream = nc.open_watch("", 60)
+        got: list[dict[str, Any]] = []
+        done = threading.Event()
+
+        def read(s: WatchStream = stream, out: list[dict[str, Any]] = got, d: threading.Event = done) -> None:
+            for ev in s:
+                out.append(ev)
+            d.set()
+
+        t = threading.Thread(target=read, name=f"stream-reader-{i}")
+        t.start()
+        wait_for(lambda g=got: g)  # type: ignore[misc]  # the initial ADDED event: the reader is in the stream
+        if i % 2:
+            time.sleep(0.02)  # let it block in the read again
+        stream.close()
+        stream.close()  # twice is harmless
+        assert done.wait(5), f"round {i}: the reader did not end after close"
+        t.join(5)
+        assert got[0]["type"] == "ADDED"
+    assert thread_errors == []
+    assert set(threading.enumerate()) - before == set()
+    # the connection pool still works after all those interrupted streams
+    assert nc.get().name == node_name
+
+
+def test_closing_before_iterating_and_after_the_end(kube: KubeClient, node_name: str) -> None:
+    nc = NodeClient(kube, node_name)
+    early = nc.open_watch("", 60)
+    early.close()
+    assert list(early) == []
+    # a stream the server ends by itself (timeoutSeconds) finishes normally; closing after is a no-op
+    _, rv = nc.list_one()
+    short = nc.open_watch(rv, 1)
+    assert [e for e in short if e.get("type") == "ERROR"] == []
+    short.close()
+    assert short.closed
