@@ -33,14 +33,15 @@ RestartMode = Literal["systemd", "signal", "none"]
 @dataclass(frozen=True)
 class KubeletSettings:
     dir: str = "/var/lib/kubelet"  # device-plugins/ and pod-resources/ live below it
+    pod_resources_socket: str = ""  # kubelet PodResources API socket; "" = <dir>/pod-resources/kubelet.sock
 
     @property
     def device_plugins(self) -> str:
         return self.dir.rstrip("/") + "/device-plugins"
 
-    @property
-    def pod_resources_socket(self) -> str:
-        return self.dir.rstrip("/") + "/pod-resources/kubelet.sock"
+    def pod_resources(self) -> str:
+        """The PodResources socket (a host path): the configured one, else the one below ``dir``."""
+        return self.pod_resources_socket or self.dir.rstrip("/") + "/pod-resources/kubelet.sock"
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ _NON_NEGATIVE = {"runtime.check_interval"}
 _ABSOLUTE_PATHS = {
     "kubeconfig",
     "kubelet.dir",
+    "kubelet.pod_resources_socket",
     "device_plugin.config",
     "mig.config_file",
     "mig.hooks_file",

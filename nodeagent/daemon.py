@@ -726,7 +726,7 @@ class PublisherComponent(Component):
         from nodeagent.kube.podresources import PodResourcesClient
         from nodeagent.kube.publisher import NodePublisher, PublisherConfig
 
-        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources_socket))
+        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
         self.publisher = NodePublisher(
             ctx.kube,
             ctx.node_name,
@@ -793,23 +793,59 @@ class PublisherComponent(Component):
 
 
 class MetricsComponent(Component):
-    """Prometheus exposition on the configured address (no listener without one)."""
+    """Prometheus exposition on the configured address (no listener without one).
+
+    GPU readings get pod/namespace/container from the kubelet PodResources API; the shared ``KubeClient``
+    reports every API request to the agent's own counters while this component runs.
+    """
 
     name = "metrics"
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, daemon: Daemon | None = None) -> None:
         super().__init__()
+        from nodeagent.kube.podresources import PodResourcesClient
         from nodeagent.metrics import Metrics
 
         self.metrics = Metrics(ctx.node_name)
+        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        self._assignments: list[Any] = []
+        self._pod_resources_error = ""
+        self._daemon = daemon
         self._ctx = ctx
         self._server: Any = None
+        self._kube: Any = None
 
     async def start(self, ctx: Context) -> None:
         self._server = self.metrics.serve(ctx.config.metrics.address)
+        if ctx.kube is not None:
+            self.metrics.attach_kube(ctx.kube)
+            self._kube = ctx.kube
         ctx.scheduler.add_job(self.sample, "interval", seconds=ctx.config.metrics.interval, id="metrics",
                               replace_existing=True, coalesce=True, max_instances=1)
         await self.sample()
+
+    def _read_assignments(self) -> list[Any]:
+        from nodeagent.errors import KubeletError
+
+        try:
+            self._assignments = list(self.pod_resources.list())
+        except KubeletError as e:
+            if str(e) != self._pod_resources_error:
+                log.info("metrics without pod labels for now: %s", e)
+            self._pod_resources_error = str(e)
+            return self._assignments
+        if self._pod_resources_error:
+            log.info("PodResources answers again: metrics carry pod labels")
+        self._pod_resources_error = ""
+        return self._assignments
+
+    def _health(self) -> dict[int, bool] | None:
+        if self._daemon is None:
+            return None
+        dp = self._daemon.components.get(DevicePluginComponent.name)
+        if not isinstance(dp, DevicePluginComponent):
+            return None
+        return dp.health() or None
 
     async def sample(self) -> None:
         inv = self._ctx.inventory
@@ -818,22 +854,26 @@ class MetricsComponent(Component):
         if inv is None or not callable(read):
             return
 
-        def collect() -> dict[int, Any]:
+        def collect() -> tuple[dict[int, Any], list[Any]]:
             out: dict[int, Any] = {}
             for g in inv.gpus:
                 with contextlib.suppress(NodeAgentError):
                     out[g.index] = read(g.index)
-            return out
+            return out, self._read_assignments()
 
-        samples = await asyncio.to_thread(collect)
-        self.metrics.update_gpus(inv, samples)
+        samples, assignments = await asyncio.to_thread(collect)
+        self.metrics.update_gpus(inv, samples, assignments, self._health())
 
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
             self._ctx.scheduler.remove_job("metrics")
+        if self._kube is not None:
+            self.metrics.detach_kube(self._kube)
+            self._kube = None
         if self._server is not None:
             await asyncio.to_thread(self._server.stop)
             self._server = None
+        _close_quietly(self.pod_resources)
 
 
 class RuntimeCheckComponent(Component):
@@ -912,7 +952,7 @@ def default_specs(daemon_ref: Callable[[], Daemon]) -> list[ComponentSpec]:
         return PublisherComponent(ctx, daemon_ref())
 
     def metrics(ctx: Context) -> Component | None:
-        return MetricsComponent(ctx) if ctx.config.metrics.address else None
+        return MetricsComponent(ctx, daemon_ref()) if ctx.config.metrics.address else None
 
     def runtime(ctx: Context) -> Component | None:
         return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
@@ -921,6 +961,6 @@ def default_specs(daemon_ref: Callable[[], Daemon]) -> list[ComponentSpec]:
         ComponentSpec("device-plugin", frozenset({"device_plugin", "kubelet", "health"}), device_plugin),
         ComponentSpec("mig", frozenset({"mig"}), mig),
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
-        ComponentSpec("metrics", frozenset({"metrics"}), metrics),
+        ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime"}), runtime),
     ]

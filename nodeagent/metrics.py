@@ -189,6 +189,24 @@ class Metrics:
     def kube_hook(self) -> Callable[[str, int | None], None]:
         return self.record_request
 
+    def attach_kube(self, kube: Any) -> None:
+        """Count every request of ``kube`` (a ``KubeClient``) from now on, starting from what it sent so far.
+
+        The counters begin at the client's own ``stats`` so requests made before the metrics started (the
+        first publish, the watch) are not missing from them.
+        """
+        snap = kube.stats.snapshot()
+        for method, n in snap.get("by_method", {}).items():
+            self.api_requests.labels(method=method).inc(n)
+        for code, n in snap.get("errors", {}).items():
+            self.api_errors.labels(code=str(code)).inc(n)
+        kube.on_request = self.record_request
+
+    def detach_kube(self, kube: Any) -> None:
+        """Stop counting ``kube``'s requests (only if this registry is still the one counting them)."""
+        if getattr(kube, "on_request", None) == self.record_request:
+            kube.on_request = None
+
     def serve(self, address: str = DEFAULT_ADDRESS) -> MetricsServer:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():

@@ -23,6 +23,8 @@ from nodeagent.logs import setup_logging
 @click.option("--node-name", default=None, help="Node to publish to (default: $NODE_NAME, else host name).")
 @click.option("--kubelet-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Kubelet root directory (default /var/lib/kubelet).")
+@click.option("--pod-resources-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Kubelet PodResources API socket (default: pod-resources/kubelet.sock below the kubelet dir).")
 @click.option("--device-plugin-config", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="NVIDIA device-plugin config file (version: v1).")
 @click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")
@@ -40,6 +42,7 @@ def run(
     kubeconfig: Path | None,
     node_name: str | None,
     kubelet_dir: Path | None,
+    pod_resources_socket: Path | None,
     device_plugin_config: Path | None,
     with_reboot: bool | None,
     metrics_address: str | None,
@@ -57,6 +60,7 @@ def run(
         "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
         "node_name": node_name,
         "kubelet.dir": flag_path(paths, kubelet_dir, "--kubelet-dir"),
+        "kubelet.pod_resources_socket": flag_path(paths, pod_resources_socket, "--pod-resources-socket"),
         "device_plugin.config": flag_path(paths, device_plugin_config, "--device-plugin-config"),
         "mig.with_reboot": with_reboot,
         "metrics.address": metrics_address,

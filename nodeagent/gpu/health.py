@@ -47,7 +47,10 @@ class HealthSettings:
     forced_xids: frozenset[int] = frozenset()  # DP_ENABLE_HEALTHCHECKS=<list>
     recovery_window_s: float | None = 60.0  # None: never recover (NVIDIA's behaviour)
     poll_interval_s: float = 1.0
-    event_wait_ms: int = 200
+    # How long one blocking wait_events call may last. Events end the wait at once, so this only sets how
+    # often an idle daemon wakes (each round trip through the worker thread costs CPU) and how long a
+    # stopped monitor's last wait can linger; kept under the daemon's 1 s executor-shutdown grace.
+    event_wait_ms: int = 800
 
     def is_critical(self, xid: int) -> bool:
         if not self.enabled:

@@ -15,6 +15,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +185,27 @@ class KubeClient:
 
     def __init__(self, api: k8s.ApiClient, *, on_request: RequestHook | None = None) -> None:
         self.api = api
-        self.core = k8s.CoreV1Api(api)
-        self.node_api = k8s.NodeV1Api(api)
-        self.custom = k8s.CustomObjectsApi(api)
-        self.apiext = k8s.ApiextensionsV1Api(api)
         self.stats = RequestStats()
         self.on_request = on_request
+
+    # The typed handles are built on first use: naming one makes the client library import its API module
+    # and every model class that module refers to (CoreV1Api alone is ~20 MiB resident), while the daemon
+    # only ever sends plain JSON through ``request``/``stream``.
+    @cached_property
+    def core(self) -> k8s.CoreV1Api:
+        return k8s.CoreV1Api(self.api)
+
+    @cached_property
+    def node_api(self) -> k8s.NodeV1Api:
+        return k8s.NodeV1Api(self.api)
+
+    @cached_property
+    def custom(self) -> k8s.CustomObjectsApi:
+        return k8s.CustomObjectsApi(self.api)
+
+    @cached_property
+    def apiext(self) -> k8s.ApiextensionsV1Api:
+        return k8s.ApiextensionsV1Api(self.api)
 
     def close(self) -> None:
         self.api.close()  # type: ignore[no-untyped-call]

@@ -9,11 +9,10 @@ no longer wants is removed, while labels set by anybody else are never touched.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from nodeagent.gpu.inventory import Gpu, Inventory
+from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
 from nodeagent.sharing.spec import PluginConfig
 
 NVIDIA = "nvidia.com/"
@@ -43,6 +42,7 @@ class SharingFacts:
     replicas: int = 1  # replicas of whole GPUs (nvidia.com/gpu)
     renamed: bool = False  # the shared resource got another name (no "-SHARED" suffix then)
     mig_replicas: Mapping[str, int] = field(default_factory=dict)  # resource-form profile → replicas
+    mig_renamed: frozenset[str] = frozenset()  # resource-form profiles whose shared resource is renamed
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ def sharing_facts(cfg: PluginConfig | None) -> SharingFacts:
     replicas = 1
     renamed = False
     mig_replicas: dict[str, int] = {}
+    mig_renamed: set[str] = set()
     for r in sh.resources:
         is_renamed = bool(r.rename) or sh.rename_by_default
         if r.name == NVIDIA + "gpu":
@@ -79,12 +80,15 @@ def sharing_facts(cfg: PluginConfig | None) -> SharingFacts:
             renamed = renamed or is_renamed
         elif r.name.startswith(NVIDIA + "mig-"):
             mig_replicas[r.name[len(NVIDIA + "mig-") :]] = r.replicas
+            if is_renamed:
+                mig_renamed.add(r.name[len(NVIDIA + "mig-") :])
     return SharingFacts(
         mig_strategy=cfg.flags.mig_strategy,
         strategy=sh.strategy if sh.resources else "none",
         replicas=replicas,
         renamed=renamed,
         mig_replicas=mig_replicas,
+        mig_renamed=frozenset(mig_renamed),
     )
 
 
@@ -127,8 +131,9 @@ def _cuda_labels(inv: Inventory) -> dict[str, str]:
     return out
 
 
-def _shared_product(product: str, sharing: SharingFacts, replicas: int) -> str:
-    if replicas > 1 and sharing.strategy != "none" and not sharing.renamed:
+def _shared_product(product: str, sharing: SharingFacts, replicas: int, renamed: bool | None = None) -> str:
+    is_renamed = sharing.renamed if renamed is None else renamed
+    if replicas > 1 and sharing.strategy != "none" and not is_renamed:
         return label_value(product + "-SHARED")
     return product
 
@@ -138,8 +143,124 @@ def resource_profile(profile: str) -> str:
     return profile.replace("+", ".")
 
 
+# gpu-feature-discovery derives gpu.family from the CUDA compute capability, not from NVML's architecture
+_FAMILY_BY_MAJOR = {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 9: "hopper",
+                    10: "blackwell", 12: "blackwell"}
+
+
+def gpu_family(gpu: Gpu) -> str:
+    """gpu-feature-discovery's family name (``ada-lovelace`` for 8.9, ``turing`` for 7.5, ...)."""
+    major, minor = gpu.compute_major, gpu.compute_minor
+    if major == 7:
+        return "volta" if minor < 5 else "turing"
+    if major == 8:
+        return "ampere" if minor < 9 else "ada-lovelace"
+    return _FAMILY_BY_MAJOR.get(major) or label_value(gpu.architecture) or "undefined"
+
+
+def _gpu_resource_labels(gpus: list[Gpu], sharing: SharingFacts) -> dict[str, str]:
+    """The ``nvidia.com/gpu.*`` labels of physical GPUs, as gpu-feature-discovery computes them.
+
+    Whatever the MIG strategy, ``gpu.count`` counts the physical GPUs of the labelled product, MIG mode or
+    not. GPUs in MIG mode carry no sharing (``gpu.replicas`` 0); when the node also has GPUs without MIG,
+    those describe the node (with the configured sharing). Among several products the lowest-indexed GPU
+    decides (gpu-feature-discovery picks one at random).
+    """
+    full = [g for g in gpus if not g.mig_current]
+    rep = full[0] if full else gpus[0]
+    count = sum(1 for g in gpus if g.name == rep.name)
+    p = f"{NVIDIA}gpu."
+    if full:
+        replicas = max(1, sharing.replicas)
+        labels = {
+            p + "product": _shared_product(_product(rep), sharing, replicas),
+            p + "replicas": str(replicas),
+            p + "sharing-strategy": sharing.strategy if replicas > 1 else "none",
+        }
+    else:
+        labels = {p + "product": _product(rep), p + "replicas": "0", p + "sharing-strategy": "none"}
+    labels[p + "count"] = str(count)
+    if rep.memory_mib > 0:
+        labels[p + "memory"] = str(rep.memory_mib)
+    if rep.compute_major > 0:
+        labels[p + "family"] = gpu_family(rep)
+        labels[p + "compute.major"] = str(rep.compute_major)
+        labels[p + "compute.minor"] = str(rep.compute_minor)
+    return labels
+
+
+def _mig_attribute_labels(base: str, gpus: list[Gpu], dev: MigDevice) -> dict[str, str]:
+    labels = {f"{base}.memory": str(dev.memory_mib)}
+    parent = next((g for g in gpus if g.index == dev.gpu_index), None)
+    prof = parent.profile(dev.profile) if parent is not None else None
+    if prof is not None:
+        labels[f"{base}.slices.gi"] = str(prof.slice_count)
+        labels[f"{base}.slices.ci"] = str(prof.slice_count)  # nodeagent makes full-size compute instances
+    return labels
+
+
+def _mig_product(gpus: list[Gpu], dev: MigDevice) -> str:
+    parent = next((g for g in gpus if g.index == dev.gpu_index), gpus[0])
+    return label_value(f"{_product(parent)}-MIG-{resource_profile(dev.profile)}")
+
+
+def _single_strategy_labels(gpus: list[Gpu], sharing: SharingFacts) -> dict[str, str]:
+    """What ``migStrategy: single`` puts over the physical-GPU labels (nothing when no GPU is in MIG mode)."""
+    mig_gpus = [g for g in gpus if g.mig_current]
+    if not mig_gpus:
+        return {}
+    p = f"{NVIDIA}gpu."
+    devices = [d for g in mig_gpus for d in g.mig_devices]
+    profiles = {d.profile for d in devices}
+    empty = any(not g.mig_devices for g in mig_gpus)
+    if empty or len(mig_gpus) != len(gpus) or len(profiles) != 1:
+        # the plugin cannot serve this as one uniform nvidia.com/gpu: gpu-feature-discovery says so
+        return {
+            p + "product": label_value(f"{_product(mig_gpus[0])}-MIG-INVALID"),
+            p + "count": "0",
+            p + "replicas": "0",
+            p + "memory": "0",
+        }
+    dev = devices[0]
+    replicas = max(1, sharing.replicas)
+    labels = {
+        p + "product": _shared_product(_mig_product(gpus, dev), sharing, replicas),
+        p + "count": str(len(devices)),
+        p + "replicas": str(replicas),
+        p + "sharing-strategy": sharing.strategy if replicas > 1 else "none",
+    }
+    labels.update(_mig_attribute_labels(f"{NVIDIA}gpu", gpus, dev))
+    return labels
+
+
+def _mixed_strategy_labels(gpus: list[Gpu], sharing: SharingFacts) -> dict[str, str]:
+    """``nvidia.com/mig-<profile>.*`` for every MIG profile present (GPUs in MIG mode without devices add none)."""
+    by_profile: dict[str, list[MigDevice]] = {}
+    for g in gpus:
+        if g.mig_current:
+            for d in g.mig_devices:
+                by_profile.setdefault(resource_profile(d.profile), []).append(d)
+    labels: dict[str, str] = {}
+    for prof, devs in sorted(by_profile.items()):
+        base = f"{NVIDIA}mig-{prof}"
+        reps = max(1, sharing.mig_replicas.get(prof, 1))
+        labels[f"{base}.count"] = str(len(devs))
+        labels[f"{base}.replicas"] = str(reps)
+        labels[f"{base}.sharing-strategy"] = sharing.strategy if reps > 1 else "none"
+        labels[f"{base}.product"] = _shared_product(
+            _mig_product(gpus, devs[0]), sharing, reps, renamed=prof in sharing.mig_renamed
+        )
+        labels.update(_mig_attribute_labels(base, gpus, devs[0]))
+    return labels
+
+
 def desired_labels(inv: Inventory, sharing: SharingFacts, net: NetFacts | None = None) -> dict[str, str]:
-    """Every label nodeagent wants on the Node for this inventory (pure)."""
+    """Every label nodeagent wants on the Node for this inventory (pure).
+
+    The ``nvidia.com/gpu.*`` and ``nvidia.com/mig-*`` labels follow gpu-feature-discovery for each MIG
+    strategy: physical-GPU labels first, then ``single`` overrides them with the (uniform) MIG device or
+    marks the node ``-MIG-INVALID``, and ``mixed`` adds one label group per MIG profile.
+    """
     labels: dict[str, str] = {}
     if net is not None:
         if net.fastest_nic_speed_mbps is not None and net.fastest_nic_speed_mbps > 0:
@@ -149,65 +270,17 @@ def desired_labels(inv: Inventory, sharing: SharingFacts, net: NetFacts | None =
     gpus = sorted(inv.gpus, key=lambda g: g.index)
     if not gpus:
         return labels
-    first = gpus[0]
-    mig_gpus = [g for g in gpus if g.mig_current]
-    full_gpus = [g for g in gpus if not g.mig_current]
-    replicas = max(1, sharing.replicas)
+    any_mig = any(g.mig_current for g in gpus)
     labels.update(_cuda_labels(inv))
-    labels.update(
-        {
-            f"{NVIDIA}gpu.present": "true",
-            f"{NVIDIA}gpu.family": label_value(first.architecture) or "unknown",
-            f"{NVIDIA}gpu.compute.major": str(first.compute_major),
-            f"{NVIDIA}gpu.compute.minor": str(first.compute_minor),
-            f"{NVIDIA}mig.capable": "true" if any(g.mig_capable for g in gpus) else "false",
-            f"{NVIDIA}mig.strategy": sharing.mig_strategy,
-            f"{NVIDIA}gpu.sharing-strategy": sharing.strategy if replicas > 1 else "none",
-            f"{NVIDIA}gpu.replicas": str(replicas),
-        }
-    )
-    mig_devices = [d for g in mig_gpus for d in g.mig_devices]
-    if sharing.mig_strategy == "single" and mig_gpus:
-        # every MIG device is advertised as nvidia.com/gpu; describe the (uniform) MIG device
-        profiles = Counter(d.profile for d in mig_devices)
-        if len(profiles) == 1:
-            prof, count = next(iter(profiles.items()))
-            dev = mig_devices[0]
-            labels[f"{NVIDIA}gpu.product"] = _shared_product(f"{_product(first)}-MIG-{prof}", sharing, replicas)
-            labels[f"{NVIDIA}gpu.count"] = str(count + len(full_gpus))
-            labels[f"{NVIDIA}gpu.memory"] = str(dev.memory_mib)
-            parent = next(g for g in mig_gpus if g.index == dev.gpu_index)
-            p = parent.profile(prof)
-            if p is not None:
-                labels[f"{NVIDIA}gpu.slices.gi"] = str(p.slice_count)
-                labels[f"{NVIDIA}gpu.slices.ci"] = str(p.slice_count)
-        else:
-            # not uniform: the plugin cannot advertise this with the single strategy; say what is there
-            labels[f"{NVIDIA}gpu.product"] = _shared_product(_product(first), sharing, replicas)
-            labels[f"{NVIDIA}gpu.count"] = str(len(mig_devices) + len(full_gpus))
-            labels[f"{NVIDIA}gpu.memory"] = str(first.memory_mib)
-    else:
-        counted = full_gpus if sharing.mig_strategy == "mixed" else gpus
-        labels[f"{NVIDIA}gpu.product"] = _shared_product(_product(first), sharing, replicas)
-        labels[f"{NVIDIA}gpu.count"] = str(len(counted))
-        labels[f"{NVIDIA}gpu.memory"] = str(first.memory_mib)
-    if sharing.mig_strategy == "mixed":
-        by_profile: dict[str, list[int]] = {}
-        for d in mig_devices:
-            by_profile.setdefault(d.profile, []).append(d.memory_mib)
-        for prof, mems in sorted(by_profile.items()):
-            base = f"{NVIDIA}mig-{resource_profile(prof)}"
-            mig_reps = max(1, sharing.mig_replicas.get(resource_profile(prof), 1))
-            labels[f"{base}.count"] = str(len(mems))
-            labels[f"{base}.memory"] = str(mems[0])
-            labels[f"{base}.replicas"] = str(mig_reps)
-            labels[f"{base}.sharing-strategy"] = sharing.strategy if mig_reps > 1 else "none"
-            labels[f"{base}.product"] = label_value(f"{_product(first)}-MIG-{prof}")
-            owner = next((g for g in mig_gpus if g.profile(prof) is not None), None)
-            p = owner.profile(prof) if owner is not None else None
-            if p is not None:
-                labels[f"{base}.slices.gi"] = str(p.slice_count)
-                labels[f"{base}.slices.ci"] = str(p.slice_count)
+    labels[f"{NVIDIA}gpu.present"] = "true"
+    labels[f"{NVIDIA}mig.capable"] = "true" if any(g.mig_capable for g in gpus) else "false"
+    labels[f"{NVIDIA}mig.strategy"] = sharing.mig_strategy
+    labels[f"{NVIDIA}mps.capable"] = "true" if sharing.strategy == "mps" and not any_mig else "false"
+    labels.update(_gpu_resource_labels(gpus, sharing))
+    if sharing.mig_strategy == "single":
+        labels.update(_single_strategy_labels(gpus, sharing))
+    elif sharing.mig_strategy == "mixed":
+        labels.update(_mixed_strategy_labels(gpus, sharing))
     return {k: v for k, v in labels.items() if k not in RESERVED and valid_label_key(k) and valid_label_value(v)}
 
 

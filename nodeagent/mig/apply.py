@@ -3,7 +3,9 @@
 Order for the GPUs a plan touches (the others are never called):
 
 1. checkpoint each touched GPU's exact layout (mode, pending mode, every instance's profile and start)
-   and persist it with the progress in a small state file, so a killed agent can resume;
+   and persist it, with the layout the plan aims at, as the *in-flight record* of a small state file
+   before the first change; the record is removed when the run ends (done, rolled back, or waiting for
+   a reboot), so a record found later means an agent died mid-apply;
 2. refuse when a GPU whose instances or mode must change runs processes — naming pid, command and pod;
 3. ``pre-apply-mode`` hook, then per GPU: destroy its instances, set the mode; a pending mode (Ampere)
    is made effective by resetting THAT GPU only; when no reset is possible → ``RebootRequired``;
@@ -13,6 +15,14 @@ Order for the GPUs a plan touches (the others are never called):
    starts) and report the failure together with the restore result.
 
 Hooks ``apply-start`` / ``apply-exit`` wrap the whole run (``apply-exit`` always runs).
+
+Crash recovery (``recover_interrupted``, run before planning): every GPU named by a leftover in-flight
+record is brought back to its checkpoint exactly — orphan GPU instances without a compute instance and
+instances not in the checkpoint destroyed, checkpointed ones recreated at their starts, the mode set
+back — unless it already is exactly at the layout the interrupted run aimed at. Each GPU therefore ends
+in its old or its new layout, never a mix; the caller then applies the selected config again. A new
+``apply`` that finds a leftover record (a caller that skipped recovery) keeps the recorded checkpoints
+as its rollback targets, so a failure still returns to the last layout known to be whole.
 """
 
 from __future__ import annotations
@@ -83,7 +93,38 @@ class GpuCheckpoint:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GpuCheckpoint:
         return cls(int(d["index"]), str(d["uuid"]), bool(d["mig_current"]), bool(d["mig_pending"]),
-                   tuple((str(p), int(s)) for p, s in d["instances"]))
+                   tuple(sorted((str(p), int(s)) for p, s in d["instances"])))
+
+    @classmethod
+    def target(cls, g: GpuPlan) -> GpuCheckpoint:
+        """The layout ``g`` aims at: its mode (current and pending), kept plus created instances."""
+        on = g.desired.enabled
+        inst = sorted([(d.profile, d.placement_start) for d in g.keep] + [(s.profile, s.start) for s in g.create])
+        return cls(g.index, g.uuid, on, on, tuple(inst) if on else ())
+
+    def matches(self, gpu: Gpu) -> bool:
+        """``gpu`` is exactly this layout: same mode and pending mode, same instances, no orphan GPU instance."""
+        return GpuCheckpoint.of(gpu) == self and not (gpu.mig_current and gpu.bare_gpu_instances)
+
+    def describe(self) -> str:
+        return f"MIG {'on' if self.mig_current else 'off'} {_fmt(list(self.instances))}"
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """One GPU of an interrupted (or running) apply: where it came from and where it was going."""
+
+    checkpoint: GpuCheckpoint
+    target: GpuCheckpoint | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint.to_dict(),
+                "target": self.target.to_dict() if self.target is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> InFlight:
+        t = d.get("target")
+        return cls(GpuCheckpoint.from_dict(d["checkpoint"]), GpuCheckpoint.from_dict(t) if t else None)
 
 
 def layout_of(gpu: Gpu) -> tuple[tuple[str, int], ...]:
@@ -95,6 +136,8 @@ class MigStateFile:
 
     Phases: ``applying`` (a run is in progress — after a crash the reconciler applies the same
     config again), ``rebooting`` (a mode change waits for a reboot), ``success``, ``failed``.
+    ``inflight`` (``{"config", "gpus": [{"checkpoint", "target"}]}`` or null) is present exactly while
+    GPUs may be half-changed; see ``recover_interrupted``.
     """
 
     NAME = "mig-state.json"
@@ -121,6 +164,18 @@ class MigStateFile:
         doc.update(changes)
         doc["updated"] = time.time()
         self.save(doc)
+
+    def inflight(self) -> list[InFlight]:
+        """The in-flight record: GPUs an apply was changing when it last wrote (empty: none)."""
+        doc = self.load() or {}
+        raw = doc.get("inflight")
+        if not raw:
+            return []
+        try:
+            return [InFlight.from_dict(x) for x in raw["gpus"]]
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("ignoring a malformed in-flight record in %s: %s", self.path, e)
+            return []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,10 +273,20 @@ class Applier:
         if not touched:
             return ApplyResult(inventory, (), ())
         self.check_busy(plan)
-        checkpoints = [GpuCheckpoint.of(inventory.gpu(g.index)) for g in touched]
+        # A leftover in-flight record (an earlier run died and nobody recovered): its checkpoints are the
+        # last layouts known to be whole, so they stay the rollback targets of the GPUs it names.
+        leftover = {r.checkpoint.index: r for r in (self.state.inflight() if self.state else [])
+                    if r.checkpoint.uuid == _uuid(inventory, r.checkpoint.index)}
+        records = [InFlight(leftover[g.index].checkpoint if g.index in leftover
+                            else GpuCheckpoint.of(inventory.gpu(g.index)), GpuCheckpoint.target(g))
+                   for g in touched]
+        planned = {g.index for g in touched}
+        records += [r for i, r in sorted(leftover.items()) if i not in planned]
+        checkpoints = [r.checkpoint for r in records]
         if self.state:
             self.state.update(config=plan.config, phase="applying", touched=[g.index for g in touched],
-                              checkpoint=[c.to_dict() for c in checkpoints], started=time.time())
+                              checkpoint=[c.to_dict() for c in checkpoints], started=time.time(),
+                              inflight={"config": plan.config, "gpus": [r.to_dict() for r in records]})
         if self.hooks:
             self.hooks.run("apply-start")
         try:
@@ -231,8 +296,8 @@ class Applier:
                 new = self.adapter.discover()
                 self._verify(touched, new)
             except RebootRequired:
-                if self.state:
-                    self.state.update(phase="rebooting")
+                if self.state:  # the half-done change is meant to wait for the reboot: nothing to recover
+                    self.state.update(phase="rebooting", inflight=None)
                 raise
             except NodeAgentError as e:
                 self._rollback_and_raise(e, checkpoints)
@@ -245,7 +310,12 @@ class Applier:
                 except NodeAgentError as e:
                     log.error("apply-exit hook failed: %s", e)
         if self.state:
-            self.state.update(phase="success", step="done")
+            # GPUs named only by a leftover record stay recorded unless they are whole again.
+            rest = [r for r in records[len(touched):]
+                    if not r.checkpoint.matches(new.gpu(r.checkpoint.index))
+                    and not (r.target is not None and r.target.matches(new.gpu(r.checkpoint.index)))]
+            self.state.update(phase="success", step="done",
+                              inflight={"config": plan.config, "gpus": [r.to_dict() for r in rest]} if rest else None)
         return ApplyResult(new, tuple(g.index for g in touched), tuple(self.resets))
 
     # -- steps ---------------------------------------------------------------------------------
@@ -313,6 +383,10 @@ class Applier:
             if want_on and have != want:
                 raise OperationError(f"GPU {g.index}: layout after apply is {_fmt(have)}, expected {_fmt(want)}",
                                      subject=str(g.index))
+            if want_on and gpu.bare_gpu_instances:
+                orphans = _fmt([(d.profile, d.placement_start) for d in gpu.bare_gpu_instances])
+                raise OperationError(f"GPU {g.index}: GPU instances without a compute instance remain after "
+                                     f"apply: {orphans}", subject=str(g.index))
 
     # -- rollback ------------------------------------------------------------------------------
 
@@ -333,7 +407,7 @@ class Applier:
                 subject=error.subject,
             ) from error
         if self.state:
-            self.state.update(phase="failed", error=str(error))
+            self.state.update(phase="failed", error=str(error), inflight=None)
         cls = type(error) if isinstance(error, OperationError) else OperationError
         try:
             new_error: NodeAgentError = cls(f"{error}; GPU(s) {gpus} restored to their previous layout",
@@ -346,12 +420,21 @@ class Applier:
         raise new_error from error
 
     def restore(self, cp: GpuCheckpoint) -> None:
-        """Bring one GPU back to ``cp``: same mode and pending mode, same profiles at the same starts."""
+        """Bring one GPU back to ``cp``: same mode and pending mode, same profiles at the same starts,
+        and no GPU instance without a compute instance."""
         gpu = self.adapter.discover().gpu(cp.index)
+        if gpu.uuid != cp.uuid:
+            raise OperationError(f"GPU {cp.index} is {gpu.uuid}, the checkpoint was taken of {cp.uuid}",
+                                 subject=str(cp.index))
         want = set(cp.instances) if cp.mig_current else set()
         if gpu.mig_current:
+            for d in gpu.bare_gpu_instances:
+                self._step(f"GPU {cp.index}: destroy orphan GPU instance {d.profile}@{d.placement_start} "
+                           f"(GI {d.gi_id})")
+                self.adapter.destroy_mig_device(cp.index, d.gi_id)
             for d in gpu.mig_devices:
                 if (d.profile, d.placement_start) not in want:
+                    self._step(f"GPU {cp.index}: destroy {d.profile}@{d.placement_start} (GI {d.gi_id})")
                     self.adapter.destroy_mig_device(cp.index, d.gi_id)
         if gpu.mig_current != cp.mig_current:
             if self.adapter.set_mig_mode(cp.index, cp.mig_current):
@@ -363,12 +446,100 @@ class Applier:
         if cp.mig_current:
             have = set(layout_of(gpu))
             for prof, start in sorted(want - have, key=lambda x: x[1]):
+                self._step(f"GPU {cp.index}: recreate {prof}@{start}")
                 self.adapter.create_mig_device(cp.index, prof, start)
         gpu = self.adapter.discover().gpu(cp.index)
-        if GpuCheckpoint.of(gpu) != cp:
+        if not cp.matches(gpu):
             got = GpuCheckpoint.of(gpu)
             raise OperationError(f"GPU {cp.index} is {_fmt(list(got.instances))} (mode {got.mig_current}), "
                                  f"checkpoint was {_fmt(list(cp.instances))} (mode {cp.mig_current})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Recovery after an agent died mid-apply
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What ``recover_interrupted`` did with each GPU of the in-flight record."""
+
+    config: str
+    restored: tuple[int, ...] = ()  # brought back to their checkpoint
+    at_target: tuple[int, ...] = ()  # already exactly in the new layout: left as they are
+    intact: tuple[int, ...] = ()  # still in their checkpoint layout: nothing to do
+    ignored: tuple[int, ...] = ()  # the record does not belong to this GPU (another board, gone)
+
+    @property
+    def gpus(self) -> tuple[int, ...]:
+        return tuple(sorted(self.restored + self.at_target + self.intact))
+
+    def describe(self) -> str:
+        parts = []
+        if self.restored:
+            parts.append("restored GPU " + ", ".join(map(str, self.restored)) + " to the previous layout")
+        if self.at_target:
+            parts.append("GPU " + ", ".join(map(str, self.at_target)) + " already complete in the new layout")
+        if self.intact:
+            parts.append("GPU " + ", ".join(map(str, self.intact)) + " not changed yet")
+        if self.ignored:
+            parts.append("ignored the record of GPU " + ", ".join(map(str, self.ignored)) + " (different GPU)")
+        what = "; ".join(parts) or "nothing to do"
+        return f"recovered from an interrupted apply of MIG config {self.config or '?'}: {what}"
+
+
+def recover_interrupted(
+    adapter: MigAdapter, state: MigStateFile, *, on_step: Callable[[str], None] | None = None
+) -> Recovery | None:
+    """Undo what an agent that died mid-apply left behind (see the module doc); None when no apply was
+    interrupted. Raises ``OperationError`` naming the GPUs that could not be restored; the in-flight record
+    then stays, so the next attempt tries again."""
+    records = state.inflight()
+    if not records:
+        return None
+    doc = state.load() or {}
+    config = str((doc.get("inflight") or {}).get("config") or doc.get("config") or "")
+    inventory = adapter.discover()
+    restorer = Applier(adapter, on_step=on_step)
+    restored: list[int] = []
+    at_target: list[int] = []
+    intact: list[int] = []
+    ignored: list[int] = []
+    problems: list[str] = []
+    for r in records:
+        cp = r.checkpoint
+        uuid = _uuid(inventory, cp.index)
+        if uuid != cp.uuid:
+            log.warning("mig: in-flight record of GPU %d names %s but the GPU is %s; ignoring it",
+                        cp.index, cp.uuid, uuid or "gone")
+            ignored.append(cp.index)
+            continue
+        gpu = inventory.gpu(cp.index)
+        if cp.matches(gpu):
+            intact.append(cp.index)
+        elif r.target is not None and r.target.matches(gpu):
+            at_target.append(cp.index)
+        else:
+            log.warning("mig: GPU %d was left half-changed by an interrupted apply; restoring %s",
+                        cp.index, cp.describe())
+            try:
+                restorer.restore(cp)
+            except Exception as e:
+                problems.append(f"GPU {cp.index}: {e}")
+            else:
+                restored.append(cp.index)
+    if problems:
+        msg = ("restoring the layout an interrupted MIG apply left half-changed FAILED: " + "; ".join(problems))
+        state.update(phase="failed", error=msg, restore_failed=problems)
+        raise OperationError(msg, subject=",".join(str(r.checkpoint.index) for r in records))
+    state.update(inflight=None)
+    return Recovery(config, tuple(restored), tuple(at_target), tuple(intact), tuple(ignored))
+
+
+def _uuid(inventory: Inventory, index: int) -> str | None:
+    try:
+        return inventory.gpu(index).uuid
+    except KeyError:
+        return None
 
 
 def _fmt(layout: list[tuple[str, int]]) -> str:

@@ -12,6 +12,13 @@ Every path ends in ``success`` or ``failed`` within bounded waits — except a m
 host reboot, which ends in ``rebooting``. With ``with_reboot`` the agent then reboots the host; after the
 boot the persisted selection is applied again and ends ``success``/``failed``. An unknown config name
 ends ``failed`` with a clear Event and nothing touched.
+
+An agent killed mid-apply leaves an in-flight record in ``<state_dir>/mig-state.json``. Before anything
+else (at start, and again before every reconcile while the record exists) the GPUs it names are brought
+back to their checkpoint exactly — or left alone when they already are exactly in the new layout — so
+every GPU holds its old or its new layout; then the selected config is applied as usual (normally
+ending ``success`` with the new layout). When that restore fails the state ends ``failed`` and the
+record stays for the next attempt.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any, Protocol
 from nodeagent.errors import NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile
+from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile, Recovery, recover_interrupted
 from nodeagent.mig.hooks import HookRunner, Hooks, parse_hooks
 from nodeagent.mig.planner import Plan, plan
 from nodeagent.mig.spec import MigConfigFile, generate_standard, parse_config, resolve
@@ -127,6 +134,12 @@ class MigReconciler:
             async for view in self.node.updates():
                 latest.put_nowait(view)
 
+        if self.state.inflight():
+            # Whatever the label says (it may even be gone), no GPU stays half-changed.
+            try:
+                await self._recover()
+            except Exception as e:  # the first reconcile tries again and reports it on the Node
+                log.error("mig: recovery of an interrupted apply failed: %s", e)
         feeder = asyncio.create_task(feed(), name="mig-node-watch")
         try:
             while True:
@@ -163,7 +176,10 @@ class MigReconciler:
         await self._set_state(PENDING)
         self.state.update(config=name, generation=generation, phase="applying", boot_id=self.boot_id())
         try:
+            recovery = await self._recover()
             result, message = await self._apply(name, after_reboot=resuming)
+            if recovery is not None:
+                message = f"{message} (after an interrupted apply: {recovery.describe()})"[:1000]
         except RebootRequired as e:
             self.state.update(phase=REBOOTING, boot_id=self.boot_id(), error=str(e))
             if resuming:
@@ -193,6 +209,27 @@ class MigReconciler:
         await self._event("MigConfigApplied", message, "Normal")
         await self._set_state(SUCCESS)
         return result
+
+    async def _recover(self) -> Recovery | None:
+        """Bring GPUs an interrupted apply left half-changed back to a whole layout (None: nothing to do)."""
+        records = self.state.inflight()
+        if not records:
+            return None
+        gpus = {r.checkpoint.index for r in records}
+        if self.publisher is not None:
+            await asyncio.wait_for(self.publisher.withdraw(gpus), self.options.publish_timeout_s)
+        try:
+            recovery = await asyncio.wait_for(
+                asyncio.to_thread(recover_interrupted, self.adapter, self.state), self.options.apply_timeout_s)
+        except TimeoutError as e:
+            raise OperationError("restoring the GPUs of an interrupted MIG apply took longer than "
+                                 f"{self.options.apply_timeout_s:.0f}s") from e
+        finally:
+            with contextlib.suppress(Exception):
+                await self._publish(await asyncio.to_thread(self.adapter.discover))
+        if recovery is not None:
+            await self._event("MigApplyRecovered", recovery.describe()[:1000], "Warning")
+        return recovery
 
     def _load_configs(self, inventory: Inventory) -> MigConfigFile:
         path = self.options.config_file

@@ -9,17 +9,24 @@ The kill lands at several points in time; whatever it hits, the invariants must 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e._agent import REPO, running_agent
+from nodeagent.gpu.sim import inject
+from nodeagent.gpu.sim.state import SimStore
+from nodeagent.mig.apply import MigStateFile
+from tests.e2e._agent import REPO, Agent, running_agent
 from tests.e2e.test_bootstrap_node import rerooted
 from tests.e2e.test_run_cluster import agent_config, eventually, make_node, node_obj, set_label
 from tests.peers.apiserver import KubeApiServer
@@ -39,13 +46,6 @@ ORIGINAL = """version = 2
 [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
   SystemdCgroup = true
 """
-
-
-def layouts(sim_state: Path) -> list[tuple[bool, tuple[str, ...]]]:
-    out = subprocess.run([sys.executable, "-m", "nodeagent", "discover", "--sim-state", str(sim_state), "--json"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60, check=True).stdout
-    inv: dict[str, Any] = json.loads(out)
-    return [(g["mig_current"], tuple(sorted(d["profile"] for d in g["mig_devices"]))) for g in inv["gpus"]]
 
 
 @pytest.mark.parametrize("delay", [0.35, 0.45, 0.6])
@@ -77,37 +77,152 @@ def test_kill_during_runtime_configure(tmp_path: Path, containerd: Containerd, d
     assert "runc" in runtimes
 
 
-# Known failure (reported to the MIG owner): a kill between creating a GPU instance and its compute
-# instance leaves an orphan GI; on restart the reconciler neither rolls back to the checkpoint it saved
-# ("phase: applying") nor removes the orphan, so the new plan hits NVML_ERROR_INSUFFICIENT_RESOURCES and
-# the GPU stays with a mixed layout. Not strict: when the kill lands elsewhere the drill passes.
-@pytest.mark.xfail(strict=False, reason="MIG apply does not recover from kill -9 between GI and CI creation")
-@pytest.mark.parametrize("delay", [0.05, 0.3])
+# --------------------------------------------------------------------------------------------------
+# kill -9 during a MIG apply
+#
+# The kill lands at precise points of the apply, judged on the simulated hardware itself: the test takes
+# the simulator's state lock (every NVML change happens under an exclusive flock on ``<state>.lock``), so
+# while it holds the lock the agent is frozen before its next change. Under the lock the test reads the
+# state and, when it shows the wanted point (e.g. a GPU instance whose compute instance does not exist
+# yet), kills the agent right there; otherwise it releases the lock and the agent makes one more change.
+
+OLD = ("3g.40gb", "3g.40gb")
+NEW = ("1g.10gb",) * 7
+SimDoc = dict[str, Any]
+
+
+def layouts(sim_state: Path) -> list[tuple[bool, tuple[str, ...]]]:
+    """Per GPU: MIG mode and the sorted profiles (a GPU instance without compute instance shows as ``+bare``)."""
+    out = subprocess.run([sys.executable, "-m", "nodeagent", "discover", "--sim-state", str(sim_state), "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60, check=True).stdout
+    inv: dict[str, Any] = json.loads(out)
+    return [(g["mig_current"], tuple(sorted([d["profile"] for d in g["mig_devices"]]
+                                            + [d["profile"] + "+bare" for d in g["bare_gpu_instances"]])))
+            for g in inv["gpus"]]
+
+
+def _gis(doc: SimDoc) -> list[tuple[int, dict[str, Any]]]:
+    return [(i, gi) for i, g in enumerate(doc["gpus"]) for gi in g["gis"]]
+
+
+def orphan_of_new(doc: SimDoc) -> bool:  # a 1g.10gb GPU instance created, its compute instance not yet
+    return any(gi["size"] == 1 and not gi["cis"] for _, gi in _gis(doc))
+
+
+def orphan_of_old(doc: SimDoc) -> bool:  # a 3g.40gb whose compute instance is gone, the GPU instance not yet
+    return any(gi["size"] == 4 and not gi["cis"] for _, gi in _gis(doc))
+
+
+def half_built(doc: SimDoc) -> bool:  # GPU 3 holds 3 of its 7 new instances (GPUs 0-2 new, 4-7 empty)
+    return sum(1 for i, gi in _gis(doc) if i == 3 and gi["size"] == 1 and gi["cis"]) == 3
+
+
+def all_destroyed(doc: SimDoc) -> bool:  # every old instance gone, nothing created yet
+    return all(not g["gis"] for g in doc["gpus"])
+
+
+def kill_at(agent: Agent, sim_state: Path, point: Callable[[SimDoc], bool], timeout: float = 30.0) -> SimDoc:
+    """SIGKILL the agent at the first state that satisfies ``point``; returns that state.
+
+    After looking, the lock is released only until the state file is replaced once (one change by the
+    agent, which renames a new file under the lock), then taken again before the agent's next change.
+    """
+    fd = os.open(sim_state.with_name(sim_state.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+
+    def stamp() -> tuple[int, int]:
+        st = os.stat(sim_state)
+        return st.st_ino, st.st_mtime_ns
+
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                seen = stamp()
+                doc: SimDoc = json.loads(sim_state.read_text())
+                if point(doc):
+                    agent.proc.send_signal(signal.SIGKILL)
+                    agent.proc.wait()
+                    return doc
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            while stamp() == seen and agent.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.0002)
+            if agent.proc.poll() is not None:
+                raise AssertionError(f"agent exited {agent.proc.returncode} before the kill point:\n{agent.log()}")
+        raise AssertionError(f"kill point {point.__name__} not reached within {timeout}s:\n{agent.log()}")
+    finally:
+        os.close(fd)
+
+
+def kill_after(agent: Agent, sim_state: Path, delay: float) -> SimDoc:
+    time.sleep(delay)
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait()
+    doc: SimDoc = json.loads(sim_state.read_text())
+    return doc
+
+
+@pytest.fixture
+def no_mig_record() -> Iterator[None]:
+    """The agent keeps its MIG state under the host's /var/lib/nodeagent (no --root here): make sure no
+    in-flight record of another run is there before, and none of ours is left behind after."""
+    state = MigStateFile(Path("/var/lib/nodeagent/mig"))
+    if state.inflight():
+        state.update(inflight=None)
+    yield
+    if state.inflight():
+        state.update(inflight=None)
+
+
+RANDOM_DELAY = random.Random().uniform(0.05, 2.0)
+KILL_POINTS: dict[str, Callable[[Agent, Path], SimDoc]] = {
+    "orphan-of-new-instance": lambda a, s: kill_at(a, s, orphan_of_new),
+    "orphan-of-old-instance": lambda a, s: kill_at(a, s, orphan_of_old),
+    "all-old-destroyed": lambda a, s: kill_at(a, s, all_destroyed),
+    "gpu-half-built": lambda a, s: kill_at(a, s, half_built),
+    f"random-{RANDOM_DELAY:.3f}s": lambda a, s: kill_after(a, s, RANDOM_DELAY),
+}
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_kill_during_mig_apply(tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness,
-                               delay: float) -> None:
-    node = f"e2e-drill-mig-{int(delay * 1000)}"
+                               no_mig_record: None, point: str) -> None:
+    node = "e2e-drill-mig-" + point.replace(".", "-")[:40]
     make_node(kube_apiserver, node)
     sim = tmp_path / "sim.json"
+    store = SimStore.open("dgx-h100", sim)
+    for i in range(8):  # the old layout: 2 x 3g.40gb on every GPU
+        inject.write_mig_layout(store, i, list(OLD))
+    old = [(True, OLD)] * 8
+    new = [(True, NEW)] * 8
+    assert layouts(sim) == old
     cfg = agent_config(tmp_path, kube_apiserver.kubeconfig)
     args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(sim), "--node-name", node,
             "--kubelet-dir", str(kubelet_harness.plugin_dir.parent)]
     with running_agent(tmp_path, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
-        old = layouts(sim)
         set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
-        time.sleep(delay)
-        agent.proc.send_signal(signal.SIGKILL)
-        agent.proc.wait()
-    new = [(True, ("1g.10gb",) * 7)] * 8
+        killed_in = KILL_POINTS[point](agent, sim)
+    at_kill = layouts(sim)
+    if not point.startswith("random"):
+        assert at_kill not in (old, new), f"the kill at {point} should have left a half-changed node: {at_kill}"
     (tmp_path / "notify.sock").unlink()
     with running_agent(tmp_path, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
-        state = lambda: node_obj(kube_apiserver, node)["metadata"]["labels"].get("nvidia.com/mig.config.state")  # noqa: E731
+
+        def state() -> str | None:
+            value: str | None = node_obj(kube_apiserver, node)["metadata"]["labels"].get("nvidia.com/mig.config.state")
+            return value
+
         eventually(lambda: state() in ("success", "failed"), 60, "a terminal mig.config.state")
         final = layouts(sim)
         for i, layout in enumerate(final):
-            assert layout in (old[i], new[i]), f"GPU {i} has a mixed layout {layout}"
+            assert layout in (old[i], new[i]), f"GPU {i} has a mixed layout {layout} (killed at {killed_in})"
         assert state() == "success", agent.log()
         assert final == new
+        if not point.startswith("random"):  # the half-changed GPUs were put back whole before the re-apply
+            assert "recovered from an interrupted apply of MIG config all-1g.10gb" in agent.log()
+        assert MigStateFile(Path("/var/lib/nodeagent/mig")).inflight() == []
         code, _ = agent.stop()
         assert code == 0

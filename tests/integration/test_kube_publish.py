@@ -102,7 +102,8 @@ def test_labels_added_changed_removed_and_foreign_untouched(kube: KubeClient, no
     assert r1.metadata_writes >= 1
     labels = NodeClient(kube, node_name).get().labels
     assert labels[P + "mig-3g.20gb.count"] == "2"
-    assert labels[P + "gpu.count"] == "1"
+    assert labels[P + "gpu.count"] == "2"  # physical GPUs, as gpu-feature-discovery counts them
+    assert labels[P + "gpu.replicas"] == "1"
     assert labels[NET_RDMA_NICS] == "2"
     assert labels["team"] == "vision"
 

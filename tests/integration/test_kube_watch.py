@@ -65,17 +65,29 @@ def test_node_watch_start_stop_repeatedly_is_clean(
 ) -> None:
     nc = NodeClient(kube, node_name)
     before = set(threading.enumerate())
-    for i in range(30):
+    for i in range(24):
         seen: list[NodeView] = []
-        w = NodeWatch(nc, seen.append, watch_timeout_s=60)
+        in_callback = threading.Event()
+
+        def on_node(view: NodeView, seen: list[NodeView] = seen, busy: threading.Event = in_callback) -> None:
+            seen.append(view)
+            if view.labels.get("example.com/slow"):
+                busy.set()
+                time.sleep(0.1)  # like a publisher re-applying: the stream is not being read meanwhile
+
+        w = NodeWatch(nc, on_node, watch_timeout_s=60)
         w.start()
-        mode = i % 3
+        mode = i % 4
         if mode == 1:  # stop while the thread is blocked reading an idle stream
             wait_for(lambda s=seen: s)  # type: ignore[misc]
             wait_for(lambda w=w: w._stream is not None)  # type: ignore[misc]
         elif mode == 2:  # stop while changes arrive
             wait_for(lambda s=seen: s)  # type: ignore[misc]
-            nc.patch_labels({"example.com/round": str(i)})
+            nc.patch_labels({"example.com/round": str(i), "example.com/slow": None})
+        elif mode == 3:  # stop while the callback runs, between two reads of the stream
+            wait_for(lambda s=seen: s)  # type: ignore[misc]
+            nc.patch_labels({"example.com/round": str(i), "example.com/slow": "yes"})
+            assert in_callback.wait(5)
         w.stop(timeout=5)
         assert w._thread is not None and not w._thread.is_alive(), f"round {i}: watch thread still running"
         assert w.errors == 0, f"round {i}: {w.errors} watch error(s)"
@@ -90,20 +102,26 @@ def test_stream_closed_from_another_thread_ends_quietly(
     """The stream itself: one thread iterates, another closes, many times over one connection pool."""
     nc = NodeClient(kube, node_name)
     before = set(threading.enumerate())
-    for i in range(20):
+    for i in range(18):
         stream = nc.open_watch("", 60)
         got: list[dict[str, Any]] = []
+        first = threading.Event()
         done = threading.Event()
+        mode = i % 3
 
-        def read(s: WatchStream = stream, out: list[dict[str, Any]] = got, d: threading.Event = done) -> None:
+        def read(s: WatchStream = stream, out: list[dict[str, Any]] = got, slow: bool = mode == 0,
+                 first: threading.Event = first, done: threading.Event = done) -> None:
             for ev in s:
                 out.append(ev)
-            d.set()
+                first.set()
+                if slow:
+                    time.sleep(0.1)  # busy with the event: close lands between two reads
+            done.set()
 
         t = threading.Thread(target=read, name=f"stream-reader-{i}")
         t.start()
-        wait_for(lambda g=got: g)  # type: ignore[misc]  # the initial ADDED event: the reader is in the stream
-        if i % 2:
+        assert first.wait(5)  # the initial ADDED event: the reader is in the stream
+        if mode == 1:
             time.sleep(0.02)  # let it block in the read again
         stream.close()
         stream.close()  # twice is harmless

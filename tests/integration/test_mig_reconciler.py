@@ -274,3 +274,38 @@ async def test_label_change_advertises_new_resources_at_kubelet(
         assert len(res.devices) == 16
     finally:
         await svc.stop()
+
+
+async def test_restart_after_kill_mid_apply_restores_then_applies(node: NodeClient, tmp_path: Path) -> None:
+    """An agent died between creating a GPU instance and its compute instance: the next agent first brings
+    the half-built GPUs back to their checkpoint, then applies the selected config and ends `success`."""
+    from nodeagent.mig.apply import Applier
+    from nodeagent.mig.planner import plan
+    from nodeagent.mig.spec import generate_standard, resolve
+    from tests.unit.test_mig_recovery import DyingAdapter, Killed
+
+    adapter, store = sim("dgx-h100")
+    for i in range(8):
+        inject.write_mig_layout(store, i, ["3g.40gb", "3g.40gb"])
+    inv = adapter.discover()
+    configs = generate_standard(inv)
+    name, entries = configs.select("all-1g.10gb")
+    the_plan = plan(inv, resolve(name, entries, inv, configs.source))
+    unknown = int(pynvml.NVML_ERROR_UNKNOWN)
+    inject.fail_next(store, "nvmlGpuInstanceCreateComputeInstance", unknown, after=9)
+    inject.fail_next(store, "nvmlGpuInstanceDestroy", unknown, after=16)  # the 16 planned destroys succeed
+    with pytest.raises(Killed):
+        Applier(DyingAdapter(adapter, "create", 10, "inside"), state=MigStateFile(tmp_path)).apply(the_plan, inv)
+    inject.recover(store)
+    assert len(adapter.discover().gpu(1).bare_gpu_instances) == 1
+    node.patch_labels({CONFIG_LABEL: "all-1g.10gb", STATE_LABEL: "pending"})
+    pub = RecordingPublisher()
+    rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+    assert await run_until_terminal(rec, node) == "success"
+    assert all(v == [("1g.10gb", s) for s in range(7)] for v in layout(adapter).values())
+    assert not any(g.bare_gpu_instances for g in adapter.discover().gpus)
+    assert pub.calls[0] == ("withdraw", list(range(8)))
+    recovered = [e for e in events(node) if e[0] == "MigApplyRecovered"]
+    assert recovered and "restored GPU 1, 2, 3, 4, 5, 6, 7 to the previous layout" in recovered[0][2]
+    assert "GPU 0 already complete in the new layout" in recovered[0][2]
+    assert MigStateFile(tmp_path).inflight() == []

@@ -96,7 +96,7 @@ def test_mixed_mig_labels_per_profile() -> None:
     assert labels[P + "mig-3g.20gb.memory"] == "19968"
     assert labels[P + "mig-1g.5gb.count"] == "1"
     assert labels[P + "mig-1g.5gb.slices.gi"] == "1"
-    assert labels[P + "gpu.count"] == "1"  # only the full GPU is nvidia.com/gpu under mixed
+    assert labels[P + "gpu.count"] == "3"  # gpu-feature-discovery counts physical GPUs, MIG mode or not
     assert labels[P + "mig.strategy"] == "mixed"
 
 

@@ -32,7 +32,6 @@ from nodeagent.gpu.sim.state import MAX_EVENTS, SimStore, State
 
 MIB = 1024 * 1024
 NO_ID = 0xFFFFFFFF
-EVENT_POLL_S = 0.05
 
 # handle kinds, encoded in bits 40.. of the pointer value
 _DEV, _MIG, _GI, _CI, _EVSET = 1, 2, 3, 4, 5
@@ -781,9 +780,14 @@ class SimulatedNvml:
             es["devices"][index] = es["devices"].get(index, 0) | int(eventTypes)
 
     def nvmlEventSetWait_v2(self, eventSet: Any, timeoutms: int) -> Any:
-        """Wait for the next event on a registered GPU, polling the shared state; Timeout error if none."""
+        """Wait for the next event on a registered GPU; Timeout error if none arrives in ``timeoutms``.
+
+        Between looks at the state the thread sleeps until the state changes (inotify on the shared file),
+        so an idle waiter costs nothing and an injected XID is seen within milliseconds.
+        """
         self._enter("nvmlEventSetWait_v2")
         deadline = time.monotonic() + max(0, timeoutms) / 1000.0
+        seen = self.store.change_marker() if timeoutms > 0 else 0
         while True:
             with self._lock:
                 es = self._event_set(eventSet)
@@ -806,7 +810,7 @@ class SimulatedNvml:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _err(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(EVENT_POLL_S, remaining))
+            seen = self.store.wait_change(seen, remaining)
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 

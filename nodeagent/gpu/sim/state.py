@@ -4,6 +4,11 @@ The state is a JSON document. With a file it outlives processes like hardware st
 happens under an exclusive ``flock`` on ``<file>.lock``, re-reads the file first and replaces it
 atomically, so a test or ``nodeagent sim inject`` can change it under a running daemon. Readers notice
 such changes by the file's identity (inode, size, mtime). Without a file the state lives in memory.
+
+``SimStore.change_marker``/``wait_change`` let a blocking reader (the NVML event wait) sleep until the
+state may have changed: inotify on the file's directory (see ``watch.py``; one descriptor per store, kept
+open because closing an inotify instance costs milliseconds), a condition variable for changes made by
+this process, and a slow poll only where inotify is unavailable.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ import contextlib
 import copy
 import fcntl
 import json
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +29,13 @@ from typing import Any
 from nodeagent.errors import InputError
 from nodeagent.fileio import atomic_write
 from nodeagent.gpu.sim.machine import SimMachine, load_machine
+from nodeagent.gpu.sim.watch import FileWatch
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 MAX_EVENTS = 256
+FALLBACK_POLL_S = 0.25  # re-read interval of a waiter when the file cannot be watched with inotify
 
 State = dict[str, Any]
 
@@ -69,6 +80,11 @@ class SimStore:
         self._lock = threading.RLock()
         self._stamp: tuple[int, int, int] | None = None
         self._state: State = initial_state(machine)
+        self._generation = 0  # bumped by this process's transactions and by changes seen on the file
+        self._changed = threading.Condition(threading.Lock())
+        self._watch: FileWatch | None = None  # inotify on the file's directory, made on first wait
+        self._watch_failed = False
+        self._polling = False  # one waiter at a time blocks on the watch, the others on _changed
         if path is not None:
             with self.transaction():
                 pass  # creates the file on first use, validates an existing one
@@ -154,6 +170,7 @@ class SimStore:
                 work = copy.deepcopy(self._state)
                 yield work
                 self._state = work
+                self._bump()
                 return
             with self._file_lock():
                 self._load_file()
@@ -162,3 +179,58 @@ class SimStore:
                 atomic_write(self.path, json.dumps(work, indent=1, sort_keys=True) + "\n", backup=False)
                 self._state = work
                 self._stamp = self._file_stamp()
+            self._bump()
+
+    def _bump(self) -> None:
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def change_marker(self) -> int:
+        """A marker for "now", to pass to ``wait_change``; take it before reading the state the wait is
+        about, so a change in between is not missed. Starts watching the file on first use."""
+        with self._changed:
+            if self.path is not None and self._watch is None and not self._watch_failed:
+                try:
+                    watch = FileWatch(self.path)
+                except OSError as e:  # no inotify here, or the per-user instance limit is reached
+                    log.debug("cannot watch %s (%s); polling it every %.2fs", self.path, e, FALLBACK_POLL_S)
+                    self._watch_failed = True
+                else:
+                    self._watch = watch
+                    weakref.finalize(self, watch.close)
+            return self._generation
+
+    def wait_change(self, seen: int, timeout_s: float) -> int:
+        """Block until the state may have changed since ``seen`` (from ``change_marker``) or ``timeout_s``
+        passed; returns the new marker (equal to ``seen`` on a quiet timeout). Spurious wake-ups happen:
+        re-read and check. Several threads may wait at once: one polls the inotify descriptor, the others
+        sleep on a condition variable it signals."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._changed:
+            while self._generation == seen:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                watch = self._watch
+                if self.path is not None and watch is None:
+                    self._changed.release()  # fallback: a slow poll, the caller re-reads the file
+                    try:
+                        time.sleep(min(FALLBACK_POLL_S, remaining))
+                    finally:
+                        self._changed.acquire()
+                    return self._generation + 1
+                if watch is None or self._polling:
+                    self._changed.wait(remaining)
+                    continue
+                self._polling = True
+                self._changed.release()
+                try:
+                    changed = watch.wait(remaining)
+                finally:
+                    self._changed.acquire()
+                    self._polling = False
+                if changed:
+                    self._generation += 1
+                self._changed.notify_all()  # hand the descriptor to another waiter, or wake it with news
+            return self._generation
