@@ -236,20 +236,31 @@ def _open_adapter(config: AgentConfig, paths: HostPaths) -> Any:
 
 def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name: str) -> StepResult:
     from nodeagent.fileio import read_text
-    from nodeagent.mig.apply import Applier, MigStateFile
+    from nodeagent.mig.apply import Applier, MigStateFile, recover_interrupted
     from nodeagent.mig.hooks import HookRunner, parse_hooks
     from nodeagent.mig.planner import plan
     from nodeagent.mig.spec import generate_standard, parse_config, resolve
 
     adapter = _open_adapter(config, paths)
+    state = MigStateFile(paths.mig_state_dir)
     try:
         inv = adapter.discover()
         cfg_path = paths(config.mig.config_file)
         text = read_text(cfg_path)
         configs = generate_standard(inv) if text is None else parse_config(text, str(cfg_path))
         selected, entries = configs.select(name)
-        the_plan = plan(inv, resolve(selected, entries, inv, configs.source))
+        the_plan = plan(inv, resolve(selected, entries, inv, configs.source))  # bad input stops here
+        # an apply interrupted earlier (a killed agent) is resolved before the real plan: every GPU it left
+        # half-changed goes back to its previous layout; a failure here fails the step (exit 1)
+        recovery = recover_interrupted(adapter, state)
+        if recovery is not None:
+            log.warning("%s", recovery.describe())
+            inv = adapter.discover()
+            the_plan = plan(inv, resolve(selected, entries, inv, configs.source))
         if the_plan.applied:
+            if recovery is not None and recovery.restored:
+                return StepResult(Outcome.CHANGED, f"MIG config {name} already applied; {recovery.describe()}",
+                                  {"gpus": list(recovery.restored), "recovered": recovery.describe()})
             return StepResult(Outcome.UNCHANGED, f"MIG config {name} already applied")
         runner = None
         if config.mig.hooks_file:
@@ -261,14 +272,11 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
             env = HookRunner.environment(config_file=config.mig.config_file, hooks_file=config.mig.hooks_file,
                                          selected=selected, gpus=[g.index for g in the_plan.touched])
             runner = HookRunner(parse_hooks(hooks_text, str(hooks_path)), env)
-        paths.state_dir.mkdir(parents=True, exist_ok=True)
-        result = Applier(adapter, hooks=runner, state=MigStateFile(paths.state_dir / "mig"),
-                         proc_root=paths.proc).apply(the_plan, inv)
-        return StepResult(
-            Outcome.CHANGED,
-            f"MIG config {name} applied",
-            {"gpus": list(result.touched), "resets": list(result.resets)},
-        )
+        result = Applier(adapter, hooks=runner, state=state, proc_root=paths.proc).apply(the_plan, inv)
+        details: dict[str, Any] = {"gpus": list(result.touched), "resets": list(result.resets)}
+        if recovery is not None:
+            details["recovered"] = recovery.describe()
+        return StepResult(Outcome.CHANGED, f"MIG config {name} applied", details)
     finally:
         close = getattr(adapter, "close", None)
         if callable(close):

@@ -4,7 +4,8 @@ Shape:
 
     Daemon ── GpuSource.discover() ──► Inventory ──► every Component.on_inventory()
       │  apscheduler AsyncIOScheduler: resync (rediscover + publish), watchdog, and the components' own jobs
-      │  signals: SIGTERM/SIGINT → stop;  SIGHUP → reload config, rebuild only what changed
+      │  signals: SIGTERM/SIGINT → stop;  SIGHUP → reload config, rebuild only what changed;
+      │           SIGUSR1 → one log line counting asyncio tasks, threads and open fds (leak hunting)
       └─ sd_notify: READY once the components that gate readiness are ready (device plugin registered)
 
 Every part of the node (device-plugin servers, MIG reconciler, node publisher, metrics, runtime check)
@@ -24,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,15 +227,32 @@ class Daemon:
             loop.add_signal_handler(signal.SIGTERM, self.request_stop)
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
             loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+            loop.add_signal_handler(signal.SIGUSR1, self.log_diagnostics)
         try:
             await self._start()
             await self._main_loop()
         finally:
             await self._shutdown()
             if install_signals:
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
                     loop.remove_signal_handler(sig)
         return 0
+
+    def diagnostics(self) -> dict[str, Any]:
+        """Counts of what a leak would grow: asyncio tasks (by coroutine), threads, open file descriptors."""
+        tasks = asyncio.all_tasks()
+        kinds = Counter(getattr(t.get_coro(), "__qualname__", "?") for t in tasks)
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            fds = -1
+        return {"tasks": len(tasks), "threads": threading.active_count(), "fds": fds, "task_kinds": dict(kinds)}
+
+    def log_diagnostics(self) -> None:
+        d = self.diagnostics()
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(d["task_kinds"].items()))
+        log.info("diagnostics: %d asyncio task(s), %d thread(s), %d open fd(s); tasks: %s",
+                 d["tasks"], d["threads"], d["fds"], kinds)
 
     # -- start / stop -----------------------------------------------------------------------------------
 
@@ -676,7 +695,7 @@ class MigComponent(Component):
         self.reconciler = MigReconciler(
             NodeClient(ctx.kube, ctx.node_name),
             ctx.gpu,  # type: ignore[arg-type]
-            ctx.paths.state_dir / "mig",
+            ctx.paths.mig_state_dir,
             publisher=_DevicePluginProxy(daemon),
             options=MigReconcilerOptions(
                 config_file=config_file if config_file.exists() else None,
@@ -695,7 +714,7 @@ class MigComponent(Component):
         self._ctx.request_resync()
 
     async def start(self, ctx: Context) -> None:
-        (ctx.paths.state_dir / "mig").mkdir(parents=True, exist_ok=True)
+        (ctx.paths.mig_state_dir).mkdir(parents=True, exist_ok=True)
         self._task = ctx.spawn(self.reconciler.run(), "mig reconciler")
 
     async def resync(self) -> None:

@@ -61,6 +61,11 @@ class HostPaths:
         return self("/var/lib/nodeagent")
 
     @property
+    def mig_state_dir(self) -> Path:
+        """MIG state (``mig-state.json``): shared by ``nodeagent run``, ``bootstrap`` and ``mig apply``."""
+        return self("/var/lib/nodeagent/mig")
+
+    @property
     def run_dir(self) -> Path:
         return self("/run/nodeagent")
 

@@ -20,7 +20,7 @@ import click
 from nodeagent.commands.common import gpu_options, open_adapter
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile
+from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile, recover_interrupted
 from nodeagent.mig.hooks import HookRunner, parse_hooks
 from nodeagent.mig.planner import Plan, plan
 from nodeagent.mig.spec import MigConfigFile, dump, export_config, generate_standard, parse_config, resolve
@@ -53,11 +53,21 @@ def _load(config_file: str | None, inventory: Inventory) -> MigConfigFile:
     return parse_config(text, config_file)
 
 
-def _plan(adapter: MigAdapter, config_file: str | None, selected: str | None) -> tuple[Inventory, Plan]:
+def _plan(adapter: MigAdapter, config_file: str | None, selected: str | None,
+          before_planning: Callable[[], bool] | None = None) -> tuple[Inventory, Plan]:
+    """Read and check the config, then plan against the GPUs' current layout.
+
+    ``before_planning`` runs once the input is known to be good (bad input changes nothing); when it
+    returns True it changed the GPUs, and the plan is made again from what is there now.
+    """
     inv = adapter.discover()
     cfg = _load(config_file, inv)
     name, entries = cfg.select(selected)
-    return inv, plan(inv, resolve(name, entries, inv, cfg.source))
+    the_plan = plan(inv, resolve(name, entries, inv, cfg.source))
+    if before_planning is not None and before_planning():
+        inv = adapter.discover()
+        the_plan = plan(inv, resolve(name, entries, inv, cfg.source))
+    return inv, the_plan
 
 
 def _settings_paths(ctx: click.Context) -> Any:
@@ -88,10 +98,22 @@ def plan_cmd(ctx: click.Context, config_file: str | None, selected: str | None, 
               type=click.Path(dir_okay=False, path_type=Path), help="mig-parted hooks file.")
 @click.pass_context
 def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None, hooks_file: Path | None) -> None:
-    """Apply a config: only GPUs that differ change; on failure every touched GPU is restored."""
+    """Apply a config: only GPUs that differ change; on failure every touched GPU is restored.
+
+    A MIG apply interrupted earlier (an agent or command killed midway) is resolved first: every GPU it
+    left half-changed is put back to its previous layout, then the plan is made from what is there.
+    """
     paths = _settings_paths(ctx)
+    state = MigStateFile(paths.mig_state_dir) if paths is not None else None
     with _adapter(ctx) as adapter:
-        inv, the_plan = _plan(adapter, config_file, selected)
+
+        def recover() -> bool:
+            recovery = recover_interrupted(adapter, state) if state is not None else None
+            if recovery is not None:
+                click.echo(recovery.describe())
+            return recovery is not None
+
+        inv, the_plan = _plan(adapter, config_file, selected, before_planning=recover)
         click.echo(the_plan.render())
         if the_plan.applied:
             click.echo("nothing to do")
@@ -106,7 +128,6 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
             env = HookRunner.environment(config_file=config_file or "", hooks_file=str(hooks_file),
                                          selected=the_plan.config, gpus=[g.index for g in the_plan.touched])
             runner = HookRunner(hooks, env)
-        state = MigStateFile(paths.state_dir) if paths is not None else None
         proc_root = paths.proc if paths is not None else Path("/proc")
         result = Applier(adapter, hooks=runner, state=state, proc_root=proc_root).apply(the_plan, inv)
     resets = f"; reset GPU {', '.join(str(i) for i in result.resets)}" if result.resets else ""

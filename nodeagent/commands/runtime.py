@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from nodeagent.cli import Settings
+from nodeagent.errors import RestartError
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_DROPIN
 from nodeagent.runtime.restart import DEFAULT_SOCKET, RESTART_MODES, RestartMode, restart_containerd
@@ -46,8 +47,20 @@ def _restart(settings: Settings, result: rc.Result, mode: RestartMode, socket: s
         return {}
     if mode == "none":
         return {"restart": "needed (--restart none): restart containerd to load the change"}
-    took = restart_containerd(mode, settings.paths(socket), timeout=timeout)
+    try:
+        took = restart_containerd(mode, settings.paths(socket), timeout=timeout)
+    except RestartError as e:
+        written = ", ".join(f.path for f in result.files if f.action != "unchanged")
+        raise RestartError(f"{e} (written: {written}; containerd loads it at its next start)",
+                           subject=e.subject) from e
     return {"restart": f"containerd answered after {took:.1f}s" if took is not None else "skipped"}
+
+
+def _host_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Host paths are absolute (``--root`` is put in front of them)."""
+    if value is not None and not value.startswith("/"):
+        raise click.BadParameter(f"{value!r} is not an absolute host path", ctx=ctx, param=param)
+    return value
 
 
 @click.group()
@@ -64,7 +77,7 @@ _restart_option = click.option(
     help="How to restart containerd when its config changed.",
 )
 _socket_option = click.option(
-    "--socket", default=DEFAULT_SOCKET, show_default=True, help="containerd's socket (host path)."
+    "--socket", default=DEFAULT_SOCKET, show_default=True, callback=_host_path, help="containerd's socket (host path)."
 )
 _timeout_option = click.option(
     "--restart-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for containerd."
@@ -73,8 +86,8 @@ _timeout_option = click.option(
 
 @runtime.command("configure")
 @click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True,
-              help="containerd's root config (host path).")
-@click.option("--drop-in", "dropin", default=None,
+              callback=_host_path, help="containerd's root config (host path).")
+@click.option("--drop-in", "dropin", default=None, callback=_host_path,
               help=f"Write a drop-in at this host path and import it [default mode for version >= 2; "
                    f"{DEFAULT_DROPIN}].")
 @click.option("--in-place", is_flag=True, help="Edit the root config itself instead of writing a drop-in.")
@@ -85,7 +98,7 @@ _timeout_option = click.option(
 @click.option("--runtime-name", default="nvidia", show_default=True)
 @click.option("--binary", "binary_path", default=DEFAULT_BINARY, show_default=True,
               help="The nvidia-container-runtime binary (BinaryName).")
-@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Also create/update the RuntimeClass objects through this kubeconfig.")
 @_restart_option
 @_socket_option
@@ -125,18 +138,22 @@ def configure_cmd(
         leak_guard=leak_guard,
         dry_run=dry_run,
     )
-    result = rc.configure(settings.paths, opts)
-    extra = _restart(settings, result, restart_mode, socket, restart_timeout)
-    if kubeconfig is not None and not dry_run:
+    kube = None
+    if kubeconfig is not None and not dry_run:  # bad credentials fail before any file is written
         from nodeagent.kube.client import KubeClient, connect
-        from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
 
         kube = KubeClient(connect(kubeconfig))
-        try:
+    try:
+        result = rc.configure(settings.paths, opts)
+        extra = _restart(settings, result, restart_mode, socket, restart_timeout)
+        if kube is not None:
+            from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
+
             done = ensure_runtime_classes(kube, desired_classes(name=runtime_name, handler=runtime_name, cdi=cdi))
-        finally:
+            extra["runtimeclasses"] = done if as_json else ", ".join(f"{k} {v}" for k, v in done.items())
+    finally:
+        if kube is not None:
             kube.close()
-        extra["runtimeclasses"] = done if as_json else ", ".join(f"{k} {v}" for k, v in done.items())
     _echo_result(result, as_json, extra)
 
 
@@ -159,7 +176,7 @@ def unconfigure_cmd(
 
 
 @runtime.command("show")
-@click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True)
+@click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True, callback=_host_path)
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.pass_context
 def show_cmd(ctx: click.Context, containerd_config: str, as_json: bool) -> None:

@@ -41,7 +41,7 @@ async def register(
         resource_name=resource_name,
         options=api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
     )
-    async with grpc.aio.insecure_channel(f"unix://{sock}") as channel:
+    async with grpc.aio.insecure_channel(f"unix://{sock.absolute()}") as channel:
         stub = api_pb2_grpc.RegistrationStub(channel)
         try:
             await stub.Register(request, timeout=timeout, wait_for_ready=True)

@@ -21,6 +21,7 @@ import grpc
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
+from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
 from nodeagent.sharing.devices import AdvertisedDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 STOP_GRACE_S = 0.2
+MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 
 
 def socket_name(resource_name: str) -> str:
@@ -150,7 +152,7 @@ class ResourceServer:
         policy: str,
         health_of: Callable[[AdvertisedDevice], bool],
     ) -> None:
-        self.plugin_dir = plugin_dir
+        self.plugin_dir = plugin_dir.absolute()  # gRPC needs unix:///abs/path
         self.resource = resource
         self.flags = flags
         self.scores = scores
@@ -227,12 +229,21 @@ class ResourceServer:
     async def start(self) -> None:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         path = self.socket_path
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise InputError(
+                f"device-plugin socket path {path} is {len(os.fsencode(path))} bytes, more than a Unix socket "
+                f"allows ({MAX_SOCKET_PATH}); use a shorter --root or --kubelet-dir",
+                subject=str(path),
+            )
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         self.closing = False
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         api_pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
-        server.add_insecure_port(f"unix://{path}")
+        try:
+            server.add_insecure_port(f"unix://{path}")
+        except RuntimeError as e:
+            raise KubeletError(f"cannot serve {self.name} on {path}: {e}", subject=str(path)) from e
         await server.start()
         os.chmod(path, 0o600)
         self._server = server

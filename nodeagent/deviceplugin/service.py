@@ -42,7 +42,7 @@ class DevicePluginService:
         register_timeout_s: float = 5.0,
         backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
-        self.plugin_dir = plugin_dir
+        self.plugin_dir = plugin_dir.absolute()  # a relative --root must still give unix:///abs/path
         self.config = plugin_config or DEFAULT_CONFIG
         self._register_timeout = register_timeout_s
         self._backoff_max = backoff_max_s

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from nodeagent.errors import InputError
 from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
@@ -21,6 +22,10 @@ def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPa
 
     if simulate is not None or sim_state is not None:
         from nodeagent.gpu.sim import open_sim
+
+        if sim_state is not None and not sim_state.absolute().parent.is_dir():
+            raise InputError(f"sim-state file {sim_state}: directory {sim_state.absolute().parent} does not exist",
+                             subject=str(sim_state))
 
         return NvmlAdapter(open_sim(simulate, sim_state), paths)
     import pynvml

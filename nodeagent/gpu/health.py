@@ -1,6 +1,6 @@
 """GPU health from NVML: critical XID events, lost GPUs, and recovery.
 
-XID events come from the adapter's ``wait_events`` (a blocking call, run in a worker thread); a poll
+XID events come from the adapter's ``wait_events`` (a blocking call, run in a dedicated thread); a poll
 asks ``gpu_healthy`` for every GPU. Which XIDs count as critical follows NVIDIA's plugin, including
 its ``DP_DISABLE_HEALTHCHECKS`` / ``DP_ENABLE_HEALTHCHECKS`` variables. Unlike NVIDIA's plugin, an
 unhealthy GPU (or MIG device) becomes healthy again once NVML has shown it healthy for
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,9 +49,8 @@ class HealthSettings:
     recovery_window_s: float | None = 60.0  # None: never recover (NVIDIA's behaviour)
     poll_interval_s: float = 1.0
     # How long one blocking wait_events call may last. Events end the wait at once, so this only sets how
-    # often an idle daemon wakes (each round trip through the worker thread costs CPU) and how long a
-    # stopped monitor's last wait can linger; kept under the daemon's 1 s executor-shutdown grace.
-    event_wait_ms: int = 800
+    # often the idle waiting thread wakes and how long a stopped monitor's last wait can linger.
+    event_wait_ms: int = 1000
 
     def is_critical(self, xid: int) -> bool:
         if not self.enabled:
@@ -185,16 +185,50 @@ class HealthMonitor:
             log.warning(msg, *args)
 
     async def _event_loop(self) -> None:
+        # The blocking waits run in one dedicated thread that wakes the event loop only when events (or an
+        # adapter error) arrive: an idle daemon then costs one cheap thread wake-up per ``event_wait_ms``
+        # instead of an executor round trip through the loop. The thread is a daemon thread, so a wait
+        # still running when the monitor stops never holds up the process's exit.
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[Sequence[Any] | Exception] = asyncio.Queue()
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._wait_thread, args=(loop, inbox, stop), name="gpu-health-events", daemon=True
+        )
+        thread.start()
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, Exception):  # the adapter failing must not kill health monitoring
+                    self._log_once(f"wait:{type(item).__name__}", "waiting for NVML events failed: %s", item)
+                elif await self.handle_events(item):
+                    await self.on_change()
+        finally:
+            stop.set()
+
+    def _wait_thread(
+        self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[Sequence[Any] | Exception],
+        stop: threading.Event,
+    ) -> None:
         wait_ms = self.settings.event_wait_ms
-        while not self._stopping:
+        while not stop.is_set():
+            started = time.monotonic()
+            item: Sequence[Any] | Exception
             try:
-                events = await asyncio.to_thread(self.source.wait_events, wait_ms)
-            except Exception as e:  # the adapter failing must not kill health monitoring
-                self._log_once(f"wait:{type(e).__name__}", "waiting for NVML events failed: %s", e)
-                await asyncio.sleep(self.settings.poll_interval_s)
-                continue
-            if events and await self.handle_events(events):
-                await self.on_change()
+                item = self.source.wait_events(wait_ms)
+            except Exception as e:
+                item = e
+            if stop.is_set():
+                return
+            if isinstance(item, Exception) or item:
+                try:
+                    loop.call_soon_threadsafe(inbox.put_nowait, item)
+                except RuntimeError:  # the loop is closed
+                    return
+            if isinstance(item, Exception):
+                stop.wait(self.settings.poll_interval_s)
+            elif not item:  # a source that returns early with nothing must not make this thread spin
+                stop.wait(max(0.0, wait_ms / 1000.0 - (time.monotonic() - started)))
 
     async def handle_events(self, events: Iterable[Any]) -> bool:
         """Apply adapter events; True when the unhealthy set changed."""

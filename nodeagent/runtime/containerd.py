@@ -366,8 +366,11 @@ def _needs_enable_cdi(containerd_version: Version | None, base_cri: Any) -> bool
 
 # ------------------------------------------------------------------------------------------- rendering
 def _new_version(desired: Desired) -> int:
+    """Config version for a new file: the newest the installed containerd reads without migrating it."""
     cv = desired.containerd_version
-    return 3 if cv is not None and cv >= (2, 0, 0) else 2
+    if cv is None or cv < (2, 0, 0):
+        return 2
+    return 4 if cv >= (2, 3, 0) else 3
 
 
 def render(old_text: str | None, desired: Desired, *, source: str = "config.toml") -> str:
@@ -515,7 +518,18 @@ def view_of(text: str, source: str = "config.toml") -> RuntimeView:
     return _view(doc.unwrap(), version)
 
 
-def _view(plain: Mapping[str, Any], version: int) -> RuntimeView:
+def cdi_enabled(cri: Mapping[str, Any], containerd_version: Version | None, config_ver: int) -> bool:
+    """Whether containerd runs with CDI on: up to 1.7 only with ``enable_cdi = true``; from 2.0 (known from the
+    binary, else from a version 3+ file) unless ``enable_cdi = false``; from 2.4 always (the key is gone)."""
+    value = cri.get("enable_cdi")
+    if containerd_version is not None and containerd_version >= (2, 4, 0):
+        return True
+    if merges_plugins(containerd_version, config_ver):
+        return value is not False
+    return value is True
+
+
+def _view(plain: Mapping[str, Any], version: int, containerd_version: Version | None = None) -> RuntimeView:
     cri = _get(plain, cri_path(version)) or {}
     runtimes = _get(cri, ("containerd", "runtimes")) or {}
     default = _get(cri, ("containerd", "default_runtime_name"))
@@ -524,7 +538,7 @@ def _view(plain: Mapping[str, Any], version: int) -> RuntimeView:
         version=version,
         default_runtime=default if isinstance(default, str) and default else "runc",
         runtimes={str(k): dict(v) for k, v in runtimes.items() if isinstance(v, Mapping)},
-        enable_cdi=bool(cri.get("enable_cdi", False)),
+        enable_cdi=cdi_enabled(cri, containerd_version, version),
         imports=tuple(str(i) for i in imports),
     )
 
@@ -556,7 +570,7 @@ def merged_view(root_text: str, imported: list[tuple[str, str]], containerd_vers
                 _deep_merge(target[name], table)
             else:
                 target[name] = _to_dict(table) if isinstance(table, Mapping) else table
-    view = _view(merged, version)
+    view = _view(merged, version, containerd_version)
     return RuntimeView(view.version, view.default_runtime, view.runtimes, view.enable_cdi, view.imports)
 
 

@@ -9,8 +9,10 @@ its bytes.
 
 from __future__ import annotations
 
+import re
+
 import tomlkit
-from tomlkit.exceptions import ParseError
+from tomlkit.exceptions import ParseError, TOMLKitError
 
 from nodeagent.errors import ConfigError
 
@@ -19,15 +21,22 @@ VOLUME_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
 LEAK_GUARD = {ENVVAR_KEY: False, VOLUME_KEY: True}
 
 
+def _parse(text: str, source: str) -> tomlkit.TOMLDocument:
+    try:
+        return tomlkit.parse(text)
+    except ParseError as e:
+        reason = re.sub(r"\s+at line \d+ col \d+$", "", str(e))
+        raise ConfigError(
+            f"{source}: invalid TOML at line {e.line}, column {e.col}: {reason}; nothing was written", subject=source
+        ) from e
+    except TOMLKitError as e:
+        raise ConfigError(f"{source}: invalid TOML: {e}; nothing was written", subject=source) from e
+
+
 def render_leak_guard(old_text: str | None, *, source: str = "config.toml") -> str:
     """The toolkit config with both leak-guard switches set (top-level keys)."""
     text = old_text or ""
-    try:
-        doc = tomlkit.parse(text)
-    except ParseError as e:
-        raise ConfigError(
-            f"{source}: invalid TOML at line {e.line}, column {e.col}; nothing was written", subject=source
-        ) from e
+    doc = _parse(text, source)
     changed = False
     for key, value in LEAK_GUARD.items():
         current = doc.get(key)
@@ -47,11 +56,8 @@ def leak_guard_on(text: str) -> bool:
 
 def restore_keys(text: str, original_text: str | None, *, source: str = "config.toml") -> str:
     """Put the two leak-guard keys back to what ``original_text`` said (absent keys are removed)."""
-    try:
-        doc = tomlkit.parse(text)
-        orig = tomlkit.parse(original_text or "")
-    except ParseError as e:
-        raise ConfigError(f"{source}: invalid TOML at line {e.line}, column {e.col}", subject=source) from e
+    doc = _parse(text, source)
+    orig = _parse(original_text or "", f"{source} (recorded original)")
     changed = False
     for key in LEAK_GUARD:
         if key in orig:

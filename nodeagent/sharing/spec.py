@@ -343,9 +343,14 @@ def plugin_config_from_dict(
         raise ConfigError(
             f"{_where(source, 'sharing')}: timeSlicing and mps cannot both list resources", subject=source
         )
-    for parsed in (ts_parsed, mps_parsed):
-        if parsed is not None and parsed.resources:
-            sharing = parsed
+    if mps_parsed is not None and mps_parsed.resources:
+        raise ConfigError(
+            f"{_where(source, 'sharing.mps')}: MPS sharing is not supported (it needs NVIDIA's MPS control daemon, "
+            "which nodeagent does not run); use sharing.timeSlicing",
+            subject=source,
+        )
+    if ts_parsed is not None and ts_parsed.resources:
+        sharing = ts_parsed
     resources = _mapping(top.get("resources"), source, "resources", frozenset({"gpus", "mig"}))
     if allocation_policy not in ALLOCATION_POLICIES:
         raise ConfigError(f"allocation policy {allocation_policy!r} is not one of {', '.join(ALLOCATION_POLICIES)}")
@@ -366,7 +371,10 @@ def parse_plugin_config(
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}".replace("\n", " "), subject=source) from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}", subject=source) from e
     return plugin_config_from_dict(data, source=source, allocation_policy=allocation_policy)
 
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.peers.harness import KubeletHarness
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,8 +76,32 @@ class Agent:
 
 
 @contextmanager
-def running_agent(workdir: Path, args: Sequence[str], env: dict[str, str] | None = None) -> Iterator[Agent]:
-    """``python -m nodeagent <args>`` with a fresh NOTIFY_SOCKET; killed at the end if still running."""
+def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
+    """A throw-away host root for ``--root``: the agent's state, config and containerd files stay inside it.
+
+    With a kubelet harness, ``/var/lib/kubelet`` under the root is a symlink to the harness's directory, so
+    the agent finds the real device manager at its default ``/var/lib/kubelet/device-plugins`` (a real
+    directory reached through the link: the plugin's inotify watch does not follow a symlink as the last
+    component). The harness serves PodResources at ``/var/lib/kubelet/pod-resources.sock`` (set
+    ``kubelet.pod_resources_socket`` to that host path). The root is a short path under the system temp
+    directory: unix socket paths below it must stay within the kernel's 108 bytes.
+    """
+    root = Path(tempfile.mkdtemp(prefix="na-root-"))
+    try:
+        if harness is not None:
+            assert harness.plugin_dir.parent == harness.workdir and harness.pod_resources_socket.parent == harness.workdir
+            (root / "var/lib").mkdir(parents=True)
+            (root / "var/lib/kubelet").symlink_to(harness.workdir, target_is_directory=True)
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def running_agent(workdir: Path, root: Path, args: Sequence[str],
+                  env: dict[str, str] | None = None) -> Iterator[Agent]:
+    """``python -m nodeagent --root ROOT <args>`` with a fresh NOTIFY_SOCKET; killed at the end if still
+    running. A root is required so that no test writes to the host's /var/lib/nodeagent or /etc."""
     notify_path = workdir / "notify.sock"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
@@ -83,7 +111,7 @@ def running_agent(workdir: Path, args: Sequence[str], env: dict[str, str] | None
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("NODE_NAME", None)
     with log_path.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "nodeagent", *args], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", "nodeagent", "--root", str(root), *args], stdout=out, stderr=subprocess.STDOUT,
                                 env=full_env, cwd=REPO)
     agent = Agent(proc, notify, log_path)
     try:

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import pytest
 from nodeagent.gpu.sim import inject
 from nodeagent.gpu.sim.state import SimStore
 from nodeagent.mig.apply import MigStateFile
-from tests.e2e._agent import REPO, Agent, running_agent
+from tests.e2e._agent import REPO, Agent, node_root, running_agent
 from tests.e2e.test_bootstrap_node import rerooted
 from tests.e2e.test_run_cluster import agent_config, eventually, make_node, node_obj, set_label
 from tests.peers.apiserver import KubeApiServer
@@ -163,18 +163,6 @@ def kill_after(agent: Agent, sim_state: Path, delay: float) -> SimDoc:
     return doc
 
 
-@pytest.fixture
-def no_mig_record() -> Iterator[None]:
-    """The agent keeps its MIG state under the host's /var/lib/nodeagent (no --root here): make sure no
-    in-flight record of another run is there before, and none of ours is left behind after."""
-    state = MigStateFile(Path("/var/lib/nodeagent/mig"))
-    if state.inflight():
-        state.update(inflight=None)
-    yield
-    if state.inflight():
-        state.update(inflight=None)
-
-
 RANDOM_DELAY = random.Random().uniform(0.05, 2.0)
 KILL_POINTS: dict[str, Callable[[Agent, Path], SimDoc]] = {
     "orphan-of-new-instance": lambda a, s: kill_at(a, s, orphan_of_new),
@@ -187,7 +175,14 @@ KILL_POINTS: dict[str, Callable[[Agent, Path], SimDoc]] = {
 
 @pytest.mark.parametrize("point", list(KILL_POINTS))
 def test_kill_during_mig_apply(tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness,
-                               no_mig_record: None, point: str) -> None:
+                               point: str) -> None:
+    with node_root(kubelet_harness) as root:
+        kill_during_mig_apply(tmp_path, root, kube_apiserver, kubelet_harness, point)
+
+
+def kill_during_mig_apply(tmp_path: Path, root: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness,
+                          point: str) -> None:
+    """Both agent runs share ``root``: the second finds the first one's in-flight MIG record there."""
     node = "e2e-drill-mig-" + point.replace(".", "-")[:40]
     make_node(kube_apiserver, node)
     sim = tmp_path / "sim.json"
@@ -197,18 +192,19 @@ def test_kill_during_mig_apply(tmp_path: Path, kube_apiserver: KubeApiServer, ku
     old = [(True, OLD)] * 8
     new = [(True, NEW)] * 8
     assert layouts(sim) == old
-    cfg = agent_config(tmp_path, kube_apiserver.kubeconfig)
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(sim), "--node-name", node,
-            "--kubelet-dir", str(kubelet_harness.plugin_dir.parent)]
-    with running_agent(tmp_path, args) as agent:
+    cfg = agent_config(root, kube_apiserver.kubeconfig)
+    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(sim), "--node-name", node]
+    with running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
         set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
         killed_in = KILL_POINTS[point](agent, sim)
     at_kill = layouts(sim)
     if not point.startswith("random"):
         assert at_kill not in (old, new), f"the kill at {point} should have left a half-changed node: {at_kill}"
+    if not point.startswith("random"):  # the kill left the record of the apply under the root
+        assert MigStateFile(root / "var/lib/nodeagent/mig").inflight()
     (tmp_path / "notify.sock").unlink()
-    with running_agent(tmp_path, args) as agent:
+    with running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
 
         def state() -> str | None:
@@ -223,6 +219,6 @@ def test_kill_during_mig_apply(tmp_path: Path, kube_apiserver: KubeApiServer, ku
         assert final == new
         if not point.startswith("random"):  # the half-changed GPUs were put back whole before the re-apply
             assert "recovered from an interrupted apply of MIG config all-1g.10gb" in agent.log()
-        assert MigStateFile(Path("/var/lib/nodeagent/mig")).inflight() == []
+        assert MigStateFile(root / "var/lib/nodeagent/mig").inflight() == []
         code, _ = agent.stop()
         assert code == 0

@@ -8,14 +8,15 @@ import json
 import signal
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.e2e._agent import running_agent
+from nodeagent.kube.resources import GPU_MEMORY
+from tests.e2e._agent import node_root, running_agent
 from tests.e2e._proxy import Outage
 from tests.e2e.test_run import restart_and_wait_registration
 from tests.peers.apiserver import KubeApiServer
@@ -55,11 +56,14 @@ def eventually(cond: Callable[[], bool], timeout: float, what: str) -> float:
     raise AssertionError(f"{what} not reached within {timeout}s")
 
 
-def agent_config(tmp_path: Path, kubeconfig: Path, extra: str = "") -> Path:
-    dp = tmp_path / "dp.yaml"
-    dp.write_text(MIXED)
-    cfg = tmp_path / "config.toml"
-    cfg.write_text(f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[device_plugin]\nconfig = "{dp}"\n'
+def agent_config(root: Path, kubeconfig: Path, extra: str = "") -> Path:
+    """The agent's config file under ``root`` (its paths are host paths; the kubeconfig is never re-rooted)."""
+    etc = root / "etc/nodeagent"
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "dp.yaml").write_text(MIXED)
+    cfg = etc / "config.toml"
+    cfg.write_text(f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n'
+                   '[device_plugin]\nconfig = "/etc/nodeagent/dp.yaml"\n'
                    f'[runtime]\nenabled = false\n{extra}')
     return cfg
 
@@ -73,15 +77,22 @@ def proxied_kubeconfig(server: KubeApiServer, outage: Outage, dest: Path) -> Pat
     return dest
 
 
+@pytest.fixture
+def root(kubelet_harness: KubeletHarness) -> Iterator[Path]:
+    """The agent's --root, its kubelet paths pointing at the harness."""
+    with node_root(kubelet_harness) as path:
+        yield path
+
+
 def test_labels_mig_change_to_success_and_labels_survive_stop(
-    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
 ) -> None:
     node = "e2e-run-mig"
     make_node(kube_apiserver, node)
-    cfg = agent_config(tmp_path, kube_apiserver.kubeconfig)
+    cfg = agent_config(root, kube_apiserver.kubeconfig)
     args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node, "--kubelet-dir", str(kubelet_harness.plugin_dir.parent)]
-    with running_agent(tmp_path, args) as agent:
+            "--node-name", node]
+    with running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
         kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
         eventually(lambda: node_obj(kube_apiserver, node)["metadata"].get("labels", {}).get("nvidia.com/gpu.count")
@@ -101,35 +112,82 @@ def test_labels_mig_change_to_success_and_labels_survive_stop(
     assert labels == before  # stopping leaves the labels as they are
 
 
+OUTAGE_S = 60.0  # issue 8's drill: the API server unreachable for a full minute
+
+
 def test_api_outage_device_plugin_keeps_serving_and_labels_catch_up(
-    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
 ) -> None:
+    """The agent reaches the API only through a loopback forwarder; cutting it refuses every connection, as a
+    stopped apiserver process would (the session's apiserver itself keeps serving the other tests). For 60 s
+    the device plugin must keep serving: the kubelet allocates every few seconds and restarts once. Behind
+    the agent's back a label is removed, an extended resource is dropped from the node status and a MIG
+    config is requested; once the API answers again all three are caught up."""
     node = "e2e-run-outage"
     make_node(kube_apiserver, node)
     url = urllib.parse.urlsplit(kube_apiserver.url)
     outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
     outage.restore()
     kubeconfig = proxied_kubeconfig(kube_apiserver, outage, tmp_path / "kubeconfig")
-    cfg = agent_config(tmp_path, kubeconfig)
+    cfg = agent_config(root, kubeconfig)
     args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node, "--kubelet-dir", str(kubelet_harness.plugin_dir.parent)]
+            "--node-name", node]
+
+    def labels() -> dict[str, str]:
+        found: dict[str, str] = node_obj(kube_apiserver, node)["metadata"].get("labels", {})
+        return found
+
+    def capacity() -> dict[str, str]:
+        found: dict[str, str] = node_obj(kube_apiserver, node).get("status", {}).get("capacity", {})
+        return found
+
     try:
-        with running_agent(tmp_path, args) as agent:
+        with running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
-            count = lambda: node_obj(kube_apiserver, node)["metadata"].get("labels", {}).get("nvidia.com/gpu.count")  # noqa: E731
-            eventually(lambda: count() == "8", 15, "gpu.count label")
+            eventually(lambda: labels().get("nvidia.com/gpu.count") == "8" and GPU_MEMORY in capacity(), 15,
+                       "gpu.count label and gpu-memory capacity")
+            memory = capacity()[GPU_MEMORY]
+            fds0, threads0 = agent.fds(), agent.threads()
             outage.cut()
-            # while the agent cannot reach the API: somebody removes a label, and the kubelet restarts
+            t_cut = time.monotonic()
+            # behind the agent's back: a label removed, a status value dropped, a MIG config requested
             set_label(kube_apiserver, node, "nvidia.com/gpu.count", None)
-            time.sleep(3)
-            restart_and_wait_registration(kubelet_harness, "nvidia.com/gpu")
-            kubelet_harness.wait("nvidia.com/gpu", registered=True, healthy=8, timeout=15)
-            alloc = kubelet_harness.allocate("nvidia.com/gpu", 2, pod="during-outage")
-            assert len(alloc.device_ids) == 2
-            assert agent.proc.poll() is None
+            status, body = kube_apiserver.request(
+                "PATCH", f"/api/v1/nodes/{node}/status",
+                {"status": {"capacity": {GPU_MEMORY: None}, "allocatable": {GPU_MEMORY: None}}},
+                content_type="application/merge-patch+json")
+            assert status == 200, body
+            set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
+            allocations = 0
+            while time.monotonic() - t_cut < OUTAGE_S:
+                if allocations == 4:  # the kubelet restarts in the middle of the outage
+                    restart_and_wait_registration(kubelet_harness, "nvidia.com/gpu")
+                res = kubelet_harness.resource("nvidia.com/gpu")
+                assert res.registered and res.capacity == 8, res
+                alloc = kubelet_harness.allocate("nvidia.com/gpu", 2, pod=f"during-outage-{allocations}")
+                assert len(alloc.device_ids) == 2
+                kubelet_harness.release(alloc.pod_uid)
+                allocations += 1
+                assert agent.proc.poll() is None, agent.log()
+                time.sleep(min(5.0, max(0.0, OUTAGE_S - (time.monotonic() - t_cut))))
+            assert allocations >= 12
+            assert capacity().get(GPU_MEMORY) is None and "nvidia.com/gpu.count" not in labels()  # not reachable
             outage.restore()
-            took = eventually(lambda: count() == "8", 30, "gpu.count label re-applied after the outage")
-            print(f"labels caught up {took:.1f}s after the API came back")
+            t_back = time.monotonic()
+            eventually(lambda: labels().get("nvidia.com/gpu.count") == "8", 30, "gpu.count label re-applied")
+            labels_s = time.monotonic() - t_back
+            eventually(lambda: capacity().get(GPU_MEMORY) == memory, 30, "gpu-memory capacity re-applied")
+            status_s = time.monotonic() - t_back
+            eventually(lambda: labels().get("nvidia.com/mig.config.state") == "success", 60,
+                       "mig.config.state=success for the config requested during the outage")
+            state_s = time.monotonic() - t_back
+            _, res = kubelet_harness.wait("nvidia.com/mig-1g.10gb", registered=True, total=56, timeout=20)
+            alloc = kubelet_harness.allocate("nvidia.com/mig-1g.10gb", 1, pod="after-outage")
+            assert len(alloc.device_ids) == 1
+            kubelet_harness.release(alloc.pod_uid)
+            print(f"{OUTAGE_S:.0f}s API outage, {allocations} allocations during it; caught up after the API came "
+                  f"back: labels {labels_s:.1f}s, status {status_s:.1f}s, MIG state {state_s:.1f}s; "
+                  f"fds {fds0}->{agent.fds()}, threads {threads0}->{agent.threads()}")
             assert "Traceback" not in agent.log()  # nothing crashed through the outage
             code, took = agent.stop(signal.SIGTERM)
             assert code == 0 and took < 5.0, agent.log()
@@ -138,7 +196,7 @@ def test_api_outage_device_plugin_keeps_serving_and_labels_catch_up(
 
 
 def test_sigterm_during_api_outage_still_exits_within_5s(
-    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
 ) -> None:
     node = "e2e-run-outage-stop"
     make_node(kube_apiserver, node)
@@ -146,11 +204,11 @@ def test_sigterm_during_api_outage_still_exits_within_5s(
     outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
     outage.restore()
     kubeconfig = proxied_kubeconfig(kube_apiserver, outage, tmp_path / "kubeconfig")
-    cfg = agent_config(tmp_path, kubeconfig)
+    cfg = agent_config(root, kubeconfig)
     args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node, "--kubelet-dir", str(kubelet_harness.plugin_dir.parent)]
+            "--node-name", node]
     try:
-        with running_agent(tmp_path, args) as agent:
+        with running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
             time.sleep(1)
             outage.cut()

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent.kube.client import KubeClient, connect
 from nodeagent.kube.gpuobjects import API_PATH, NODE_LABEL, install_crd
-from tests.e2e._agent import running_agent
+from tests.e2e._agent import node_root, running_agent
 from tests.peers.apiserver import KubeApiServer, free_port
 from tests.peers.harness import KubeletHarness
 
@@ -72,11 +72,12 @@ def test_allocated_device_reaches_gpu_object_and_metrics(
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
                    "[mig]\nenabled = false\n[runtime]\nenabled = false\n"
-                   f'[metrics]\naddress = "127.0.0.1:{port}"\ninterval = 1.0\n')
+                   f'[metrics]\naddress = "127.0.0.1:{port}"\ninterval = 1.0\n'
+                   '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
+    # /var/lib/kubelet under the root is the harness's directory (see node_root)
     args = ["run", "--simulate", "dgx-a100-40gb", "--sim-state", str(tmp_path / "sim.json"), "--config", str(cfg),
-            "--node-name", node, "--kubelet-dir", str(kubelet_harness.plugin_dir.parent),
-            "--pod-resources-socket", str(kubelet_harness.pod_resources_socket)]
-    with running_agent(tmp_path, args) as agent:
+            "--node-name", node]
+    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", 20)
         kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, healthy=8)
         eventually(lambda: len(gpu_objects(kube_apiserver, node)) == 8, 20, "8 GPU objects")

@@ -17,7 +17,7 @@ import pytest
 
 from nodeagent.deviceplugin.api import pb2, pb2_grpc
 from nodeagent.deviceplugin.service import DevicePluginService
-from nodeagent.errors import ConfigError
+from nodeagent.errors import ConfigError, InputError
 from nodeagent.gpu.health import HealthSettings
 from nodeagent.sharing.spec import parse_plugin_config
 from tests.unit._dp_inventories import mig_box, nvswitch_box
@@ -164,3 +164,23 @@ async def test_register_failure_logged_once_and_retried(
     assert len(warnings) == 1 and "kubelet.sock does not exist" in warnings[0].getMessage()
     assert service.registrations == {}
     assert service.served_resources()["nvidia.com/gpu"]  # still serving
+
+
+async def test_relative_plugin_dir_and_too_long_socket_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative kubelet dir (``--root ./demo``) still serves on the right absolute path; a socket path a
+    Unix socket cannot hold is refused with one line naming it."""
+    monkeypatch.chdir(tmp_path)
+    svc = DevicePluginService(plugin_dir=Path("demo/dp"))
+    await svc.start(nvswitch_box(2))
+    try:
+        ch, s = stub(tmp_path / "demo/dp/nvidia-gpu.sock")
+        async with ch:
+            assert (await s.GetDevicePluginOptions(pb2.Empty())).get_preferred_allocation_available
+    finally:
+        await svc.stop()
+    deep = tmp_path / ("x" * 100)
+    svc = DevicePluginService(plugin_dir=deep)
+    with pytest.raises(InputError, match=r"^device-plugin socket path .*nvidia-gpu.sock is \d+ bytes, more than"):
+        await svc.start(nvswitch_box(2))
+    await svc.stop()
+    assert not (deep / "nvidia-gpu.sock").exists()

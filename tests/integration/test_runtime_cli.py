@@ -61,3 +61,50 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path) -> None:
     assert both.returncode == 2 and "exclude each other" in both.stderr
     assert sorted(p.name for p in cfg.parent.iterdir()) == ["config.toml"]
     assert not (tmp_path / "var").exists()
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_more_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path) -> None:
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
+    before = _files(tmp_path)
+    cases = [
+        (("configure", "--containerd-config", "etc/containerd/config.toml"), "is not an absolute host path"),
+        (("configure", "--drop-in", "conf.d/x.toml"), "is not an absolute host path"),
+        (("configure", "--restart", "bogus"), "'bogus' is not one of"),
+        (("configure", "--kubeconfig", str(tmp_path / "nope.yaml"), "--restart", "none"), "nope.yaml' does not exist"),
+        (("show", "--containerd-config", "config.toml"), "is not an absolute host path"),
+    ]
+    for args, message in cases:
+        r = _run(tmp_path, *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        assert _files(tmp_path) == before, args
+    tk = tmp_path / "etc/nvidia-container-runtime/config.toml"
+    tk.parent.mkdir(parents=True)
+    tk.write_text("bad = [\n")
+    r = _run(tmp_path, "configure", "--restart", "none")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: /etc/nvidia-container-runtime/config.toml: invalid TOML at line ")
+    assert r.stderr.endswith("; nothing was written\n") and r.stderr.count("\n") == 1
+    assert cfg.read_bytes() == (CORPUS / "containerd-1.7-systemd.toml").read_bytes()
+    for version, shown in (("9", "9"), ('"3"', "'3'")):
+        cfg.write_text(f"version = {version}\n")
+        r = _run(tmp_path, "configure", "--restart", "none")
+        assert r.returncode == 2 and r.stderr == (
+            f"error: /etc/containerd/config.toml: unsupported containerd config version {shown} (1-4 known)\n")
+
+
+def test_failed_restart_is_exit_1_and_says_what_was_written(tmp_path: Path) -> None:
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
+    r = _run(tmp_path, "configure", "--restart", "signal", "--restart-timeout", "1")
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: no process is serving ") and r.stderr.count("\n") == 1
+    assert "(written: /etc/containerd/config.toml, /etc/containerd/conf.d/99-nvidia.toml" in r.stderr
+    assert "containerd loads it at its next start)" in r.stderr

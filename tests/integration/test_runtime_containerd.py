@@ -2,8 +2,8 @@
 
 For each corpus file and mode: containerd loads the result and its CRI plugin reports the ``nvidia`` handler
 with the right BinaryName; lines nodeagent does not own are byte-identical; a second run changes nothing;
-``unconfigure`` restores the original bytes. Version-3 files (containerd 2.x) are judged only by the unit
-tests here: Debian's containerd 1.6 does not understand them.
+``unconfigure`` restores the original bytes. Version-3/4 files (containerd 2.x) are judged the same way by a
+real containerd 2.4 in test_runtime_containerd2.py: Debian's containerd 1.6 does not understand them.
 """
 
 from __future__ import annotations
@@ -123,8 +123,7 @@ def test_containerd_loads_result(containerd: Containerd, tmp_path: Path, name: s
         assert runtimes["nvidia-cdi"]["options"]["BinaryName"] == DEFAULT_CDI_BINARY
 
     # a running containerd's CRI plugin reports the handler (in-place runs are covered by the dump)
-    # (the fixture's config rewrite mishandles a top-level dotted `plugins.` key: that file is dump-judged)
-    if mode == "auto" and name != "dotted-and-inline.toml":
+    if mode == "auto":
         running = containerd.start(case.config)
         assert running.cri_error is None, running.cri_error
         assert running.runtimes["nvidia"]["Options"]["BinaryName"] == DEFAULT_BINARY

@@ -285,3 +285,35 @@ def test_fixture_rewrite_keeps_top_level_keys_with_dotted_plugins(containerd: Co
     assert running.cri_error is None, running.cri_error
     assert "runc" in running.runtimes
     assert (running.workdir / "root").is_dir()
+
+
+def test_new_file_is_version_4_and_loads_without_warnings(containerd2: Containerd2, tmp_path: Path) -> None:
+    """No config file on containerd >= 2.3: nodeagent writes version 4, which containerd 2 loads as is
+    (no migration, no warning of any kind) and whose CRI plugin serves the nvidia handler."""
+    case = _case(tmp_path, "(no file)", containerd2)
+    rc.configure(case.paths, case.options("in-place", False, False))
+    assert tomllib.loads(case.config.read_text())["version"] == 4
+    proc = subprocess.run([str(containerd2.binary), "--config", str(case.config), "config", "dump"],
+                          capture_output=True, text=True, check=True, timeout=30)
+    assert [line for line in proc.stderr.splitlines() if "level=warning" in line] == []
+    assert tomllib.loads(proc.stdout)["version"] == 4
+    running = containerd2.start(case.config)
+    assert "migrat" not in running.log()
+    assert "nvidia" in containerd2.cri_status(running).handlers
+    running.stop()
+
+
+@pytest.mark.parametrize("name", ["v2/containerd-2.4-default.toml", "v2/v3-indented-runtimes.toml",
+                                  "v2/v3-runc-systemd.toml"])
+def test_show_reports_cdi_on_by_default(containerd2: Containerd2, tmp_path: Path, name: str) -> None:
+    """``runtime show`` on containerd 2.4 says CDI is on (without ``enable_cdi``: containerd 2's default;
+    ``enable_cdi = false`` in a version-3 file: 2.4 no longer reads the key), as the running CRI plugin's own
+    config says (CDI spec dirs set, no ``enableCDI: false``)."""
+    assert containerd2.version_tuple() >= (2, 4, 0)
+    case = _case(tmp_path, name, containerd2)
+    info = rc.show(case.paths, str(case.config), toolkit_config=str(case.toolkit))
+    assert info["enable_cdi"] is True
+    running = containerd2.start(case.config)
+    config = containerd2.cri_status(running).config
+    assert config.get("enableCDI", True) is True and config["cdiSpecDirs"]
+    running.stop()

@@ -51,3 +51,32 @@ def test_create_then_unchanged_then_replace_handler(kube: KubeClient) -> None:
         assert kube.node_api.read_runtime_class(name).handler == "nvidia-legacy"
     finally:
         _cleanup(kube, name, cdi_name)
+
+
+def test_cli_configure_creates_runtime_classes(kube: KubeClient, kube_apiserver, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``nodeagent runtime configure --kubeconfig F --cdi --runtime-name N``: containerd wired and the
+    RuntimeClasses N and nvidia-cdi exist with the right handlers; a second run reports them unchanged."""
+    import json
+    import subprocess
+    import sys
+
+    name = f"nv-{uuid.uuid4().hex[:6]}"
+    args = [sys.executable, "-m", "nodeagent", "--root", str(tmp_path), "runtime", "configure", "--kubeconfig",
+            str(kube_apiserver.kubeconfig), "--cdi", "--runtime-name", name, "--restart", "none", "--json"]
+    created: list[str] = [name]
+    try:
+        first = subprocess.run(args, capture_output=True, text=True, check=False, timeout=60)
+        assert first.returncode == 0, first.stderr
+        done = json.loads(first.stdout)["runtimeclasses"]
+        assert done[name] == "created" and done["nvidia-cdi"] in ("created", "unchanged")
+        if done["nvidia-cdi"] == "created":
+            created.append("nvidia-cdi")
+        assert kube.node_api.read_runtime_class(name).handler == name
+        assert kube.node_api.read_runtime_class("nvidia-cdi").handler == "nvidia-cdi"
+        assert f"[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.{name}]" in (
+            tmp_path / "etc/containerd/config.toml").read_text()
+        second = subprocess.run(args, capture_output=True, text=True, check=False, timeout=60)
+        assert json.loads(second.stdout)["runtimeclasses"] == {name: "unchanged", "nvidia-cdi": "unchanged"}
+        assert not json.loads(second.stdout)["changed"]
+    finally:
+        _cleanup(kube, *created)

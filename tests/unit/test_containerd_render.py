@@ -136,6 +136,8 @@ def test_sane_default_follows_cgroup_driver_and_keeps_runc(systemd: bool) -> Non
     assert view.runtimes["nvidia"]["options"]["SystemdCgroup"] is systemd
     assert view.runtimes["runc"] == {"runtime_type": ctd.RUNC_V2, "options": {"SystemdCgroup": systemd}}
     assert render(None, Desired(containerd_version=(2, 1, 0))).startswith("version = 3\n")
+    assert render(None, Desired(containerd_version=(2, 3, 0))).startswith("version = 4\n")
+    assert render(None, Desired(containerd_version=(1, 7, 2))).startswith("version = 2\n")
 
 
 def test_inline_options_table_is_edited_inline() -> None:
@@ -224,3 +226,25 @@ def test_merged_view_replaces_or_merges_plugin_tables() -> None:
     assert set(old.runtimes) == {"nvidia"}
     new = ctd.merged_view(root, [("d.toml", drop)], (2, 0, 0))
     assert set(new.runtimes) == {"runc", "nvidia"}
+
+
+@pytest.mark.parametrize(
+    ("cri", "containerd", "config_ver", "on"),
+    [
+        ("", (1, 7, 2), 2, False),  # before 2.0 CDI needs the key
+        ("enable_cdi = true\n", (1, 7, 2), 2, True),
+        ("", (2, 0, 4), 2, True),  # 2.0: on by default, also for a migrated version-2 file
+        ("", None, 3, True),  # no binary known: a version-3 file means containerd 2
+        ("", None, 2, False),
+        ("enable_cdi = false\n", (2, 1, 0), 3, False),  # only an explicit false turns it off
+        ("enable_cdi = false\n", (2, 4, 0), 4, True),  # 2.4 removed the key: always on
+    ],
+)
+def test_cdi_enabled_follows_containerd_defaults(
+    cri: str, containerd: tuple[int, int, int] | None, config_ver: int, on: bool
+) -> None:
+    table = ".".join(ctd.cri_path(config_ver))
+    text = f"version = {config_ver}\n[{table}]\n{cri}" if config_ver > 1 else cri
+    text = text.replace("plugins.io.containerd.grpc.v1.cri", 'plugins."io.containerd.grpc.v1.cri"')
+    text = text.replace("plugins.io.containerd.cri.v1.runtime", 'plugins."io.containerd.cri.v1.runtime"')
+    assert ctd.merged_view(text, [], containerd).enable_cdi is on

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,3 +231,21 @@ async def test_global_change_rebuilds_everything() -> None:
     assert d.built == {"x": 2, "y": 2}  # type: ignore[attr-defined]
     d.request_stop()
     await asyncio.wait_for(task, 5)
+
+
+async def test_diagnostics_count_tasks_threads_and_fds(caplog: pytest.LogCaptureFixture) -> None:
+    dp = Recorder("dp", [], gates=True)
+    d = make(AgentConfig(node_name="n1"), {"dp": dp})
+    task = asyncio.create_task(d.run(install_signals=False))
+    await wait_for(lambda: d.inventory is not None)
+    spawned = d.spawn(asyncio.sleep(30), "sleeper")
+    diag = d.diagnostics()
+    assert diag["tasks"] >= 2 and diag["threads"] >= 1 and diag["fds"] > 0
+    assert diag["task_kinds"].get("sleep") == 1
+    with caplog.at_level(logging.INFO, logger="nodeagent.daemon"):
+        d.log_diagnostics()
+    assert re.search(r"diagnostics: \d+ asyncio task\(s\), \d+ thread\(s\), \d+ open fd\(s\); tasks: .*sleep x1",
+                     caplog.text)
+    spawned.cancel()
+    d.request_stop()
+    assert await asyncio.wait_for(task, 5) == 0

@@ -38,6 +38,16 @@ def test_unknown_machine_is_bad_input() -> None:
     assert r.returncode == 2 and r.stderr.startswith("error: unknown simulated machine 'dgx-z9'")
 
 
+def test_sim_state_in_missing_directory_is_bad_input(tmp_path: Path) -> None:
+    r = _run("discover", "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "nope" / "s.json"))
+    assert r.returncode == 2
+    assert r.stderr == f"error: sim-state file {tmp_path}/nope/s.json: directory {tmp_path}/nope does not exist\n"
+    (tmp_path / "bad.json").write_text("{not json")
+    r = _run("discover", "--sim-state", str(tmp_path / "bad.json"))
+    assert r.returncode == 2 and r.stderr.startswith(f"error: sim-state file {tmp_path}/bad.json is unreadable")
+    assert r.stderr.count("\n") == 1
+
+
 def test_discover_json_dgx_h100_with_mig_layout(tmp_path: Path) -> None:
     state = str(tmp_path / "sim.json")
     r = _run("discover", "--simulate", "dgx-h100", "--sim-state", state, "--json")

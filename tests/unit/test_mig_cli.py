@@ -32,7 +32,7 @@ def test_plan_apply_assert_export(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert run(capsys, *root, "mig", "assert", *sim, "-c", "all-balanced")[0] == 1
     code, out, _ = run(capsys, *root, "mig", "apply", *sim, "-c", "all-balanced")
     assert code == 0 and "applied all-balanced to GPU 0, 1, 2, 3; reset GPU 0, 1, 2, 3" in out
-    assert (tmp_path / "root/var/lib/nodeagent/mig-state.json").exists()
+    assert (tmp_path / "root/var/lib/nodeagent/mig/mig-state.json").exists()
     assert run(capsys, *root, "mig", "assert", *sim, "-c", "all-balanced")[0] == 0
     code, exported, _ = run(capsys, *root, "mig", "export", *sim)
     assert code == 0 and "1g.6gb: 2" in exported
