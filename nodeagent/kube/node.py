@@ -4,6 +4,11 @@ Every method of ``NodeClient`` is blocking (one HTTP request each); async caller
 wrappers (``asyncio.to_thread``) or run them in threads themselves. ``NodeWatch`` keeps exactly one
 watch open on the own Node (field selector ``metadata.name``), resumes from the last resourceVersion,
 relists only that one node after ``410 Gone`` and backs off with jitter after errors.
+
+``NodeClient.watch`` / ``NodeClient.updates`` subscribe to ONE shared ``NodeWatch`` per API client and
+node: the publisher (re-applying reset values) and the MIG reconciler (the ``mig.config`` label) in one
+agent share a single watch request; a late subscriber gets the newest known version at once, and the
+watch ends with its last subscriber.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -233,11 +239,13 @@ class NodeClient:
     ) -> str:
         return await asyncio.to_thread(self.create_event, reason, message, type, action)
 
-    def watch(self, on_node: Callable[[NodeView], None], **kwargs: Any) -> NodeWatch:
-        """A started ``NodeWatch`` delivering every version of this node to ``on_node``."""
-        w = NodeWatch(self, on_node, **kwargs)
-        w.start()
-        return w
+    def watch(self, on_node: Callable[[NodeView], None], **kwargs: Any) -> NodeSubscription:
+        """Deliver every version of this node to ``on_node`` (first the newest known, then each change).
+
+        All subscribers on the same ``KubeClient`` and node share one ``NodeWatch`` (``kwargs`` of the
+        first subscriber configure it); ``stop`` on the returned subscription unsubscribes.
+        """
+        return _subscribe(self, kwargs, on_node)
 
     async def updates(self, **kwargs: Any) -> AsyncIterator[NodeView]:
         """Async iterator over versions of this node (first the current one, then each change)."""
@@ -401,3 +409,112 @@ class NodeWatch:
                 delay = self.backoff.next()
                 log.exception("watch of node %s broke unexpectedly; retrying in %.1fs", self.node.name, delay)
                 self._stop.wait(delay)
+
+
+def _rv_int(view: NodeView) -> int | None:
+    try:
+        return int(view.resource_version)
+    except ValueError:
+        return None
+
+
+class NodeSubscription:
+    """One subscriber of the shared watch on a Node. Versions arrive in order (an older one than the last
+    delivered is dropped); ``stop`` unsubscribes, and the last one to leave stops the watch."""
+
+    def __init__(self, hub: _NodeWatchHub, on_node: Callable[[NodeView], None]) -> None:
+        self._hub = hub
+        self._on_node = on_node
+        self._lock = threading.Lock()
+        self._last_rv: int | None = None
+        self._stopped = False
+
+    @property
+    def watch(self) -> NodeWatch:
+        """The shared watch (its ``relists``/``errors`` counters)."""
+        return self._hub.watch
+
+    def deliver(self, view: NodeView) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            rv = _rv_int(view)
+            if rv is not None and self._last_rv is not None and rv <= self._last_rv and not view.deleted:
+                return
+            if rv is not None:
+                self._last_rv = rv
+            try:
+                self._on_node(view)
+            except Exception:
+                log.exception("node watch subscriber failed for node %s", self._hub.watch.node.name)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._hub.unsubscribe(self, timeout)
+
+
+class _NodeWatchHub:
+    """One ``NodeWatch`` fanned out to every subscriber; remembers the newest version for late ones."""
+
+    def __init__(self, node: NodeClient, kwargs: dict[str, Any]) -> None:
+        self.watch = NodeWatch(node, self._fanout, **kwargs)
+        self._subs: list[NodeSubscription] = []
+        self._latest: NodeView | None = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _fanout(self, view: NodeView) -> None:
+        with self._lock:
+            self._latest = None if view.deleted else view
+            subs = list(self._subs)
+        for sub in subs:
+            sub.deliver(view)
+
+    def add(self, on_node: Callable[[NodeView], None]) -> tuple[NodeSubscription, NodeView | None] | None:
+        """Register a subscriber (None when this hub already ended); with the newest known version."""
+        with self._lock:
+            if self.closed:
+                return None
+            sub = NodeSubscription(self, on_node)
+            self._subs.append(sub)
+            return sub, self._latest
+
+    def unsubscribe(self, sub: NodeSubscription, timeout: float) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+            last = not self._subs and not self.closed
+            if last:
+                self.closed = True
+        if last:
+            _forget_hub(self)
+            self.watch.stop(timeout)
+
+
+# KubeClient → node name → the shared watch of that node (entries go away with the client or the watch)
+_HUBS: weakref.WeakKeyDictionary[KubeClient, dict[str, _NodeWatchHub]] = weakref.WeakKeyDictionary()
+_HUBS_LOCK = threading.Lock()
+
+
+def _subscribe(node: NodeClient, kwargs: dict[str, Any], on_node: Callable[[NodeView], None]) -> NodeSubscription:
+    with _HUBS_LOCK:
+        hubs = _HUBS.setdefault(node.kube, {})
+        hub = hubs.get(node.name)
+        added = hub.add(on_node) if hub is not None else None
+        if hub is None or added is None:
+            hub = _NodeWatchHub(node, kwargs)
+            hubs[node.name] = hub
+            added = hub.add(on_node)
+        assert added is not None
+    sub, latest = added
+    hub.watch.start()
+    if latest is not None:
+        sub.deliver(latest)
+    return sub
+
+
+def _forget_hub(hub: _NodeWatchHub) -> None:
+    with _HUBS_LOCK:
+        hubs = _HUBS.get(hub.watch.node.kube)
+        if hubs is not None and hubs.get(hub.watch.node.name) is hub:
+            del hubs[hub.watch.node.name]

@@ -2,7 +2,8 @@
 
 ``publish(inventory, served_resources, plugin_config)`` computes labels, unserved extended resources and
 GPU objects (pure planners), compares them with the last known Node (from the watch, else one GET) and
-writes only differences: a pass where nothing changed makes no write at all. With ``start_watch`` the
+writes only differences: a pass where nothing changed makes no write at all. A GPU whose ``health``
+changed between passes gets a Node Event (``GpuUnhealthy`` Warning / ``GpuHealthy``). With ``start_watch`` the
 publisher keeps one watch on the own Node and re-applies its values when somebody (the kubelet, a user)
 resets them.
 """
@@ -31,7 +32,7 @@ from nodeagent.kube.labels import (
     plan_label_patch,
     sharing_facts,
 )
-from nodeagent.kube.node import NodeClient, NodeView, NodeWatch
+from nodeagent.kube.node import NodeClient, NodeSubscription, NodeView
 from nodeagent.kube.podresources import Assignment, PodResourcesClient
 from nodeagent.kube.resources import (
     GPU_MEMORY,
@@ -125,11 +126,12 @@ class NodePublisher:
         self._latest: NodeView | None = None
         self._inputs: _Inputs | None = None
         self._lock = threading.RLock()
-        self._watch: NodeWatch | None = None
+        self._watch: NodeSubscription | None = None
         self._refused_reported: frozenset[str] = frozenset()
         self._assignments: list[Assignment] = []
         self._want_labels: dict[str, str] = {}
         self._want_resources: dict[str, str] = {}
+        self._health_seen: dict[str, bool] = {}  # GPU UUID → health last published (events on change)
 
     # node state ---------------------------------------------------------------------------------
     def _current(self) -> NodeView:
@@ -234,6 +236,8 @@ class NodePublisher:
             )
         self._refused_reported = frozenset(sp.refused)
 
+        self._health_events(inp)
+
         if cfg.gpu_objects:
             desired = desired_gpu_objects(
                 self.node.name, inp.inventory, sharing, self._read_assignments(), inp.health
@@ -244,6 +248,21 @@ class NodePublisher:
                 log.warning("GPU objects not published: %s", e)
                 res.errors.append(str(e))
         return res
+
+    def _health_events(self, inp: _Inputs) -> None:
+        """A Node Event for every GPU whose health changed since the last pass (a GPU first seen unhealthy
+        counts as a change; one first seen healthy does not)."""
+        if inp.health is None:
+            return
+        for g in sorted(inp.inventory.gpus, key=lambda x: x.index):
+            healthy = inp.health.get(g.index, True)
+            before = self._health_seen.get(g.uuid, True)
+            self._health_seen[g.uuid] = healthy
+            if healthy == before:
+                continue
+            detail = ("the kubelet no longer allocates its devices" if not healthy
+                      else "its devices are allocatable again")
+            self.events.health_changed(f"{g.index} ({g.uuid}, {g.name})", healthy, detail)
 
     def _remember(self, view: NodeView) -> NodeView:
         if self._latest is None or not self._latest.resource_version or _rv_newer(view, self._latest):
@@ -289,7 +308,7 @@ class NodePublisher:
             except KubeError as e:
                 log.warning("re-applying to node %s failed: %s", self.node.name, e)
 
-    def start_watch(self, **kwargs: Any) -> NodeWatch:
+    def start_watch(self, **kwargs: Any) -> NodeSubscription:
         if self._watch is None:
             self._watch = self.node.watch(self.on_node, **kwargs)
         return self._watch

@@ -10,8 +10,9 @@ value (or of the annotation ``nodeagent.io/mig.config.generation``, which re-app
 
 Every path ends in ``success`` or ``failed`` within bounded waits — except a mode change that needs a
 host reboot, which ends in ``rebooting``. With ``with_reboot`` the agent then reboots the host; after the
-boot the persisted selection is applied again and ends ``success``/``failed``. An unknown config name
-ends ``failed`` with a clear Event and nothing touched.
+boot the persisted selection is applied again and ends ``success``/``failed``. An unknown config name or
+an empty label value ends ``failed`` with a Warning Event naming the value, and nothing touched (a label
+that is absent is no request at all: nothing happens).
 
 An agent killed mid-apply leaves an in-flight record in ``<state_dir>/mig-state.json``. Before anything
 else (at start, and again before every reconcile while the record exists) the GPUs it names are brought
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nodeagent.errors import NodeAgentError, OperationError, RebootRequired
+from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile, Recovery, recover_interrupted
@@ -89,8 +90,10 @@ class MigReconcilerOptions:
 
 
 def _key(view: NodeViewLike) -> tuple[str, str] | None:
+    """(config name, generation) to act on; None when the label is absent. An EMPTY value is a key too:
+    it is refused (state ``failed`` with an Event), not silently ignored."""
     value = view.labels.get(CONFIG_LABEL)
-    if not value:
+    if value is None:
         return None
     return value, view.annotations.get(GENERATION_ANNOTATION, "")
 
@@ -196,13 +199,13 @@ class MigReconciler:
             return REBOOTING
         except NodeAgentError as e:
             self.state.update(phase=FAILED, error=str(e))
-            await self._event("MigConfigFailed", f"MIG config {name} failed: {e}", "Warning")
+            await self._event("MigConfigFailed", f"MIG config {name!r} failed: {e}", "Warning")
             await self._set_state(FAILED)
             return FAILED
         except Exception as e:  # never leave the node in pending, whatever broke
             log.exception("mig: unexpected error applying %s", name)
             self.state.update(phase=FAILED, error=repr(e))
-            await self._event("MigConfigFailed", f"MIG config {name} failed: internal error {e!r}", "Warning")
+            await self._event("MigConfigFailed", f"MIG config {name!r} failed: internal error {e!r}", "Warning")
             await self._set_state(FAILED)
             return FAILED
         self.state.update(phase=SUCCESS, error=None)
@@ -252,6 +255,9 @@ class MigReconciler:
     async def _apply(self, name: str, *, after_reboot: bool) -> tuple[str, str]:
         inventory = await asyncio.to_thread(self.adapter.discover)
         configs = self._load_configs(inventory)
+        if not name:
+            raise ConfigError(f"label {CONFIG_LABEL} has the empty value '': set it to the name of a MIG config "
+                              f"(known: {', '.join(configs.names)})", subject=CONFIG_LABEL)
         config_name, entries = configs.select(name)  # unknown name → ConfigError, nothing touched
         selection = resolve(config_name, entries, inventory, configs.source)
         the_plan = plan(inventory, selection)

@@ -4,21 +4,25 @@ Links come from netlink (pyroute2) on the real host; under a sandbox root (``--r
 ``/sys/class/net`` of that root so tests can lay out any machine. Speeds are read from
 ``/sys/class/net/<if>/speed`` (Mb/s); RDMA devices from ``/sys/class/infiniband``. Read-only.
 
-Import footprint: ``pyroute2/__init__.py`` imports every netlink family it supports (IPDB, NDB, nftables,
-wireless, IPVS, ...: ~160 modules, ~10 MiB resident for good in a long-running daemon) although only the
-rtnetlink ``IPRoute`` is used here. ``_iproute_class`` loads just ``pyroute2.iproute.linux`` (~4 MiB) by
-registering the ``pyroute2`` package without running its ``__init__``; the first access to any other name
-of the package runs the real ``__init__`` then (PEP 562), so code elsewhere that imports pyroute2 sees the
-whole package. Where that layout does not exist (another pyroute2 release) the normal import is used.
+Footprint: pyroute2 would stay resident in the daemon for good (``pyroute2/__init__.py`` imports every
+netlink family it supports: ~160 modules, ~10 MiB) to answer a question asked once a minute. So
+``netlink_links`` asks it in a short-lived child interpreter (``python -m nodeagent.net.nics links``, JSON
+on stdout), and ``read_nics`` reuses the answer while ``/sys/class/net`` (names, operstate) looks the same,
+for at most ``LINKS_MAX_AGE_S``. The child imports only ``pyroute2.iproute.linux`` (``_iproute_class``
+registers the ``pyroute2`` package without running its ``__init__``; any other name of the package runs
+the real ``__init__`` first, PEP 562), falling back to the normal import on other pyroute2 layouts.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import logging
+import subprocess
 import sys
 import threading
+import time
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -117,8 +121,56 @@ def _iproute_class() -> Any:
     return IPRoute
 
 
+LINKS_MAX_AGE_S = 600.0  # a cached netlink answer is re-asked at least this often
+LINK_QUERY_TIMEOUT_S = 20.0
+_CHILD_MODULE = "nodeagent.net.nics"
+
+
 def netlink_links() -> list[Link]:
-    """Links of the current network namespace, from netlink."""
+    """Links of the current network namespace, from netlink (pyroute2 in a short-lived child process)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", _CHILD_MODULE, "links"],
+            capture_output=True, timeout=LINK_QUERY_TIMEOUT_S, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise OSError(f"netlink query process failed: {e}") from e
+    if proc.returncode != 0:
+        lines = proc.stderr.decode(errors="replace").strip().splitlines()
+        raise OSError(f"netlink query exited {proc.returncode}: {lines[-1] if lines else 'no output'}")
+    try:
+        rows = json.loads(proc.stdout)
+        return [Link(str(name), bool(up), bool(loopback)) for name, up, loopback in rows]
+    except (ValueError, TypeError) as e:
+        raise OSError(f"netlink query answered nonsense: {e}") from e
+
+
+@dataclass(frozen=True)
+class _CachedLinks:
+    fingerprint: tuple[Link, ...]
+    at: float
+    links: tuple[Link, ...]
+
+
+_cache: dict[Path, _CachedLinks] = {}
+_cache_lock = threading.Lock()
+
+
+def cached_netlink_links(paths: HostPaths, *, max_age_s: float = LINKS_MAX_AGE_S) -> list[Link]:
+    """``netlink_links``, asked again only when ``/sys/class/net`` changed or the answer is ``max_age_s`` old."""
+    fingerprint = tuple(sysfs_links(paths))
+    now = time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(paths.root)
+        if hit is not None and hit.fingerprint == fingerprint and now - hit.at < max_age_s:
+            return list(hit.links)
+        links = netlink_links()
+        _cache[paths.root] = _CachedLinks(fingerprint, now, tuple(links))
+        return links
+
+
+def netlink_links_here() -> list[Link]:
+    """Links of the current network namespace, from netlink in this process."""
     out: list[Link] = []
     with _iproute_class()() as ip:
         for msg in ip.get_links():
@@ -164,7 +216,7 @@ def read_nics(paths: HostPaths, links: list[Link] | None = None) -> NetSummary:
     if links is None:
         if paths.root == Path("/"):
             try:
-                links = netlink_links()
+                links = cached_netlink_links(paths)
             except OSError as e:
                 log.warning("netlink unavailable (%s); reading /sys/class/net", e)
                 links = sysfs_links(paths)
@@ -185,3 +237,16 @@ def read_nics(paths: HostPaths, links: list[Link] | None = None) -> NetSummary:
         speed = int(raw) if raw is not None and raw.lstrip("-").isdigit() and int(raw) > 0 else None
         nics.append(Nic(link.name, link.up, physical, speed, tuple(netdev_rdma.get(link.name, ()))))
     return summarize(nics, rdma)
+
+
+def _main(argv: list[str]) -> int:
+    """The child side of ``netlink_links``: print the links as JSON rows ``[name, up, loopback]``."""
+    if argv != ["links"]:
+        print("usage: python -m nodeagent.net.nics links", file=sys.stderr)
+        return 2
+    json.dump([[link.name, link.up, link.loopback] for link in netlink_links_here()], sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -35,10 +35,11 @@ def restart_and_wait_registration(harness: KubeletHarness, resource: str, device
         fresh = harness.updates(resource, since=seq)
         if any(u.resource.registered and len(u.resource.devices) == devices for u in fresh):
             took = time.monotonic() - t0
-            # the plugin may churn once more (a late kubelet.sock event); wait until it is settled
+            # the plugin may churn once more (a late kubelet.sock event), and an update of the previous
+            # manager may land after ``seq`` was read: wait until the restarted manager lists it settled
             while time.monotonic() - t0 < timeout:
-                state = harness.resource(resource)
-                if plugin_sockets(harness) and state.registered and state.capacity == devices:
+                state = harness.resources().get(resource)
+                if plugin_sockets(harness) and state is not None and state.registered and state.capacity == devices:
                     return took
                 time.sleep(0.02)
             break

@@ -309,3 +309,44 @@ async def test_restart_after_kill_mid_apply_restores_then_applies(node: NodeClie
     assert recovered and "restored GPU 1, 2, 3, 4, 5, 6, 7 to the previous layout" in recovered[0][2]
     assert "GPU 0 already complete in the new layout" in recovered[0][2]
     assert MigStateFile(tmp_path).inflight() == []
+
+
+@pytest.mark.parametrize("value", ["", "all-balanced-typo", "ALL.DISABLED"])
+async def test_bad_label_values_end_failed_with_an_event_naming_the_value(
+    node: NodeClient, tmp_path: Path, value: str
+) -> None:
+    """Refused input: a value that names no config (or is empty) ends `failed`, never `pending`, with a
+    Warning Event quoting the value; no GPU and no device-plugin resource is touched."""
+    adapter, store = sim("a30x4")
+    inject.write_mig_layout(store, 1, ["4g.24gb"])
+    before = {g.index: [(d.uuid, d.profile) for d in g.mig_devices] for g in adapter.discover().gpus}
+    pub = RecordingPublisher()
+    log = StateLog(node)
+    try:
+        node.patch_labels({CONFIG_LABEL: value})
+        rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+        assert await run_until_terminal(rec, node) == "failed"
+    finally:
+        log.stop()
+    assert log.values[-1] == "failed" and "success" not in log.values
+    assert {g.index: [(d.uuid, d.profile) for d in g.mig_devices] for g in adapter.discover().gpus} == before
+    assert pub.calls == []
+    uid = node.get().uid  # the node name is reused by each parameter: only this Node's events count
+    (type_, message), = [(e["type"], e["message"]) for e in node.list_events()
+                         if e["reason"] == "MigConfigFailed" and e["involvedObject"]["uid"] == uid]
+    assert type_ == "Warning"
+    assert message.startswith(f"MIG config {value!r} failed: ")
+    if value:
+        assert f"no config named {value!r} (known: all-disabled, all-enabled, all-balanced" in message
+    else:
+        assert "label nvidia.com/mig.config has the empty value ''" in message
+        assert "(known: all-disabled, all-enabled, all-balanced" in message
+
+
+async def test_absent_label_is_no_request(node: NodeClient, tmp_path: Path) -> None:
+    adapter, _ = sim("a30x4")
+    rec = MigReconciler(node, adapter, tmp_path)
+    assert await rec.reconcile(await node.aget()) is None
+    uid = node.get().uid
+    assert STATE_LABEL not in node.get().labels
+    assert [e for e in node.list_events() if e["involvedObject"]["uid"] == uid] == []

@@ -1,0 +1,167 @@
+"""``nodeagent run`` as a real process against the real kube-apiserver and kubelet device manager, judged by
+the apiserver's own request metrics: one field-selected watch of the own Node and no list of other nodes,
+zero writes while nothing changes, refused ``nvidia.com/mig.config`` values ending ``failed`` with an Event
+naming the value, and a GPU health change (an XID injected into the simulator) as a Node Event."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeagent.gpu.sim.inject import inject_xid
+from nodeagent.gpu.sim.state import SimStore
+from nodeagent.kube.client import KubeClient, connect
+from nodeagent.kube.gpuobjects import API_PATH, install_crd
+from tests.e2e._agent import node_root, running_agent
+from tests.peers.apiserver import KubeApiServer
+from tests.peers.harness import KubeletHarness
+
+pytestmark = pytest.mark.peers
+
+WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY", "DELETECOLLECTION"}
+WATCHED = {"nodes", "events", "gpus"}  # what the agent writes (the apiserver itself renews leases meanwhile)
+
+
+def apiserver_requests(server: KubeApiServer) -> Counter[tuple[str, str, str]]:
+    """apiserver_request_total summed by (verb, resource, scope), from the apiserver's /metrics."""
+    status, body = server.get("/metrics")
+    assert status == 200
+    out: Counter[tuple[str, str, str]] = Counter()
+    for fam in text_string_to_metric_families(body.decode()):
+        if fam.name != "apiserver_request":
+            continue
+        for s in fam.samples:
+            if s.name == "apiserver_request_total":
+                out[(s.labels.get("verb", ""), s.labels.get("resource", ""), s.labels.get("scope", ""))] += s.value
+    return out
+
+
+def node_watches(server: KubeApiServer) -> dict[str, float]:
+    status, body = server.get("/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if line.startswith("apiserver_longrunning_requests{") and 'resource="nodes"' in line and 'verb="WATCH"' in line:
+            m = re.search(r'scope="([^"]*)"', line)
+            out[m.group(1) if m else "?"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def node_obj(server: KubeApiServer, name: str) -> dict[str, Any]:
+    status, body = server.get(f"/api/v1/nodes/{name}")
+    assert status == 200, body
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+def events(server: KubeApiServer, name: str) -> list[tuple[str, str, str]]:
+    uid = node_obj(server, name)["metadata"]["uid"]
+    status, body = server.get(f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{name}")
+    assert status == 200, body
+    return [(e["reason"], e["type"], e["message"]) for e in json.loads(body)["items"]
+            if e["involvedObject"].get("uid") == uid]
+
+
+def eventually(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.1)
+
+
+def set_label(server: KubeApiServer, name: str, key: str, value: str | None) -> None:
+    status, body = server.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": {key: value}}},
+                                  content_type="application/merge-patch+json")
+    assert status == 200, body
+
+
+def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+) -> None:
+    kube = KubeClient(connect(kube_apiserver.kubeconfig))
+    try:
+        install_crd(kube)
+    finally:
+        kube.close()
+    node = "e2e-publishing"
+    kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
+    status, body = kube_apiserver.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
+                                                                    "metadata": {"name": node}})
+    assert status == 201, body
+    sim_state = tmp_path / "sim.json"
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
+                   "[runtime]\nenabled = false\n"
+                   '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
+    watches0 = node_watches(kube_apiserver)
+    requests0 = apiserver_requests(kube_apiserver)
+    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
+        agent.wait_notify("READY=1", timeout=20)
+        eventually(lambda: node_obj(kube_apiserver, node)["metadata"].get("labels", {}).get("nvidia.com/gpu.count")
+                   == "4", 15, "gpu.count label")
+        eventually(lambda: len(json.loads(kube_apiserver.get(
+            f"{API_PATH}?labelSelector=nodeagent.io%2Fnode%3D{node}")[1]).get("items") or []) == 4, 20, "4 GPU objects")
+
+        # one watch on the own Node (publisher and MIG reconciler share it), field-selected: scope "resource"
+        time.sleep(1.5)
+        watches = node_watches(kube_apiserver)
+        assert watches.get("resource", 0) - watches0.get("resource", 0) == 1, (watches0, watches)
+        assert watches.get("cluster", 0) == watches0.get("cluster", 0), (watches0, watches)
+
+        # steady state: several resync passes (every 1 s), not one write
+        before = apiserver_requests(kube_apiserver)
+        time.sleep(6.0)
+        after = apiserver_requests(kube_apiserver)
+        writes = {k: after[k] - before[k] for k in after
+                  if k[0] in WRITE_VERBS and k[1] in WATCHED and after[k] != before[k]}
+        assert writes == {}, writes
+
+        # refused input: an empty value and a name no config has both end `failed`, the Event names the value
+        for value in ("", "all-7g.99gb"):
+            set_label(kube_apiserver, node, "nvidia.com/mig.config", value)
+            eventually(lambda v=value: any(e[0] == "MigConfigFailed" and e[2].startswith(f"MIG config {v!r} failed")  # type: ignore[misc]
+                                           for e in events(kube_apiserver, node)), 20, f"MigConfigFailed for {value!r}")
+            assert node_obj(kube_apiserver, node)["metadata"]["labels"]["nvidia.com/mig.config.state"] == "failed"
+        msgs = [e[2] for e in events(kube_apiserver, node) if e[0] == "MigConfigFailed"]
+        assert any("label nvidia.com/mig.config has the empty value ''" in m for m in msgs), msgs
+        assert any("no config named 'all-7g.99gb' (known: all-disabled, all-enabled" in m for m in msgs), msgs
+        assert all(e[1] == "Warning" for e in events(kube_apiserver, node) if e[0] == "MigConfigFailed")
+
+        # a health change: XID 48 (double-bit ECC) on GPU 2 → Unhealthy at the kubelet and a Node Event
+        store = SimStore.open("a30x4", sim_state)
+        uuid2 = store.machine.gpus[2].uuid if hasattr(store.machine.gpus[2], "uuid") else ""
+        inject_xid(store, 2, 48)
+        kubelet_harness.wait("nvidia.com/gpu", healthy=3, timeout=20)
+        unhealthy = eventually(lambda: [e for e in events(kube_apiserver, node) if e[0] == "GpuUnhealthy"], 20,
+                               "GpuUnhealthy event")
+        (_reason, type_, message), = unhealthy
+        assert type_ == "Warning" and message.startswith("GPU 2 (") and "is unhealthy" in message
+        if uuid2:
+            assert uuid2 in message
+        eventually(lambda: json.loads(kube_apiserver.get(f"{API_PATH}/{node}-gpu2")[1])["status"]["state"]
+                   == "Unhealthy", 20, "GPU object state Unhealthy")
+        code, took = agent.stop(signal.SIGTERM)
+        assert code == 0 and took < 5.0, agent.log()
+
+    # over the agent's whole life: nodes read only through the own Node (never a list of the cluster's nodes)
+    final = apiserver_requests(kube_apiserver)
+    cluster_lists = {k: final[k] - requests0[k] for k in final
+                     if k[1] == "nodes" and k[0] in ("LIST", "WATCH") and k[2] == "cluster" and final[k] != requests0[k]}
+    assert cluster_lists == {}, cluster_lists
+    assert final[("LIST", "nodes", "resource")] - requests0[("LIST", "nodes", "resource")] >= 1
+    for name in (f"{node}-gpu{i}" for i in range(4)):
+        kube_apiserver.request("DELETE", f"{API_PATH}/{name}")

@@ -1,0 +1,157 @@
+"""Node publishing details judged by the REAL kube-apiserver: health-change Events, one shared watch of the own
+Node (counted by the apiserver's own metrics), and the GPU CRD's printer columns as ``kubectl get gpus``
+receives them (the server-side Table)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from nodeagent.gpu.inventory import Gpu, Inventory
+from nodeagent.kube.client import KubeClient, connect
+from nodeagent.kube.gpuobjects import API_PATH, install_crd
+from nodeagent.kube.labels import NetFacts
+from nodeagent.kube.node import NodeClient, NodeView
+from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from tests.peers.apiserver import KubeApiServer
+
+TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"
+
+
+def gpu(i: int) -> Gpu:
+    return Gpu(i, f"GPU-{i}-9c3e", "NVIDIA H100 80GB HBM3", f"00000000:{0x18 + i:02X}:00.0", 0x233010DE, 81559,
+               0, 9, 0, i, "hopper")
+
+
+INV = Inventory("550.54.15", 12040, (gpu(0), gpu(1)))
+
+
+@pytest.fixture(scope="module")
+def kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
+    k = KubeClient(connect(kube_apiserver.kubeconfig))
+    yield k
+    k.close()
+
+
+@pytest.fixture
+def node_name(kube: KubeClient) -> Iterator[str]:
+    name = f"audit-{uuid.uuid4().hex[:8]}"
+    kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    yield name
+    kube.request("DELETE", f"/api/v1/nodes/{name}")
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (v := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+    return v
+
+
+def node_events(nc: NodeClient) -> list[tuple[str, str, str]]:
+    uid = nc.get().uid
+    return [(e["reason"], e["type"], e["message"]) for e in nc.list_events() if e["involvedObject"]["uid"] == uid]
+
+
+def test_health_changes_are_node_events(kube: KubeClient, node_name: str) -> None:
+    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
+    nc = NodeClient(kube, node_name)
+    pub.publish(INV, ["nvidia.com/gpu"], health={0: True, 1: True})
+    assert node_events(nc) == []  # healthy from the start is no change
+    pub.publish(INV, ["nvidia.com/gpu"], health={0: True, 1: False})
+    pub.publish(INV, ["nvidia.com/gpu"], health={0: True, 1: False})  # same health: no second event
+    assert node_events(nc) == [("GpuUnhealthy", "Warning", "GPU 1 (GPU-1-9c3e, NVIDIA H100 80GB HBM3) is "
+                                "unhealthy: the kubelet no longer allocates its devices")]
+    pub.publish(INV, ["nvidia.com/gpu"], health={0: True, 1: True})
+    assert ("GpuHealthy", "Normal", "GPU 1 (GPU-1-9c3e, NVIDIA H100 80GB HBM3) is healthy: its devices are "
+            "allocatable again") in node_events(nc)
+    assert len(node_events(nc)) == 2
+    # no health information (e.g. bootstrap's label pass): no event, whatever was seen before
+    pub.publish(INV, ["nvidia.com/gpu"])
+    assert len(node_events(nc)) == 2
+
+
+def _node_watches(server: KubeApiServer) -> dict[str, float]:
+    """The apiserver's gauge of open WATCH requests on nodes, by scope ("resource" = one named object)."""
+    status, body = server.get("/metrics")
+    assert status == 200
+    out: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if line.startswith("apiserver_longrunning_requests{") and 'resource="nodes"' in line and 'verb="WATCH"' in line:
+            scope = re.search(r'scope="([^"]*)"', line)
+            out[scope.group(1) if scope else "?"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_publisher_and_mig_label_updates_share_one_watch(
+    kube: KubeClient, node_name: str, kube_apiserver: KubeApiServer
+) -> None:
+    """What the daemon does: the publisher watches the Node for reset values and the MIG reconciler watches it
+    for its label, each through its own NodeClient on the one KubeClient: ONE watch request, field-selected to
+    this node (the apiserver counts it under scope "resource", not "cluster")."""
+    base = _node_watches(kube_apiserver)
+    watches0 = kube.stats.watches
+    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
+    pub.publish(INV, ["nvidia.com/gpu"])
+    await asyncio.to_thread(pub.start_watch, watch_timeout_s=60)
+    reconciler_node = NodeClient(kube, node_name)
+    agen = reconciler_node.updates()
+    try:
+        first: NodeView = await asyncio.wait_for(agen.__anext__(), 10)  # the newest known version, at once
+        assert first.name == node_name and first.labels.get("nvidia.com/gpu.count") == "2"
+        await reconciler_node.apatch_labels({"nvidia.com/mig.config": "all-balanced"})
+        while (await asyncio.wait_for(agen.__anext__(), 10)).labels.get("nvidia.com/mig.config") != "all-balanced":
+            pass
+        # the publisher sees the same stream: a reset label is re-applied
+        await reconciler_node.apatch_labels({"nvidia.com/gpu.count": None})
+        await asyncio.to_thread(wait_for, lambda: reconciler_node.get().labels.get("nvidia.com/gpu.count") == "2")
+        assert kube.stats.watches - watches0 == 1
+        now = _node_watches(kube_apiserver)
+        assert now.get("resource", 0) - base.get("resource", 0) == 1, (base, now)
+        assert now.get("cluster", 0) == base.get("cluster", 0), (base, now)
+    finally:
+        await agen.aclose()
+        await asyncio.to_thread(pub.close)
+    # the last subscriber gone, the watch is closed
+    await asyncio.to_thread(wait_for, lambda: _node_watches(kube_apiserver).get("resource", 0) == base.get("resource", 0))
+
+
+def test_kubectl_get_gpus_table(kube: KubeClient, node_name: str, kube_apiserver: KubeApiServer) -> None:
+    """The CRD's additionalPrinterColumns as the apiserver renders them for kubectl (Accept: Table)."""
+    install_crd(kube)
+
+    def published() -> bool:
+        try:
+            NodePublisher(kube, node_name, PublisherConfig(), net=NetFacts()).publish(
+                INV, ["nvidia.com/gpu"], health={0: True, 1: False})
+        except Exception as e:  # a freshly served CRD may answer 429 for a moment
+            if "429" in str(e):
+                return False
+            raise
+        return True
+
+    wait_for(published, 30)
+    req = urllib.request.Request(f"{kube_apiserver.url}{API_PATH}?labelSelector=nodeagent.io%2Fnode%3D{node_name}",
+                                 headers={"Accept": TABLE})
+    with urllib.request.urlopen(req, context=kube_apiserver.ssl_context(), timeout=10) as r:
+        table = json.loads(r.read())
+    assert table["kind"] == "Table"
+    cols = [c["name"] for c in table["columnDefinitions"]]
+    assert cols == ["Name", "Node", "Index", "Model", "Memory(MiB)", "State", "Allocated", "Age"]
+    rows = {r["cells"][0]: r["cells"][1:7] for r in table["rows"]}
+    assert rows == {
+        f"{node_name}-gpu0": [node_name, 0, "NVIDIA H100 80GB HBM3", 81559, "Healthy", 0],
+        f"{node_name}-gpu1": [node_name, 1, "NVIDIA H100 80GB HBM3", 81559, "Unhealthy", 0],
+    }
+    for name in rows:
+        kube.request("DELETE", f"{API_PATH}/{name}")
