@@ -26,15 +26,15 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from nodeagent.config import AgentConfig
-from nodeagent.errors import NodeAgentError
+from nodeagent.config import AgentConfig, MigSettings
+from nodeagent.errors import ConfigError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
@@ -50,6 +50,74 @@ class GpuSource(Protocol):
     """What the daemon needs from the NVML adapter."""
 
     def discover(self) -> Inventory: ...
+
+
+@dataclass(frozen=True)
+class ConfigFiles:
+    """The files the agent config names, read and validated together with it (at start and on SIGHUP).
+
+    Components use these parsed contents, never the files directly, so a broken edit of one of them is
+    refused as a whole like a broken config.toml, and the running config stays. ``digests`` maps a config
+    section to a fingerprint of its files, so SIGHUP also rebuilds a component whose file alone changed.
+    """
+
+    plugin_config: Any = None  # sharing.spec.PluginConfig; None = the built-in defaults
+    mig_configs: Any = None  # mig.spec.MigConfigFile; None = the standard configs for the node's GPUs
+    mig_hooks: Any = None  # mig.hooks.Hooks; None = no hooks
+    digests: Mapping[str, str] = field(default_factory=dict)
+
+
+def _read_named_file(path: Path, what: str, key: str) -> str | None:
+    """Text of a file the config names; None when it does not exist; ConfigError when unreadable."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"{path}: cannot read the {what} ({key}): {reason}", subject=str(path)) from e
+
+
+def read_config_files(config: AgentConfig, paths: HostPaths) -> ConfigFiles:
+    """Read and validate every file ``config`` names and will use; ConfigError names the file and the problem.
+
+    The device-plugin config is read when the device plugin is on; the MIG config and hooks files when the
+    MIG reconciler runs (``mig.enabled`` with the API). A missing file is an error, except the default
+    ``mig.config_file``, whose absence means the standard configs.
+    """
+    import hashlib
+
+    digests: dict[str, str] = {}
+    plugin_config = mig_configs = mig_hooks = None
+    dp = config.device_plugin
+    if dp.enabled and dp.config:
+        from nodeagent.sharing.spec import parse_plugin_config
+
+        path = paths(dp.config)
+        text = _read_named_file(path, "device-plugin config", "device_plugin.config")
+        if text is None:
+            raise ConfigError(f"{path}: device-plugin config (device_plugin.config) not found", subject=str(path))
+        plugin_config = parse_plugin_config(text, source=str(path))
+        digests["device_plugin"] = hashlib.sha256(text.encode()).hexdigest()
+    mig = config.mig
+    if mig.enabled and config.kube:
+        from nodeagent.mig.hooks import parse_hooks
+        from nodeagent.mig.spec import parse_config as parse_mig_config
+
+        path = paths(mig.config_file)
+        text = _read_named_file(path, "MIG config", "mig.config_file")
+        if text is None and mig.config_file != MigSettings().config_file:
+            raise ConfigError(f"{path}: MIG config file (mig.config_file) not found", subject=str(path))
+        mig_configs = parse_mig_config(text, str(path)) if text is not None else None
+        hooks_text = ""
+        if mig.hooks_file:
+            hpath = paths(mig.hooks_file)
+            read = _read_named_file(hpath, "MIG hooks file", "mig.hooks_file")
+            if read is None:
+                raise ConfigError(f"{hpath}: MIG hooks file (mig.hooks_file) not found", subject=str(hpath))
+            mig_hooks, hooks_text = parse_hooks(read, str(hpath)), read
+        digests["mig"] = hashlib.sha256(f"{text}\0{hooks_text}".encode()).hexdigest()
+    return ConfigFiles(plugin_config, mig_configs, mig_hooks, digests)
 
 
 class Context:
@@ -81,6 +149,11 @@ class Context:
     @property
     def scheduler(self) -> AsyncIOScheduler:
         return self._daemon.scheduler
+
+    @property
+    def files(self) -> ConfigFiles:
+        """The validated contents of the files the config names (device-plugin config, MIG config)."""
+        return self._daemon.files
 
     @property
     def kube(self) -> Any:
@@ -157,7 +230,11 @@ class Daemon:
         reload_config: Callable[[], AgentConfig] | None = None,
         notifier: Notifier | None = None,
         ready_fallback: float = READY_FALLBACK,
+        read_files: Callable[[AgentConfig, HostPaths], ConfigFiles] | None = None,
     ) -> None:
+        # The named files first: a broken one must stop the start before anything is opened or served.
+        self._read_files = read_files
+        self.files = read_files(config, paths) if read_files is not None else ConfigFiles()
         self.config = config
         self.paths = paths
         self._gpu_factory = gpu_factory
@@ -449,6 +526,7 @@ class Daemon:
         took = time.monotonic() - self.started_at
         log.info("ready after %.2fs", took)
         self.notifier.ready(self.status_line())
+        asyncio.get_running_loop().call_later(TRIM_AFTER_READY_S, trim_heap)
 
     # -- reload -----------------------------------------------------------------------------------------
 
@@ -460,12 +538,15 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = self._reload_config()
+            files = self._read_files(new, self.paths) if self._read_files is not None else ConfigFiles()
         except NodeAgentError as e:
             log.error("reload rejected, keeping the running config: %s", e)
             self.set_status("config", f"reload rejected: {e}")
             self.notifier.ready(self.status_line())
             return
         changed = self.config.sections_changed(new)
+        changed |= {k for k in set(files.digests) | set(self.files.digests)
+                    if files.digests.get(k) != self.files.digests.get(k)}
         self.reloads += 1
         self._status.pop("config", None)
         if not changed:
@@ -473,7 +554,7 @@ class Daemon:
             self.notifier.ready(self.status_line())
             return
         log.info("reload: changed %s", ", ".join(sorted(changed)))
-        old, self.config = self.config, new
+        old, self.config, self.files = self.config, new, files
         if changed & {"log_format", "log_level"}:
             setup_logging(new.log_format, new.log_level)
         if changed & GLOBAL_SECTIONS:
@@ -514,6 +595,23 @@ class Daemon:
         exc = task.exception()
         if exc is not None:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+
+TRIM_AFTER_READY_S = 5.0  # start-up publishing has settled by then
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the kernel (glibc ``malloc_trim``). Start-up (imports, the first
+    discovery and publish) frees about 1 MiB that glibc would otherwise keep resident for good in an idle
+    daemon. False where the C library has no ``malloc_trim``."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = True) -> int:
@@ -576,6 +674,7 @@ def build_daemon(
         specs=default_specs(lambda: holder[0]),
         reload_config=reload_config,
         notifier=notifier,
+        read_files=read_config_files,
     )
     holder.append(daemon)
     return daemon
@@ -601,12 +700,9 @@ class DevicePluginComponent(Component):
         super().__init__()
         from nodeagent.deviceplugin.service import DevicePluginService
         from nodeagent.gpu.health import HealthSettings as GpuHealthSettings
-        from nodeagent.sharing.spec import load_plugin_config
 
         cfg = ctx.config
-        self.plugin_config = (
-            load_plugin_config(ctx.host_path(cfg.device_plugin.config)) if cfg.device_plugin.config else None
-        )
+        self.plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
         health = GpuHealthSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
@@ -687,8 +783,9 @@ class MigComponent(Component):
         from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
 
         cfg = ctx.config.mig
+        files = ctx.files  # the MIG config and hooks as validated with the config (start / SIGHUP)
         config_file = ctx.host_path(cfg.config_file)
-        if not config_file.exists():
+        if files.mig_configs is None:
             log.info("mig: %s does not exist; using the standard configs for these GPUs", cfg.config_file)
         hooks = ctx.host_path(cfg.hooks_file) if cfg.hooks_file else None
         proc = ctx.paths.proc
@@ -698,9 +795,11 @@ class MigComponent(Component):
             ctx.paths.mig_state_dir,
             publisher=_DevicePluginProxy(daemon),
             options=MigReconcilerOptions(
-                config_file=config_file if config_file.exists() else None,
+                config_file=config_file if files.mig_configs is not None else None,
                 hooks_file=hooks,
                 with_reboot=cfg.with_reboot,
+                configs=files.mig_configs,
+                hooks=files.mig_hooks,
             ),
             reboot=_reboot_host,
             boot_id=lambda: read_boot_id(proc),

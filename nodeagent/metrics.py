@@ -180,6 +180,19 @@ class Metrics:
             ok = True if health is None else health.get(g.index, True)
             self.device_healthy.labels(gpu=str(g.index), UUID=g.uuid).set(1 if ok else 0)
 
+    def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
+        """One finished reconcile (e.g. ``MigReconciler(on_result=...)``: result is the state written)."""
+        self.reconciles.labels(component=component, result=result).inc()
+        self.apply_seconds.labels(component=component).observe(seconds)
+
+    def count_publish(self, result: Any) -> None:
+        """The writes of one ``NodePublisher`` pass (a ``PublishResult``), by target."""
+        for target, n in (("labels", getattr(result, "metadata_writes", 0)),
+                          ("status", getattr(result, "status_writes", 0)),
+                          ("gpu_objects", getattr(getattr(result, "gpu_objects", None), "writes", 0))):
+            if n:
+                self.publish_writes.labels(target=target).inc(n)
+
     def record_request(self, method: str, status: int | None) -> None:
         """Hook for ``KubeClient(on_request=...)``."""
         self.api_requests.labels(method=method).inc()

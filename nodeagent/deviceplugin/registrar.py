@@ -2,7 +2,8 @@
 
 ``register`` is one Register call over ``kubelet.sock``. ``KubeletWatcher`` uses watchdog (inotify on
 Linux) on the device-plugin directory and calls back on the loop whenever ``kubelet.sock`` is created
-again, which is how a kubelet restart shows itself.
+again, which is how a kubelet restart shows itself. The directory is watched at its resolved path: an
+inotify watch on a symlink would see changes of the link itself, never the sockets in its target.
 """
 
 from __future__ import annotations
@@ -82,12 +83,15 @@ class KubeletWatcher:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._dir.mkdir(parents=True, exist_ok=True)
+        # Watch what the path points at: a symlinked device-plugins directory (or a symlink anywhere
+        # above it) must still report kubelet.sock being created in the real directory.
+        watched = self._dir.resolve()
 
         def notify() -> None:
             loop.call_soon_threadsafe(self._callback)
 
         observer = Observer()
-        observer.schedule(_Handler(self._dir / KUBELET_SOCKET, notify), str(self._dir), recursive=False)
+        observer.schedule(_Handler(watched / KUBELET_SOCKET, notify), str(watched), recursive=False)
         observer.daemon = True
         observer.start()
         self._observer = observer

@@ -1,7 +1,8 @@
 """The only module that imports the kubernetes client library.
 
 ``connect`` builds an API client from a kubeconfig file or the in-cluster service account; ``KubeClient``
-wraps the typed APIs nodeagent uses and converts ``ApiException`` into ``KubeError`` at this boundary.
+wraps the typed APIs nodeagent uses (built on first use) and converts ``ApiException`` into ``KubeError``
+at this boundary.
 
 Besides the typed handles, ``KubeClient.request`` speaks plain JSON to any API path (core, CRDs, patches
 of every content type) and ``KubeClient.stream`` opens a watch stream; both count what they send in
@@ -20,11 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import urllib3
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
 
 from nodeagent.errors import KubeError
+from nodeagent.lazyimport import package_on_demand
+
+# ``kubernetes/__init__.py`` imports the dynamic client, informers, leader election, watch and the
+# websocket ``stream`` client (~35 modules, ~1 MiB resident) that nodeagent never uses. Registering the
+# package without running its __init__ loads only ``kubernetes.client`` and ``kubernetes.config`` below;
+# any other use of the package still finds everything (see nodeagent.lazyimport). Keep this before the
+# kubernetes imports.
+package_on_demand("kubernetes")
+
+from kubernetes import client as k8s  # noqa: E402
+from kubernetes import config as k8s_config  # noqa: E402
+from kubernetes.client.exceptions import ApiException  # noqa: E402
 
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"

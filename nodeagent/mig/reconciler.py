@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,10 @@ class ResourcePublisher(Protocol):
 class MigReconcilerOptions:
     config_file: Path | None = None  # mig-parted file (host path already resolved); None → generated configs
     hooks_file: Path | None = None
+    # Already parsed contents of those files (the daemon reads them at start and on SIGHUP, so an edit
+    # takes effect with a reload and a broken edit is rejected there); None = read the file at each apply.
+    configs: MigConfigFile | None = None
+    hooks: Hooks | None = None
     with_reboot: bool = False
     apply_timeout_s: float = 600.0  # upper bound for one apply (NVML + hooks)
     kube_timeout_s: float = 30.0  # upper bound for one Kubernetes call
@@ -113,6 +118,7 @@ class MigReconciler:
         boot_id: Callable[[], str] | None = None,
         proc_root: Path = Path("/proc"),
         on_inventory: Callable[[Inventory], Awaitable[None]] | None = None,
+        on_result: Callable[[str, float], None] | None = None,
     ) -> None:
         self.node = node
         self.adapter = adapter
@@ -123,6 +129,7 @@ class MigReconciler:
         self.boot_id = boot_id or (lambda: "")
         self.proc_root = proc_root
         self.on_inventory = on_inventory
+        self.on_result = on_result  # (state written, seconds taken) after each reconcile, e.g. for metrics
         self.last_key: tuple[str, str] | None = None
         self.last_state: str | None = None
         self.last_plan: Plan | None = None
@@ -162,6 +169,16 @@ class MigReconciler:
 
     async def reconcile(self, view: NodeViewLike) -> str | None:
         """Handle one version of the Node; returns the state label written (None: nothing to do)."""
+        started = time.monotonic()
+        result = await self._reconcile(view)
+        if result is not None and self.on_result is not None:
+            try:
+                self.on_result(result, time.monotonic() - started)
+            except Exception:
+                log.exception("mig: result callback failed")
+        return result
+
+    async def _reconcile(self, view: NodeViewLike) -> str | None:
         key = _key(view)
         if key is None:
             return None
@@ -235,6 +252,8 @@ class MigReconciler:
         return recovery
 
     def _load_configs(self, inventory: Inventory) -> MigConfigFile:
+        if self.options.configs is not None:
+            return self.options.configs
         path = self.options.config_file
         if path is None:
             return generate_standard(inventory)
@@ -244,6 +263,8 @@ class MigReconciler:
         return parse_config(text, str(path))
 
     def _load_hooks(self) -> Hooks | None:
+        if self.options.hooks is not None:
+            return self.options.hooks
         path = self.options.hooks_file
         if path is None:
             return None

@@ -8,28 +8,25 @@ Footprint: pyroute2 would stay resident in the daemon for good (``pyroute2/__ini
 netlink family it supports: ~160 modules, ~10 MiB) to answer a question asked once a minute. So
 ``netlink_links`` asks it in a short-lived child interpreter (``python -m nodeagent.net.nics links``, JSON
 on stdout), and ``read_nics`` reuses the answer while ``/sys/class/net`` (names, operstate) looks the same,
-for at most ``LINKS_MAX_AGE_S``. The child imports only ``pyroute2.iproute.linux`` (``_iproute_class``
-registers the ``pyroute2`` package without running its ``__init__``; any other name of the package runs
-the real ``__init__`` first, PEP 562), falling back to the normal import on other pyroute2 layouts.
+for at most ``LINKS_MAX_AGE_S``. The child imports only ``pyroute2.iproute.linux`` (see
+``nodeagent.lazyimport``), falling back to the whole package on other pyroute2 layouts.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import subprocess
 import sys
 import threading
 import time
-import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nodeagent.hostpaths import HostPaths
+from nodeagent.lazyimport import lean_import
 
 log = logging.getLogger(__name__)
 
@@ -70,55 +67,14 @@ def summarize(nics: Iterable[Nic], rdma_devices: Iterable[str]) -> NetSummary:
     )
 
 
-_import_lock = threading.Lock()
-_LEAN_MODULE = "pyroute2.iproute.linux"
-
-
-def _package_on_demand(name: str) -> types.ModuleType:
-    """Register package ``name`` without executing its ``__init__``; any attribute that is not a submodule
-    runs the real ``__init__`` in place first, so the package ends up exactly as a normal import makes it."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
-        raise ImportError(f"{name} is not an importable package")
-    loader = spec.loader
-    module = importlib.util.module_from_spec(spec)
-    complete = threading.RLock()
-
-    def __getattr__(attr: str) -> Any:
-        if attr.startswith("__") and attr != "__version__":
-            raise AttributeError(attr)
-        if importlib.util.find_spec(f"{name}.{attr}") is not None:
-            return importlib.import_module(f"{name}.{attr}")
-        with complete:
-            if module.__dict__.pop("__getattr__", None) is not None:
-                loader.exec_module(module)
-        return getattr(module, attr)
-
-    module.__getattr__ = __getattr__  # type: ignore[method-assign]
-    sys.modules[name] = module
-    return module
-
-
 def _iproute_class() -> Any:
     """pyroute2's ``IPRoute``, importing as little of pyroute2 as this release allows."""
-    with _import_lock:
-        lean = sys.modules.get(_LEAN_MODULE)
-        if lean is None and "pyroute2" not in sys.modules:
-            before = set(sys.modules)
-            try:
-                _package_on_demand("pyroute2")
-                lean = importlib.import_module(_LEAN_MODULE)
-                return lean.IPRoute
-            except (ImportError, AttributeError) as e:
-                log.debug("lean pyroute2 import failed (%s); importing the whole package", e)
-                for mod in set(sys.modules) - before:
-                    if mod == "pyroute2" or mod.startswith("pyroute2."):
-                        del sys.modules[mod]
-        if lean is not None and hasattr(lean, "IPRoute"):
-            return lean.IPRoute
-    from pyroute2 import IPRoute
+    try:
+        return lean_import("pyroute2", "iproute.linux").IPRoute
+    except (ImportError, AttributeError):
+        from pyroute2 import IPRoute
 
-    return IPRoute
+        return IPRoute
 
 
 LINKS_MAX_AGE_S = 600.0  # a cached netlink answer is re-asked at least this often

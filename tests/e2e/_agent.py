@@ -80,9 +80,8 @@ def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
     """A throw-away host root for ``--root``: the agent's state, config and containerd files stay inside it.
 
     With a kubelet harness, ``/var/lib/kubelet`` under the root is a symlink to the harness's directory, so
-    the agent finds the real device manager at its default ``/var/lib/kubelet/device-plugins`` (a real
-    directory reached through the link: the plugin's inotify watch does not follow a symlink as the last
-    component). The harness serves PodResources at ``/var/lib/kubelet/pod-resources.sock`` (set
+    the agent finds the real device manager at its default ``/var/lib/kubelet/device-plugins`` (the
+    plugin watches the resolved directory, so symlinks anywhere on that path work). The harness serves PodResources at ``/var/lib/kubelet/pod-resources.sock`` (set
     ``kubelet.pod_resources_socket`` to that host path). The root is a short path under the system temp
     directory: unix socket paths below it must stay within the kernel's 108 bytes.
     """

@@ -4,6 +4,7 @@ strict field validation), and the ClusterRole grants what the agent needs and no
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 
 from tests.e2e._agent import REPO
 from tests.peers.apiserver import KubeApiServer
+from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers
 
@@ -102,11 +104,14 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         if doc["kind"] in ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
             status, body = apply(kube_apiserver, doc, dry_run=False)
             assert status in (200, 201), body
+    # exactly the verbs the code sends (nodeagent/kube/{node,gpuobjects,runtimeclass}.py)
     allowed = [
-        ("get", "nodes", "", ""), ("watch", "nodes", "", ""), ("patch", "nodes", "", ""),
-        ("patch", "nodes", "", "status"), ("create", "events", "", ""), ("patch", "events", "", ""),
+        ("get", "nodes", "", ""), ("list", "nodes", "", ""), ("watch", "nodes", "", ""), ("patch", "nodes", "", ""),
+        ("patch", "nodes", "", "status"), ("create", "events", "", ""),
         ("get", "runtimeclasses", "node.k8s.io", ""), ("create", "runtimeclasses", "node.k8s.io", ""),
-        ("update", "runtimeclasses", "node.k8s.io", ""), ("create", "gpus", "nodeagent.io", ""),
+        ("patch", "runtimeclasses", "node.k8s.io", ""), ("delete", "runtimeclasses", "node.k8s.io", ""),
+        ("list", "gpus", "nodeagent.io", ""), ("create", "gpus", "nodeagent.io", ""),
+        ("patch", "gpus", "nodeagent.io", ""), ("delete", "gpus", "nodeagent.io", ""),
         ("patch", "gpus", "nodeagent.io", "status"),
     ]
     for verb, res, group, sub in allowed:
@@ -114,8 +119,88 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
     denied = [
         ("delete", "nodes", "", ""), ("create", "nodes", "", ""), ("update", "nodes", "", "status"),
         ("get", "secrets", "", ""), ("list", "pods", "", ""), ("create", "pods", "", ""),
-        ("delete", "events", "", ""), ("create", "customresourcedefinitions", "apiextensions.k8s.io", ""),
-        ("create", "clusterroles", "rbac.authorization.k8s.io", ""),
+        ("delete", "events", "", ""), ("patch", "events", "", ""), ("list", "events", "", ""),
+        ("update", "runtimeclasses", "node.k8s.io", ""), ("get", "gpus", "nodeagent.io", ""),
+        ("watch", "gpus", "nodeagent.io", ""), ("update", "gpus", "nodeagent.io", ""),
+        ("create", "customresourcedefinitions", "apiextensions.k8s.io", ""),
+        ("create", "clusterroles", "rbac.authorization.k8s.io", ""), ("get", "configmaps", "", ""),
     ]
     for verb, res, group, sub in denied:
         assert not can(kube_apiserver, verb, res, group, sub, "nodeagent"), (verb, res, sub)
+
+
+def service_account_kubeconfig(server: KubeApiServer, dest: Path) -> Path:
+    """A kubeconfig holding a token of the DaemonSet's service account (TokenRequest), nothing of the admin."""
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
+    status, body = server.request("POST", "/api/v1/namespaces/nodeagent/serviceaccounts/nodeagent/token", req)
+    assert status == 201, body
+    token = json.loads(body)["status"]["token"]
+    doc = yaml.safe_load(server.kubeconfig.read_text())
+    doc["users"] = [{"name": "nodeagent", "user": {"token": token}}]
+    for ctx in doc["contexts"]:
+        ctx["context"]["user"] = "nodeagent"
+    dest.write_text(yaml.safe_dump(doc))
+    return dest
+
+
+def test_the_agent_does_its_whole_job_with_the_cluster_role(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+) -> None:
+    """The other direction of least privilege: the real agent, holding only the role's token, publishes labels,
+    status and GPU objects, deletes a stale GPU object, replaces a wrong RuntimeClass, applies a MIG config and
+    records events — and never meets a refusal."""
+    from tests.e2e._agent import node_root, running_agent
+    from tests.e2e.test_run_cluster import agent_config, eventually, make_node, node_obj, set_label
+
+    for doc in documents():
+        if doc["kind"] in ("Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
+                           "ClusterRoleBinding"):
+            status, body = apply(kube_apiserver, doc, dry_run=False)
+            assert status in (200, 201), body
+    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io"
+    eventually(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in
+                           json.loads(kube_apiserver.get(crd)[1]).get("status", {}).get("conditions", [])),
+               20, "GPU CRD established")
+    node = "e2e-rbac"
+    make_node(kube_apiserver, node)
+    gpus = "/apis/nodeagent.io/v1alpha1/gpus"
+    stale = {"apiVersion": "nodeagent.io/v1alpha1", "kind": "GPU",
+             "metadata": {"name": f"{node}-stale", "labels": {"nodeagent.io/node": node}},
+             "spec": {"index": 9, "uuid": "GPU-gone", "nodeName": node}}
+    kube_apiserver.request("DELETE", f"{gpus}/{node}-stale")
+    status, body = kube_apiserver.request("POST", gpus, stale)
+    assert status == 201, body
+    rc = "/apis/node.k8s.io/v1/runtimeclasses/nvidia"
+    kube_apiserver.request("DELETE", rc)
+    status, body = kube_apiserver.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", {
+        "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "wrong"})
+    assert status == 201, body
+    kubeconfig = service_account_kubeconfig(kube_apiserver, tmp_path / "sa-kubeconfig")
+    with node_root(kubelet_harness) as root:
+        cfg = agent_config(root, kubeconfig).read_text().replace("[runtime]\nenabled = false\n", "")
+        (root / "etc/nodeagent/config.toml").write_text(cfg + "[runtime]\ncheck_interval = 0.0\n")
+        args = ["run", "--config", str(root / "etc/nodeagent/config.toml"), "--simulate", "dgx-h100",
+                "--sim-state", str(tmp_path / "sim.json"), "--node-name", node]
+        with running_agent(tmp_path, root, args) as agent:
+            agent.wait_notify("READY=1", timeout=20)
+
+            def labels() -> dict[str, str]:
+                found: dict[str, str] = node_obj(kube_apiserver, node)["metadata"].get("labels", {})
+                return found
+
+            eventually(lambda: labels().get("nvidia.com/gpu.count") == "8", 20, "gpu.count label")
+            eventually(lambda: json.loads(kube_apiserver.get(rc)[1]).get("handler") == "nvidia", 20,
+                       "RuntimeClass nvidia replaced")
+            eventually(lambda: kube_apiserver.get(f"{gpus}/{node}-stale")[0] == 404, 20, "stale GPU object deleted")
+            owned = lambda: json.loads(kube_apiserver.get(f"{gpus}?labelSelector=nodeagent.io/node={node}")[1])  # noqa: E731
+            eventually(lambda: len(owned()["items"]) == 8 and all(o.get("status") for o in owned()["items"]), 20,
+                       "8 GPU objects with status")
+            set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
+            eventually(lambda: labels().get("nvidia.com/mig.config.state") == "success", 60, "MIG state success")
+            status, body = kube_apiserver.get(f"/api/v1/namespaces/default/events?fieldSelector="
+                                              f"involvedObject.name={node}")
+            assert status == 200 and json.loads(body)["items"], body
+            log = agent.log()
+            assert "403" not in log and "forbidden" not in log.lower(), log
+            code, _ = agent.stop()
+            assert code == 0

@@ -160,3 +160,24 @@ def test_kubelet_restarts_reregister_without_leaks(tmp_path: Path, kubelet_harne
         kubelet_harness.release(alloc.pod_uid)
         code, took_stop = agent.stop()
         assert code == 0 and took_stop < 5.0
+
+
+def test_kubelet_restarts_seen_through_a_symlinked_device_plugins_dir(
+    tmp_path: Path, kubelet_harness: KubeletHarness
+) -> None:
+    """``/var/lib/kubelet/device-plugins`` itself a symlink (to the real manager's directory): every kubelet
+    restart is still noticed and the plugin registers again."""
+    with node_root() as root:
+        kubelet = root / "var/lib/kubelet"
+        kubelet.mkdir(parents=True)
+        (kubelet / "device-plugins").symlink_to(kubelet_harness.plugin_dir, target_is_directory=True)
+        with running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
+            agent.wait_notify("READY=1")
+            kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
+            for i in range(3):
+                restart_and_wait_registration(kubelet_harness, "nvidia.com/gpu")
+                assert plugin_sockets(kubelet_harness) == {"nvidia-gpu.sock"}, f"after restart {i + 1}"
+            assert agent.log().count("kubelet.sock re-created") >= 3
+            code, _ = agent.stop()
+            assert code == 0
+            assert plugin_sockets(kubelet_harness) == set()

@@ -9,11 +9,12 @@ import json
 import re
 import signal
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,11 +32,11 @@ WRITE_VERBS = {"POST", "PUT", "PATCH", "DELETE", "APPLY", "DELETECOLLECTION"}
 WATCHED = {"nodes", "events", "gpus"}  # what the agent writes (the apiserver itself renews leases meanwhile)
 
 
-def apiserver_requests(server: KubeApiServer) -> Counter[tuple[str, str, str]]:
+def apiserver_requests(server: KubeApiServer) -> defaultdict[tuple[str, str, str], float]:
     """apiserver_request_total summed by (verb, resource, scope), from the apiserver's /metrics."""
     status, body = server.get("/metrics")
     assert status == 200
-    out: Counter[tuple[str, str, str]] = Counter()
+    out: defaultdict[tuple[str, str, str], float] = defaultdict(float)
     for fam in text_string_to_metric_families(body.decode()):
         if fam.name != "apiserver_request":
             continue
@@ -116,6 +117,10 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
         eventually(lambda: len(json.loads(kube_apiserver.get(
             f"{API_PATH}?labelSelector=nodeagent.io%2Fnode%3D{node}")[1]).get("items") or []) == 4, 20, "4 GPU objects")
 
+        # no TCP listener unless configured (metrics are off in this config): nothing on 0.0.0.0 or elsewhere
+        listening = [c for c in psutil.Process(agent.pid).net_connections(kind="inet") if c.status == "LISTEN"]
+        assert listening == [], listening
+
         # one watch on the own Node (publisher and MIG reconciler share it), field-selected: scope "resource"
         time.sleep(1.5)
         watches = node_watches(kube_apiserver)
@@ -143,25 +148,25 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
 
         # a health change: XID 48 (double-bit ECC) on GPU 2 → Unhealthy at the kubelet and a Node Event
         store = SimStore.open("a30x4", sim_state)
-        uuid2 = store.machine.gpus[2].uuid if hasattr(store.machine.gpus[2], "uuid") else ""
+        uuid2 = store.machine.gpus[2].uuid
         inject_xid(store, 2, 48)
         kubelet_harness.wait("nvidia.com/gpu", healthy=3, timeout=20)
         unhealthy = eventually(lambda: [e for e in events(kube_apiserver, node) if e[0] == "GpuUnhealthy"], 20,
                                "GpuUnhealthy event")
         (_reason, type_, message), = unhealthy
-        assert type_ == "Warning" and message.startswith("GPU 2 (") and "is unhealthy" in message
-        if uuid2:
-            assert uuid2 in message
+        assert type_ == "Warning" and message.startswith(f"GPU 2 ({uuid2}, NVIDIA A30) is unhealthy"), message
         eventually(lambda: json.loads(kube_apiserver.get(f"{API_PATH}/{node}-gpu2")[1])["status"]["state"]
                    == "Unhealthy", 20, "GPU object state Unhealthy")
         code, took = agent.stop(signal.SIGTERM)
         assert code == 0 and took < 5.0, agent.log()
 
-    # over the agent's whole life: nodes read only through the own Node (never a list of the cluster's nodes)
+    # over the agent's whole life: ONE list of nodes (the watch's start, field-selected to the own Node as
+    # tests/integration/test_kube_audit.py shows on the wire) and that one watch, ended by SIGTERM
     final = apiserver_requests(kube_apiserver)
-    cluster_lists = {k: final[k] - requests0[k] for k in final
-                     if k[1] == "nodes" and k[0] in ("LIST", "WATCH") and k[2] == "cluster" and final[k] != requests0[k]}
-    assert cluster_lists == {}, cluster_lists
-    assert final[("LIST", "nodes", "resource")] - requests0[("LIST", "nodes", "resource")] >= 1
+    verbs = Counter[str]()
+    for k in final:
+        if k[1] == "nodes" and k[0] in ("LIST", "WATCH"):
+            verbs[k[0]] += int(final[k] - requests0[k])
+    assert verbs == {"LIST": 1, "WATCH": 1}, verbs
     for name in (f"{node}-gpu{i}" for i in range(4)):
         kube_apiserver.request("DELETE", f"{API_PATH}/{name}")

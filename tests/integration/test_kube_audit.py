@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -101,6 +102,14 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
     this node (the apiserver counts it under scope "resource", not "cluster")."""
     base = _node_watches(kube_apiserver)
     watches0 = kube.stats.watches
+    sent: list[tuple[str, str]] = []
+    real_call = kube.api.call_api
+
+    def spy(method: str, url: str, *args: Any, **kwargs: Any) -> Any:  # what goes on the wire, unchanged
+        sent.append((method, url))
+        return real_call(method, url, *args, **kwargs)
+
+    setattr(kube.api, "call_api", spy)  # noqa: B010
     pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
     pub.publish(INV, ["nvidia.com/gpu"])
     await asyncio.to_thread(pub.start_watch, watch_timeout_s=60)
@@ -120,8 +129,19 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
         assert now.get("resource", 0) - base.get("resource", 0) == 1, (base, now)
         assert now.get("cluster", 0) == base.get("cluster", 0), (base, now)
     finally:
-        await agen.aclose()
+        setattr(kube.api, "call_api", real_call)  # noqa: B010
+        await agen.aclose()  # type: ignore[attr-defined]
         await asyncio.to_thread(pub.close)
+    # every request about nodes names this node: by path, or by the metadata.name field selector
+    node_calls = [(m, u) for m, u in sent if "/api/v1/nodes" in u]
+    lists = [u for m, u in node_calls if m == "GET" and urllib.parse.urlsplit(u).path == "/api/v1/nodes"]
+    assert len(lists) == 2, node_calls  # the watch's initial list (of one node) and the watch itself
+    for u in lists:
+        q = urllib.parse.parse_qs(urllib.parse.urlsplit(u).query)
+        assert q["fieldSelector"] == [f"metadata.name={node_name}"], u
+    assert sum("watch=true" in u for u in lists) == 1
+    assert all(urllib.parse.urlsplit(u).path.startswith(f"/api/v1/nodes/{node_name}") for m, u in node_calls
+               if u not in lists)
     # the last subscriber gone, the watch is closed
     await asyncio.to_thread(wait_for, lambda: _node_watches(kube_apiserver).get("resource", 0) == base.get("resource", 0))
 

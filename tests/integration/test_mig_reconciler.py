@@ -324,10 +324,12 @@ async def test_bad_label_values_end_failed_with_an_event_naming_the_value(
     log = StateLog(node)
     try:
         node.patch_labels({CONFIG_LABEL: value})
-        rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+        results: list[tuple[str, float]] = []
+        rec = MigReconciler(node, adapter, tmp_path, publisher=pub, on_result=lambda r, t: results.append((r, t)))
         assert await run_until_terminal(rec, node) == "failed"
     finally:
         log.stop()
+    assert [r for r, _ in results] == ["failed"] and 0 < results[0][1] < 20  # what the metrics observe
     assert log.values[-1] == "failed" and "success" not in log.values
     assert {g.index: [(d.uuid, d.profile) for d in g.mig_devices] for g in adapter.discover().gpus} == before
     assert pub.calls == []
@@ -350,3 +352,42 @@ async def test_absent_label_is_no_request(node: NodeClient, tmp_path: Path) -> N
     uid = node.get().uid
     assert STATE_LABEL not in node.get().labels
     assert [e for e in node.list_events() if e["involvedObject"]["uid"] == uid] == []
+
+
+async def test_touched_gpus_withdrawn_at_kubelet_untouched_keep_serving(
+    node: NodeClient, tmp_path: Path, kubelet_harness: KubeletHarness
+) -> None:
+    """pending → success on half the GPUs: the kubelet sees exactly the touched GPUs' devices withdrawn while the
+    plugin stays registered (no re-registration, the untouched four never leave), then the new MIG resources."""
+    from nodeagent.deviceplugin.service import DevicePluginService
+    from nodeagent.sharing.spec import parse_plugin_config
+
+    adapter, _ = sim("dgx-h100")
+    inv = adapter.discover()
+    untouched = {g.uuid for g in inv.gpus if g.index >= 4}
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("version: v1\nmig-configs:\n  half:\n    - devices: [0, 1, 2, 3]\n      mig-enabled: true\n"
+                   "      mig-devices: {3g.40gb: 2}\n")
+    plugin_cfg = parse_plugin_config("version: v1\nflags:\n  migStrategy: mixed\n", source="plugin.yaml")
+    svc = DevicePluginService(plugin_dir=kubelet_harness.plugin_dir, plugin_config=plugin_cfg)
+    await svc.start(inv)
+    log = StateLog(node)
+    try:
+        await asyncio.to_thread(kubelet_harness.wait, "nvidia.com/gpu", total=8, registered=True)
+        seq = max(u.seq for u in kubelet_harness.updates())
+        node.patch_labels({CONFIG_LABEL: "half"})
+        rec = MigReconciler(node, adapter, tmp_path / "state", publisher=svc,
+                            options=MigReconcilerOptions(config_file=cfg))
+        assert await run_until_terminal(rec, node) == "success"
+        _, mig = await asyncio.to_thread(kubelet_harness.wait, "nvidia.com/mig-3g.40gb", total=8, healthy=8)
+        _, gpu = await asyncio.to_thread(kubelet_harness.wait, "nvidia.com/gpu", total=4, registered=True)
+    finally:
+        log.stop()
+        await svc.stop()
+    assert log.values == ["pending", "success"]
+    assert {d.id for d in gpu.devices} == untouched
+    seen = [u.resource for u in kubelet_harness.updates("nvidia.com/gpu", since=seq)]
+    assert seen and all(r.registered for r in seen)  # withdrawn, not unregistered: the plugin kept serving
+    assert all(untouched <= {d.id for d in r.devices} for r in seen)  # the untouched GPUs never left
+    assert {d.id for d in seen[0].devices} == untouched  # the first change is the withdrawal of GPUs 0-3
+    assert len(mig.devices) == 8

@@ -35,7 +35,16 @@ def _families(m: Metrics) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def test_default_address_is_loopback() -> None:
+    import inspect
+
     assert DEFAULT_ADDRESS == "127.0.0.1:9400"
+    assert inspect.signature(Metrics.serve).parameters["address"].default == DEFAULT_ADDRESS
+    # what ``serve`` binds is the loopback interface only, never the wildcard address
+    server = Metrics("n").serve("127.0.0.1:0")
+    try:
+        assert server._server.server_address[0] == "127.0.0.1"
+    finally:
+        server.stop()
 
 
 def test_sample_conversion_from_object_and_mapping() -> None:
@@ -119,3 +128,20 @@ def test_readings_from_the_nvml_adapter_on_the_simulator() -> None:
     used = {lab["gpu"]: v for lab, v in fams["DCGM_FI_DEV_FB_USED"]}
     assert all(total[k] + used[k] == 40960 for k in total)
     assert {lab["modelName"] for lab, _ in fams["DCGM_FI_DEV_GPU_TEMP"]} == {"NVIDIA A100-SXM4-40GB"}
+
+
+def test_reconcile_and_publish_observers() -> None:
+    from nodeagent.kube.gpuobjects import SyncResult
+    from nodeagent.kube.publisher import PublishResult
+
+    m = Metrics("n")
+    m.observe_reconcile("mig", "success", 0.2)
+    m.observe_reconcile("mig", "failed", 0.01)
+    m.count_publish(PublishResult(metadata_writes=1, status_writes=1, gpu_objects=SyncResult(created=["a"])))
+    m.count_publish(PublishResult())
+    fams = _families(m)
+    rec = {(lab["component"], lab["result"]): v for lab, v in fams["nodeagent_reconciles"] if "result" in lab}
+    assert rec == {("mig", "success"): 1.0, ("mig", "failed"): 1.0}
+    assert any(lab.get("le") == "+Inf" and v == 2.0 for lab, v in fams["nodeagent_apply_duration_seconds"])
+    writes = {lab["target"]: v for lab, v in fams["nodeagent_publish_writes"] if "target" in lab}
+    assert writes == {"labels": 1.0, "status": 1.0, "gpu_objects": 2.0}

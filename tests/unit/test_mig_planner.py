@@ -203,3 +203,108 @@ def test_worst_mixed_layout_on_8_gpus_is_fast() -> None:
                            + [(s.profile, s.start) for s in g.create])
         assert len(g.keep) == 3  # three 1g.5gb stay
     assert elapsed < 5  # sanity bound only; figures are in tests/bench/bench_mig.py
+
+
+NON_FIT: list[tuple[str, dict[str, int], str]] = [
+    ("A100-80GB", {"4g.40gb": 1, "3g.40gb": 1, "1g.10gb": 1},
+     "1 x 4g.40gb (4 each) + 1 x 3g.40gb (4 each) + 1 x 1g.10gb (1 each) need 9 memory slices but NVIDIA "
+     "A100-80GB has 8"),
+    ("A100-80GB", {"1g.20gb": 4, "1g.10gb": 1},
+     "4 x 1g.20gb (2 each) + 1 x 1g.10gb (1 each) need 9 memory slices but NVIDIA A100-80GB has 8"),
+    ("A100-80GB", {"2g.20gb": 3, "1g.10gb": 2}, "3 x 2g.20gb + 2 x 1g.10gb need 8 compute slices but NVIDIA "
+     "A100-80GB has 7"),
+    ("A100-80GB", {"1g.10gb+me": 1, "1g.10gb": 7}, "1 x 1g.10gb+me + 7 x 1g.10gb need 8 compute slices but "
+     "NVIDIA A100-80GB has 7"),
+    ("H100-80GB", {"3g.40gb": 2, "1g.20gb": 1},
+     "2 x 3g.40gb (4 each) + 1 x 1g.20gb (2 each) need 10 memory slices but NVIDIA H100-80GB has 8"),
+    ("H100-80GB", {"7g.80gb": 1, "1g.10gb": 1},
+     "1 x 7g.80gb (8 each) + 1 x 1g.10gb (1 each) need 9 memory slices but NVIDIA H100-80GB has 8"),
+    ("H100-80GB", {"2g.20gb": 2, "1g.10gb": 4}, "2 x 2g.20gb + 4 x 1g.10gb need 8 compute slices but NVIDIA "
+     "H100-80GB has 7"),
+    ("H100-80GB", {"1g.10gb+me": 2}, "2 x 1g.10gb+me asked but NVIDIA H100-80GB holds at most 1 of them"),
+    ("H200-141GB", {"3g.71gb": 1, "4g.71gb": 1, "1g.18gb": 1},
+     "1 x 3g.71gb (4 each) + 1 x 4g.71gb (4 each) + 1 x 1g.18gb (1 each) need 9 memory slices but NVIDIA "
+     "H200-141GB has 8"),
+    ("H200-141GB", {"1g.35gb": 4, "1g.18gb": 1},
+     "4 x 1g.35gb (2 each) + 1 x 1g.18gb (1 each) need 9 memory slices but NVIDIA H200-141GB has 8"),
+    ("H200-141GB", {"2g.35gb": 3, "1g.18gb": 2}, "3 x 2g.35gb + 2 x 1g.18gb need 8 compute slices but NVIDIA "
+     "H200-141GB has 7"),
+    ("H200-141GB", {"1g.18gb": 8}, "8 x 1g.18gb asked but NVIDIA H200-141GB holds at most 7 of them"),
+    ("A30-24GB", {"2g.12gb": 2, "1g.6gb": 1},
+     "2 x 2g.12gb (2 each) + 1 x 1g.6gb (1 each) need 5 memory slices but NVIDIA A30-24GB has 4"),
+    ("A30-24GB", {"4g.24gb": 1, "1g.6gb": 1},
+     "1 x 4g.24gb (4 each) + 1 x 1g.6gb (1 each) need 5 memory slices but NVIDIA A30-24GB has 4"),
+    ("A30-24GB", {"2g.12gb+me": 1, "1g.6gb+me": 1},
+     "1 x 2g.12gb+me + 1 x 1g.6gb+me asked but a GPU holds one media-extension (+me) instance at most"),
+    ("A30-24GB", {"1g.6gb": 5}, "5 x 1g.6gb asked but NVIDIA A30-24GB holds at most 4 of them"),
+]
+
+
+@pytest.mark.parametrize(("key", "counts", "reason"), NON_FIT, ids=[f"{k}-{'+'.join(c)}" for k, c, _ in NON_FIT])
+def test_non_fitting_mixed_layouts_give_the_reason(key: str, counts: dict[str, int], reason: str) -> None:
+    """On an empty GPU and on one whose current instances could partly stay: the same one-sentence reason."""
+    with pytest.raises(NoFit) as e:
+        find_layout(make_gpu(key), counts)
+    assert e.value.reason == reason
+    busy = make_gpu(key, layout=((next(p.name for p in PRODUCTS[key].profiles if p.placement_size == 1), 0),))
+    with pytest.raises(NoFit) as e2:
+        find_layout(busy, counts, busy.mig_devices)
+    assert e2.value.reason == reason
+
+
+FIT: dict[str, list[dict[str, int]]] = {
+    "A100-40GB": [{"3g.20gb": 1, "2g.10gb": 1, "1g.10gb": 1}, {"4g.20gb": 1, "1g.5gb+me": 1, "1g.5gb": 2},
+                  {"1g.10gb": 3, "1g.5gb": 1}],
+    "A100-80GB": [{"3g.40gb": 1, "1g.20gb": 2}, {"2g.20gb": 2, "1g.10gb+me": 1, "1g.10gb": 2}],
+    "H100-80GB": [{"4g.40gb": 1, "1g.20gb": 1, "1g.10gb": 1}, {"3g.40gb": 2}],
+    "H200-141GB": [{"4g.71gb": 1, "2g.35gb": 1, "1g.18gb+me": 1}, {"1g.35gb": 2, "1g.18gb": 3}],
+    "A30-24GB": [{"2g.12gb+me": 1, "1g.6gb": 2}, {"2g.12gb": 1, "1g.6gb+me": 1, "1g.6gb": 1}],
+}
+
+
+@pytest.mark.parametrize("key", sorted(FIT))
+def test_fitting_mixed_layouts_on_every_table(key: str) -> None:
+    for counts in FIT[key]:
+        gpu = make_gpu(key)
+        lay = find_layout(gpu, counts)
+        slots = [(s.profile, s.start) for s in lay.create]
+        assert occupied_ok(gpu, slots), (key, counts, slots)
+        assert sorted(p for p, _ in slots) == sorted(p for p, n in counts.items() for _ in range(n))
+
+
+def test_mixed_node_plan_touches_only_gpus_that_differ_and_non_fit_names_entry_and_gpu() -> None:
+    """One node with every documented table: GPUs already in their target layout get no step at all."""
+    g0 = make_gpu("A100-40GB", 0, (("3g.20gb", 0), ("3g.20gb", 4)))  # already as wanted
+    g1 = make_gpu("A100-80GB", 1)  # MIG off: must be enabled and filled
+    g2 = make_gpu("H100-80GB", 2, (("3g.40gb", 0), ("3g.40gb", 4)))  # already as wanted
+    g3 = make_gpu("H200-141GB", 3, (("7g.141gb", 0),))  # must be reshaped
+    g4 = make_gpu("A30-24GB", 4, (("2g.12gb", 0), ("2g.12gb", 2)))  # already as wanted
+    inv = Inventory("550.54.15", 12040, (g0, g1, g2, g3, g4))
+    text = """version: v1
+mig-configs:
+  halves:
+    - {devices: [0], mig-enabled: true, mig-devices: {3g.20gb: 2}}
+    - {devices: [1, 2], mig-enabled: true, mig-devices: {3g.40gb: 2}}
+    - {devices: [3], mig-enabled: true, mig-devices: {3g.71gb: 2}}
+    - {devices: [4], mig-enabled: true, mig-devices: {2g.12gb: 2}}
+  too-much:
+    - {devices: [0, 1, 2, 4], mig-enabled: false}
+    - {devices: [3], mig-enabled: true, mig-devices: {3g.71gb: 2, 1g.18gb: 1}}
+"""
+    cfg = parse_config(text, "node.yaml")
+    name, entries = cfg.select("halves")
+    pl = plan(inv, resolve(name, entries, inv, cfg.source))
+    assert [g.index for g in pl.touched] == [1, 3]
+    for g in pl.gpus:
+        if g.index in (0, 2, 4):
+            assert not g.changes and g.destroy == () and g.create == () and g.mode is None
+            assert g.keep == inv.gpu(g.index).mig_devices
+    assert pl.gpus[1].mode is True and [(s.profile, s.start) for s in pl.gpus[1].create] == [("3g.40gb", 0),
+                                                                                             ("3g.40gb", 4)]
+    assert [(d.profile, d.placement_start) for d in pl.gpus[3].destroy] == [("7g.141gb", 0)]
+    assert pl.gpus[3].mode is None
+    name, entries = cfg.select("too-much")
+    with pytest.raises(ConfigError) as e:
+        plan(inv, resolve(name, entries, inv, cfg.source))
+    assert str(e.value) == ("node.yaml: config too-much entry 1: GPU 3: 2 x 3g.71gb (4 each) + 1 x 1g.18gb (1 each) "
+                            "need 9 memory slices but NVIDIA H200-141GB has 8")

@@ -321,3 +321,120 @@ def test_fuzz_entries_resolve_and_plan(entries: list[dict[str, Any]]) -> None:
             for name in [d.profile for d in g.keep] + [s.profile for s in g.create]:
                 got[name] = got.get(name, 0) + 1
             assert got == want
+
+
+# ---- fuzzing every rule: valid documents are accepted and round-trip; one broken rule is named exactly ----
+
+PROFILES_A100 = ["1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "3c.3g.20gb", "4g.20gb", "7g.40gb"]
+config_names = st.from_regex(r"[a-z][a-z0-9.-]{0,14}", fullmatch=True)
+
+
+@st.composite
+def valid_entry(draw: st.DrawFn) -> dict[str, Any]:
+    enabled = draw(st.booleans())
+    e: dict[str, Any] = {
+        "devices": draw(st.one_of(st.just("all"), st.lists(st.integers(0, 15), min_size=1, max_size=4, unique=True))),
+        "mig-enabled": enabled,
+    }
+    if draw(st.booleans()):
+        ids = st.integers(0, 2**32 - 1).map(lambda n: f"0x{n:08X}" if n % 2 else f"0x{n:08x}")
+        e["device-filter"] = draw(st.one_of(ids, st.lists(ids, min_size=1, max_size=3)))
+    if enabled and draw(st.booleans()):
+        names = draw(st.lists(st.sampled_from([p for p in PROFILES_A100 if p != "3c.3g.20gb"]), max_size=3,
+                              unique=True))
+        counts = [draw(st.integers(0, 7)) for _ in names]
+        if names and not any(counts):
+            counts[0] = 1
+        e["mig-devices"] = dict(zip(names, counts, strict=True))
+    elif not enabled and draw(st.booleans()):
+        e["mig-devices"] = {}
+    return e
+
+
+# rule → (mutation of a valid entry, the message fragment it must produce)
+def _set(key: str, value: Any) -> Any:
+    return lambda e: {**e, key: value}
+
+
+def _drop(key: str) -> Any:
+    return lambda e: {k: v for k, v in e.items() if k != key}
+
+
+MUTATIONS: list[tuple[str, Any, str]] = [
+    ("no devices", _drop("devices"), "missing required key 'devices'"),
+    ("no mig-enabled", _drop("mig-enabled"), "missing required key 'mig-enabled'"),
+    ("unknown key", _set("migDevices", {}), "unknown key 'migDevices'"),
+    ("devices word", _set("devices", "none"), "'devices' must be \"all\" or a non-empty list"),
+    ("devices empty", _set("devices", []), "'devices' must be \"all\" or a non-empty list"),
+    ("devices negative", _set("devices", [0, -2]), "device index -2 is not a non-negative integer"),
+    ("devices text", _set("devices", ["0"]), "device index '0' is not a non-negative integer"),
+    ("devices twice", _set("devices", [3, 3]), "device index 3 listed twice"),
+    ("enabled text", _set("mig-enabled", "true"), "'mig-enabled' must be true or false"),
+    ("enabled int", _set("mig-enabled", 1), "'mig-enabled' must be true or false"),
+    ("filter short", _set("device-filter", "0x20B0"), "device-filter value '0x20B0' is not a PCI device id"),
+    ("filter int", _set("device-filter", [0x20B010DE]), "is not a PCI device id"),
+    ("filter empty", _set("device-filter", []), "'device-filter' must be a PCI id string or a non-empty list"),
+    ("devices while off", lambda e: {**e, "mig-enabled": False, "mig-devices": {"1g.5gb": 1}},
+     "'mig-devices' listed with mig-enabled: false"),
+    ("count negative", lambda e: {**e, "mig-enabled": True, "mig-devices": {"2g.10gb": -1}},
+     "count for '2g.10gb' must be an integer ≥ 0"),
+    ("count text", lambda e: {**e, "mig-enabled": True, "mig-devices": {"2g.10gb": "1"}},
+     "count for '2g.10gb' must be an integer ≥ 0"),
+    ("all zero", lambda e: {**e, "mig-enabled": True, "mig-devices": {"1g.5gb": 0, "7g.40gb": 0}},
+     "every count in 'mig-devices' is 0"),
+    ("bad profile", lambda e: {**e, "mig-enabled": True, "mig-devices": {"1g5gb": 1}}, "expected a name like"),
+    ("sub-profile", lambda e: {**e, "mig-enabled": True, "mig-devices": {"1c.2g.10gb": 1}},
+     "compute-instance sub-profiles are not supported"),
+    ("profile twice", lambda e: {**e, "mig-enabled": True, "mig-devices": {"3g.20gb": 1, "3c.3g.20gb": 1}},
+     "MIG profile '3g.20gb' listed twice"),
+    ("not a mapping", lambda e: ["devices", "all"], "must be a mapping with 'devices' and 'mig-enabled'"),
+]
+
+
+@settings(max_examples=120, deadline=None)
+@given(configs=st.dictionaries(config_names, st.lists(valid_entry(), min_size=1, max_size=3), min_size=1, max_size=3))
+def test_fuzz_valid_documents_accepted_and_round_trip(configs: dict[str, list[dict[str, Any]]]) -> None:
+    doc = {"version": "v1", "mig-configs": configs}
+    cfg = parse_config(yaml.safe_dump(doc, sort_keys=False), "f.yaml")  # through YAML, as a file is read
+    assert cfg.names == tuple(configs)
+    for name, entries in configs.items():
+        for raw, entry in zip(entries, cfg.configs[name], strict=True):
+            assert entry.devices == (raw["devices"] if raw["devices"] == "all" else tuple(raw["devices"]))
+            assert entry.mig_enabled is raw["mig-enabled"]
+            assert entry.counts == {normalize_profile(p): n for p, n in (raw.get("mig-devices") or {}).items() if n}
+            if "device-filter" in raw:
+                f = raw["device-filter"]
+                assert entry.device_filter == tuple(int(x, 16) for x in ([f] if isinstance(f, str) else f))
+    assert parse_config(dump(cfg), "again.yaml").configs == cfg.configs
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=config_names, entries=st.lists(valid_entry(), min_size=1, max_size=4), data=st.data())
+def test_fuzz_each_broken_rule_is_named_with_config_and_entry(
+    name: str, entries: list[dict[str, Any]], data: st.DataObject
+) -> None:
+    pos = data.draw(st.integers(0, len(entries) - 1), label="position")
+    rule, mutate, fragment = data.draw(st.sampled_from(MUTATIONS), label="rule")
+    broken = list(entries)
+    broken[pos] = mutate(entries[pos])
+    doc = {"version": "v1", "mig-configs": {name: broken}}
+    with pytest.raises(ConfigError) as e:
+        load_config(doc, "f.yaml")
+    msg = str(e.value)
+    assert msg.startswith(f"f.yaml: config {name} entry {pos}: "), (rule, msg)
+    assert fragment in msg, (rule, msg)
+    assert "\n" not in msg
+
+
+@settings(max_examples=60, deadline=None)
+@given(entries=st.lists(valid_entry(), min_size=1, max_size=2),
+       top=st.sampled_from([
+           ({"version": "v2"}, "unsupported version 'v2' (only v1)"),
+           ({"version": 1}, "unsupported version 1 (only v1)"),
+           ({"extra": True}, "unknown top-level key 'extra'"),
+       ]))
+def test_fuzz_top_level_rules(entries: list[dict[str, Any]], top: tuple[dict[str, Any], str]) -> None:
+    change, fragment = top
+    doc = {"version": "v1", "mig-configs": {"c": entries}, **change}
+    with pytest.raises(ConfigError, match="^f.yaml: " + _re(fragment)):
+        load_config(doc, "f.yaml")
