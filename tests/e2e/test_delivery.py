@@ -50,6 +50,8 @@ def test_unit_contract() -> None:
                  "After=network-online.target containerd.service", "ReadWritePaths=/etc/containerd",
                  "/var/lib/kubelet", "DeviceAllow=char-nvidia-frontend rw"):
         assert line in text, line
+    after = next(ln for ln in text.splitlines() if ln.startswith("After=")).split("=", 1)[1].split()
+    assert {"containerd.service", "kubelet.service", "nodeagent-bootstrap.service"} <= set(after)
     boot = (REPO / "systemd/nodeagent-bootstrap.service").read_text()
     for line in ("Type=oneshot", "Before=kubelet.service", "SuccessExitStatus=3"):
         assert line in boot, line
@@ -105,12 +107,15 @@ def test_deb_installs_runs_and_purges(tmp_path: Path, deb: Path) -> None:
     cmd = (f"mount --make-rprivate / && mount -t tmpfs none /opt && mkdir /opt/nodeagent && "
            f"mount --bind {root}/opt/nodeagent /opt/nodeagent && "
            f"{root}/usr/bin/nodeagent --version && "
-           f"{root}/usr/bin/nodeagent discover --simulate dgx-h100 --json")
+           f"{root}/usr/bin/nodeagent discover --simulate dgx-h100 --json && "
+           # the container image's entrypoint execs the same /opt/nodeagent environment
+           f"sh {REPO}/packaging/kubernetes/entrypoint.sh --version")
     run = subprocess.run(["unshare", "--mount", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.startswith("nodeagent, version ")
     assert run.stdout.count("GPU-") >= 8 and "H100" in run.stdout
+    assert run.stdout.count("nodeagent, version ") == 2, run.stdout
     # a local edit of the conffile survives a reinstall
     (root / "etc/nodeagent/config.toml").write_text('node_name = "edited"\n')
     proc = dpkg(root, "--force-confold", "-i", str(deb))

@@ -204,3 +204,26 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
             assert "403" not in log and "forbidden" not in log.lower(), log
             code, _ = agent.stop()
             assert code == 0
+
+
+def test_image_recipe_matches_the_daemonset() -> None:
+    """No container engine runs here, so the recipe is checked for what can break silently: every COPY source
+    exists, the entrypoint is where ENTRYPOINT points and is valid shell, and each container's args are a
+    command line the agent accepts (the installed entrypoint itself runs in test_delivery's .deb test)."""
+    import subprocess
+    import sys
+
+    recipe = (MANIFESTS / "Containerfile").read_text()
+    copies = [ln.split()[1:] for ln in recipe.splitlines() if ln.startswith("COPY ") and "--from" not in ln]
+    for src, _dest in copies:
+        assert (REPO / src).exists(), src
+    entry = json.loads(next(ln for ln in recipe.splitlines() if ln.startswith("ENTRYPOINT "))[len("ENTRYPOINT "):])
+    assert ["packaging/kubernetes/entrypoint.sh", entry[0]] in copies
+    assert subprocess.run(["sh", "-n", str(MANIFESTS / "entrypoint.sh")], timeout=10).returncode == 0
+    ds = next(d for d in documents() if d["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        assert "command" not in container  # the image's entrypoint must stay in front
+        proc = subprocess.run([sys.executable, "-m", "nodeagent", *container["args"], "--help"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (container["name"], proc.stderr)

@@ -181,3 +181,26 @@ def test_kubelet_restarts_seen_through_a_symlinked_device_plugins_dir(
             code, _ = agent.stop()
             assert code == 0
             assert plugin_sockets(kubelet_harness) == set()
+
+
+def test_flags_override_the_config_file(tmp_path: Path) -> None:
+    """The file says one kubelet directory and JSON logs; the flags say another directory and text logs:
+    the flags win (the socket is served only in the flag's directory, log lines are text)."""
+    with node_root() as root:
+        config = root / "etc/nodeagent/config.toml"
+        config.parent.mkdir(parents=True)
+        config.write_text('log_format = "json"\n[kubelet]\ndir = "/var/lib/kubelet-from-file"\n'
+                          "[runtime]\nenabled = false\n")
+        flag_dir = root / "var/lib/kubelet-from-flag"
+        args = ["--log-format", "text", *demo_args(tmp_path, "--kubelet-dir", str(flag_dir))]
+        with running_agent(tmp_path, root, args) as agent:
+            sock = flag_dir / "device-plugins/nvidia-gpu.sock"
+            deadline = time.monotonic() + 15
+            while not sock.is_socket():  # no kubelet here, so no READY: wait for the socket itself
+                assert time.monotonic() < deadline and agent.proc.poll() is None, agent.log()
+                time.sleep(0.05)
+            assert not (root / "var/lib/kubelet-from-file").exists()
+            code, _ = agent.stop()
+            assert code == 0
+            first = agent.log().splitlines()[0]
+            assert not first.startswith("{") and "starting nodeagent" in first, first

@@ -1,0 +1,178 @@
+"""The simulator's event wait sleeps until the state changes (inotify), instead of polling the file."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.fileio import atomic_write
+from nodeagent.gpu import open_nvml
+from nodeagent.gpu.sim import SimStore, inject, load_machine
+from nodeagent.gpu.sim import state as sim_state
+from nodeagent.gpu.sim.watch import IN_CLOSE_WRITE, IN_MOVED_TO, IN_Q_OVERFLOW, FileWatch, names_changed
+from nodeagent.hostpaths import HostPaths
+
+
+def _later(delay: float, fn: object) -> threading.Thread:
+    def run() -> None:
+        time.sleep(delay)
+        fn()  # type: ignore[operator]
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _record(name: bytes, mask: int) -> bytes:
+    padded = name + b"\0" * (16 - len(name) % 16) if name else b""
+    return struct.pack("iIII", 1, mask, 0, len(padded)) + padded
+
+
+def test_names_changed_parses_records() -> None:
+    buf = _record(b"other.json", IN_CLOSE_WRITE) + _record(b"state.json", IN_MOVED_TO)
+    assert names_changed(buf, b"state.json")
+    assert not names_changed(_record(b"other.json", IN_CLOSE_WRITE), b"state.json")
+    assert names_changed(_record(b"", IN_Q_OVERFLOW), b"state.json")  # overflow: assume a change
+    assert not names_changed(b"", b"state.json")
+
+
+def test_file_watch_wakes_on_atomic_replace_only_for_its_file(tmp_path: Path) -> None:
+    target = tmp_path / "state.json"
+    target.write_text("{}")
+    with FileWatch(target) as watch:
+        assert watch.wait(0.05) is False  # quiet: times out
+        (tmp_path / "neighbour.log").write_text("noise")  # another file in the same directory
+        assert watch.wait(0.05) is False
+        _later(0.1, lambda: atomic_write(target, '{"a": 1}', backup=False))
+        t0 = time.monotonic()
+        assert watch.wait(5.0) is True
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_file_watch_sees_in_place_writes_and_deletion(tmp_path: Path) -> None:
+    target = tmp_path / "state.json"
+    target.write_text("{}")
+    with FileWatch(target) as watch:
+        target.write_text("{ }")
+        assert watch.wait(1.0) is True
+        target.unlink()
+        assert watch.wait(1.0) is True
+
+
+def test_memory_store_wait_wakes_on_transaction() -> None:
+    store = SimStore(load_machine("t4x1"))
+    seen = store.change_marker()
+    assert store.wait_change(seen, 0.05) == seen  # quiet timeout
+
+    def change() -> None:
+        with store.transaction() as st:
+            st["serial"] += 1
+
+    _later(0.1, change)
+    t0 = time.monotonic()
+    assert store.wait_change(seen, 5.0) != seen
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_file_store_wakes_on_another_writer(tmp_path: Path) -> None:
+    path = tmp_path / "sim.json"
+    reader = SimStore(load_machine("dgx-h100"), path)
+    writer = SimStore(load_machine("dgx-h100"), path)  # another "process": only the file connects them
+    seen = reader.change_marker()
+    _later(0.1, lambda: inject.inject_xid(writer, 3, 79))
+    t0 = time.monotonic()
+    assert reader.wait_change(seen, 5.0) != seen
+    assert time.monotonic() - t0 < 1.0
+    assert reader.read()["events"][-1]["gpu"] == 3
+
+
+def test_several_waiters_share_one_watch(tmp_path: Path) -> None:
+    path = tmp_path / "sim.json"
+    reader = SimStore(load_machine("dgx-h100"), path)
+    writer = SimStore(load_machine("dgx-h100"), path)
+    seen = reader.change_marker()
+    woke: list[float] = []
+
+    def wait() -> None:
+        if reader.wait_change(seen, 5.0) != seen:
+            woke.append(time.monotonic())
+
+    threads = [threading.Thread(target=wait) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    inject.inject_xid(writer, 0, 48)
+    for t in threads:
+        t.join(5)
+    assert len(woke) == 3
+    assert max(woke) - t0 < 1.0
+
+
+def test_without_inotify_the_store_falls_back_to_polling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_inotify(path: Path) -> FileWatch:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(sim_state, "FileWatch", no_inotify)
+    nvml = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(tmp_path))
+    writer = SimStore(load_machine("dgx-h100"), tmp_path / "sim.json")
+    assert nvml.wait_events(0) == []
+    _later(0.1, lambda: inject.inject_xid(writer, 2, 79))
+    t0 = time.monotonic()
+    events = nvml.wait_events(3000)
+    assert [(e.gpu_index, e.xid) for e in events] == [(2, 79)]
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_xid_from_another_process_ends_the_wait_at_once(tmp_path: Path) -> None:
+    """``nodeagent sim inject xid`` in a separate process; the waiting adapter wakes by inotify."""
+    state = tmp_path / "sim.json"
+    nvml = open_nvml("dgx-h100", state, HostPaths(tmp_path))
+    assert nvml.wait_events(0) == []  # the event set exists before the fault, as in the daemon
+    got: list[tuple[float, list[tuple[int | None, int | None]]]] = []
+
+    def wait() -> None:
+        events = nvml.wait_events(20_000)
+        got.append((time.monotonic(), [(e.gpu_index, e.xid) for e in events]))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "sim", "inject", "xid", "--sim-state", str(state), "--gpu", "5",
+         "--code", "79"],
+        capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, check=False,
+    )
+    written = time.monotonic()
+    assert proc.returncode == 0, proc.stderr.decode()
+    waiter.join(20)
+    assert got, "wait_events did not return"
+    returned, events = got[0]
+    assert events == [(5, 79)]
+    assert returned - written < 1.0  # woke on the change, long before the 20 s timeout
+
+
+def test_idle_wait_does_not_poll(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quiet wait looks at the state when it starts and when it times out, nothing in between."""
+    nvml = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(tmp_path))
+    nvml.wait_events(0)
+    store = nvml.nvml.store
+    reads = 0
+    real_read = store.read
+
+    def counting_read() -> Any:
+        nonlocal reads
+        reads += 1
+        return real_read()
+
+    monkeypatch.setattr(store, "read", counting_read)
+    assert nvml.wait_events(600) == []
+    assert reads <= 3  # polling every 50 ms would have looked a dozen times
