@@ -2,6 +2,7 @@
 
     discover → MIG config (optional) → containerd runtime (+ leak guard) → restart containerd if changed
              → RuntimeClass and node labels (only when the API answers)
+             → a Node Event when the runtime step changed or failed (API answers, Node registered)
 
 Each step returns a ``StepResult`` (changed / unchanged / skipped / failed, with a reason). Steps are
 idempotent, so a second run reports no changes. A failed step stops the steps that depend on it
@@ -64,6 +65,7 @@ class StepReport:
 @dataclass(frozen=True)
 class Report:
     steps: tuple[StepReport, ...]
+    events: tuple[str, ...] = ()  # reasons of the Node Events recorded (e.g. RuntimeConfigured)
 
     @property
     def changed(self) -> bool:
@@ -81,7 +83,11 @@ class Report:
         return 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"changed": self.changed, "exit_code": self.exit_code, "steps": [s.to_dict() for s in self.steps]}
+        d: dict[str, Any] = {"changed": self.changed, "exit_code": self.exit_code,
+                             "steps": [s.to_dict() for s in self.steps]}
+        if self.events:
+            d["events"] = list(self.events)
+        return d
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,13 @@ class BootstrapParts:
     ensure_runtimeclass: Callable[[Any, AgentConfig], StepResult]
     publish_labels: Callable[[Any, AgentConfig, HostPaths, Inventory], StepResult]
     connect: Callable[[AgentConfig, HostPaths], Any]  # a KubeClient that answered, or raises
+    # (kube, config, component, message, ok) -> reason of the Event recorded on the Node, or None
+    record_event: Callable[[Any, AgentConfig, str, str, bool], str | None] | None = None
 
 
 def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: BootstrapParts) -> Report:
     reports: list[StepReport] = []
+    events: list[str] = []
 
     def step(name: str, fn: Callable[[], StepResult]) -> StepReport:
         t0 = time.monotonic()
@@ -190,11 +199,36 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
             else:
                 inv2 = inventory
                 step("labels", lambda: parts.publish_labels(kube, config, paths, inv2))
+            runtime_news = _runtime_event(reports)
+            if runtime_news is not None and parts.record_event is not None and config.publish.events:
+                reason = parts.record_event(kube, config, "runtime", *runtime_news)
+                if reason:
+                    events.append(reason)
         finally:
             close = getattr(kube, "close", None)
             if callable(close):
                 close()
-    return Report(tuple(reports))
+    return Report(tuple(reports), tuple(events))
+
+
+def _runtime_event(reports: list[StepReport]) -> tuple[str, bool] | None:
+    """(message, ok) for a Node Event about the runtime steps; None when nothing changed or failed."""
+    by_name = {r.name: r for r in reports}
+    rt, restart = by_name.get("runtime"), by_name.get("containerd-restart")
+    if rt is None or rt.outcome is Outcome.SKIPPED:
+        return None
+    if rt.outcome is Outcome.FAILED:
+        return f"containerd NVIDIA runtime wiring failed: {rt.reason}", False
+    if rt.outcome is not Outcome.CHANGED:
+        return None
+    msg = f"containerd wired for the NVIDIA runtime: {rt.reason}" if rt.reason else \
+        "containerd wired for the NVIDIA runtime"
+    if restart is not None and restart.outcome is Outcome.FAILED:
+        return f"{msg}; restarting containerd failed: {restart.reason}", False
+    if restart is not None and restart.reason:
+        msg += f"; {restart.reason}" if restart.outcome is Outcome.CHANGED else \
+            f"; containerd not restarted ({restart.reason})"
+    return msg, True
 
 
 # -- the real parts ---------------------------------------------------------------------------------------
@@ -342,6 +376,33 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
                       {"labels": dict(res.label_changes)})
 
 
+def _record_event(kube: Any, config: AgentConfig, component: str, message: str, ok: bool) -> str | None:
+    """A reconfiguration Event on the own Node (best effort: never fails the bootstrap). A Node the kubelet
+    has not registered yet gets none; the message is in the JSON report anyway."""
+    from nodeagent.errors import KubeError
+    from nodeagent.kube.events import (
+        MIG_RECONFIGURE_FAILED,
+        MIG_RECONFIGURED,
+        RUNTIME_CONFIGURE_FAILED,
+        RUNTIME_CONFIGURED,
+        EventRecorder,
+    )
+    from nodeagent.kube.node import NodeClient
+
+    node = NodeClient(kube, config.resolved_node_name())
+    try:
+        node.uid()
+    except KubeError as e:
+        if getattr(e, "status", None) != 404:
+            log.warning("no %s event on node %s: %s", component, node.name, e)
+        return None
+    if not EventRecorder(node).reconfigured(component, message, ok=ok):
+        return None
+    reasons = {"runtime": (RUNTIME_CONFIGURED, RUNTIME_CONFIGURE_FAILED), "mig": (MIG_RECONFIGURED, MIG_RECONFIGURE_FAILED)}
+    good, bad = reasons.get(component, (component, component))
+    return good if ok else bad
+
+
 def default_parts() -> BootstrapParts:
     return BootstrapParts(
         discover=_discover,
@@ -351,4 +412,5 @@ def default_parts() -> BootstrapParts:
         ensure_runtimeclass=_ensure_runtimeclass,
         publish_labels=_publish_labels,
         connect=_connect,
+        record_event=_record_event,
     )

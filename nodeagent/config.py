@@ -81,7 +81,7 @@ class PublishSettings:
 
 @dataclass(frozen=True)
 class MetricsSettings:
-    address: str = ""  # "127.0.0.1:9400"; "" = no listener at all
+    address: str = "127.0.0.1:9400"  # localhost only by default; "" = no listener at all
     interval: float = 15.0
 
     def host_port(self) -> tuple[str, int] | None:

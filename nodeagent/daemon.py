@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
@@ -39,6 +39,9 @@ from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
 from nodeagent.sdnotify import Notifier
+
+if TYPE_CHECKING:
+    from nodeagent.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -715,6 +718,19 @@ class DevicePluginComponent(Component):
         )
         self._ctx = ctx
         self._started = False
+        monitor = self.service.monitor
+        if monitor is not None:
+            # A health change reaches the kubelet through the servers (the service's own hook) and then the
+            # Node at once: GpuUnhealthy/GpuHealthy Events and GPU object state do not wait for the resync.
+            to_kubelet = monitor.on_change
+
+            async def health_changed() -> None:
+                try:
+                    await to_kubelet()
+                finally:
+                    ctx.request_resync()
+
+            monitor.on_change = health_changed
 
     async def start(self, ctx: Context) -> None:
         if ctx.inventory is not None:
@@ -780,6 +796,8 @@ class MigComponent(Component):
     def __init__(self, ctx: Context, daemon: Daemon) -> None:
         super().__init__()
         from nodeagent.kube.node import NodeClient
+        from nodeagent.kube.podnames import CHECKPOINT_NAME, PodNameLookup
+        from nodeagent.kube.podresources import PodResourcesClient
         from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
 
         cfg = ctx.config.mig
@@ -789,6 +807,10 @@ class MigComponent(Component):
             log.info("mig: %s does not exist; using the standard configs for these GPUs", cfg.config_file)
         hooks = ctx.host_path(cfg.hooks_file) if cfg.hooks_file else None
         proc = ctx.paths.proc
+        # A busy-GPU refusal names namespace/pod: the kubelet's device checkpoint maps the process's pod UID
+        # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
+        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
         self.reconciler = MigReconciler(
             NodeClient(ctx.kube, ctx.node_name),
             ctx.gpu,  # type: ignore[arg-type]
@@ -805,9 +827,17 @@ class MigComponent(Component):
             boot_id=lambda: read_boot_id(proc),
             proc_root=proc,
             on_inventory=self._after_apply,
+            on_result=self._observe,
+            pod_name=PodNameLookup(checkpoint, self.pod_resources.list),
         )
         self._ctx = ctx
+        self._daemon = daemon
         self._task: asyncio.Task[Any] | None = None
+
+    def _observe(self, result: str, seconds: float) -> None:
+        metrics = _running_metrics(self._daemon)
+        if metrics is not None:
+            metrics.observe_reconcile("mig", result, seconds)
 
     async def _after_apply(self, inventory: Inventory) -> None:
         self._ctx.request_resync()
@@ -826,6 +856,7 @@ class MigComponent(Component):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+        _close_quietly(self.pod_resources)
 
 
 def _reboot_host() -> None:
@@ -900,6 +931,9 @@ class PublisherComponent(Component):
             self._ctx.set_status(self.name, "published")
             if res.writes:
                 log.info("published to node %s: %d write(s)", self._ctx.node_name, res.writes)
+                metrics = _running_metrics(self._daemon)
+                if metrics is not None:
+                    metrics.count_publish(res)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -910,11 +944,21 @@ class PublisherComponent(Component):
         _close_quietly(self.pod_resources)
 
 
+def _running_metrics(daemon: Daemon | None) -> Metrics | None:
+    """The registry of the metrics component when it runs (None with ``metrics.address = ""`` or while a
+    reload rebuilds it: what happens meanwhile is not counted)."""
+    comp = daemon.components.get(MetricsComponent.name) if daemon is not None else None
+    return comp.metrics if isinstance(comp, MetricsComponent) else None
+
+
 class MetricsComponent(Component):
-    """Prometheus exposition on the configured address (no listener without one).
+    """Prometheus exposition on the configured address (``metrics.address``: 127.0.0.1:9400 by default,
+    "" = no listener; the component is then not built).
 
     GPU readings get pod/namespace/container from the kubelet PodResources API; the shared ``KubeClient``
-    reports every API request to the agent's own counters while this component runs.
+    reports every API request to the agent's own counters while this component runs. An address that cannot
+    be bound (port in use, address not on this host) is logged once as an error and the agent runs on
+    without the listener; every resync tries again quietly and logs once when it listens.
     """
 
     name = "metrics"
@@ -931,16 +975,40 @@ class MetricsComponent(Component):
         self._daemon = daemon
         self._ctx = ctx
         self._server: Any = None
+        self._bind_error = ""
         self._kube: Any = None
 
     async def start(self, ctx: Context) -> None:
-        self._server = self.metrics.serve(ctx.config.metrics.address)
+        self._bind()
         if ctx.kube is not None:
             self.metrics.attach_kube(ctx.kube)
             self._kube = ctx.kube
         ctx.scheduler.add_job(self.sample, "interval", seconds=ctx.config.metrics.interval, id="metrics",
                               replace_existing=True, coalesce=True, max_instances=1)
         await self.sample()
+
+    def _bind(self) -> None:
+        address = self._ctx.config.metrics.address
+        try:
+            self._server = self.metrics.serve(address)
+        except OSError as e:
+            why = e.strerror or str(e)
+            if why != self._bind_error:
+                log.error("metrics: cannot listen on %s: %s; running without the metrics endpoint (retried at "
+                          "every resync; set [metrics] address to another HOST:PORT, or \"\" for none)",
+                          address, why)
+            self._bind_error = why
+            self._ctx.set_status(self.name, f"cannot listen on {address}: {why}")
+            return
+        if self._bind_error:
+            log.info("metrics: %s is free again", address)
+        self._bind_error = ""
+        log.info("metrics on http://%s/metrics", address)
+        self._ctx.set_status(self.name, f"on {address}")
+
+    async def resync(self) -> None:
+        if self._server is None:
+            self._bind()
 
     def _read_assignments(self) -> list[Any]:
         from nodeagent.errors import KubeletError

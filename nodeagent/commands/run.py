@@ -29,7 +29,7 @@ from nodeagent.logs import setup_logging
               help="NVIDIA device-plugin config file (version: v1).")
 @click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")
 @click.option("--metrics-address", metavar="HOST:PORT", default=None,
-              help="Serve Prometheus metrics here (default: no listener).")
+              help="Serve Prometheus metrics here (default 127.0.0.1:9400; \"\" = no listener).")
 @click.option("--log-format", "run_log_format", type=click.Choice(["text", "json"]), default=None,
               help="Log lines for a terminal or JSON for collectors (same as the global option).")
 @click.pass_context

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -13,6 +14,8 @@ from nodeagent.errors import RestartError
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_DROPIN
 from nodeagent.runtime.restart import DEFAULT_SOCKET, RESTART_MODES, RestartMode, restart_containerd
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -84,6 +87,19 @@ _timeout_option = click.option(
 )
 
 
+def _change_options(command: F) -> F:
+    """The options of every command that may rewrite containerd's files: how to restart it, dry run, JSON."""
+    for option in reversed((
+        _restart_option,
+        _socket_option,
+        _timeout_option,
+        click.option("--dry-run", is_flag=True, help="Print a unified diff of every change; write nothing."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+    )):
+        command = option(command)
+    return command
+
+
 @runtime.command("configure")
 @click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True,
               callback=_host_path, help="containerd's root config (host path).")
@@ -100,11 +116,7 @@ _timeout_option = click.option(
               help="The nvidia-container-runtime binary (BinaryName).")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Also create/update the RuntimeClass objects through this kubeconfig.")
-@_restart_option
-@_socket_option
-@_timeout_option
-@click.option("--dry-run", is_flag=True, help="Print a unified diff of every change; write nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_change_options
 @click.pass_context
 def configure_cmd(
     ctx: click.Context,
@@ -158,11 +170,7 @@ def configure_cmd(
 
 
 @runtime.command("unconfigure")
-@_restart_option
-@_socket_option
-@_timeout_option
-@click.option("--dry-run", is_flag=True, help="Print a unified diff of every change; write nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_change_options
 @click.pass_context
 def unconfigure_cmd(
     ctx: click.Context, restart_mode: RestartMode, socket: str, restart_timeout: float, dry_run: bool,

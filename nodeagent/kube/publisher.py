@@ -14,9 +14,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from nodeagent.errors import KubeError, KubeletError
 from nodeagent.gpu.inventory import Inventory
@@ -45,6 +45,23 @@ from nodeagent.net.nics import read_nics
 from nodeagent.sharing.spec import PluginConfig
 
 log = logging.getLogger(__name__)
+
+_S = TypeVar("_S")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _in_worker_thread(
+    method: Callable[Concatenate[_S, _P], _R],
+) -> Callable[Concatenate[_S, _P], Coroutine[Any, Any, _R]]:
+    """The awaitable twin of a blocking method: the same call, run in a worker thread off the event loop."""
+
+    async def run(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return await asyncio.to_thread(method, self, *args, **kwargs)
+
+    run.__name__ = f"a{method.__name__}"
+    run.__doc__ = f"``{method.__name__}`` for asyncio callers (runs in a worker thread)."
+    return run
 
 
 @dataclass(frozen=True)
@@ -174,16 +191,7 @@ class NodePublisher:
             self._inputs = _Inputs(inventory, frozenset(served_resources), plugin_config, health)
             return self._publish(self._inputs)
 
-    async def apublish(
-        self,
-        inventory: Inventory,
-        served_resources: Iterable[str] = (),
-        plugin_config: PluginConfig | None = None,
-        *,
-        health: Mapping[int, bool] | None = None,
-    ) -> PublishResult:
-        served = tuple(served_resources)
-        return await asyncio.to_thread(self.publish, inventory, served, plugin_config, health=health)
+    apublish = _in_worker_thread(publish)
 
     def _publish(self, inp: _Inputs) -> PublishResult:
         res = PublishResult()

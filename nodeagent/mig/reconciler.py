@@ -119,6 +119,7 @@ class MigReconciler:
         proc_root: Path = Path("/proc"),
         on_inventory: Callable[[Inventory], Awaitable[None]] | None = None,
         on_result: Callable[[str, float], None] | None = None,
+        pod_name: Callable[[str], str | None] | None = None,
     ) -> None:
         self.node = node
         self.adapter = adapter
@@ -130,6 +131,7 @@ class MigReconciler:
         self.proc_root = proc_root
         self.on_inventory = on_inventory
         self.on_result = on_result  # (state written, seconds taken) after each reconcile, e.g. for metrics
+        self.pod_name = pod_name  # pod UID → "namespace/name" for busy-GPU refusals (blocking; worker thread)
         self.last_key: tuple[str, str] | None = None
         self.last_state: str | None = None
         self.last_plan: Plan | None = None
@@ -295,7 +297,8 @@ class MigReconciler:
             runner = HookRunner(hooks, env)
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
-        applier = Applier(self.adapter, hooks=runner, state=self.state, proc_root=self.proc_root)
+        applier = Applier(self.adapter, hooks=runner, state=self.state, proc_root=self.proc_root,
+                          pod_name=self.pod_name)
         try:
             await asyncio.wait_for(asyncio.to_thread(applier.apply, the_plan, inventory),
                                    self.options.apply_timeout_s)

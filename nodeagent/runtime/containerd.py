@@ -373,6 +373,17 @@ def _new_version(desired: Desired) -> int:
     return 4 if cv >= (2, 3, 0) else 3
 
 
+def _open_for_edit(text: str, desired: Desired, source: str) -> tuple[TOMLDocument, int, tuple[str, ...]]:
+    """The config to edit (a new one in the version for the installed containerd when ``text`` is blank),
+    its version and the key path of its CRI table."""
+    doc = parse(text, source)
+    if not text.strip():
+        doc = tomlkit.document()
+        doc["version"] = _new_version(desired)
+    version = config_version(doc, source)
+    return doc, version, cri_path(version)
+
+
 def render(old_text: str | None, desired: Desired, *, source: str = "config.toml") -> str:
     """In-place mode: the whole containerd config with the nvidia runtime(s) wired in."""
     return render_with_previous(old_text, desired, source=source)[0]
@@ -381,13 +392,7 @@ def render(old_text: str | None, desired: Desired, *, source: str = "config.toml
 def render_with_previous(
     old_text: str | None, desired: Desired, *, source: str = "config.toml"
 ) -> tuple[str, Previous]:
-    text = old_text or ""
-    doc = parse(text, source)
-    if not text.strip():
-        doc = tomlkit.document()
-        doc["version"] = _new_version(desired)
-    version = config_version(doc, source)
-    keys = cri_path(version)
+    doc, version, keys = _open_for_edit(old_text or "", desired, source)
     prev = _apply(doc, keys, version, desired, _get(doc, keys), keep_style=True)
     out = tomlkit.dumps(doc)
     _verify(out, desired, source)
@@ -415,12 +420,7 @@ def render_dropin(
     ``dropin_path`` and ``root_path`` are host paths; the import written into the root is ``dropin_path``.
     """
     text = root_text or ""
-    doc = parse(text, root_path)
-    if not text.strip():
-        doc = tomlkit.document()
-        doc["version"] = _new_version(desired)
-    version = config_version(doc, root_path)
-    keys = cri_path(version)
+    doc, version, keys = _open_for_edit(text, desired, root_path)
     root_cri = _get(doc, keys)
 
     # The root file: only `imports` changes.

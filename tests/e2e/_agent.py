@@ -98,9 +98,17 @@ def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
 
 @contextmanager
 def running_agent(workdir: Path, root: Path, args: Sequence[str],
-                  env: dict[str, str] | None = None) -> Iterator[Agent]:
+                  env: dict[str, str] | None = None, *, metrics: str | None = "") -> Iterator[Agent]:
     """``python -m nodeagent --root ROOT <args>`` with a fresh NOTIFY_SOCKET; killed at the end if still
-    running. A root is required so that no test writes to the host's /var/lib/nodeagent or /etc."""
+    running. A root is required so that no test writes to the host's /var/lib/nodeagent or /etc.
+
+    ``metrics`` becomes ``run --metrics-address`` (which overrides the config file): "" (the default here)
+    turns the listener off, because the agent's own default 127.0.0.1:9400 is one port shared by every
+    agent that tests (and other sessions on this machine) start at once; a test that checks metrics gives
+    its own free port, and None leaves the address to the config file and the built-in default."""
+    if metrics is not None and args and args[0] == "run" and not any(a.startswith("--metrics-address")
+                                                                       for a in args):
+        args = [*args, f"--metrics-address={metrics}"]
     notify_path = workdir / "notify.sock"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))

@@ -115,6 +115,21 @@ def test_labels_mig_change_to_success_and_labels_survive_stop(
 OUTAGE_S = 60.0  # issue 8's drill: the API server unreachable for a full minute
 
 
+def _agent_behind_outage(
+    tmp_path: Path, kube_apiserver: KubeApiServer, root: Path, node: str
+) -> tuple[Outage, list[str]]:
+    """Register ``node``; return the (open) loopback forwarder to the apiserver and the ``run`` arguments of
+    an agent on a simulated DGX H100 that reaches the API only through it."""
+    make_node(kube_apiserver, node)
+    url = urllib.parse.urlsplit(kube_apiserver.url)
+    outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
+    outage.restore()
+    kubeconfig = proxied_kubeconfig(kube_apiserver, outage, tmp_path / "kubeconfig")
+    cfg = agent_config(root, kubeconfig)
+    return outage, ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state",
+                    str(tmp_path / "sim.json"), "--node-name", node]
+
+
 def test_api_outage_device_plugin_keeps_serving_and_labels_catch_up(
     tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
 ) -> None:
@@ -124,14 +139,7 @@ def test_api_outage_device_plugin_keeps_serving_and_labels_catch_up(
     the agent's back a label is removed, an extended resource is dropped from the node status and a MIG
     config is requested; once the API answers again all three are caught up."""
     node = "e2e-run-outage"
-    make_node(kube_apiserver, node)
-    url = urllib.parse.urlsplit(kube_apiserver.url)
-    outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
-    outage.restore()
-    kubeconfig = proxied_kubeconfig(kube_apiserver, outage, tmp_path / "kubeconfig")
-    cfg = agent_config(root, kubeconfig)
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node]
+    outage, args = _agent_behind_outage(tmp_path, kube_apiserver, root, node)
 
     def labels() -> dict[str, str]:
         found: dict[str, str] = node_obj(kube_apiserver, node)["metadata"].get("labels", {})
@@ -199,14 +207,7 @@ def test_sigterm_during_api_outage_still_exits_within_5s(
     tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
 ) -> None:
     node = "e2e-run-outage-stop"
-    make_node(kube_apiserver, node)
-    url = urllib.parse.urlsplit(kube_apiserver.url)
-    outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
-    outage.restore()
-    kubeconfig = proxied_kubeconfig(kube_apiserver, outage, tmp_path / "kubeconfig")
-    cfg = agent_config(root, kubeconfig)
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node]
+    outage, args = _agent_behind_outage(tmp_path, kube_apiserver, root, node)
     try:
         with running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)

@@ -77,7 +77,7 @@ def test_allocated_device_reaches_gpu_object_and_metrics(
     # /var/lib/kubelet under the root is the harness's directory (see node_root)
     args = ["run", "--simulate", "dgx-a100-40gb", "--sim-state", str(tmp_path / "sim.json"), "--config", str(cfg),
             "--node-name", node]
-    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
+    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args, metrics=None) as agent:
         agent.wait_notify("READY=1", 20)
         kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, healthy=8)
         eventually(lambda: len(gpu_objects(kube_apiserver, node)) == 8, 20, "8 GPU objects")

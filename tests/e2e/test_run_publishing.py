@@ -105,7 +105,7 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
     sim_state = tmp_path / "sim.json"
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
-                   "[runtime]\nenabled = false\n"
+                   "[runtime]\nenabled = false\n[metrics]\naddress = \"\"\n"
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
     watches0 = node_watches(kube_apiserver)
@@ -117,7 +117,7 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
         eventually(lambda: len(json.loads(kube_apiserver.get(
             f"{API_PATH}?labelSelector=nodeagent.io%2Fnode%3D{node}")[1]).get("items") or []) == 4, 20, "4 GPU objects")
 
-        # no TCP listener unless configured (metrics are off in this config): nothing on 0.0.0.0 or elsewhere
+        # no TCP listener unless configured (metrics.address = "" here): nothing on 0.0.0.0 or elsewhere
         listening = [c for c in psutil.Process(agent.pid).net_connections(kind="inet") if c.status == "LISTEN"]
         assert listening == [], listening
 

@@ -7,21 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 import urllib.parse
 import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
-
 from nodeagent.gpu.inventory import Gpu, Inventory
-from nodeagent.kube.client import KubeClient, connect
+from nodeagent.kube.client import KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.node import NodeClient, NodeView
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from tests.integration._kube import wait_for
 from tests.peers.apiserver import KubeApiServer
 
 TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io"
@@ -33,30 +29,6 @@ def gpu(i: int) -> Gpu:
 
 
 INV = Inventory("550.54.15", 12040, (gpu(0), gpu(1)))
-
-
-@pytest.fixture(scope="module")
-def kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
-    k = KubeClient(connect(kube_apiserver.kubeconfig))
-    yield k
-    k.close()
-
-
-@pytest.fixture
-def node_name(kube: KubeClient) -> Iterator[str]:
-    name = f"audit-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
-    yield name
-    kube.request("DELETE", f"/api/v1/nodes/{name}")
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (v := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-    return v
 
 
 def node_events(nc: NodeClient) -> list[tuple[str, str, str]]:

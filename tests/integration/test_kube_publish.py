@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import grpc
 import pytest
 
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
-from nodeagent.kube.client import JSON_PATCH, KubeClient, connect
+from nodeagent.kube.client import JSON_PATCH, KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, NODE_LABEL, install_crd
 from nodeagent.kube.labels import MANAGED_LABELS_ANNOTATION, NET_RDMA_NICS, NetFacts
 from nodeagent.kube.node import NodeClient, NodeView
@@ -24,7 +23,7 @@ from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
 from nodeagent.kube.resources import MANAGED_RESOURCES_ANNOTATION, ResourceSettings
 from nodeagent.sharing.spec import parse_plugin_config
-from tests.peers.apiserver import KubeApiServer
+from tests.integration._kube import throwaway_node, wait_for
 
 P = "nvidia.com/"
 MEM = "nvidia.com~1gpu-memory"
@@ -43,37 +42,15 @@ def inventory(*gpus: Gpu) -> Inventory:
 MIXED = parse_plugin_config("version: v1\nflags:\n  migStrategy: mixed\n", source="mixed.yaml")
 
 
-@pytest.fixture(scope="module")
-def kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
-    k = KubeClient(connect(kube_apiserver.kubeconfig))
-    yield k
-    k.close()
-
-
 @pytest.fixture
 def node_name(kube: KubeClient) -> Iterator[str]:
-    name = f"gpu-node-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/nodes", body={
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {"team": "vision", "kubernetes.io/hostname": name}},
-    })
-    kube.request("PATCH", f"/api/v1/nodes/{name}/status", content_type=JSON_PATCH, body=[
-        {"op": "add", "path": "/status/capacity", "value": {"cpu": "64", "nvidia.com/gpu": "2"}},
-        {"op": "add", "path": "/status/allocatable", "value": {"cpu": "63", "nvidia.com/gpu": "2"}},
-    ])
-    yield name
-    kube.request("DELETE", f"/api/v1/nodes/{name}")
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
+    """A Node that looks kubelet-registered: own labels plus CPU and GPU capacity."""
+    with throwaway_node(kube, "gpu-node", lambda name: {"team": "vision", "kubernetes.io/hostname": name}) as name:
+        kube.request("PATCH", f"/api/v1/nodes/{name}/status", content_type=JSON_PATCH, body=[
+            {"op": "add", "path": "/status/capacity", "value": {"cpu": "64", "nvidia.com/gpu": "2"}},
+            {"op": "add", "path": "/status/allocatable", "value": {"cpu": "63", "nvidia.com/gpu": "2"}},
+        ])
+        yield name
 
 
 def publisher(kube: KubeClient, name: str, **cfg: Any) -> NodePublisher:

@@ -4,50 +4,23 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
 from nodeagent.errors import KubeError
 from nodeagent.gpu.inventory import Gpu, Inventory
-from nodeagent.kube.client import KubeClient, connect
+from nodeagent.kube.client import KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, CRD_NAME, install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.node import NodeClient
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
-from tests.peers.apiserver import KubeApiServer
+from tests.integration._kube import wait_for
 
 P = "nvidia.com/"
 CRD_PATH = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}"
 INV = Inventory("535.161.08", 12020, (
     Gpu(0, "GPU-0-77aa", "NVIDIA A100-SXM4-40GB", "00000000:07:00.0", 0x20B010DE, 40960, 0, 8, 0, 0, "ampere"),
 ))
-
-
-@pytest.fixture(scope="module")
-def kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
-    k = KubeClient(connect(kube_apiserver.kubeconfig))
-    yield k
-    k.close()
-
-
-@pytest.fixture
-def node_name(kube: KubeClient) -> Iterator[str]:
-    name = f"limits-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
-    yield name
-    kube.request("DELETE", f"/api/v1/nodes/{name}")
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (v := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-    return v
 
 
 def test_reapply_is_rate_limited_and_the_next_pass_catches_up(

@@ -8,30 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from nodeagent.kube.client import KubeClient, WatchStream, connect
+from nodeagent.kube.client import KubeClient, WatchStream
 from nodeagent.kube.node import NodeClient, NodeView, NodeWatch
-from tests.peers.apiserver import KubeApiServer
-
-
-@pytest.fixture(scope="module")
-def kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
-    k = KubeClient(connect(kube_apiserver.kubeconfig))
-    yield k
-    k.close()
-
-
-@pytest.fixture
-def node_name(kube: KubeClient) -> Iterator[str]:
-    name = f"watch-node-{uuid.uuid4().hex[:8]}"
-    kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
-    yield name
-    kube.request("DELETE", f"/api/v1/nodes/{name}")
+from tests.integration import _kube
 
 
 @pytest.fixture
@@ -48,12 +32,7 @@ def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (v := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
-    return v
+    return _kube.wait_for(cond, timeout, interval=0.01)
 
 
 def watch_threads() -> set[threading.Thread]:

@@ -8,50 +8,27 @@ real containerd 2.4 in test_runtime_containerd2.py: Debian's containerd 1.6 does
 
 from __future__ import annotations
 
-import difflib
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from nodeagent.errors import ConfigError
-from nodeagent.hostpaths import HostPaths
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_CDI_BINARY, view_of
+from tests.integration._containerd import (
+    Case,
+    StatePaths,
+    assert_idempotent_then_undone,
+    assert_nvidia_runtime,
+    only_additions,
+)
 from tests.peers.containerd import Containerd
 
 pytestmark = pytest.mark.peers
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "containerd"
 JUDGED = [*sorted(p.name for p in CORPUS.glob("*.toml") if "version = 3" not in p.read_text()), "(no file)"]
-OWNED = ("default_runtime_name", "enable_cdi", "imports")
-
-
-@dataclass(frozen=True)
-class _Paths(HostPaths):
-    """Real absolute paths (root /), but nodeagent's state in the test's temp directory."""
-
-    state: Path = Path("/nonexistent")
-
-    @property
-    def state_dir(self) -> Path:
-        return self.state
-
-
-@dataclass
-class Case:
-    paths: _Paths
-    config: Path
-    dropin: Path
-    toolkit: Path
-    original: bytes | None
-
-    def options(self, mode: rc.Mode, **kw: bool) -> rc.Options:
-        return rc.Options(containerd_config=str(self.config), dropin=str(self.dropin),
-                          toolkit_config=str(self.toolkit), mode=mode, **kw)
-
-
 def _case(tmp_path: Path, name: str) -> Case:
     etc = tmp_path / "etc"
     etc.mkdir()
@@ -62,18 +39,8 @@ def _case(tmp_path: Path, name: str) -> Case:
         original = config.read_bytes()
     # relative imports of the corpus resolve next to the config
     (etc / "registries.toml").write_text("version = 2\n")
-    return Case(_Paths(Path("/"), state=tmp_path / "state"), config, etc / "conf.d" / "99-nvidia.toml",
+    return Case(StatePaths(Path("/"), state=tmp_path / "state"), config, etc / "conf.d" / "99-nvidia.toml",
                 tmp_path / "toolkit.toml", original)
-
-
-def _only_additions(old: bytes | None, new: bytes) -> None:
-    if not old:
-        return
-    a, b = old.decode().splitlines(keepends=True), new.decode().splitlines(keepends=True)
-    for tag, i1, i2, _j1, _j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
-        if tag in ("replace", "delete"):
-            for line in a[i1:i2]:
-                assert line.strip() == "" or any(k in line for k in OWNED), f"changed line: {line!r}"
 
 
 def _cri(dump: dict[str, object]) -> dict[str, object]:
@@ -96,16 +63,14 @@ def test_containerd_loads_result(containerd: Containerd, tmp_path: Path, name: s
         "drop-in" if case.original and case.original.strip() and b"version = 2" in case.original else "in-place")
     assert first.mode == expected_mode
     written = case.config.read_bytes()
-    _only_additions(case.original, written)
+    only_additions(case.original, written)
     if case.original is not None and case.original.strip():
         assert (case.config.parent / "config.toml.nodeagent.bak").read_bytes() == case.original
 
     # containerd's own loader: effective config
     dump = _cri(containerd.config_dump(case.config))
     runtimes = dump["containerd"]["runtimes"]  # type: ignore[index]
-    assert runtimes["nvidia"]["options"]["BinaryName"] == DEFAULT_BINARY
-    assert runtimes["nvidia"]["runtime_type"] == "io.containerd.runc.v2"
-    assert "runc" in runtimes, "the previous default runtime must still exist"
+    assert_nvidia_runtime(runtimes)
     if before is not None and case.original and "runc" in view_of(case.original.decode()).runtimes:
         old_runc = _cri(before)["containerd"]["runtimes"]["runc"]  # type: ignore[index]
         if old_runc:
@@ -130,21 +95,8 @@ def test_containerd_loads_result(containerd: Containerd, tmp_path: Path, name: s
         assert "runc" in running.runtimes
         running.stop()
 
-    # idempotent
-    files = {p: p.read_bytes() for p in (case.config, case.dropin, case.toolkit) if p.exists()}
-    second = rc.configure(case.paths, opts)
-    assert not second.changed and not second.restart_needed
-    assert {p: p.read_bytes() for p in files} == files
-
-    # undo: exact original bytes, drop-in and state gone
-    undone = rc.unconfigure(case.paths)
-    assert undone.changed and undone.restart_needed
-    if case.original is None:
-        assert not case.config.exists()
-    else:
-        assert case.config.read_bytes() == case.original
-    assert not case.dropin.exists() and not case.toolkit.exists()
-    assert not (case.paths.state_dir / rc.STATE_FILE).exists()
+    # idempotent; undo: exact original bytes, drop-in and state gone; a second undo has nothing to do
+    assert_idempotent_then_undone(case, opts)
     assert not rc.unconfigure(case.paths).changed
 
 

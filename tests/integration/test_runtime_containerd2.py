@@ -12,7 +12,6 @@ original bytes.
 from __future__ import annotations
 
 import copy
-import difflib
 import re
 import subprocess
 import tomllib
@@ -22,9 +21,15 @@ from typing import Any
 
 import pytest
 
-from nodeagent.hostpaths import HostPaths
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_CDI_BINARY, RUNC_V2, cri_path
+from tests.integration._containerd import (
+    Case,
+    StatePaths,
+    assert_idempotent_then_undone,
+    assert_nvidia_runtime,
+    only_additions,
+)
 from tests.peers.containerd import Containerd
 from tests.peers.containerd2 import Containerd2
 
@@ -38,40 +43,20 @@ CORPUS = sorted(
 )
 NAMES = [*(p.relative_to(FIXTURES).as_posix() for p in CORPUS), "(no file)"]
 CRI = cri_path(3)[-1]  # io.containerd.cri.v1.runtime, versions 3 and 4
-OWNED = ("default_runtime_name", "enable_cdi", "imports")
 # mode, set_as_default, cdi
 VARIANTS = [("drop-in", True, True), ("in-place", False, False), ("in-place", True, True)]
 
 
 @dataclass(frozen=True)
-class _Paths(HostPaths):
-    """Real absolute paths (root /), except that the host's containerd is containerd 2 and nodeagent's
-    state lives in the test's temp directory."""
+class _Paths(StatePaths):
+    """As StatePaths, except that the host's containerd is containerd 2."""
 
-    state: Path = Path("/nonexistent")
     containerd: Path = Path("/nonexistent")
 
     def __call__(self, host_path: str | PurePosixPath) -> Path:
         if str(host_path) == "/usr/bin/containerd":
             return self.containerd
         return super().__call__(host_path)
-
-    @property
-    def state_dir(self) -> Path:
-        return self.state
-
-
-@dataclass
-class Case:
-    paths: _Paths
-    config: Path
-    dropin: Path
-    toolkit: Path
-    original: bytes | None
-
-    def options(self, mode: rc.Mode, set_as_default: bool, cdi: bool) -> rc.Options:
-        return rc.Options(containerd_config=str(self.config), dropin=str(self.dropin),
-                          toolkit_config=str(self.toolkit), mode=mode, set_as_default=set_as_default, cdi=cdi)
 
 
 def _case(tmp_path: Path, name: str, containerd: Containerd) -> Case:
@@ -88,16 +73,6 @@ def _case(tmp_path: Path, name: str, containerd: Containerd) -> Case:
         "version = 3\n[plugins.'io.containerd.cri.v1.images'.registry]\nconfig_path = '/etc/containerd/certs.d'\n")
     return Case(_Paths(Path("/"), state=tmp_path / "state", containerd=containerd.binary), config,
                 etc / "conf.d" / "99-nvidia.toml", tmp_path / "toolkit.toml", original)
-
-
-def _only_additions(old: bytes | None, new: bytes) -> None:
-    if not old:
-        return
-    a, b = old.decode().splitlines(keepends=True), new.decode().splitlines(keepends=True)
-    for tag, i1, i2, _j1, _j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
-        if tag in ("replace", "delete"):
-            for line in a[i1:i2]:
-                assert line.strip() == "" or any(k in line for k in OWNED), f"changed line: {line!r}"
 
 
 def _cri(dump: dict[str, Any]) -> dict[str, Any]:
@@ -189,12 +164,12 @@ def test_containerd2_loads_result(containerd2: Containerd2, tmp_path: Path, name
     case = _case(tmp_path, name, containerd2)
     before = _cri(containerd2.config_dump(case.config)) if case.original is not None else None
     warnings_before = _config_warnings(containerd2, case.config)
-    opts = case.options(mode, set_as_default, cdi)
+    opts = case.options(mode, set_as_default=set_as_default, cdi=cdi)
     first = rc.configure(case.paths, opts)
     assert first.changed and first.restart_needed and first.mode == mode
     assert first.containerd_version == ".".join(map(str, containerd2.version_tuple()))
     root = case.config.read_bytes()
-    _only_additions(case.original, root)
+    only_additions(case.original, root)
     root_doc = tomllib.loads(root.decode())
     assert root_doc["version"] in (3, 4)
 
@@ -217,9 +192,7 @@ def test_containerd2_loads_result(containerd2: Containerd2, tmp_path: Path, name
     dump = _cri(containerd2.config_dump(case.config))
     assert _config_warnings(containerd2, case.config) <= warnings_before
     runtimes = dump["containerd"]["runtimes"]
-    assert runtimes["nvidia"]["options"]["BinaryName"] == DEFAULT_BINARY
-    assert runtimes["nvidia"]["runtime_type"] == RUNC_V2
-    assert "runc" in runtimes, "the previous default runtime must still exist"
+    assert_nvidia_runtime(runtimes)
     if cdi:
         assert runtimes["nvidia-cdi"]["options"]["BinaryName"] == DEFAULT_CDI_BINARY
     assert dump["containerd"]["default_runtime_name"] == (
@@ -245,29 +218,17 @@ def test_containerd2_loads_result(containerd2: Containerd2, tmp_path: Path, name
     assert status.default_runtime == dump["containerd"]["default_runtime_name"]
     running.stop()
 
-    # idempotent
-    files = {p: p.read_bytes() for p in (case.config, case.dropin, case.toolkit) if p.exists()}
-    second = rc.configure(case.paths, opts)
-    assert not second.changed and not second.restart_needed
-    assert {p: p.read_bytes() for p in files} == files
-
-    # undo: exact original bytes, drop-in and state gone, containerd 2 back to the original config
-    undone = rc.unconfigure(case.paths)
-    assert undone.changed and undone.restart_needed
-    if case.original is None:
-        assert not case.config.exists()
-    else:
-        assert case.config.read_bytes() == case.original
+    # idempotent; undo: exact original bytes, drop-in and state gone, containerd 2 back to the original config
+    assert_idempotent_then_undone(case, opts)
+    if case.original is not None:
         assert _cri(containerd2.config_dump(case.config)) == before
-    assert not case.dropin.exists() and not case.toolkit.exists()
-    assert not (case.paths.state_dir / rc.STATE_FILE).exists()
 
 
 def test_cdi_key_not_written_where_containerd2_ignores_it(containerd2: Containerd2, tmp_path: Path) -> None:
     """containerd >= 2.4 dropped ``enable_cdi`` (CDI is always on): nodeagent must not write a key containerd
     warns about; the CDI runtime is still added."""
     case = _case(tmp_path, "v2/containerd-2.4-default.toml", containerd2)
-    rc.configure(case.paths, case.options("in-place", False, True))
+    rc.configure(case.paths, case.options("in-place", set_as_default=False, cdi=True))
     assert "enable_cdi" not in case.config.read_text()
     running = containerd2.start(case.config)
     assert "Ignoring unknown key" not in running.log()
@@ -291,7 +252,7 @@ def test_new_file_is_version_4_and_loads_without_warnings(containerd2: Container
     """No config file on containerd >= 2.3: nodeagent writes version 4, which containerd 2 loads as is
     (no migration, no warning of any kind) and whose CRI plugin serves the nvidia handler."""
     case = _case(tmp_path, "(no file)", containerd2)
-    rc.configure(case.paths, case.options("in-place", False, False))
+    rc.configure(case.paths, case.options("in-place", set_as_default=False, cdi=False))
     assert tomllib.loads(case.config.read_text())["version"] == 4
     proc = subprocess.run([str(containerd2.binary), "--config", str(case.config), "config", "dump"],
                           capture_output=True, text=True, check=True, timeout=30)

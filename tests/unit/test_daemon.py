@@ -195,11 +195,11 @@ async def test_reload_rebuilds_only_changed_sections() -> None:
              sections={"metrics": {"metrics"}, "mig": {"mig"}})
     task = asyncio.create_task(d.run(install_signals=False))
     await wait_for(lambda: d._ready_sent)
-    configs.append(apply_overrides(AgentConfig(), {"metrics.address": "127.0.0.1:9400"}))
+    configs.append(apply_overrides(AgentConfig(), {"metrics.address": "127.0.0.1:9401"}))
     comps["metrics"] = Recorder("metrics", log)
     await d.reload()
     assert d.built == {"metrics": 2, "mig": 1}  # type: ignore[attr-defined]
-    assert d.config.metrics.address == "127.0.0.1:9400"
+    assert d.config.metrics.address == "127.0.0.1:9401"
     # unchanged config: nothing rebuilt
     await d.reload()
     assert d.built == {"metrics": 2, "mig": 1}  # type: ignore[attr-defined]

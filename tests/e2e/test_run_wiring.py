@@ -1,0 +1,168 @@
+"""``nodeagent run`` as a real process, for the connections between its parts: a metrics port already in use
+(one error, the agent serves on, binds later), a busy-GPU MIG refusal naming the pod (kubelet checkpoint +
+PodResources from the real device manager), a health change reaching the Node at once (periodic resync
+set to 5 minutes), MIG and publish results in the agent's own metrics; and the built-in metrics default."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nodeagent.gpu.sim.inject import inject_process, inject_xid
+from nodeagent.gpu.sim.state import SimStore
+from nodeagent.kube.client import KubeClient, connect
+from nodeagent.kube.gpuobjects import API_PATH, install_crd
+from tests.e2e._agent import node_root, running_agent
+from tests.peers.apiserver import KubeApiServer
+from tests.peers.harness import KubeletHarness
+
+pytestmark = pytest.mark.peers
+
+POD_UID = "3d1f5b8c-2a4e-4f60-9b7d-0c1e2f3a4b5c"
+
+
+def eventually(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.1)
+
+
+def events(server: KubeApiServer, node: str) -> list[tuple[str, str, str]]:
+    status, body = server.get(f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{node}")
+    assert status == 200, body
+    return [(e["reason"], e["type"], e["message"]) for e in json.loads(body)["items"]]
+
+
+def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def scrape_or_none(port: int) -> dict[str, list[tuple[dict[str, str], float]]] | None:
+    try:
+        return scrape(port)
+    except OSError:
+        return None
+
+
+def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+) -> None:
+    kube = KubeClient(connect(kube_apiserver.kubeconfig))
+    try:
+        install_crd(kube)
+    finally:
+        kube.close()
+    node = "e2e-wiring"
+    kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
+    status, body = kube_apiserver.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
+                                                                    "metadata": {"name": node}})
+    assert status == 201, body
+    holder = socket.socket()  # the metrics port, taken by "another exporter"
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    sim_state = tmp_path / "sim.json"
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 300.0\n'
+                   "[runtime]\nenabled = false\n"
+                   '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
+    try:
+        with node_root(kubelet_harness) as root, \
+                running_agent(tmp_path, root, args, metrics=f"127.0.0.1:{port}") as agent:
+            agent.wait_notify("READY=1", timeout=20)
+            kubelet_harness.wait("nvidia.com/gpu", registered=True, total=4, healthy=4, timeout=20)
+            eventually(lambda: len(json.loads(kube_apiserver.get(
+                f"{API_PATH}?labelSelector=nodeagent.io%2Fnode%3D{node}")[1]).get("items") or []) == 4, 20,
+                "4 GPU objects")
+            assert agent.log().count(f"metrics: cannot listen on 127.0.0.1:{port}: Address already in use") == 1
+            assert agent.proc.poll() is None
+
+            # a pod holds one GPU through the kubelet; its process runs there (cgroup names the pod UID)
+            store = SimStore.open("a30x4", sim_state)
+            alloc = kubelet_harness.allocate("nvidia.com/gpu", 1, pod="train-0", namespace="ml", pod_uid=POD_UID)
+            uuid = alloc.device_ids[0].split("::", 1)[0]
+            busy = next(i for i, g in enumerate(store.machine.gpus) if g.uuid == uuid)
+            proc = root / "proc/4242"
+            proc.mkdir(parents=True)
+            (proc / "cmdline").write_bytes(b"python\0train.py\0")
+            (proc / "cgroup").write_text("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
+                                         f"{POD_UID.replace('-', '_')}.slice/cri-containerd-0123abcd.scope\n")
+            inject_process(store, busy, 4242, "python")
+
+            status, body = kube_apiserver.request(
+                "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {"nvidia.com/mig.config": "all-enabled"}}},
+                content_type="application/merge-patch+json")
+            assert status == 200, body
+            (refusal,) = eventually(lambda: [e for e in events(kube_apiserver, node) if e[0] == "MigConfigFailed"],
+                                    30, "MigConfigFailed event")
+            assert f"GPU {busy}: pid 4242 (python train.py) in pod ml/train-0 (uid {POD_UID})" in refusal[2], refusal
+
+            # a health change with the periodic resync 5 minutes away: Event and GPU object state come at once
+            holder.close()  # the port frees up; the resync the health change asks for binds it
+            sick = (busy + 1) % 4
+            t0 = time.monotonic()
+            inject_xid(store, sick, 48)
+            eventually(lambda: any(e[0] == "GpuUnhealthy" and e[2].startswith(f"GPU {sick} ")
+                                   for e in events(kube_apiserver, node)), 15, "GpuUnhealthy event")
+            eventually(lambda: json.loads(kube_apiserver.get(f"{API_PATH}/{node}-gpu{sick}")[1])["status"]["state"]
+                       == "Unhealthy", 15, "GPU object state Unhealthy")
+            took = time.monotonic() - t0
+            assert took < 15, took
+
+            metrics = eventually(lambda: scrape_or_none(port), 10, "metrics endpoint after the port freed up")
+            reconciles = {(lab["component"], lab["result"]): v for lab, v in metrics["nodeagent_reconciles_total"]}
+            assert reconciles == {("mig", "failed"): 1.0}, reconciles
+            assert {lab["component"] for lab, _ in metrics["nodeagent_apply_duration_seconds_count"]} == {"mig"}
+            writes = {lab["target"]: v for lab, v in metrics.get("nodeagent_publish_writes_total", [])}
+            assert writes.get("labels", 0) >= 1 and writes.get("gpu_objects", 0) >= 4, writes
+            listening = [c.laddr for c in psutil.Process(agent.pid).net_connections(kind="inet")
+                         if c.status == "LISTEN"]
+            assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", port)], listening
+            assert agent.log().count("cannot listen on") == 1
+            code, took = agent.stop(signal.SIGTERM)
+            assert code == 0 and took < 5.0, agent.log()
+    finally:
+        holder.close()
+        for i in range(4):
+            kube_apiserver.request("DELETE", f"{API_PATH}/{node}-gpu{i}")
+        kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
+
+
+def test_default_metrics_listen_on_localhost_only(tmp_path: Path) -> None:
+    """No metrics setting anywhere: the listener is 127.0.0.1:9400 and nothing else. Another process may hold
+    9400 on this shared machine; then the one clear error is the expected outcome and nothing listens."""
+    args = ["run", "--simulate", "t4x1", "--sim-state", str(tmp_path / "sim.json"), "--no-kube"]
+    with node_root() as root, running_agent(tmp_path, root, args, metrics=None) as agent:
+        agent.wait_notify("STATUS=", timeout=20)
+        eventually(lambda: "metrics on http://127.0.0.1:9400/metrics" in agent.log()
+                   or "metrics: cannot listen on 127.0.0.1:9400" in agent.log(), 20, "metrics bound or refused")
+        listening = [(c.laddr.ip, c.laddr.port) for c in psutil.Process(agent.pid).net_connections(kind="inet")
+                     if c.status == "LISTEN"]
+        if "metrics on http://127.0.0.1:9400/metrics" in agent.log():
+            assert listening == [("127.0.0.1", 9400)], listening
+        else:
+            assert listening == [], listening
+        code, _ = agent.stop(signal.SIGTERM)
+        assert code == 0, agent.log()

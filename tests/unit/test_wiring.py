@@ -1,0 +1,209 @@
+"""Connections inside the daemon and bootstrap: the metrics default and a port in use, pod names for busy
+GPUs (kubelet checkpoint + PodResources), MIG/publish metrics, the runtime Event of ``bootstrap``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.bootstrap import BootstrapParts, Options, Outcome, StepResult, bootstrap
+from nodeagent.config import AgentConfig, apply_overrides, parse_config
+from nodeagent.daemon import ComponentSpec, Context, Daemon, MetricsComponent, default_specs
+from nodeagent.errors import KubeletError, RuntimeConfigError
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.podnames import CheckpointEntry, PodNameLookup, parse_checkpoint, pod_names
+from nodeagent.kube.podresources import Assignment
+from nodeagent.sdnotify import Notifier
+
+# -- metrics default ----------------------------------------------------------------------------------
+
+
+def test_metrics_default_is_localhost_and_empty_turns_it_off() -> None:
+    assert AgentConfig().metrics.address == "127.0.0.1:9400"
+    assert parse_config('[metrics]\naddress = ""\n', "c.toml").metrics.address == ""
+    assert apply_overrides(AgentConfig(), {"metrics.address": ""}).metrics.address == ""
+    daemon: list[Daemon] = []
+    spec = {s.name: s for s in default_specs(lambda: daemon[0])}["metrics"]
+
+    class Ctx:
+        config = apply_overrides(AgentConfig(), {"metrics.address": ""})
+
+    assert spec.build(Ctx()) is None  # type: ignore[arg-type]
+
+
+class NoGpus:
+    def discover(self) -> Inventory:
+        return Inventory("550.54.15", 12040, ())
+
+
+def _metrics_daemon(address: str) -> Daemon:
+    cfg = apply_overrides(AgentConfig(), {"metrics.address": address, "kube": False})
+
+    def build(ctx: Context) -> MetricsComponent:
+        return MetricsComponent(ctx, None)
+
+    return Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(),
+                  specs=[ComponentSpec("metrics", frozenset({"metrics"}), build)],
+                  notifier=Notifier(None), ready_fallback=0.1)
+
+
+async def test_port_in_use_is_one_error_the_agent_runs_on_and_binds_later(caplog: pytest.LogCaptureFixture) -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    d = _metrics_daemon(f"127.0.0.1:{port}")
+    caplog.set_level(logging.INFO)
+    task = asyncio.create_task(d.run(install_signals=False))
+    try:
+        for _ in range(200):
+            if "metrics" in d.components:
+                break
+            await asyncio.sleep(0.01)
+        await d.resync()
+        await d.resync()
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [f"metrics: cannot listen on 127.0.0.1:{port}: Address already in use; running without "
+                          "the metrics endpoint (retried at every resync; set [metrics] address to another "
+                          'HOST:PORT, or "" for none)'], errors
+        assert d.errors == {} and not task.done()  # the component runs (without its listener)
+        assert "metrics: cannot listen on" in d.status_line()
+        holder.close()
+        await d.resync()
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        assert "nodeagent_device_healthy" in body or "nodeagent_reconciles" in body
+        assert any(f"metrics: 127.0.0.1:{port} is free again" in r.getMessage() for r in caplog.records)
+    finally:
+        holder.close()
+        d.request_stop()
+        await asyncio.wait_for(task, 6)
+
+
+# -- pod names ----------------------------------------------------------------------------------------
+
+UID = "5f0c7a9e-1111-2222-3333-444455556666"
+CHECKPOINT = json.dumps({"Data": {"PodDeviceEntries": [
+    {"PodUID": UID, "ContainerName": "main", "ResourceName": "nvidia.com/gpu",
+     "DeviceIDs": {"0": ["GPU-a"], "1": ["GPU-b"]}, "AllocResp": "x"},
+    {"PodUID": "old-style", "ContainerName": "c", "ResourceName": "nvidia.com/mig-1g.10gb",
+     "DeviceIDs": ["MIG-1"], "AllocResp": "x"},
+    {"PodUID": "gone", "ContainerName": "c", "ResourceName": "nvidia.com/gpu", "DeviceIDs": {"0": ["GPU-z"]}},
+], "RegisteredDevices": {}}, "Checksum": 1})
+
+
+def test_checkpoint_parsed_in_both_device_id_forms_and_garbage_is_empty() -> None:
+    entries = parse_checkpoint(CHECKPOINT)
+    assert entries[0] == CheckpointEntry(UID, "main", "nvidia.com/gpu", frozenset({"GPU-a", "GPU-b"}))
+    assert entries[1].device_ids == frozenset({"MIG-1"})
+    assert parse_checkpoint("not json") == [] and parse_checkpoint("[]") == [] and parse_checkpoint("{}") == []
+
+
+def test_uid_named_by_the_pod_holding_its_devices() -> None:
+    assignments = [Assignment("ml", "train-0", "main", "nvidia.com/gpu", ("GPU-b",)),
+                   Assignment("ml", "infer", "c", "nvidia.com/mig-1g.10gb", ("MIG-1",)),
+                   Assignment("other", "same-id-other-resource", "c", "nvidia.com/gpu-shared", ("GPU-z",))]
+    assert pod_names(parse_checkpoint(CHECKPOINT), assignments) == {UID: "ml/train-0", "old-style": "ml/infer"}
+
+
+def test_lookup_reads_once_per_window_and_never_raises(tmp_path: Path) -> None:
+    ckpt = tmp_path / "kubelet_internal_checkpoint"
+    calls: list[int] = []
+    now = [0.0]
+
+    def listing() -> list[Assignment]:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KubeletError("PodResources List failed: UNAVAILABLE")
+        return [Assignment("ml", "train-0", "main", "nvidia.com/gpu", ("GPU-a",))]
+
+    lookup = PodNameLookup(ckpt, listing, max_age_s=2.0, clock=lambda: now[0])
+    assert lookup(UID) is None and calls == []  # no checkpoint: no call to the kubelet at all
+    ckpt.write_text(CHECKPOINT)
+    now[0] = 5.0
+    assert lookup(UID) == "ml/train-0" and lookup("gone") is None and lookup(UID) == "ml/train-0"
+    assert len(calls) == 1
+    now[0] = 10.0
+    assert lookup(UID) == "ml/train-0" and len(calls) == 2
+    now[0] = 15.0
+    assert lookup(UID) is None and len(calls) == 3  # kubelet down: no name, no exception
+
+
+# -- bootstrap's runtime Event ------------------------------------------------------------------------
+
+
+def _parts(runtime: StepResult | Exception, restart: StepResult, recorded: list[tuple[str, str, bool]],
+           connect_ok: bool = True) -> BootstrapParts:
+    def configure(c: AgentConfig, p: HostPaths) -> StepResult:
+        if isinstance(runtime, Exception):
+            raise runtime
+        return runtime
+
+    def connect(c: AgentConfig, p: HostPaths) -> Any:
+        if not connect_ok:
+            raise KubeletError("API not there")
+        return object()
+
+    def record(kube: Any, c: AgentConfig, component: str, message: str, ok: bool) -> str | None:
+        recorded.append((component, message, ok))
+        return "RuntimeConfigured" if ok else "RuntimeConfigureFailed"
+
+    inv = Inventory("550.54.15", 12040, ())
+    return BootstrapParts(
+        discover=lambda c, p: inv,
+        apply_mig=lambda c, p, i, n: StepResult(Outcome.UNCHANGED),
+        configure_runtime=configure,
+        restart_containerd=lambda c, p: restart,
+        ensure_runtimeclass=lambda k, c: StepResult(Outcome.UNCHANGED),
+        publish_labels=lambda k, c, p, i: StepResult(Outcome.UNCHANGED),
+        connect=connect,
+        record_event=record,
+    )
+
+
+P = HostPaths(Path("/"))
+WROTE = StepResult(Outcome.CHANGED, "wrote /etc/containerd/conf.d/99-nvidia.toml (created)", {"restart_needed": True})
+RESTARTED = StepResult(Outcome.CHANGED, "containerd answered 0.4s after the restart")
+
+
+def test_runtime_change_is_one_normal_event_with_the_restart() -> None:
+    recorded: list[tuple[str, str, bool]] = []
+    report = bootstrap(AgentConfig(), P, Options(), _parts(WROTE, RESTARTED, recorded))
+    assert recorded == [("runtime", "containerd wired for the NVIDIA runtime: wrote "
+                         "/etc/containerd/conf.d/99-nvidia.toml (created); containerd answered 0.4s after the "
+                         "restart", True)]
+    assert report.events == ("RuntimeConfigured",) and report.to_dict()["events"] == ["RuntimeConfigured"]
+
+
+def test_runtime_failures_are_warning_events() -> None:
+    recorded: list[tuple[str, str, bool]] = []
+    bad = RuntimeConfigError("/etc/containerd/config.toml: line 3: invalid TOML", subject="x")
+    report = bootstrap(AgentConfig(), P, Options(), _parts(bad, RESTARTED, recorded))
+    assert recorded == [("runtime", "containerd NVIDIA runtime wiring failed: /etc/containerd/config.toml: line 3: "
+                         "invalid TOML", False)]
+    assert report.events == ("RuntimeConfigureFailed",) and report.exit_code != 0
+    recorded.clear()
+    failed_restart = StepResult(Outcome.FAILED, "containerd did not answer")
+    bootstrap(AgentConfig(), P, Options(), _parts(WROTE, failed_restart, recorded))
+    assert recorded[0][2] is False and recorded[0][1].endswith("; restarting containerd failed: containerd did not "
+                                                               "answer")
+
+
+def test_no_event_when_unchanged_unreachable_or_events_off() -> None:
+    recorded: list[tuple[str, str, bool]] = []
+    report = bootstrap(AgentConfig(), P, Options(), _parts(StepResult(Outcome.UNCHANGED), RESTARTED, recorded))
+    assert recorded == [] and report.events == () and "events" not in report.to_dict()
+    bootstrap(AgentConfig(), P, Options(), _parts(WROTE, RESTARTED, recorded, connect_ok=False))
+    bootstrap(AgentConfig(), P, Options(kube=False), _parts(WROTE, RESTARTED, recorded))
+    off = apply_overrides(AgentConfig(), {"publish.events": False})
+    bootstrap(off, P, Options(), _parts(WROTE, RESTARTED, recorded))
+    assert recorded == []
+
