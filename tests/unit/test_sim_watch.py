@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import subprocess
@@ -130,6 +131,19 @@ def test_without_inotify_the_store_falls_back_to_polling(tmp_path: Path, monkeyp
     events = nvml.wait_events(3000)
     assert [(e.gpu_index, e.xid) for e in events] == [(2, 79)]
     assert time.monotonic() - t0 < 1.0
+    reads = 0
+    store = nvml.nvml.store
+    real_read = store.read
+
+    def counting_read() -> Any:
+        nonlocal reads
+        reads += 1
+        return real_read()
+
+    monkeypatch.setattr(store, "read", counting_read)
+    assert nvml.wait_events(600) == []
+    # one look when the call starts, one before waiting, then one per fallback period
+    assert reads <= math.ceil(0.6 / sim_state.FALLBACK_POLL_S) + 2
 
 
 def test_xid_from_another_process_ends_the_wait_at_once(tmp_path: Path) -> None:

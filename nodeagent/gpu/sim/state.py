@@ -205,7 +205,8 @@ class SimStore:
         """Block until the state may have changed since ``seen`` (from ``change_marker``) or ``timeout_s``
         passed; returns the new marker (equal to ``seen`` on a quiet timeout). Spurious wake-ups happen:
         re-read and check. Several threads may wait at once: one polls the inotify descriptor, the others
-        sleep on a condition variable it signals."""
+        sleep on a condition variable it signals. Without inotify this sleeps ``FALLBACK_POLL_S`` at most,
+        so callers look at the file that often."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._changed:
             while self._generation == seen:
@@ -214,12 +215,12 @@ class SimStore:
                     break
                 watch = self._watch
                 if self.path is not None and watch is None:
-                    self._changed.release()  # fallback: a slow poll, the caller re-reads the file
+                    self._changed.release()  # fallback: a slow poll; the caller re-reads the file anyway
                     try:
                         time.sleep(min(FALLBACK_POLL_S, remaining))
                     finally:
                         self._changed.acquire()
-                    return self._generation + 1
+                    break
                 if watch is None or self._polling:
                     self._changed.wait(remaining)
                     continue
