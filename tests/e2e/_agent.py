@@ -10,14 +10,43 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from nodeagent.kube.client import KubeClient, connect
+from nodeagent.kube.gpuobjects import install_crd
+from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def eventually(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``cond`` every 0.1 s until it returns something truthy and return that; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.1)
+
+
+def fresh_node_with_gpu_crd(server: KubeApiServer, name: str) -> None:
+    """The GPU CRD installed and Node ``name`` created anew (one left by an earlier run deleted first)."""
+    kube = KubeClient(connect(server.kubeconfig))
+    try:
+        install_crd(kube)
+    finally:
+        kube.close()
+    server.request("DELETE", f"/api/v1/nodes/{name}")
+    status, body = server.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
+                                                            "metadata": {"name": name}})
+    assert status == 201, body
 
 
 @dataclass

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import json
 import signal
-import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from nodeagent.kube.client import KubeClient, connect
-from nodeagent.kube.gpuobjects import API_PATH, NODE_LABEL, install_crd
-from tests.e2e._agent import node_root, running_agent
+from nodeagent.kube.gpuobjects import API_PATH, NODE_LABEL
+from tests._metrics import scrape
+from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer, free_port
 from tests.peers.harness import KubeletHarness
 
@@ -32,42 +28,11 @@ def gpu_objects(server: KubeApiServer, node: str) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["name"]: o for o in json.loads(body)["items"]}
 
 
-def make_node(server: KubeApiServer, name: str) -> None:
-    server.request("DELETE", f"/api/v1/nodes/{name}")
-    status, body = server.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                            "metadata": {"name": name}})
-    assert status == 201, body
-
-
-def eventually(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.1)
-
-
-def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Sample name (``..._total`` for counters) → its label sets and values, parsed by Prometheus' parser."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            out.setdefault(smp.name, []).append((smp.labels, smp.value))
-    return out
-
-
 def test_allocated_device_reaches_gpu_object_and_metrics(
     tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
-    kube = KubeClient(connect(kube_apiserver.kubeconfig))
-    try:
-        install_crd(kube)
-    finally:
-        kube.close()
     node = f"pr-{tmp_path.name[-12:].lower().replace('_', '-')}".rstrip("-")
-    make_node(kube_apiserver, node)
+    fresh_node_with_gpu_crd(kube_apiserver, node)
     port = free_port()
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'

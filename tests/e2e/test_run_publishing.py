@@ -6,11 +6,9 @@ naming the value, and a GPU health change (an XID injected into the simulator) a
 from __future__ import annotations
 
 import json
-import re
 import signal
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent.gpu.sim.inject import inject_xid
 from nodeagent.gpu.sim.state import SimStore
-from nodeagent.kube.client import KubeClient, connect
-from nodeagent.kube.gpuobjects import API_PATH, install_crd
-from tests.e2e._agent import node_root, running_agent
+from nodeagent.kube.gpuobjects import API_PATH
+from tests._metrics import node_watches
+from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
@@ -46,17 +44,6 @@ def apiserver_requests(server: KubeApiServer) -> defaultdict[tuple[str, str, str
     return out
 
 
-def node_watches(server: KubeApiServer) -> dict[str, float]:
-    status, body = server.get("/metrics")
-    assert status == 200
-    out: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        if line.startswith("apiserver_longrunning_requests{") and 'resource="nodes"' in line and 'verb="WATCH"' in line:
-            m = re.search(r'scope="([^"]*)"', line)
-            out[m.group(1) if m else "?"] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def node_obj(server: KubeApiServer, name: str) -> dict[str, Any]:
     status, body = server.get(f"/api/v1/nodes/{name}")
     assert status == 200, body
@@ -72,17 +59,6 @@ def events(server: KubeApiServer, name: str) -> list[tuple[str, str, str]]:
             if e["involvedObject"].get("uid") == uid]
 
 
-def eventually(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.1)
-
-
 def set_label(server: KubeApiServer, name: str, key: str, value: str | None) -> None:
     status, body = server.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": {key: value}}},
                                   content_type="application/merge-patch+json")
@@ -92,16 +68,8 @@ def set_label(server: KubeApiServer, name: str, key: str, value: str | None) -> 
 def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
     tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
-    kube = KubeClient(connect(kube_apiserver.kubeconfig))
-    try:
-        install_crd(kube)
-    finally:
-        kube.close()
     node = "e2e-publishing"
-    kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
-    status, body = kube_apiserver.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                                    "metadata": {"name": node}})
-    assert status == 201, body
+    fresh_node_with_gpu_crd(kube_apiserver, node)
     sim_state = tmp_path / "sim.json"
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'

@@ -9,20 +9,16 @@ import json
 import signal
 import socket
 import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent.gpu.sim.inject import inject_process, inject_xid
 from nodeagent.gpu.sim.state import SimStore
-from nodeagent.kube.client import KubeClient, connect
-from nodeagent.kube.gpuobjects import API_PATH, install_crd
-from tests.e2e._agent import node_root, running_agent
+from nodeagent.kube.gpuobjects import API_PATH
+from tests._metrics import scrape_or_none
+from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
@@ -31,53 +27,17 @@ pytestmark = pytest.mark.peers
 POD_UID = "3d1f5b8c-2a4e-4f60-9b7d-0c1e2f3a4b5c"
 
 
-def eventually(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.1)
-
-
 def events(server: KubeApiServer, node: str) -> list[tuple[str, str, str]]:
     status, body = server.get(f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{node}")
     assert status == 200, body
     return [(e["reason"], e["type"], e["message"]) for e in json.loads(body)["items"]]
 
 
-def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def scrape_or_none(port: int) -> dict[str, list[tuple[dict[str, str], float]]] | None:
-    try:
-        return scrape(port)
-    except OSError:
-        return None
-
-
 def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
     tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
-    kube = KubeClient(connect(kube_apiserver.kubeconfig))
-    try:
-        install_crd(kube)
-    finally:
-        kube.close()
     node = "e2e-wiring"
-    kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
-    status, body = kube_apiserver.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                                    "metadata": {"name": node}})
-    assert status == 201, body
+    fresh_node_with_gpu_crd(kube_apiserver, node)
     holder = socket.socket()  # the metrics port, taken by "another exporter"
     holder.bind(("127.0.0.1", 0))
     holder.listen()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -17,6 +16,7 @@ from nodeagent.kube.gpuobjects import API_PATH, install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.node import NodeClient, NodeView
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from tests._metrics import node_watches
 from tests.integration._kube import wait_for
 from tests.peers.apiserver import KubeApiServer
 
@@ -54,25 +54,13 @@ def test_health_changes_are_node_events(kube: KubeClient, node_name: str) -> Non
     assert len(node_events(nc)) == 2
 
 
-def _node_watches(server: KubeApiServer) -> dict[str, float]:
-    """The apiserver's gauge of open WATCH requests on nodes, by scope ("resource" = one named object)."""
-    status, body = server.get("/metrics")
-    assert status == 200
-    out: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        if line.startswith("apiserver_longrunning_requests{") and 'resource="nodes"' in line and 'verb="WATCH"' in line:
-            scope = re.search(r'scope="([^"]*)"', line)
-            out[scope.group(1) if scope else "?"] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 async def test_publisher_and_mig_label_updates_share_one_watch(
     kube: KubeClient, node_name: str, kube_apiserver: KubeApiServer
 ) -> None:
     """What the daemon does: the publisher watches the Node for reset values and the MIG reconciler watches it
     for its label, each through its own NodeClient on the one KubeClient: ONE watch request, field-selected to
     this node (the apiserver counts it under scope "resource", not "cluster")."""
-    base = _node_watches(kube_apiserver)
+    base = node_watches(kube_apiserver)
     watches0 = kube.stats.watches
     sent: list[tuple[str, str]] = []
     real_call = kube.api.call_api
@@ -97,7 +85,7 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
         await reconciler_node.apatch_labels({"nvidia.com/gpu.count": None})
         await asyncio.to_thread(wait_for, lambda: reconciler_node.get().labels.get("nvidia.com/gpu.count") == "2")
         assert kube.stats.watches - watches0 == 1
-        now = _node_watches(kube_apiserver)
+        now = node_watches(kube_apiserver)
         assert now.get("resource", 0) - base.get("resource", 0) == 1, (base, now)
         assert now.get("cluster", 0) == base.get("cluster", 0), (base, now)
     finally:
@@ -115,7 +103,7 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
     assert all(urllib.parse.urlsplit(u).path.startswith(f"/api/v1/nodes/{node_name}") for m, u in node_calls
                if u not in lists)
     # the last subscriber gone, the watch is closed
-    await asyncio.to_thread(wait_for, lambda: _node_watches(kube_apiserver).get("resource", 0) == base.get("resource", 0))
+    await asyncio.to_thread(wait_for, lambda: node_watches(kube_apiserver).get("resource", 0) == base.get("resource", 0))
 
 
 def test_kubectl_get_gpus_table(kube: KubeClient, node_name: str, kube_apiserver: KubeApiServer) -> None:
