@@ -5,6 +5,12 @@ asks ``gpu_healthy`` for every GPU. Which XIDs count as critical follows NVIDIA'
 its ``DP_DISABLE_HEALTHCHECKS`` / ``DP_ENABLE_HEALTHCHECKS`` variables. Unlike NVIDIA's plugin, an
 unhealthy GPU (or MIG device) becomes healthy again once NVML has shown it healthy for
 ``recovery_window_s`` with no new critical XID.
+
+A monitor can be stopped and replaced while its last ``wait_events`` call is still blocked (NVML waits
+cannot be interrupted; the daemon rebuilds the device plugin on SIGHUP). So the waiting thread belongs to
+the source, not to one monitor: ``_EventPump`` keeps one thread per source, delivers to whichever monitor
+is attached, and holds what arrives while none is, for the next one. A replaced monitor also hands its
+unhealthy set over, so neither an XID in flight nor one already applied is lost by a reload.
 """
 
 from __future__ import annotations
@@ -15,8 +21,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from nodeagent.errors import ConfigError
@@ -132,6 +139,141 @@ class _Fault:
     healthy_since: float | None = None
 
 
+_Item = Sequence[Any] | Exception  # one wait's events, or the error that ended it
+MAX_HELD_BATCHES = 256  # events held for a monitor that has not attached yet (oldest dropped beyond)
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    inbox: asyncio.Queue[_Item]
+    wait_ms: int
+    retry_s: float
+
+
+class _EventPump:
+    """The one thread waiting on one source's events, outliving the monitors that come and go on it."""
+
+    def __init__(self, source: HealthSource) -> None:
+        try:
+            ref: Callable[[], HealthSource | None] = weakref.ref(source)
+        except TypeError:  # not weak-referenceable: the registry keeps it alive
+            ref = lambda: source  # noqa: E731
+        self.source_ref = ref  # only the running thread holds the source itself
+        self._lock = threading.Lock()
+        self._sink: _Sink | None = None
+        self._held: list[Sequence[Any]] = []
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.handed_over: dict[HealthKey, _Fault] = {}  # the last stopped monitor's unhealthy set
+
+    def attach(self, source: HealthSource, sink: _Sink) -> None:
+        """Route events to ``sink`` (on its loop's thread), starting with those held meanwhile."""
+        with self._lock:
+            self._sink = sink
+            held, self._held = self._held, []
+            for batch in held:
+                sink.inbox.put_nowait(batch)
+            if self._thread is None:  # else the running thread keeps going and delivers here from now on
+                self._thread = threading.Thread(
+                    target=self._run, args=(source,), name="gpu-health-events", daemon=True
+                )
+                self._thread.start()
+
+    def detach(self, sink: _Sink, unhandled: Iterable[_Item] = ()) -> None:
+        """Stop routing to ``sink``; ``unhandled`` (its inbox's leftovers) is kept for the next monitor."""
+        batches = [b for b in unhandled if not isinstance(b, Exception)]
+        with self._lock:
+            if self._sink is sink:
+                self._sink = None
+            successor = self._sink
+            if successor is None:
+                self._held[:0] = batches  # older than whatever was held meanwhile
+                self._trim()
+        if successor is not None:  # a successor attached before this monitor finished stopping
+            for batch in batches:
+                self._send(successor, batch)
+        self._wake.set()
+
+    def _keep(self, item: _Item) -> None:
+        """With the lock held: keep events nobody is attached to receive (an error is only worth logging
+        by a running monitor)."""
+        if not isinstance(item, Exception):
+            self._held.append(item)
+            self._trim()
+
+    def _trim(self) -> None:
+        if len(self._held) > MAX_HELD_BATCHES:
+            log.warning("no health monitor attached: dropping %d old event batch(es)",
+                        len(self._held) - MAX_HELD_BATCHES)
+            del self._held[: len(self._held) - MAX_HELD_BATCHES]
+
+    def _route(self, item: _Item) -> None:
+        """On a loop thread: give ``item`` to the monitor attached now (it may have changed in transit)."""
+        with self._lock:
+            sink = self._sink
+            if sink is None:
+                self._keep(item)
+                return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if sink.loop is running:
+            sink.inbox.put_nowait(item)
+        else:
+            self._send(sink, item)
+
+    def _send(self, sink: _Sink, item: _Item) -> None:
+        try:
+            sink.loop.call_soon_threadsafe(self._route, item)
+        except RuntimeError:  # that loop is closed: its monitor is gone without detaching
+            with self._lock:
+                if self._sink is sink:
+                    self._sink = None
+                self._keep(item)
+
+    def _run(self, source: HealthSource) -> None:
+        while True:
+            with self._lock:
+                sink = self._sink
+                if sink is None:  # nobody attached: end; the next attach starts a new thread
+                    self._thread = None
+                    return
+                self._wake.clear()
+            started = time.monotonic()
+            item: _Item
+            try:
+                item = source.wait_events(sink.wait_ms)
+            except Exception as e:
+                item = e
+            if isinstance(item, Exception) or item:
+                with self._lock:
+                    now = self._sink
+                    if now is None:  # the monitor stopped during this wait: keep them for its successor
+                        self._keep(item)
+                if now is not None:
+                    self._send(now, item)
+            if isinstance(item, Exception):
+                self._wake.wait(sink.retry_s)
+            elif not item:  # a source that returns early with nothing must not make this thread spin
+                self._wake.wait(max(0.0, sink.wait_ms / 1000.0 - (time.monotonic() - started)))
+
+
+_pumps: dict[int, _EventPump] = {}
+_pumps_lock = threading.Lock()
+
+
+def _pump_for(source: HealthSource) -> _EventPump:
+    with _pumps_lock:
+        for key in [k for k, p in _pumps.items() if p.source_ref() is None]:
+            del _pumps[key]
+        pump = _pumps.get(id(source))
+        if pump is None or pump.source_ref() is not source:
+            pump = _pumps[id(source)] = _EventPump(source)
+        return pump
+
+
 @dataclass
 class HealthMonitor:
     """Tracks unhealthy GPUs / MIG instances and calls ``on_change`` whenever the set changes."""
@@ -145,6 +287,7 @@ class HealthMonitor:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: bool = False
     _logged: set[str] = field(default_factory=set)
+    _sink: _Sink | None = None
 
     def is_healthy(self, gpu_index: int, gi_id: int | None = None) -> bool:
         if (gpu_index, None) in self.faults:
@@ -160,10 +303,17 @@ class HealthMonitor:
         if not self.settings.enabled:
             log.info("health checks disabled (%s=all)", ENV_DISABLE)
             return
+        pump = _pump_for(self.source)
+        if not self.faults and pump.handed_over:  # a replaced monitor's unhealthy devices stay unhealthy
+            self.faults = {k: replace(f) for k, f in pump.handed_over.items() if k[0] in self.gpu_indices}
+        pump.handed_over = {}
+        self._sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), self.settings.event_wait_ms,
+                           self.settings.poll_interval_s)
         self._tasks = [
-            asyncio.create_task(self._event_loop(), name="health-events"),
+            asyncio.create_task(self._event_loop(self._sink.inbox), name="health-events"),
             asyncio.create_task(self._poll_loop(), name="health-poll"),
         ]
+        pump.attach(self.source, self._sink)
 
     def set_gpus(self, gpu_indices: Iterable[int]) -> None:
         self.gpu_indices = frozenset(gpu_indices)
@@ -171,64 +321,43 @@ class HealthMonitor:
             del self.faults[key]
 
     async def stop(self) -> None:
+        """Stop at once. A wait still blocked in the source is not waited for: what it returns, and what
+        this monitor had received but not applied, goes to the next monitor started on the same source,
+        together with the unhealthy set."""
         self._stopping = True
         tasks, self._tasks = self._tasks, []
+        sink, self._sink = self._sink, None
+        pump = _pump_for(self.source) if sink is not None else None
+        if pump is not None and sink is not None:
+            pump.detach(sink)  # from here the source's events are held for the successor
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if pump is not None and sink is not None:
+            leftovers: list[_Item] = []
+            while not sink.inbox.empty():
+                leftovers.append(sink.inbox.get_nowait())
+            pump.detach(sink, leftovers)
+            pump.handed_over = {k: replace(f) for k, f in self.faults.items()}
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:
             self._logged.add(key)
             log.warning(msg, *args)
 
-    async def _event_loop(self) -> None:
-        # The blocking waits run in one dedicated thread that wakes the event loop only when events (or an
-        # adapter error) arrive: an idle daemon then costs one cheap thread wake-up per ``event_wait_ms``
-        # instead of an executor round trip through the loop. The thread is a daemon thread, so a wait
-        # still running when the monitor stops never holds up the process's exit.
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[Sequence[Any] | Exception] = asyncio.Queue()
-        stop = threading.Event()
-        thread = threading.Thread(
-            target=self._wait_thread, args=(loop, inbox, stop), name="gpu-health-events", daemon=True
-        )
-        thread.start()
-        try:
-            while True:
-                item = await inbox.get()
-                if isinstance(item, Exception):  # the adapter failing must not kill health monitoring
-                    self._log_once(f"wait:{type(item).__name__}", "waiting for NVML events failed: %s", item)
-                elif await self.handle_events(item):
-                    await self.on_change()
-        finally:
-            stop.set()
-
-    def _wait_thread(
-        self, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue[Sequence[Any] | Exception],
-        stop: threading.Event,
-    ) -> None:
-        wait_ms = self.settings.event_wait_ms
-        while not stop.is_set():
-            started = time.monotonic()
-            item: Sequence[Any] | Exception
-            try:
-                item = self.source.wait_events(wait_ms)
-            except Exception as e:
-                item = e
-            if stop.is_set():
-                return
-            if isinstance(item, Exception) or item:
-                try:
-                    loop.call_soon_threadsafe(inbox.put_nowait, item)
-                except RuntimeError:  # the loop is closed
-                    return
-            if isinstance(item, Exception):
-                stop.wait(self.settings.poll_interval_s)
-            elif not item:  # a source that returns early with nothing must not make this thread spin
-                stop.wait(max(0.0, wait_ms / 1000.0 - (time.monotonic() - started)))
+    async def _event_loop(self, inbox: asyncio.Queue[_Item]) -> None:
+        # The blocking waits run in the source's one event thread (``_EventPump``), which wakes the event
+        # loop only when events (or an adapter error) arrive: an idle daemon costs one cheap thread wake-up
+        # per ``event_wait_ms`` instead of an executor round trip through the loop. It is a daemon thread,
+        # so a wait still running when the monitor stops never holds up the process's exit.
+        while True:
+            item = await inbox.get()
+            if isinstance(item, Exception):  # the adapter failing must not kill health monitoring
+                self._log_once(f"wait:{type(item).__name__}", "waiting for NVML events failed: %s", item)
+            elif await self.handle_events(item):
+                await self.on_change()
 
     async def handle_events(self, events: Iterable[Any]) -> bool:
         """Apply adapter events; True when the unhealthy set changed."""
