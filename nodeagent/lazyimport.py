@@ -66,3 +66,54 @@ def lean_import(package: str, submodule: str) -> types.ModuleType:
                 if mod == package or mod.startswith(package + "."):
                     del sys.modules[mod]
     return importlib.import_module(f"{package}.{submodule}")
+
+
+class _DeferredModule(types.ModuleType):
+    """Stands in for a module nobody has used yet; the first use of any of its names imports the real one.
+
+    Names listed as ``callables`` are handed out as small forwarding functions, so that a
+    ``from module import Name`` at import time does not itself pull the module in."""
+
+    def __init__(self, name: str, group: tuple[str, ...], callables: tuple[str, ...]) -> None:
+        super().__init__(name)
+        self.__dict__["_deferred_group"] = group
+        self.__dict__["_deferred_callables"] = callables
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if attr in self.__dict__["_deferred_callables"]:
+            module_name = self.__name__
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                return getattr(_realize(module_name), attr)(*args, **kwargs)
+
+            forward.__name__ = attr
+            forward.__qualname__ = f"{module_name}.{attr}"
+            return forward
+        return getattr(_realize(self.__name__), attr)
+
+
+def _realize(name: str) -> types.ModuleType:
+    """Replace the stand-ins of ``name``'s group by the real modules and return the real ``name``."""
+    with _lock:
+        stub = sys.modules.get(name)
+        if isinstance(stub, _DeferredModule):
+            group = stub.__dict__["_deferred_group"]
+            for member in group:
+                if isinstance(sys.modules.get(member), _DeferredModule):
+                    del sys.modules[member]
+            for member in sorted(group):
+                importlib.import_module(member)
+        return importlib.import_module(name)
+
+
+def defer_modules(modules: dict[str, tuple[str, ...]]) -> None:
+    """Register stand-ins for ``modules`` (name → names to hand out as forwarding callables) that are not
+    imported yet. For dependencies that a library imports at its top but uses only on a rare path (the
+    kubernetes kubeconfig loader imports ``requests_oauthlib`` and ``oauthlib`` for OIDC token refresh):
+    they are imported for real the first time one of their names is used, and never otherwise."""
+    with _lock:
+        group = tuple(name for name in modules if name not in sys.modules)
+        for name in group:
+            sys.modules[name] = _DeferredModule(name, group, modules[name])

@@ -23,7 +23,7 @@ from typing import Any
 import urllib3
 
 from nodeagent.errors import KubeError
-from nodeagent.lazyimport import package_on_demand
+from nodeagent.lazyimport import defer_modules, package_on_demand
 
 # ``kubernetes/__init__.py`` imports the dynamic client, informers, leader election, watch and the
 # websocket ``stream`` client (~35 modules, ~1 MiB resident) that nodeagent never uses. Registering the
@@ -31,6 +31,9 @@ from nodeagent.lazyimport import package_on_demand
 # any other use of the package still finds everything (see nodeagent.lazyimport). Keep this before the
 # kubernetes imports.
 package_on_demand("kubernetes")
+# The kubeconfig loader imports requests_oauthlib and oauthlib (with requests, ~5 MiB resident) at its top
+# but uses them only to refresh OIDC tokens; they are imported for real the first time that happens.
+defer_modules({"requests_oauthlib": ("OAuth2Session",), "oauthlib": (), "oauthlib.oauth2": ()})
 
 from kubernetes import client as k8s  # noqa: E402
 from kubernetes import config as k8s_config  # noqa: E402

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import tempfile
 import time
@@ -46,6 +47,13 @@ sharing:
 """
 
 IDLE_WINDOW_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def main() -> None:
@@ -79,7 +87,8 @@ def main() -> None:
             (root / "etc/nodeagent/dp.yaml").write_text(DP_CONFIG)
             args = ["run", "--config", str(cfg), "--sim-state", str(sim)]
             t_start = time.time()
-            with running_agent(work, root, args) as agent:
+            # Measured as deployed by default: with the metrics endpoint listening on localhost.
+            with running_agent(work, root, args, metrics=f"127.0.0.1:{_free_port()}") as agent:
                 resource = "nvidia.com/mig-1g.10gb"
                 agent.wait_notify("READY=1", timeout=60)
                 t_ready = time.time()

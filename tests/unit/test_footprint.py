@@ -125,6 +125,46 @@ def test_kube_client_loads_only_what_it_uses(tmp_path: Path) -> None:
     assert got["host"] == "https://127.0.0.1:1"
 
 
+def test_oidc_dependencies_load_only_when_used(tmp_path: Path) -> None:
+    """The kubeconfig loader's OIDC-only imports stay out until a name of theirs is used, then are real."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1', insecure-skip-tls-verify: true}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    got = _python(f"""
+        import json, sys
+        from pathlib import Path
+        from nodeagent.kube.client import KubeClient, connect
+        kube = KubeClient(connect(Path({str(kubeconfig)!r})))
+        before = sorted(m for m in ("requests", "oauthlib.oauth2.rfc6749", "requests_oauthlib.oauth2_session")
+                        if m in sys.modules)
+        from kubernetes.config import kube_config
+        session = kube_config.OAuth2Session(client_id="x")  # the loader's own reference, used as on refresh
+        err = kube_config.oauthlib.oauth2.rfc6749.errors.InvalidClientIdError
+        import oauthlib, requests_oauthlib
+        print(json.dumps({{"before": before, "session": type(session).__module__, "err": err.__module__,
+                           "real": [type(oauthlib).__name__, type(requests_oauthlib).__name__],
+                           "host": kube.api.configuration.host}}))
+    """)
+    assert got["before"] == []
+    assert got["session"] == "requests_oauthlib.oauth2_session"
+    assert got["err"] == "oauthlib.oauth2.rfc6749.errors"
+    assert got["real"] == ["module", "module"]
+    assert got["host"] == "https://127.0.0.1:1"
+
+
+def test_deferred_modules_already_imported_are_left_alone() -> None:
+    got = _python("""
+        import json, sys, json as real_json
+        from nodeagent.lazyimport import defer_modules
+        defer_modules({"json": ()})
+        print(json.dumps({"same": sys.modules["json"] is real_json}))
+    """)
+    assert got == {"same": True}
+
+
 # -- NIC facts ------------------------------------------------------------------------------------------
 
 
