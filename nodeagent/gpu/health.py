@@ -11,6 +11,11 @@ cannot be interrupted; the daemon rebuilds the device plugin on SIGHUP). So the 
 the source, not to one monitor: ``_EventPump`` keeps one thread per source, delivers to whichever monitor
 is attached, and holds what arrives while none is, for the next one. A replaced monitor also hands its
 unhealthy set over, so neither an XID in flight nor one already applied is lost by a reload.
+
+A reload may also replace the adapter itself (closed, and a new one opened on the same GPUs). Then the
+hand-over goes by GPU UUID: a monitor starting on a new source of the same ``_fault_domain`` adopts what
+an idle pump of that domain holds (faults and late events, re-keyed to the GPUs' current indices), and
+that pump forwards whatever its last wait still returns to the new one.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from nodeagent.errors import ConfigError
@@ -151,6 +157,42 @@ class _Sink:
     retry_s: float
 
 
+def _fault_domain(source: Any) -> str | None:
+    """Where a GPU UUID names the same device across adapters, or None when it does not. The driver's
+    UUIDs are unique; the simulator's repeat for every machine of a kind, so they count only within one
+    sim-state file (an in-memory simulation ends with its adapter). Other sources have no UUIDs."""
+    nvml = getattr(source, "nvml", None)
+    if nvml is None or not callable(getattr(source, "describe_gpu", None)):
+        return None
+    store = getattr(nvml, "store", None)
+    if store is None:
+        return "nvml"
+    path = getattr(store, "path", None)
+    return None if path is None else f"sim:{Path(path).absolute()}"
+
+
+def _gpu_uuids(source: Any, indices: Iterable[int]) -> dict[int, str]:
+    """GPU index -> UUID as far as the source can tell (blocking)."""
+    out: dict[int, str] = {}
+    for index in sorted(indices):
+        with contextlib.suppress(Exception):  # a lost GPU keeps no UUID; it is marked again by the poll
+            uuid = str(source.describe_gpu(index).uuid)
+            if uuid:
+                out[index] = uuid
+    return out
+
+
+def _rekey(batch: Sequence[Any], old: Mapping[int, str], new: Mapping[str, int]) -> list[XidEvent]:
+    """A batch's XIDs re-addressed from one adapter's GPU indices to another's, by UUID."""
+    out: list[XidEvent] = []
+    for raw in batch:
+        ev = to_xid_event(raw)
+        index = None if ev is None else new.get(old.get(ev.gpu_index, ""))
+        if ev is not None and index is not None:
+            out.append(replace(ev, gpu_index=index))
+    return out
+
+
 class _EventPump:
     """The one thread waiting on one source's events, outliving the monitors that come and go on it."""
 
@@ -166,11 +208,28 @@ class _EventPump:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self.handed_over: dict[HealthKey, _Fault] = {}  # the last stopped monitor's unhealthy set
+        self.domain: str | None = None  # see _fault_domain; set with ``uuids`` by a monitor's stop
+        self.uuids: dict[int, str] = {}  # GPU index -> UUID on this source
+        self.successor: _EventPump | None = None  # a pump on a new source that adopted this one
+
+    def idle(self) -> bool:
+        return self._sink is None
+
+    def adopt_from(self, old: _EventPump) -> tuple[dict[HealthKey, _Fault], list[list[XidEvent]]]:
+        """Take ``old``'s (an idle pump of the same domain) hand-over, re-keyed to this source's GPUs, and
+        have it forward what its last wait still returns."""
+        by_uuid = {u: i for i, u in self.uuids.items()}
+        with old._lock:
+            faults = {(by_uuid[old.uuids[k[0]]], k[1]): replace(f) for k, f in old.handed_over.items()
+                      if old.uuids.get(k[0]) in by_uuid}
+            batches = [b for b in (_rekey(h, old.uuids, by_uuid) for h in old._held) if b]
+            old.handed_over, old._held, old.successor = {}, [], self
+        return faults, batches
 
     def attach(self, source: HealthSource, sink: _Sink) -> None:
         """Route events to ``sink`` (on its loop's thread), starting with those held meanwhile."""
         with self._lock:
-            self._sink = sink
+            self._sink, self.successor = sink, None
             held, self._held = self._held, []
             for batch in held:
                 sink.inbox.put_nowait(batch)
@@ -197,10 +256,26 @@ class _EventPump:
 
     def _keep(self, item: _Item) -> None:
         """With the lock held: keep events nobody is attached to receive (an error is only worth logging
-        by a running monitor)."""
-        if not isinstance(item, Exception):
+        by a running monitor), or pass them to the successor on a new source."""
+        if isinstance(item, Exception):
+            return
+        nxt = self.successor
+        if nxt is None:
             self._held.append(item)
             self._trim()
+            return
+        batch = _rekey(item, self.uuids, {u: i for i, u in nxt.uuids.items()})
+        if batch:  # locks are only ever taken older pump first, so this cannot deadlock
+            nxt.deliver(batch)
+
+    def deliver(self, batch: Sequence[Any]) -> None:
+        """From any thread: give ``batch`` to the attached monitor, or hold it for the next one."""
+        with self._lock:
+            sink = self._sink
+            if sink is None:
+                self._keep(batch)
+                return
+        self._send(sink, batch)
 
     def _trim(self) -> None:
         if len(self._held) > MAX_HELD_BATCHES:
@@ -261,13 +336,25 @@ class _EventPump:
 
 
 _pumps: dict[int, _EventPump] = {}
+_orphans: list[_EventPump] = []  # pumps of sources gone before a successor adopted their hand-over
 _pumps_lock = threading.Lock()
+
+
+def _predecessors(pump: _EventPump, domain: str) -> list[_EventPump]:
+    """Idle pumps of other sources in ``domain`` with something to hand over, oldest first."""
+    with _pumps_lock:
+        found = [p for p in (*_orphans, *_pumps.values()) if p is not pump and p.domain == domain
+                 and p.idle() and (p.handed_over or p._held or p.successor is None)]
+        _orphans[:] = [p for p in _orphans if p not in found]
+        return found
 
 
 def _pump_for(source: HealthSource) -> _EventPump:
     with _pumps_lock:
         for key in [k for k, p in _pumps.items() if p.source_ref() is None]:
-            del _pumps[key]
+            gone = _pumps.pop(key)
+            if gone.domain is not None and (gone.handed_over or gone._held):  # a closed adapter's hand-over
+                _orphans.append(gone)
         pump = _pumps.get(id(source))
         if pump is None or pump.source_ref() is not source:
             pump = _pumps[id(source)] = _EventPump(source)
@@ -307,12 +394,27 @@ class HealthMonitor:
         if not self.faults and pump.handed_over:  # a replaced monitor's unhealthy devices stay unhealthy
             self.faults = {k: replace(f) for k, f in pump.handed_over.items() if k[0] in self.gpu_indices}
         pump.handed_over = {}
+        late: list[list[XidEvent]] = []
+        domain = _fault_domain(self.source)
+        if domain is not None and pump.domain is None:  # a new source: adopt a replaced adapter's hand-over
+            old = _predecessors(pump, domain)
+            if old:
+                pump.uuids = await asyncio.to_thread(_gpu_uuids, self.source, self.gpu_indices)
+                pump.domain = domain
+                for p in old:
+                    faults, batches = pump.adopt_from(p)
+                    for k, f in faults.items():
+                        self.faults.setdefault(k, f)
+                    late += batches
+        pump.domain = domain
         self._sink = _Sink(asyncio.get_running_loop(), asyncio.Queue(), self.settings.event_wait_ms,
                            self.settings.poll_interval_s)
         self._tasks = [
             asyncio.create_task(self._event_loop(self._sink.inbox), name="health-events"),
             asyncio.create_task(self._poll_loop(), name="health-poll"),
         ]
+        for batch in late:
+            self._sink.inbox.put_nowait(batch)
         pump.attach(self.source, self._sink)
 
     def set_gpus(self, gpu_indices: Iterable[int]) -> None:
@@ -339,8 +441,10 @@ class HealthMonitor:
             leftovers: list[_Item] = []
             while not sink.inbox.empty():
                 leftovers.append(sink.inbox.get_nowait())
-            pump.detach(sink, leftovers)
+            if pump.domain is not None:  # so a monitor on a new adapter can adopt by UUID
+                pump.uuids = await asyncio.to_thread(_gpu_uuids, self.source, self.gpu_indices)
             pump.handed_over = {k: replace(f) for k, f in self.faults.items()}
+            pump.detach(sink, leftovers)
 
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._logged:

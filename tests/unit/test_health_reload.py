@@ -170,3 +170,53 @@ async def test_simulated_xid_injected_during_replacement_marks_the_gpu(sim: Nvml
         assert new.is_healthy(0)
     finally:
         await new.stop()
+
+
+async def test_unhealthy_gpu_stays_unhealthy_when_the_adapter_is_reopened(tmp_path: Path) -> None:
+    """A reload that changes global config closes the adapter and opens a new one on the same GPUs: the
+    faults go over by GPU UUID, and another simulated machine of the same kind starts clean."""
+    state, paths = tmp_path / "state.json", HostPaths(tmp_path)
+    with open_nvml("l4x2", state, paths) as first:
+        assert first.wait_events(0) == []
+        old = new_monitor(first)
+        await old.start([0, 1])
+        inject.inject_xid(first.nvml.store, 1, 79)
+        assert await wait_for(lambda: not old.is_healthy(1))
+        await old.stop()
+    with open_nvml(None, state, paths) as second:
+        changes = Changes()
+        new = new_monitor(second, changes)
+        await new.start([0, 1])
+        try:
+            assert new.unhealthy() == {(1, None): "XID 79"}, "a reopened adapter forgot the unhealthy GPU"
+            assert new.is_healthy(0)
+        finally:
+            await new.stop()
+    (tmp_path / "other").mkdir()
+    with open_nvml("l4x2", tmp_path / "other" / "state.json", HostPaths(tmp_path / "other")) as other_sim:
+        other = new_monitor(other_sim)
+        await other.start([0, 1])
+        try:
+            assert other.unhealthy() == {}
+        finally:
+            await other.stop()
+
+
+async def test_xid_taken_by_the_closed_adapters_last_wait_reaches_the_new_adapters_monitor(tmp_path: Path) -> None:
+    state, paths = tmp_path / "state.json", HostPaths(tmp_path)
+    with open_nvml("l4x2", state, paths) as first:
+        assert first.wait_events(0) == []
+        old = new_monitor(first)
+        await old.start([0, 1])
+        await asyncio.sleep(0.1)  # its thread is inside a 1 s NVML wait
+        await old.stop()
+        inject.inject_xid(first.nvml.store, 1, 79)  # only the old adapter's wait is there to take it
+        assert await wait_for(lambda: not event_threads())  # that wait returned it; nobody was attached
+    with open_nvml(None, state, paths) as second:
+        new = new_monitor(second)
+        await new.start([0, 1])
+        try:
+            assert await wait_for(lambda: not new.is_healthy(1)), "XID taken by the old adapter was lost"
+            assert new.unhealthy() == {(1, None): "XID 79"}
+        finally:
+            await new.stop()
