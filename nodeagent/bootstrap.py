@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.config import AgentConfig
-from nodeagent.errors import InputError, NodeAgentError, RebootRequired
+from nodeagent.errors import NodeAgentError, RebootRequired
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 
@@ -261,52 +261,29 @@ def _connect(config: AgentConfig, paths: HostPaths) -> Any:
     return kube
 
 
-def _open_adapter(config: AgentConfig, paths: HostPaths) -> Any:
-    from nodeagent.gpu import open_nvml
-
-    state = Path(config.simulate.state) if config.simulate.state else None
-    return open_nvml(config.simulate.machine or None, state, paths)
-
-
 def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name: str) -> StepResult:
-    from nodeagent.fileio import read_text
-    from nodeagent.mig.apply import Applier, MigStateFile, recover_interrupted
-    from nodeagent.mig.hooks import HookRunner, parse_hooks
-    from nodeagent.mig.planner import plan
-    from nodeagent.mig.spec import generate_standard, parse_config, resolve
+    from nodeagent.gpu import open_nvml
+    from nodeagent.mig.apply import MigStateFile
+    from nodeagent.mig.pipeline import MigPipeline, load_configured_sources
 
-    adapter = _open_adapter(config, paths)
-    state = MigStateFile(paths.mig_state_dir)
+    # The files first: a missing or broken one is bad input (exit 2) and changes nothing.
+    sources = load_configured_sources(config.mig, paths)
+    sim_state = Path(config.simulate.state) if config.simulate.state else None
+    adapter = open_nvml(config.simulate.machine or None, sim_state, paths)
     try:
-        inv = adapter.discover()
-        cfg_path = paths(config.mig.config_file)
-        text = read_text(cfg_path)
-        configs = generate_standard(inv) if text is None else parse_config(text, str(cfg_path))
-        selected, entries = configs.select(name)
-        the_plan = plan(inv, resolve(selected, entries, inv, configs.source))  # bad input stops here
+        pipeline = MigPipeline(adapter, sources, state=MigStateFile(paths.mig_state_dir), proc_root=paths.proc)
         # an apply interrupted earlier (a killed agent) is resolved before the real plan: every GPU it left
-        # half-changed goes back to its previous layout; a failure here fails the step (exit 1)
-        recovery = recover_interrupted(adapter, state)
+        # half-changed goes back to its previous layout; a failure there fails the step (exit 1)
+        prepared = pipeline.prepare(name)
+        recovery = prepared.recovery
         if recovery is not None:
             log.warning("%s", recovery.describe())
-            inv = adapter.discover()
-            the_plan = plan(inv, resolve(selected, entries, inv, configs.source))
-        if the_plan.applied:
+        if prepared.plan.applied:
             if recovery is not None and recovery.restored:
                 return StepResult(Outcome.CHANGED, f"MIG config {name} already applied; {recovery.describe()}",
                                   {"gpus": list(recovery.restored), "recovered": recovery.describe()})
             return StepResult(Outcome.UNCHANGED, f"MIG config {name} already applied")
-        runner = None
-        if config.mig.hooks_file:
-            hooks_path = paths(config.mig.hooks_file)
-            hooks_text = read_text(hooks_path)
-            if hooks_text is None:
-                raise InputError(f"MIG hooks file {config.mig.hooks_file} does not exist",
-                                 subject=config.mig.hooks_file)
-            env = HookRunner.environment(config_file=config.mig.config_file, hooks_file=config.mig.hooks_file,
-                                         selected=selected, gpus=[g.index for g in the_plan.touched])
-            runner = HookRunner(parse_hooks(hooks_text, str(hooks_path)), env)
-        result = Applier(adapter, hooks=runner, state=state, proc_root=paths.proc).apply(the_plan, inv)
+        result = pipeline.apply(prepared.plan, prepared.inventory)
         details: dict[str, Any] = {"gpus": list(result.touched), "resets": list(result.resets)}
         if recovery is not None:
             details["recovered"] = recovery.describe()

@@ -317,3 +317,23 @@ def load_config(
     else:
         cfg = parse_config(text, where)
     return apply_overrides(cfg, overrides or {})
+
+
+def read_named_file(path: Path, what: str, key: str) -> str | None:
+    """Text of a file the configuration names; None when it does not exist; ``ConfigError`` when it cannot
+    be read (a directory, no permission, not UTF-8)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"{path}: cannot read the {what} ({key}): {reason}", subject=str(path)) from e
+
+
+def require_named_file(path: Path, what: str, key: str) -> str:
+    """Like ``read_named_file``, with a missing file a ``ConfigError`` too."""
+    text = read_named_file(path, what, key)
+    if text is None:
+        raise ConfigError(f"{path}: {what} ({key}) not found", subject=str(path))
+    return text

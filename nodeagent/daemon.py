@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from nodeagent.config import AgentConfig, MigSettings
-from nodeagent.errors import ConfigError, NodeAgentError
+from nodeagent.config import AgentConfig, require_named_file
+from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
@@ -65,20 +65,8 @@ class ConfigFiles:
     """
 
     plugin_config: Any = None  # sharing.spec.PluginConfig; None = the built-in defaults
-    mig_configs: Any = None  # mig.spec.MigConfigFile; None = the standard configs for the node's GPUs
-    mig_hooks: Any = None  # mig.hooks.Hooks; None = no hooks
+    mig: Any = None  # mig.pipeline.MigSources; None = the MIG reconciler does not run
     digests: Mapping[str, str] = field(default_factory=dict)
-
-
-def _read_named_file(path: Path, what: str, key: str) -> str | None:
-    """Text of a file the config names; None when it does not exist; ConfigError when unreadable."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ConfigError(f"{path}: cannot read the {what} ({key}): {reason}", subject=str(path)) from e
 
 
 def read_config_files(config: AgentConfig, paths: HostPaths) -> ConfigFiles:
@@ -91,36 +79,22 @@ def read_config_files(config: AgentConfig, paths: HostPaths) -> ConfigFiles:
     import hashlib
 
     digests: dict[str, str] = {}
-    plugin_config = mig_configs = mig_hooks = None
+    plugin_config = None
     dp = config.device_plugin
     if dp.enabled and dp.config:
         from nodeagent.sharing.spec import parse_plugin_config
 
         path = paths(dp.config)
-        text = _read_named_file(path, "device-plugin config", "device_plugin.config")
-        if text is None:
-            raise ConfigError(f"{path}: device-plugin config (device_plugin.config) not found", subject=str(path))
+        text = require_named_file(path, "device-plugin config", "device_plugin.config")
         plugin_config = parse_plugin_config(text, source=str(path))
         digests["device_plugin"] = hashlib.sha256(text.encode()).hexdigest()
-    mig = config.mig
-    if mig.enabled and config.kube:
-        from nodeagent.mig.hooks import parse_hooks
-        from nodeagent.mig.spec import parse_config as parse_mig_config
+    mig_sources = None
+    if config.mig.enabled and config.kube:
+        from nodeagent.mig.pipeline import load_configured_sources
 
-        path = paths(mig.config_file)
-        text = _read_named_file(path, "MIG config", "mig.config_file")
-        if text is None and mig.config_file != MigSettings().config_file:
-            raise ConfigError(f"{path}: MIG config file (mig.config_file) not found", subject=str(path))
-        mig_configs = parse_mig_config(text, str(path)) if text is not None else None
-        hooks_text = ""
-        if mig.hooks_file:
-            hpath = paths(mig.hooks_file)
-            read = _read_named_file(hpath, "MIG hooks file", "mig.hooks_file")
-            if read is None:
-                raise ConfigError(f"{hpath}: MIG hooks file (mig.hooks_file) not found", subject=str(hpath))
-            mig_hooks, hooks_text = parse_hooks(read, str(hpath)), read
-        digests["mig"] = hashlib.sha256(f"{text}\0{hooks_text}".encode()).hexdigest()
-    return ConfigFiles(plugin_config, mig_configs, mig_hooks, digests)
+        mig_sources = load_configured_sources(config.mig, paths)
+        digests["mig"] = mig_sources.digest
+    return ConfigFiles(plugin_config, mig_sources, digests)
 
 
 class Context:
@@ -802,10 +776,8 @@ class MigComponent(Component):
 
         cfg = ctx.config.mig
         files = ctx.files  # the MIG config and hooks as validated with the config (start / SIGHUP)
-        config_file = ctx.host_path(cfg.config_file)
-        if files.mig_configs is None:
+        if files.mig is None or files.mig.configs is None:
             log.info("mig: %s does not exist; using the standard configs for these GPUs", cfg.config_file)
-        hooks = ctx.host_path(cfg.hooks_file) if cfg.hooks_file else None
         proc = ctx.paths.proc
         # A busy-GPU refusal names namespace/pod: the kubelet's device checkpoint maps the process's pod UID
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
@@ -816,13 +788,7 @@ class MigComponent(Component):
             ctx.gpu,  # type: ignore[arg-type]
             ctx.paths.mig_state_dir,
             publisher=_DevicePluginProxy(daemon),
-            options=MigReconcilerOptions(
-                config_file=config_file if files.mig_configs is not None else None,
-                hooks_file=hooks,
-                with_reboot=cfg.with_reboot,
-                configs=files.mig_configs,
-                hooks=files.mig_hooks,
-            ),
+            options=MigReconcilerOptions(sources=files.mig, with_reboot=cfg.with_reboot),
             reboot=_reboot_host,
             boot_id=lambda: read_boot_id(proc),
             proc_root=proc,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,12 +17,11 @@ from typing import Any, TypeVar
 import click
 
 from nodeagent.commands.common import gpu_options, open_adapter
-from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile, recover_interrupted
-from nodeagent.mig.hooks import HookRunner, parse_hooks
-from nodeagent.mig.planner import Plan, plan
-from nodeagent.mig.spec import MigConfigFile, dump, export_config, generate_standard, parse_config, resolve
+from nodeagent.mig.apply import MigAdapter, MigStateFile
+from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources, unselected_mig_gpus
+from nodeagent.mig.planner import Plan
+from nodeagent.mig.spec import dump, export_config
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,33 +39,8 @@ def _adapter(ctx: click.Context) -> Iterator[MigAdapter]:
         yield nvml
 
 
-def _load(config_file: str | None, inventory: Inventory) -> MigConfigFile:
-    if config_file is None:
-        return generate_standard(inventory)
-    if config_file == "-":
-        return parse_config(sys.stdin.read(), "<stdin>")
-    try:
-        text = Path(config_file).read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read MIG config file {config_file}: {e.strerror or e}", subject=config_file) from e
-    return parse_config(text, config_file)
-
-
-def _plan(adapter: MigAdapter, config_file: str | None, selected: str | None,
-          before_planning: Callable[[], bool] | None = None) -> tuple[Inventory, Plan]:
-    """Read and check the config, then plan against the GPUs' current layout.
-
-    ``before_planning`` runs once the input is known to be good (bad input changes nothing); when it
-    returns True it changed the GPUs, and the plan is made again from what is there now.
-    """
-    inv = adapter.discover()
-    cfg = _load(config_file, inv)
-    name, entries = cfg.select(selected)
-    the_plan = plan(inv, resolve(name, entries, inv, cfg.source))
-    if before_planning is not None and before_planning():
-        inv = adapter.discover()
-        the_plan = plan(inv, resolve(name, entries, inv, cfg.source))
-    return inv, the_plan
+def _plan(adapter: MigAdapter, sources: MigSources, selected: str | None) -> tuple[Inventory, Plan]:
+    return MigPipeline(adapter, sources).plan(selected)
 
 
 def _settings_paths(ctx: click.Context) -> Any:
@@ -86,8 +59,9 @@ def mig() -> None:
 @click.pass_context
 def plan_cmd(ctx: click.Context, config_file: str | None, selected: str | None, as_json: bool) -> None:
     """Print what `apply` would do, GPU by GPU (nothing is changed)."""
+    sources = load_sources(config_file)
     with _adapter(ctx) as adapter:
-        _, the_plan = _plan(adapter, config_file, selected)
+        _, the_plan = _plan(adapter, sources, selected)
     click.echo(json.dumps(the_plan.to_dict(), indent=1) if as_json else the_plan.render())
 
 
@@ -105,31 +79,19 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
     """
     paths = _settings_paths(ctx)
     state = MigStateFile(paths.mig_state_dir) if paths is not None else None
+    sources = load_sources(config_file, hooks_file)  # a missing or broken file stops here: nothing changed
     with _adapter(ctx) as adapter:
-
-        def recover() -> bool:
-            recovery = recover_interrupted(adapter, state) if state is not None else None
-            if recovery is not None:
-                click.echo(recovery.describe())
-            return recovery is not None
-
-        inv, the_plan = _plan(adapter, config_file, selected, before_planning=recover)
+        pipeline = MigPipeline(adapter, sources, state=state,
+                               proc_root=paths.proc if paths is not None else Path("/proc"))
+        prepared = pipeline.prepare(selected)
+        if prepared.recovery is not None:
+            click.echo(prepared.recovery.describe())
+        the_plan = prepared.plan
         click.echo(the_plan.render())
         if the_plan.applied:
             click.echo("nothing to do")
             return
-        runner = None
-        if hooks_file is not None:
-            try:
-                hooks = parse_hooks(hooks_file.read_text(), str(hooks_file))
-            except OSError as e:
-                raise ConfigError(f"cannot read hooks file {hooks_file}: {e.strerror or e}",
-                                  subject=str(hooks_file)) from e
-            env = HookRunner.environment(config_file=config_file or "", hooks_file=str(hooks_file),
-                                         selected=the_plan.config, gpus=[g.index for g in the_plan.touched])
-            runner = HookRunner(hooks, env)
-        proc_root = paths.proc if paths is not None else Path("/proc")
-        result = Applier(adapter, hooks=runner, state=state, proc_root=proc_root).apply(the_plan, inv)
+        result = pipeline.apply(the_plan, prepared.inventory)
     resets = f"; reset GPU {', '.join(str(i) for i in result.resets)}" if result.resets else ""
     click.echo(f"applied {the_plan.config} to GPU {', '.join(str(i) for i in result.touched)}{resets}")
 
@@ -139,13 +101,19 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
 @gpu_options
 @click.pass_context
 def assert_cmd(ctx: click.Context, config_file: str | None, selected: str | None) -> None:
-    """Exit 0 when the config is applied, 1 (listing the differences) when it is not."""
+    """Exit 0 when the config is applied to every MIG-capable GPU; 1 (listing the differences) when it
+    is not, or when the config leaves MIG-capable GPUs unselected (as mig-parted's assert)."""
+    sources = load_sources(config_file)
     with _adapter(ctx) as adapter:
-        _, the_plan = _plan(adapter, config_file, selected)
-    if the_plan.applied:
+        inv, the_plan = _plan(adapter, sources, selected)
+    unselected = unselected_mig_gpus(the_plan, inv)
+    if the_plan.applied and not unselected:
         click.echo(f"config {the_plan.config} is applied")
         return
     click.echo(the_plan.render(), err=True)
+    if unselected:
+        click.echo(f"config {the_plan.config} does not select MIG-capable GPU "
+                   f"{', '.join(str(i) for i in unselected)}", err=True)
     ctx.exit(1)
 
 

@@ -36,10 +36,9 @@ from typing import Any, Protocol
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import Applier, MigAdapter, MigStateFile, Recovery, recover_interrupted
-from nodeagent.mig.hooks import HookRunner, Hooks, parse_hooks
-from nodeagent.mig.planner import Plan, plan
-from nodeagent.mig.spec import MigConfigFile, generate_standard, parse_config, resolve
+from nodeagent.mig.apply import MigAdapter, MigStateFile, Recovery
+from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
+from nodeagent.mig.planner import Plan
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +81,12 @@ class ResourcePublisher(Protocol):
 
 @dataclass(frozen=True)
 class MigReconcilerOptions:
-    config_file: Path | None = None  # mig-parted file (host path already resolved); None → generated configs
+    # The MIG config and hooks files as loaded by ``mig.pipeline`` (the daemon loads them at start and on
+    # SIGHUP, so an edit takes effect with a reload and a broken edit is rejected there). None = read
+    # ``config_file`` (None: the generated standard configs) and ``hooks_file`` at each apply.
+    sources: MigSources | None = None
+    config_file: Path | None = None
     hooks_file: Path | None = None
-    # Already parsed contents of those files (the daemon reads them at start and on SIGHUP, so an edit
-    # takes effect with a reload and a broken edit is rejected there); None = read the file at each apply.
-    configs: MigConfigFile | None = None
-    hooks: Hooks | None = None
     with_reboot: bool = False
     apply_timeout_s: float = 600.0  # upper bound for one apply (NVML + hooks)
     kube_timeout_s: float = 30.0  # upper bound for one Kubernetes call
@@ -242,7 +241,7 @@ class MigReconciler:
             await asyncio.wait_for(self.publisher.withdraw(gpus), self.options.publish_timeout_s)
         try:
             recovery = await asyncio.wait_for(
-                asyncio.to_thread(recover_interrupted, self.adapter, self.state), self.options.apply_timeout_s)
+                asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
         except TimeoutError as e:
             raise OperationError("restoring the GPUs of an interrupted MIG apply took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
@@ -253,54 +252,33 @@ class MigReconciler:
             await self._event("MigApplyRecovered", recovery.describe()[:1000], "Warning")
         return recovery
 
-    def _load_configs(self, inventory: Inventory) -> MigConfigFile:
-        if self.options.configs is not None:
-            return self.options.configs
-        path = self.options.config_file
-        if path is None:
-            return generate_standard(inventory)
-        text = read_text(path)
-        if text is None:
-            raise OperationError(f"MIG config file {path} does not exist", subject=str(path))
-        return parse_config(text, str(path))
+    def _sources(self) -> MigSources:
+        if self.options.sources is not None:
+            return self.options.sources
+        return load_sources(self.options.config_file, self.options.hooks_file,
+                            config_key="mig.config_file", hooks_key="mig.hooks_file")
 
-    def _load_hooks(self) -> Hooks | None:
-        if self.options.hooks is not None:
-            return self.options.hooks
-        path = self.options.hooks_file
-        if path is None:
-            return None
-        text = read_text(path)
-        if text is None:
-            raise OperationError(f"MIG hooks file {path} does not exist", subject=str(path))
-        return parse_hooks(text, str(path))
+    def _pipeline(self, sources: MigSources) -> MigPipeline:
+        return MigPipeline(self.adapter, sources, state=self.state, proc_root=self.proc_root,
+                           pod_name=self.pod_name)
 
     async def _apply(self, name: str, *, after_reboot: bool) -> tuple[str, str]:
+        sources = self._sources()
+        pipeline = self._pipeline(sources)
         inventory = await asyncio.to_thread(self.adapter.discover)
-        configs = self._load_configs(inventory)
         if not name:
+            known = ", ".join(sources.configs_for(inventory).names)
             raise ConfigError(f"label {CONFIG_LABEL} has the empty value '': set it to the name of a MIG config "
-                              f"(known: {', '.join(configs.names)})", subject=CONFIG_LABEL)
-        config_name, entries = configs.select(name)  # unknown name → ConfigError, nothing touched
-        selection = resolve(config_name, entries, inventory, configs.source)
-        the_plan = plan(inventory, selection)
+                              f"(known: {known})", subject=CONFIG_LABEL)
+        _, the_plan = pipeline.plan(name, inventory)  # unknown name, bad layout → ConfigError, nothing touched
         self.last_plan = the_plan
         if the_plan.applied:
             return SUCCESS, f"MIG config {name} is applied (no GPU needed a change)"
         touched = {g.index for g in the_plan.touched}
-        hooks = self._load_hooks()
-        runner = None
-        if hooks is not None:
-            env = HookRunner.environment(
-                config_file=str(self.options.config_file or ""), hooks_file=str(self.options.hooks_file or ""),
-                selected=name, gpus=sorted(touched))
-            runner = HookRunner(hooks, env)
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
-        applier = Applier(self.adapter, hooks=runner, state=self.state, proc_root=self.proc_root,
-                          pod_name=self.pod_name)
         try:
-            await asyncio.wait_for(asyncio.to_thread(applier.apply, the_plan, inventory),
+            await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
                                    self.options.apply_timeout_s)
         except TimeoutError as e:
             raise OperationError(f"applying MIG config {name} took longer than "

@@ -34,7 +34,8 @@ def write(root: Path, host_path: str, text: str) -> Path:
 
 def test_defaults_read_nothing(tmp_path: Path) -> None:
     files = read_config_files(AgentConfig(), HostPaths(tmp_path))
-    assert files.plugin_config is None and files.mig_configs is None and files.mig_hooks is None
+    assert files.plugin_config is None and files.mig is not None
+    assert files.mig.configs is None and files.mig.hooks is None
     # the default MIG file may be missing (standard configs); its absence is part of the fingerprint
     assert set(files.digests) == {"mig"}
 
@@ -46,8 +47,9 @@ def test_valid_files_are_parsed(tmp_path: Path) -> None:
     files = read_config_files(cfg(**{"device_plugin.config": "/etc/nodeagent/dp.yaml",
                                      "mig.hooks_file": "/etc/nodeagent/hooks.yaml"}), HostPaths(tmp_path))
     assert files.plugin_config.sharing.strategy == "time-slicing"
-    assert files.mig_configs.names == ("mine",)
-    assert files.mig_hooks is not None
+    assert files.mig is not None and files.mig.configs is not None
+    assert files.mig.configs.names == ("mine",)
+    assert files.mig.hooks is not None
     assert set(files.digests) == {"device_plugin", "mig"}
 
 
