@@ -10,6 +10,7 @@ them through ``HostPaths`` so ``--root`` keeps working.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -166,6 +167,7 @@ _POSITIVE = {
     "health.poll_interval",
 }
 _NON_NEGATIVE = {"runtime.check_interval"}
+MAX_SECONDS = 366 * 24 * 3600.0  # no interval or window is longer than a year (the scheduler's limit is near)
 _ABSOLUTE_PATHS = {
     "kubeconfig",
     "kubelet.dir",
@@ -198,6 +200,8 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad("a number")
+        if not math.isfinite(value):  # TOML has nan and inf; no setting means either
+            raise bad("a finite number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -215,6 +219,9 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: key '{key}' must be greater than 0, got {value!r}", subject=key)
     if key in _NON_NEGATIVE and value < 0:
         raise ConfigError(f"{where}: key '{key}' must not be negative, got {value!r}", subject=key)
+    if key in _POSITIVE | _NON_NEGATIVE and value > MAX_SECONDS:
+        raise ConfigError(f"{where}: key '{key}' must be at most {MAX_SECONDS:.0f} seconds, got {value!r}",
+                          subject=key)
     if key in _ABSOLUTE_PATHS and value and not value.startswith("/"):
         raise ConfigError(f"{where}: key '{key}' must be an absolute path, got {value!r}", subject=key)
     if key == "metrics.address" and value:

@@ -3,12 +3,16 @@
 Every method of ``NodeClient`` is blocking (one HTTP request each); async callers either use the ``a*``
 wrappers (``asyncio.to_thread``) or run them in threads themselves. ``NodeWatch`` keeps exactly one
 watch open on the own Node (field selector ``metadata.name``), resumes from the last resourceVersion,
-relists only that one node after ``410 Gone`` and backs off with jitter after errors.
+relists only that one node after ``410 Gone`` and backs off with jitter after errors (a 410 right after
+a relist too, so a server that always answers 410 is not hammered). The back-off starts over only once a
+watch has stayed open for ``healthy_after_s``, not at every event.
 
-``NodeClient.watch`` / ``NodeClient.updates`` subscribe to ONE shared ``NodeWatch`` per API client and
-node: the publisher (re-applying reset values) and the MIG reconciler (the ``mig.config`` label) in one
-agent share a single watch request; a late subscriber gets the newest known version at once, and the
-watch ends with its last subscriber.
+``NodeClient.watch`` / ``NodeClient.updates`` subscribe through a ``NodeWatchHub`` to ONE shared
+``NodeWatch`` per API client and node: the daemon owns one hub and hands it to every ``NodeClient`` it
+makes, so the publisher (re-applying reset values) and the MIG reconciler (the ``mig.config`` label)
+share a single watch request; a late subscriber gets the newest known version at once, and the watch ends
+with its last subscriber. ``updates`` keeps only the newest version not yet taken (bounded, whatever the
+consumer's pace).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import logging
 import random
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -68,11 +71,13 @@ class NodeView:
 class NodeClient:
     """Blocking operations on one Node, the node nodeagent runs on."""
 
-    def __init__(self, kube: KubeClient, node_name: str) -> None:
+    def __init__(self, kube: KubeClient, node_name: str, *, watches: NodeWatchHub | None = None) -> None:
         if not node_name:
             raise ValueError("node name must not be empty")
         self.kube = kube
         self.name = node_name
+        # Without a hub given, this client has its own: only its own subscribers share one watch.
+        self.watches = watches if watches is not None else NodeWatchHub()
         self._uid = ""
 
     @property
@@ -242,26 +247,51 @@ class NodeClient:
     def watch(self, on_node: Callable[[NodeView], None], **kwargs: Any) -> NodeSubscription:
         """Deliver every version of this node to ``on_node`` (first the newest known, then each change).
 
-        All subscribers on the same ``KubeClient`` and node share one ``NodeWatch`` (``kwargs`` of the
-        first subscriber configure it); ``stop`` on the returned subscription unsubscribes.
+        All subscribers through the same hub on the same ``KubeClient`` and node share one ``NodeWatch``
+        (``kwargs`` of the first subscriber configure it); ``stop`` on the returned subscription unsubscribes.
         """
-        return _subscribe(self, kwargs, on_node)
+        return self.watches.subscribe(self, on_node, **kwargs)
 
     async def updates(self, **kwargs: Any) -> AsyncIterator[NodeView]:
-        """Async iterator over versions of this node (first the current one, then each change)."""
+        """Async iterator over versions of this node: first the current one, then the newest at each step.
+
+        Versions that arrive while the consumer is busy are not queued up: only the newest one waits (a
+        consumer acts on the node's current state, and memory stays bounded however slow it is)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[NodeView] = asyncio.Queue()
-
-        def put(view: NodeView) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone while the watch stops
-                loop.call_soon_threadsafe(queue.put_nowait, view)
-
-        w = self.watch(put, **kwargs)
+        box = _Newest(loop)
+        w = self.watch(box.put_threadsafe, **kwargs)
         try:
             while True:
-                yield await queue.get()
+                yield await box.take()
         finally:
             await asyncio.to_thread(w.stop)
+
+
+class _Newest:
+    """A one-slot mailbox from the watch thread to the loop: a newer version replaces one not yet taken."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._view: NodeView | None = None
+        self._ready = asyncio.Event()
+        self.replaced = 0  # versions dropped for a newer one before they were taken
+
+    def _put(self, view: NodeView) -> None:
+        if self._view is not None:
+            self.replaced += 1
+        self._view = view
+        self._ready.set()
+
+    def put_threadsafe(self, view: NodeView) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone while the watch stops
+            self._loop.call_soon_threadsafe(self._put, view)
+
+    async def take(self) -> NodeView:
+        while self._view is None:
+            self._ready.clear()
+            await self._ready.wait()
+        view, self._view = self._view, None
+        return view
 
 
 class Backoff:
@@ -295,14 +325,18 @@ class NodeWatch:
         watch_timeout_s: int = 300,
         backoff: Backoff | None = None,
         on_error: Callable[[KubeError], None] | None = None,
+        healthy_after_s: float = 10.0,
     ) -> None:
         self.node = node
         self.on_node = on_node
         self.watch_timeout_s = watch_timeout_s
         self.backoff = backoff or Backoff()
         self.on_error = on_error
+        self.healthy_after_s = healthy_after_s  # a watch open this long starts the back-off over
         self.relists = 0
         self.errors = 0
+        self.gone = 0  # 410 answers
+        self._gone_in_a_row = 0  # 410s with no healthy watch in between
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._stream: WatchStream | None = None
@@ -350,6 +384,7 @@ class NodeWatch:
             stream.close()
             return False
         got = False
+        opened = time.monotonic()
         try:
             for ev in stream:
                 got = True
@@ -371,12 +406,17 @@ class NodeWatch:
                     self._deliver(NodeView.from_json(obj))
                 elif kind == "DELETED":
                     self._deliver(NodeView.from_json(obj, deleted=True))
-                self.backoff.reset()
+                if time.monotonic() - opened >= self.healthy_after_s:
+                    self._healthy()
         finally:
             with self._lock:
                 self._stream = None
             stream.close()
         return got
+
+    def _healthy(self) -> None:
+        self.backoff.reset()
+        self._gone_in_a_row = 0
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -385,15 +425,26 @@ class NodeWatch:
                     self._relist()
                 started = time.monotonic()
                 got = self._watch_once()
-                if not got and time.monotonic() - started < 1.0 and not self._stop.is_set():
+                lasted = time.monotonic() - started
+                if not got and lasted < 1.0 and not self._stop.is_set():
                     # a stream that closes at once without a word is treated as an error
                     raise KubeError(f"watch node {self.node.name}: closed immediately", retryable=True)
+                if lasted >= self.healthy_after_s:
+                    self._healthy()
             except KubeError as e:
                 if self._stop.is_set():
                     break
                 if e.status == 410:
-                    log.info("watch of node %s expired (410); relisting it", self.node.name)
+                    self.gone += 1
                     self._rv = ""
+                    self._gone_in_a_row += 1
+                    if self._gone_in_a_row == 1:  # the usual expiry: relist at once
+                        log.info("watch of node %s expired (410); relisting it", self.node.name)
+                        continue
+                    delay = self.backoff.next()  # 410 again right after a relist: back off
+                    log.warning("watch of node %s expired again (410, %d in a row); relisting in %.1fs",
+                                self.node.name, self._gone_in_a_row, delay)
+                    self._stop.wait(delay)
                     continue
                 self.errors += 1
                 if self.on_error is not None:
@@ -422,7 +473,7 @@ class NodeSubscription:
     """One subscriber of the shared watch on a Node. Versions arrive in order (an older one than the last
     delivered is dropped); ``stop`` unsubscribes, and the last one to leave stops the watch."""
 
-    def __init__(self, hub: _NodeWatchHub, on_node: Callable[[NodeView], None]) -> None:
+    def __init__(self, hub: _SharedWatch, on_node: Callable[[NodeView], None]) -> None:
         self._hub = hub
         self._on_node = on_node
         self._lock = threading.Lock()
@@ -453,10 +504,11 @@ class NodeSubscription:
         self._hub.unsubscribe(self, timeout)
 
 
-class _NodeWatchHub:
+class _SharedWatch:
     """One ``NodeWatch`` fanned out to every subscriber; remembers the newest version for late ones."""
 
-    def __init__(self, node: NodeClient, kwargs: dict[str, Any]) -> None:
+    def __init__(self, owner: NodeWatchHub, node: NodeClient, kwargs: dict[str, Any]) -> None:
+        self._owner = owner
         self.watch = NodeWatch(node, self._fanout, **kwargs)
         self._subs: list[NodeSubscription] = []
         self._latest: NodeView | None = None
@@ -471,7 +523,7 @@ class _NodeWatchHub:
             sub.deliver(view)
 
     def add(self, on_node: Callable[[NodeView], None]) -> tuple[NodeSubscription, NodeView | None] | None:
-        """Register a subscriber (None when this hub already ended); with the newest known version."""
+        """Register a subscriber (None when this watch already ended); with the newest known version."""
         with self._lock:
             if self.closed:
                 return None
@@ -487,34 +539,42 @@ class _NodeWatchHub:
             if last:
                 self.closed = True
         if last:
-            _forget_hub(self)
+            self._owner.forget(self)
             self.watch.stop(timeout)
 
 
-# KubeClient → node name → the shared watch of that node (entries go away with the client or the watch)
-_HUBS: weakref.WeakKeyDictionary[KubeClient, dict[str, _NodeWatchHub]] = weakref.WeakKeyDictionary()
-_HUBS_LOCK = threading.Lock()
+class NodeWatchHub:
+    """The shared watches of Nodes: one per (API client, node name) while it has subscribers.
 
+    The daemon owns one for its lifetime (reloads included) and passes it to every ``NodeClient`` it makes;
+    an entry goes away with its last subscriber, so a client replaced by a reload leaves nothing behind."""
 
-def _subscribe(node: NodeClient, kwargs: dict[str, Any], on_node: Callable[[NodeView], None]) -> NodeSubscription:
-    with _HUBS_LOCK:
-        hubs = _HUBS.setdefault(node.kube, {})
-        hub = hubs.get(node.name)
-        added = hub.add(on_node) if hub is not None else None
-        if hub is None or added is None:
-            hub = _NodeWatchHub(node, kwargs)
-            hubs[node.name] = hub
-            added = hub.add(on_node)
-        assert added is not None
-    sub, latest = added
-    hub.watch.start()
-    if latest is not None:
-        sub.deliver(latest)
-    return sub
+    def __init__(self) -> None:
+        self._watches: dict[tuple[KubeClient, str], _SharedWatch] = {}
+        self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._watches)
 
-def _forget_hub(hub: _NodeWatchHub) -> None:
-    with _HUBS_LOCK:
-        hubs = _HUBS.get(hub.watch.node.kube)
-        if hubs is not None and hubs.get(hub.watch.node.name) is hub:
-            del hubs[hub.watch.node.name]
+    def subscribe(self, node: NodeClient, on_node: Callable[[NodeView], None], **kwargs: Any) -> NodeSubscription:
+        key = (node.kube, node.name)
+        with self._lock:
+            shared = self._watches.get(key)
+            added = shared.add(on_node) if shared is not None else None
+            if shared is None or added is None:
+                shared = _SharedWatch(self, node, kwargs)
+                self._watches[key] = shared
+                added = shared.add(on_node)
+            assert added is not None
+        sub, latest = added
+        shared.watch.start()
+        if latest is not None:
+            sub.deliver(latest)
+        return sub
+
+    def forget(self, shared: _SharedWatch) -> None:
+        key = (shared.watch.node.kube, shared.watch.node.name)
+        with self._lock:
+            if self._watches.get(key) is shared:
+                del self._watches[key]

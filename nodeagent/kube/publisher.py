@@ -32,7 +32,7 @@ from nodeagent.kube.labels import (
     plan_label_patch,
     sharing_facts,
 )
-from nodeagent.kube.node import NodeClient, NodeSubscription, NodeView
+from nodeagent.kube.node import NodeClient, NodeSubscription, NodeView, NodeWatchHub
 from nodeagent.kube.podresources import Assignment, PodResourcesClient
 from nodeagent.kube.resources import (
     GPU_MEMORY,
@@ -128,10 +128,11 @@ class NodePublisher:
         pod_resources: PodResourcesClient | None = None,
         net: NetFacts | None = None,
         events: EventRecorder | None = None,
+        watches: NodeWatchHub | None = None,
     ) -> None:
         self.kube = kube
         self.config = config or PublisherConfig()
-        self.node = NodeClient(kube, node_name)
+        self.node = NodeClient(kube, node_name, watches=watches)
         self.paths = paths or HostPaths()
         self.pod_resources = pod_resources
         self.fixed_net = net

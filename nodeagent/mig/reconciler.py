@@ -138,33 +138,24 @@ class MigReconciler:
     # -- loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Reconcile the current value, then every change; runs until cancelled."""
-        latest: asyncio.Queue[NodeViewLike] = asyncio.Queue()
-
-        async def feed() -> None:
-            async for view in self.node.updates():
-                latest.put_nowait(view)
-
+        """Reconcile the current value, then every change; runs until cancelled. While a reconcile runs,
+        ``updates`` keeps only the newest version of the Node: that is the one acted on next."""
         if self.state.inflight():
             # Whatever the label says (it may even be gone), no GPU stays half-changed.
             try:
                 await self._recover()
             except Exception as e:  # the first reconcile tries again and reports it on the Node
                 log.error("mig: recovery of an interrupted apply failed: %s", e)
-        feeder = asyncio.create_task(feed(), name="mig-node-watch")
+        updates = self.node.updates()
         try:
-            while True:
-                view = await latest.get()
-                while not latest.empty():  # only the newest version matters
-                    view = latest.get_nowait()
+            async for view in updates:
                 key = _key(view)
                 if key is None or key == self.last_key:
                     continue
                 await self.reconcile(view)
         finally:
-            feeder.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await feeder
+            with contextlib.suppress(Exception):
+                await updates.aclose()  # type: ignore[attr-defined]
 
     # -- one reconcile ------------------------------------------------------------------------
 

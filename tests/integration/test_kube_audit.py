@@ -14,7 +14,7 @@ from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, install_crd
 from nodeagent.kube.labels import NetFacts
-from nodeagent.kube.node import NodeClient, NodeView
+from nodeagent.kube.node import NodeClient, NodeView, NodeWatchHub
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
 from tests._metrics import node_watches
 from tests.integration._kube import wait_for
@@ -70,10 +70,11 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
         return real_call(method, url, *args, **kwargs)
 
     setattr(kube.api, "call_api", spy)  # noqa: B010
-    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
+    hub = NodeWatchHub()  # the daemon owns one and hands it to every NodeClient it makes
+    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts(), watches=hub)
     pub.publish(INV, ["nvidia.com/gpu"])
     await asyncio.to_thread(pub.start_watch, watch_timeout_s=60)
-    reconciler_node = NodeClient(kube, node_name)
+    reconciler_node = NodeClient(kube, node_name, watches=hub)
     agen = reconciler_node.updates()
     try:
         first: NodeView = await asyncio.wait_for(agen.__anext__(), 10)  # the newest known version, at once
@@ -104,6 +105,7 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
                if u not in lists)
     # the last subscriber gone, the watch is closed
     await asyncio.to_thread(wait_for, lambda: node_watches(kube_apiserver).get("resource", 0) == base.get("resource", 0))
+    assert len(hub) == 0  # the hub forgets a watch with its last subscriber
 
 
 def test_kubectl_get_gpus_table(kube: KubeClient, node_name: str, kube_apiserver: KubeApiServer) -> None:

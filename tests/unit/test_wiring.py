@@ -15,7 +15,8 @@ import pytest
 
 from nodeagent.bootstrap import BootstrapParts, Options, Outcome, StepResult, bootstrap
 from nodeagent.config import AgentConfig, apply_overrides, parse_config
-from nodeagent.daemon import ComponentSpec, Context, Daemon, MetricsComponent, default_specs
+from nodeagent.daemon import ComponentSpec, Context, Daemon, default_specs
+from nodeagent.daemon.components.metrics import MetricsComponent
 from nodeagent.errors import KubeletError, RuntimeConfigError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
@@ -30,8 +31,7 @@ def test_metrics_default_is_localhost_and_empty_turns_it_off() -> None:
     assert AgentConfig().metrics.address == "127.0.0.1:9400"
     assert parse_config('[metrics]\naddress = ""\n', "c.toml").metrics.address == ""
     assert apply_overrides(AgentConfig(), {"metrics.address": ""}).metrics.address == ""
-    daemon: list[Daemon] = []
-    spec = {s.name: s for s in default_specs(lambda: daemon[0])}["metrics"]
+    spec = {s.name: s for s in default_specs()}["metrics"]
 
     class Ctx:
         config = apply_overrides(AgentConfig(), {"metrics.address": ""})
@@ -48,7 +48,7 @@ def _metrics_daemon(address: str) -> Daemon:
     cfg = apply_overrides(AgentConfig(), {"metrics.address": address, "kube": False})
 
     def build(ctx: Context) -> MetricsComponent:
-        return MetricsComponent(ctx, None)
+        return MetricsComponent(ctx)
 
     return Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(),
                   specs=[ComponentSpec("metrics", frozenset({"metrics"}), build)],

@@ -1,0 +1,44 @@
+"""The long-running agent (``nodeagent run``).
+
+    supervisor   Daemon, Context, Component, ComponentSpec: start, resync, reload (SIGHUP), READY, stop
+    files        ConfigFiles, read_config_files: the files the config names, validated with it
+    shared       the typed links between components (device plugin, metrics), owned by the daemon
+    wiring       open_gpu, open_kube, default_specs, build_daemon: the real parts
+    components/  one module per component: deviceplugin, mig, publisher, metrics, runtime
+"""
+
+from __future__ import annotations
+
+from nodeagent.daemon.files import ConfigFiles, read_config_files
+from nodeagent.daemon.supervisor import (
+    GLOBAL_SECTIONS,
+    READY_FALLBACK,
+    STOP_TIMEOUT,
+    Component,
+    ComponentSpec,
+    Context,
+    Daemon,
+    GpuSource,
+    run_daemon,
+    trim_heap,
+)
+from nodeagent.daemon.wiring import build_daemon, default_specs, open_gpu, open_kube
+
+__all__ = [
+    "GLOBAL_SECTIONS",
+    "READY_FALLBACK",
+    "STOP_TIMEOUT",
+    "Component",
+    "ComponentSpec",
+    "ConfigFiles",
+    "Context",
+    "Daemon",
+    "GpuSource",
+    "build_daemon",
+    "default_specs",
+    "open_gpu",
+    "open_kube",
+    "read_config_files",
+    "run_daemon",
+    "trim_heap",
+]

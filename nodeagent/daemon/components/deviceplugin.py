@@ -1,0 +1,111 @@
+"""The kubelet device-plugin servers as a daemon component; gates READY until every resource is registered."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.gpu.inventory import Inventory
+
+
+class _Registrations(dict[str, int]):
+    """The service's count of successful Register calls per resource, waking a waiter on every change."""
+
+    def __init__(self, changed: asyncio.Event) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def __setitem__(self, key: str, value: int) -> None:
+        super().__setitem__(key, value)
+        self._changed.set()
+
+
+class DevicePluginComponent(Component):
+    """Serves and registers the resources; attached to ``ctx.shared.device_plugin`` while it runs, so the
+    publisher reads what it serves and the MIG reconciler withdraws and re-advertises through it."""
+
+    name = "device-plugin"
+    gates_ready = True
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        from nodeagent.deviceplugin.service import DevicePluginService
+        from nodeagent.gpu.health import HealthSettings as GpuHealthSettings
+
+        cfg = ctx.config
+        self._plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
+        health = GpuHealthSettings.from_env(
+            recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
+        )
+        nvml = ctx.gpu if hasattr(ctx.gpu, "wait_events") and hasattr(ctx.gpu, "gpu_healthy") else None
+        self.service = DevicePluginService(
+            plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
+            plugin_config=self._plugin_config,
+            nvml=nvml,  # type: ignore[arg-type]
+            health=health,
+        )
+        self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
+        self.service.registrations = _Registrations(self._changed)
+        self._ctx = ctx
+        self._started = False
+        monitor = self.service.monitor
+        if monitor is not None:
+            # A health change reaches the kubelet through the servers (the service's own hook) and then the
+            # Node at once: GpuUnhealthy/GpuHealthy Events and GPU object state do not wait for the resync.
+            to_kubelet = monitor.on_change
+
+            async def health_changed() -> None:
+                try:
+                    await to_kubelet()
+                finally:
+                    ctx.request_resync()
+
+            monitor.on_change = health_changed
+
+    @property
+    def plugin_config(self) -> Any:
+        return self._plugin_config
+
+    async def start(self, ctx: Context) -> None:
+        if ctx.inventory is not None:
+            await self.on_inventory(ctx.inventory)
+        ctx.shared.device_plugin.attach(self)
+        ctx.spawn(self._watch_registration(), "device-plugin ready")
+
+    async def on_inventory(self, inventory: Inventory) -> None:
+        if not self._started:
+            await self.service.start(inventory)
+            self._started = True
+        else:
+            await self.service.update(inventory)
+        self._changed.set()
+
+    async def update(self, inventory: Inventory) -> None:
+        await self.on_inventory(inventory)
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        await self.service.withdraw(gpu_indices)
+
+    async def _watch_registration(self) -> None:
+        while True:
+            self._changed.clear()
+            served = set(self.service.resources())
+            if self._started and served <= set(self.service.registrations):
+                self.ready.set()
+                self._ctx.set_status(self.name, f"registered {len(served)} resource(s)")
+                return
+            await self._changed.wait()
+
+    def served(self) -> list[str]:
+        return sorted(self.service.resources())
+
+    def health(self) -> dict[int, bool]:
+        monitor = self.service.monitor
+        if monitor is None or self._ctx.inventory is None:
+            return {}
+        return {g.index: monitor.is_healthy(g.index) for g in self._ctx.inventory.gpus}
+
+    async def stop(self) -> None:
+        self._ctx.shared.device_plugin.detach(self)
+        await self.service.stop()

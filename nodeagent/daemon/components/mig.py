@@ -1,0 +1,79 @@
+"""Label-driven MIG reconfiguration as a daemon component (needs the API: the Node label is the input)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from nodeagent.daemon.components import close_quietly
+from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.gpu.inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+
+def reboot_host() -> None:
+    import subprocess
+
+    subprocess.run(["systemctl", "reboot"], check=False, timeout=60)
+
+
+class MigComponent(Component):
+    """Runs ``MigReconciler`` with the MIG files loaded by the pipeline at start / SIGHUP; withdraws and
+    re-advertises through ``ctx.shared.device_plugin`` and counts into ``ctx.shared.metrics``."""
+
+    name = "mig"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        from nodeagent.kube.node import NodeClient
+        from nodeagent.kube.podnames import CHECKPOINT_NAME, PodNameLookup
+        from nodeagent.kube.podresources import PodResourcesClient
+        from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
+
+        cfg = ctx.config.mig
+        sources = ctx.files.mig  # the MIG config and hooks as validated with the config (start / SIGHUP)
+        if sources is None or sources.configs is None:
+            log.info("mig: %s does not exist; using the standard configs for these GPUs", cfg.config_file)
+        proc = ctx.paths.proc
+        # A busy-GPU refusal names namespace/pod: the kubelet's device checkpoint maps the process's pod UID
+        # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
+        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
+        metrics = ctx.shared.metrics
+        self.reconciler = MigReconciler(
+            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
+            ctx.gpu,  # type: ignore[arg-type]
+            ctx.paths.mig_state_dir,
+            publisher=ctx.shared.device_plugin,
+            options=MigReconcilerOptions(sources=sources, with_reboot=cfg.with_reboot),
+            reboot=reboot_host,
+            boot_id=lambda: read_boot_id(proc),
+            proc_root=proc,
+            on_inventory=self._after_apply,
+            on_result=lambda result, seconds: metrics.observe_reconcile("mig", result, seconds),
+            pod_name=PodNameLookup(checkpoint, self.pod_resources.list),
+        )
+        self._ctx = ctx
+        self._task: asyncio.Task[Any] | None = None
+
+    async def _after_apply(self, inventory: Inventory) -> None:
+        self._ctx.request_resync()
+
+    async def start(self, ctx: Context) -> None:
+        (ctx.paths.mig_state_dir).mkdir(parents=True, exist_ok=True)
+        self._task = ctx.spawn(self.reconciler.run(), "mig reconciler")
+
+    async def resync(self) -> None:
+        if self._task is not None and self._task.done():
+            self._task = self._ctx.spawn(self.reconciler.run(), "mig reconciler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        close_quietly(self.pod_resources)

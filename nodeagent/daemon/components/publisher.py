@@ -1,0 +1,90 @@
+"""Labels, unserved extended resources and GPU objects on the own Node, as a daemon component."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from nodeagent.daemon.components import close_quietly
+from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+
+class PublisherComponent(Component):
+    """Publishes in its own task (never blocks the loop) what the inventory and ``ctx.shared.device_plugin``
+    (served resources, plugin config, health) say; counts its writes into ``ctx.shared.metrics``."""
+
+    name = "publisher"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        from nodeagent.kube.podresources import PodResourcesClient
+        from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+
+        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        self.publisher = NodePublisher(
+            ctx.kube,
+            ctx.node_name,
+            PublisherConfig.from_settings(ctx.config.publish),
+            paths=ctx.paths,
+            pod_resources=self.pod_resources,
+            watches=ctx.node_watches,
+        )
+        self._ctx = ctx
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task[Any] | None = None
+        self.passes = 0
+        self.last_error = ""
+
+    async def start(self, ctx: Context) -> None:
+        self._task = ctx.spawn(self._worker(), "publisher")
+        self._wanted.set()
+
+    async def on_inventory(self, inventory: Inventory) -> None:
+        self._wanted.set()
+
+    async def resync(self) -> None:
+        self._wanted.set()
+
+    async def _worker(self) -> None:
+        watching = False
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            inv = self._ctx.inventory
+            if inv is None:
+                continue
+            dp = self._ctx.shared.device_plugin.snapshot()
+            try:
+                res = await self.publisher.apublish(inv, dp.served, dp.plugin_config, health=dp.health or None)
+                if not watching:
+                    await asyncio.to_thread(self.publisher.start_watch)
+                    watching = True
+            except NodeAgentError as e:
+                if str(e) != self.last_error:
+                    log.warning("publishing to node %s failed (retried at the next resync): %s",
+                                self._ctx.node_name, e)
+                self.last_error = str(e)
+                self._ctx.set_status(self.name, "API unreachable")
+                continue
+            self.passes += 1
+            if self.last_error:
+                log.info("publishing to node %s works again", self._ctx.node_name)
+            self.last_error = ""
+            self._ctx.set_status(self.name, "published")
+            if res.writes:
+                log.info("published to node %s: %d write(s)", self._ctx.node_name, res.writes)
+                self._ctx.shared.metrics.count_publish(res)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        await asyncio.to_thread(self.publisher.close)
+        close_quietly(self.pod_resources)

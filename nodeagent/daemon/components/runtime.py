@@ -1,0 +1,70 @@
+"""The containerd runtime check (and the RuntimeClass) as a daemon component."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.errors import NodeAgentError
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeCheckComponent(Component):
+    """Checks (never writes) that containerd still carries the NVIDIA runtime; ``bootstrap`` writes it.
+
+    With the API reachable it also keeps the ``nvidia`` RuntimeClass in place.
+    """
+
+    name = "runtime"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        self._ctx = ctx
+        self.drift: bool | None = None
+
+    async def start(self, ctx: Context) -> None:
+        interval = ctx.config.runtime.check_interval
+        if interval > 0:
+            ctx.scheduler.add_job(self.check, "interval", seconds=interval, id="runtime-check",
+                                  replace_existing=True, coalesce=True, max_instances=1)
+        ctx.spawn(self.check(), "runtime check")
+        if ctx.kube is not None:
+            ctx.spawn(self._runtime_class(), "runtime class")
+
+    async def check(self) -> None:
+        from nodeagent.runtime.configure import configure, options_from_settings
+
+        opts = options_from_settings(self._ctx.config.runtime, dry_run=True)
+        try:
+            result = await asyncio.to_thread(configure, self._ctx.paths, opts)
+        except NodeAgentError as e:
+            self._ctx.set_status(self.name, f"check failed: {e}")
+            log.warning("runtime check failed: %s", e)
+            return
+        drift = result.changed
+        if drift != self.drift:
+            if drift:
+                files = ", ".join(f.path for f in result.files if f.action != "unchanged")
+                log.warning("containerd is not wired for the NVIDIA runtime (%s); run `nodeagent bootstrap`", files)
+            else:
+                log.info("containerd carries the NVIDIA runtime")
+        self.drift = drift
+        self._ctx.set_status(self.name, "containerd not wired" if drift else "containerd wired")
+
+    async def _runtime_class(self) -> None:
+        from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
+
+        classes = desired_classes(cdi=self._ctx.config.runtime.cdi)
+        try:
+            done = await asyncio.to_thread(ensure_runtime_classes, self._ctx.kube, classes)
+        except NodeAgentError as e:
+            log.warning("RuntimeClass not ensured (retried at the next start or reload): %s", e)
+            return
+        log.info("RuntimeClass: %s", ", ".join(f"{k} {v}" for k, v in done.items()))
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._ctx.scheduler.remove_job("runtime-check")

@@ -1,0 +1,111 @@
+"""What one component publishes and another reads, as typed objects the daemon owns across reloads.
+
+A component never looks another one up: the device plugin attaches itself to ``DevicePluginLink`` while
+it runs (the publisher reads its served resources, plugin config and health; the MIG reconciler withdraws
+and re-advertises through it), and the metrics component attaches its registry to ``MetricsLink`` (the
+MIG reconciler and the publisher count into it). While nothing is attached (disabled, or being rebuilt
+by a reload) reads are empty and writes are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from nodeagent.gpu.inventory import Inventory
+
+
+class ServedDevices(Protocol):
+    """What the running device plugin offers the other components."""
+
+    @property
+    def plugin_config(self) -> Any: ...  # sharing.spec.PluginConfig | None
+
+    def served(self) -> list[str]: ...
+
+    def health(self) -> dict[int, bool]: ...
+
+    async def withdraw(self, gpu_indices: set[int]) -> None: ...
+
+    async def update(self, inventory: Inventory) -> None: ...
+
+
+class MetricsSink(Protocol):
+    """The parts of ``nodeagent.metrics.Metrics`` other components count into."""
+
+    def observe_reconcile(self, component: str, result: str, seconds: float) -> None: ...
+
+    def count_publish(self, result: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class DevicePluginSnapshot:
+    served: tuple[str, ...] = ()
+    plugin_config: Any = None
+    health: Mapping[int, bool] = field(default_factory=dict)
+
+
+class DevicePluginLink:
+    """The device plugin as the other components see it (the MIG reconciler's ``ResourcePublisher``)."""
+
+    def __init__(self) -> None:
+        self._plugin: ServedDevices | None = None
+
+    def attach(self, plugin: ServedDevices) -> None:
+        self._plugin = plugin
+
+    def detach(self, plugin: ServedDevices) -> None:
+        if self._plugin is plugin:
+            self._plugin = None
+
+    @property
+    def running(self) -> bool:
+        return self._plugin is not None
+
+    def snapshot(self) -> DevicePluginSnapshot:
+        p = self._plugin
+        if p is None:
+            return DevicePluginSnapshot()
+        return DevicePluginSnapshot(tuple(p.served()), p.plugin_config, p.health())
+
+    def health(self) -> dict[int, bool]:
+        return self._plugin.health() if self._plugin is not None else {}
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        if self._plugin is not None:
+            await self._plugin.withdraw(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        if self._plugin is not None:
+            await self._plugin.update(inventory)
+
+
+class MetricsLink:
+    """The running metrics registry; what happens while none runs is not counted."""
+
+    def __init__(self) -> None:
+        self._sink: MetricsSink | None = None
+
+    def attach(self, sink: MetricsSink) -> None:
+        self._sink = sink
+
+    def detach(self, sink: MetricsSink) -> None:
+        if self._sink is sink:
+            self._sink = None
+
+    def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
+        if self._sink is not None:
+            self._sink.observe_reconcile(component, result, seconds)
+
+    def count_publish(self, result: Any) -> None:
+        if self._sink is not None:
+            self._sink.count_publish(result)
+
+
+@dataclass
+class Shared:
+    """Every link, owned by the daemon: components come and go with reloads, the links stay."""
+
+    device_plugin: DevicePluginLink = field(default_factory=DevicePluginLink)
+    metrics: MetricsLink = field(default_factory=MetricsLink)

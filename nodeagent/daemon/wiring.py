@@ -1,0 +1,92 @@
+"""Wiring of the real parts: the NVML adapter, the API client and the component specs of ``nodeagent run``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nodeagent.config import AgentConfig
+from nodeagent.daemon.files import read_config_files
+from nodeagent.daemon.supervisor import Component, ComponentSpec, Context, Daemon, GpuSource
+from nodeagent.hostpaths import HostPaths
+from nodeagent.sdnotify import Notifier
+
+
+def open_gpu(config: AgentConfig, paths: HostPaths) -> GpuSource:
+    """The NVML adapter (real, or the simulator with ``simulate.machine``)."""
+    from nodeagent.gpu import open_nvml
+
+    state = Path(config.simulate.state) if config.simulate.state else None
+    adapter: GpuSource = open_nvml(config.simulate.machine or None, state, paths)
+    return adapter
+
+
+def open_kube(config: AgentConfig) -> Any:
+    """The one ``KubeClient`` of the agent (kubeconfig, or the in-cluster service account)."""
+    from nodeagent.kube.client import KubeClient, connect
+
+    kubeconfig = Path(config.kubeconfig) if config.kubeconfig else None
+    return KubeClient(connect(kubeconfig))
+
+
+def default_specs() -> list[ComponentSpec]:
+    """The real parts of the node, in start order (the device plugin first: the others read it)."""
+
+    def device_plugin(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.deviceplugin import DevicePluginComponent
+
+        return DevicePluginComponent(ctx) if ctx.config.device_plugin.enabled else None
+
+    def mig(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.mig import MigComponent
+
+        if not ctx.config.mig.enabled or ctx.kube is None:
+            return None
+        return MigComponent(ctx)
+
+    def publisher(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.publisher import PublisherComponent
+
+        p = ctx.config.publish
+        if ctx.kube is None or not (p.labels or p.extended_resources or p.gpu_objects):
+            return None
+        return PublisherComponent(ctx)
+
+    def metrics(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.metrics import MetricsComponent
+
+        return MetricsComponent(ctx) if ctx.config.metrics.address else None
+
+    def runtime(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.runtime import RuntimeCheckComponent
+
+        return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
+
+    return [
+        ComponentSpec("device-plugin", frozenset({"device_plugin", "kubelet", "health"}), device_plugin),
+        ComponentSpec("mig", frozenset({"mig"}), mig),
+        ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
+        ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
+        ComponentSpec("runtime", frozenset({"runtime"}), runtime),
+    ]
+
+
+def build_daemon(
+    config: AgentConfig,
+    paths: HostPaths,
+    *,
+    reload_config: Callable[[], AgentConfig] | None = None,
+    notifier: Notifier | None = None,
+) -> Daemon:
+    """The daemon ``nodeagent run`` runs: the real GPU source, API client and components."""
+    return Daemon(
+        config,
+        paths,
+        gpu_factory=open_gpu,
+        kube_factory=open_kube,
+        specs=default_specs(),
+        reload_config=reload_config,
+        notifier=notifier,
+        read_files=read_config_files,
+    )
