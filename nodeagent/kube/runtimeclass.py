@@ -8,15 +8,14 @@ with a different handler is deleted and created again.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
-
-from nodeagent.kube.client import KubeClient, kube_error
+from nodeagent.errors import KubeError
+from nodeagent.kube.client import MERGE_PATCH, KubeClient
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "nodeagent"}
 Action = Literal["created", "updated", "replaced", "unchanged"]
+_PATH = "/apis/node.k8s.io/v1/runtimeclasses"
 
 
 def desired_classes(*, name: str = "nvidia", handler: str = "nvidia", cdi: bool = False,
@@ -28,43 +27,47 @@ def desired_classes(*, name: str = "nvidia", handler: str = "nvidia", cdi: bool 
     return out
 
 
-def _body(name: str, handler: str) -> k8s.V1RuntimeClass:
-    return k8s.V1RuntimeClass(
-        api_version="node.k8s.io/v1",
-        kind="RuntimeClass",
-        metadata=k8s.V1ObjectMeta(name=name, labels=dict(MANAGED_BY)),
-        handler=handler,
-    )
+def _body(name: str, handler: str) -> dict[str, Any]:
+    return {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+            "metadata": {"name": name, "labels": dict(MANAGED_BY)}, "handler": handler}
+
+
+def _read(kube: KubeClient, name: str) -> dict[str, Any] | None:
+    try:
+        return kube.request("GET", f"{_PATH}/{name}", action=f"read RuntimeClass {name}", subject=name)
+    except KubeError as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def _create(kube: KubeClient, name: str, handler: str) -> None:
+    kube.request("POST", _PATH, body=_body(name, handler), action=f"write RuntimeClass {name}", subject=name)
 
 
 def ensure_runtime_class(kube: KubeClient, name: str, handler: str) -> Action:
-    api = kube.node_api
-    try:
-        current = api.read_runtime_class(name)
-    except ApiException as e:
-        if e.status != 404:
-            raise kube_error(f"read RuntimeClass {name}", e, subject=name) from e
-        current = None
-    try:
-        if current is None:
-            try:
-                api.create_runtime_class(_body(name, handler))
-                return "created"
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-                current = api.read_runtime_class(name)  # created concurrently by another node
-        if current.handler != handler:
-            api.delete_runtime_class(name)
-            api.create_runtime_class(_body(name, handler))
-            return "replaced"
-        labels = (current.metadata.labels if current.metadata is not None else None) or {}
-        if any(labels.get(k) != v for k, v in MANAGED_BY.items()):
-            api.patch_runtime_class(name, {"metadata": {"labels": dict(MANAGED_BY)}})
-            return "updated"
-        return "unchanged"
-    except ApiException as e:
-        raise kube_error(f"write RuntimeClass {name}", e, subject=name) from e
+    current = _read(kube, name)
+    write = f"write RuntimeClass {name}"
+    if current is None:
+        try:
+            _create(kube, name, handler)
+            return "created"
+        except KubeError as e:
+            if e.status != 409:
+                raise
+            current = _read(kube, name)  # created concurrently by another node
+            if current is None:
+                raise
+    if current.get("handler") != handler:
+        kube.request("DELETE", f"{_PATH}/{name}", action=write, subject=name)
+        _create(kube, name, handler)
+        return "replaced"
+    labels = (current.get("metadata") or {}).get("labels") or {}
+    if any(labels.get(k) != v for k, v in MANAGED_BY.items()):
+        kube.request("PATCH", f"{_PATH}/{name}", body={"metadata": {"labels": dict(MANAGED_BY)}},
+                     content_type=MERGE_PATCH, action=write, subject=name)
+        return "updated"
+    return "unchanged"
 
 
 def ensure_runtime_classes(kube: KubeClient, classes: Mapping[str, str]) -> dict[str, Action]:

@@ -115,7 +115,12 @@ def main() -> None:
                 if server is not None:
                     t = time.monotonic()
                     set_label(server, node, "nvidia.com/mig.config", "all-3g.40gb")
-                    state = lambda: node_obj(server, node)["metadata"]["labels"].get("nvidia.com/mig.config.state")  # noqa: E731
+                    def state() -> str | None:
+                        assert server is not None
+                        found: str | None = node_obj(server, node)["metadata"]["labels"].get(
+                            "nvidia.com/mig.config.state")
+                        return found
+
                     eventually(lambda: state() in ("success", "failed"), 120, "terminal state")
                     figures["mig_change_s"] = round(time.monotonic() - t, 3)
                     figures["mig_change_state"] = state()

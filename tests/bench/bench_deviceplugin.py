@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -128,7 +129,7 @@ def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
         for size in range(1, 9):
             req = pb2.PreferredAllocationRequest(container_requests=[pb2.ContainerPreferredAllocationRequest(
                 available_deviceIDs=ids, must_include_deviceIDs=ids[3:4], allocation_size=size)])
-            out[str(size)] = ms(timed(lambda req=req: stub.GetPreferredAllocation(req, timeout=10), n, warmup=10))
+            out[str(size)] = ms(timed(functools.partial(stub.GetPreferredAllocation, req, timeout=10), n, warmup=10))
     return out
 
 

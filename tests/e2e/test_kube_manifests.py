@@ -169,13 +169,13 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
              "metadata": {"name": f"{node}-stale", "labels": {"nodeagent.io/node": node}},
              "spec": {"index": 9, "uuid": "GPU-gone", "nodeName": node}}
     kube_apiserver.request("DELETE", f"{gpus}/{node}-stale")
-    status, body = kube_apiserver.request("POST", gpus, stale)
-    assert status == 201, body
+    status, answer = kube_apiserver.request("POST", gpus, stale)
+    assert status == 201, answer
     rc = "/apis/node.k8s.io/v1/runtimeclasses/nvidia"
     kube_apiserver.request("DELETE", rc)
-    status, body = kube_apiserver.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", {
+    status, answer = kube_apiserver.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", {
         "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "wrong"})
-    assert status == 201, body
+    assert status == 201, answer
     kubeconfig = service_account_kubeconfig(kube_apiserver, tmp_path / "sa-kubeconfig")
     with node_root(kubelet_harness) as root:
         cfg = agent_config(root, kubeconfig).read_text().replace("[runtime]\nenabled = false\n", "")
@@ -193,14 +193,18 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
             eventually(lambda: json.loads(kube_apiserver.get(rc)[1]).get("handler") == "nvidia", 20,
                        "RuntimeClass nvidia replaced")
             eventually(lambda: kube_apiserver.get(f"{gpus}/{node}-stale")[0] == 404, 20, "stale GPU object deleted")
-            owned = lambda: json.loads(kube_apiserver.get(f"{gpus}?labelSelector=nodeagent.io/node={node}")[1])  # noqa: E731
+            def owned() -> dict[str, Any]:
+                found: dict[str, Any] = json.loads(
+                    kube_apiserver.get(f"{gpus}?labelSelector=nodeagent.io/node={node}")[1])
+                return found
+
             eventually(lambda: len(owned()["items"]) == 8 and all(o.get("status") for o in owned()["items"]), 20,
                        "8 GPU objects with status")
             set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
             eventually(lambda: labels().get("nvidia.com/mig.config.state") == "success", 60, "MIG state success")
-            status, body = kube_apiserver.get(f"/api/v1/namespaces/default/events?fieldSelector="
-                                              f"involvedObject.name={node}")
-            assert status == 200 and json.loads(body)["items"], body
+            status, answer = kube_apiserver.get(f"/api/v1/namespaces/default/events?fieldSelector="
+                                                f"involvedObject.name={node}")
+            assert status == 200 and json.loads(answer)["items"], answer
             log = agent.log()
             # an HTTP 403 anywhere in the log (not the digits of a timestamp's milliseconds, ",403")
             assert not re.search(r"(?<![,.\d])403(?!\d)", log) and "forbidden" not in log.lower(), log

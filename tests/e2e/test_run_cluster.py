@@ -98,7 +98,10 @@ def test_labels_mig_change_to_success_and_labels_survive_stop(
         eventually(lambda: node_obj(kube_apiserver, node)["metadata"].get("labels", {}).get("nvidia.com/gpu.count")
                    == "8", 15, "gpu.count label")
         set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
-        state = lambda: node_obj(kube_apiserver, node)["metadata"]["labels"].get("nvidia.com/mig.config.state")  # noqa: E731
+        def state() -> str | None:
+            found: str | None = node_obj(kube_apiserver, node)["metadata"]["labels"].get("nvidia.com/mig.config.state")
+            return found
+
         eventually(lambda: state() == "success", 60, "mig.config.state=success")
         _, res = kubelet_harness.wait("nvidia.com/mig-1g.10gb", registered=True, total=56, timeout=20)
         assert len(res.devices) == 56

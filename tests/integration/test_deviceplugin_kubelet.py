@@ -124,12 +124,13 @@ GPU_COUNT = {"dgx-a100-80gb": 8, "dgx-h100": 8, "a30x4": 4, "l4x2": 2}
 @pytest.mark.parametrize("machine", ["dgx-a100-80gb", "dgx-h100", "a30x4", "l4x2"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 async def test_registration_of_every_strategy(node_factory: Any, machine: str, strategy: str) -> None:
-    text, layouts = STRATEGIES[strategy]
+    text, declared = STRATEGIES[strategy]
+    layouts: Any = declared
     small = MIG_SMALL.get(machine)
     if strategy.startswith("mig") and small is None:
         layouts = None  # L4 has no MIG: both strategies serve whole GPUs
     elif layouts == "all":
-        layouts = {g: [small] * 2 for g in range(GPU_COUNT[machine])}  # type: ignore[list-item]
+        layouts = {g: [small] * 2 for g in range(GPU_COUNT[machine])}
     elif layouts and machine == "a30x4":
         layouts = {0: ["2g.12gb", "1g.6gb"], 1: ["1g.6gb"] * 4}
     node = await node_factory(machine, config(text), layouts=layouts)

@@ -164,11 +164,11 @@ async def test_async_node_updates(kube: KubeClient, node_name: str) -> None:
             if v.labels.get("nvidia.com/mig.config") == "all-balanced":
                 break
     finally:
-        await agen.aclose()
+        await agen.aclose()  # type: ignore[attr-defined]
     assert seen[-1].resource_version != first.resource_version
 
 
-class PodResourcesServer(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+class PodResourcesServer(pb_grpc.PodResourcesListerServicer):
     """A gRPC server in the test speaking the kubelet's PodResources v1 proto."""
 
     def __init__(self) -> None:
@@ -190,7 +190,7 @@ def podresources(tmp_path: Path) -> Iterator[tuple[PodResourcesServer, Path]]:
     sock.parent.mkdir()
     servicer = PodResourcesServer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_PodResourcesListerServicer_to_server(servicer, server)
+    pb_grpc.add_PodResourcesListerServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     server.add_insecure_port(f"unix://{sock}")
     server.start()
     yield servicer, sock

@@ -38,11 +38,13 @@ def test_create_then_unchanged_then_replace_handler(kube: KubeClient) -> None:
         assert classes == {name: "nvidia", cdi_name: "nvidia-cdi"}
         assert ensure_runtime_classes(kube, classes) == {name: "created", cdi_name: "created"}
         got = kube.node_api.read_runtime_class(name)
+        assert got.metadata is not None
         assert got.handler == "nvidia" and got.metadata.labels == MANAGED_BY
         assert kube.node_api.read_runtime_class(cdi_name).handler == "nvidia-cdi"
         version = got.metadata.resource_version
         assert ensure_runtime_classes(kube, classes) == {name: "unchanged", cdi_name: "unchanged"}
-        assert kube.node_api.read_runtime_class(name).metadata.resource_version == version
+        again = kube.node_api.read_runtime_class(name).metadata
+        assert again is not None and again.resource_version == version
 
         # labels lost by hand: patched back; a different handler (immutable) means delete + create
         kube.node_api.patch_runtime_class(name, {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}})

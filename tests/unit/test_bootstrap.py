@@ -50,7 +50,7 @@ class Node:
             self.labels = want
             return StepResult(Outcome.CHANGED)
 
-        base = {
+        base: dict[str, Any] = {
             "discover": lambda c, p: INV,
             "apply_mig": lambda c, p, inv, name: StepResult(Outcome.UNCHANGED, f"already {name}"),
             "configure_runtime": runtime,

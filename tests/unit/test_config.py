@@ -57,7 +57,7 @@ def test_example_uncommented_equals_defaults() -> None:
                 continue
             sub = f.default_factory
             if sub is not dataclasses.MISSING and dataclasses.is_dataclass(sub):
-                out |= names(sub)  # type: ignore[arg-type]
+                out |= names(sub)
             else:
                 out.add(f.name)
         return out
