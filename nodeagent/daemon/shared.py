@@ -59,10 +59,6 @@ class DevicePluginLink:
         if self._plugin is plugin:
             self._plugin = None
 
-    @property
-    def running(self) -> bool:
-        return self._plugin is not None
-
     def snapshot(self) -> DevicePluginSnapshot:
         p = self._plugin
         if p is None:

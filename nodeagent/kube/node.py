@@ -107,12 +107,6 @@ class NodeClient:
         rv = str((data.get("metadata") or {}).get("resourceVersion", ""))
         return (self._view(items[0]) if items else None), rv
 
-    def labels(self) -> dict[str, str]:
-        return dict(self.get().labels)
-
-    def annotations(self) -> dict[str, str]:
-        return dict(self.get().annotations)
-
     # writes -----------------------------------------------------------------------------------
     def patch_metadata(
         self,
@@ -235,9 +229,6 @@ class NodeClient:
 
     async def apatch_labels(self, changes: Mapping[str, str | None]) -> NodeView | None:
         return await asyncio.to_thread(self.patch_labels, changes)
-
-    async def apatch_status(self, ops: list[dict[str, Any]]) -> NodeView | None:
-        return await asyncio.to_thread(self.patch_status, ops)
 
     async def acreate_event(
         self, reason: str, message: str, type: str = "Normal", action: str | None = None

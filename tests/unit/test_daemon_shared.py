@@ -1,0 +1,112 @@
+"""The typed links between daemon components (``ctx.shared``): a reader sees the running device plugin and
+metrics registry, nothing while none runs, and a reload that replaces one never leaves the old one linked."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from nodeagent.config import AgentConfig, DevicePluginSettings
+from nodeagent.daemon import Component, ComponentSpec, Context, Daemon
+from nodeagent.daemon.shared import DevicePluginLink, MetricsLink
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+from nodeagent.sdnotify import Notifier
+from tests.unit.test_daemon import Gpus, wait_for
+
+
+class FakePlugin(Component):
+    """Publishes through ``ctx.shared.device_plugin`` like the real device-plugin component."""
+
+    name = "dp"
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+        self.withdrawn: list[set[int]] = []
+        self.updates = 0
+        self._ctx: Context | None = None
+
+    @property
+    def plugin_config(self) -> Any:
+        return f"config-{self.tag}"
+
+    def served(self) -> list[str]:
+        return [f"nvidia.com/{self.tag}"]
+
+    def health(self) -> dict[int, bool]:
+        return {0: True, 1: False}
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        self.withdrawn.append(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        self.updates += 1
+
+    async def start(self, ctx: Context) -> None:
+        self._ctx = ctx
+        ctx.shared.device_plugin.attach(self)
+
+    async def stop(self) -> None:
+        assert self._ctx is not None
+        self._ctx.shared.device_plugin.detach(self)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, float]] = []
+        self.publishes: list[Any] = []
+
+    def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
+        self.seen.append((component, result, seconds))
+
+    def count_publish(self, result: Any) -> None:
+        self.publishes.append(result)
+
+
+async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -> None:
+    plugins = [FakePlugin("a")]
+    spec = ComponentSpec("dp", frozenset({"device_plugin"}), lambda ctx: plugins[-1])
+    configs = [AgentConfig()]
+    d = Daemon(AgentConfig(), HostPaths(Path("/")), gpu_factory=lambda c, p: Gpus(), specs=[spec],
+               notifier=Notifier({}), reload_config=lambda: configs[-1], ready_fallback=0.1)
+    task = asyncio.create_task(d.run(install_signals=False))
+    try:
+        await wait_for(lambda: d._ready_sent)
+        link = d.ctx.shared.device_plugin
+        snap = link.snapshot()
+        assert (snap.served, snap.plugin_config, dict(snap.health)) == (("nvidia.com/a",), "config-a",
+                                                                         {0: True, 1: False})
+        await link.withdraw({1})
+        assert plugins[0].withdrawn == [{1}]
+        # a reload rebuilds the device plugin: readers see the new one, the old one is unlinked
+        plugins.append(FakePlugin("b"))
+        configs.append(AgentConfig(device_plugin=DevicePluginSettings(config="/etc/dp.yaml")))
+        await d.reload()
+        assert link.snapshot().served == ("nvidia.com/b",)
+        link.detach(plugins[0])  # a late detach of the old plugin does not unlink the new one
+        assert link.snapshot().plugin_config == "config-b"
+        assert d.ctx.shared is d.shared  # the links outlive reloads
+    finally:
+        d.request_stop()
+        await asyncio.wait_for(task, 5)
+    assert link.snapshot().served == () and link.health() == {}
+
+
+async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
+    dp = DevicePluginLink()
+    assert dp.snapshot().served == () and dp.snapshot().plugin_config is None and dp.health() == {}
+    await dp.withdraw({0})  # nobody serves: nothing to withdraw, no error
+    await dp.update(Inventory("550.54.15", 12040, ()))
+    metrics = MetricsLink()
+    metrics.observe_reconcile("mig", "success", 1.0)  # dropped: no registry runs
+    sink = Sink()
+    metrics.attach(sink)
+    metrics.observe_reconcile("mig", "success", 2.0)
+    metrics.count_publish("res")
+    metrics.detach(Sink())  # another sink's detach changes nothing
+    metrics.observe_reconcile("mig", "failed", 3.0)
+    metrics.detach(sink)
+    metrics.observe_reconcile("mig", "failed", 4.0)
+    assert sink.seen == [("mig", "success", 2.0), ("mig", "failed", 3.0)] and sink.publishes == ["res"]
