@@ -54,7 +54,8 @@ class StepReport:
     exit_code: int = 0  # the error's exit code when failed
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"step": self.name, "result": self.outcome.value, "seconds": round(self.seconds, 3)}
+        d: dict[str, Any] = {"step": self.name, "result": self.outcome.value,
+                             "seconds": round(self.seconds, 3)}
         if self.reason:
             d["reason"] = self.reason
         if self.details:
@@ -271,7 +272,8 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
     sim_state = Path(config.simulate.state) if config.simulate.state else None
     adapter = open_nvml(config.simulate.machine or None, sim_state, paths)
     try:
-        pipeline = MigPipeline(adapter, sources, state=MigStateFile(paths.mig_state_dir), proc_root=paths.proc)
+        pipeline = MigPipeline(adapter, sources, state=MigStateFile(paths.mig_state_dir),
+                               proc_root=paths.proc)
         # an apply interrupted earlier (a killed agent) is resolved before the real plan: every GPU it left
         # half-changed goes back to its previous layout; a failure there fails the step (exit 1)
         prepared = pipeline.prepare(name)
@@ -280,7 +282,8 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
             log.warning("%s", recovery.describe())
         if prepared.plan.applied:
             if recovery is not None and recovery.restored:
-                return StepResult(Outcome.CHANGED, f"MIG config {name} already applied; {recovery.describe()}",
+                return StepResult(Outcome.CHANGED,
+                                  f"MIG config {name} already applied; {recovery.describe()}",
                                   {"gpus": list(recovery.restored), "recovered": recovery.describe()})
             return StepResult(Outcome.UNCHANGED, f"MIG config {name} already applied")
         result = pipeline.apply(prepared.plan, prepared.inventory)
@@ -325,7 +328,8 @@ def _ensure_runtimeclass(kube: Any, config: AgentConfig) -> StepResult:
     changed = {k: v for k, v in done.items() if v != "unchanged"}
     if not changed:
         return StepResult(Outcome.UNCHANGED, details=dict(done))
-    return StepResult(Outcome.CHANGED, ", ".join(f"RuntimeClass {k} {v}" for k, v in changed.items()), dict(done))
+    return StepResult(Outcome.CHANGED, ", ".join(f"RuntimeClass {k} {v}" for k, v in changed.items()),
+                      dict(done))
 
 
 def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory: Inventory) -> StepResult:
@@ -334,7 +338,8 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
     from nodeagent.sharing.spec import load_plugin_config
 
     node_name = config.resolved_node_name()
-    plugin_config = load_plugin_config(paths(config.device_plugin.config)) if config.device_plugin.config else None
+    dp_config = config.device_plugin.config
+    plugin_config = load_plugin_config(paths(dp_config)) if dp_config else None
     publisher = NodePublisher(
         kube, node_name,
         PublisherConfig(labels=True, extended_resources=False, gpu_objects=False, events=False),
@@ -343,7 +348,8 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
         res = publisher.publish(inventory, (), plugin_config)
     except KubeError as e:
         if getattr(e, "status", None) == 404:
-            return StepResult(Outcome.SKIPPED, f"node {node_name} is not registered yet; the agent labels it later")
+            return StepResult(Outcome.SKIPPED,
+                              f"node {node_name} is not registered yet; the agent labels it later")
         raise
     finally:
         publisher.close()
@@ -375,7 +381,8 @@ def _record_event(kube: Any, config: AgentConfig, component: str, message: str, 
         return None
     if not EventRecorder(node).reconfigured(component, message, ok=ok):
         return None
-    reasons = {"runtime": (RUNTIME_CONFIGURED, RUNTIME_CONFIGURE_FAILED), "mig": (MIG_RECONFIGURED, MIG_RECONFIGURE_FAILED)}
+    reasons = {"runtime": (RUNTIME_CONFIGURED, RUNTIME_CONFIGURE_FAILED),
+               "mig": (MIG_RECONFIGURED, MIG_RECONFIGURE_FAILED)}
     good, bad = reasons.get(component, (component, component))
     return good if ok else bad
 

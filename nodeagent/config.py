@@ -263,7 +263,8 @@ def parse_config(text: str, where: str) -> AgentConfig:
     return dataclasses.replace(cfg, source=where)
 
 
-def apply_overrides(cfg: AgentConfig, overrides: Mapping[str, Any], where: str = "command line") -> AgentConfig:
+def apply_overrides(cfg: AgentConfig, overrides: Mapping[str, Any],
+                    where: str = "command line") -> AgentConfig:
     """A copy of ``cfg`` with dotted keys replaced; ``None`` values mean "not given" and are skipped."""
     tree: dict[str, Any] = {}
     for dotted, value in overrides.items():

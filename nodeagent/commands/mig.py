@@ -30,7 +30,8 @@ def _config_options(f: F) -> F:
     f = click.option("-c", "--selected-config", "selected", envvar="MIG_PARTED_SELECTED_CONFIG", default=None,
                      help="Name of the config in the file (optional when it holds one).")(f)
     return click.option("-f", "--config-file", "config_file", envvar="MIG_PARTED_CONFIG_FILE", default=None,
-                        help="mig-parted v1 config file, '-' for stdin; default: generated standard configs.")(f)
+                        help="mig-parted v1 config file, '-' for stdin; "
+                             "default: generated standard configs.")(f)
 
 
 @contextlib.contextmanager
@@ -71,7 +72,8 @@ def plan_cmd(ctx: click.Context, config_file: str | None, selected: str | None, 
 @click.option("--hooks-file", "hooks_file", envvar="MIG_PARTED_HOOKS_FILE", default=None,
               type=click.Path(dir_okay=False, path_type=Path), help="mig-parted hooks file.")
 @click.pass_context
-def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None, hooks_file: Path | None) -> None:
+def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
+              hooks_file: Path | None) -> None:
     """Apply a config: only GPUs that differ change; on failure every touched GPU is restored.
 
     A MIG apply interrupted earlier (an agent or command killed midway) is resolved first: every GPU it

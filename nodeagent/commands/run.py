@@ -24,7 +24,8 @@ from nodeagent.logs import setup_logging
 @click.option("--kubelet-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Kubelet root directory (default /var/lib/kubelet).")
 @click.option("--pod-resources-socket", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Kubelet PodResources API socket (default: pod-resources/kubelet.sock below the kubelet dir).")
+              help="Kubelet PodResources API socket "
+                   "(default: pod-resources/kubelet.sock below the kubelet dir).")
 @click.option("--device-plugin-config", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="NVIDIA device-plugin config file (version: v1).")
 @click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")

@@ -160,7 +160,8 @@ def inject_lost(ctx: click.Context, gpu: int) -> None:
 @click.option("--used-mib", type=int, default=1024, show_default=True)
 @click.option("--gi", "gi_id", type=int, default=None, help="Run inside this GPU instance.")
 @click.pass_context
-def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: int, gi_id: int | None) -> None:
+def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: int,
+                   gi_id: int | None) -> None:
     """A process running on a GPU (blocks MIG changes and resets with IN_USE)."""
     from nodeagent.gpu.sim import inject
 
@@ -195,7 +196,8 @@ def inject_recover(ctx: click.Context, gpu: int | None) -> None:
 
 @inject_group.command("fail-next")
 @gpu_options
-@click.option("--function", "function", required=True, help="NVML function, e.g. nvmlDeviceCreateGpuInstance.")
+@click.option("--function", "function", required=True,
+              help="NVML function, e.g. nvmlDeviceCreateGpuInstance.")
 @click.option("--code", required=True, help="NVML error number or name, e.g. 23 or INSUFFICIENT_RESOURCES.")
 @click.option("--count", type=int, default=1, show_default=True, help="How many calls fail.")
 @click.option("--after", type=int, default=0, show_default=True, help="Let this many calls succeed first.")

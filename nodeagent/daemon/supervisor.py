@@ -284,7 +284,8 @@ class Daemon:
             fds = len(os.listdir("/proc/self/fd"))
         except OSError:
             fds = -1
-        return {"tasks": len(tasks), "threads": threading.active_count(), "fds": fds, "task_kinds": dict(kinds)}
+        return {"tasks": len(tasks), "threads": threading.active_count(), "fds": fds,
+                "task_kinds": dict(kinds)}
 
     def log_diagnostics(self) -> None:
         d = self.diagnostics()
@@ -478,7 +479,8 @@ class Daemon:
                 _, pending = await asyncio.wait(gates, timeout=self._ready_fallback)
                 if pending:
                     log.warning(
-                        "not registered with the kubelet after %.0fs; reporting ready anyway", self._ready_fallback
+                        "not registered with the kubelet after %.0fs; reporting ready anyway",
+                        self._ready_fallback,
                     )
         finally:
             for g in gates:
@@ -603,7 +605,8 @@ def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = T
         loop.close()
     stragglers = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if stragglers and exit_hard:
-        log.warning("exiting with %d blocked thread(s): %s", len(stragglers), ", ".join(t.name for t in stragglers))
+        log.warning("exiting with %d blocked thread(s): %s", len(stragglers),
+                    ", ".join(t.name for t in stragglers))
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

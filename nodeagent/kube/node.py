@@ -92,7 +92,8 @@ class NodeClient:
 
     # reads ------------------------------------------------------------------------------------
     def get(self) -> NodeView:
-        return self._view(self.kube.request("GET", self.path, action=f"read node {self.name}", subject=self.name))
+        return self._view(self.kube.request("GET", self.path, action=f"read node {self.name}",
+                                            subject=self.name))
 
     def list_one(self) -> tuple[NodeView | None, str]:
         """List with a field selector for this node only: (the node or None, list resourceVersion)."""
@@ -548,7 +549,8 @@ class NodeWatchHub:
         with self._lock:
             return len(self._watches)
 
-    def subscribe(self, node: NodeClient, on_node: Callable[[NodeView], None], **kwargs: Any) -> NodeSubscription:
+    def subscribe(self, node: NodeClient, on_node: Callable[[NodeView], None],
+                  **kwargs: Any) -> NodeSubscription:
         key = (node.kube, node.name)
         with self._lock:
             shared = self._watches.get(key)

@@ -307,7 +307,8 @@ class NodePublisher:
             recent = [t for t in self._reapplies if now - t < 60.0]
             if len(recent) >= self.reapply_per_minute:
                 # something keeps resetting our values: do not fight it faster than this
-                log.warning("node %s keeps losing values nodeagent set; next resync re-applies", self.node.name)
+                log.warning("node %s keeps losing values nodeagent set; next resync re-applies",
+                            self.node.name)
                 return
             self._reapplies = [*recent, now]
             log.info("node %s lost values nodeagent set; re-applying", self.node.name)

@@ -58,7 +58,8 @@ def parse_hooks(text: str, source: str = "<hooks>") -> Hooks:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {getattr(e, 'problem', None) or e}", subject=source) from e
+        problem = getattr(e, "problem", None) or e
+        raise ConfigError(f"{source}: not valid YAML: {problem}", subject=source) from e
     return load_hooks(doc, source)
 
 
@@ -76,7 +77,8 @@ def load_hooks(doc: Any, source: str = "<hooks>") -> Hooks:
     out: dict[str, tuple[Hook, ...]] = {}
     for name, items in raw.items():
         if name not in HOOK_NAMES:
-            raise ConfigError(f"{source}: unknown hook {name!r} (known: {', '.join(HOOK_NAMES)})", subject=source)
+            raise ConfigError(f"{source}: unknown hook {name!r} (known: {', '.join(HOOK_NAMES)})",
+                              subject=source)
         if items is None:
             items = []
         if not isinstance(items, list):
@@ -109,7 +111,8 @@ def _hook(raw: Any, here: str) -> Hook:
 class HookRunner:
     """Runs hooks by name with the mig-parted environment; a failing hook raises ``OperationError``."""
 
-    def __init__(self, hooks: Hooks | None, env: Mapping[str, str], timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, hooks: Hooks | None, env: Mapping[str, str],
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.hooks = hooks or Hooks()
         self.env = dict(env)
         self.timeout_s = timeout_s

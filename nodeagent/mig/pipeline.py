@@ -52,12 +52,11 @@ def load_sources(
     config_key: str = "-f",
     hooks_key: str = "--hooks-file",
     config_optional: bool = False,
-    shown_config: str | None = None,
-    shown_hooks: str | None = None,
 ) -> MigSources:
     """Read and parse the MIG config file (``-`` = stdin; None = generated standard configs) and the hooks
     file. ``config_optional``: a missing config file means the standard configs (the default
-    ``mig.config_file``). ``shown_*``: the names the hooks see (the path as configured, not under --root)."""
+    ``mig.config_file``). The hooks see the paths that were read (under ``--root``), "" for generated
+    configs."""
     configs: MigConfigFile | None = None
     text = ""
     if config_path == STDIN:
@@ -80,8 +79,8 @@ def load_sources(
     return MigSources(
         configs,
         hooks,
-        config_file=shown_config if shown_config is not None else str(config_path or ""),
-        hooks_file=shown_hooks if shown_hooks is not None else str(hooks_path or ""),
+        config_file=str(config_path) if configs is not None else "",
+        hooks_file=str(hooks_path or ""),
         digest=digest,
     )
 
@@ -95,8 +94,6 @@ def load_configured_sources(settings: MigSettings, paths: HostPaths) -> MigSourc
         config_key="mig.config_file",
         hooks_key="mig.hooks_file",
         config_optional=settings.config_file == MigSettings().config_file,
-        shown_config=settings.config_file,
-        shown_hooks=settings.hooks_file,
     )
 
 

@@ -49,7 +49,8 @@ class GpuPlan:
         steps: list[str] = []
         if self.destroy:
             steps.append("destroy " + ", ".join(
-                f"{d.profile}@{d.placement_start} (GI {d.gi_id}{', no compute instance' if d.ci_id < 0 else ''})"
+                f"{d.profile}@{d.placement_start} "
+                f"(GI {d.gi_id}{', no compute instance' if d.ci_id < 0 else ''})"
                 for d in self.destroy))
         if self.mode is not None:
             steps.append("enable MIG mode" if self.mode else "disable MIG mode")
@@ -65,7 +66,8 @@ class GpuPlan:
             "uuid": self.uuid,
             "changes": self.changes,
             "mode": self.mode,
-            "destroy": [{"profile": d.profile, "start": d.placement_start, "gi_id": d.gi_id} for d in self.destroy],
+            "destroy": [{"profile": d.profile, "start": d.placement_start, "gi_id": d.gi_id}
+                        for d in self.destroy],
             "keep": [{"profile": d.profile, "start": d.placement_start, "gi_id": d.gi_id} for d in self.keep],
             "create": [{"profile": s.profile, "start": s.start} for s in self.create],
         }
@@ -110,7 +112,8 @@ def plan_gpu(gpu: Gpu, desired: Desired) -> GpuPlan:
     existing = tuple(sorted(gpu.mig_devices, key=lambda d: (d.placement_start, d.gi_id)))
     # GPU instances without a compute instance (left by an interrupted create or destroy) serve nobody
     # and hold memory slices: they are always destroyed, never kept.
-    bare = tuple(sorted(gpu.bare_gpu_instances, key=lambda d: (d.placement_start, d.gi_id))) if current else ()
+    bare = (tuple(sorted(gpu.bare_gpu_instances, key=lambda d: (d.placement_start, d.gi_id)))
+            if current else ())
     if not desired.enabled:
         if not current and not pending:
             return base

@@ -130,7 +130,8 @@ class MigReconciler:
         self.proc_root = proc_root
         self.on_inventory = on_inventory
         self.on_result = on_result  # (state written, seconds taken) after each reconcile, e.g. for metrics
-        self.pod_name = pod_name  # pod UID → "namespace/name" for busy-GPU refusals (blocking; worker thread)
+        # pod UID → "namespace/name" for busy-GPU refusals (blocking; called in a worker thread)
+        self.pod_name = pod_name
         self.last_key: tuple[str, str] | None = None
         self.last_state: str | None = None
         self.last_plan: Plan | None = None
@@ -214,7 +215,8 @@ class MigReconciler:
         except Exception as e:  # never leave the node in pending, whatever broke
             log.exception("mig: unexpected error applying %s", name)
             self.state.update(phase=FAILED, error=repr(e))
-            await self._event("MigConfigFailed", f"MIG config {name!r} failed: internal error {e!r}", "Warning")
+            await self._event("MigConfigFailed", f"MIG config {name!r} failed: internal error {e!r}",
+                              "Warning")
             await self._set_state(FAILED)
             return FAILED
         self.state.update(phase=SUCCESS, error=None)
@@ -259,9 +261,9 @@ class MigReconciler:
         inventory = await asyncio.to_thread(self.adapter.discover)
         if not name:
             known = ", ".join(sources.configs_for(inventory).names)
-            raise ConfigError(f"label {CONFIG_LABEL} has the empty value '': set it to the name of a MIG config "
-                              f"(known: {known})", subject=CONFIG_LABEL)
-        _, the_plan = pipeline.plan(name, inventory)  # unknown name, bad layout → ConfigError, nothing touched
+            raise ConfigError(f"label {CONFIG_LABEL} has the empty value '': set it to the name of a MIG "
+                              f"config (known: {known})", subject=CONFIG_LABEL)
+        _, the_plan = pipeline.plan(name, inventory)  # unknown name, bad layout: ConfigError, nothing touched
         self.last_plan = the_plan
         if the_plan.applied:
             return SUCCESS, f"MIG config {name} is applied (no GPU needed a change)"

@@ -146,7 +146,8 @@ def test_a_server_that_always_answers_410_is_relisted_with_back_off() -> None:
 
 
 def test_events_in_a_short_lived_watch_do_not_reset_the_back_off() -> None:
-    flapping = [ScriptedStream([{"type": "MODIFIED", "object": node(str(101 + i))}, UNAVAILABLE]) for i in range(4)]
+    flapping = [ScriptedStream([{"type": "MODIFIED", "object": node(str(101 + i))}, UNAVAILABLE])
+                for i in range(4)]
     backoff = CountingBackoff()
     _, w = run_with(flapping, backoff)
     assert w.errors == 4

@@ -15,7 +15,14 @@ from nodeagent.errors import ConfigError
 from nodeagent.gpu import open_nvml
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
-from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources, plan_config, unselected_mig_gpus
+from nodeagent.mig.pipeline import (
+    MigPipeline,
+    MigSources,
+    load_configured_sources,
+    load_sources,
+    plan_config,
+    unselected_mig_gpus,
+)
 from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions
 from tests.unit.test_mig_cli import run
 
@@ -46,10 +53,12 @@ def test_missing_hooks_file_is_exit_2_from_the_cli_and_changes_nothing(
     assert code == 2 and "MIG hooks file (--hooks-file) not found" in err
 
 
-def test_missing_config_file_is_exit_2_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_config_file_is_exit_2_from_the_cli(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.yaml"
     for command in ("plan", "apply", "assert"):
-        code, _, err = run(capsys, "--root", str(tmp_path), "mig", command, *sim_args(tmp_path), "-f", str(missing))
+        code, _, err = run(capsys, "--root", str(tmp_path), "mig", command, *sim_args(tmp_path),
+                           "-f", str(missing))
         assert (code, err) == (2, f"error: {missing}: MIG config file (-f) not found\n"), command
 
 
@@ -107,7 +116,8 @@ def test_assert_fails_when_the_config_leaves_mig_gpus_unselected(
     assert (code, out.strip()) == (0, "config all-off is applied")
 
 
-def test_an_index_the_node_lacks_is_refused_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_index_the_node_lacks_is_refused_exit_2(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "c.yaml"
     f.write_text(MISSING_INDEX)
     for command in ("plan", "apply", "assert"):
@@ -138,3 +148,31 @@ def _write(tmp_path: Path, text: str) -> Path:
     f = tmp_path / "cfg.yaml"
     f.write_text(text)
     return f
+
+
+HOOKS = "version: v1\nhooks:\n  apply-start:\n  - workdir: /\n    command: /bin/true\n"
+
+
+def test_hooks_see_the_files_that_were_read(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path / "root")
+    hooks = paths("/etc/nodeagent/hooks.yaml")
+    hooks.parent.mkdir(parents=True)
+    hooks.write_text(HOOKS)
+    settings = apply_overrides(AgentConfig(), {"mig.hooks_file": "/etc/nodeagent/hooks.yaml"}).mig
+    adapter = open_nvml("a30x4", tmp_path / "sim.json", paths)
+    try:
+        # the default config file is absent: generated configs, so no MIG_PARTED_CONFIG_FILE to read
+        sources = load_configured_sources(settings, paths)
+        pipeline = MigPipeline(adapter, sources)
+        runner = pipeline.hook_runner(pipeline.plan("all-balanced")[1])
+        assert runner is not None
+        env = runner.env
+        assert env["MIG_PARTED_CONFIG_FILE"] == "" and env["MIG_PARTED_HOOKS_FILE"] == str(hooks)
+        assert env["NODEAGENT_MIG_GPUS"] == "0,1,2,3" and env["MIG_PARTED_SELECTED_CONFIG"] == "all-balanced"
+        cfg = paths("/etc/nodeagent/mig-config.yaml")
+        cfg.write_text(ALL_OFF)
+        sources = load_configured_sources(settings, paths)
+        assert sources.config_file == str(cfg) and sources.configs is not None
+        assert sources.configs.names == ("all-off",)
+    finally:
+        adapter.close()

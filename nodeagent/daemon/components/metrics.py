@@ -57,9 +57,9 @@ class MetricsComponent(Component):
         except OSError as e:
             why = e.strerror or str(e)
             if why != self._bind_error:
-                log.error("metrics: cannot listen on %s: %s; running without the metrics endpoint (retried at "
-                          "every resync; set [metrics] address to another HOST:PORT, or \"\" for none)",
-                          address, why)
+                log.error("metrics: cannot listen on %s: %s; running without the metrics endpoint "
+                          "(retried at every resync; set [metrics] address to another HOST:PORT, "
+                          "or \"\" for none)", address, why)
             self._bind_error = why
             self._ctx.set_status(self.name, f"cannot listen on {address}: {why}")
             return

@@ -61,7 +61,8 @@ class PublisherComponent(Component):
                 continue
             dp = self._ctx.shared.device_plugin.snapshot()
             try:
-                res = await self.publisher.apublish(inv, dp.served, dp.plugin_config, health=dp.health or None)
+                res = await self.publisher.apublish(inv, dp.served, dp.plugin_config,
+                                                    health=dp.health or None)
                 if not watching:
                     await asyncio.to_thread(self.publisher.start_watch)
                     watching = True

@@ -48,7 +48,8 @@ class RuntimeCheckComponent(Component):
         if drift != self.drift:
             if drift:
                 files = ", ".join(f.path for f in result.files if f.action != "unchanged")
-                log.warning("containerd is not wired for the NVIDIA runtime (%s); run `nodeagent bootstrap`", files)
+                log.warning("containerd is not wired for the NVIDIA runtime (%s); run `nodeagent bootstrap`",
+                            files)
             else:
                 log.info("containerd carries the NVIDIA runtime")
         self.drift = drift
