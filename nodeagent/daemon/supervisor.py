@@ -529,11 +529,24 @@ class Daemon:
             log.info("reload: config unchanged")
             return
         log.info("reload: changed %s", ", ".join(sorted(changed)))
+        opened: tuple[GpuSource, Any] | None = None
+        if changed & GLOBAL_SECTIONS:
+            # Another machine, cluster or node: open the new GPU source and API client before anything
+            # stops, so a reload that cannot open them changes nothing either.
+            try:
+                opened = self._open_sources(new)
+            except Exception as e:
+                if isinstance(e, NodeAgentError):
+                    log.error("reload rejected, keeping the running config: %s", e)
+                else:
+                    log.exception("reload rejected, keeping the running config")
+                self.set_status("config", f"reload rejected: {e}")
+                return
         self.config, self.files = new, files
         if changed & {"log_format", "log_level"}:
             setup_logging(new.log_format, new.log_level)
-        if changed & GLOBAL_SECTIONS:
-            await self._rebuild_all()
+        if opened is not None:
+            await self._rebuild_all(*opened)
         else:
             if "resync_interval" in changed:
                 self._schedule_core_jobs()
@@ -543,17 +556,23 @@ class Daemon:
                     await self._start_slot(slot)
         self.request_resync()
 
-    async def _rebuild_all(self) -> None:
+    def _open_sources(self, config: AgentConfig) -> tuple[GpuSource, Any]:
+        gpu = self._gpu_factory(config, self.paths)
+        try:
+            kube = self._kube_factory(config) if self._kube_factory and config.kube else None
+        except BaseException:
+            _close(gpu)
+            raise
+        return gpu, kube
+
+    async def _rebuild_all(self, gpu: GpuSource, kube: Any) -> None:
         for slot in reversed(self._slots):
             await self._stop_slot(slot)
-        close = getattr(self.gpu, "close", None)
-        if callable(close):
-            close()
+        _close(self.gpu)
         if self.kube is not None:
-            self.kube.close()
+            _close(self.kube)
         self.node_name = self.config.resolved_node_name()
-        self.gpu = self._gpu_factory(self.config, self.paths)
-        self.kube = self._kube_factory(self.config) if self._kube_factory and self.config.kube else None
+        self.gpu, self.kube = gpu, kube
         self.inventory = None
         await self._discover()
         self._schedule_core_jobs()
@@ -569,6 +588,14 @@ class Daemon:
         exc = task.exception()
         if exc is not None:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+
+def _close(source: Any) -> None:
+    """Close a GPU source or API client that is being replaced; a failure there changes nothing anymore."""
+    close = getattr(source, "close", None)
+    if callable(close):
+        with contextlib.suppress(Exception):
+            close()
 
 
 TRIM_AFTER_READY_S = 5.0  # start-up publishing has settled by then

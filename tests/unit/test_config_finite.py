@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import AgentConfig, load_config, parse_config
-from nodeagent.errors import ConfigError
+from nodeagent.config import AgentConfig, SimulateSettings, load_config, parse_config
+from nodeagent.daemon import ComponentSpec, Daemon
+from nodeagent.errors import ConfigError, InputError
 from nodeagent.hostpaths import HostPaths
 from nodeagent.sdnotify import Notifier
-from tests.unit.test_daemon import Recorder, drain, make, wait_for
+from tests.unit.test_daemon import Gpus, Recorder, drain, make, wait_for
 from tests.unit.test_daemon import notify as notify  # the fixture
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +94,49 @@ async def test_reload_is_all_or_nothing_and_always_ends_ready(
         await d.reload()
         assert d.config.resync_interval == 45 and "reload rejected" not in d.status_line()
         assert sent(s)[-1].startswith(b"READY=1")
+        assert [x.split()[0] for x in log if x.startswith(("start", "stop"))] == ["start", "stop", "start"]
+    finally:
+        d.request_stop()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_reload_that_cannot_open_the_new_gpu_source_or_api_changes_nothing(
+        notify: tuple[socket.socket, Notifier]) -> None:
+    s, n = notify
+    opened: list[str] = []
+
+    def gpu_factory(config: AgentConfig, paths: HostPaths) -> Gpus:
+        if config.simulate.machine == "nope":
+            raise InputError("unknown machine 'nope'")
+        opened.append(config.simulate.machine)
+        return Gpus()
+
+    def kube_factory(config: AgentConfig) -> object:
+        if config.kubeconfig == "/broken":
+            raise ConfigError("/broken: not a kubeconfig")
+        return None
+
+    configs = [AgentConfig(simulate=SimulateSettings(machine="a30x4"))]
+    log: list[str] = []
+    d = Daemon(configs[0], HostPaths(Path("/")), gpu_factory=gpu_factory, kube_factory=kube_factory,
+               specs=[ComponentSpec("c", frozenset(), lambda ctx: Recorder("c", log))], notifier=n,
+               reload_config=lambda: configs[-1], ready_fallback=5)
+    task = asyncio.create_task(d.run(install_signals=False))
+    try:
+        await wait_for(lambda: d._ready_sent)
+        gpu_before = d.gpu
+        for bad in (AgentConfig(simulate=SimulateSettings(machine="nope")),
+                    AgentConfig(simulate=SimulateSettings(machine="l4x2"), kubeconfig="/broken")):
+            configs.append(bad)
+            sent(s)
+            await d.reload()
+            assert sent(s)[-1].startswith(b"READY=1")
+            assert d.config == configs[0] and d.gpu is gpu_before and "reload rejected" in d.status_line()
+            assert [x.split()[0] for x in log if x.startswith(("start", "stop"))] == ["start"]
+        assert opened == ["a30x4", "l4x2"]  # the second try opened the GPU source, then closed it again
+        configs.append(AgentConfig(simulate=SimulateSettings(machine="l4x2")))
+        await d.reload()
+        assert d.config.simulate.machine == "l4x2" and d.gpu is not gpu_before
         assert [x.split()[0] for x in log if x.startswith(("start", "stop"))] == ["start", "stop", "start"]
     finally:
         d.request_stop()
