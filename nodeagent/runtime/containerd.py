@@ -165,7 +165,7 @@ def detect_template(text: str, source: str) -> tuple[Template, int] | None:
         return next((i for i, ln in enumerate(lines, 1) if rx.search(ln)), None)
 
     name = source.rsplit("/", 1)[-1]
-    jinja = first(r"\{%|\{#")
+    jinja = first(r"\{%|(?<!\{)\{#")
     if jinja is not None or name.endswith((".j2", ".jinja", ".jinja2")):
         return _JINJA, jinja or first(r"\{\{") or 1
     handlebars = first(r"\{\{\s*[#/^]|\{\{\s*else\s*\}\}|\{\{\{|\{\{\s*[A-Za-z_][\w-]*\.[\w.-]+\s*\}\}")

@@ -69,6 +69,24 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def test_deb_builds_from_a_fresh_clone(tmp_path: Path) -> None:
+    """README "Bare metal": `bash packaging/build-deb.sh` in a fresh clone (no .venv, no test run first)."""
+    need("dpkg-deb", "dpkg")
+    git = need("git", "git")
+    clone = tmp_path / "clone"
+    subprocess.run([git, "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
+    assert not (clone / ".venv").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("NODEAGENT_BUILD_PYTHON", "VIRTUAL_ENV")}
+    proc = subprocess.run(["bash", "packaging/build-deb.sh"], cwd=clone, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    deb = Path(proc.stdout.strip().splitlines()[-1])
+    assert deb.parent == clone / "dist" and deb.exists()
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    assert "./opt/nodeagent/bin/nodeagent" in listing and "./lib/systemd/system/nodeagent.service" in listing
+    assert not (clone / ".venv").exists()
+
+
 def dpkg(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["dpkg", f"--root={root}", "--force-script-chrootless", "--force-depends", *args],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": os.environ["PATH"]

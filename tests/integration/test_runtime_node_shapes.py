@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,3 +214,20 @@ def test_unconfigure_crash_between_writes_leaves_a_loadable_config(
     rc.unconfigure(case.paths)
     assert case.config.read_bytes() == case.original and not case.dropin.exists()
     assert not (case.paths.state_dir / rc.STATE_FILE).exists()
+
+
+# ----------------------------------------------------------------------------------------- relative root
+def test_relative_root_reaches_a_grpc_socket(containerd: Containerd, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative --root (``./demo``) must still give ``unix:///abs/path`` gRPC targets: containerd answers."""
+    from nodeagent.hostpaths import HostPaths
+    from nodeagent.runtime.restart import DEFAULT_SOCKET, answers
+
+    config = tmp_path / "config.toml"
+    config.write_text("version = 2\n")
+    running = containerd.start(config)
+    sock = tmp_path / "demo" / DEFAULT_SOCKET.lstrip("/")
+    sock.parent.mkdir(parents=True)
+    os.link(running.address, sock)  # the same socket inode, reachable under the root
+    monkeypatch.chdir(tmp_path)
+    assert answers(HostPaths(Path("demo"))(DEFAULT_SOCKET))
