@@ -111,7 +111,7 @@ def test_symlinked_files_are_written_inside_the_root(tmp_path: Path, which: str)
 
 
 def test_dotdot_flag_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
-    root, cfg = _root_with_config(tmp_path)
+    root, _cfg = _root_with_config(tmp_path)
     (tmp_path / "x").mkdir()
     before = _tree(tmp_path)
     r = _cli("--root", str(root), "runtime", "configure", "--containerd-config", "/../../x/config.toml",
@@ -123,7 +123,7 @@ def test_dotdot_flag_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- the CLI root
 def test_root_after_the_subcommand(tmp_path: Path) -> None:
-    root, cfg = _root_with_config(tmp_path)
+    root, _cfg = _root_with_config(tmp_path)
     r = _cli("runtime", "configure", "--root", str(root), "--restart", "none", "--json")
     assert r.returncode == 0, r.stderr
     assert (root / "etc/containerd/conf.d/99-nvidia.toml").exists()
@@ -134,7 +134,7 @@ def test_root_after_the_subcommand(tmp_path: Path) -> None:
 
 
 def test_relative_root_on_the_command_line(tmp_path: Path) -> None:
-    root, cfg = _root_with_config(tmp_path)
+    root, _cfg = _root_with_config(tmp_path)
     r = _cli("--root", "root", "runtime", "configure", "--restart", "none", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (root / "etc/containerd/conf.d/99-nvidia.toml").exists()
@@ -150,7 +150,7 @@ def test_read_regular_refuses_fifo_without_blocking(tmp_path: Path) -> None:
         try:
             fileio.read_regular(fifo)
             outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - the test inspects what was raised
+        except BaseException as e:
             outcome.append(e)
 
     t = threading.Thread(target=read, daemon=True)
@@ -201,7 +201,7 @@ def test_oversized_and_deeply_nested_configs_are_one_line() -> None:
 
 
 def test_deeply_nested_config_via_cli(tmp_path: Path) -> None:
-    root, cfg = _root_with_config(tmp_path, "x = " + "[" * 20000 + "]" * 20000 + "\n")
+    root, _cfg = _root_with_config(tmp_path, "x = " + "[" * 20000 + "]" * 20000 + "\n")
     r = _cli("--root", str(root), "runtime", "configure", "--restart", "none")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "nested more than" in r.stderr, r.stderr
 
@@ -228,12 +228,11 @@ def test_immutable_config_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_read_only_directory_writes_nothing(tmp_path: Path) -> None:
-    root, cfg = _root_with_config(tmp_path)
+    root, _cfg = _root_with_config(tmp_path)
     (root / "etc/containerd/conf.d").mkdir()
     before = _tree(root)
-    with _immutable(root / "etc/containerd/conf.d"):
-        with pytest.raises(fileio.UnreadableFileError, match="cannot write"):
-            rc.configure(HostPaths(root), rc.Options(mode="drop-in"))
+    with _immutable(root / "etc/containerd/conf.d"), pytest.raises(fileio.UnreadableFileError, match="cannot write"):
+        rc.configure(HostPaths(root), rc.Options(mode="drop-in"))
     assert _tree(root) == before and not (root / "var/lib/nodeagent").exists()
 
 
