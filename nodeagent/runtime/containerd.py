@@ -149,6 +149,11 @@ _HANDLEBARS = Template(
     "handlebars template", "Bottlerocket",
     "Bottlerocket renders containerd's config from its settings API; use its NVIDIA variant instead",
 )
+_SHELL = Template(
+    "template with shell variables", "MicroK8s",
+    "MicroK8s renders containerd.toml from containerd-template.toml at each start; `microk8s enable nvidia` "
+    "wires the runtime",
+)
 
 
 def detect_template(text: str, source: str) -> tuple[Template, int] | None:
@@ -156,7 +161,8 @@ def detect_template(text: str, source: str) -> tuple[Template, int] | None:
 
     Jinja2 has ``{%``/``{#`` blocks (Kubespray's ``*.j2``); handlebars has ``{{#if}}``/``{{/if}}`` blocks
     and dotted names without a leading dot (Bottlerocket's ``{{settings.x}}``); Go templates have
-    ``{{ .Field }}``/``{{- ...}}`` actions (AKS's ``*.gtpl``, k3s/rke2's ``config.toml.tmpl``).
+    ``{{ .Field }}``/``{{- ...}}`` actions (AKS's ``*.gtpl``, k3s/rke2's ``config.toml.tmpl``); MicroK8s's
+    ``containerd-template.toml`` has whole values like ``"${RUNTIME}"`` filled in by its start script.
     """
     lines = text.splitlines()
 
@@ -172,6 +178,10 @@ def detect_template(text: str, source: str) -> tuple[Template, int] | None:
     if handlebars is not None:
         return _HANDLEBARS, handlebars
     action = first(r"\{\{")
+    if action is None:
+        shell = first(r"""=\s*["']\$\{[A-Z][A-Z0-9_]*\}""")
+        if shell is not None:
+            return _SHELL, shell
     if action is None and not name.endswith((".tmpl", ".gtpl", ".tpl")):
         return None
     if name.endswith(".tmpl") and name.startswith("config"):

@@ -285,6 +285,8 @@ def test_malformed_state_is_one_line(tmp_path: Path, text: str) -> None:
     ("containerd.toml", '[plugins.cri]\n{{#if settings.container-runtime.x}}\nx = {{settings.container-runtime.x}}\n'
      "{{/if}}\n", "handlebars", "Bottlerocket"),
     ("config.toml.tmpl", 'version = 2\n{{ template "base" . }}\n', "Go template", "k3s/rke2"),
+    ("containerd-template.toml", '[plugins.cri.containerd]\n  default_runtime_name = "${RUNTIME}"\n',
+     "shell variables", "MicroK8s"),
 ])
 def test_templates_are_named(name: str, text: str, language: str, generator: str) -> None:
     with pytest.raises(ConfigError) as e:
