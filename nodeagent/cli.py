@@ -70,8 +70,8 @@ _ROOT_HELP = "Resolve every host path (/etc, /sys, /var/lib/kubelet, /run) under
 
 
 def _subcommand_root(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
-    """``--root`` given after the subcommand (``nodeagent runtime configure --root R``): the same as before it;
-    both places with different directories is a usage error."""
+    """``--root`` given after the subcommand (``nodeagent runtime configure --root R``): the same as before
+    it; both places with different directories is a usage error."""
     if value is None:
         return None
     settings = ctx.find_object(Settings)
@@ -79,8 +79,8 @@ def _subcommand_root(ctx: click.Context, param: click.Parameter, value: Path | N
         return value
     new = HostPaths(value)
     if settings.root_given and settings.paths.root != new.root:
-        raise click.UsageError(f"--root given twice with different directories: {settings.paths.root} and {new.root}",
-                               ctx=ctx)
+        raise click.UsageError(
+            f"--root given twice with different directories: {settings.paths.root} and {new.root}", ctx=ctx)
     settings.paths = new
     settings.root_given = True
     return value

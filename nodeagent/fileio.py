@@ -40,8 +40,9 @@ class UnreadableFileError(ConfigError):
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name
     return "not a regular file"
@@ -82,7 +83,8 @@ def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES) -> bytes 
             chunks.append(chunk)
             total += len(chunk)
             if total > max_bytes:
-                raise UnreadableFileError(f"{p}: more than the {max_bytes} bytes nodeagent reads", subject=str(p))
+                raise UnreadableFileError(f"{p}: more than the {max_bytes} bytes nodeagent reads",
+                                          subject=str(p))
         return b"".join(chunks)
     except OSError as e:
         raise UnreadableFileError(f"{p}: cannot read: {e.strerror}", subject=str(p)) from e
@@ -91,9 +93,10 @@ def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES) -> bytes 
 
 
 def check_writable(path: Path | str) -> None:
-    """Raise ``UnreadableFileError`` unless ``atomic_write``/``remove`` could replace ``path`` now: the existing
-    file opens for writing (not immutable, not on a read-only mount) and its directory (or the nearest
-    existing parent, for a directory still to be created) takes a new file. Writes nothing that stays."""
+    """Raise ``UnreadableFileError`` unless ``atomic_write``/``remove`` could replace ``path`` now: the
+    existing file opens for writing (not immutable, not on a read-only mount) and its directory (or the
+    nearest existing parent, for a directory still to be created) takes a new file. Writes nothing that
+    stays."""
     p = Path(path)
     try:
         st = os.stat(p)

@@ -118,7 +118,8 @@ def confined_parts(host_path: str) -> list[str]:
             continue
         if part == "..":
             if not parts:
-                raise HostPathError(f"host path {host_path} climbs above the root with '..'", subject=host_path)
+                raise HostPathError(f"host path {host_path} climbs above the root with '..'",
+                                    subject=host_path)
             parts.pop()
             continue
         parts.append(part)

@@ -71,7 +71,8 @@ def _imports_exist(config: Path) -> None:
 
 # ------------------------------------------------------------------------------- existing nvidia runtime
 @pytest.mark.parametrize("mode", ["auto", "drop-in"])
-def test_existing_nvidia_runtime_is_kept_containerd2(containerd2: Containerd2, tmp_path: Path, mode: rc.Mode) -> None:
+def test_existing_nvidia_runtime_is_kept_containerd2(containerd2: Containerd2, tmp_path: Path,
+                                                     mode: rc.Mode) -> None:
     case = _case(tmp_path, "nvidia-default-v3.toml", containerd2.binary)
     before = _runtimes(containerd2.config_dump(case.config), CRI3)
     result = rc.configure(case.paths, case.options(mode))
@@ -103,7 +104,8 @@ def test_nvidia_runtime_without_binary_gets_only_the_binary(containerd2: Contain
     before = _runtimes(containerd2.config_dump(case.config), CRI3)
     rc.configure(case.paths, case.options("drop-in"))
     dropin = tomllib.loads(case.dropin.read_text())
-    assert dropin["plugins"][CRI3]["containerd"]["runtimes"] == {"nvidia": {"options": {"BinaryName": DEFAULT_BINARY}}}
+    only_binary = {"nvidia": {"options": {"BinaryName": DEFAULT_BINARY}}}
+    assert dropin["plugins"][CRI3]["containerd"]["runtimes"] == only_binary
     after = _runtimes(containerd2.config_dump(case.config), CRI3)
     expected = {**before["nvidia"], "options": {**before["nvidia"]["options"], "BinaryName": DEFAULT_BINARY}}
     assert after["nvidia"] == expected
@@ -195,7 +197,8 @@ def test_configure_crash_between_writes_leaves_a_loadable_config(
     assert "runc" in runtimes
     # the next run completes the wiring, and unconfigure still restores the original bytes
     rc.configure(case.paths, opts)
-    assert _runtimes(containerd.config_dump(case.config), CRI2)["nvidia"]["options"]["BinaryName"] == DEFAULT_BINARY
+    nvidia = _runtimes(containerd.config_dump(case.config), CRI2)["nvidia"]
+    assert nvidia["options"]["BinaryName"] == DEFAULT_BINARY
     rc.unconfigure(case.paths)
     assert case.config.read_bytes() == case.original and not case.dropin.exists()
 
@@ -219,7 +222,8 @@ def test_unconfigure_crash_between_writes_leaves_a_loadable_config(
 # ----------------------------------------------------------------------------------------- relative root
 def test_relative_root_reaches_a_grpc_socket(containerd: Containerd, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A relative --root (``./demo``) must still give ``unix:///abs/path`` gRPC targets: containerd answers."""
+    """A relative --root (``./demo``) must still give ``unix:///abs/path`` gRPC targets: containerd
+    answers."""
     from nodeagent.hostpaths import HostPaths
     from nodeagent.runtime.restart import DEFAULT_SOCKET, answers
 

@@ -29,12 +29,13 @@ from nodeagent.runtime import configure as rc
 from nodeagent.runtime import containerd as ctd
 from nodeagent.runtime import host
 
-V2 = 'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\nruntime_type = "io.containerd.runc.v2"\n'
+V2 = ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+      'runtime_type = "io.containerd.runc.v2"\n')
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True, check=False,
-                          timeout=60, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True,
+                          check=False, timeout=60, cwd=cwd)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -231,7 +232,8 @@ def test_read_only_directory_writes_nothing(tmp_path: Path) -> None:
     root, _cfg = _root_with_config(tmp_path)
     (root / "etc/containerd/conf.d").mkdir()
     before = _tree(root)
-    with _immutable(root / "etc/containerd/conf.d"), pytest.raises(fileio.UnreadableFileError, match="cannot write"):
+    with _immutable(root / "etc/containerd/conf.d"), \
+            pytest.raises(fileio.UnreadableFileError, match="cannot write"):
         rc.configure(HostPaths(root), rc.Options(mode="drop-in"))
     assert _tree(root) == before and not (root / "var/lib/nodeagent").exists()
 
@@ -265,14 +267,15 @@ def test_malicious_state_entries_are_refused(tmp_path: Path) -> None:
     assert cfg.read_text() == V2
 
 
-@pytest.mark.parametrize("text", ["{not json", "[]", '{"files": 3}', '{"previous": {"added_runtimes": "runc"}}',
-                                  "[" * 100000 + "]" * 100000])
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"files": 3}',
+                                  '{"previous": {"added_runtimes": "runc"}}', "[" * 100000 + "]" * 100000])
 def test_malformed_state_is_one_line(tmp_path: Path, text: str) -> None:
     root, cfg = _root_with_config(tmp_path)
     _state(root, text)
     for cmd in (["unconfigure", "--restart", "none"], ["configure", "--restart", "none"], ["show"]):
         r = _cli("--root", str(root), "runtime", *cmd)
-        assert r.returncode == 1 and r.stderr.count("\n") == 1 and "malformed state" in r.stderr, (cmd, r.stderr)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, (cmd, r.stderr)
+        assert "malformed state" in r.stderr, (cmd, r.stderr)
     assert cfg.read_text() == V2
 
 
@@ -280,10 +283,13 @@ def test_malformed_state_is_one_line(tmp_path: Path, text: str) -> None:
 @pytest.mark.parametrize(("name", "text", "language", "generator"), [
     ("config.toml.j2", 'version = 2\n{% if containerd_use_systemd %}\nSystemdCgroup = true\n{% endif %}\n',
      "Jinja2", "Kubespray"),
-    ("containerd.toml.gtpl", 'version = 2\nroot = "{{.KubeletConfig.DataDir}}"\n{{- if .IsKata }}\n{{- end}}\n',
+    ("containerd.toml.gtpl",
+     'version = 2\nroot = "{{.KubeletConfig.DataDir}}"\n{{- if .IsKata }}\n{{- end}}\n',
      "Go template", "AKS"),
-    ("containerd.toml", '[plugins.cri]\n{{#if settings.container-runtime.x}}\nx = {{settings.container-runtime.x}}\n'
-     "{{/if}}\n", "handlebars", "Bottlerocket"),
+    ("containerd.toml",
+     '[plugins.cri]\n{{#if settings.container-runtime.x}}\n'
+     'x = {{settings.container-runtime.x}}\n{{/if}}\n',
+     "handlebars", "Bottlerocket"),
     ("config.toml.tmpl", 'version = 2\n{{ template "base" . }}\n', "Go template", "k3s/rke2"),
     ("containerd-template.toml", '[plugins.cri.containerd]\n  default_runtime_name = "${RUNTIME}"\n',
      "shell variables", "MicroK8s"),
@@ -318,4 +324,5 @@ def test_cgroup_driver_follows_the_kubelet_dir(tmp_path: Path) -> None:
     rc.configure(paths, opts)
     text = (root / "etc/containerd/config.toml").read_text()
     assert "SystemdCgroup = true" in text
-    assert rc.options_from_settings(RuntimeSettings(), kubelet_dir="/data/kubelet").kubelet_dir == "/data/kubelet"
+    from_settings = rc.options_from_settings(RuntimeSettings(), kubelet_dir="/data/kubelet")
+    assert from_settings.kubelet_dir == "/data/kubelet"
