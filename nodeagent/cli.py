@@ -47,17 +47,55 @@ class LazyGroup(click.Group):
                 raise
             cmd = getattr(module, attr)
             assert isinstance(cmd, click.Command)
+            _accept_root(cmd)
             return cmd
         return super().get_command(ctx, cmd_name)
 
 
 class Settings:
-    """Global options shared with every subcommand through ``ctx.obj``."""
+    """Global options shared with every subcommand through ``ctx.obj``.
 
-    def __init__(self, root: Path, log_format: str, log_level: str) -> None:
+    ``paths`` is built from the absolute, symlink-resolved root (``HostPaths`` does that once), so a
+    relative ``--root ./demo`` never reaches a socket address or a file name below it.
+    """
+
+    def __init__(self, root: Path, log_format: str, log_level: str, *, root_given: bool = False) -> None:
         self.paths = HostPaths(root)
         self.log_format = log_format
         self.log_level = log_level
+        self.root_given = root_given
+
+
+_ROOT_HELP = "Resolve every host path (/etc, /sys, /var/lib/kubelet, /run) under this directory."
+
+
+def _subcommand_root(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """``--root`` given after the subcommand (``nodeagent runtime configure --root R``): the same as before
+    it; both places with different directories is a usage error."""
+    if value is None:
+        return None
+    settings = ctx.find_object(Settings)
+    if settings is None:
+        return value
+    new = HostPaths(value)
+    if settings.root_given and settings.paths.root != new.root:
+        raise click.UsageError(
+            f"--root given twice with different directories: {settings.paths.root} and {new.root}", ctx=ctx)
+    settings.paths = new
+    settings.root_given = True
+    return value
+
+
+def _accept_root(cmd: click.Command) -> None:
+    """Give ``cmd`` (and every subcommand of a group) its own ``--root`` that sets the global one."""
+    if not any(isinstance(p, click.Option) and "--root" in p.opts for p in cmd.params):
+        cmd.params.append(click.Option(
+            ["--root"], type=click.Path(file_okay=False, path_type=Path), default=None, expose_value=False,
+            callback=_subcommand_root, help=_ROOT_HELP + " (also accepted before the command)",
+        ))
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _accept_root(sub)
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -68,7 +106,7 @@ class Settings:
     default=Path("/"),
     envvar="NODEAGENT_ROOT",
     show_default=True,
-    help="Resolve every host path (/etc, /sys, /var/lib/kubelet, /run) under this directory.",
+    help=_ROOT_HELP,
 )
 @click.option(
     "--log-format",
@@ -89,7 +127,8 @@ def cli(ctx: click.Context, root: Path, log_format: str, log_level: str) -> None
     from nodeagent.logs import setup_logging
 
     setup_logging(log_format, log_level)
-    ctx.obj = Settings(root, log_format, log_level)
+    given = ctx.get_parameter_source("root") == click.core.ParameterSource.COMMANDLINE
+    ctx.obj = Settings(root, log_format, log_level, root_given=given)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,10 @@ Backups: with ``backup=True`` the exact previous bytes are kept next to the file
 ``<name>.nodeagent.bak`` (same mode and owner, written atomically too). Only the most recent previous
 version is kept; callers that need the original across several writes (``runtime unconfigure``) keep it
 in their own state file.
+
+Reading input: ``read_regular`` reads only regular files and at most a given number of bytes. A FIFO,
+device, socket or directory where a file is expected is refused with one line before it is opened (a FIFO
+would block the reader; a device may do anything on open), and so is a file larger than the cap.
 """
 
 from __future__ import annotations
@@ -21,9 +25,101 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from nodeagent.errors import ConfigError
+
 BACKUP_SUFFIX = ".nodeagent.bak"
 TMP_MARKER = ".nodeagent-tmp-"
 DEFAULT_MODE = 0o644
+# Default cap of ``read_regular``: far above any config or state file nodeagent reads (a few KiB).
+MAX_READ_BYTES = 4 << 20
+_CHUNK = 1 << 16
+
+
+class UnreadableFileError(ConfigError):
+    """A file nodeagent must read is not a regular file, is too large, or cannot be opened."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES) -> bytes | None:
+    """The bytes of a regular file, ``None`` when it does not exist; never blocks, never reads more than
+    ``max_bytes``. Anything else raises ``UnreadableFileError`` with one line naming the file."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UnreadableFileError(f"{p}: cannot read: {e.strerror}", subject=str(p)) from e
+    if not stat.S_ISREG(st.st_mode):
+        raise UnreadableFileError(f"{p}: is {_kind(st.st_mode)}, expected a regular file", subject=str(p))
+    if st.st_size > max_bytes:
+        raise UnreadableFileError(f"{p}: {st.st_size} bytes, more than the {max_bytes} bytes nodeagent reads",
+                                  subject=str(p))
+    try:
+        # O_NONBLOCK: if the path was swapped for a FIFO since the stat, the open still returns at once.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UnreadableFileError(f"{p}: cannot read: {e.strerror}", subject=str(p)) from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFileError(f"{p}: is {_kind(st.st_mode)}, expected a regular file", subject=str(p))
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(fd, min(_CHUNK, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise UnreadableFileError(f"{p}: more than the {max_bytes} bytes nodeagent reads",
+                                          subject=str(p))
+        return b"".join(chunks)
+    except OSError as e:
+        raise UnreadableFileError(f"{p}: cannot read: {e.strerror}", subject=str(p)) from e
+    finally:
+        os.close(fd)
+
+
+def check_writable(path: Path | str) -> None:
+    """Raise ``UnreadableFileError`` unless ``atomic_write``/``remove`` could replace ``path`` now: the
+    existing file opens for writing (not immutable, not on a read-only mount) and its directory (or the
+    nearest existing parent, for a directory still to be created) takes a new file. Writes nothing that
+    stays."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise UnreadableFileError(f"{p}: cannot write: {e.strerror}", subject=str(p)) from e
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFileError(f"{p}: is {_kind(st.st_mode)}, expected a regular file", subject=str(p))
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC))
+        except OSError as e:
+            raise UnreadableFileError(f"{p}: cannot write: {e.strerror}", subject=str(p)) from e
+    directory = p.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix="." + p.name + TMP_MARKER, dir=directory)
+    except OSError as e:
+        raise UnreadableFileError(f"{p}: cannot write in {directory}: {e.strerror}", subject=str(p)) from e
+    os.close(fd)
+    os.unlink(probe)
 
 
 def backup_path(path: Path) -> Path:

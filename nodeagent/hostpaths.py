@@ -1,12 +1,38 @@
 """Every host path nodeagent touches, resolved under one injectable root.
 
 Tests and demos pass a temporary directory as root; on a real host the root is ``/``.
+
+Under a root other than ``/`` every path stays inside the root, as if nodeagent ran chrooted there:
+
+- a path whose ``..`` would climb above the root (``/../../x/config.toml``) is refused;
+- a symlink met on the way is followed the way the kernel would follow it inside the root: an absolute
+  target starts again at the root, a relative one continues from the link's directory, and ``..`` stops
+  at the root. A ``--root /mnt/image`` run therefore reads and writes the image's files, never the
+  build host's, whatever the image's links say. A loop of links is refused.
+
+The root itself is made absolute (and its own symlinks resolved) once, when ``HostPaths`` is built, so
+every path handed out is absolute (a gRPC ``unix://`` target built from it has no authority part).
 """
 
 from __future__ import annotations
 
+import os
+import posixpath
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from nodeagent.errors import ConfigError
+
+# Like the kernel's MAXSYMLINKS: more links than this on one path is treated as a loop.
+MAX_SYMLINKS = 40
+
+
+class HostPathError(ConfigError, ValueError):
+    """A host path that would leave the root (``..`` above it, a symlink loop) or is not absolute."""
+
+
+def _absolute_root(root: Path | str) -> Path:
+    return Path(os.path.realpath(os.path.abspath(root)))
 
 
 @dataclass(frozen=True)
@@ -15,16 +41,26 @@ class HostPaths:
 
     root: Path = Path("/")
 
+    def __post_init__(self) -> None:
+        absolute = _absolute_root(self.root)
+        if absolute != self.root:
+            object.__setattr__(self, "root", absolute)
+
     def __call__(self, host_path: str | PurePosixPath) -> Path:
-        """Map an absolute host path (``/etc/x``) to the path under the root."""
-        p = PurePosixPath(host_path)
-        if not p.is_absolute():
-            raise ValueError(f"host path must be absolute: {host_path}")
-        return self.root.joinpath(*p.parts[1:])
+        """Map an absolute host path (``/etc/x``) to the path under the root (confined to it)."""
+        text = str(host_path)
+        if not text.startswith("/"):
+            raise HostPathError(f"host path must be absolute: {host_path}", subject=text)
+        if "\0" in text:
+            raise HostPathError(f"host path contains a NUL byte: {host_path!r}", subject=text)
+        parts = confined_parts(text)
+        if str(self.root) == "/":
+            return Path("/", *parts)
+        return self.root.joinpath(*_resolve_inside(self.root, parts, text))
 
     def to_host(self, path: Path) -> str:
         """The host path for a path under the root (inverse of ``__call__``)."""
-        rel = Path(path).resolve().relative_to(self.root.resolve())
+        rel = Path(os.path.realpath(path)).relative_to(self.root)
         return "/" + str(rel) if str(rel) != "." else "/"
 
     # Well-known locations -------------------------------------------------------------------
@@ -72,3 +108,49 @@ class HostPaths:
     @property
     def proc(self) -> Path:
         return self("/proc")
+
+
+def confined_parts(host_path: str) -> list[str]:
+    """The components of an absolute host path with ``.`` and ``..`` applied; refuses ``..`` above ``/``."""
+    parts: list[str] = []
+    for part in host_path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise HostPathError(f"host path {host_path} climbs above the root with '..'",
+                                    subject=host_path)
+            parts.pop()
+            continue
+        parts.append(part)
+    return parts
+
+
+def _resolve_inside(root: Path, parts: list[str], original: str) -> list[str]:
+    """Follow symlinks component by component as a chroot at ``root`` would; components that do not
+    exist (yet) are kept as they are."""
+    done: list[str] = []
+    todo = list(reversed(parts))
+    links = 0
+    while todo:
+        part = todo.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        candidate = root.joinpath(*done, part)
+        try:
+            target = os.readlink(candidate)
+        except OSError:  # not a link, or not there (yet): a plain component
+            done.append(part)
+            continue
+        links += 1
+        if links > MAX_SYMLINKS:
+            raise HostPathError(f"host path {original}: too many levels of symbolic links under {root}",
+                                subject=original)
+        if posixpath.isabs(target):
+            done = []
+        todo.extend(reversed(target.split("/")))
+    return done

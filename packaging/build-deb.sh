@@ -6,12 +6,15 @@
 #   /etc/nodeagent/config.toml  the commented example, a conffile (local edits survive upgrades)
 # Usage: packaging/build-deb.sh [OUTPUT_DIR]      (default: dist/)
 # Wheels are cached in ${NODEAGENT_WHEEL_CACHE:-~/.cache/nodeagent/wheels}, so a rebuild needs no download.
+# The build runs with the project's .venv when there is one, else in a throw-away build venv made from
+# Debian's python3 (pip from python3-venv, setuptools and wheel from the wheel cache or PyPI), so a fresh
+# clone builds without running the tests first.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 SRC=$(cd "$HERE/.." && pwd)
 OUT=$(mkdir -p "${1:-$SRC/dist}" && cd "${1:-$SRC/dist}" && pwd)
 BASE_PY=${NODEAGENT_BASE_PYTHON:-/usr/bin/python3}
-BUILD_PY=${NODEAGENT_BUILD_PYTHON:-$SRC/.venv/bin/python}
+BUILD_PY=${NODEAGENT_BUILD_PYTHON:-}
 WHEELS=${NODEAGENT_WHEEL_CACHE:-$HOME/.cache/nodeagent/wheels}
 PREFIX=/opt/nodeagent
 
@@ -26,6 +29,23 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 STAGE=$WORK/stage
 mkdir -p "$STAGE" "$WHEELS"
+
+# 0. A Python with pip, setuptools and wheel to build with.
+if [ -z "$BUILD_PY" ] && [ -x "$SRC/.venv/bin/python" ]; then
+  BUILD_PY=$SRC/.venv/bin/python
+fi
+if [ -z "$BUILD_PY" ]; then
+  "$BASE_PY" -m venv "$WORK/build" >"$WORK/venv.log" 2>&1 || {
+    cat "$WORK/venv.log" >&2; echo "build-deb: cannot make a build venv (apt-get install python3-venv)" >&2; exit 2; }
+  BUILD_PY=$WORK/build/bin/python
+  if ! "$BUILD_PY" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" \
+      'setuptools>=68' wheel 2>/dev/null; then
+    echo "build-deb: filling the wheel cache $WHEELS with setuptools and wheel" >&2
+    "$BUILD_PY" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" 'setuptools>=68' wheel
+    "$BUILD_PY" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELS" 'setuptools>=68' wheel
+  fi
+fi
+[ -x "$BUILD_PY" ] || { echo "build-deb: build python $BUILD_PY not found" >&2; exit 2; }
 
 # 1. The project's own wheel (no build isolation: setuptools comes from the build environment).
 "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/own" "$SRC" >"$WORK/wheel.log" 2>&1 || {

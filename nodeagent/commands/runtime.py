@@ -41,6 +41,8 @@ def _echo_result(result: rc.Result, as_json: bool, extra: dict[str, Any]) -> Non
         click.echo("unchanged")
     for key, value in extra.items():
         click.echo(f"{key}: {value}")
+    for note in result.notes:
+        click.echo(note)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
 
@@ -204,3 +206,5 @@ def show_cmd(ctx: click.Context, containerd_config: str, as_json: bool) -> None:
     for name, rt in info["runtimes"].items():
         sc = rt["systemd_cgroup"]
         click.echo(f"{name:16} {rt['runtime_type']:24} {'-' if sc is None else str(sc).lower():8} {rt['binary']}")
+    for warning in info["warnings"]:
+        click.echo(f"warning: {warning}", err=True)

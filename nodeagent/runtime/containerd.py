@@ -93,6 +93,10 @@ class DropinRender:
     dropin_text: str
     added_import: str | None
     previous: Previous
+    # runtimes the root config already defines, kept as they are (only missing keys go into the drop-in)
+    kept: tuple[str, ...] = ()
+    # False: the root config already says everything asked for; neither the drop-in nor an import is needed
+    needed: bool = True
 
 
 @dataclass(frozen=True)
@@ -112,22 +116,115 @@ class RuntimeView:
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-_TEMPLATE_HINT = (
-    "k3s/rke2 generate containerd's config from a Go template: they add the nvidia runtime by themselves "
-    "when /usr/bin/nvidia-container-runtime exists, or edit config.toml.tmpl by hand"
+# Bounds on what nodeagent parses as a containerd config. Real configs are a few KiB and nest at most about
+# eight levels (plugins.<cri>.containerd.runtimes.<name>.options.<key>); anything far beyond is refused
+# with one line instead of exhausting memory or Python's recursion limit.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_KEY_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class Template:
+    """A template language found in a file that should be TOML, and who generates files that way."""
+
+    language: str
+    generator: str
+    hint: str
+
+
+_K3S = Template(
+    "Go template", "k3s/rke2",
+    "k3s/rke2 add the nvidia runtime by themselves when /usr/bin/nvidia-container-runtime exists, or edit "
+    "config.toml.tmpl by hand",
+)
+_GO = Template(
+    "Go template", "AKS and other Go-templated node images",
+    "edit the template the node image renders, or point --containerd-config at the rendered file",
+)
+_JINJA = Template(
+    "Jinja2 template", "Kubespray/Ansible",
+    "set the nvidia runtime in Kubespray's containerd_additional_runtimes and rerun the playbook",
+)
+_HANDLEBARS = Template(
+    "handlebars template", "Bottlerocket",
+    "Bottlerocket renders containerd's config from its settings API; use its NVIDIA variant instead",
+)
+_SHELL = Template(
+    "template with shell variables", "MicroK8s",
+    "MicroK8s renders containerd.toml from containerd-template.toml at each start; `microk8s enable nvidia` "
+    "wires the runtime",
 )
 
 
+def detect_template(text: str, source: str) -> tuple[Template, int] | None:
+    """The template language of ``text`` (and the first line that shows it), or ``None`` for plain TOML.
+
+    Jinja2 has ``{%``/``{#`` blocks (Kubespray's ``*.j2``); handlebars has ``{{#if}}``/``{{/if}}`` blocks
+    and dotted names without a leading dot (Bottlerocket's ``{{settings.x}}``); Go templates have
+    ``{{ .Field }}``/``{{- ...}}`` actions (AKS's ``*.gtpl``, k3s/rke2's ``config.toml.tmpl``); MicroK8s's
+    ``containerd-template.toml`` has whole values like ``"${RUNTIME}"`` filled in by its start script.
+    """
+    lines = text.splitlines()
+
+    def first(pattern: str) -> int | None:
+        rx = re.compile(pattern)
+        return next((i for i, ln in enumerate(lines, 1) if rx.search(ln)), None)
+
+    name = source.rsplit("/", 1)[-1]
+    jinja = first(r"\{%|(?<!\{)\{#")
+    if jinja is not None or name.endswith((".j2", ".jinja", ".jinja2")):
+        return _JINJA, jinja or first(r"\{\{") or 1
+    handlebars = first(r"\{\{\s*[#/^]|\{\{\s*else\s*\}\}|\{\{\{|\{\{\s*[A-Za-z_][\w-]*\.[\w.-]+\s*\}\}")
+    if handlebars is not None:
+        return _HANDLEBARS, handlebars
+    action = first(r"\{\{")
+    if action is None:
+        shell = first(r"""=\s*["']\$\{[A-Z][A-Z0-9_]*\}""")
+        if shell is not None:
+            return _SHELL, shell
+    if action is None and not name.endswith((".tmpl", ".gtpl", ".tpl")):
+        return None
+    if name.endswith(".tmpl") and name.startswith("config"):
+        return _K3S, action or 1
+    return _GO, action or 1
+
+
+def template_error(found: tuple[Template, int], source: str) -> ConfigError:
+    tmpl, line = found
+    return ConfigError(
+        f"{source}: line {line} is a {tmpl.language} ({tmpl.generator}), not TOML; nothing was written "
+        f"({tmpl.hint})",
+        subject=source,
+    )
+
+
+def _depth(plain: Mapping[str, Any]) -> int:
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(plain, 0)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_KEY_DEPTH:
+            break
+        if isinstance(value, Mapping):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return deepest
+
+
 def parse(text: str, source: str = "config.toml") -> TOMLDocument:
-    """Parse a containerd config; templates and invalid TOML raise ``ConfigError`` naming the spot."""
-    if source.endswith(".tmpl") or "{{" in text:
-        line = next((i for i, ln in enumerate(text.splitlines(), 1) if "{{" in ln), 1)
-        raise ConfigError(
-            f"{source}: line {line} is a Go template, not TOML; nothing was written ({_TEMPLATE_HINT})",
-            subject=source,
-        )
+    """Parse a containerd config; templates, oversized or too deeply nested files and invalid TOML raise
+    ``ConfigError`` naming the spot."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: {len(text)} characters, more than the {MAX_CONFIG_BYTES} nodeagent reads "
+                          "as a containerd config; nothing was written", subject=source)
+    found = detect_template(text, source)
+    if found is not None:
+        raise template_error(found, source)
     try:
         doc = tomlkit.parse(text)
+        too_deep = _depth(doc.unwrap()) > MAX_KEY_DEPTH
     except ParseError as e:
         raise ConfigError(
             f"{source}: invalid TOML at line {e.line}, column {e.col}: {_parse_reason(e)}; nothing was written",
@@ -135,6 +232,11 @@ def parse(text: str, source: str = "config.toml") -> TOMLDocument:
         ) from e
     except TOMLKitError as e:
         raise ConfigError(f"{source}: invalid TOML: {e}; nothing was written", subject=source) from e
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise ConfigError(f"{source}: tables or arrays nested more than {MAX_KEY_DEPTH} levels deep; "
+                          "nothing was written", subject=source)
     if doc.as_string() != text:
         _repair_indents(doc, text)
     return doc
@@ -312,17 +414,60 @@ def _place_like(runtimes: TableLike, name: str, sibling: Any) -> None:
         new.trivia.comment_ws = ""
 
 
+def _missing_keys(table: Mapping[str, Any], binary: str, version: int) -> dict[str, Any]:
+    """The keys an existing runtime table lacks to run ``binary`` (nothing it already says is changed)."""
+    missing: dict[str, Any] = {}
+    rtype = table.get("runtime_type")
+    if not isinstance(rtype, str) or not rtype:
+        missing["runtime_type"] = RUNC_V2
+    opts = table.get("options")
+    opts = opts if isinstance(opts, Mapping) else {}
+    want = {"BinaryName": binary, **({"Runtime": binary} if version == 1 else {})}
+    missing_opts = {k: v for k, v in want.items() if k not in opts}
+    if missing_opts:
+        missing["options"] = missing_opts
+    return missing
+
+
+def _add_missing(doc: TOMLDocument | Table, runtime_keys: tuple[str, ...], missing: Mapping[str, Any]) -> None:
+    table = _ensure(doc, runtime_keys)
+    for key, value in missing.items():
+        if isinstance(value, Mapping):
+            sub = _ensure(table, (key,))
+            for k, v in value.items():
+                _set(sub, k, v)
+        else:
+            _set(table, key, value)
+
+
 def _apply(doc: TOMLDocument | Table, cri_keys: tuple[str, ...], version: int, desired: Desired,
-           base_cri: Any, keep_style: bool) -> Previous:
-    """Apply ``desired`` to the CRI table at ``cri_keys`` of ``doc``; base runtimes come from ``base_cri``."""
+           base_cri: Any, keep_style: bool, keep_existing: bool = False) -> tuple[Previous, tuple[str, ...]]:
+    """Apply ``desired`` to the CRI table at ``cri_keys`` of ``doc``; base runtimes come from ``base_cri``.
+
+    ``keep_existing`` (drop-in mode): a runtime ``base_cri`` already defines is kept as it is; only keys it
+    lacks are written (containerd 2 merges the drop-in over the root table, so anything else would
+    override the node's own settings such as ``base_runtime_spec`` or ``SystemdCgroup``). Returns what was
+    replaced and the names of the runtimes kept that way.
+    """
     existing_cri = _get(doc, cri_keys)
     prev_default = _get(existing_cri, ("containerd", "default_runtime_name"))
     prev_cdi = _get(existing_cri, ("enable_cdi",))
     existing_runtimes = _runtime_tables(existing_cri)
+    base_runtimes = _runtime_tables(base_cri)
     added: list[str] = []
+    kept: list[str] = []
     wanted = desired.runtimes()
     for name, binary in wanted.items():
-        if isinstance(existing_runtimes, Mapping) and isinstance(existing_runtimes.get(name), Mapping):
+        in_doc = isinstance(existing_runtimes, Mapping) and isinstance(existing_runtimes.get(name), Mapping)
+        in_base = isinstance(base_runtimes, Mapping) and isinstance(base_runtimes.get(name), Mapping)
+        if keep_existing and (in_doc or in_base):
+            table = existing_runtimes[name] if in_doc else base_runtimes[name]
+            missing = _missing_keys(table, binary, version)
+            if missing:
+                _add_missing(doc, (*cri_keys, "containerd", "runtimes", name), missing)
+            kept.append(name)
+            continue
+        if in_doc:
             _fix_runtime(existing_runtimes[name], binary, version)
             continue
         base_name, base = _pick_base(base_cri, set(wanted))
@@ -335,22 +480,23 @@ def _apply(doc: TOMLDocument | Table, cri_keys: tuple[str, ...], version: int, d
     # add one, the previous default (`runc` when unset) needs its own table or pods without a runtime
     # class stop starting.
     old_default = _str_or_none(_get(base_cri, ("containerd", "default_runtime_name"))) or "runc"
-    base_runtimes = _runtime_tables(base_cri)
     has_old_default = isinstance(base_runtimes, Mapping) and isinstance(base_runtimes.get(old_default), Mapping)
     if old_default == "runc" and not has_old_default and added:
         runtimes = _ensure(doc, (*cri_keys, "containerd", "runtimes"))
         if "runc" not in runtimes:
             runtimes["runc"] = tomlkit.item(_sane_default(desired))
             added.append("runc")
-    if desired.set_as_default:
+    if desired.set_as_default and not (keep_existing and old_default == desired.runtime_name):
         _set(_ensure(doc, (*cri_keys, "containerd")), "default_runtime_name", desired.runtime_name)
-    if desired.enable_cdi and _needs_enable_cdi(desired.containerd_version, base_cri):
+    if desired.enable_cdi and _needs_enable_cdi(desired.containerd_version, base_cri) \
+            and not (keep_existing and _get(base_cri, ("enable_cdi",)) is True):
         _set(_ensure(doc, cri_keys), "enable_cdi", True)
-    return Previous(
+    prev = Previous(
         default_runtime_name=str(prev_default) if isinstance(prev_default, str) else None,
         enable_cdi=bool(prev_cdi) if isinstance(prev_cdi, bool) else None,
         added_runtimes=tuple(added),
     )
+    return prev, tuple(kept)
 
 
 def _needs_enable_cdi(containerd_version: Version | None, base_cri: Any) -> bool:
@@ -393,7 +539,7 @@ def render_with_previous(
     old_text: str | None, desired: Desired, *, source: str = "config.toml"
 ) -> tuple[str, Previous]:
     doc, version, keys = _open_for_edit(old_text or "", desired, source)
-    prev = _apply(doc, keys, version, desired, _get(doc, keys), keep_style=True)
+    prev, _ = _apply(doc, keys, version, desired, _get(doc, keys), keep_style=True)
     out = tomlkit.dumps(doc)
     _verify(out, desired, source)
     return out, prev
@@ -446,15 +592,22 @@ def render_dropin(
         # containerd < 2.0 replaces the whole plugin table from an import: carry all of it.
         cri_table = _ensure(drop, keys[:-1])
         cri_table[keys[-1]] = tomlkit.item(_plain(root_cri))
-    prev = _apply(drop, keys, version, desired, root_cri, keep_style=False)
+    prev, kept = _apply(drop, keys, version, desired, root_cri, keep_style=False, keep_existing=True)
     prev = Previous(
         default_runtime_name=_str_or_none(_get(root_cri, ("containerd", "default_runtime_name"))),
         enable_cdi=_bool_or_none(_get(root_cri, ("enable_cdi",))),
         added_runtimes=prev.added_runtimes,
     )
+    drop_cri = _get(drop, keys)
+    root_plain = _plain(root_cri) if isinstance(root_cri, Mapping) else {}
+    needed = bool(_plain(drop_cri)) if drop_cri is not None else False
+    if needed and not merges_plugins(desired.containerd_version, version):
+        needed = _plain(drop_cri) != root_plain
     drop_text = tomlkit.dumps(drop)
-    _verify(drop_text, desired, dropin_path)
-    return DropinRender(new_root, drop_text, added_import, prev)
+    if not needed:
+        return DropinRender(text, "", None, prev, kept, needed=False)
+    _verify(drop_text, desired, dropin_path, base=root_plain)
+    return DropinRender(new_root, drop_text, added_import, prev, kept)
 
 
 def _str_or_none(v: Any) -> str | None:
@@ -465,12 +618,19 @@ def _bool_or_none(v: Any) -> bool | None:
     return bool(v) if isinstance(v, bool) else None
 
 
-def _verify(text: str, desired: Desired, source: str) -> None:
+def _verify(text: str, desired: Desired, source: str, base: Mapping[str, Any] | None = None) -> None:
+    """The rendered file names every wanted runtime with its binary; a runtime ``base`` (the root's CRI table,
+    drop-in mode) already defines counts as long as it has some binary."""
     view = view_of(text, source)
+    base_runtimes = _get(base or {}, ("containerd", "runtimes")) or {}
     for name, binary in desired.runtimes().items():
+        if isinstance(base_runtimes.get(name), Mapping):
+            continue
         if view.binary_of(name) != binary:
             raise RuntimeConfigError(f"{source}: rendering did not produce runtime {name!r} (internal error)")
-    if desired.set_as_default and view.default_runtime != desired.runtime_name:
+    base_default = _get(base or {}, ("containerd", "default_runtime_name"))
+    if desired.set_as_default and view.default_runtime != desired.runtime_name \
+            and base_default != desired.runtime_name:
         raise RuntimeConfigError(f"{source}: rendering did not set the default runtime (internal error)")
 
 

@@ -108,18 +108,24 @@ class Agent:
 def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
     """A throw-away host root for ``--root``: the agent's state, config and containerd files stay inside it.
 
-    With a kubelet harness, ``/var/lib/kubelet`` under the root is a symlink to the harness's directory, so
-    the agent finds the real device manager at its default ``/var/lib/kubelet/device-plugins`` (the
-    plugin watches the resolved directory, so symlinks anywhere on that path work). The harness serves PodResources at ``/var/lib/kubelet/pod-resources.sock`` (set
-    ``kubelet.pod_resources_socket`` to that host path). The root is a short path under the system temp
-    directory: unix socket paths below it must stay within the kernel's 108 bytes.
+    With a kubelet harness the root is the harness's own directory, and ``/var/lib/kubelet`` under it is a
+    relative symlink to the root itself, so the agent finds the real device manager at its default
+    ``/var/lib/kubelet/device-plugins`` (``--root`` confines every path, symlinks included, to the root: a
+    link to a directory outside it would be read as a path inside). The harness serves PodResources at
+    ``/var/lib/kubelet/pod-resources.sock`` (set ``kubelet.pod_resources_socket`` to that host path). The root
+    is a short path under the system temp directory: unix socket paths below it must stay within the
+    kernel's 108 bytes.
     """
+    if harness is not None:
+        assert harness.plugin_dir.parent == harness.workdir and harness.pod_resources_socket.parent == harness.workdir
+        root = harness.workdir
+        (root / "var/lib").mkdir(parents=True, exist_ok=True)
+        if not (root / "var/lib/kubelet").is_symlink():
+            (root / "var/lib/kubelet").symlink_to("../..", target_is_directory=True)
+        yield root  # removed with the harness's directory
+        return
     root = Path(tempfile.mkdtemp(prefix="na-root-"))
     try:
-        if harness is not None:
-            assert harness.plugin_dir.parent == harness.workdir and harness.pod_resources_socket.parent == harness.workdir
-            (root / "var/lib").mkdir(parents=True)
-            (root / "var/lib/kubelet").symlink_to(harness.workdir, target_is_directory=True)
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -76,7 +76,14 @@ def test_daemonset_shape() -> None:
     env = {e["name"]: e for e in main["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     mounts = {m["mountPath"] for m in main["volumeMounts"]}
-    assert {"/host/var/lib/kubelet", "/host/etc/containerd", "/host/etc/nodeagent"} <= mounts
+    assert {"/host/var/lib/kubelet/device-plugins", "/host/var/lib/kubelet/pod-resources", "/host/etc/containerd",
+            "/host/etc/nodeagent"} <= mounts
+    # never the kubelet's whole directory (every pod's secret volumes): only the subdirectories the agent uses
+    for container in (*pod["initContainers"], *pod["containers"]):
+        kubelet = {m["mountPath"] for m in container["volumeMounts"] if m["mountPath"].startswith("/host/var/lib/kubelet")}
+        assert kubelet == {"/host/var/lib/kubelet/device-plugins", "/host/var/lib/kubelet/pod-resources"}
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert "/var/lib/kubelet" not in host_paths
     assert main["args"][:2] == ["--root", "/host"]
     # the config shipped in the ConfigMap is valid for the agent
     from nodeagent.config import parse_config

@@ -167,10 +167,12 @@ def test_kubelet_restarts_seen_through_a_symlinked_device_plugins_dir(
 ) -> None:
     """``/var/lib/kubelet/device-plugins`` itself a symlink (to the real manager's directory): every kubelet
     restart is still noticed and the plugin registers again."""
-    with node_root() as root:
+    with node_root(kubelet_harness) as root:
         kubelet = root / "var/lib/kubelet"
-        kubelet.mkdir(parents=True)
-        (kubelet / "device-plugins").symlink_to(kubelet_harness.plugin_dir, target_is_directory=True)
+        kubelet.unlink()
+        kubelet.mkdir()
+        # relative, so it stays inside the root: /var/lib/kubelet/device-plugins -> /device-plugins
+        (kubelet / "device-plugins").symlink_to("../../../device-plugins", target_is_directory=True)
         with running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
             agent.wait_notify("READY=1")
             kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -62,6 +61,10 @@ def test_containerd_version_from_binary_under_root(tmp_path: Path) -> None:
     real = Path("/usr/bin/containerd")
     assert real.exists(), "install Debian's containerd: apt-get install -y containerd runc"
     (tmp_path / "usr/bin").mkdir(parents=True)
-    os.symlink(real, tmp_path / "usr/bin/containerd")
+    # A link to the host's binary would point outside the root (HostPaths follows it inside the root, where
+    # it loops); a wrapper script inside the root runs the real one.
+    wrapper = tmp_path / "usr/bin/containerd"
+    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
     found = host.containerd_version(paths)
     assert found is not None and found[0] >= 1
