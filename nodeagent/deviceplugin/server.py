@@ -35,9 +35,15 @@ MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 
 
 def socket_name(resource_name: str) -> str:
-    """``nvidia.com/mig-1g.10gb`` → ``nvidia-mig-1g.10gb.sock`` (anything unsafe becomes ``-``)."""
-    short = resource_name.split("/", 1)[1] if "/" in resource_name else resource_name
-    return "nvidia-" + re.sub(r"[^A-Za-z0-9._-]", "-", short) + ".sock"
+    """``nvidia.com/mig-1g.10gb`` → ``nvidia-mig-1g.10gb.sock``; another domain keeps its domain:
+    ``example.com/gpu`` → ``nvidia--example.com_gpu.sock``.
+
+    Distinct valid resource names get distinct sockets: a name under nvidia.com cannot begin with ``-``, and
+    a domain cannot contain ``_``. Anything unsafe in a file name becomes ``-``.
+    """
+    domain, _, short = resource_name.rpartition("/")
+    name = short if domain in ("", "nvidia.com") else f"-{domain}_{short}"
+    return "nvidia-" + re.sub(r"[^A-Za-z0-9._-]", "-", name) + ".sock"
 
 
 def _to_proto(alloc: ContainerAllocation) -> Any:
@@ -235,8 +241,15 @@ class ResourceServer:
                 f"allows ({MAX_SOCKET_PATH}); use a shorter --root or --kubelet-dir",
                 subject=str(path),
             )
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            raise KubeletError(
+                f"cannot serve {self.name}: {path} is a directory, not a socket; remove it", subject=str(path)
+            )
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise KubeletError(f"cannot serve {self.name}: cannot remove {path}: {e.strerror}",
+                               subject=str(path)) from e
         self.closing = False
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         api_pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
@@ -258,8 +271,10 @@ class ResourceServer:
             self.closing = True
             self._changed.notify_all()
         await server.stop(STOP_GRACE_S)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        path = self.socket_path
+        if path.is_socket():  # only our own socket: whatever else took the path stays (start refuses it)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         log.info("stopped serving %s", self.name)
 
     async def restart(self) -> None:

@@ -330,3 +330,37 @@ async def test_mig_instance_xid_only_hits_that_device(node_factory: Any) -> None
     _, state = await node.wait("nvidia.com/mig-1g.10gb", device=migs[1].uuid, health="Unhealthy", timeout=5)
     assert state.allocatable == 2
     assert state.device(migs[0].uuid).health == "Healthy"
+
+
+async def test_a_directory_on_the_socket_path_is_reported_and_retried(
+    node_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory where a socket must go made the server die silently at the next kubelet restart ("Task
+    exception was never retrieved"); now the failure is one error line and in ``failures``, the other
+    resources register again, and serving resumes once the path is free."""
+    node = await node_factory("dgx-h100", config(TS_PER_GPU))
+    await assert_kubelet_matches(node)
+    victim = node.service.server("nvidia.com/gpu.shared")
+    path = victim.socket_path
+    path.unlink()
+    path.mkdir()
+    before = dict(node.service.registrations)
+    caplog.set_level("INFO")
+    await node.call(node.harness.restart)
+    for name in node.service.served_resources():
+        if name != victim.name:
+            await node.wait(name, registered=True, timeout=5)
+    deadline = time.monotonic() + 5
+    while victim.name not in node.service.failures and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert "is a directory, not a socket" in node.service.failures[victim.name]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(str(path) in m and "is a directory" in m for m in errors), errors
+    assert not victim.running
+    path.rmdir()
+    await node.wait(victim.name, total=len(victim.resource.devices), healthy=len(victim.resource.devices),
+                    registered=True, timeout=15)
+    assert victim.running and victim.name not in node.service.failures
+    assert node.service.registrations[victim.name] == before[victim.name] + 1
+    await assert_kubelet_matches(node)
+    assert "never retrieved" not in caplog.text
