@@ -246,9 +246,12 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
     label = {"metadata": {"labels": {"nvidia.com/gpu.count": "8"}}}
     wait_for_policy(kube_apiserver, token, other)
     gpus_status = [{"op": "add", "path": "/status/capacity", "value": {"nvidia.com/gpu": "64"}}]
-    gpu_obj = lambda n: {"apiVersion": "nodeagent.io/v1alpha1", "kind": "GPU",  # noqa: E731
-                         "metadata": {"name": f"{n}-gpu0", "labels": {"nodeagent.io/node": n}},
-                         "spec": {"index": 0, "uuid": f"GPU-{n}", "nodeName": n}}
+
+    def gpu_obj(n: str) -> dict[str, Any]:
+        return {"apiVersion": "nodeagent.io/v1alpha1", "kind": "GPU",
+                "metadata": {"name": f"{n}-gpu0", "labels": {"nodeagent.io/node": n}},
+                "spec": {"index": 0, "uuid": f"GPU-{n}", "nodeName": n}}
+
     for n in (own, other):
         kube_apiserver.request("DELETE", f"/apis/nodeagent.io/v1alpha1/gpus/{n}-gpu0")
     status, body = kube_apiserver.request("POST", "/apis/nodeagent.io/v1alpha1/gpus", gpu_obj(other))
