@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -177,9 +177,16 @@ class Metrics:
         samples: Mapping[int, Any],
         assignments: Iterable[Assignment] = (),
         health: Mapping[int, bool] | None = None,
+        xids: Mapping[int, int] | None = None,
     ) -> None:
-        """Replace the GPU readings shown at the next scrape."""
+        """Replace the GPU readings shown at the next scrape.
+
+        ``xids`` (GPU index → last XID, e.g. ``DevicePluginService.last_xids()``) fills DCGM_FI_DEV_XID_ERRORS
+        where the reading has no XID; a GPU that never reported one shows 0, as dcgm-exporter does."""
         conv = {i: sample_from(s) for i, s in samples.items()}
+        if xids is not None:
+            conv = {i: s if s.last_xid is not None else replace(s, last_xid=float(xids.get(i, 0)))
+                    for i, s in conv.items()}
         self._gpus.set(gpu_series(inv, conv, assignments, self.hostname))
         for g in inv.gpus:
             ok = True if health is None else health.get(g.index, True)

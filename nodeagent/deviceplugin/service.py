@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
 from nodeagent.deviceplugin.server import ResourceServer, socket_name
 from nodeagent.errors import ConfigError, NodeAgentError
-from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource
+from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource, to_xid_event
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.topology import score_matrix
 from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, resource_ids
@@ -27,6 +29,22 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
+
+
+@dataclass
+class XidTrackingMonitor(HealthMonitor):
+    """The health monitor, also remembering the last XID each GPU reported (critical or not): the value
+    dcgm-exporter publishes as DCGM_FI_DEV_XID_ERRORS."""
+
+    last_xid: dict[int, int] = field(default_factory=dict)
+
+    async def handle_events(self, events: Iterable[Any]) -> bool:
+        batch = list(events)
+        for raw in batch:
+            ev = to_xid_event(raw)
+            if ev is not None and ev.gpu_index in self.gpu_indices:
+                self.last_xid[ev.gpu_index] = ev.xid
+        return await super().handle_events(batch)
 
 
 class DevicePluginService:
@@ -59,9 +77,9 @@ class DevicePluginService:
         self._started = False
         self.registrations: dict[str, int] = {}  # successful Register calls per resource
         self.failures: dict[str, str] = {}  # resource → why it is neither served nor registered right now
-        self.monitor: HealthMonitor | None = None
+        self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
-            self.monitor = HealthMonitor(
+            self.monitor = XidTrackingMonitor(
                 source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed
             )
 
@@ -123,6 +141,10 @@ class DevicePluginService:
 
     def server(self, resource_name: str) -> ResourceServer:
         return self._servers[resource_name]
+
+    def last_xids(self) -> dict[int, int]:
+        """GPU index → the last XID it reported (GPUs without one are absent)."""
+        return dict(self.monitor.last_xid) if self.monitor is not None else {}
 
     def device_health(self) -> dict[str, dict[str, bool]]:
         """Resource → device ID → healthy."""

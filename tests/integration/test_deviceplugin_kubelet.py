@@ -7,6 +7,7 @@ GPUs come from the NVML simulator; faults and MIG layouts are written into its s
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -364,3 +365,31 @@ async def test_a_directory_on_the_socket_path_is_reported_and_retried(
     assert node.service.registrations[victim.name] == before[victim.name] + 1
     await assert_kubelet_matches(node)
     assert "never retrieved" not in caplog.text
+
+
+async def test_xids_reach_the_dcgm_xid_metric(node_factory: Any) -> None:
+    """DCGM_FI_DEV_XID_ERRORS had no samples after thousands of XIDs: nothing set it. The monitor now keeps
+    each GPU's last XID (critical or not) and the metrics show it, 0 for GPUs without one."""
+    from prometheus_client import generate_latest
+
+    from nodeagent.metrics import Metrics
+
+    node = await node_factory("l4x2", health=HealthSettings(recovery_window_s=None, poll_interval_s=0.1,
+                                                           event_wait_ms=50))
+    await node.wait("nvidia.com/gpu", total=2, healthy=2, registered=True)
+    inject_xid(node.store, 1, 13)  # not critical: health unchanged, still the last XID
+    deadline = time.monotonic() + 5
+    while node.service.last_xids().get(1) != 13 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    inject_xid(node.store, 1, 79)
+    await node.wait("nvidia.com/gpu", device=node.service.served_resources()["nvidia.com/gpu"][1],
+                    health="Unhealthy", timeout=5)
+    assert node.service.last_xids() == {1: 79}
+    inv = await node.call(node.nvml.discover)
+    metrics = Metrics("node-a")
+    samples = {g.index: await node.call(node.nvml.metrics, g.index) for g in inv.gpus}
+    metrics.update_gpus(inv, samples, xids=node.service.last_xids())
+    text = generate_latest(metrics.registry).decode()
+    xid = {re.search(r'gpu="(\d+)"', ln).group(1): ln.rsplit(" ", 1)[1]  # type: ignore[union-attr]
+           for ln in text.splitlines() if ln.startswith("DCGM_FI_DEV_XID_ERRORS{")}
+    assert xid == {"0": "0.0", "1": "79.0"}
