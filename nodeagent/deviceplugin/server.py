@@ -32,6 +32,9 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 STOP_GRACE_S = 0.2
 MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
+# Allocate answers are a pure function of the device list and settings: the answers given since the last
+# change are kept (the kubelet asks for the same few sets again and again), up to this many.
+ALLOCATION_CACHE_SIZE = 1024
 
 
 def socket_name(resource_name: str) -> str:
@@ -134,12 +137,19 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     async def Allocate(self, request: Any, context: Any) -> Any:
         owner = self._owner
+        key = tuple(tuple(c.devices_ids) for c in request.container_requests)
+        cached = owner.allocations.get(key)
+        if cached is not None:
+            return cached
         try:
-            allocs = allocate(owner.resource, owner.flags, [list(c.devices_ids) for c in request.container_requests])
+            allocs = allocate(owner.resource, owner.flags, [list(ids) for ids in key])
         except AllocationError as e:
             log.warning("allocate refused: %s", e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
+        response = api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
+        if len(owner.allocations) < ALLOCATION_CACHE_SIZE:
+            owner.allocations[key] = response
+        return response
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
         return api_pb2.PreStartContainerResponse()
@@ -170,6 +180,7 @@ class ResourceServer:
         self._server: Any = None
         self._last_list: tuple[tuple[str, str], ...] = ()
         self.list_sent_at: float = 0.0
+        self.allocations: dict[tuple[tuple[str, ...], ...], Any] = {}  # request → AllocateResponse
 
     @property
     def name(self) -> str:
@@ -212,6 +223,7 @@ class ResourceServer:
         """Swap in a new device list / settings; re-sends the list if anything visible changed."""
         before = self._visible()
         self.resource, self.flags, self.scores, self.policy = resource, flags, scores, policy
+        self.allocations = {}
         self._last_list = self._health_snapshot()
         if before != self._visible():
             await self._bump()

@@ -4,7 +4,10 @@
 
 Measures, over real Unix sockets:
   * Allocate p50/p99 (1 device) of nodeagent's server, and of the Kubernetes sample device plugin in Go
-    (k8s.io/kubernetes/test/images/sample-device-plugin) with the same Python gRPC client in the same run;
+    (k8s.io/kubernetes/test/images/sample-device-plugin) with the same Python gRPC client in the same run,
+    both servers up at once and measured in alternating blocks of 100 calls, so both see the same machine
+    load (a shared CI box drifts by more than the difference being measured). nodeagent runs with its
+    default health settings (NVML events, a health poll each second), as on a node;
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -43,7 +46,7 @@ from nodeagent.sharing.spec import parse_plugin_config
 async def main(plugin_dir, state, config):
     nvml = open_nvml(None, Path(state))
     svc = DevicePluginService(plugin_dir=Path(plugin_dir), plugin_config=parse_plugin_config(config), nvml=nvml,
-                              health=HealthSettings(recovery_window_s=None, poll_interval_s=5, event_wait_ms=100),
+                              health=HealthSettings(recovery_window_s=None),
                               backoff_max_s=60)
     await svc.start(nvml.discover())
     print("ready", flush=True)
@@ -113,11 +116,25 @@ def timed(fn: Callable[[], Any], n: int, warmup: int = 50) -> list[float]:
     return out
 
 
-def bench_allocate(sock: Path, device: str, n: int) -> dict[str, float]:
-    with grpc.insecure_channel(f"unix://{sock}") as ch:
-        stub = pb2_grpc.DevicePluginStub(ch)
-        req = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
-        return ms(timed(lambda: stub.Allocate(req, timeout=10), n))
+def bench_allocate_pair(servers: dict[str, tuple[Path, str]], n: int, block: int = 100) -> dict[str, dict[str, float]]:
+    """Allocate latencies of each server (name → socket, device ID), measured in alternating blocks."""
+    channels = {name: grpc.insecure_channel(f"unix://{sock}") for name, (sock, _) in servers.items()}
+    try:
+        calls = {}
+        for name, (_, device) in servers.items():
+            stub = pb2_grpc.DevicePluginStub(channels[name])
+            req = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
+            calls[name] = lambda stub=stub, req=req: stub.Allocate(req, timeout=10)
+        samples: dict[str, list[float]] = {name: [] for name in servers}
+        for call in calls.values():
+            timed(call, 0, warmup=100)
+        while any(len(v) < n for v in samples.values()):
+            for name, call in calls.items():
+                samples[name] += timed(call, min(block, n - len(samples[name])), warmup=5)
+        return {name: ms(v) for name, v in samples.items()}
+    finally:
+        for ch in channels.values():
+            ch.close()
 
 
 def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
@@ -235,26 +252,30 @@ def sample_plugin_binary() -> Path | None:
     return Path(value)
 
 
-def bench_sample(binary: Path, tmp: Path, n: int) -> dict[str, float]:
-    sdir = tmp / "sample"
-    sdir.mkdir()
-    # REGISTER_CONTROL_FILE: serve without registering (its kubelet path is fixed to /var/lib/kubelet).
-    env = dict(os.environ, PLUGIN_SOCK_DIR=str(sdir), REGISTER_CONTROL_FILE=str(tmp / "ctl" / "register"))
-    (tmp / "ctl").mkdir()
-    proc = subprocess.Popen([str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+class SamplePlugin:
+    """The Kubernetes sample device plugin (Go), serving without registering."""
+
+    def __init__(self, binary: Path, tmp: Path) -> None:
+        sdir = tmp / "sample"
+        sdir.mkdir()
+        # REGISTER_CONTROL_FILE: serve without registering (its kubelet path is fixed to /var/lib/kubelet).
+        env = dict(os.environ, PLUGIN_SOCK_DIR=str(sdir), REGISTER_CONTROL_FILE=str(tmp / "ctl" / "register"))
+        (tmp / "ctl").mkdir()
+        self.proc = subprocess.Popen([str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         socks: list[Path] = []
         while time.monotonic() < deadline and not socks:
             socks = [p for p in sdir.iterdir() if p.name.startswith("dp.")]
             time.sleep(0.05)
         if not socks:
+            self.close()
             raise RuntimeError("sample device plugin did not create its socket")
         time.sleep(0.2)
-        return bench_allocate(socks[0], "Dev-1", n)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        self.socket = socks[0]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
 
 
 def main() -> None:
@@ -269,17 +290,21 @@ def main() -> None:
         state = sim_state(tmp, "dgx-h100")
         pdir = tmp / "dp"
         child = Child(pdir, state, "version: v1\n")
+        sample: SamplePlugin | None = None
         try:
             with grpc.insecure_channel(f"unix://{pdir / 'nvidia-gpu.sock'}") as ch:
                 first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
-            result["allocate_nodeagent"] = bench_allocate(pdir / "nvidia-gpu.sock", first, n)
+            servers = {"allocate_nodeagent": (pdir / "nvidia-gpu.sock", first)}
+            binary = None if args.no_sample else sample_plugin_binary()
+            if binary is not None:
+                sample = SamplePlugin(binary, tmp)
+                servers["allocate_k8s_sample_go"] = (sample.socket, "Dev-1")
+            result.update(bench_allocate_pair(servers, n))
             result["preferred_dgx_h100"] = bench_preferred(pdir / "nvidia-gpu.sock", 50 if args.quick else 300)
         finally:
+            if sample is not None:
+                sample.close()
             child.close()
-        if not args.no_sample:
-            binary = sample_plugin_binary()
-            if binary is not None:
-                result["allocate_k8s_sample_go"] = bench_sample(binary, tmp, n)
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
