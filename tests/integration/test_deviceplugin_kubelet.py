@@ -393,3 +393,19 @@ async def test_xids_reach_the_dcgm_xid_metric(node_factory: Any) -> None:
     xid = {re.search(r'gpu="(\d+)"', ln).group(1): ln.rsplit(" ", 1)[1]  # type: ignore[union-attr]
            for ln in text.splitlines() if ln.startswith("DCGM_FI_DEV_XID_ERRORS{")}
     assert xid == {"0": "0.0", "1": "79.0"}
+
+
+async def test_a_rename_into_another_domain_gets_its_own_socket(node_factory: Any) -> None:
+    """``example.com/gpu`` and ``nvidia.com/gpu`` were both served on nvidia-gpu.sock (the first one orphaned,
+    never allocatable); each now has its own socket and the kubelet allocates from both."""
+    node = await node_factory("dgx-h100", config(
+        "sharing:\n  timeSlicing:\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [0]\n      rename: example.com/gpu\n"))
+    served = node.service.served_resources()
+    assert sorted(served) == ["example.com/gpu", "nvidia.com/gpu"] and len(served["nvidia.com/gpu"]) == 7
+    assert node.service.server("example.com/gpu").endpoint != node.service.server("nvidia.com/gpu").endpoint
+    await assert_kubelet_matches(node)
+    shared = await node.call(node.harness.allocate, "example.com/gpu", 1, pod="shared")
+    whole = await node.call(node.harness.allocate, "nvidia.com/gpu", 1, pod="whole")
+    gpu0 = node.nvml.discover().gpus[0].uuid
+    assert shared.envs["NVIDIA_VISIBLE_DEVICES"] == gpu0 and whole.envs["NVIDIA_VISIBLE_DEVICES"] != gpu0
