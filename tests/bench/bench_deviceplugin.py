@@ -8,6 +8,7 @@ Measures, over real Unix sockets:
     both servers up at once and measured in alternating blocks of 100 calls, so both see the same machine
     load (a shared CI box drifts by more than the difference being measured). nodeagent runs with its
     default health settings (NVML events, a health poll each second), as on a node;
+  * the same for a Python grpc.aio server that answers a constant (the floor of the Python gRPC stack);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -58,6 +59,33 @@ asyncio.run(main(*sys.argv[1:4]))
 """
 
 
+# The least a Python grpc.aio server can do per Allocate: answer a constant. Measured beside nodeagent and
+# the Go plugin, it shows how much of the gap is nodeagent's work and how much the Python gRPC stack.
+FLOOR = r"""
+import asyncio, sys
+import grpc
+from nodeagent.deviceplugin.api import pb2, pb2_grpc
+
+ANSWER = pb2.AllocateResponse(container_responses=[
+    pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})])
+
+class Servicer(pb2_grpc.DevicePluginServicer):
+    async def Allocate(self, request, context):
+        return ANSWER
+
+async def main(path):
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb2_grpc.add_DevicePluginServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await server.stop(0)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
 def pct(values: list[float], p: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
@@ -80,12 +108,12 @@ def sim_state(tmp: Path, machine: str, layouts: dict[int, list[str]] | None = No
 
 
 class Child:
-    """nodeagent's DevicePluginService in its own Python process."""
+    """nodeagent's DevicePluginService (or another ``script``) in its own Python process."""
 
-    def __init__(self, plugin_dir: Path, state: Path, config: str) -> None:
+    def __init__(self, plugin_dir: Path, state: Path, config: str, script: str = SERVER) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER, str(plugin_dir), str(state), config],
+            [sys.executable, "-c", script, str(plugin_dir), str(state), config],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )
         assert self.proc.stdout is not None
@@ -290,11 +318,13 @@ def main() -> None:
         state = sim_state(tmp, "dgx-h100")
         pdir = tmp / "dp"
         child = Child(pdir, state, "version: v1\n")
+        floor = Child(tmp / "floor.sock", state, "", FLOOR)
         sample: SamplePlugin | None = None
         try:
             with grpc.insecure_channel(f"unix://{pdir / 'nvidia-gpu.sock'}") as ch:
                 first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
-            servers = {"allocate_nodeagent": (pdir / "nvidia-gpu.sock", first)}
+            servers = {"allocate_nodeagent": (pdir / "nvidia-gpu.sock", first),
+                       "allocate_python_grpc_floor": (tmp / "floor.sock", first)}
             binary = None if args.no_sample else sample_plugin_binary()
             if binary is not None:
                 sample = SamplePlugin(binary, tmp)
@@ -304,6 +334,7 @@ def main() -> None:
         finally:
             if sample is not None:
                 sample.close()
+            floor.close()
             child.close()
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
@@ -313,6 +344,8 @@ def main() -> None:
     if "allocate_k8s_sample_go" in result:
         s = result["allocate_k8s_sample_go"]
         print(f"Allocate (k8s sample plugin, Go):   p50 {s['p50_ms']} ms  p99 {s['p99_ms']} ms  (n={s['n']})")
+    f = result["allocate_python_grpc_floor"]
+    print(f"Allocate (constant, Python grpc.aio): p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms  (n={f['n']})")
     for size, r in result["preferred_dgx_h100"].items():
         print(f"GetPreferredAllocation size {size}:    p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms")
     lw = result["list_and_watch_896"]
