@@ -179,7 +179,6 @@ class DevicePluginService:
         flags, policy = self.config.flags.plugin, self.config.allocation_policy
         for name in [n for n in self._servers if n not in resources]:
             self.failures.pop(name, None)
-        for name in [n for n in self._servers if n not in resources]:
             await self._cancel_registration(name)
             await self._servers.pop(name).stop()
         for name, resource in resources.items():
