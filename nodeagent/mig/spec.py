@@ -151,9 +151,9 @@ def load_config(doc: Any, source: str = "<config>") -> MigConfigFile:
     for name, entries in raw.items():
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{source}: config name {shown(name)} is not a non-empty string", subject=source)
-        if len(name) > MAX_CONFIG_NAME:
-            raise ConfigError(f"{source}: config name {shown(name)} is longer than {MAX_CONFIG_NAME} characters "
-                              "(it is a label value)", subject=source)
+        if len(name) > MAX_CONFIG_NAME or not name.isprintable():
+            raise ConfigError(f"{source}: config name {shown(name)} is not a label value (at most {MAX_CONFIG_NAME} "
+                              "printable characters)", subject=source)
         where = f"{source}: config {name}"
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"{where}: must be a non-empty list of entries", subject=name)

@@ -62,3 +62,10 @@ def shown(value: Any) -> str:
         return f"<{type(value).__name__} of {len(value)} items>"
     text = repr(value)
     return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+
+
+def plain(value: Any) -> str:
+    """``value`` as is when it is a short printable string (a key, a device reference), else ``shown``."""
+    if isinstance(value, str) and value.isprintable() and len(value) <= MAX_SHOWN:
+        return value
+    return shown(value)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
+from nodeagent.sharing.boundedyaml import plain
 from nodeagent.sharing.spec import (
     MAX_ADVERTISED_DEVICES,
     RESOURCE_PREFIX,
@@ -198,7 +199,7 @@ def _select(entry: ReplicatedResource, devices: list[PhysicalDevice], config: Pl
         hits = by_ref.get(ref)
         if not hits:
             raise ConfigError(
-                f"{_entry_label(config, entry)}: device {ref} does not exist in {entry.name}", subject=entry.name
+                f"{_entry_label(config, entry)}: device {plain(ref)} does not exist in {entry.name}", subject=entry.name
             )
         for h in hits:
             chosen.setdefault(h.id, h)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from nodeagent.errors import ConfigError
-from nodeagent.sharing.boundedyaml import MAX_SHOWN, BoundedYamlError, load, shown
+from nodeagent.sharing.boundedyaml import BoundedYamlError, load, plain, shown
 
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
@@ -154,7 +154,7 @@ def _mapping(value: Any, source: str, path: str, allowed: frozenset[str]) -> Map
         return {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{_where(source, path)} must be a mapping, got {type(value).__name__}", subject=source)
-    unknown = sorted(shown(k) if not isinstance(k, str) or len(k) > MAX_SHOWN else k for k in value if k not in allowed)
+    unknown = sorted(plain(k) for k in value if k not in allowed)
     if unknown:
         listed = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise ConfigError(
@@ -279,7 +279,7 @@ def _parse_devices(raw: Any, source: str, path: str) -> DeviceSelector:
                 )
             ref = str(item)
             if ref in refs:
-                raise ConfigError(f"{_where(source, path)}: device {ref} is listed twice", subject=source)
+                raise ConfigError(f"{_where(source, path)}: device {plain(ref)} is listed twice", subject=source)
             refs[ref] = None
         return DeviceSelector(all=False, refs=tuple(refs))
     raise ConfigError(f"{_where(source, path)}: {shown(raw)} is not 'all', a count or a non-empty list", subject=source)
@@ -352,7 +352,7 @@ def _check_overlaps(entries: list[ReplicatedResource], source: str, path: str) -
         if a is None:
             for r in b.devices.refs:
                 if (b.name, r) in claimed:
-                    a, clash = claimed[(b.name, r)], f"device {r}"
+                    a, clash = claimed[(b.name, r)], f"device {plain(r)}"
                     break
         if a is not None:
             raise ConfigError(

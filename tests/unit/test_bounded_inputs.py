@@ -205,3 +205,20 @@ def test_fuzzed_bytes_give_a_config_or_one_line(raw: bytes) -> None:
         except ConfigError as e:
             one_line(e)
 
+
+
+def test_keys_and_references_with_line_breaks_stay_on_one_line() -> None:
+    """Found by the fuzz test: an unknown key holding a line break was echoed raw, splitting the error."""
+    doc = {"version": "v1", "sharing": {"timeSlicing": {"resources": [{"name": "gpu", "replicas": 2, "x\ny": 1}]}}}
+    with pytest.raises(ConfigError) as err:
+        parse_plugin_config(yaml.safe_dump(doc), source="dp.yaml")
+    assert "'x\\ny'" in one_line(err.value)
+    doc = {"version": "v1", "sharing": {"timeSlicing": {"resources": [
+        {"name": "gpu", "replicas": 2, "devices": ["0\n1"]}]}}}
+    with pytest.raises(ConfigError) as err:
+        build_resources(nvswitch_box(2), parse_plugin_config(yaml.safe_dump(doc), source="dp.yaml"))
+    one_line(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_mig(yaml.safe_dump({"version": "v1", "mig-configs": {"a\nb": [{"devices": "all", "mig-enabled": False}]}}),
+                  "mig.yaml")
+    assert "is not a label value" in one_line(err.value)
