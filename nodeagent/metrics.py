@@ -8,12 +8,15 @@ only started by ``serve`` and binds 127.0.0.1:9400 unless told otherwise.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -22,6 +25,8 @@ from nodeagent.kube.gpuobjects import gpu_of_device
 from nodeagent.kube.podresources import Assignment
 
 DEFAULT_ADDRESS = "127.0.0.1:9400"
+MAX_CONNECTIONS = 16  # connections served at once; more are closed at once (a scraper needs one)
+CONNECTION_TIMEOUT_S = 5.0  # per read/write: an idle or trickling client holds its slot at most this long
 
 DCGM_LABELS = (
     "gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "hostname",
@@ -172,9 +177,16 @@ class Metrics:
         samples: Mapping[int, Any],
         assignments: Iterable[Assignment] = (),
         health: Mapping[int, bool] | None = None,
+        xids: Mapping[int, int] | None = None,
     ) -> None:
-        """Replace the GPU readings shown at the next scrape."""
+        """Replace the GPU readings shown at the next scrape.
+
+        ``xids`` (GPU index → last XID, e.g. ``DevicePluginService.last_xids()``) fills DCGM_FI_DEV_XID_ERRORS
+        where the reading has no XID; a GPU that never reported one shows 0, as dcgm-exporter does."""
         conv = {i: sample_from(s) for i, s in samples.items()}
+        if xids is not None:
+            conv = {i: s if s.last_xid is not None else replace(s, last_xid=float(xids.get(i, 0)))
+                    for i, s in conv.items()}
         self._gpus.set(gpu_series(inv, conv, assignments, self.hostname))
         for g in inv.gpus:
             ok = True if health is None else health.get(g.index, True)
@@ -225,8 +237,64 @@ class Metrics:
         if not host or not port.isdigit():
             raise ValueError(f"metrics address must be HOST:PORT, got {address!r}")
         host = host.strip("[]")
-        server, thread = start_http_server(int(port), addr=host, registry=self.registry)
-        return MetricsServer(server, thread)
+        return start_bounded_server(host, int(port), make_wsgi_app(self.registry))
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection (HTTP/1.0), ``timeout`` seconds per socket operation, no access log."""
+
+    timeout = CONNECTION_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``max_connections`` of them: a connection beyond that is closed
+    without an answer, so idle clients can hold a few threads for a few seconds, never thousands."""
+
+    daemon_threads = True
+    request_queue_size = 64
+    max_connections = MAX_CONNECTIONS
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that timed out or went away is not the agent's error
+
+
+def start_bounded_server(
+    host: str, port: int, app: Any, *, max_connections: int = MAX_CONNECTIONS, timeout_s: float = CONNECTION_TIMEOUT_S
+) -> MetricsServer:
+    """Serve ``app`` on ``host:port`` in a daemon thread with bounded connections and timeouts."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    handler = type("_Handler", (_QuietHandler,), {"timeout": timeout_s})
+    server_class = type("_Server", (_BoundedServer,), {"address_family": family, "max_connections": max_connections})
+    server = server_class((sockaddr[0], port), handler)
+    server.set_app(app)
+    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return MetricsServer(server, thread)
 
 
 class MetricsServer:

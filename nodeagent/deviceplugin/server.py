@@ -32,12 +32,21 @@ HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 STOP_GRACE_S = 0.2
 MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
+# Allocate answers are a pure function of the device list and settings: the answers given since the last
+# change are kept (the kubelet asks for the same few sets again and again), up to this many.
+ALLOCATION_CACHE_SIZE = 1024
 
 
 def socket_name(resource_name: str) -> str:
-    """``nvidia.com/mig-1g.10gb`` → ``nvidia-mig-1g.10gb.sock`` (anything unsafe becomes ``-``)."""
-    short = resource_name.split("/", 1)[1] if "/" in resource_name else resource_name
-    return "nvidia-" + re.sub(r"[^A-Za-z0-9._-]", "-", short) + ".sock"
+    """``nvidia.com/mig-1g.10gb`` → ``nvidia-mig-1g.10gb.sock``; another domain keeps its domain:
+    ``example.com/gpu`` → ``nvidia--example.com_gpu.sock``.
+
+    Distinct valid resource names get distinct sockets: a name under nvidia.com cannot begin with ``-``, and
+    a domain cannot contain ``_``. Anything unsafe in a file name becomes ``-``.
+    """
+    domain, _, short = resource_name.rpartition("/")
+    name = short if domain in ("", "nvidia.com") else f"-{domain}_{short}"
+    return "nvidia-" + re.sub(r"[^A-Za-z0-9._-]", "-", name) + ".sock"
 
 
 def _to_proto(alloc: ContainerAllocation) -> Any:
@@ -128,12 +137,19 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     async def Allocate(self, request: Any, context: Any) -> Any:
         owner = self._owner
+        key = tuple(tuple(c.devices_ids) for c in request.container_requests)
+        cached = owner.allocations.get(key)
+        if cached is not None:
+            return cached
         try:
-            allocs = allocate(owner.resource, owner.flags, [list(c.devices_ids) for c in request.container_requests])
+            allocs = allocate(owner.resource, owner.flags, [list(ids) for ids in key])
         except AllocationError as e:
             log.warning("allocate refused: %s", e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
+        response = api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
+        if len(owner.allocations) < ALLOCATION_CACHE_SIZE:
+            owner.allocations[key] = response
+        return response
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
         return api_pb2.PreStartContainerResponse()
@@ -164,6 +180,7 @@ class ResourceServer:
         self._server: Any = None
         self._last_list: tuple[tuple[str, str], ...] = ()
         self.list_sent_at: float = 0.0
+        self.allocations: dict[tuple[tuple[str, ...], ...], Any] = {}  # request → AllocateResponse
 
     @property
     def name(self) -> str:
@@ -206,6 +223,7 @@ class ResourceServer:
         """Swap in a new device list / settings; re-sends the list if anything visible changed."""
         before = self._visible()
         self.resource, self.flags, self.scores, self.policy = resource, flags, scores, policy
+        self.allocations = {}
         self._last_list = self._health_snapshot()
         if before != self._visible():
             await self._bump()
@@ -235,8 +253,15 @@ class ResourceServer:
                 f"allows ({MAX_SOCKET_PATH}); use a shorter --root or --kubelet-dir",
                 subject=str(path),
             )
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            raise KubeletError(
+                f"cannot serve {self.name}: {path} is a directory, not a socket; remove it", subject=str(path)
+            )
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise KubeletError(f"cannot serve {self.name}: cannot remove {path}: {e.strerror}",
+                               subject=str(path)) from e
         self.closing = False
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         api_pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
@@ -258,8 +283,10 @@ class ResourceServer:
             self.closing = True
             self._changed.notify_all()
         await server.stop(STOP_GRACE_S)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        path = self.socket_path
+        if path.is_socket():  # only our own socket: whatever else took the path stays (start refuses it)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         log.info("stopped serving %s", self.name)
 
     async def restart(self) -> None:

@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
-from nodeagent.deviceplugin.server import ResourceServer
-from nodeagent.errors import KubeletError
-from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource
+from nodeagent.deviceplugin.server import ResourceServer, socket_name
+from nodeagent.errors import ConfigError, NodeAgentError
+from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource, to_xid_event
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.topology import score_matrix
 from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, resource_ids
@@ -27,6 +29,22 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 5.0
+
+
+@dataclass
+class XidTrackingMonitor(HealthMonitor):
+    """The health monitor, also remembering the last XID each GPU reported (critical or not): the value
+    dcgm-exporter publishes as DCGM_FI_DEV_XID_ERRORS."""
+
+    last_xid: dict[int, int] = field(default_factory=dict)
+
+    async def handle_events(self, events: Iterable[Any]) -> bool:
+        batch = list(events)
+        for raw in batch:
+            ev = to_xid_event(raw)
+            if ev is not None and ev.gpu_index in self.gpu_indices:
+                self.last_xid[ev.gpu_index] = ev.xid
+        return await super().handle_events(batch)
 
 
 class DevicePluginService:
@@ -58,19 +76,34 @@ class DevicePluginService:
         self._scores: dict[tuple[int, int], int] = {}
         self._started = False
         self.registrations: dict[str, int] = {}  # successful Register calls per resource
-        self.monitor: HealthMonitor | None = None
+        self.failures: dict[str, str] = {}  # resource → why it is neither served nor registered right now
+        self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
-            self.monitor = HealthMonitor(
+            self.monitor = XidTrackingMonitor(
                 source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed
             )
 
     # ------------------------------------------------------------------ public interface
+    @staticmethod
+    def _checked(resources: dict[str, Resource], source: str) -> dict[str, Resource]:
+        """Refuse (changing nothing) a set of resources where two would share one socket."""
+        owners: dict[str, str] = {}
+        for name in resources:
+            other = owners.setdefault(socket_name(name), name)
+            if other != name:
+                raise ConfigError(
+                    f"{source}: resources {other} and {name} would both be served on socket {socket_name(name)}; "
+                    "rename one of them",
+                    subject=name,
+                )
+        return resources
+
     async def start(self, inventory: Inventory) -> None:
         """Serve and register every resource of ``inventory``."""
         async with self._lock:
             if self._started:
                 raise RuntimeError("DevicePluginService already started")
-            resources = build_resources(inventory, self.config)
+            resources = self._checked(build_resources(inventory, self.config), self.config.source)
             self._inventory = inventory
             self._scores = score_matrix(inventory)
             self._started = True
@@ -83,7 +116,7 @@ class DevicePluginService:
         """Follow a new Inventory and/or config; raises ConfigError (changing nothing) when invalid."""
         async with self._lock:
             config = plugin_config or self.config
-            resources = build_resources(inventory, config)
+            resources = self._checked(build_resources(inventory, config), config.source)
             self.config, self._inventory, self._withdrawn = config, inventory, frozenset()
             self._scores = score_matrix(inventory)
             if self.monitor is not None:
@@ -98,7 +131,7 @@ class DevicePluginService:
                 return
             self._withdrawn = self._withdrawn | frozenset(gpu_indices)
             resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn)
-            await self._apply(resources)
+            await self._apply(self._checked(resources, self.config.source))
 
     def served_resources(self) -> dict[str, list[str]]:
         return resource_ids({n: s.resource for n, s in self._servers.items()})
@@ -108,6 +141,10 @@ class DevicePluginService:
 
     def server(self, resource_name: str) -> ResourceServer:
         return self._servers[resource_name]
+
+    def last_xids(self) -> dict[int, int]:
+        """GPU index → the last XID it reported (GPUs without one are absent)."""
+        return dict(self.monitor.last_xid) if self.monitor is not None else {}
 
     def device_health(self) -> dict[str, dict[str, bool]]:
         """Resource → device ID → healthy."""
@@ -141,6 +178,7 @@ class DevicePluginService:
     async def _apply(self, resources: dict[str, Resource]) -> None:
         flags, policy = self.config.flags.plugin, self.config.allocation_policy
         for name in [n for n in self._servers if n not in resources]:
+            self.failures.pop(name, None)
             await self._cancel_registration(name)
             await self._servers.pop(name).stop()
         for name, resource in resources.items():
@@ -159,7 +197,17 @@ class DevicePluginService:
         old = self._registering.pop(name, None)
         if old is not None:
             old.cancel()
-        self._registering[name] = asyncio.create_task(self._register_loop(name), name=f"register {name}")
+        task = asyncio.create_task(self._register_loop(name), name=f"register {name}")
+        task.add_done_callback(self._report_task)
+        self._registering[name] = task
+
+    def _report_task(self, task: asyncio.Task[None]) -> None:
+        """A supervised task ended: an exception is logged as one error line, never left unretrieved."""
+        if task.cancelled():
+            return
+        e = task.exception()
+        if e is not None:
+            log.error("device plugin: %s failed: %s: %s", task.get_name(), type(e).__name__, e)
 
     async def _cancel_registration(self, name: str) -> None:
         task = self._registering.pop(name, None)
@@ -169,21 +217,31 @@ class DevicePluginService:
                 await task
 
     async def _register_loop(self, name: str) -> None:
+        """Serve (when the server is down, e.g. after a kubelet restart) and register, retrying with backoff;
+        every new cause is logged once and kept in ``failures`` until the resource is registered."""
         delay = BACKOFF_START_S
         while True:
             server = self._servers.get(name)
             if server is None:
                 return
             try:
+                if not server.running:
+                    await server.start()
                 await register(self.plugin_dir, name, server.endpoint, timeout=self._register_timeout)
-            except KubeletError as e:
-                if self._last_cause.get(name) != e.message:
-                    self._last_cause[name] = e.message
-                    log.warning("registering %s failed, retrying with backoff: %s", name, e.message)
+            except (NodeAgentError, OSError) as e:
+                message = str(e)
+                self.failures[name] = message
+                if self._last_cause.get(name) != message:
+                    self._last_cause[name] = message
+                    if server.running:
+                        log.warning("registering %s failed, retrying with backoff: %s", name, message)
+                    else:
+                        log.error("%s is not served (retrying with backoff): %s", name, message)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._backoff_max)
                 continue
             self._last_cause.pop(name, None)
+            self.failures.pop(name, None)
             self.registrations[name] = self.registrations.get(name, 0) + 1
             log.info("registered %s with the kubelet (endpoint %s)", name, server.endpoint)
             if self._registering.get(name) is asyncio.current_task():
@@ -197,6 +255,7 @@ class DevicePluginService:
         self._restart_pending = True
         if self._restart_task is None or self._restart_task.done():
             self._restart_task = asyncio.create_task(self._restart_all(), name="kubelet restart")
+            self._restart_task.add_done_callback(self._report_task)
 
     async def _restart_all(self) -> None:
         while self._restart_pending:
@@ -210,7 +269,9 @@ class DevicePluginService:
             log.info("kubelet.sock re-created: restarting %d server(s) and registering again", len(self._servers))
             for name, server in self._servers.items():
                 await self._cancel_registration(name)
-                await server.restart()
+                await server.stop()
+            # each registration loop serves again before registering: a server that cannot start (its socket
+            # path is taken by a directory, ...) is reported and retried without holding up the others
             for name in self._servers:
                 self._start_registration(name)
 

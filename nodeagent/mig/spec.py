@@ -26,10 +26,14 @@ import yaml
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.mig.layout import fits
+from nodeagent.sharing.boundedyaml import BoundedYamlError, load, shown
 
 ENTRY_KEYS = frozenset({"devices", "mig-enabled", "device-filter", "mig-devices"})
 REQUIRED_ENTRY_KEYS = ("devices", "mig-enabled")
 TOP_KEYS = frozenset({"version", "mig-configs"})
+MAX_LIST_ITEMS = 4096  # entries, device indices or filter ids in one list
+MAX_DEVICE_INDEX = 1 << 16
+MAX_CONFIG_NAME = 63  # the name is the value of the nvidia.com/mig.config label
 
 # "1g.10gb", "1g.10gb+me", "1g.24gb+me.all", "1g.12gb-me", and mig-parted's "<c>c.<g>g.<m>gb" form.
 _PROFILE_RE = re.compile(r"^(?:(\d+)c\.)?(\d+)g\.(\d+)gb((?:[+-][a-z]+(?:\.[a-z]+)*)*)$")
@@ -77,7 +81,7 @@ class MigConfigFile:
             )
         if name not in self.configs:
             raise ConfigError(
-                f"{self.source}: no config named {name!r} (known: {_list(self.names)})", subject=name
+                f"{self.source}: no config named {shown(name)} (known: {_list(self.names)})", subject=name
             )
         return name, self.configs[name]
 
@@ -115,7 +119,9 @@ def _list(items: tuple[str, ...] | list[str]) -> str:
 def parse_config(text: str, source: str = "<config>") -> MigConfigFile:
     """Parse and validate a mig-parted v1 YAML document."""
     try:
-        doc = yaml.safe_load(text)
+        doc = load(text)
+    except BoundedYamlError as e:
+        raise ConfigError(f"{source}: {e}", subject=source) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -130,11 +136,11 @@ def load_config(doc: Any, source: str = "<config>") -> MigConfigFile:
         raise ConfigError(f"{source}: expected a mapping with 'version' and 'mig-configs'", subject=source)
     unknown = sorted(str(k) for k in doc if k not in TOP_KEYS)
     if unknown:
-        raise ConfigError(f"{source}: unknown top-level key {unknown[0]!r}", subject=source)
+        raise ConfigError(f"{source}: unknown top-level key {shown(unknown[0])}", subject=source)
     if "version" not in doc:
         raise ConfigError(f"{source}: missing required key 'version' (must be v1)", subject=source)
     if doc["version"] != "v1":
-        raise ConfigError(f"{source}: unsupported version {doc['version']!r} (only v1)", subject=source)
+        raise ConfigError(f"{source}: unsupported version {shown(doc['version'])} (only v1)", subject=source)
     if "mig-configs" not in doc:
         raise ConfigError(f"{source}: missing required key 'mig-configs'", subject=source)
     raw = doc["mig-configs"]
@@ -144,10 +150,14 @@ def load_config(doc: Any, source: str = "<config>") -> MigConfigFile:
     configs: dict[str, tuple[MigEntry, ...]] = {}
     for name, entries in raw.items():
         if not isinstance(name, str) or not name:
-            raise ConfigError(f"{source}: config name {name!r} is not a non-empty string", subject=source)
+            raise ConfigError(f"{source}: config name {shown(name)} is not a non-empty string", subject=source)
+        if len(name) > MAX_CONFIG_NAME or not name.isprintable():
+            raise ConfigError(f"{source}: config name {shown(name)} is not a label value (at most {MAX_CONFIG_NAME} "
+                              "printable characters)", subject=source)
         where = f"{source}: config {name}"
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"{where}: must be a non-empty list of entries", subject=name)
+        _bounded(entries, where, "entries")
         configs[name] = tuple(_entry(e, i, where) for i, e in enumerate(entries))
     return MigConfigFile(configs, source)
 
@@ -159,7 +169,7 @@ def _entry(raw: Any, pos: int, where: str) -> MigEntry:
     for key in raw:
         if key not in ENTRY_KEYS:
             raise ConfigError(
-                f"{here}: unknown key {key!r} (allowed: {_list(sorted(ENTRY_KEYS))})", subject=here
+                f"{here}: unknown key {shown(key)} (allowed: {_list(sorted(ENTRY_KEYS))})", subject=here
             )
     for key in REQUIRED_ENTRY_KEYS:
         if key not in raw:
@@ -168,7 +178,7 @@ def _entry(raw: Any, pos: int, where: str) -> MigEntry:
     devices = _devices(raw["devices"], here)
     enabled = raw["mig-enabled"]
     if not isinstance(enabled, bool):
-        raise ConfigError(f"{here}: 'mig-enabled' must be true or false, not {enabled!r}", subject=here)
+        raise ConfigError(f"{here}: 'mig-enabled' must be true or false, not {shown(enabled)}", subject=here)
     dev_filter = _device_filter(raw["device-filter"], here) if "device-filter" in raw else None
 
     counts: tuple[tuple[str, int], ...] = ()
@@ -189,14 +199,22 @@ def _devices(raw: Any, here: str) -> Literal["all"] | tuple[int, ...]:
         return "all"
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"{here}: 'devices' must be \"all\" or a non-empty list of GPU indices", subject=here)
-    out: list[int] = []
+    _bounded(raw, here, "device indices")
+    out: dict[int, None] = {}
     for d in raw:
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ConfigError(f"{here}: device index {d!r} is not a non-negative integer", subject=here)
+            raise ConfigError(f"{here}: device index {shown(d)} is not a non-negative integer", subject=here)
+        if d >= MAX_DEVICE_INDEX:
+            raise ConfigError(f"{here}: device index {shown(d)} is larger than {MAX_DEVICE_INDEX - 1}", subject=here)
         if d in out:
             raise ConfigError(f"{here}: device index {d} listed twice", subject=here)
-        out.append(d)
+        out[d] = None
     return tuple(out)
+
+
+def _bounded(items: list[Any], here: str, what: str) -> None:
+    if len(items) > MAX_LIST_ITEMS:
+        raise ConfigError(f"{here}: {len(items)} {what}, more than the {MAX_LIST_ITEMS} accepted", subject=here)
 
 
 def _device_filter(raw: Any, here: str) -> tuple[int, ...]:
@@ -204,11 +222,12 @@ def _device_filter(raw: Any, here: str) -> tuple[int, ...]:
     if not isinstance(items, list) or not items:
         raise ConfigError(f"{here}: 'device-filter' must be a PCI id string or a non-empty list of them",
                           subject=here)
+    _bounded(items, here, "device-filter values")
     out: list[int] = []
     for item in items:
         if not isinstance(item, str) or not _PCI_ID_RE.match(item):
             raise ConfigError(
-                f"{here}: device-filter value {item!r} is not a PCI device id like \"0x20B010DE\"",
+                f"{here}: device-filter value {shown(item)} is not a PCI device id like \"0x20B010DE\"",
                 subject=here,
             )
         out.append(int(item, 16))
@@ -233,7 +252,7 @@ def _mig_devices(raw: dict[Any, Any], here: str) -> tuple[tuple[str, int], ...]:
     out: dict[str, int] = {}
     for key, count in raw.items():
         if not isinstance(key, str):
-            raise ConfigError(f"{here}: MIG profile {key!r} is not a string", subject=here)
+            raise ConfigError(f"{here}: MIG profile {shown(key)} is not a string", subject=here)
         prof = normalize_profile(key)
         if prof is None:
             m = _PROFILE_RE.match(key)
@@ -242,9 +261,9 @@ def _mig_devices(raw: dict[Any, Any], here: str) -> tuple[tuple[str, int], ...]:
                 if m
                 else "expected a name like \"1g.10gb\""
             )
-            raise ConfigError(f"{here}: MIG profile {key!r}: {why}", subject=here)
+            raise ConfigError(f"{here}: MIG profile {shown(key)}: {why}", subject=here)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ConfigError(f"{here}: count for {key!r} must be an integer ≥ 0, not {count!r}", subject=here)
+            raise ConfigError(f"{here}: count for {shown(key)} must be an integer ≥ 0, not {shown(count)}", subject=here)
         if prof in out:
             raise ConfigError(f"{here}: MIG profile {prof!r} listed twice", subject=here)
         out[prof] = count
@@ -274,7 +293,7 @@ def resolve(name: str, entries: tuple[MigEntry, ...], inventory: Inventory, sour
         if entry.devices == "all":
             chosen = [g for g in inventory.gpus if g.mig_capable and entry.matches_filter(g)]
         else:
-            missing = [i for i in entry.devices if i not in by_index]
+            missing = [i for i in entry.devices if i not in by_index][:1]
             if missing:
                 have = ", ".join(str(i) for i in sorted(by_index)) or "none"
                 raise ConfigError(

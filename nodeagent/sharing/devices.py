@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
-from nodeagent.sharing.spec import RESOURCE_PREFIX, PluginConfig, ReplicatedResource
+from nodeagent.sharing.boundedyaml import plain
+from nodeagent.sharing.spec import (
+    MAX_ADVERTISED_DEVICES,
+    RESOURCE_PREFIX,
+    PluginConfig,
+    ReplicatedResource,
+    resource_name_problem,
+)
 
 GPU_RESOURCE = RESOURCE_PREFIX + "gpu"
 REPLICA_SEPARATOR = "::"
@@ -163,15 +170,6 @@ def base_resources(
     return out
 
 
-def _ref_matches(ref: str, dev: PhysicalDevice) -> bool:
-    if ref in (dev.uuid, dev.id):
-        return True
-    if dev.mig is None:
-        return ref in (str(dev.gpu.index), dev.gpu.uuid)
-    # A GPU index or UUID selects every MIG device of that GPU.
-    return ref in (str(dev.gpu.index), dev.gpu.uuid, f"{dev.gpu.index}:{_mig_index(dev.gpu, dev.mig)}")
-
-
 def _entry_label(config: PluginConfig, entry: ReplicatedResource) -> str:
     section = "timeSlicing" if config.sharing.strategy == "time-slicing" else "mps"
     return f"{config.source}: sharing.{section}.resources[{entry.position}] ({entry.name})"
@@ -188,15 +186,24 @@ def _select(entry: ReplicatedResource, devices: list[PhysicalDevice], config: Pl
                 subject=entry.name,
             )
         return devices[: sel.count]
-    chosen: list[PhysicalDevice] = []
+    # every name a reference may use → the devices it selects (one pass, not one scan per reference)
+    by_ref: dict[str, list[PhysicalDevice]] = {}
+    for d in devices:
+        names = {d.uuid, d.id, str(d.gpu.index), d.gpu.uuid}
+        if d.mig is not None:
+            names.add(f"{d.gpu.index}:{_mig_index(d.gpu, d.mig)}")
+        for n in names:
+            by_ref.setdefault(n, []).append(d)
+    chosen: dict[str, PhysicalDevice] = {}
     for ref in sel.refs:
-        hits = [d for d in devices if _ref_matches(ref, d)]
+        hits = by_ref.get(ref)
         if not hits:
             raise ConfigError(
-                f"{_entry_label(config, entry)}: device {ref} does not exist in {entry.name}", subject=entry.name
+                f"{_entry_label(config, entry)}: device {plain(ref)} does not exist in {entry.name}", subject=entry.name
             )
-        chosen.extend(h for h in hits if h not in chosen)
-    return chosen
+        for h in hits:
+            chosen.setdefault(h.id, h)
+    return list(chosen.values())
 
 
 def _check_id(device_id: str, resource: str) -> str:
@@ -222,6 +229,12 @@ def build_resources(
                 f"{_entry_label(config, entry)}: this node has no {entry.name} devices", subject=entry.name
             )
         target = entry.rename or (entry.name + ".shared" if sharing.rename_by_default else entry.name)
+        if target != entry.name and target in base:
+            raise ConfigError(
+                f"{_entry_label(config, entry)}: rename {target} is the name of another resource of this node; "
+                "choose a name no other resource has",
+                subject=entry.name,
+            )
         per = plan.setdefault(entry.name, {})
         for dev in _select(entry, devices, config):
             if dev.id in per:
@@ -231,6 +244,13 @@ def build_resources(
                 )
             per[dev.id] = (entry.replicas, target)
 
+    total = sum(plan.get(name, {}).get(dev.id, (1, ""))[0] for name, devs in base.items() for dev in devs)
+    if total > MAX_ADVERTISED_DEVICES:
+        raise ConfigError(
+            f"{config.source}: the config advertises {total} devices, more than the {MAX_ADVERTISED_DEVICES} "
+            "accepted on one node; lower the replicas",
+            subject=config.source,
+        )
     collected: dict[str, list[AdvertisedDevice]] = {}
     shared_names: set[str] = set()
     for name, devices in base.items():
@@ -248,6 +268,9 @@ def build_resources(
 
     out: dict[str, Resource] = {}
     for name in sorted(collected):
+        problem = resource_name_problem(name)
+        if problem is not None:
+            raise ConfigError(f"{config.source}: resource {name[:80]!r} is {problem}", subject=name[:80])
         shared = name in shared_names
         out[name] = Resource(
             name=name,

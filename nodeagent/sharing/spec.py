@@ -8,6 +8,7 @@ the one function that reads a file.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from nodeagent.errors import ConfigError
+from nodeagent.sharing.boundedyaml import BoundedYamlError, load, plain, shown
 
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]
@@ -28,6 +30,18 @@ DEVICE_LIST_STRATEGIES: tuple[str, ...] = ("envvar", "volume-mounts", "cdi-annot
 DEVICE_ID_STRATEGIES: tuple[str, ...] = ("uuid", "index")
 ALLOCATION_POLICIES: tuple[str, ...] = ("distributed", "packed")
 RESOURCE_PREFIX = "nvidia.com/"
+# Bounds: the kubelet keeps every advertised ID in its checkpoint and every ListAndWatch answer carries all
+# of them, so a typo like ``replicas: 1000000`` must be refused, not turned into millions of devices.
+MAX_REPLICAS = 1024
+MAX_ADVERTISED_DEVICES = 8192  # over all resources of the node
+MAX_LIST_ITEMS = 4096  # entries of any list in the file
+
+# An extended resource name as the API server accepts it: ``<DNS subdomain>/<name>``, the name part at most
+# 63 characters of [A-Za-z0-9-_.] beginning and ending alphanumeric, not in the kubernetes.io domain.
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_RESOURCE_NAME_RE = re.compile(
+    rf"^({_DNS_LABEL}(?:\.{_DNS_LABEL})*)/([A-Za-z0-9](?:[-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?)$"
+)
 
 # Keys NVIDIA's config knows that change nothing in nodeagent (driver roots, GFD, MOFED, ...).
 _IGNORED_FLAGS = frozenset(
@@ -140,10 +154,11 @@ def _mapping(value: Any, source: str, path: str, allowed: frozenset[str]) -> Map
         return {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{_where(source, path)} must be a mapping, got {type(value).__name__}", subject=source)
-    unknown = sorted(str(k) for k in value if k not in allowed)
+    unknown = sorted(plain(k) for k in value if k not in allowed)
     if unknown:
+        listed = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise ConfigError(
-            f"{_where(source, path)}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})",
+            f"{_where(source, path)}: unknown key(s) {listed} (allowed: {', '.join(sorted(allowed))})",
             subject=source,
         )
     return value
@@ -153,7 +168,7 @@ def _bool(value: Any, default: bool, source: str, path: str) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ConfigError(f"{_where(source, path)} must be true or false, got {value!r}", subject=source)
+        raise ConfigError(f"{_where(source, path)} must be true or false, got {shown(value)}", subject=source)
     return value
 
 
@@ -162,13 +177,43 @@ def _choice(value: Any, default: str, choices: tuple[str, ...], source: str, pat
         return default
     if not isinstance(value, str) or value not in choices:
         raise ConfigError(
-            f"{_where(source, path)}: {value!r} is not one of {', '.join(choices)}", subject=source
+            f"{_where(source, path)}: {shown(value)} is not one of {', '.join(choices)}", subject=source
         )
     return value
 
 
 def _prefixed(name: str) -> str:
     return name if "/" in name else RESOURCE_PREFIX + name
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be an extended resource name, or None when it can."""
+    m = _RESOURCE_NAME_RE.match(name)
+    if m is None or len(m.group(1)) > 253:
+        return ("not a valid extended resource name (<domain>/<name>: a lower-case DNS domain, then at most 63 "
+                "characters of letters, digits, '-', '_' and '.', beginning and ending with a letter or digit)")
+    domain = m.group(1)
+    if domain == "kubernetes.io" or domain.endswith(".kubernetes.io") or name.startswith("requests."):
+        return "extended resources may not be in the kubernetes.io domain"
+    return None
+
+
+def _resource_name(raw: str, source: str, path: str) -> str:
+    name = _prefixed(raw)
+    problem = resource_name_problem(name)
+    if problem is not None:
+        raise ConfigError(f"{_where(source, path)}: {shown(raw)} is {problem}", subject=source)
+    return name
+
+
+def _list_of(raw: Any, source: str, path: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{_where(source, path)} must be a list", subject=source)
+    if len(raw) > MAX_LIST_ITEMS:
+        raise ConfigError(
+            f"{_where(source, path)} has {len(raw)} entries, more than the {MAX_LIST_ITEMS} accepted", subject=source
+        )
+    return raw
 
 
 def _parse_plugin(raw: Any, source: str) -> PluginFlags:
@@ -192,7 +237,8 @@ def _parse_plugin(raw: Any, source: str) -> PluginFlags:
     prefix = m.get("cdiAnnotationPrefix")
     if prefix is not None and (not isinstance(prefix, str) or not prefix.endswith("/")):
         raise ConfigError(
-            f"{_where(source, 'flags.plugin.cdiAnnotationPrefix')} must be a string ending in '/', got {prefix!r}",
+            f"{_where(source, 'flags.plugin.cdiAnnotationPrefix')} must be a string ending in '/', "
+            f"got {shown(prefix)}",
             subject=source,
         )
     return PluginFlags(
@@ -218,32 +264,30 @@ def _parse_devices(raw: Any, source: str, path: str) -> DeviceSelector:
     if raw is None or raw == "all":
         return DeviceSelector()
     if isinstance(raw, bool):
-        raise ConfigError(f"{_where(source, path)}: {raw!r} is not 'all', a count or a list", subject=source)
+        raise ConfigError(f"{_where(source, path)}: {shown(raw)} is not 'all', a count or a list", subject=source)
     if isinstance(raw, int):
         if raw < 1:
             raise ConfigError(f"{_where(source, path)}: device count must be ≥ 1, got {raw}", subject=source)
         return DeviceSelector(all=False, count=raw)
     if isinstance(raw, list) and raw:
-        refs: list[str] = []
-        for i, item in enumerate(raw):
+        refs: dict[str, None] = {}
+        for i, item in enumerate(_list_of(raw, source, path)):
             if isinstance(item, bool) or not isinstance(item, int | str) or item == "":
                 raise ConfigError(
-                    f"{_where(source, f'{path}[{i}]')}: {item!r} is not a GPU index, GPU UUID or MIG UUID",
+                    f"{_where(source, f'{path}[{i}]')}: {shown(item)} is not a GPU index, GPU UUID or MIG UUID",
                     subject=source,
                 )
             ref = str(item)
             if ref in refs:
-                raise ConfigError(f"{_where(source, path)}: device {ref} is listed twice", subject=source)
-            refs.append(ref)
+                raise ConfigError(f"{_where(source, path)}: device {plain(ref)} is listed twice", subject=source)
+            refs[ref] = None
         return DeviceSelector(all=False, refs=tuple(refs))
-    raise ConfigError(f"{_where(source, path)}: {raw!r} is not 'all', a count or a non-empty list", subject=source)
+    raise ConfigError(f"{_where(source, path)}: {shown(raw)} is not 'all', a count or a non-empty list", subject=source)
 
 
 def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharing:
     m = _mapping(raw, source, path, _REPLICATED_KEYS)
-    entries_raw = m.get("resources") or []
-    if not isinstance(entries_raw, list):
-        raise ConfigError(f"{_where(source, path + '.resources')} must be a list", subject=source)
+    entries_raw = _list_of(m.get("resources") or [], source, path + ".resources")
     entries: list[ReplicatedResource] = []
     for i, er in enumerate(entries_raw):
         epath = f"{path}.resources[{i}]"
@@ -251,7 +295,7 @@ def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharin
         name = e.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{_where(source, epath)}: 'name' is required (e.g. nvidia.com/gpu)", subject=source)
-        name = _prefixed(name)
+        name = _resource_name(name, source, epath + ".name")
         if not name.startswith(RESOURCE_PREFIX) or not (
             name == RESOURCE_PREFIX + "gpu" or name.startswith(RESOURCE_PREFIX + "mig-")
         ):
@@ -262,7 +306,12 @@ def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharin
         replicas = e.get("replicas")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2:
             raise ConfigError(
-                f"{_where(source, epath)} ({name}): replicas must be an integer ≥ 2, got {replicas!r}",
+                f"{_where(source, epath)} ({name}): replicas must be an integer ≥ 2, got {shown(replicas)}",
+                subject=source,
+            )
+        if replicas > MAX_REPLICAS:
+            raise ConfigError(
+                f"{_where(source, epath)} ({name}): replicas {replicas} is more than the {MAX_REPLICAS} accepted",
                 subject=source,
             )
         rename = e.get("rename")
@@ -272,7 +321,7 @@ def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharin
             ReplicatedResource(
                 name=name,
                 replicas=replicas,
-                rename=_prefixed(rename) if rename else None,
+                rename=_resource_name(rename, source, epath + ".rename") if rename else None,
                 devices=_parse_devices(e.get("devices"), source, epath + ".devices"),
                 position=i,
             )
@@ -289,37 +338,45 @@ def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharin
 
 
 def _check_overlaps(entries: list[ReplicatedResource], source: str, path: str) -> None:
-    """Entries for the same resource may not claim the same device (deeper checks need the Inventory)."""
-    for i, a in enumerate(entries):
-        for b in entries[i + 1 :]:
-            if a.name != b.name:
-                continue
-            clash: str | None = None
-            if a.devices.all or b.devices.all or a.devices.count or b.devices.count:
-                clash = "all/counted devices"
-            else:
-                common = [r for r in a.devices.refs if r in b.devices.refs]
-                clash = f"device {common[0]}" if common else None
-            if clash:
-                raise ConfigError(
-                    f"{_where(source, f'{path}.resources[{b.position}]')} ({b.name}): {clash} already shared by "
-                    f"{path}.resources[{a.position}]",
-                    subject=source,
-                )
+    """Entries for the same resource may not claim the same device (deeper checks need the Inventory).
+
+    Linear in the number of references: each reference remembers the first entry that named it."""
+    whole: dict[str, ReplicatedResource] = {}  # resource → an entry with all/counted devices
+    listed: dict[str, ReplicatedResource] = {}  # resource → any entry seen so far
+    claimed: dict[tuple[str, str], ReplicatedResource] = {}
+    for b in entries:
+        a = whole.get(b.name)
+        clash = "all/counted devices" if a is not None else None
+        if a is None and (b.devices.all or b.devices.count) and b.name in listed:
+            a, clash = listed[b.name], "all/counted devices"
+        if a is None:
+            for r in b.devices.refs:
+                if (b.name, r) in claimed:
+                    a, clash = claimed[(b.name, r)], f"device {plain(r)}"
+                    break
+        if a is not None:
+            raise ConfigError(
+                f"{_where(source, f'{path}.resources[{b.position}]')} ({b.name}): {clash} already shared by "
+                f"{path}.resources[{a.position}]",
+                subject=source,
+            )
+        listed.setdefault(b.name, b)
+        if b.devices.all or b.devices.count:
+            whole[b.name] = b
+        for r in b.devices.refs:
+            claimed[(b.name, r)] = b
 
 
 def _parse_patterns(raw: Any, source: str, path: str) -> tuple[ResourcePattern, ...]:
     if raw is None:
         return ()
-    if not isinstance(raw, list):
-        raise ConfigError(f"{_where(source, path)} must be a list", subject=source)
     out: list[ResourcePattern] = []
-    for i, item in enumerate(raw):
+    for i, item in enumerate(_list_of(raw, source, path)):
         m = _mapping(item, source, f"{path}[{i}]", _PATTERN_KEYS)
         pattern, name = m.get("pattern"), m.get("name")
         if not isinstance(pattern, str) or not isinstance(name, str) or not pattern or not name:
             raise ConfigError(f"{_where(source, f'{path}[{i}]')}: 'pattern' and 'name' are required", subject=source)
-        out.append(ResourcePattern(pattern=pattern, name=_prefixed(name)))
+        out.append(ResourcePattern(pattern=pattern, name=_resource_name(name, source, f"{path}[{i}].name")))
     return tuple(out)
 
 
@@ -332,7 +389,7 @@ def plugin_config_from_dict(
     top = _mapping(data, source, "<top level>", _TOP_KEYS)
     version = top.get("version")
     if version != "v1":
-        raise ConfigError(f"{_where(source, 'version')}: must be v1, got {version!r}", subject=source)
+        raise ConfigError(f"{_where(source, 'version')}: must be v1, got {shown(version)}", subject=source)
     sharing_raw = _mapping(top.get("sharing"), source, "sharing", _SHARING_KEYS)
     ts = sharing_raw.get("timeSlicing")
     mps = sharing_raw.get("mps")
@@ -353,7 +410,7 @@ def plugin_config_from_dict(
         sharing = ts_parsed
     resources = _mapping(top.get("resources"), source, "resources", frozenset({"gpus", "mig"}))
     if allocation_policy not in ALLOCATION_POLICIES:
-        raise ConfigError(f"allocation policy {allocation_policy!r} is not one of {', '.join(ALLOCATION_POLICIES)}")
+        raise ConfigError(f"allocation policy {shown(allocation_policy)} is not one of {', '.join(ALLOCATION_POLICIES)}")
     return PluginConfig(
         flags=_parse_flags(top.get("flags"), source),
         sharing=sharing,
@@ -369,7 +426,9 @@ def parse_plugin_config(
 ) -> PluginConfig:
     """Parse the YAML (or JSON) text of an NVIDIA plugin config v1."""
     try:
-        data = yaml.safe_load(text)
+        data = load(text)
+    except BoundedYamlError as e:
+        raise ConfigError(f"{source}: {e}", subject=source) from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -4,7 +4,11 @@
 
 Measures, over real Unix sockets:
   * Allocate p50/p99 (1 device) of nodeagent's server, and of the Kubernetes sample device plugin in Go
-    (k8s.io/kubernetes/test/images/sample-device-plugin) with the same Python gRPC client in the same run;
+    (k8s.io/kubernetes/test/images/sample-device-plugin) with the same Python gRPC client in the same run,
+    both servers up at once and measured in alternating blocks of 100 calls, so both see the same machine
+    load (a shared CI box drifts by more than the difference being measured). nodeagent runs with its
+    default health settings (NVML events, a health poll each second), as on a node;
+  * the same for a Python grpc.aio server that answers a constant (the floor of the Python gRPC stack);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -44,7 +48,7 @@ from nodeagent.sharing.spec import parse_plugin_config
 async def main(plugin_dir, state, config):
     nvml = open_nvml(None, Path(state))
     svc = DevicePluginService(plugin_dir=Path(plugin_dir), plugin_config=parse_plugin_config(config), nvml=nvml,
-                              health=HealthSettings(recovery_window_s=None, poll_interval_s=5, event_wait_ms=100),
+                              health=HealthSettings(recovery_window_s=None),
                               backoff_max_s=60)
     await svc.start(nvml.discover())
     print("ready", flush=True)
@@ -53,6 +57,33 @@ async def main(plugin_dir, state, config):
     nvml.close()
 
 asyncio.run(main(*sys.argv[1:4]))
+"""
+
+
+# The least a Python grpc.aio server can do per Allocate: answer a constant. Measured beside nodeagent and
+# the Go plugin, it shows how much of the gap is nodeagent's work and how much the Python gRPC stack.
+FLOOR = r"""
+import asyncio, sys
+import grpc
+from nodeagent.deviceplugin.api import pb2, pb2_grpc
+
+ANSWER = pb2.AllocateResponse(container_responses=[
+    pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})])
+
+class Servicer(pb2_grpc.DevicePluginServicer):
+    async def Allocate(self, request, context):
+        return ANSWER
+
+async def main(path):
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb2_grpc.add_DevicePluginServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    print("ready", flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    await server.stop(0)
+
+asyncio.run(main(sys.argv[1]))
 """
 
 
@@ -78,12 +109,12 @@ def sim_state(tmp: Path, machine: str, layouts: dict[int, list[str]] | None = No
 
 
 class Child:
-    """nodeagent's DevicePluginService in its own Python process."""
+    """nodeagent's DevicePluginService (or another ``script``) in its own Python process."""
 
-    def __init__(self, plugin_dir: Path, state: Path, config: str) -> None:
+    def __init__(self, plugin_dir: Path, state: Path, config: str, script: str = SERVER) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER, str(plugin_dir), str(state), config],
+            [sys.executable, "-c", script, str(plugin_dir), str(state), config],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         )
         assert self.proc.stdout is not None
@@ -114,11 +145,25 @@ def timed(fn: Callable[[], Any], n: int, warmup: int = 50) -> list[float]:
     return out
 
 
-def bench_allocate(sock: Path, device: str, n: int) -> dict[str, float]:
-    with grpc.insecure_channel(f"unix://{sock}") as ch:
-        stub = pb2_grpc.DevicePluginStub(ch)
-        req = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
-        return ms(timed(lambda: stub.Allocate(req, timeout=10), n))
+def bench_allocate_pair(servers: dict[str, tuple[Path, str]], n: int, block: int = 100) -> dict[str, dict[str, float]]:
+    """Allocate latencies of each server (name → socket, device ID), measured in alternating blocks."""
+    channels = {name: grpc.insecure_channel(f"unix://{sock}") for name, (sock, _) in servers.items()}
+    try:
+        calls = {}
+        for name, (_, device) in servers.items():
+            stub = pb2_grpc.DevicePluginStub(channels[name])
+            req = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
+            calls[name] = lambda stub=stub, req=req: stub.Allocate(req, timeout=10)
+        samples: dict[str, list[float]] = {name: [] for name in servers}
+        for call in calls.values():
+            timed(call, 0, warmup=100)
+        while any(len(v) < n for v in samples.values()):
+            for name, call in calls.items():
+                samples[name] += timed(call, min(block, n - len(samples[name])), warmup=5)
+        return {name: ms(v) for name, v in samples.items()}
+    finally:
+        for ch in channels.values():
+            ch.close()
 
 
 def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
@@ -236,26 +281,30 @@ def sample_plugin_binary() -> Path | None:
     return Path(value)
 
 
-def bench_sample(binary: Path, tmp: Path, n: int) -> dict[str, float]:
-    sdir = tmp / "sample"
-    sdir.mkdir()
-    # REGISTER_CONTROL_FILE: serve without registering (its kubelet path is fixed to /var/lib/kubelet).
-    env = dict(os.environ, PLUGIN_SOCK_DIR=str(sdir), REGISTER_CONTROL_FILE=str(tmp / "ctl" / "register"))
-    (tmp / "ctl").mkdir()
-    proc = subprocess.Popen([str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+class SamplePlugin:
+    """The Kubernetes sample device plugin (Go), serving without registering."""
+
+    def __init__(self, binary: Path, tmp: Path) -> None:
+        sdir = tmp / "sample"
+        sdir.mkdir()
+        # REGISTER_CONTROL_FILE: serve without registering (its kubelet path is fixed to /var/lib/kubelet).
+        env = dict(os.environ, PLUGIN_SOCK_DIR=str(sdir), REGISTER_CONTROL_FILE=str(tmp / "ctl" / "register"))
+        (tmp / "ctl").mkdir()
+        self.proc = subprocess.Popen([str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         socks: list[Path] = []
         while time.monotonic() < deadline and not socks:
             socks = [p for p in sdir.iterdir() if p.name.startswith("dp.")]
             time.sleep(0.05)
         if not socks:
+            self.close()
             raise RuntimeError("sample device plugin did not create its socket")
         time.sleep(0.2)
-        return bench_allocate(socks[0], "Dev-1", n)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        self.socket = socks[0]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
 
 
 def main() -> None:
@@ -270,17 +319,24 @@ def main() -> None:
         state = sim_state(tmp, "dgx-h100")
         pdir = tmp / "dp"
         child = Child(pdir, state, "version: v1\n")
+        floor = Child(tmp / "floor.sock", state, "", FLOOR)
+        sample: SamplePlugin | None = None
         try:
             with grpc.insecure_channel(f"unix://{pdir / 'nvidia-gpu.sock'}") as ch:
                 first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
-            result["allocate_nodeagent"] = bench_allocate(pdir / "nvidia-gpu.sock", first, n)
+            servers = {"allocate_nodeagent": (pdir / "nvidia-gpu.sock", first),
+                       "allocate_python_grpc_floor": (tmp / "floor.sock", first)}
+            binary = None if args.no_sample else sample_plugin_binary()
+            if binary is not None:
+                sample = SamplePlugin(binary, tmp)
+                servers["allocate_k8s_sample_go"] = (sample.socket, "Dev-1")
+            result.update(bench_allocate_pair(servers, n))
             result["preferred_dgx_h100"] = bench_preferred(pdir / "nvidia-gpu.sock", 50 if args.quick else 300)
         finally:
+            if sample is not None:
+                sample.close()
+            floor.close()
             child.close()
-        if not args.no_sample:
-            binary = sample_plugin_binary()
-            if binary is not None:
-                result["allocate_k8s_sample_go"] = bench_sample(binary, tmp, n)
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
@@ -289,6 +345,8 @@ def main() -> None:
     if "allocate_k8s_sample_go" in result:
         s = result["allocate_k8s_sample_go"]
         print(f"Allocate (k8s sample plugin, Go):   p50 {s['p50_ms']} ms  p99 {s['p99_ms']} ms  (n={s['n']})")
+    f = result["allocate_python_grpc_floor"]
+    print(f"Allocate (constant, Python grpc.aio): p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms  (n={f['n']})")
     for size, r in result["preferred_dgx_h100"].items():
         print(f"GetPreferredAllocation size {size}:    p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms")
     lw = result["list_and_watch_896"]

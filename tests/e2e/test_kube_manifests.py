@@ -1,10 +1,16 @@
 """packaging/kubernetes/: every manifest is accepted by the real kube-apiserver (server-side apply, dry run,
-strict field validation), and the ClusterRole grants what the agent needs and nothing more."""
+strict field validation), and the ClusterRole with the admission policy grants what the agent needs and
+nothing more: with a token bound to a pod on its node, the agent changes its own Node and nothing of another.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import ssl
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +24,9 @@ from tests.peers.harness import KubeletHarness
 pytestmark = pytest.mark.peers
 
 MANIFESTS = REPO / "packaging/kubernetes"
-ORDER = ("namespace.yaml", "gpu-crd.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml")
+ORDER = ("namespace.yaml", "gpu-crd.yaml", "rbac.yaml", "admission-policy.yaml", "configmap.yaml", "daemonset.yaml")
+RBAC_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 PATHS = {
     ("v1", "Namespace"): "/api/v1/namespaces/{name}",
@@ -27,6 +35,13 @@ PATHS = {
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): "/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}",
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"):
         "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{name}",
+    ("rbac.authorization.k8s.io/v1", "Role"): "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles/{name}",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"):
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings/{name}",
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"):
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{name}",
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"):
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings/{name}",
     ("apps/v1", "DaemonSet"): "/apis/apps/v1/namespaces/{ns}/daemonsets/{name}",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
@@ -57,6 +72,7 @@ def test_every_manifest_is_accepted_by_server_side_dry_run(kube_apiserver: KubeA
     docs = documents()
     kinds = [d["kind"] for d in docs]
     for kind in ("Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
+                 "Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
                  "ConfigMap", "DaemonSet"):
         assert kind in kinds
     # namespaced objects need their namespace: it is the only object created for real here
@@ -93,56 +109,215 @@ def test_daemonset_shape() -> None:
     assert cfg.runtime.restart == "signal"
 
 
-def can(server: KubeApiServer, verb: str, resource: str, group: str = "", sub: str = "", ns: str = "") -> bool:
+def can(server: KubeApiServer, verb: str, resource: str, group: str = "", sub: str = "", ns: str = "",
+        name: str = "") -> bool:
     review = {
         "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
         "spec": {"user": "system:serviceaccount:nodeagent:nodeagent",
                  "groups": ["system:serviceaccounts", "system:serviceaccounts:nodeagent", "system:authenticated"],
                  "resourceAttributes": {"verb": verb, "resource": resource, "group": group, "subresource": sub,
-                                        "namespace": ns}},
+                                        "namespace": ns, "name": name}},
     }
     status, body = server.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
     assert status == 201, body
     return bool(json.loads(body)["status"].get("allowed"))
 
 
-def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
-    docs = documents()
-    for doc in docs:
-        if doc["kind"] in ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
-            status, body = apply(kube_apiserver, doc, dry_run=False)
+def apply_rbac(server: KubeApiServer, *, crd: bool = False) -> None:
+    for doc in documents():
+        if doc["kind"] in RBAC_KINDS or (crd and doc["kind"] == "CustomResourceDefinition"):
+            status, body = apply(server, doc, dry_run=False)
             assert status in (200, 201), body
-    # exactly the verbs the code sends (nodeagent/kube/{node,gpuobjects,runtimeclass}.py)
+
+
+def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
+    apply_rbac(kube_apiserver)
+    # exactly the verbs the code sends (nodeagent/kube/{node,events,gpuobjects,runtimeclass}.py)
     allowed = [
-        ("get", "nodes", "", ""), ("list", "nodes", "", ""), ("watch", "nodes", "", ""), ("patch", "nodes", "", ""),
-        ("patch", "nodes", "", "status"), ("create", "events", "", ""),
-        ("get", "runtimeclasses", "node.k8s.io", ""), ("create", "runtimeclasses", "node.k8s.io", ""),
-        ("patch", "runtimeclasses", "node.k8s.io", ""), ("delete", "runtimeclasses", "node.k8s.io", ""),
-        ("list", "gpus", "nodeagent.io", ""), ("create", "gpus", "nodeagent.io", ""),
-        ("patch", "gpus", "nodeagent.io", ""), ("delete", "gpus", "nodeagent.io", ""),
-        ("patch", "gpus", "nodeagent.io", "status"),
+        ("get", "nodes", "", "", "", ""), ("list", "nodes", "", "", "", ""), ("watch", "nodes", "", "", "", ""),
+        ("patch", "nodes", "", "", "", ""), ("patch", "nodes", "", "status", "", ""),
+        ("create", "events", "", "", "default", ""),
+        ("get", "runtimeclasses", "node.k8s.io", "", "", "nvidia"),
+        ("create", "runtimeclasses", "node.k8s.io", "", "", ""),
+        ("patch", "runtimeclasses", "node.k8s.io", "", "", "nvidia"),
+        ("delete", "runtimeclasses", "node.k8s.io", "", "", "nvidia"),
+        ("delete", "runtimeclasses", "node.k8s.io", "", "", "nvidia-cdi"),
+        ("list", "gpus", "nodeagent.io", "", "", ""), ("create", "gpus", "nodeagent.io", "", "", ""),
+        ("patch", "gpus", "nodeagent.io", "", "", ""), ("delete", "gpus", "nodeagent.io", "", "", ""),
+        ("patch", "gpus", "nodeagent.io", "status", "", ""),
     ]
-    for verb, res, group, sub in allowed:
-        assert can(kube_apiserver, verb, res, group, sub, "default" if res == "events" else ""), (verb, res, sub)
+    for verb, res, group, sub, ns, name in allowed:
+        assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
     denied = [
-        ("delete", "nodes", "", ""), ("create", "nodes", "", ""), ("update", "nodes", "", "status"),
-        ("get", "secrets", "", ""), ("list", "pods", "", ""), ("create", "pods", "", ""),
-        ("delete", "events", "", ""), ("patch", "events", "", ""), ("list", "events", "", ""),
-        ("update", "runtimeclasses", "node.k8s.io", ""), ("get", "gpus", "nodeagent.io", ""),
-        ("watch", "gpus", "nodeagent.io", ""), ("update", "gpus", "nodeagent.io", ""),
-        ("create", "customresourcedefinitions", "apiextensions.k8s.io", ""),
-        ("create", "clusterroles", "rbac.authorization.k8s.io", ""), ("get", "configmaps", "", ""),
+        ("delete", "nodes", "", "", "", ""), ("create", "nodes", "", "", "", ""),
+        ("update", "nodes", "", "status", "", ""),
+        ("get", "secrets", "", "", "nodeagent", ""), ("list", "pods", "", "", "nodeagent", ""),
+        ("create", "pods", "", "", "nodeagent", ""),
+        ("create", "events", "", "", "nodeagent", ""), ("create", "events", "", "", "kube-system", ""),
+        ("delete", "events", "", "", "default", ""), ("patch", "events", "", "", "default", ""),
+        ("list", "events", "", "", "default", ""),
+        ("update", "runtimeclasses", "node.k8s.io", "", "", "nvidia"),
+        ("delete", "runtimeclasses", "node.k8s.io", "", "", "gvisor"),
+        ("patch", "runtimeclasses", "node.k8s.io", "", "", "gvisor"),
+        ("get", "runtimeclasses", "node.k8s.io", "", "", "gvisor"),
+        ("get", "gpus", "nodeagent.io", "", "", ""),
+        ("watch", "gpus", "nodeagent.io", "", "", ""), ("update", "gpus", "nodeagent.io", "", "", ""),
+        ("create", "customresourcedefinitions", "apiextensions.k8s.io", "", "", ""),
+        ("create", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
+        ("get", "configmaps", "", "", "nodeagent", ""),
+        ("create", "validatingadmissionpolicybindings", "admissionregistration.k8s.io", "", "", ""),
     ]
-    for verb, res, group, sub in denied:
-        assert not can(kube_apiserver, verb, res, group, sub, "nodeagent"), (verb, res, sub)
+    for verb, res, group, sub, ns, name in denied:
+        assert not can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
 
 
-def service_account_kubeconfig(server: KubeApiServer, dest: Path) -> Path:
-    """A kubeconfig holding a token of the DaemonSet's service account (TokenRequest), nothing of the admin."""
-    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
+def bound_token(server: KubeApiServer, node: str) -> str:
+    """A token of the DaemonSet's service account bound to a pod scheduled on ``node``, as the kubelet projects
+    it into the agent's pod: it carries the node-name claim the admission policy compares with."""
+    pod = f"nodeagent-{node}"
+    server.request("DELETE", f"/api/v1/namespaces/nodeagent/pods/{pod}?gracePeriodSeconds=0")
+    status, body = server.request("POST", "/api/v1/namespaces/nodeagent/pods", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+        "spec": {"nodeName": node, "serviceAccountName": "nodeagent", "automountServiceAccountToken": False,
+                 "containers": [{"name": "nodeagent", "image": "nodeagent:test"}]}})
+    assert status == 201, body
+    uid = json.loads(body)["metadata"]["uid"]
+    return token_request(server, {"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid})
+
+
+def token_request(server: KubeApiServer, bound: dict[str, str] | None = None) -> str:
+    spec: dict[str, Any] = {"expirationSeconds": 3600}
+    if bound is not None:
+        spec["boundObjectRef"] = bound
+    req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec}
     status, body = server.request("POST", "/api/v1/namespaces/nodeagent/serviceaccounts/nodeagent/token", req)
     assert status == 201, body
-    token = json.loads(body)["status"]["token"]
+    token: str = json.loads(body)["status"]["token"]
+    return token
+
+
+def as_agent(server: KubeApiServer, token: str, method: str, path: str, body: Any = None,
+             content_type: str = "application/merge-patch+json") -> tuple[int, str]:
+    """One request with the service-account token (never the admin's certificate); (status, message)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        req.add_header("Content-Type", content_type)
+    ctx = ssl.create_default_context(cafile=str(server.workdir / "pki/ca.crt"))
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+            return int(resp.status), ""
+    except urllib.error.HTTPError as e:
+        return e.code, str(json.loads(e.read() or b"{}").get("message", ""))
+
+
+def event(node: str, ns: str = "default") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": f"{node}.", "namespace": ns},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node}, "reason": "GpuUnhealthy",
+            "message": "GPU 0 is unhealthy", "type": "Warning", "source": {"component": "nodeagent"}}
+
+
+def wait_for_policy(server: KubeApiServer, token: str, other: str) -> None:
+    """The policy takes effect once the API server has loaded it: probe with a throw-away label on ``other``
+    until it is refused, then remove what got through before."""
+    probe = {"metadata": {"labels": {"policy-probe": "x"}}}
+    deadline = time.monotonic() + 30
+    while as_agent(server, token, "PATCH", f"/api/v1/nodes/{other}", probe)[0] != 403:
+        assert time.monotonic() < deadline, "the admission policy never refused a write to another Node"
+        time.sleep(0.2)
+    status, body = server.request("PATCH", f"/api/v1/nodes/{other}", {"metadata": {"labels": {"policy-probe": None}}},
+                                  content_type="application/merge-patch+json")
+    assert status == 200, body
+
+
+def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServer) -> None:
+    """With the agent's own (pod-bound) token: its own Node's labels and status are writable; another Node
+    cannot be relabelled, cordoned, untainted or given GPUs; its own Node cannot be cordoned; no foreign
+    RuntimeClass can be deleted or created; Events only about its own Node; GPU objects only its own."""
+    from tests.e2e.test_run_cluster import make_node
+
+    apply_rbac(kube_apiserver, crd=True)
+    own, other = "rbac-own", "rbac-other"
+    for n in (own, other):
+        make_node(kube_apiserver, n)
+    status, body = kube_apiserver.request("PATCH", f"/api/v1/nodes/{other}", {"spec": {"taints": [
+        {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}]}}, content_type="application/merge-patch+json")
+    assert status == 200, body
+    for rc, handler in (("gvisor", "runsc"), ("nvidia", "nvidia")):
+        kube_apiserver.request("DELETE", f"/apis/node.k8s.io/v1/runtimeclasses/{rc}")
+        status, body = kube_apiserver.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", {
+            "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": rc}, "handler": handler})
+        assert status == 201, body
+    token = bound_token(kube_apiserver, own)
+    label = {"metadata": {"labels": {"nvidia.com/gpu.count": "8"}}}
+    wait_for_policy(kube_apiserver, token, other)
+    gpus_status = [{"op": "add", "path": "/status/capacity", "value": {"nvidia.com/gpu": "64"}}]
+
+    def gpu_obj(n: str) -> dict[str, Any]:
+        return {"apiVersion": "nodeagent.io/v1alpha1", "kind": "GPU",
+                "metadata": {"name": f"{n}-gpu0", "labels": {"nodeagent.io/node": n}},
+                "spec": {"index": 0, "uuid": f"GPU-{n}", "nodeName": n}}
+
+    for n in (own, other):
+        kube_apiserver.request("DELETE", f"/apis/nodeagent.io/v1alpha1/gpus/{n}-gpu0")
+    status, body = kube_apiserver.request("POST", "/apis/nodeagent.io/v1alpha1/gpus", gpu_obj(other))
+    assert status == 201, body
+    allowed: list[tuple[str, str, Any, str | None]] = [
+        ("PATCH", f"/api/v1/nodes/{own}", label, None),
+        ("PATCH", f"/api/v1/nodes/{own}/status", gpus_status, "application/json-patch+json"),
+        ("POST", "/api/v1/namespaces/default/events", event(own), "application/json"),
+        ("PATCH", "/apis/node.k8s.io/v1/runtimeclasses/nvidia", {"metadata": {"labels": {"a": "b"}}}, None),
+        ("POST", "/apis/nodeagent.io/v1alpha1/gpus", gpu_obj(own), "application/json"),
+        ("PATCH", f"/apis/nodeagent.io/v1alpha1/gpus/{own}-gpu0", {"metadata": {"labels": {"x": "y"}}}, None),
+        ("DELETE", f"/apis/nodeagent.io/v1alpha1/gpus/{own}-gpu0", None, None),
+        ("DELETE", "/apis/node.k8s.io/v1/runtimeclasses/nvidia", None, None),
+        ("POST", "/apis/node.k8s.io/v1/runtimeclasses", {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                                                          "metadata": {"name": "nvidia"}, "handler": "nvidia"},
+         "application/json"),
+    ]
+    for method, path, payload, ctype in allowed:
+        status, msg = as_agent(kube_apiserver, token, method, path, payload, ctype or "application/merge-patch+json")
+        assert status in (200, 201), (method, path, status, msg)
+    denied: list[tuple[str, str, Any, str | None]] = [
+        ("PATCH", f"/api/v1/nodes/{other}", label, None),
+        ("PATCH", f"/api/v1/nodes/{other}", {"spec": {"unschedulable": True}}, None),
+        ("PATCH", f"/api/v1/nodes/{other}", {"spec": {"taints": None}}, None),
+        ("PATCH", f"/api/v1/nodes/{other}/status", gpus_status, "application/json-patch+json"),
+        ("PATCH", f"/api/v1/nodes/{own}", {"spec": {"unschedulable": True}}, None),
+        ("DELETE", f"/api/v1/nodes/{other}", None, None),
+        ("DELETE", "/apis/node.k8s.io/v1/runtimeclasses/gvisor", None, None),
+        ("PATCH", "/apis/node.k8s.io/v1/runtimeclasses/gvisor", {"metadata": {"labels": {"a": "b"}}}, None),
+        ("POST", "/apis/node.k8s.io/v1/runtimeclasses", {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                                                          "metadata": {"name": "runc-anything"}, "handler": "runc"},
+         "application/json"),
+        ("POST", "/api/v1/namespaces/default/events", event(other), "application/json"),
+        ("POST", "/api/v1/namespaces/kube-system/events", event(own, "kube-system"), "application/json"),
+        ("POST", "/apis/nodeagent.io/v1alpha1/gpus", {**gpu_obj(other), "metadata": {
+            "name": "sneaky", "labels": {"nodeagent.io/node": other}}}, "application/json"),
+        ("PATCH", f"/apis/nodeagent.io/v1alpha1/gpus/{other}-gpu0", {"metadata": {"labels": {
+            "nodeagent.io/node": own}}}, None),
+        ("DELETE", f"/apis/nodeagent.io/v1alpha1/gpus/{other}-gpu0", None, None),
+    ]
+    for method, path, payload, ctype in denied:
+        status, msg = as_agent(kube_apiserver, token, method, path, payload, ctype or "application/merge-patch+json")
+        assert status == 403, (method, path, status, msg)
+    # nothing of the other node changed
+    node = json.loads(kube_apiserver.get(f"/api/v1/nodes/{other}")[1])
+    assert node["spec"]["taints"][0]["key"] == "dedicated" and not node["spec"].get("unschedulable")
+    assert "nvidia.com/gpu" not in node.get("status", {}).get("capacity", {})
+    assert "nvidia.com/gpu.count" not in node["metadata"].get("labels", {})
+    assert json.loads(kube_apiserver.get("/apis/node.k8s.io/v1/runtimeclasses/gvisor")[1])["handler"] == "runsc"
+    # a nodeagent token without a node claim (not bound to a pod) changes nothing at all, not even "its" Node
+    unbound = token_request(kube_apiserver)
+    status, msg = as_agent(kube_apiserver, unbound, "PATCH", f"/api/v1/nodes/{own}", label)
+    assert status == 403 and "no node-name claim" in msg, msg
+
+
+def service_account_kubeconfig(server: KubeApiServer, dest: Path, node: str) -> Path:
+    """A kubeconfig holding a token of the DaemonSet's service account bound to a pod on ``node`` (as the kubelet
+    projects it), nothing of the admin."""
+    token = bound_token(server, node)
     doc = yaml.safe_load(server.kubeconfig.read_text())
     doc["users"] = [{"name": "nodeagent", "user": {"token": token}}]
     for ctx in doc["contexts"]:
@@ -160,11 +335,7 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
     from tests.e2e._agent import node_root, running_agent
     from tests.e2e.test_run_cluster import agent_config, eventually, make_node, node_obj, set_label
 
-    for doc in documents():
-        if doc["kind"] in ("Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
-                           "ClusterRoleBinding"):
-            status, body = apply(kube_apiserver, doc, dry_run=False)
-            assert status in (200, 201), body
+    apply_rbac(kube_apiserver, crd=True)
     crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io"
     eventually(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in
                            json.loads(kube_apiserver.get(crd)[1]).get("status", {}).get("conditions", [])),
@@ -183,7 +354,10 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
     status, answer = kube_apiserver.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", {
         "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"}, "handler": "wrong"})
     assert status == 201, answer
-    kubeconfig = service_account_kubeconfig(kube_apiserver, tmp_path / "sa-kubeconfig")
+    kubeconfig = service_account_kubeconfig(kube_apiserver, tmp_path / "sa-kubeconfig", node)
+    make_node(kube_apiserver, f"{node}-other")
+    wait_for_policy(kube_apiserver, yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"],
+                    f"{node}-other")
     with node_root(kubelet_harness) as root:
         cfg = agent_config(root, kubeconfig).read_text().replace("[runtime]\nenabled = false\n", "")
         (root / "etc/nodeagent/config.toml").write_text(cfg + "[runtime]\ncheck_interval = 0.0\n")

@@ -7,6 +7,7 @@ GPUs come from the NVML simulator; faults and MIG layouts are written into its s
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -331,3 +332,81 @@ async def test_mig_instance_xid_only_hits_that_device(node_factory: Any) -> None
     _, state = await node.wait("nvidia.com/mig-1g.10gb", device=migs[1].uuid, health="Unhealthy", timeout=5)
     assert state.allocatable == 2
     assert state.device(migs[0].uuid).health == "Healthy"
+
+
+async def test_a_directory_on_the_socket_path_is_reported_and_retried(
+    node_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory where a socket must go made the server die silently at the next kubelet restart ("Task
+    exception was never retrieved"); now the failure is one error line and in ``failures``, the other
+    resources register again, and serving resumes once the path is free."""
+    node = await node_factory("dgx-h100", config(TS_PER_GPU))
+    await assert_kubelet_matches(node)
+    victim = node.service.server("nvidia.com/gpu.shared")
+    path = victim.socket_path
+    path.unlink()
+    path.mkdir()
+    before = dict(node.service.registrations)
+    caplog.set_level("INFO")
+    await node.call(node.harness.restart)
+    for name in node.service.served_resources():
+        if name != victim.name:
+            await node.wait(name, registered=True, timeout=5)
+    deadline = time.monotonic() + 5
+    while victim.name not in node.service.failures and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert "is a directory, not a socket" in node.service.failures[victim.name]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(str(path) in m and "is a directory" in m for m in errors), errors
+    assert not victim.running
+    path.rmdir()
+    await node.wait(victim.name, total=len(victim.resource.devices), healthy=len(victim.resource.devices),
+                    registered=True, timeout=15)
+    assert victim.running and victim.name not in node.service.failures
+    assert node.service.registrations[victim.name] == before[victim.name] + 1
+    await assert_kubelet_matches(node)
+    assert "never retrieved" not in caplog.text
+
+
+async def test_xids_reach_the_dcgm_xid_metric(node_factory: Any) -> None:
+    """DCGM_FI_DEV_XID_ERRORS had no samples after thousands of XIDs: nothing set it. The monitor now keeps
+    each GPU's last XID (critical or not) and the metrics show it, 0 for GPUs without one."""
+    from prometheus_client import generate_latest
+
+    from nodeagent.metrics import Metrics
+
+    node = await node_factory("l4x2", health=HealthSettings(recovery_window_s=None, poll_interval_s=0.1,
+                                                           event_wait_ms=50))
+    await node.wait("nvidia.com/gpu", total=2, healthy=2, registered=True)
+    inject_xid(node.store, 1, 13)  # not critical: health unchanged, still the last XID
+    deadline = time.monotonic() + 5
+    while node.service.last_xids().get(1) != 13 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    inject_xid(node.store, 1, 79)
+    await node.wait("nvidia.com/gpu", device=node.service.served_resources()["nvidia.com/gpu"][1],
+                    health="Unhealthy", timeout=5)
+    assert node.service.last_xids() == {1: 79}
+    inv = await node.call(node.nvml.discover)
+    metrics = Metrics("node-a")
+    samples = {g.index: await node.call(node.nvml.metrics, g.index) for g in inv.gpus}
+    metrics.update_gpus(inv, samples, xids=node.service.last_xids())
+    text = generate_latest(metrics.registry).decode()
+    xid = {re.search(r'gpu="(\d+)"', ln).group(1): ln.rsplit(" ", 1)[1]  # type: ignore[union-attr]
+           for ln in text.splitlines() if ln.startswith("DCGM_FI_DEV_XID_ERRORS{")}
+    assert xid == {"0": "0.0", "1": "79.0"}
+
+
+async def test_a_rename_into_another_domain_gets_its_own_socket(node_factory: Any) -> None:
+    """``example.com/gpu`` and ``nvidia.com/gpu`` were both served on nvidia-gpu.sock (the first one orphaned,
+    never allocatable); each now has its own socket and the kubelet allocates from both."""
+    node = await node_factory("dgx-h100", config(
+        "sharing:\n  timeSlicing:\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 2\n      devices: [0]\n      rename: example.com/gpu\n"))
+    served = node.service.served_resources()
+    assert sorted(served) == ["example.com/gpu", "nvidia.com/gpu"] and len(served["nvidia.com/gpu"]) == 7
+    assert node.service.server("example.com/gpu").endpoint != node.service.server("nvidia.com/gpu").endpoint
+    await assert_kubelet_matches(node)
+    shared = await node.call(node.harness.allocate, "example.com/gpu", 1, pod="shared")
+    whole = await node.call(node.harness.allocate, "nvidia.com/gpu", 1, pod="whole")
+    gpu0 = node.nvml.discover().gpus[0].uuid
+    assert shared.envs["NVIDIA_VISIBLE_DEVICES"] == gpu0 and whole.envs["NVIDIA_VISIBLE_DEVICES"] != gpu0
