@@ -7,7 +7,10 @@
     await dra.stop()                    # sockets down, ResourceSlices withdrawn
 
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
-fresh comparison against what the API holds, so nothing is written twice and nothing is lost.
+fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
+deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
+checked (one LIST, no write when intact) every ``verify_interval_s`` and whenever the kubelet registers the
+driver again; missing or foreign-changed slices are written anew with the next generation.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.health import HealthMonitor, HealthSettings
+from nodeagent.gpu.health import HealthSource as NvmlHealthSource
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
@@ -37,6 +42,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT_NAME = "dra-claims.json"
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
+VERIFY_INTERVAL_S = 60.0
 
 
 class DraComponent:
@@ -52,6 +58,9 @@ class DraComponent:
         checkpoint_path: Path | None = None,
         health_source: HealthSource | None = None,
         max_devices_per_slice: int = MAX_DEVICES,
+        verify_interval_s: float = VERIFY_INTERVAL_S,
+        nvml: NvmlHealthSource | None = None,
+        health_settings: HealthSettings | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -61,6 +70,7 @@ class DraComponent:
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
+        self.verify_interval_s = verify_interval_s
         self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice)
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
@@ -73,6 +83,17 @@ class DraComponent:
         self._synced = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self.last_error: str = ""
+        # With ``nvml`` the component runs its own health monitor (plane "dra" alone). Beside the device
+        # plugin (plane "both") the plugin's monitor is the only one allowed on the source: feed
+        # ``set_health`` from its on_change instead.
+        self.monitor: HealthMonitor | None = None
+        if nvml is not None:
+            self.monitor = HealthMonitor(nvml, health_settings or HealthSettings.from_env(),
+                                         on_change=self._monitor_changed)
+
+    async def _monitor_changed(self) -> None:
+        assert self.monitor is not None
+        await self.set_health(self.monitor.unhealthy())
 
     def _read_claim(self, namespace: str, name: str) -> dict[str, object]:
         return self.kube.get_resource_claim(namespace, name)
@@ -84,11 +105,14 @@ class DraComponent:
                                       driver=self.driver)
         await self._set_inventory(inventory)
         await asyncio.to_thread(self.preparer.recover)
-        self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver)
+        self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
+                                on_registered=self.reverify)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
         if self.health_source is not None:
             self._tasks.append(asyncio.create_task(self._follow_health(), name="dra-health"))
+        if self.monitor is not None:
+            await self.monitor.start(g.index for g in inventory.gpus)
 
     async def _set_inventory(self, inventory: Inventory) -> None:
         roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
@@ -98,6 +122,8 @@ class DraComponent:
         await self._refresh()
 
     async def on_inventory(self, inventory: Inventory) -> None:
+        if self.monitor is not None:
+            self.monitor.set_gpus(g.index for g in inventory.gpus)
         await self._set_inventory(inventory)
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
@@ -112,6 +138,11 @@ class DraComponent:
         if self._wanted != self._published:
             self._dirty.set()
 
+    def reverify(self) -> None:
+        """Compare the pool with the API again soon (rewrite what is missing or changed)."""
+        self.publisher.invalidate()
+        self._dirty.set()
+
     async def _follow_health(self) -> None:
         assert self.health_source is not None
         async for unhealthy in self.health_source():
@@ -120,7 +151,10 @@ class DraComponent:
     async def _publish_loop(self) -> None:
         delay = RETRY_MIN_S
         while True:
-            await self._dirty.wait()
+            try:
+                await asyncio.wait_for(self._dirty.wait(), self.verify_interval_s)
+            except TimeoutError:
+                self.publisher.invalidate()
             self._dirty.clear()
             wanted = self._wanted
             if wanted is None:
@@ -150,6 +184,8 @@ class DraComponent:
     async def stop(self, *, withdraw_slices: bool = True) -> None:
         """Close the sockets and (by default) delete the pool's ResourceSlices. Prepared claims stay
         recorded: their containers keep running and a later start answers for them again."""
+        if self.monitor is not None:
+            await self.monitor.stop()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -40,6 +40,7 @@ class SlicePublisher:
         self.generation = 0
         self._digest: str | None = None  # content hash of what the API holds, None = unknown
         self._names: set[str] = set()
+        self._stale = False  # set by invalidate() from any thread without waiting for a running sync
         self._lock = threading.Lock()
         self.writes = 0
 
@@ -56,6 +57,9 @@ class SlicePublisher:
             return self._sync(content)
 
     def _sync(self, content: PoolContent) -> SyncResult:
+        if self._stale:
+            self._stale = False
+            self._digest = None
         digest = content.digest
         if self._digest == digest:
             return SyncResult(self.generation, 0, len(self._names))
@@ -97,9 +101,9 @@ class SlicePublisher:
         return SyncResult(self.generation, writes, len(wanted))
 
     def invalidate(self) -> None:
-        """Forget what the API holds (after an API outage): the next ``sync`` reads and compares again."""
-        with self._lock:
-            self._digest = None
+        """Forget what the API holds (outage, kubelet wipe): the next ``sync`` reads and compares again.
+        Never blocks; a sync running right now is followed by a full one."""
+        self._stale = True
 
     def remove(self) -> int:
         """Delete every ResourceSlice of this node and driver; the number deleted."""

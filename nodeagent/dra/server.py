@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,8 @@ class _RegistrationServicer:
         else:
             log.error("kubelet refused DRA driver %s: %s", self.owner.driver, request.error)
         self.owner.registration_changed.set()
+        if request.plugin_registered and self.owner.on_registered is not None:
+            self.owner.on_registered()
         return reg_pb2.RegistrationStatusResponse()
 
 
@@ -139,8 +141,9 @@ async def _serve(path: Path, add: list[Any]) -> grpc.aio.Server:
 
 class DraServer:
     def __init__(self, kubelet_dir: Path, preparer: ClaimPreparer, feed: HealthFeed, *,
-                 driver: str = DRIVER_NAME) -> None:
+                 driver: str = DRIVER_NAME, on_registered: Callable[[], None] | None = None) -> None:
         self.driver = driver
+        self.on_registered = on_registered  # called on every successful (re-)registration
         self.reg_path = registration_socket(kubelet_dir, driver)
         self.dra_path = dra_socket(kubelet_dir, driver)
         self.preparer = preparer
