@@ -50,7 +50,11 @@ def create_allocated_claim(kube: KubeClient, node: str, devices: list[tuple[str,
         "reservedFor": [{"resource": "pods", "name": pod.name, "uid": pod.uid}],
     }
     kube.request("PUT", f"{CLAIMS}/{name}/status", body=created)
-    pod.claims["gpu"] = name
+    # The pod's claim entry gets the ResourceClaim's own name: the v1.34 kubelet matches health to
+    # containers by comparing the container's claim name with the ResourceClaim name.
+    pod.claims[name] = name
+    for claims in pod.containers.values():
+        claims[:] = [name if c == "gpu" else c for c in claims]
     return str(created["metadata"]["uid"])
 
 
@@ -82,6 +86,7 @@ def slice_devices(kube: KubeClient, node: str) -> dict[str, dict[str, Any]]:
 
 
 def resource_health(h: DraHarness, pod: Pod) -> dict[str, str]:
+    """CDI device ID → health of the devices in the container "main"'s allocatedResourcesStatus."""
     return {r["resourceID"]: r["health"] for s in h.health(pod).get("main", []) for r in s.get("resources") or []}
 
 
@@ -93,6 +98,17 @@ async def test_kubelet_prepares_and_unprepares_a_claim_across_an_agent_restart(
     await dra.start(inv)
     registry = root / "var/lib/kubelet/plugins_registry"
     cdi_dir = root / "var/run/cdi"
+    started = [dra]
+    try:
+        await _prepare_scenario(kube_apiserver, kube, node_name, root, inv, registry, cdi_dir, started)
+    finally:
+        for d in started:  # stopping twice is harmless
+            await d.stop()
+
+
+async def _prepare_scenario(kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, root: Path,
+                            inv: Any, registry: Path, cdi_dir: Path, started: list[DraComponent]) -> None:
+    dra = started[0]
     with running_dra_harness(kube_apiserver.kubeconfig, registry, node_name) as h:
         await asyncio.to_thread(h.wait_registered, DRIVER_NAME)
         # the kubelet wipes the node's slices when it starts; the driver writes them again
@@ -112,19 +128,33 @@ async def test_kubelet_prepares_and_unprepares_a_claim_across_an_agent_restart(
 
         # XID on GPU 2: the kubelet sees the allocated device Unhealthy, the slice carries the taint
         await dra.set_health({(2, None): "XID 79"})
-        await poll(lambda: resource_health(h, pod) == {f"{DRIVER_NAME}/{node_name}/gpu-2": "Unhealthy"})
+        cdi_id = f"gpu.nodeagent.io/claim={uid}-gpu-2"
+        assert resource_health(h, pod) == {cdi_id: "Healthy"}
+        await poll(lambda: resource_health(h, pod) == {cdi_id: "Unhealthy"})
         taints = await poll(lambda: slice_devices(kube, node_name)["gpu-2"].get("taints"))
         assert taints[0]["key"] == UNHEALTHY_TAINT_KEY
         await dra.set_health({})
-        await poll(lambda: resource_health(h, pod) == {f"{DRIVER_NAME}/{node_name}/gpu-2": "Healthy"})
+        await poll(lambda: resource_health(h, pod) == {cdi_id: "Healthy"})
         await poll(lambda: "taints" not in slice_devices(kube, node_name)["gpu-2"])
 
         # the agent restarts (slices stay); the kubelet's unprepare reaches the new process
         await dra.stop(withdraw_slices=False)
         dra = component(root, kube, node_name)
+        started.append(dra)
         await dra.start(inv)
         await asyncio.to_thread(h.wait_registered, DRIVER_NAME)
-        await asyncio.to_thread(h.unprepare, pod)
+
+        def unprepare() -> bool:
+            # the kubelet's connection may still be backing off from the moment no socket existed; the
+            # kubelet retries unprepare on every pod sync, so does the test
+            try:
+                h.unprepare(pod)
+            except DraHarnessError as e:
+                assert "Unavailable" in str(e), e
+                return False
+            return True
+
+        await poll(unprepare)
         assert not (cdi_dir / f"gpu.nodeagent.io-claim_{uid}.json").exists()
         checkpoint = json.loads((root / "var/lib/nodeagent" / CHECKPOINT_NAME).read_text())
         assert checkpoint["claims"] == {}
@@ -138,3 +168,34 @@ async def test_kubelet_prepares_and_unprepares_a_claim_across_an_agent_restart(
         await dra.stop()
         assert slice_devices(kube, node_name) == {}
         assert not (registry / "gpu.nodeagent.io-reg.sock").exists()
+
+
+async def test_own_health_monitor_xid_taints_the_device_and_recovery_clears_it(
+    kube: KubeClient, node_name: str, root: Path
+) -> None:
+    """Plane "dra" alone: the component runs the GPU health monitor on the (simulated) NVML itself."""
+    from nodeagent.gpu import open_nvml
+    from nodeagent.gpu.health import HealthSettings
+    from nodeagent.gpu.sim import SimStore, inject, load_machine
+
+    state = root / "sim.json"
+    nvml = open_nvml("dgx-h100", state, HostPaths(root))
+    try:
+        inv = nvml.discover()
+        settings = HealthSettings.from_env({}, recovery_window_s=1.0, poll_interval_s=0.1)
+        dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, nvml=nvml,
+                           health_settings=settings, verify_interval_s=60)
+        await dra.start(inv)
+        try:
+            await dra.wait_published()
+            assert all("taints" not in d for d in slice_devices(kube, node_name).values())
+            inject.inject_xid(SimStore(load_machine("dgx-h100"), state), 3, 79)
+            taints = await poll(lambda: slice_devices(kube, node_name)["gpu-3"].get("taints"))
+            assert taints[0]["key"] == UNHEALTHY_TAINT_KEY and "79" in taints[0]["value"]
+            assert [n for n, d in slice_devices(kube, node_name).items() if d.get("taints")] == ["gpu-3"]
+            # no further XID for the recovery window: the taint goes away
+            await poll(lambda: "taints" not in slice_devices(kube, node_name)["gpu-3"])
+        finally:
+            await dra.stop()
+    finally:
+        nvml.close()

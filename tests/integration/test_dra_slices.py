@@ -171,3 +171,18 @@ def test_device_classes_apply(kube_apiserver: KubeApiServer) -> None:
         status, body = apply(kube_apiserver, doc)
         assert status in (200, 201), body
         assert body["spec"]["selectors"] == doc["spec"]["selectors"]
+
+
+def test_extended_resource_class_applies_and_needs_the_gate_before_1_36(kube_apiserver: KubeApiServer) -> None:
+    [doc] = [d for d in yaml.safe_load_all((MANIFESTS / "deviceclass-extended-resource.yaml").read_text()) if d]
+    assert doc["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+    status, body = apply(kube_apiserver, doc)
+    assert status in (200, 201), body
+    minor = int(kube_apiserver.version.split(".")[1]) if kube_apiserver.version.startswith("v1.") else 0
+    if minor >= 36:
+        assert body["spec"].get("extendedResourceName") == "nvidia.com/gpu"
+    else:
+        # the test API server runs without DRAExtendedResource: the field is dropped, as the file says
+        assert minor in (34, 35), kube_apiserver.version
+        assert "extendedResourceName" not in body["spec"]
+    assert body["spec"]["selectors"] == doc["spec"]["selectors"]
