@@ -1,8 +1,9 @@
 """The DRA driver's record of prepared claims (``/var/lib/nodeagent/dra-claims.json``), written atomically.
 
-A claim is recorded as ``preparing`` (with its devices) before its CDI spec is written and becomes
-``prepared`` afterwards; unprepare removes the spec first and the record last. A process killed between
-the steps leaves a record that says exactly what may exist on disk, so the next start can finish or undo it.
+A claim is recorded (with its devices and CDI IDs) only after its CDI spec file is in place, and its
+record goes before the spec file is removed. A process killed between the two steps therefore leaves at
+most a spec file without a record, which the next start deletes (the kubelet retries the call); a record
+always means "prepared and answered", never half done.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from nodeagent import fileio
 from nodeagent.errors import InputError
 
 VERSION = 1
-PREPARING = "preparing"
 PREPARED = "prepared"
 
 
@@ -62,7 +62,7 @@ class Checkpoint:
             if raw.get("version") != VERSION:
                 raise ValueError(f"unsupported version {raw.get('version')!r}")
             for uid, c in dict(raw["claims"]).items():
-                if c["state"] not in (PREPARING, PREPARED):
+                if c["state"] != PREPARED:
                     raise ValueError(f"claim {uid}: unknown state {c['state']!r}")
                 devices = tuple(
                     PreparedDevice(tuple(map(str, d["request_names"])), str(d["pool"]), str(d["device"]),

@@ -2,9 +2,9 @@
 
 Prepare, per claim: a claim already ``prepared`` in the checkpoint answers from the checkpoint (no API
 read, nothing written); otherwise the claim is read from the API server, its allocation results for this
-driver are checked against this node's pool and devices, the claim is recorded as ``preparing``, its CDI
-spec written, and the record turned ``prepared``. Unprepare removes the spec and then the record; an
-unknown claim is already unprepared. One failing claim never affects the others of the same call.
+driver are checked against this node's pool and devices, its CDI spec is written and then the claim is
+recorded as prepared. Unprepare drops the record and then the spec; an unknown claim is already
+unprepared. One failing claim never affects the others of the same call.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs, cdi_device_id
-from nodeagent.dra.checkpoint import PREPARED, PREPARING, Checkpoint, ClaimRecord, PreparedDevice
+from nodeagent.dra.checkpoint import PREPARED, Checkpoint, ClaimRecord, PreparedDevice
 from nodeagent.dra.devices import DraDevice
 from nodeagent.errors import NodeAgentError
 
@@ -76,15 +76,11 @@ class ClaimPreparer:
 
     # -- start-up ------------------------------------------------------------------------------------
     def recover(self) -> list[str]:
-        """Undo claims a killed process left ``preparing``, rewrite missing specs of ``prepared`` claims,
-        and delete spec files no record owns. What was done, one line each."""
+        """Rewrite missing specs of prepared claims (``/var/run`` is emptied by a reboot) and delete spec
+        files no record owns (a process killed mid-prepare or mid-unprepare). What was done, one line each."""
         done: list[str] = []
         for uid, rec in sorted(self.checkpoint.claims.items()):
-            if rec.state == PREPARING:
-                self.specs.remove(uid)
-                self.checkpoint.drop(uid)
-                done.append(f"undid half-prepared claim {rec.namespace}/{rec.name} ({uid})")
-            elif not self.specs.path(uid).exists():
+            if not self.specs.path(uid).exists():
                 devs = [self.devices.get(d.device) for d in rec.devices]
                 if all(d is not None for d in devs):
                     self.specs.write(uid, [d for d in devs if d is not None])
@@ -147,7 +143,6 @@ class ClaimPreparer:
         prepared = tuple(
             PreparedDevice(reqs, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name),)) for dev, reqs in wanted
         )
-        self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARING, prepared))
         self.specs.write(ref.uid, [dev for dev, _ in wanted])
         self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
         return prepared
@@ -170,6 +165,6 @@ class ClaimPreparer:
         if ref.uid not in self.checkpoint.claims:
             self.specs.remove(ref.uid)  # a spec without a record would be an orphan anyway
             return
-        self.specs.remove(ref.uid)
         self.checkpoint.drop(ref.uid)
+        self.specs.remove(ref.uid)
         log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)

@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 pod = Pod("default", f"direct-{i}", str(uuid.uuid4()), {}, {"main": ["gpu"]})
                 uid = await asyncio.to_thread(create_allocated_claim, kube, node, [("gpu", device)], pod)
                 req = v1_pb2.NodePrepareResourcesRequest(
-                    claims=[v1_pb2.Claim(namespace="default", uid=uid, name=pod.claims["gpu"])])
+                    claims=[v1_pb2.Claim(namespace="default", uid=uid, name=next(iter(pod.claims)))])
                 t0 = time.perf_counter()
                 resp = await stub.NodePrepareResources(req)
                 driver_ms.append((time.perf_counter() - t0) * 1000)

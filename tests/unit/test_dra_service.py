@@ -26,7 +26,7 @@ from nodeagent.dra.api import (
     v1beta1_pb2_grpc,
 )
 from nodeagent.dra.cdi import ClaimSpecs
-from nodeagent.dra.checkpoint import PREPARED, PREPARING, Checkpoint, ClaimRecord, PreparedDevice
+from nodeagent.dra.checkpoint import PREPARED, Checkpoint
 from nodeagent.dra.devices import build_devices
 from nodeagent.dra.health import HealthFeed, unhealthy_devices
 from nodeagent.dra.server import DraServer
@@ -111,25 +111,23 @@ async def test_prepare_is_per_claim_idempotent_and_persisted(tmp_path: Path) -> 
     assert sorted(Checkpoint.load(p2.checkpoint.path).claims) == ["u2"]
 
 
-async def test_recovery_undoes_half_prepared_claims_and_orphans(tmp_path: Path) -> None:
+async def test_recovery_removes_orphaned_specs_and_restores_missing_ones(tmp_path: Path) -> None:
     claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]), claim("u2", "two", [("gpu", "gpu-2")]))
     p = make_preparer(tmp_path, claims)
     await p.prepare([ClaimRef("ns", "u1", "one")])
-    # a process killed after recording "preparing" and writing the spec, and a spec nobody records
-    dev = (PreparedDevice(("gpu",), POOL, "gpu-2", ("gpu.nodeagent.io/claim=u2-gpu-2",)),)
-    p.checkpoint.put(ClaimRecord("u2", "ns", "two", PREPARING, dev))
+    # a process killed after writing u2's spec but before recording it
     p.specs.write("u2", [p.devices["gpu-2"]])
-    p.specs.write("orphan", [p.devices["gpu-2"]])
-    p.specs.remove("u1")  # and a prepared claim whose spec vanished (tmpfs /var/run after reboot)
+    p.specs.remove("u1")  # and a prepared claim whose spec vanished (tmpfs /var/run after a reboot)
 
     p2 = make_preparer(tmp_path, claims)
     done = p2.recover()
-    assert len(done) == 3
+    assert len(done) == 2, done
     assert p2.specs.claim_uids() == {"u1"}
     assert sorted(p2.checkpoint.claims) == ["u1"]
-    # the kubelet retries the half-prepared claim: prepared exactly once
+    # the kubelet retries the interrupted claim: prepared exactly once
     out = await p2.prepare([ClaimRef("ns", "u2", "two")])
     assert out["u2"].error == "" and p2.specs.claim_uids() == {"u1", "u2"}
+    assert p2.recover() == []
 
 
 async def test_bad_uid_is_refused_and_changes_nothing(tmp_path: Path) -> None:
@@ -203,3 +201,41 @@ async def test_grpc_registration_prepare_and_health(served: tuple[DraServer, Cla
         stream.cancel()
     await server.stop()
     assert not server.reg_path.exists() and not server.dra_path.exists()
+
+
+KILLED_CHILD = """
+import asyncio, os, signal, sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from nodeagent.dra.checkpoint import Checkpoint
+from tests.unit.test_dra_service import Claims, claim, make_preparer, ClaimRef
+from nodeagent.dra.service import ClaimPreparer
+
+root = Path({root!r})
+p = make_preparer(root, Claims(claim("u1", "one", [("gpu", "gpu-1")])))
+def killed(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)  # kill -9 between the CDI spec and the checkpoint record
+Checkpoint.put = killed
+asyncio.run(p.prepare([ClaimRef("ns", "u1", "one")]))
+"""
+
+
+async def test_kill_9_during_prepare_is_undone_and_retried_once(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", KILLED_CHILD.format(repo=repo, root=str(tmp_path))],
+                          capture_output=True, check=False)
+    assert proc.returncode == -9, proc.stderr.decode()
+    specs = ClaimSpecs(tmp_path / "cdi")
+    assert specs.claim_uids() == {"u1"}  # the spec made it, the record did not
+    assert not (tmp_path / "state" / "dra-claims.json").exists()
+
+    claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]))
+    p = make_preparer(tmp_path, claims)
+    assert p.recover() == ["removed the orphaned CDI spec of claim u1"]
+    assert specs.claim_uids() == set()
+    out = await p.prepare([ClaimRef("ns", "u1", "one")])  # the kubelet's retry
+    assert out["u1"].error == "" and specs.claim_uids() == {"u1"}
+    assert sorted(Checkpoint.load(tmp_path / "state" / "dra-claims.json").claims) == ["u1"]
