@@ -186,3 +186,59 @@ def test_extended_resource_class_applies_and_needs_the_gate_before_1_36(kube_api
         assert minor in (34, 35), kube_apiserver.version
         assert "extendedResourceName" not in body["spec"]
     assert body["spec"]["selectors"] == doc["spec"]["selectors"]
+
+
+async def test_component_resyncs_slices_after_an_api_outage(kube_apiserver: KubeApiServer, kube: KubeClient,
+                                                             node_name: str, tmp_path: Path) -> None:
+    """The agent reaches the API only through a forwarder that is cut while the inventory changes."""
+    import asyncio
+    import shutil
+    import tempfile
+    import urllib.parse
+
+    from nodeagent.dra.component import DraComponent
+    from nodeagent.hostpaths import HostPaths
+    from tests.e2e._proxy import Outage
+
+    url = urllib.parse.urlsplit(kube_apiserver.url)
+    outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
+    outage.restore()
+    doc = yaml.safe_load(kube_apiserver.kubeconfig.read_text())
+    for c in doc["clusters"]:
+        c["cluster"]["server"] = f"https://{url.hostname}:{outage.port}"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(doc))
+    agent_kube = KubeClient(connect(kubeconfig))
+    root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    dra = DraComponent(paths=HostPaths(root), kube=agent_kube, node_name=node_name, verify_interval_s=60)
+    inv = nvswitch_box(3)
+    cut = False
+    try:
+        await dra.start(inv)
+        assert await dra.wait_published() == 1
+        outage.cut()
+        cut = True
+        lost = replace(inv, gpus=(*inv.gpus[:2], replace(inv.gpus[2], lost=True)))
+        await dra.on_inventory(lost)
+        for _ in range(100):  # the write fails and is retried
+            if dra.last_error:
+                break
+            await asyncio.sleep(0.05)
+        assert dra.last_error
+        assert sorted(d["name"] for s in slices_of(kube, node_name) for d in s["spec"]["devices"]) == [
+            "gpu-0", "gpu-1", "gpu-2"]
+        outage.restore()
+        cut = False
+        assert await dra.wait_published(timeout=30) == 2
+        [s] = slices_of(kube, node_name)
+        assert [d["name"] for d in s["spec"]["devices"]] == ["gpu-0", "gpu-1"]
+        assert s["spec"]["pool"]["generation"] == 2
+        assert dra.last_error == ""
+    finally:
+        if cut:
+            outage.restore()
+        await dra.stop()
+        agent_kube.close()
+        outage.cut()
+        shutil.rmtree(root, ignore_errors=True)
+    assert slices_of(kube, node_name) == []
