@@ -6,6 +6,11 @@
     await dra.set_health(monitor.unhealthy())   # from HealthMonitor.on_change
     await dra.stop()                    # sockets down, ResourceSlices withdrawn
 
+Health: with ``nvml=`` the component runs its own ``HealthMonitor`` (only when no device plugin runs on
+the same NVML source: a source serves one monitor); otherwise pass the device plugin's monitor changes
+to ``set_health``. ``gpu_filter`` limits the pool to some GPUs, so two planes on one node never hand
+out the same GPU. ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
+
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
 deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from nodeagent.dra import DRIVER_NAME
@@ -33,7 +38,7 @@ from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import HealthMonitor, HealthSettings
 from nodeagent.gpu.health import HealthSource as NvmlHealthSource
-from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
 
@@ -61,6 +66,7 @@ class DraComponent:
         verify_interval_s: float = VERIFY_INTERVAL_S,
         nvml: NvmlHealthSource | None = None,
         health_settings: HealthSettings | None = None,
+        gpu_filter: Callable[[Gpu], bool] | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -71,6 +77,7 @@ class DraComponent:
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
         self.verify_interval_s = verify_interval_s
+        self.gpu_filter = gpu_filter
         self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice)
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
@@ -116,7 +123,7 @@ class DraComponent:
 
     async def _set_inventory(self, inventory: Inventory) -> None:
         roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
-        self.devices = build_devices(inventory, roots)
+        self.devices = build_devices(inventory, roots, self.gpu_filter)
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         await self._refresh()

@@ -8,7 +8,7 @@ then); any other GPU is published whole. Lost GPUs are left out. Device names ar
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,12 +137,18 @@ def _mig_device(inv: Inventory, gpu: Gpu, mig: MigDevice, roots: Mapping[str, st
     )
 
 
-def build_devices(inv: Inventory, pcie_roots: Mapping[str, str] | None = None) -> list[DraDevice]:
-    """Every device of the node's pool, in a stable order. ``pcie_roots``: NVML bus id → root complex."""
+def build_devices(
+    inv: Inventory,
+    pcie_roots: Mapping[str, str] | None = None,
+    gpu_filter: Callable[[Gpu], bool] | None = None,
+) -> list[DraDevice]:
+    """Every device of the node's pool, in a stable order. ``pcie_roots``: NVML bus id → root complex;
+    ``gpu_filter``: only GPUs it accepts (and their MIG devices) are published, e.g. the GPUs left to DRA
+    when the device plugin serves the others on the same node."""
     roots = pcie_roots or {}
     out: list[DraDevice] = []
     for gpu in sorted(inv.gpus, key=lambda g: g.index):
-        if gpu.lost:
+        if gpu.lost or (gpu_filter is not None and not gpu_filter(gpu)):
             continue
         if gpu.mig_current:
             for mig in sorted(gpu.mig_devices, key=lambda m: (m.gi_id, m.ci_id)):

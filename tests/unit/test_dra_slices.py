@@ -54,6 +54,11 @@ def test_mig_gpus_publish_their_mig_devices_instead_of_the_whole_gpu() -> None:
     assert "numaNode" not in devs[2].attributes  # unknown NUMA node is left out, not guessed
 
 
+def test_gpu_filter_leaves_gpus_to_the_other_plane() -> None:
+    devs = build_devices(mig_box(per_gpu=2, gpus_on=1, gpus_off=2), gpu_filter=lambda g: g.index != 1)
+    assert [d.name for d in devs] == ["gpu-0-mig-1-0", "gpu-0-mig-2-0", "gpu-2"]
+
+
 def test_lost_gpus_are_not_published() -> None:
     inv = nvswitch_box(2)
     inv = replace(inv, gpus=(inv.gpus[0], replace(inv.gpus[1], lost=True)))
