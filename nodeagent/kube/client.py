@@ -322,6 +322,41 @@ class KubeClient:
         )
         return WatchStream(resp.response, act)
 
+    # resource.k8s.io/v1 (DRA). The client library's typed models lag the API, so these speak plain JSON.
+    RESOURCE_V1 = "/apis/resource.k8s.io/v1"
+
+    def list_resource_slices(self, *, field_selector: str | None = None) -> list[dict[str, Any]]:
+        """ResourceSlices, optionally narrowed by a field selector (``spec.nodeName=n1,spec.driver=d``)."""
+        query: dict[str, str] = {"fieldSelector": field_selector} if field_selector else {}
+        out = self.request("GET", f"{self.RESOURCE_V1}/resourceslices", query=query,
+                           action="list ResourceSlices")
+        return list(out.get("items") or [])
+
+    def create_resource_slice(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        name = str(body.get("metadata", {}).get("name", ""))
+        return self.request("POST", f"{self.RESOURCE_V1}/resourceslices", body=dict(body),
+                            action=f"create ResourceSlice {name}", subject=name)
+
+    def replace_resource_slice(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT: ``body.metadata.resourceVersion`` makes it a compare-and-swap."""
+        return self.request("PUT", f"{self.RESOURCE_V1}/resourceslices/{name}", body=dict(body),
+                            action=f"replace ResourceSlice {name}", subject=name)
+
+    def delete_resource_slice(self, name: str) -> bool:
+        """Delete one ResourceSlice; ``False`` when it was already gone."""
+        try:
+            self.request("DELETE", f"{self.RESOURCE_V1}/resourceslices/{name}",
+                         action=f"delete ResourceSlice {name}", subject=name)
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+        return True
+
+    def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.request("GET", f"{self.RESOURCE_V1}/namespaces/{namespace}/resourceclaims/{name}",
+                            action=f"get ResourceClaim {namespace}/{name}", subject=f"{namespace}/{name}")
+
 
 def kube_error(action: str, e: ApiException, subject: str | None = None) -> KubeError:
     """Convert an ``ApiException`` into a ``KubeError`` that says what was attempted."""

@@ -196,7 +196,9 @@ def start_apiserver(workdir: Path | None = None) -> KubeApiServer:
              "--authorization-mode=RBAC",
              # No controller-manager runs, so nothing would create the default service accounts.
              "--disable-admission-plugins=ServiceAccount",
-             "--allow-privileged=true", "--profiling=false", "--v=1"],
+             "--allow-privileged=true", "--profiling=false", "--v=1",
+             # DRA device taints are alpha before 1.36: without the gate the server drops them silently.
+             "--feature-gates=DRADeviceTaints=true"],
             stdin=subprocess.DEVNULL, stdout=api_log, stderr=subprocess.STDOUT,
         )
         server._procs.append(apiserver)

@@ -191,6 +191,15 @@ nodeagent_peers_sample_device_plugin() {
   export NODEAGENT_SAMPLE_DEVICE_PLUGIN=$NODEAGENT_GO_BINARY
 }
 
+# The kubelet's DRA manager and plugin watcher (tests/testbin/dra-harness, same Kubernetes release as
+# the peers module). Not called by nodeagent_peers_setup: the DRA tests build it on first use through
+# tests/peers/_resolve.py, which sources this file with NODEAGENT_PEERS_LIB_ONLY=1.
+nodeagent_peers_dra_harness() {
+  local mod=$NODEAGENT_TESTBIN/dra-harness
+  build_go_binary dra-harness "$mod" ./cmd/dra-harness "$(_go_mod_version "$mod" k8s.io/kubernetes)" || return 1
+  export NODEAGENT_DRA_HARNESS=$NODEAGENT_GO_BINARY
+}
+
 # nodeagent_peers_setup: everything above; the one entry point tests/run.sh relies on.
 nodeagent_peers_setup() {
   local start=$SECONDS

@@ -1,0 +1,100 @@
+"""Per-claim CDI spec files (``/var/run/cdi/gpu.nodeagent.io-claim_<uid>.json``).
+
+One spec per prepared claim, kind ``gpu.nodeagent.io/claim``, one CDI device per allocated device named
+``<claim uid>-<device name>``. The spec-wide edits carry what every GPU container needs (control device
+nodes, ``NVIDIA_VISIBLE_DEVICES`` listing the claim's device UUIDs); each device adds its own device
+nodes (``/dev/nvidiaN``, and for a MIG device its GPU- and compute-instance access nodes). Files are
+written atomically, so a runtime reading the directory never sees half a spec.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from nodeagent import fileio
+from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, VISIBLE_DEVICES_ENV, mig_cap_minors
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.devices import DraDevice
+
+CDI_VERSION = "0.6.0"
+CDI_KIND = f"{DRIVER_NAME}/claim"
+SPEC_PREFIX = f"{DRIVER_NAME}-claim_"
+_UID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _check_uid(claim_uid: str) -> None:
+    if not _UID_RE.match(claim_uid) or len(claim_uid) > 128:
+        raise ValueError(f"claim UID is not usable in a CDI name: {claim_uid!r}")
+
+
+def cdi_device_name(claim_uid: str, device: str) -> str:
+    return f"{claim_uid}-{device}"
+
+
+def cdi_device_id(claim_uid: str, device: str) -> str:
+    """The fully-qualified CDI device ID the kubelet hands to the runtime."""
+    return f"{CDI_KIND}={cdi_device_name(claim_uid, device)}"
+
+
+def _node(path: str) -> dict[str, Any]:
+    return {"path": path}
+
+
+def _device_nodes(dev: DraDevice) -> list[dict[str, Any]]:
+    nodes = [_node(f"/dev/nvidia{dev.minor}")]
+    if dev.gi_id is not None and dev.ci_id is not None:
+        for minor in mig_cap_minors(dev.minor, dev.gi_id, dev.ci_id):
+            nodes.append(_node(f"/dev/nvidia-caps/nvidia-cap{minor}"))
+    return nodes
+
+
+def claim_spec(claim_uid: str, devices: Sequence[DraDevice]) -> dict[str, Any]:
+    """The CDI spec for one claim (pure)."""
+    _check_uid(claim_uid)
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": CDI_KIND,
+        "devices": [
+            {"name": cdi_device_name(claim_uid, d.name), "containerEdits": {"deviceNodes": _device_nodes(d)}}
+            for d in devices
+        ],
+        "containerEdits": {
+            "env": [f"{VISIBLE_DEVICES_ENV}={','.join(d.uuid for d in devices)}"],
+            "deviceNodes": [_node(p) for p in CONTROL_DEVICES],
+        },
+    }
+
+
+class ClaimSpecs:
+    """The per-claim spec files in one CDI directory."""
+
+    def __init__(self, cdi_dir: Path) -> None:
+        self.dir = cdi_dir
+
+    def path(self, claim_uid: str) -> Path:
+        _check_uid(claim_uid)
+        return self.dir / f"{SPEC_PREFIX}{claim_uid}.json"
+
+    def write(self, claim_uid: str, devices: Sequence[DraDevice]) -> list[str]:
+        """Write (or rewrite) the claim's spec atomically; its CDI device IDs in device order."""
+        spec = claim_spec(claim_uid, devices)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        data = json.dumps(spec, indent=2, sort_keys=True) + "\n"
+        fileio.atomic_write(self.path(claim_uid), data, mode=0o644, backup=False)
+        return [cdi_device_id(claim_uid, d.name) for d in devices]
+
+    def remove(self, claim_uid: str) -> bool:
+        return fileio.remove(self.path(claim_uid))
+
+    def claim_uids(self) -> set[str]:
+        """The claims that have a spec file here."""
+        if not self.dir.is_dir():
+            return set()
+        out = set()
+        for p in self.dir.glob(f"{SPEC_PREFIX}*.json"):
+            out.add(p.name[len(SPEC_PREFIX):-len(".json")])
+        return out

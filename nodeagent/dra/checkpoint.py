@@ -1,0 +1,92 @@
+"""The DRA driver's record of prepared claims (``/var/lib/nodeagent/dra-claims.json``), written atomically.
+
+A claim is recorded (with its devices and CDI IDs) only after its CDI spec file is in place, and its
+record goes before the spec file is removed. A process killed between the two steps therefore leaves at
+most a spec file without a record, which the next start deletes (the kubelet retries the call); a record
+always means "prepared and answered", never half done.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeagent import fileio
+from nodeagent.errors import InputError
+
+VERSION = 1
+PREPARED = "prepared"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    request_names: tuple[str, ...]
+    pool: str
+    device: str
+    cdi_device_ids: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_names": list(self.request_names), "pool": self.pool, "device": self.device,
+                "cdi_device_ids": list(self.cdi_device_ids)}
+
+
+@dataclass(frozen=True)
+class ClaimRecord:
+    uid: str
+    namespace: str
+    name: str
+    state: str
+    devices: tuple[PreparedDevice, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "name": self.name, "state": self.state,
+                "devices": [d.to_dict() for d in self.devices]}
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    claims: dict[str, ClaimRecord] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> Checkpoint:
+        """Read the file (missing = empty); a damaged file raises ``InputError`` naming it."""
+        text = fileio.read_text(path)
+        cp = cls(path)
+        if text is None:
+            return cp
+        try:
+            raw = json.loads(text)
+            if raw.get("version") != VERSION:
+                raise ValueError(f"unsupported version {raw.get('version')!r}")
+            for uid, c in dict(raw["claims"]).items():
+                if c["state"] != PREPARED:
+                    raise ValueError(f"claim {uid}: unknown state {c['state']!r}")
+                devices = tuple(
+                    PreparedDevice(tuple(map(str, d["request_names"])), str(d["pool"]), str(d["device"]),
+                                   tuple(map(str, d["cdi_device_ids"])))
+                    for d in c["devices"]
+                )
+                cp.claims[str(uid)] = ClaimRecord(str(uid), str(c["namespace"]), str(c["name"]),
+                                                  str(c["state"]), devices)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InputError(f"DRA checkpoint {path} is damaged: {e}", subject=str(path)) from e
+        return cp
+
+    def save(self) -> None:
+        data = {"version": VERSION, "claims": {u: c.to_dict() for u, c in sorted(self.claims.items())}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fileio.atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n", mode=0o600,
+                            backup=False)
+
+    def put(self, record: ClaimRecord) -> None:
+        self.claims[record.uid] = record
+        self.save()
+
+    def drop(self, uid: str) -> bool:
+        if self.claims.pop(uid, None) is None:
+            return False
+        self.save()
+        return True

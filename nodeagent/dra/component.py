@@ -1,0 +1,210 @@
+"""``DraComponent``: the DRA plane as one piece the daemon starts, feeds and stops.
+
+    dra = DraComponent(paths=paths, kube=kube, node_name=node)
+    await dra.start(inventory)          # checkpoint recovery, sockets, first ResourceSlice sync
+    await dra.on_inventory(inventory)   # after every inventory change (MIG reconfigured, GPU lost)
+    await dra.set_health(monitor.unhealthy())   # from HealthMonitor.on_change
+    await dra.stop()                    # sockets down, ResourceSlices withdrawn
+
+Health: with ``nvml=`` the component runs its own ``HealthMonitor`` (only when no device plugin runs on
+the same NVML source: a source serves one monitor); otherwise pass the device plugin's monitor changes
+to ``set_health``. ``gpu_filter`` limits the pool to some GPUs, so two planes on one node never hand
+out the same GPU. ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
+
+Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
+fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
+deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
+checked (one LIST, no write when intact) every ``verify_interval_s`` and whenever the kubelet registers the
+driver again; missing or foreign-changed slices are written anew with the next generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.cdi import ClaimSpecs
+from nodeagent.dra.checkpoint import Checkpoint
+from nodeagent.dra.devices import DraDevice, build_devices, read_pcie_roots
+from nodeagent.dra.health import HealthFeed, HealthKey, HealthSource, unhealthy_devices
+from nodeagent.dra.publisher import SlicePublisher
+from nodeagent.dra.server import DraServer
+from nodeagent.dra.service import ClaimPreparer
+from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
+from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.health import HealthMonitor, HealthSettings
+from nodeagent.gpu.health import HealthSource as NvmlHealthSource
+from nodeagent.gpu.inventory import Gpu, Inventory
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "dra-claims.json"
+RETRY_MIN_S = 0.5
+RETRY_MAX_S = 30.0
+VERIFY_INTERVAL_S = 60.0
+
+
+class DraComponent:
+    def __init__(
+        self,
+        *,
+        paths: HostPaths,
+        kube: KubeClient,
+        node_name: str,
+        driver: str = DRIVER_NAME,
+        kubelet_dir: Path | None = None,
+        cdi_dir: Path | None = None,
+        checkpoint_path: Path | None = None,
+        health_source: HealthSource | None = None,
+        max_devices_per_slice: int = MAX_DEVICES,
+        verify_interval_s: float = VERIFY_INTERVAL_S,
+        nvml: NvmlHealthSource | None = None,
+        health_settings: HealthSettings | None = None,
+        gpu_filter: Callable[[Gpu], bool] | None = None,
+    ) -> None:
+        self.paths = paths
+        self.kube = kube
+        self.node_name = node_name
+        self.driver = driver
+        self.kubelet_dir = kubelet_dir or paths("/var/lib/kubelet")
+        self.cdi_dir = cdi_dir or paths("/var/run/cdi")
+        self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
+        self.health_source = health_source
+        self.verify_interval_s = verify_interval_s
+        self.gpu_filter = gpu_filter
+        self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice)
+        self.feed = HealthFeed()
+        self.devices: list[DraDevice] = []
+        self._unhealthy: dict[HealthKey, str] = {}
+        self.preparer: ClaimPreparer | None = None
+        self.server: DraServer | None = None
+        self._wanted: PoolContent | None = None
+        self._published: PoolContent | None = None
+        self._dirty = asyncio.Event()
+        self._synced = asyncio.Condition()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.last_error: str = ""
+        # With ``nvml`` the component runs its own health monitor (plane "dra" alone). Beside the device
+        # plugin (plane "both") the plugin's monitor is the only one allowed on the source: feed
+        # ``set_health`` from its on_change instead.
+        self.monitor: HealthMonitor | None = None
+        if nvml is not None:
+            self.monitor = HealthMonitor(nvml, health_settings or HealthSettings.from_env(),
+                                         on_change=self._monitor_changed)
+
+    async def _monitor_changed(self) -> None:
+        assert self.monitor is not None
+        await self.set_health(self.monitor.unhealthy())
+
+    def _read_claim(self, namespace: str, name: str) -> dict[str, object]:
+        return self.kube.get_resource_claim(namespace, name)
+
+    async def start(self, inventory: Inventory) -> None:
+        """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
+        checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
+        self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
+                                      driver=self.driver)
+        await self._set_inventory(inventory)
+        await asyncio.to_thread(self.preparer.recover)
+        self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
+                                on_registered=self.reverify)
+        await self.server.start()
+        self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
+        if self.health_source is not None:
+            self._tasks.append(asyncio.create_task(self._follow_health(), name="dra-health"))
+        if self.monitor is not None:
+            await self.monitor.start(g.index for g in inventory.gpus)
+
+    async def _set_inventory(self, inventory: Inventory) -> None:
+        roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
+        self.devices = build_devices(inventory, roots, self.gpu_filter)
+        assert self.preparer is not None
+        self.preparer.set_devices(self.devices)
+        await self._refresh()
+
+    async def on_inventory(self, inventory: Inventory) -> None:
+        if self.monitor is not None:
+            self.monitor.set_gpus(g.index for g in inventory.gpus)
+        await self._set_inventory(inventory)
+
+    async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
+        """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""
+        self._unhealthy = dict(unhealthy)
+        await self._refresh()
+
+    async def _refresh(self) -> None:
+        bad = unhealthy_devices(self.devices, self._unhealthy)
+        await self.feed.update([d.name for d in self.devices], bad)
+        self._wanted = pool_content(self.devices, bad)
+        if self._wanted != self._published:
+            self._dirty.set()
+
+    def reverify(self) -> None:
+        """Compare the pool with the API again soon (rewrite what is missing or changed)."""
+        self.publisher.invalidate()
+        self._dirty.set()
+
+    async def _follow_health(self) -> None:
+        assert self.health_source is not None
+        async for unhealthy in self.health_source():
+            await self.set_health(unhealthy)
+
+    async def _publish_loop(self) -> None:
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), self.verify_interval_s)
+            except TimeoutError:
+                self.publisher.invalidate()
+            self._dirty.clear()
+            wanted = self._wanted
+            if wanted is None:
+                continue
+            try:
+                await asyncio.to_thread(self.publisher.sync, wanted)
+            except NodeAgentError as e:
+                self.last_error = str(e)
+                log.warning("DRA ResourceSlices of %s not written (retry in %.1fs): %s", self.node_name, delay, e)
+                self.publisher.invalidate()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                self._dirty.set()
+                continue
+            delay = RETRY_MIN_S
+            self.last_error = ""
+            async with self._synced:
+                self._published = wanted
+                self._synced.notify_all()
+
+    async def wait_published(self, timeout: float = 10.0) -> int:
+        """Wait until the current content is in the API; the pool generation."""
+        async with self._synced:
+            await asyncio.wait_for(self._synced.wait_for(lambda: self._published == self._wanted), timeout)
+        return self.publisher.generation
+
+    async def stop(self, *, withdraw_slices: bool = True) -> None:
+        """Close the sockets and (by default) delete the pool's ResourceSlices. Prepared claims stay
+        recorded: their containers keep running and a later start answers for them again."""
+        if self.monitor is not None:
+            await self.monitor.stop()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None
+        if withdraw_slices:
+            try:
+                await asyncio.to_thread(self.publisher.remove)
+            except NodeAgentError as e:
+                log.warning("DRA ResourceSlices of %s not withdrawn: %s", self.node_name, e)
+        self._published = None

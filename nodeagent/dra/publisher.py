@@ -1,0 +1,122 @@
+"""Publishes the node's pool as ResourceSlices, writing only when the content changed.
+
+``sync(content)`` (blocking; call it from a worker thread) compares the wanted content with what it last
+wrote. The first call reads the node's slices of this driver: if every one of them carries the wanted
+content hash and the slice count matches, they are adopted as they are (a restart writes nothing);
+otherwise the pool generation becomes one more than the highest seen and all slices are rewritten.
+Every later change bumps the generation, replaces the slices by name (create when missing) and deletes
+the slices beyond the new count. ``remove()`` deletes all of the node's slices of this driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.slices import CONTENT_ANNOTATION, MAX_DEVICES, PoolContent, build_slices
+from nodeagent.errors import KubeError
+from nodeagent.kube.client import KubeClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncResult:
+    generation: int
+    writes: int  # create + replace + delete requests sent
+    slices: int
+
+
+class SlicePublisher:
+    def __init__(self, kube: KubeClient, node_name: str, *, driver: str = DRIVER_NAME,
+                 max_devices: int = MAX_DEVICES) -> None:
+        self.kube = kube
+        self.node_name = node_name
+        self.driver = driver
+        self.max_devices = max_devices
+        self.generation = 0
+        self._digest: str | None = None  # content hash of what the API holds, None = unknown
+        self._names: set[str] = set()
+        self._stale = False  # set by invalidate() from any thread without waiting for a running sync
+        self._lock = threading.Lock()
+        self.writes = 0
+
+    @property
+    def selector(self) -> str:
+        return f"spec.nodeName={self.node_name},spec.driver={self.driver}"
+
+    def _current(self) -> dict[str, dict[str, Any]]:
+        items = self.kube.list_resource_slices(field_selector=self.selector)
+        return {str(it["metadata"]["name"]): it for it in items}
+
+    def sync(self, content: PoolContent) -> SyncResult:
+        with self._lock:
+            return self._sync(content)
+
+    def _sync(self, content: PoolContent) -> SyncResult:
+        if self._stale:
+            self._stale = False
+            self._digest = None
+        digest = content.digest
+        if self._digest == digest:
+            return SyncResult(self.generation, 0, len(self._names))
+        current = self._current()
+        gens = [int(it["spec"]["pool"].get("generation", 0)) for it in current.values()]
+        if self._digest is None and current:
+            counts = {int(it["spec"]["pool"].get("resourceSliceCount", 0)) for it in current.values()}
+            same = all(it["metadata"].get("annotations", {}).get(CONTENT_ANNOTATION) == digest
+                       for it in current.values())
+            if same and len(set(gens)) == 1 and counts == {len(current)}:
+                self.generation = gens[0]
+                self._digest = digest
+                self._names = set(current)
+                log.info("DRA pool %s: adopted %d ResourceSlice(s) at generation %d", self.node_name,
+                         len(current), self.generation)
+                return SyncResult(self.generation, 0, len(current))
+        self.generation = max([self.generation, *gens]) + 1
+        wanted = build_slices(self.node_name, content, self.generation, driver=self.driver,
+                              max_devices=self.max_devices)
+        writes = 0
+        for body in wanted:
+            name = body["metadata"]["name"]
+            old = current.get(name)
+            if old is None:
+                self.kube.create_resource_slice(body)
+            else:
+                body["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+                self.kube.replace_resource_slice(name, body)
+            writes += 1
+        names = {b["metadata"]["name"] for b in wanted}
+        for name in sorted(set(current) - names):
+            self.kube.delete_resource_slice(name)
+            writes += 1
+        self._names = names
+        self._digest = digest
+        self.writes += writes
+        log.info("DRA pool %s: generation %d, %d device(s) in %d ResourceSlice(s)", self.node_name,
+                 self.generation, len(content.devices), len(wanted))
+        return SyncResult(self.generation, writes, len(wanted))
+
+    def invalidate(self) -> None:
+        """Forget what the API holds (outage, kubelet wipe): the next ``sync`` reads and compares again.
+        Never blocks; a sync running right now is followed by a full one."""
+        self._stale = True
+
+    def remove(self) -> int:
+        """Delete every ResourceSlice of this node and driver; the number deleted."""
+        with self._lock:
+            n = 0
+            for name in sorted(self._current()):
+                try:
+                    if self.kube.delete_resource_slice(name):
+                        n += 1
+                except KubeError as e:
+                    log.warning("cannot delete ResourceSlice %s: %s", name, e)
+                    raise
+            self.writes += n
+            self._digest = None
+            self._names = set()
+            return n

@@ -1,0 +1,186 @@
+"""The kubelet-facing sockets of the DRA driver (grpc.aio, Unix sockets, mode 0600).
+
+- ``<kubelet>/plugins/<driver>/dra.sock``: ``v1.DRAPlugin``, ``v1beta1.DRAPlugin`` and
+  ``v1alpha1.DRAResourceHealth``;
+- ``<kubelet>/plugins_registry/<driver>-reg.sock``: the registration service the kubelet's plugin
+  watcher finds; ``GetInfo`` names the DRA socket, ``NotifyRegistrationStatus`` tells the outcome.
+
+The DRA socket starts first so the kubelet can dial it as soon as it learns about it; stopping removes
+the registration socket first (the kubelet then deregisters the driver) and both sockets at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.api import (
+    health_pb2,
+    health_pb2_grpc,
+    reg_pb2,
+    reg_pb2_grpc,
+    v1_pb2,
+    v1_pb2_grpc,
+    v1beta1_pb2,
+    v1beta1_pb2_grpc,
+)
+from nodeagent.dra.health import HealthFeed
+from nodeagent.dra.service import ClaimPreparer, ClaimRef
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+STOP_GRACE_S = 0.2
+MAX_SOCKET_PATH = 107
+
+
+def registration_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
+    return kubelet_dir / "plugins_registry" / f"{driver}-reg.sock"
+
+
+def dra_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
+    return kubelet_dir / "plugins" / driver / "dra.sock"
+
+
+class _DraServicer:
+    """One implementation for both DRAPlugin versions: ``pb2`` picks the message module."""
+
+    def __init__(self, preparer: ClaimPreparer, pb2: Any) -> None:
+        self.preparer = preparer
+        self.pb2 = pb2
+
+    @staticmethod
+    def _refs(request: Any) -> list[ClaimRef]:
+        return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
+
+    async def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        results = await self.preparer.prepare(self._refs(request))
+        resp = self.pb2.NodePrepareResourcesResponse()
+        for uid, r in results.items():
+            one = resp.claims[uid]
+            if r.error:
+                one.error = r.error
+                continue
+            for d in r.devices:
+                one.devices.append(self.pb2.Device(request_names=list(d.request_names), pool_name=d.pool,
+                                                   device_name=d.device, cdi_device_ids=list(d.cdi_device_ids)))
+        return resp
+
+    async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
+        results = await self.preparer.unprepare(self._refs(request))
+        resp = self.pb2.NodeUnprepareResourcesResponse()
+        for uid, err in results.items():
+            resp.claims[uid].error = err
+        return resp
+
+
+class _HealthServicer:
+    def __init__(self, feed: HealthFeed, pool: str) -> None:
+        self.feed = feed
+        self.pool = pool
+
+    async def NodeWatchResources(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        async for snap in self.feed.watch():
+            yield health_pb2.NodeWatchResourcesResponse(devices=[
+                health_pb2.DeviceHealth(
+                    device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
+                    health=s.health, last_updated_time=s.since,
+                )
+                for s in snap
+            ])
+
+
+class _RegistrationServicer:
+    def __init__(self, owner: DraServer) -> None:
+        self.owner = owner
+
+    async def GetInfo(self, request: Any, context: Any) -> Any:
+        return reg_pb2.PluginInfo(type=PLUGIN_TYPE, name=self.owner.driver, endpoint=str(self.owner.dra_path),
+                                  supported_versions=list(SERVICES))
+
+    async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
+        self.owner.registered = bool(request.plugin_registered)
+        self.owner.registration_error = str(request.error)
+        if request.plugin_registered:
+            log.info("kubelet registered DRA driver %s", self.owner.driver)
+        else:
+            log.error("kubelet refused DRA driver %s: %s", self.owner.driver, request.error)
+        self.owner.registration_changed.set()
+        if request.plugin_registered and self.owner.on_registered is not None:
+            self.owner.on_registered()
+        return reg_pb2.RegistrationStatusResponse()
+
+
+def _check_socket_path(path: Path) -> None:
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path too long for a Unix socket ({len(os.fsencode(path))} bytes): {path}")
+
+
+async def _serve(path: Path, add: list[Any]) -> grpc.aio.Server:
+    _check_socket_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a socket left by a previous process
+    server = grpc.aio.server()
+    for fn, servicer in add:
+        fn(servicer, server)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    os.chmod(path, 0o600)
+    return server
+
+
+class DraServer:
+    def __init__(self, kubelet_dir: Path, preparer: ClaimPreparer, feed: HealthFeed, *,
+                 driver: str = DRIVER_NAME, on_registered: Callable[[], None] | None = None) -> None:
+        self.driver = driver
+        self.on_registered = on_registered  # called on every successful (re-)registration
+        self.reg_path = registration_socket(kubelet_dir, driver)
+        self.dra_path = dra_socket(kubelet_dir, driver)
+        self.preparer = preparer
+        self.feed = feed
+        self.registered = False
+        self.registration_error = ""
+        self.registration_changed = asyncio.Event()
+        self._dra: grpc.aio.Server | None = None
+        self._reg: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        pool = self.preparer.pool
+        self._dra = await _serve(self.dra_path, [
+            (v1_pb2_grpc.add_DRAPluginServicer_to_server, _DraServicer(self.preparer, v1_pb2)),
+            (v1beta1_pb2_grpc.add_DRAPluginServicer_to_server, _DraServicer(self.preparer, v1beta1_pb2)),
+            (health_pb2_grpc.add_DRAResourceHealthServicer_to_server, _HealthServicer(self.feed, pool)),
+        ])
+        try:
+            self._reg = await _serve(self.reg_path, [
+                (reg_pb2_grpc.add_RegistrationServicer_to_server, _RegistrationServicer(self)),
+            ])
+        except BaseException:
+            await self._stop_one(self._dra, self.dra_path)
+            self._dra = None
+            raise
+        log.info("DRA driver %s serving on %s (registration %s)", self.driver, self.dra_path, self.reg_path)
+
+    @staticmethod
+    async def _stop_one(server: grpc.aio.Server | None, path: Path) -> None:
+        if server is not None:
+            await server.stop(STOP_GRACE_S)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    async def stop(self) -> None:
+        await self._stop_one(self._reg, self.reg_path)
+        self._reg = None
+        await self._stop_one(self._dra, self.dra_path)
+        self._dra = None
+        self.registered = False

@@ -1,0 +1,128 @@
+"""Benchmark: nodeagent's DRA driver with the kubelet's own DRA manager (tests/testbin/dra-harness) and a
+real kube-apiserver.
+
+1. Claim allocated → NodePrepareResources answered: for N claims (one whole GPU each, allocation written
+   by the benchmark as the scheduler would), the driver's NodePrepareResources over its socket (our own
+   gRPC client; includes the driver's ResourceClaim GET, CDI spec and checkpoint writes), and the kubelet
+   code's whole PrepareResources (its own claim GET + the driver call + its checkpoint). p50/p99.
+2. Slice writes while idle: the pool is re-verified every VERIFY seconds for WINDOW seconds; writes are
+   counted and extrapolated to one hour (target 0).
+
+Prints figures and one JSON line. No timing asserts. Usage:
+    .venv/bin/python tests/bench/bench_dra.py [--claims 100] [--window 20] [--verify 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import grpc
+
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.api import v1_pb2, v1_pb2_grpc
+from nodeagent.dra.component import DraComponent
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient, connect
+from tests.integration.test_dra_kubelet import create_allocated_claim
+from tests.peers.apiserver import start_apiserver
+from tests.peers.draharness import Pod, start_dra_harness
+from tests.unit._dp_inventories import nvswitch_box
+
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    server = start_apiserver()
+    root = Path(tempfile.mkdtemp(prefix="drab-", dir="/tmp"))
+    kube = KubeClient(connect(server.kubeconfig))
+    node = "bench-dra"
+    inv = nvswitch_box(8)
+    dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node, verify_interval_s=args.verify)
+    harness = None
+    try:
+        await dra.start(inv)
+        harness = start_dra_harness(root, server.kubeconfig, root / "var/lib/kubelet/plugins_registry", node)
+        await asyncio.to_thread(harness.wait_registered, DRIVER_NAME, 30.0)
+        driver_ms: list[float] = []
+        kubelet_ms: list[float] = []
+        async with grpc.aio.insecure_channel(f"unix://{dra.server.dra_path if dra.server else ''}") as ch:
+            stub = v1_pb2_grpc.DRAPluginStub(ch)
+            for i in range(args.claims):
+                device = f"gpu-{i % 8}"
+                # driver alone: allocated claim → NodePrepareResources answered
+                pod = Pod("default", f"direct-{i}", str(uuid.uuid4()), {}, {"main": ["gpu"]})
+                uid = await asyncio.to_thread(create_allocated_claim, kube, node, [("gpu", device)], pod)
+                req = v1_pb2.NodePrepareResourcesRequest(
+                    claims=[v1_pb2.Claim(namespace="default", uid=uid, name=next(iter(pod.claims)))])
+                t0 = time.perf_counter()
+                resp = await stub.NodePrepareResources(req)
+                driver_ms.append((time.perf_counter() - t0) * 1000)
+                assert resp.claims[uid].error == "", resp.claims[uid].error
+                await stub.NodeUnprepareResources(v1_pb2.NodeUnprepareResourcesRequest(claims=req.claims))
+                # the kubelet's whole PrepareResources for a pod
+                pod = Pod("default", f"pod-{i}", str(uuid.uuid4()), {}, {"main": ["gpu"]})
+                await asyncio.to_thread(create_allocated_claim, kube, node, [("gpu", device)], pod)
+                _, seconds = await asyncio.to_thread(harness.prepare_timed, pod)
+                kubelet_ms.append(seconds * 1000)
+                await asyncio.to_thread(harness.unprepare, pod)
+        await dra.wait_published()
+        writes0, reads0 = kube.stats.writes, kube.stats.total
+        await asyncio.sleep(args.window)
+        idle_writes = kube.stats.writes - writes0
+        idle_requests = kube.stats.total - reads0
+        per_hour = 3600.0 / args.window
+        return {
+            "bench": "dra", "claims": args.claims,
+            "prepare_driver_ms_p50": round(statistics.median(driver_ms), 2),
+            "prepare_driver_ms_p99": round(pct(driver_ms, 0.99), 2),
+            "prepare_kubelet_ms_p50": round(statistics.median(kubelet_ms), 2),
+            "prepare_kubelet_ms_p99": round(pct(kubelet_ms, 0.99), 2),
+            "idle_window_s": args.window, "verify_interval_s": args.verify,
+            "idle_slice_writes": idle_writes, "idle_slice_writes_per_hour": round(idle_writes * per_hour, 1),
+            "idle_requests_per_hour": round(idle_requests * per_hour, 1),
+        }
+    finally:
+        if harness is not None:
+            harness.stop()
+        await dra.stop()
+        kube.close()
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--claims", type=int, default=100)
+    ap.add_argument("--window", type=float, default=20.0)
+    ap.add_argument("--verify", type=float, default=1.0)
+    res = asyncio.run(run(ap.parse_args()))
+    print(f"NodePrepareResources (driver, whole GPU): p50 {res['prepare_driver_ms_p50']} ms, "
+          f"p99 {res['prepare_driver_ms_p99']} ms over {res['claims']} claims")
+    print(f"kubelet PrepareResources (claim GET + driver + checkpoint): p50 {res['prepare_kubelet_ms_p50']} ms, "
+          f"p99 {res['prepare_kubelet_ms_p99']} ms")
+    print(f"idle: {res['idle_slice_writes']} slice writes in {res['idle_window_s']} s "
+          f"(verify every {res['verify_interval_s']} s) -> {res['idle_slice_writes_per_hour']} per hour; "
+          f"{res['idle_requests_per_hour']} requests per hour")
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

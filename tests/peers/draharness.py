@@ -1,0 +1,132 @@
+"""Typed client for tests/testbin/dra-harness (the kubelet's own DRA manager and plugin watcher).
+
+Calls block until the harness answers; a test whose DRA driver runs on the same asyncio loop must call
+them through ``asyncio.to_thread`` (the harness calls back into the driver while the test waits).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.peers._proc import stop_process, tail
+from tests.peers._resolve import peer_binary
+
+
+class DraHarnessError(RuntimeError):
+    """A harness command failed (the kubelet code's error message)."""
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A pod using ResourceClaims by name: ``claims`` maps the pod's claim name to the ResourceClaim name;
+    ``containers`` maps each container to the pod claim names it uses."""
+
+    namespace: str
+    name: str
+    uid: str
+    claims: dict[str, str]
+    containers: dict[str, list[str]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace, "name": self.name, "uid": self.uid,
+            "claims": [{"name": n, "claim": c} for n, c in self.claims.items()],
+            "containers": [{"name": n, "claims": cs} for n, cs in self.containers.items()],
+        }
+
+
+@dataclass
+class DraHarness:
+    registry_dir: Path
+    state_dir: Path
+    workdir: Path
+    _proc: subprocess.Popen[str] = field(repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def call(self, cmd: str, **args: Any) -> dict[str, Any]:
+        with self._lock:
+            if self._proc.poll() is not None or self._proc.stdin is None or self._proc.stdout is None:
+                raise DraHarnessError(f"DRA harness is not running:\n{self.log_tail()}")
+            self._proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+            self._proc.stdin.flush()
+            answer = self._proc.stdout.readline()
+        if not answer:
+            raise DraHarnessError(f"DRA harness died during {cmd!r}:\n{self.log_tail()}")
+        reply: dict[str, Any] = json.loads(answer)
+        if not reply.get("ok"):
+            raise DraHarnessError(str(reply.get("error")))
+        return reply
+
+    def wait_registered(self, driver: str, timeout: float = 15.0) -> None:
+        self.call("wait_registered", driver=driver, timeout=timeout)
+
+    def prepare(self, pod: Pod) -> dict[str, list[str]]:
+        """The kubelet's PrepareResources for the pod; the CDI device IDs per container."""
+        cdi: dict[str, list[str]] = self.call("prepare", pod=pod.to_json())["cdi"]
+        return cdi
+
+    def prepare_timed(self, pod: Pod) -> tuple[dict[str, list[str]], float]:
+        """Like ``prepare``, with the seconds PrepareResources took inside the kubelet code."""
+        r = self.call("prepare", pod=pod.to_json())
+        return r["cdi"], float(r["seconds"])
+
+    def unprepare(self, pod: Pod) -> None:
+        self.call("unprepare", pod=pod.to_json())
+
+    def health(self, pod: Pod) -> dict[str, list[dict[str, Any]]]:
+        """``containerStatuses[].allocatedResourcesStatus`` as the kubelet would fill them, per container."""
+        status: dict[str, list[dict[str, Any]]] = {
+            k: v or [] for k, v in self.call("health", pod=pod.to_json())["status"].items()
+        }
+        return status
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail(self.workdir / "dra-harness.log", lines)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None and self._proc.stdin is not None:
+            try:
+                self._proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        stop_process(self._proc)
+        for stream in (self._proc.stdin, self._proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_name: str,
+                      verbosity: int = 0) -> DraHarness:
+    binary = peer_binary("NODEAGENT_DRA_HARNESS", "nodeagent_peers_dra_harness", "kubelet DRA harness")
+    state_dir = workdir / "dra-state"
+    with (workdir / "dra-harness.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [str(binary), f"--kubeconfig={kubeconfig}", f"--registry-dir={registry_dir}",
+             f"--state-dir={state_dir}", f"--node-name={node_name}", f"--v={verbosity}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
+        )
+    return DraHarness(registry_dir, state_dir, workdir, proc)
+
+
+@contextmanager
+def running_dra_harness(kubeconfig: Path, registry_dir: Path, node_name: str) -> Iterator[DraHarness]:
+    wd = Path(tempfile.mkdtemp(prefix="nodeagent-dra-kubelet-"))
+    try:
+        harness = start_dra_harness(wd, kubeconfig, registry_dir, node_name, verbosity=4)
+        try:
+            yield harness
+        finally:
+            harness.stop()
+    finally:
+        shutil.rmtree(wd, ignore_errors=True)
