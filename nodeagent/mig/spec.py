@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 import yaml
 
+from nodeagent.boundedyaml import BoundedYamlError, load, shown
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.mig.layout import fits
-from nodeagent.sharing.boundedyaml import BoundedYamlError, load, shown
 
 ENTRY_KEYS = frozenset({"devices", "mig-enabled", "device-filter", "mig-devices"})
 REQUIRED_ENTRY_KEYS = ("devices", "mig-enabled")

@@ -12,9 +12,9 @@ import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from nodeagent.boundedyaml import plain
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
-from nodeagent.sharing.boundedyaml import plain
 from nodeagent.sharing.spec import (
     MAX_ADVERTISED_DEVICES,
     RESOURCE_PREFIX,

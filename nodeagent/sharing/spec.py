@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import yaml
 
+from nodeagent.boundedyaml import BoundedYamlError, load, plain, shown
 from nodeagent.errors import ConfigError
-from nodeagent.sharing.boundedyaml import BoundedYamlError, load, plain, shown
 
 MigStrategy = Literal["none", "single", "mixed"]
 DeviceListStrategy = Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"]

@@ -137,7 +137,7 @@ def sa_kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
         status, body = apply(kube_apiserver, doc)
         assert status in (200, 201), body
     api = connect(kube_apiserver.kubeconfig)
-    api.set_default_header("Impersonate-User", SA_USER)
+    api.set_default_header("Impersonate-User", SA_USER)  # type: ignore[no-untyped-call]
     k = KubeClient(api)
     yield k
     k.close()
