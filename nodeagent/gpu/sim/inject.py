@@ -25,13 +25,39 @@ def _check_gpu(store: SimStore, gpu: int) -> None:
         )
 
 
-def inject_xid(store: SimStore, gpu: int, code: int, gi_id: int | None = None) -> None:
-    """An XID critical error event on a GPU (e.g. 48 double-bit ECC, 79 fallen off the bus)."""
+RECOVERY_ACTIONS = {  # nvmlDeviceGpuRecoveryAction_t
+    "none": 0, "gpu-reset": 1, "node-reboot": 2, "drain-p2p": 3, "drain-and-reset": 4,
+    "recover-imex-domain": 5, "bus-reset": 6, "system-reboot": 7,
+}
+
+
+def inject_xid(
+    store: SimStore, gpu: int, code: int, gi_id: int | None = None, recovery_action: int | None = None
+) -> None:
+    """An XID critical error event on a GPU (e.g. 48 double-bit ECC, 79 fallen off the bus); with
+    ``recovery_action`` the driver also asks for that recovery (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)."""
     _check_gpu(store, gpu)
     if code <= 0:
         raise InputError(f"XID code must be positive, got {code}", subject=str(code))
+    _check_action(recovery_action)
     with store.transaction() as st:
         append_event(st, gpu, int(pynvml.nvmlEventTypeXidCriticalError), code, gi_id)
+        if recovery_action is not None:
+            st["gpus"][gpu]["recovery_action"] = recovery_action
+
+
+def set_recovery_action(store: SimStore, gpu: int, action: int) -> None:
+    """Set the recovery action the driver reports for a GPU (0 = none: the GPU needs nothing)."""
+    _check_gpu(store, gpu)
+    _check_action(action)
+    with store.transaction() as st:
+        st["gpus"][gpu]["recovery_action"] = action
+
+
+def _check_action(action: int | None) -> None:
+    if action is not None and action not in RECOVERY_ACTIONS.values():
+        known = ", ".join(f"{v} ({k})" for k, v in RECOVERY_ACTIONS.items())
+        raise InputError(f"unknown GPU recovery action {action}; known: {known}", subject=str(action))
 
 
 def inject_lost(store: SimStore, gpu: int) -> None:
@@ -74,6 +100,7 @@ def recover(store: SimStore, gpu: int | None = None) -> None:
             if gpu is None or i == gpu:
                 gs["lost"] = False
                 gs["processes"] = []
+                gs["recovery_action"] = 0
         if gpu is None:
             st["fail_next"] = []
 
