@@ -83,6 +83,19 @@ def inject_process(
         gs["processes"].append({"pid": pid, "name": name, "used_mib": used_mib, "gi_id": gi_id})
 
 
+def hold_device(store: SimStore, gpu: int, client: str, held: bool = True) -> None:
+    """A non-compute client (``nvidia-persistenced``, a DCGM agent) opens (or, ``held=False``, closes) the
+    GPU's device: the driver cannot reset it by itself, so a MIG mode change stays pending (status
+    IN_USE) until an explicit GPU reset (which such clients do not block) or a reboot."""
+    _check_gpu(store, gpu)
+    if not client:
+        raise InputError("client name must not be empty")
+    with store.transaction() as st:
+        gs = st["gpus"][gpu]
+        clients = [c for c in gs.get("clients", []) if c != client]
+        gs["clients"] = [*clients, client] if held else clients
+
+
 def kill_process(store: SimStore, gpu: int, pid: int | None = None) -> None:
     """End one process (or all of them) on a GPU."""
     _check_gpu(store, gpu)

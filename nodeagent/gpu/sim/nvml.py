@@ -456,8 +456,9 @@ class SimulatedNvml:
         """Sets the pending mode and returns the activation status like NVML does on hardware.
 
         Bare metal, idle GPU: the driver resets it (Ampere) or switches at once (Hopper and later), the mode
-        is current, status SUCCESS. Processes running: the pending mode is set, status IN_USE — the GPU
-        switches at its next reset or reboot. A passthrough VM cannot reset the GPU: pending set, status
+        is current, status SUCCESS. Processes running, or another client holding the device (a monitoring
+        agent, nvidia-persistenced; ``inject.hold_device``): the pending mode is set, status IN_USE — the
+        GPU switches at its next reset or reboot. A passthrough VM cannot reset the GPU: pending set, status
         RESET_REQUIRED. Disabling MIG while GPU instances exist fails with IN_USE.
         """
         state = self._enter("nvmlDeviceSetMigMode")
@@ -473,7 +474,7 @@ class SimulatedNvml:
             gs["mig_pending"] = want
             if gs["mig_current"] == want:
                 return int(pynvml.NVML_SUCCESS)
-            if gs["processes"]:
+            if gs["processes"] or gs.get("clients"):  # e.g. nvidia-persistenced or DCGM holding the device
                 return int(pynvml.NVML_ERROR_IN_USE)
             if self.machine.passthrough and self._spec(index).mig_needs_reset:
                 return int(pynvml.NVML_ERROR_RESET_REQUIRED)
