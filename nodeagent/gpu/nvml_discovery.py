@@ -190,7 +190,8 @@ class NvmlDiscovery(NvmlSession):
             )
         if not out and table is not None:
             log.debug("GPU %d answers no MIG profile queries (MIG disabled); using the built-in table", index)
-            return tuple(s.profile for s in table.specs_for_driver(self._driver()))
+            rows = (s.profile for s in table.specs_for_driver(self._driver()))
+            return tuple(sorted(rows, key=lambda p: p.gi_profile_id))  # NVML's enumeration order
         return tuple(out)
 
     def _placements(self, index: int, profile_id: int) -> tuple[tuple[int, ...], int]:

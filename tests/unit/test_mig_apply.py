@@ -46,7 +46,7 @@ def snapshot(adapter: NvmlAdapter) -> dict[int, tuple[GpuCheckpoint, tuple[str, 
 
 def test_idle_ampere_switches_without_a_reset(tmp_path: Path) -> None:
     """On bare metal the driver resets an idle A100 itself: the new mode is current at once."""
-    adapter, store = sim("dgx-a100-40gb")
+    adapter, _ = sim("dgx-a100-40gb")
     inv, p = make_plan(adapter, cfg("[1]", {"3g.20gb": 2}), "c")
     result = Applier(adapter).apply(p, inv)
     assert result.resets == ()
@@ -264,7 +264,7 @@ def test_unprivileged_apply_fails_with_one_line() -> None:
     _, store = sim("dgx-h100")
     inject.write_mig_layout(store, 0, ["3g.40gb"])
     adapter = adapter_for_sim(SimulatedNvml(store, privileged=False))
-    with pytest.raises(NvmlPermissionError, match="^NVML shows these only to root: GPU instances"):
+    with pytest.raises(NvmlPermissionError, match=r"^NVML shows these only to root: GPU instances"):
         adapter.discover()  # what planning starts with
     inv, p = make_plan(adapter_for_sim(SimulatedNvml(store)), cfg("all", {"3g.40gb": 2}), "c")
     adapter.discover(partial=True)

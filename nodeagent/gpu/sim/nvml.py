@@ -365,7 +365,16 @@ class SimulatedNvml:
 
     # --- processes ----------------------------------------------------------------------------
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
-        state = self._enter("nvmlDeviceGetComputeRunningProcesses")
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", handle)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses_v2", handle)
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses_v3", handle)
+
+    def _processes(self, fname: str, handle: Any) -> list[Any]:
+        state = self._enter(fname)
         kind, index, gi_id, _ = self._gpu(state, handle, (_DEV, _MIG))
         if kind == _DEV and not self.privileged and state["gpus"][index]["mig_current"]:
             raise _err(pynvml.NVML_ERROR_NO_PERMISSION)
@@ -386,8 +395,6 @@ class SimulatedNvml:
             )
         return out
 
-    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
-    nvmlDeviceGetComputeRunningProcesses_v2 = nvmlDeviceGetComputeRunningProcesses
 
     # --- topology -----------------------------------------------------------------------------
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
