@@ -226,6 +226,8 @@ async def test_generation_annotation_reapplies_same_value(node: NodeClient, tmp_
 
 async def test_reboot_required_then_resume_after_boot(node: NodeClient, tmp_path: Path) -> None:
     adapter, store = sim("dgx-a100-40gb")
+    for i in range(8):  # a held device keeps the mode change pending; the reset that would apply it fails
+        inject.hold_device(store, i, "nvidia-persistenced")
     inject.fail_next(store, "simResetGpu", int(pynvml.NVML_ERROR_RESET_REQUIRED), count=8)
     reboots: list[int] = []
 

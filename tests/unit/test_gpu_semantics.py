@@ -1,4 +1,4 @@
-"""NVML semantics of REFERENCE §3 on the simulator and through the adapter (docs/gpu-facts.md)."""
+"""NVML semantics of docs/gpu-facts.md on the simulator and through the adapter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Planner and placement search on every documented MIG table (REFERENCE §3)."""
+"""Planner and placement search on every documented MIG table (docs/gpu-facts.md)."""
 
 from __future__ import annotations
 

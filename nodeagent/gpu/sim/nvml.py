@@ -5,12 +5,17 @@ pynvml's names and signatures, and every other attribute (constants, ctypes stru
 its subclasses) is pynvml's own. Handles are the same ctypes pointer types pynvml returns, with the
 simulated object encoded in the pointer value, so arrays of handles work exactly like on hardware.
 
-Behaviour follows REFERENCE §3: MIG profiles, placements and remaining capacity from
-``nodeagent.gpu.profiles``; overlapping instances fail with NVML_ERROR_INSUFFICIENT_RESOURCES; running
-processes make mode changes and destroys fail with NVML_ERROR_IN_USE; on Ampere a MIG mode change stays
-pending until a GPU reset (``simResetGpu``) or reboot (``simReboot``), on Hopper it applies at once and
-does not survive a reset; instances never survive a reset or reboot. Faults (XID events, lost GPUs,
-processes, one-shot call failures) are written into the shared state by ``nodeagent.gpu.sim.inject``.
+Behaviour follows docs/gpu-facts.md: MIG profiles, placements and remaining capacity from
+``nodeagent.gpu.profiles`` (for the machine's driver); overlapping instances fail with
+NVML_ERROR_INSUFFICIENT_RESOURCES; MIG mode changes are current at once on an idle bare-metal GPU, pending
+(status IN_USE) while processes or other clients hold it, and pending with RESET_REQUIRED in a passthrough
+VM; a pending mode applies at a GPU reset (``simResetGpu``, Ampere; Hopper forgets the mode) or reboot
+(``simReboot``); instances never survive either. MIG disabled, GPU-instance calls answer NOT_SUPPORTED; a
+non-root caller (``privileged=False`` or NODEAGENT_SIM_UNPRIVILEGED=1) gets NO_PERMISSION where the driver
+gives it; GPU-instance ids are numbered as the driver does in the MIG user guide's examples. Faults (XID
+events with a recovery action, lost GPUs, processes, held devices, one-shot call failures) are written
+into the shared state by ``nodeagent.gpu.sim.inject``; a machine may lack versioned NVML functions
+(``missing_functions``: NVMLLibraryMismatchError).
 
 Extensions beyond NVML are named ``sim*``.
 """
