@@ -169,9 +169,11 @@ class NvmlSession:
         """Like ``_call`` but None for answers that mean "not here": not supported/found, no such
         function, a driver too old for it; and, naming ``fact`` as needing root, no permission."""
         try:
-            return getattr(self.nvml, fn)(*args)
-        except AttributeError:  # a pynvml without this function
+            func = getattr(self.nvml, fn)
+        except AttributeError:  # a pynvml (or simulator) without this function
             return None
+        try:
+            return func(*args)
         except self._mismatch as e:
             log.debug("%s: %s unavailable on this driver: %s", self.label(gpu), fn, e)
             return None
