@@ -67,6 +67,10 @@ def as_int(value: Any) -> int:
     return int(value)
 
 
+class _NeverRaised(Exception):
+    """Stands in for pynvml's NVMLLibraryMismatchError where the installed pynvml has none."""
+
+
 def _code_of(e: Any) -> int:
     """The NVML return code of a pynvml ``NVMLError`` (its ``value``)."""
     return int(e.value or 0)
@@ -86,7 +90,10 @@ class NvmlSession:
         self._handles: dict[int, Any] = {}
         self._uuids: dict[int, str] = {}
         self._closed = False
-        self._mismatch = nvml.NVMLLibraryMismatchError
+        try:  # nvidia-ml-py releases before this class never raise it
+            self._mismatch: type[Exception] = nvml.NVMLLibraryMismatchError
+        except AttributeError:
+            self._mismatch = _NeverRaised
         self._restricted: set[str] = set()  # facts the caller lacked the privilege to read
         # where GPU UUIDs name the same devices across adapters: the driver's are unique; a simulator's only
         # within one sim-state file (set by the factory), None for an in-memory simulation

@@ -72,3 +72,39 @@ def test_generated_configs_plan_apply_assert_export(machine: str, tmp_path: Path
 def test_every_mig_product_has_a_machine() -> None:
     products = {g.mig_product.key for m in machine_names() for g in load_machine(m).gpus if g.mig_product}
     assert products == set(PRODUCTS)
+
+
+@pytest.mark.parametrize("machine", [m for m in MIG_MACHINES if m != "mixed"])  # one product per machine
+def test_labels_for_every_profile_under_all_three_strategies(machine: str) -> None:
+    """Each profile laid out uniformly on every GPU: gpu.* and mig-* labels as NVIDIA's labelers give
+    them, for every profile of every table."""
+    from nodeagent.gpu import open_nvml
+    from nodeagent.gpu.sim import inject
+    from nodeagent.kube.labels import SharingFacts, desired_labels
+
+    spec = load_machine(machine)
+    product = next(g.mig_product for g in spec.gpus if g.mig_product is not None)
+    with open_nvml(machine) as nvml:
+        store = nvml.nvml.store
+        for row in product.specs_for_driver(spec.driver_version):
+            p = row.profile
+            for g in spec.gpus:
+                inject.write_mig_layout(store, g.index, [p.name] * p.instance_count)
+            inv = nvml.discover()
+            n_gpus, n_devs = len(spec.gpus), len(spec.gpus) * p.instance_count
+            model = spec.gpus[0].name.replace(" ", "-")
+            safe = label_safe(p.name)
+            none = desired_labels(inv, SharingFacts(mig_strategy="none"))
+            assert none["nvidia.com/gpu.count"] == str(n_gpus)
+            single = desired_labels(inv, SharingFacts(mig_strategy="single"))
+            assert single["nvidia.com/gpu.count"] == str(n_devs), p.name
+            assert single["nvidia.com/gpu.product"] == f"{model}-MIG-{safe}"
+            # memory labels carry a MIG device's own figure (as gpu-feature-discovery reads it), which
+            # the driver may report a little above the profile's
+            device_mib = {str(d.memory_mib) for g in inv.gpus for d in g.mig_devices}
+            assert single["nvidia.com/gpu.memory"] in device_mib
+            assert all(0 <= int(m) - p.memory_mib <= 256 for m in device_mib)
+            mixed = desired_labels(inv, SharingFacts(mig_strategy="mixed"))
+            assert mixed[f"nvidia.com/mig-{safe}.count"] == str(n_devs)
+            assert mixed[f"nvidia.com/mig-{safe}.memory"] in device_mib
+            assert mixed[f"nvidia.com/mig-{safe}.slices.gi"] == str(p.slice_count)
