@@ -108,3 +108,43 @@ def test_labels_for_every_profile_under_all_three_strategies(machine: str) -> No
             assert mixed[f"nvidia.com/mig-{safe}.count"] == str(n_devs)
             assert mixed[f"nvidia.com/mig-{safe}.memory"] in device_mib
             assert mixed[f"nvidia.com/mig-{safe}.slices.gi"] == str(p.slice_count)
+
+
+@pytest.mark.parametrize("machine", [m for m in MIG_MACHINES if m != "mixed"])
+def test_device_plugin_resources_under_all_three_strategies(machine: str) -> None:
+    """The device plugin's resources for a mixed layout (the smallest and the largest profile): mixed
+    advertises ``nvidia.com/mig-<profile>`` (``+`` as ``.``), single refuses two profiles in one line,
+    none advertises whole GPUs."""
+    from nodeagent.errors import ConfigError
+    from nodeagent.gpu import open_nvml
+    from nodeagent.gpu.profiles import resource_name
+    from nodeagent.gpu.sim import inject
+    from nodeagent.sharing.devices import base_resources
+    from nodeagent.sharing.spec import parse_plugin_config
+
+    spec = load_machine(machine)
+    product = next(g.mig_product for g in spec.gpus if g.mig_product is not None)
+    rows = product.specs_for_driver(spec.driver_version)
+    small = next(r.profile for r in rows if "+" in r.name) if machine == "rtx-pro-6000" else rows[0].profile
+    nvml = open_nvml(machine)
+    for g in spec.gpus:
+        inject.write_mig_layout(nvml.nvml.store, g.index, [small.name])
+    inv = nvml.discover()
+
+    def resources(strategy: str) -> dict[str, int]:
+        cfg = parse_plugin_config(f"version: v1\nflags:\n  migStrategy: {strategy}\n", source="<test>")
+        return {k: len(v) for k, v in base_resources(inv, cfg).items()}
+
+    n = len(spec.gpus)
+    assert resources("none") == {"nvidia.com/gpu": n}
+    assert resources("single") == {"nvidia.com/gpu": n}
+    assert resources("mixed") == {resource_name(small.name): n}
+    largest = max((r.profile for r in rows), key=lambda p: p.slice_count)
+    inject.write_mig_layout(nvml.nvml.store, 0, [largest.name])
+    inv = nvml.discover()
+    nvml.close()
+    want = {resource_name(small.name): n - 1, resource_name(largest.name): 1}
+    assert resources("mixed") == {k: v for k, v in want.items() if v}
+    if largest.name != small.name:
+        with pytest.raises(ConfigError, match="must all have one profile"):
+            resources("single")
