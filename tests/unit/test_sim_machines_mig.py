@@ -145,6 +145,6 @@ def test_device_plugin_resources_under_all_three_strategies(machine: str) -> Non
     nvml.close()
     want = {resource_name(small.name): n - 1, resource_name(largest.name): 1}
     assert resources("mixed") == {k: v for k, v in want.items() if v}
-    if largest.name != small.name:
+    if largest.name != small.name and n > 1:  # two profiles on the node
         with pytest.raises(ConfigError, match="must all have one profile"):
             resources("single")
