@@ -163,3 +163,28 @@ def test_library_mismatch_is_a_clear_error_or_a_fallback(caplog: pytest.LogCaptu
     with caplog.at_level(logging.DEBUG):
         inv = adapter_for_sim(SimulatedNvml(store2)).discover()
     assert inv.gpu(0).architecture == "unknown"  # an optional fact: left out, no traceback
+
+
+@pytest.mark.parametrize("output,error", [
+    ("GPU 00000000:07:00.0 is currently in use by another process.", "GpuBusyError"),
+    ("Resetting GPU 00000000:07:00.0 is not supported.", "ResetRequiredError"),
+    ("Unknown Error", "NvmlError"),
+])
+def test_nvidia_smi_resetter(output: str, error: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host resetter runs ``nvidia-smi --gpu-reset -i N`` and turns its last line into one error."""
+    from nodeagent.gpu.reset import NvidiaSmiResetter
+
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho '{output}'\nexit 3\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with pytest.raises(NvmlError) as e:
+        NvidiaSmiResetter().reset_gpu(2)
+    assert type(e.value).__name__ == error and output in str(e.value) and "GPU 2" in str(e.value)
+    assert (tmp_path / "args").read_text().split() == ["--gpu-reset", "-i", "2"]
+    ok = tmp_path / "ok" / "nvidia-smi"
+    ok.parent.mkdir()
+    ok.write_text("#!/bin/sh\nexit 0\n")
+    ok.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{ok.parent}:/usr/bin:/bin")
+    NvidiaSmiResetter().reset_gpu(2)
