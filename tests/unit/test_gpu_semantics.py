@@ -188,3 +188,40 @@ def test_nvidia_smi_resetter(output: str, error: str, tmp_path: Any, monkeypatch
     ok.chmod(0o755)
     monkeypatch.setenv("PATH", f"{ok.parent}:/usr/bin:/bin")
     NvidiaSmiResetter().reset_gpu(2)
+
+
+async def test_health_monitor_on_the_adapter_follows_the_recovery_action(tmp_path: Any) -> None:
+    """Through the real adapter and event thread: an XID with recovery action "GPU reset" keeps the GPU
+    unhealthy past the quiet window; once the driver reports "none" it recovers after the window."""
+    import asyncio
+
+    from nodeagent.gpu import open_nvml
+    from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings
+
+    changes: list[int] = []
+
+    async def changed() -> None:
+        changes.append(1)
+
+    with open_nvml("dgx-h100", tmp_path / "s.json") as nvml:
+        assert nvml.wait_events(0) == []  # the event set exists before the fault, as in the daemon
+        monitor = HealthMonitor(nvml, HealthSettings(recovery_window_s=0.2, poll_interval_s=3600,
+                                                     event_wait_ms=50), changed, pumps=EventPumps())
+        await monitor.start(range(8))
+        try:
+            inject.inject_xid(nvml.nvml.store, 5, 48, recovery_action=1)
+            for _ in range(200):
+                if not monitor.is_healthy(5):
+                    break
+                await asyncio.sleep(0.02)
+            assert not monitor.is_healthy(5) and changes
+            await monitor.poll_once()
+            await asyncio.sleep(0.3)
+            assert not await monitor.poll_once()
+            assert monitor.unhealthy() == {(5, None): "XID 48 (recovery: GPU reset)"}
+            inject.set_recovery_action(nvml.nvml.store, 5, 0)
+            assert not await monitor.poll_once()  # quiet window starts now
+            await asyncio.sleep(0.3)
+            assert await monitor.poll_once() and monitor.is_healthy(5)
+        finally:
+            await monitor.stop()
