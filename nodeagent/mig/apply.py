@@ -52,10 +52,6 @@ from nodeagent.mig.planner import GpuPlan, Plan
 
 log = logging.getLogger(__name__)
 
-NVML_ERROR_IN_USE = 19
-NVML_ERROR_NO_PERMISSION = 4
-
-
 class MigAdapter(Protocol):
     """The part of the GPU layer's ``MigAdministration`` port (``nodeagent.gpu.ports``) applying a plan
     needs."""
@@ -273,7 +269,6 @@ class Applier:
             raise GpuBusyError(
                 "refusing to change MIG layout, processes are using GPUs that must change: " + " | ".join(busy),
                 subject=",".join(str(g.index) for g in plan.touched),
-                code=NVML_ERROR_IN_USE,
             )
 
     def apply(self, plan: Plan, inventory: Inventory) -> ApplyResult:
@@ -285,7 +280,6 @@ class Applier:
         if restricted:
             raise NvmlPermissionError(
                 "changing MIG needs root: NVML refused to show this user " + "; ".join(restricted),
-                code=NVML_ERROR_NO_PERMISSION,
             )
         self.check_busy(plan)
         # A leftover in-flight record (an earlier run died and nobody recovered): its checkpoints are the
