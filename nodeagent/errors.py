@@ -9,7 +9,9 @@
     │   │   ├── NvmlNotFoundError     libnvidia-ml.so.1 could not be loaded
     │   │   ├── GpuLostError          the GPU fell off the bus
     │   │   ├── GpuBusyError          processes are using a GPU that must change
-    │   │   └── InsufficientResourcesError   a MIG instance does not fit
+    │   │   ├── InsufficientResourcesError   a MIG instance does not fit
+    │   │   ├── ResetRequiredError    the change needs a GPU reset that cannot happen here (reboot instead)
+    │   │   └── NvmlPermissionError   the call needs root (NVML_ERROR_NO_PERMISSION)
     │   ├── KubeError                 the Kubernetes API failed (retryable when transient)
     │   ├── KubeletError              the kubelet device-plugin side failed
     │   ├── RuntimeConfigError        containerd / toolkit configuration could not be written
@@ -87,6 +89,15 @@ class GpuBusyError(NvmlError):
 
 class InsufficientResourcesError(NvmlError):
     """A requested MIG instance does not fit on the GPU."""
+
+
+class ResetRequiredError(NvmlError):
+    """A change (a pending MIG mode) needs a GPU reset, and no reset is possible here (a passthrough VM,
+    a driver that refuses): only a reboot makes it effective."""
+
+
+class NvmlPermissionError(NvmlError):
+    """NVML refused the call to an unprivileged caller (NVML_ERROR_NO_PERMISSION); it needs root."""
 
 
 class KubeError(OperationError):

@@ -103,8 +103,14 @@ def render_text(inv: Inventory, topology: bool) -> str:
 def discover(ctx: click.Context, as_json: bool, topology: bool) -> None:
     """Show the node's GPUs (real, or simulated with --simulate), MIG devices and topology."""
     with open_adapter(ctx) as nvml:
-        inv = nvml.discover()
+        inv = nvml.discover(partial=True)
+        restricted = nvml.restricted_facts
     if as_json:
-        click.echo(json.dumps(inv.to_dict(), indent=2, sort_keys=True))
+        doc = inv.to_dict()
+        if restricted:
+            doc["needs_root"] = list(restricted)
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
     else:
         click.echo(render_text(inv, topology))
+    if restricted:
+        click.echo("note: not shown without root: " + "; ".join(restricted), err=True)

@@ -13,6 +13,7 @@ from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
     from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.gpu.sim import SimulatedNvml
 
 
 def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPaths | None = None) -> NvmlAdapter:
@@ -27,7 +28,18 @@ def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPa
             raise InputError(f"sim-state file {sim_state}: directory {sim_state.absolute().parent} does not exist",
                              subject=str(sim_state))
 
-        return NvmlAdapter(open_sim(simulate, sim_state), paths)
+        return adapter_for_sim(open_sim(simulate, sim_state), paths)
     import pynvml
 
     return NvmlAdapter(pynvml, paths)
+
+
+def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlAdapter:
+    """The NVML adapter over a simulator, resetting GPUs the simulator's way."""
+    from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.gpu.sim.reset import SimGpuResetter
+
+    adapter = NvmlAdapter(sim, paths, SimGpuResetter(sim))
+    path = sim.store.path
+    adapter.fault_domain = None if path is None else f"sim:{path.absolute()}"
+    return adapter

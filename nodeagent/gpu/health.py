@@ -13,9 +13,16 @@ is attached, and holds what arrives while none is, for the next one. A replaced 
 unhealthy set over, so neither an XID in flight nor one already applied is lost by a reload.
 
 A reload may also replace the adapter itself (closed, and a new one opened on the same GPUs). Then the
-hand-over goes by GPU UUID: a monitor starting on a new source of the same ``_fault_domain`` adopts what
+hand-over goes by GPU UUID: a monitor starting on a new source of the same ``fault_domain`` adopts what
 an idle pump of that domain holds (faults and late events, re-keyed to the GPUs' current indices), and
 that pump forwards whatever its last wait still returns to the new one.
+
+The pumps live in an ``EventPumps`` registry owned by whoever outlives the monitors (the daemon, across
+reloads) and handed to each ``HealthMonitor``; monitors given none share one process-wide registry.
+
+Recovery also follows the driver: after an XID it may ask for a recovery action (GPU reset, node reboot,
+drain; NVML field 230). A GPU whose recovery action is not "none" stays unhealthy until the driver
+reports "none"; then the quiet window applies as before.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 from nodeagent.errors import ConfigError
+from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +47,26 @@ DEFAULT_SKIPPED_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 ENV_DISABLE = "DP_DISABLE_HEALTHCHECKS"
 ENV_ENABLE = "DP_ENABLE_HEALTHCHECKS"
 _NO_INSTANCE = 0xFFFFFFFF  # NVML's "not a MIG event" GPU/compute-instance id
+_RECOVERY_NOTE = " (recovery: "
 
 
 class HealthSource(Protocol):
-    """What health monitoring needs from the NVML adapter."""
+    """What health monitoring needs from the NVML adapter (its ``HealthEvents`` port plus GPU identity)."""
 
     def wait_events(self, timeout_ms: int) -> Sequence[Any]: ...
 
     def gpu_healthy(self, index: int) -> bool: ...
+
+    def recovery_action(self, index: int) -> int:
+        """The driver's recovery action for the GPU (0: none needed)."""
+        ...
+
+    @property
+    def fault_domain(self) -> str | None:
+        """Where a GPU UUID names the same device across sources (None: UUIDs are not comparable)."""
+        ...
+
+    def gpu_uuid(self, index: int) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -157,26 +176,12 @@ class _Sink:
     retry_s: float
 
 
-def _fault_domain(source: Any) -> str | None:
-    """Where a GPU UUID names the same device across adapters, or None when it does not. The driver's
-    UUIDs are unique; the simulator's repeat for every machine of a kind, so they count only within one
-    sim-state file (an in-memory simulation ends with its adapter). Other sources have no UUIDs."""
-    nvml = getattr(source, "nvml", None)
-    if nvml is None or not callable(getattr(source, "describe_gpu", None)):
-        return None
-    store = getattr(nvml, "store", None)
-    if store is None:
-        return "nvml"
-    path = getattr(store, "path", None)
-    return None if path is None else f"sim:{Path(path).absolute()}"
-
-
-def _gpu_uuids(source: Any, indices: Iterable[int]) -> dict[int, str]:
+def _gpu_uuids(source: HealthSource, indices: Iterable[int]) -> dict[int, str]:
     """GPU index -> UUID as far as the source can tell (blocking)."""
     out: dict[int, str] = {}
     for index in sorted(indices):
         with contextlib.suppress(Exception):  # a lost GPU keeps no UUID; it is marked again by the poll
-            uuid = str(source.describe_gpu(index).uuid)
+            uuid = source.gpu_uuid(index)
             if uuid:
                 out[index] = uuid
     return out
@@ -335,30 +340,45 @@ class _EventPump:
                 self._wake.wait(max(0.0, sink.wait_ms / 1000.0 - (time.monotonic() - started)))
 
 
-_pumps: dict[int, _EventPump] = {}
-_orphans: list[_EventPump] = []  # pumps of sources gone before a successor adopted their hand-over
-_pumps_lock = threading.Lock()
+class EventPumps:
+    """The event pumps of one owner: one per health source, kept while monitors on it come and go, and
+    the hand-over of sources that were closed (a reload that reopened the adapter). Create one where the
+    monitors' lifetimes end (the daemon) and give it to every ``HealthMonitor``."""
+
+    def __init__(self) -> None:
+        self._pumps: dict[int, _EventPump] = {}  # id(source) -> pump; the pump's weak ref proves identity
+        self._orphans: list[_EventPump] = []  # pumps of sources gone before a successor adopted them
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pumps)
+
+    def predecessors(self, pump: _EventPump, domain: str) -> list[_EventPump]:
+        """Idle pumps of other sources in ``domain`` with something to hand over, oldest first."""
+        with self._lock:
+            found = [p for p in (*self._orphans, *self._pumps.values()) if p is not pump and p.domain == domain
+                     and p.idle() and (p.handed_over or p._held or p.successor is None)]
+            self._orphans[:] = [p for p in self._orphans if p not in found]
+            return found
+
+    def pump_for(self, source: HealthSource) -> _EventPump:
+        with self._lock:
+            for key in [k for k, p in self._pumps.items() if p.source_ref() is None]:
+                gone = self._pumps.pop(key)
+                if gone.domain is not None and (gone.handed_over or gone._held):  # a closed adapter's hand-over
+                    self._orphans.append(gone)
+            pump = self._pumps.get(id(source))
+            if pump is None or pump.source_ref() is not source:
+                pump = self._pumps[id(source)] = _EventPump(source)
+            return pump
 
 
-def _predecessors(pump: _EventPump, domain: str) -> list[_EventPump]:
-    """Idle pumps of other sources in ``domain`` with something to hand over, oldest first."""
-    with _pumps_lock:
-        found = [p for p in (*_orphans, *_pumps.values()) if p is not pump and p.domain == domain
-                 and p.idle() and (p.handed_over or p._held or p.successor is None)]
-        _orphans[:] = [p for p in _orphans if p not in found]
-        return found
+_SHARED_PUMPS = EventPumps()  # for monitors whose creator keeps no registry of its own
 
 
-def _pump_for(source: HealthSource) -> _EventPump:
-    with _pumps_lock:
-        for key in [k for k, p in _pumps.items() if p.source_ref() is None]:
-            gone = _pumps.pop(key)
-            if gone.domain is not None and (gone.handed_over or gone._held):  # a closed adapter's hand-over
-                _orphans.append(gone)
-        pump = _pumps.get(id(source))
-        if pump is None or pump.source_ref() is not source:
-            pump = _pumps[id(source)] = _EventPump(source)
-        return pump
+def shared_pumps() -> EventPumps:
+    return _SHARED_PUMPS
 
 
 @dataclass
@@ -369,6 +389,7 @@ class HealthMonitor:
     settings: HealthSettings
     on_change: Callable[[], Awaitable[None]]
     clock: Callable[[], float] = time.monotonic
+    pumps: EventPumps = field(default_factory=shared_pumps)
     gpu_indices: frozenset[int] = frozenset()
     faults: dict[HealthKey, _Fault] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -390,14 +411,14 @@ class HealthMonitor:
         if not self.settings.enabled:
             log.info("health checks disabled (%s=all)", ENV_DISABLE)
             return
-        pump = _pump_for(self.source)
+        pump = self.pumps.pump_for(self.source)
         if not self.faults and pump.handed_over:  # a replaced monitor's unhealthy devices stay unhealthy
             self.faults = {k: replace(f) for k, f in pump.handed_over.items() if k[0] in self.gpu_indices}
         pump.handed_over = {}
         late: list[list[XidEvent]] = []
-        domain = _fault_domain(self.source)
+        domain = self.source.fault_domain
         if domain is not None and pump.domain is None:  # a new source: adopt a replaced adapter's hand-over
-            old = _predecessors(pump, domain)
+            old = self.pumps.predecessors(pump, domain)
             if old:
                 pump.uuids = await asyncio.to_thread(_gpu_uuids, self.source, self.gpu_indices)
                 pump.domain = domain
@@ -429,7 +450,7 @@ class HealthMonitor:
         self._stopping = True
         tasks, self._tasks = self._tasks, []
         sink, self._sink = self._sink, None
-        pump = _pump_for(self.source) if sink is not None else None
+        pump = self.pumps.pump_for(self.source) if sink is not None else None
         if pump is not None and sink is not None:
             pump.detach(sink)  # from here the source's events are held for the successor
         for t in tasks:
@@ -511,6 +532,23 @@ class HealthMonitor:
                     self.faults[k].healthy_since = None
                     self.faults[k].last_bad = now
                 continue
+            if keys:
+                try:
+                    action = await asyncio.to_thread(self.source.recovery_action, index)
+                except Exception as e:
+                    self._log_once(f"recovery:{index}:{type(e).__name__}",
+                                   "GPU %d: recovery action query failed: %s", index, e)
+                    action = RECOVERY_NONE
+                if action != RECOVERY_NONE:  # the driver wants a reset/reboot/drain first: stay unhealthy
+                    what = recovery_action_name(action)
+                    self._log_once(f"recovery:{index}:{action}", "GPU %d: the driver asks for recovery action "
+                                   "%r; it stays unhealthy until that is done", index, what)
+                    for k in keys:
+                        fault = self.faults[k]
+                        fault.healthy_since = None
+                        fault.last_bad = now
+                        fault.reason = f"{fault.reason.split(_RECOVERY_NOTE)[0]}{_RECOVERY_NOTE}{what})"
+                    continue
             if window is None:
                 continue
             for k in keys:

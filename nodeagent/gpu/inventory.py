@@ -11,7 +11,7 @@ from typing import Any
 
 
 class LinkKind(enum.Enum):
-    """How two GPUs reach each other, best last (scores from REFERENCE §2)."""
+    """How two GPUs reach each other, best last (scores as NVIDIA's device plugin gives them)."""
 
     CROSS_CPU = "cross-cpu"  # NVML_TOPOLOGY_SYSTEM: across the inter-socket link
     SAME_CPU = "same-cpu"  # NVML_TOPOLOGY_NODE: same NUMA node, different host bridges

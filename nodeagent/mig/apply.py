@@ -40,8 +40,10 @@ from nodeagent.errors import (
     GpuBusyError,
     NodeAgentError,
     NvmlError,
+    NvmlPermissionError,
     OperationError,
     RebootRequired,
+    ResetRequiredError,
 )
 from nodeagent.fileio import atomic_write
 from nodeagent.gpu.inventory import Gpu, GpuProcess, Inventory, MigDevice
@@ -50,16 +52,19 @@ from nodeagent.mig.planner import GpuPlan, Plan
 
 log = logging.getLogger(__name__)
 
-NVML_ERROR_RESET_REQUIRED = 16
-NVML_ERROR_IN_USE = 19
-
-
 class MigAdapter(Protocol):
-    """The part of ``nodeagent.gpu.nvml.NvmlAdapter`` that applying a plan needs."""
+    """The part of the GPU layer's ``MigAdministration`` port (``nodeagent.gpu.ports``) applying a plan
+    needs."""
 
     def discover(self) -> Inventory: ...
 
-    def set_mig_mode(self, index: int, enabled: bool) -> bool: ...
+    @property
+    def restricted_facts(self) -> tuple[str, ...]: ...
+
+    def set_mig_mode(self, index: int, enabled: bool) -> bool:
+        """True when the mode is pending until ``reset_gpu``; ``ResetRequiredError`` when only a reboot
+        can make it effective."""
+        ...
 
     def reset_gpu(self, index: int) -> None: ...
 
@@ -264,7 +269,6 @@ class Applier:
             raise GpuBusyError(
                 "refusing to change MIG layout, processes are using GPUs that must change: " + " | ".join(busy),
                 subject=",".join(str(g.index) for g in plan.touched),
-                code=NVML_ERROR_IN_USE,
             )
 
     def apply(self, plan: Plan, inventory: Inventory) -> ApplyResult:
@@ -272,6 +276,11 @@ class Applier:
         touched = plan.touched
         if not touched:
             return ApplyResult(inventory, (), ())
+        restricted = self.adapter.restricted_facts
+        if restricted:
+            raise NvmlPermissionError(
+                "changing MIG needs root: NVML refused to show this user " + "; ".join(restricted),
+            )
         self.check_busy(plan)
         # A leftover in-flight record (an earlier run died and nobody recovered): its checkpoints are the
         # last layouts known to be whole, so they stay the rollback targets of the GPUs it names.
@@ -325,21 +334,17 @@ class Applier:
         self._step(f"GPU {index}: MIG mode {word}")
         try:
             pending = self.adapter.set_mig_mode(index, enabled)
-        except NvmlError as e:
-            if e.code == NVML_ERROR_RESET_REQUIRED:
-                raise RebootRequired(f"GPU {index}: MIG mode {word} needs a reboot to take effect",
-                                     subject=str(index)) from e
-            raise
+        except ResetRequiredError as e:
+            raise RebootRequired(f"GPU {index}: MIG mode {word} needs a reboot to take effect",
+                                 subject=str(index)) from e
         if pending:
-            # Ampere: the new mode waits for a reset of this GPU (and only this one).
+            # The new mode waits for a reset of this GPU (and only this one).
             self._step(f"GPU {index}: reset to activate MIG mode {word}")
             try:
                 self.adapter.reset_gpu(index)
-            except NvmlError as e:
-                if e.code == NVML_ERROR_RESET_REQUIRED:
-                    raise RebootRequired(f"GPU {index}: MIG mode {word} is pending until the host reboots",
-                                         subject=str(index)) from e
-                raise
+            except ResetRequiredError as e:
+                raise RebootRequired(f"GPU {index}: MIG mode {word} is pending until the host reboots",
+                                     subject=str(index)) from e
             self.resets.append(index)
 
     def _apply_modes(self, touched: tuple[GpuPlan, ...]) -> None:

@@ -66,7 +66,7 @@ async def bench_label(runs: int = 3) -> dict[str, Any]:
     from kubernetes import client as k8s
 
     from nodeagent.deviceplugin.service import DevicePluginService
-    from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.gpu import adapter_for_sim
     from nodeagent.gpu.sim import open_sim
     from nodeagent.kube.client import KubeClient
     from nodeagent.kube.node import NodeClient
@@ -79,7 +79,7 @@ async def bench_label(runs: int = 3) -> dict[str, Any]:
         api = apiserver.api_client()
         k8s.CoreV1Api(api).create_node(k8s.V1Node(metadata=k8s.V1ObjectMeta(name="bench-mig")))
         node = NodeClient(KubeClient(apiserver.api_client()), "bench-mig")
-        adapter = NvmlAdapter(open_sim("dgx-h100"))
+        adapter = adapter_for_sim(open_sim("dgx-h100"))
         svc = DevicePluginService(plugin_dir=harness.plugin_dir,
                                   plugin_config=parse_plugin_config("version: v1\nflags:\n  migStrategy: mixed\n"))
         await svc.start(adapter.discover())

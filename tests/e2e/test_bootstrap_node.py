@@ -86,18 +86,14 @@ def test_mig_config_applied_once_and_unknown_name_exits_2(tmp_path: Path) -> Non
 
 
 def test_reboot_required_exits_3_and_the_next_boot_finishes(tmp_path: Path) -> None:
-    """An Ampere MIG mode change whose GPU reset is refused (the simulator fails the reset once, as a driver
-    that needs a reboot does): the report says reboot-required and the exit code is 3; the other steps still
-    ran. After the host rebooted, the same command finishes the MIG config with exit 0."""
+    """An Ampere MIG mode change in a passthrough VM (NVML: RESET_REQUIRED, no GPU reset from the guest):
+    the report says reboot-required and the exit code is 3; the other steps still ran. After the host
+    rebooted, the same command finishes the MIG config with exit 0."""
     root = tmp_path / "r"
     root.mkdir()
     state = str(tmp_path / "sim.json")
-    sim = ["--simulate", "dgx-a100-40gb", "--sim-state", state]
-    inject = subprocess.run([sys.executable, "-m", "nodeagent", "sim", "inject", "fail-next", *sim,
-                             "--function", "simResetGpu", "--code", "RESET_REQUIRED"],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert inject.returncode == 0, inject.stderr
-    base = ["--root", str(root), "bootstrap", *sim, "--no-kube", "--mig-config", "all-1g.5gb"]
+    sim = ["--simulate", "vm-a100-passthrough", "--sim-state", state]
+    base = ["--root", str(root), "bootstrap", *sim, "--no-kube", "--mig-config", "all-1g.10gb"]
     code, report, err = bootstrap(*base)
     assert code == 3, err
     assert report["exit_code"] == 3

@@ -38,6 +38,14 @@ class Quiet:
     def gpu_healthy(self, index: int) -> bool:
         return index not in self.lost
 
+    fault_domain: str | None = None  # no UUIDs shared with other sources
+
+    def recovery_action(self, index: int) -> int:
+        return 0
+
+    def gpu_uuid(self, index: int) -> str:
+        return f"GPU-{index}"
+
 
 @pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[DevicePluginService]:

@@ -16,6 +16,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim import inject, open_sim
@@ -86,7 +87,7 @@ class StateLog:
 
 def sim(machine: str) -> tuple[NvmlAdapter, SimStore]:
     nvml = open_sim(machine)
-    return NvmlAdapter(nvml), nvml.store
+    return adapter_for_sim(nvml), nvml.store
 
 
 async def run_until_terminal(rec: MigReconciler, node: NodeClient, timeout: float = 20.0) -> str:
@@ -225,6 +226,8 @@ async def test_generation_annotation_reapplies_same_value(node: NodeClient, tmp_
 
 async def test_reboot_required_then_resume_after_boot(node: NodeClient, tmp_path: Path) -> None:
     adapter, store = sim("dgx-a100-40gb")
+    for i in range(8):  # a held device keeps the mode change pending; the reset that would apply it fails
+        inject.hold_device(store, i, "nvidia-persistenced")
     inject.fail_next(store, "simResetGpu", int(pynvml.NVML_ERROR_RESET_REQUIRED), count=8)
     reboots: list[int] = []
 
@@ -242,7 +245,7 @@ async def test_reboot_required_then_resume_after_boot(node: NodeClient, tmp_path
     assert reboots == [1]
     assert MigStateFile(tmp_path).load()["phase"] == "rebooting"  # type: ignore[index]
     # After the boot a new agent resumes the persisted selection and finishes.
-    adapter2 = NvmlAdapter(open_sim_from(store))
+    adapter2 = adapter_for_sim(open_sim_from(store))
     rec2 = MigReconciler(node, adapter2, tmp_path, options=opts, reboot=reboot, boot_id=boot_id)
     assert await run_until_terminal(rec2, node) == "success"
     assert reboots == [1]

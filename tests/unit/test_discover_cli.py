@@ -117,5 +117,27 @@ def test_discover_table_small_machines(machine: str) -> None:
 
 def test_sim_machines_lists_all() -> None:
     r = _run("sim", "machines", "--json")
-    names = [m["name"] for m in json.loads(r.stdout)]
-    assert names == ["a30x4", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "hgx-h200", "l4x2", "mixed", "t4x1"]
+    rows = {m["name"]: m for m in json.loads(r.stdout)}
+    assert sorted(rows) == [
+        "a10-x2", "a30x4", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "gb200-nvl", "gb300-nvl",
+        "gh200", "gh200-144gb", "h100-nvl", "hgx-b300", "hgx-h20", "hgx-h200", "l40-x2", "l40s-x4", "l4x2",
+        "mixed", "rtx-pro-6000", "t4x1", "vm-a100-passthrough",
+    ]  # fmt: skip
+    assert rows["gb200-nvl"]["gpus"] == 4 and rows["gb200-nvl"]["models"] == ["NVIDIA GB200"]
+    assert rows["rtx-pro-6000"]["models"] == ["NVIDIA RTX PRO 6000 Blackwell Server Edition"]
+    assert rows["l40s-x4"]["models"] == ["NVIDIA L40S"] and rows["a10-x2"]["models"] == ["NVIDIA A10"]
+
+
+def test_discover_unprivileged_says_what_needs_root(tmp_path: Path) -> None:
+    """A non-root discover shows what NVML gives it and names the facts that need root."""
+    state = str(tmp_path / "s.json")
+    made = _run("sim", "mig", "--simulate", "dgx-h100", "--sim-state", state, "--gpu", "0", "3g.40gb")
+    assert made.returncode == 0, made.stderr
+    r = _run("discover", "--simulate", "dgx-h100", "--sim-state", state, "--json",
+             env={"NODEAGENT_SIM_UNPRIVILEGED": "1"})
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert any("GPU instances" in f for f in doc["needs_root"])
+    devs = doc["gpus"][0]["mig_devices"]
+    assert [(d["profile"], d["placement_start"]) for d in devs] == [("3g.40gb", -1)]
+    assert "not shown without root" in r.stderr and "Traceback" not in r.stderr

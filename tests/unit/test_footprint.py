@@ -247,6 +247,14 @@ class _Source:
     def gpu_healthy(self, index: int) -> bool:
         return True
 
+    fault_domain: str | None = None  # no UUIDs shared with other sources
+
+    def recovery_action(self, index: int) -> int:
+        return 0
+
+    def gpu_uuid(self, index: int) -> str:
+        return f"GPU-{index}"
+
 
 async def test_event_thread_delivers_and_does_not_spin() -> None:
     changes: list[int] = []

@@ -14,14 +14,23 @@ from nodeagent.gpu.health import DEFAULT_SKIPPED_XIDS, HealthMonitor, HealthSett
 class Source:
     """Our own HealthSource interface, scripted."""
 
+    fault_domain: str | None = None
+
     def __init__(self) -> None:
         self.healthy: dict[int, bool] = {}
+        self.recovery: dict[int, int] = {}
 
     def wait_events(self, timeout_ms: int) -> Sequence[Any]:
         return []
 
     def gpu_healthy(self, index: int) -> bool:
         return self.healthy.get(index, True)
+
+    def recovery_action(self, index: int) -> int:
+        return self.recovery.get(index, 0)
+
+    def gpu_uuid(self, index: int) -> str:
+        return f"GPU-{index}"
 
 
 def test_default_skip_list() -> None:
@@ -139,3 +148,57 @@ async def test_nvidia_mode_never_recovers() -> None:
 async def test_unknown_gpu_ignored() -> None:
     m, _, _ = monitor()
     assert not await m.handle_events([{"gpu_index": 7, "xid": 79}])
+
+
+async def test_recovery_action_keeps_gpu_unhealthy_until_none() -> None:
+    """After an XID the driver asks for a GPU reset (recovery action 1): the GPU stays unhealthy however
+    long it is quiet; once the action is back to none, the usual quiet window applies."""
+    m, src, clock = monitor()
+    await m.handle_events([{"gpu_index": 0, "xid": 79}])
+    src.recovery[0] = 1
+    for _ in range(3):
+        clock.now += 100
+        assert not await m.poll_once()
+        assert not m.is_healthy(0)
+    assert m.unhealthy() == {(0, None): "XID 79 (recovery: GPU reset)"}
+    src.recovery[0] = 0
+    assert not await m.poll_once()  # the window starts now, not at the XID
+    clock.now += 9
+    assert not await m.poll_once() and not m.is_healthy(0)
+    clock.now += 2
+    assert await m.poll_once() and m.is_healthy(0)
+
+
+async def test_recovery_action_of_a_healthy_gpu_marks_nothing() -> None:
+    m, src, _ = monitor()
+    src.recovery[1] = 2
+    assert not await m.poll_once()
+    assert m.is_healthy(1)
+
+
+async def test_event_pumps_are_owned_by_their_creator() -> None:
+    """A monitor given a registry keeps its pump there (not in the shared one); a successor given the same
+    registry takes over the unhealthy set."""
+    from nodeagent.gpu.health import EventPumps, shared_pumps
+
+    pumps = EventPumps()
+    src = Source()
+    before = len(shared_pumps())
+    m1 = HealthMonitor(source=src, settings=HealthSettings(event_wait_ms=20), on_change=_noop, pumps=pumps)
+    await m1.start([0, 1])
+    await m1.handle_events([{"gpu_index": 1, "xid": 48}])
+    await m1.stop()
+    assert len(pumps) == 1 and len(shared_pumps()) == before
+    m2 = HealthMonitor(source=src, settings=HealthSettings(event_wait_ms=20), on_change=_noop, pumps=pumps)
+    await m2.start([0, 1])
+    try:
+        assert not m2.is_healthy(1) and m2.is_healthy(0)
+    finally:
+        await m2.stop()
+    m3 = HealthMonitor(source=src, settings=HealthSettings(event_wait_ms=20), on_change=_noop,
+                       pumps=EventPumps())
+    await m3.start([0, 1])
+    try:
+        assert m3.is_healthy(1)  # another owner's registry knows nothing of it
+    finally:
+        await m3.stop()

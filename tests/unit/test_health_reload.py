@@ -46,6 +46,14 @@ class QueueSource:
     def gpu_healthy(self, index: int) -> bool:
         return True
 
+    fault_domain: str | None = None  # no UUIDs shared with other sources
+
+    def recovery_action(self, index: int) -> int:
+        return 0
+
+    def gpu_uuid(self, index: int) -> str:
+        return f"GPU-{index}"
+
 
 class Changes:
     def __init__(self) -> None:

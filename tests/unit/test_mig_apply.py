@@ -9,6 +9,7 @@ import pynvml
 import pytest
 
 from nodeagent.errors import GpuBusyError, InsufficientResourcesError, OperationError, RebootRequired
+from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim import inject, open_sim
@@ -23,7 +24,7 @@ POD = "8f0c2a1e-3b4d-4c5e-9f60-718293a4b5c6"
 
 def sim(machine: str) -> tuple[NvmlAdapter, SimStore]:
     nvml = open_sim(machine)
-    return NvmlAdapter(nvml), nvml.store
+    return adapter_for_sim(nvml), nvml.store
 
 
 def make_plan(adapter: NvmlAdapter, yaml_text: str, name: str) -> tuple[Inventory, Plan]:
@@ -43,9 +44,20 @@ def snapshot(adapter: NvmlAdapter) -> dict[int, tuple[GpuCheckpoint, tuple[str, 
     return {g.index: (GpuCheckpoint.of(g), tuple(sorted(d.uuid for d in g.mig_devices))) for g in inv.gpus}
 
 
+def test_idle_ampere_switches_without_a_reset(tmp_path: Path) -> None:
+    """On bare metal the driver resets an idle A100 itself: the new mode is current at once."""
+    adapter, _ = sim("dgx-a100-40gb")
+    inv, p = make_plan(adapter, cfg("[1]", {"3g.20gb": 2}), "c")
+    result = Applier(adapter).apply(p, inv)
+    assert result.resets == ()
+    assert adapter.mig_mode(1) == (True, True)
+
+
 def test_ampere_enable_resets_only_changed_gpus(tmp_path: Path) -> None:
     adapter, store = sim("dgx-a100-40gb")
     inject.write_mig_layout(store, 0, ["3g.20gb", "3g.20gb"])
+    for i in range(8):  # a persistence daemon holds every GPU: mode changes stay pending until a reset
+        inject.hold_device(store, i, "nvidia-persistenced")
     before = snapshot(adapter)
     inv, p = make_plan(adapter, cfg("[0, 1]", {"3g.20gb": 2}), "c")
     assert [g.index for g in p.touched] == [1]
@@ -129,6 +141,8 @@ def test_failed_mode_change_rolls_back_ampere_pending() -> None:
     before = snapshot(adapter)
     inv, p = make_plan(adapter, cfg("[0, 1]", {"7g.40gb": 1}), "c")
     # GPU 0 switches and resets fine, GPU 1's reset fails: both come back to MIG off, nothing pending.
+    for i in range(8):
+        inject.hold_device(store, i, "dcgm")
     inject.fail_next(store, "simResetGpu", int(pynvml.NVML_ERROR_UNKNOWN), after=1)
     with pytest.raises(OperationError, match="restored"):
         Applier(adapter).apply(p, inv)
@@ -138,6 +152,7 @@ def test_failed_mode_change_rolls_back_ampere_pending() -> None:
 def test_reset_impossible_means_reboot_then_resume(tmp_path: Path) -> None:
     adapter, store = sim("dgx-a100-80gb")
     inv, p = make_plan(adapter, cfg("[5]", {"2g.20gb": 3}), "c")
+    inject.hold_device(store, 5, "nvidia-persistenced")
     inject.fail_next(store, "simResetGpu", int(pynvml.NVML_ERROR_RESET_REQUIRED))
     state = MigStateFile(tmp_path)
     with pytest.raises(RebootRequired) as e:
@@ -222,3 +237,39 @@ def test_hooks_file_rules() -> None:
 def test_pod_uid_from_cgroup_forms() -> None:
     assert pod_uid_from_cgroup(f"12:memory:/kubepods/besteffort/pod{POD}/0123abcd\n") == POD
     assert pod_uid_from_cgroup("0::/system.slice/ssh.service\n") is None
+
+
+def test_passthrough_vm_mode_change_means_reboot(tmp_path: Path) -> None:
+    """In a passthrough VM SetMigMode answers RESET_REQUIRED: the mode is pending and only a reboot of the
+    VM makes it current; the applier says so (exit 3) without trying a reset."""
+    adapter, store = sim("vm-a100-passthrough")
+    inv, p = make_plan(adapter, cfg("all", {"3g.40gb": 2}), "c")
+    state = MigStateFile(tmp_path)
+    with pytest.raises(RebootRequired, match="GPU 0: MIG mode on needs a reboot") as e:
+        Applier(adapter, state=state).apply(p, inv)
+    assert e.value.exit_code == 3
+    assert adapter.mig_mode(0) == (False, True)
+    inject.reboot(store)
+    inv, p = make_plan(adapter, cfg("all", {"3g.40gb": 2}), "c")
+    assert p.gpus[0].mode is None
+    Applier(adapter, state=state).apply(p, inv)
+    assert [d.profile for d in adapter.discover().gpu(0).mig_devices] == ["3g.40gb", "3g.40gb"]
+
+
+def test_unprivileged_apply_fails_with_one_line() -> None:
+    from nodeagent.errors import NvmlPermissionError
+    from nodeagent.gpu import adapter_for_sim
+    from nodeagent.gpu.sim import SimulatedNvml
+
+    _, store = sim("dgx-h100")
+    inject.write_mig_layout(store, 0, ["3g.40gb"])
+    adapter = adapter_for_sim(SimulatedNvml(store, privileged=False))
+    with pytest.raises(NvmlPermissionError, match=r"^NVML shows these only to root: GPU instances"):
+        adapter.discover()  # what planning starts with
+    inv, p = make_plan(adapter_for_sim(SimulatedNvml(store)), cfg("all", {"3g.40gb": 2}), "c")
+    adapter.discover(partial=True)
+    with pytest.raises(NvmlPermissionError) as e:
+        Applier(adapter).apply(p, inv)
+    assert str(e.value).startswith("changing MIG needs root: NVML refused to show this user")
+    assert "\n" not in str(e.value)
+    assert [d.profile for d in adapter_for_sim(SimulatedNvml(store)).discover().gpu(0).mig_devices] == ["3g.40gb"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cli import main
-from nodeagent.gpu.nvml import NvmlAdapter
+from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.sim import inject, open_sim
 from nodeagent.hostpaths import HostPaths
 from nodeagent.mig.apply import Applier, GpuCheckpoint, MigStateFile
@@ -32,7 +32,7 @@ def killed_mid_apply(root: Path, sim_state: Path) -> tuple[dict[int, GpuCheckpoi
     store = nvml.store
     inject.write_mig_layout(store, 0, OLD)
     inject.write_mig_layout(store, 1, OLD)
-    adapter = NvmlAdapter(nvml)
+    adapter = adapter_for_sim(nvml)
     old = {g.index: GpuCheckpoint.of(g) for g in adapter.discover().gpus}
     inv, p = make_plan(adapter)
     new = {**old, **{g.index: GpuCheckpoint.target(g) for g in p.gpus}}
@@ -47,7 +47,7 @@ def killed_mid_apply(root: Path, sim_state: Path) -> tuple[dict[int, GpuCheckpoi
 
 
 def layouts(sim_state: Path) -> dict[int, GpuCheckpoint]:
-    return {g.index: GpuCheckpoint.of(g) for g in NvmlAdapter(open_sim(None, sim_state)).discover().gpus}
+    return {g.index: GpuCheckpoint.of(g) for g in adapter_for_sim(open_sim(None, sim_state)).discover().gpus}
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

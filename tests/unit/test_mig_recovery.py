@@ -18,6 +18,7 @@ import pynvml
 import pytest
 
 from nodeagent.errors import NvmlError, OperationError
+from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import GpuProcess, Inventory, MigDevice
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim import inject, open_sim
@@ -59,6 +60,10 @@ class DyingAdapter:
     def discover(self) -> Inventory:
         return self.inner.discover()
 
+    @property
+    def restricted_facts(self) -> tuple[str, ...]:
+        return self.inner.restricted_facts
+
     def processes(self, index: int) -> tuple[GpuProcess, ...]:
         return self.inner.processes(index)
 
@@ -80,7 +85,7 @@ class DyingAdapter:
 
 def sim(machine: str) -> tuple[NvmlAdapter, SimStore]:
     nvml = open_sim(machine)
-    return NvmlAdapter(nvml), nvml.store
+    return adapter_for_sim(nvml), nvml.store
 
 
 CONFIG = "version: v1\nmig-configs:\n  c:\n    - devices: [0, 1, 2]\n      mig-enabled: true\n" \
@@ -188,7 +193,9 @@ def test_kill_after_everything_built_keeps_the_new_layout(tmp_path: Path) -> Non
 
 
 def test_ampere_kill_between_mode_change_and_reset(tmp_path: Path) -> None:
-    adapter, _ = sim("dgx-a100-40gb")
+    adapter, store = sim("dgx-a100-40gb")
+    for i in range(8):  # a held device keeps a mode change pending until the applier resets the GPU
+        inject.hold_device(store, i, "nvidia-persistenced")
     old = layouts(adapter)
     inv, p = make_plan(adapter, CONFIG.replace("1g.10gb", "1g.5gb"))
     state = MigStateFile(tmp_path)

@@ -28,9 +28,9 @@ def test_discover_every_machine(machine: str, tmp_path: Path) -> None:
     n = len(inv.gpus)
     assert len(inv.links) == n * (n - 1) // 2
     for g in inv.gpus:
-        assert g.uuid.startswith("GPU-") and g.pci_bus_id.startswith("00000000:")
+        assert g.uuid.startswith("GPU-") and len(g.pci_bus_id) == 16 and g.pci_bus_id[8] == ":"
         assert g.pci_device_id & 0xFFFF == 0x10DE and g.memory_mib > 10000
-        assert g.architecture in ("turing", "ampere", "ada", "hopper")
+        assert g.architecture in ("turing", "ampere", "ada", "hopper", "blackwell")
         assert g.mig_capable == bool(g.mig_profiles)
 
 
@@ -69,7 +69,8 @@ def test_mig_lifecycle_hopper(h100: NvmlAdapter) -> None:
     assert h100.set_mig_mode(0, True) is False  # Hopper: immediate
     a = h100.create_mig_device(0, "3g.40gb", 0)
     b = h100.create_mig_device(0, "3g.40gb")
-    assert (a.placement_start, b.placement_start, a.memory_mib) == (0, 4, 40192)
+    # a MIG device's memory is its own figure, a little above its profile's 40448 MiB, by placement
+    assert (a.placement_start, b.placement_start, a.memory_mib, b.memory_mib) == (0, 4, 40704, 40576)
     assert a.uuid.startswith("MIG-") and a.uuid != b.uuid
     with pytest.raises(InsufficientResourcesError, match="GPU 0"):
         h100.create_mig_device(0, "1g.10gb")
@@ -85,9 +86,17 @@ def test_mig_lifecycle_hopper(h100: NvmlAdapter) -> None:
     assert h100.set_mig_mode(0, False) is False
 
 
-def test_ampere_pending_then_reset(tmp_path: Path) -> None:
+def test_idle_ampere_is_current_at_once(tmp_path: Path) -> None:
     nvml = open_nvml("dgx-a100-40gb", tmp_path / "s.json")
-    assert nvml.set_mig_mode(3, True) is True
+    assert nvml.set_mig_mode(3, True) is False  # bare metal: the driver resets the idle GPU itself
+    assert nvml.mig_mode(3) == (True, True)
+
+
+def test_ampere_pending_then_reset(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    nvml = open_nvml("dgx-a100-40gb", tmp_path / "s.json")
+    inject.hold_device(nvml.nvml.store, 3, "nvidia-persistenced")
+    assert nvml.set_mig_mode(3, True) is True  # status IN_USE: pending, not an error
+    assert "switches at the next GPU reset or reboot" in caplog.text
     g = nvml.discover().gpu(3)
     assert (g.mig_current, g.mig_pending) == (False, True)
     nvml.reset_gpu(3)
@@ -96,10 +105,12 @@ def test_ampere_pending_then_reset(tmp_path: Path) -> None:
 
 def test_busy_gpu_errors_name_the_gpu(h100: NvmlAdapter) -> None:
     inject.inject_process(h100.nvml.store, 2, 31337, "trainer", used_mib=4096)
-    with pytest.raises(GpuBusyError, match=r"GPU 2 .*in use"):
-        h100.set_mig_mode(2, True)
-    with pytest.raises(GpuBusyError):
+    assert h100.set_mig_mode(2, True) is True  # busy: the mode is pending until a reset or reboot
+    assert h100.mig_mode(2) == (False, True)
+    with pytest.raises(GpuBusyError, match=r"GPU 2"):
         h100.reset_gpu(2)
+    assert h100.set_mig_mode(2, False) is False  # withdrawn: nothing pending any more
+    assert h100.mig_mode(2) == (False, False)
     assert h100.processes(2)[0].name == "trainer"
     assert h100.processes(2)[0].used_memory_mib == 4096
     m = h100.metrics(2)

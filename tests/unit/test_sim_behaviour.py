@@ -28,7 +28,9 @@ def _profile_id(nvml: SimulatedNvml, h: object, index: int) -> int:
 
 def test_machines_load() -> None:
     assert machine_names() == [
-        "a30x4", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "hgx-h200", "l4x2", "mixed", "t4x1",
+        "a10-x2", "a30x4", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "gb200-nvl", "gb300-nvl",
+        "gh200", "gh200-144gb", "h100-nvl", "hgx-b300", "hgx-h20", "hgx-h200", "l40-x2", "l40s-x4", "l4x2",
+        "mixed", "rtx-pro-6000", "t4x1", "vm-a100-passthrough",
     ]  # fmt: skip
     for name in machine_names():
         m = load_machine(name)
@@ -62,10 +64,21 @@ def test_non_mig_gpu_is_not_supported() -> None:
 def test_create_needs_mig_enabled_and_overlap_is_insufficient_resources() -> None:
     nvml = _sim("dgx-h100")
     h = nvml.nvmlDeviceGetHandleByIndex(0)
-    seven = _profile_id(nvml, h, pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE)
-    with pytest.raises(pynvml.NVMLError_InvalidState):
+    seven = 0  # the 7g.80gb profile id
+    # MIG disabled: GPU-instance calls and profile info are NOT_SUPPORTED, no MIG devices, placements answer
+    with pytest.raises(pynvml.NVMLError_NotSupported):
         nvml.nvmlDeviceCreateGpuInstance(h, seven)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetGpuInstanceProfileInfo(h, pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetGpuInstanceRemainingCapacity(h, seven)
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(h) == 0
+    count = ctypes.c_uint(0)
+    nvml.nvmlDeviceGetGpuInstancePossiblePlacements(h, seven, None, ctypes.byref(count))
+    assert count.value == 1
     assert nvml.nvmlDeviceSetMigMode(h, 1) == pynvml.NVML_SUCCESS
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(h) == 7
+    assert _profile_id(nvml, h, pynvml.NVML_GPU_INSTANCE_PROFILE_7_SLICE) == seven
     three = _profile_id(nvml, h, pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE)
     p = pynvml.c_nvmlGpuInstancePlacement_t()
     p.start, p.size = 4, 4
@@ -110,10 +123,14 @@ def test_create_needs_mig_enabled_and_overlap_is_insufficient_resources() -> Non
 def test_ampere_mode_pending_until_reset_hopper_immediate() -> None:
     a100 = _sim("dgx-a100-80gb")
     h = a100.nvmlDeviceGetHandleByIndex(0)
-    assert a100.nvmlDeviceSetMigMode(h, 1) == 0
-    assert a100.nvmlDeviceGetMigMode(h) == [0, 1]
-    a100.simResetGpu(h)
+    assert a100.nvmlDeviceSetMigMode(h, 1) == 0  # idle, bare metal: the driver resets it, current at once
     assert a100.nvmlDeviceGetMigMode(h) == [1, 1]
+    h1 = a100.nvmlDeviceGetHandleByIndex(1)
+    inject.hold_device(a100.store, 1, "nvidia-persistenced")  # another client has the device open
+    assert a100.nvmlDeviceSetMigMode(h1, 1) == pynvml.NVML_ERROR_IN_USE
+    assert a100.nvmlDeviceGetMigMode(h1) == [0, 1]  # pending until a reset
+    a100.simResetGpu(h1)
+    assert a100.nvmlDeviceGetMigMode(h1) == [1, 1]
     h100 = _sim("dgx-h100")
     h2 = h100.nvmlDeviceGetHandleByIndex(0)
     h100.nvmlDeviceSetMigMode(h2, 1)
@@ -127,13 +144,15 @@ def test_processes_block_mode_change_and_reset() -> None:
     h = nvml.nvmlDeviceGetHandleByIndex(1)
     inject.inject_process(nvml.store, 1, 4242, "python3", used_mib=2048)
     assert nvml.nvmlDeviceSetMigMode(h, 1) == pynvml.NVML_ERROR_IN_USE
-    assert nvml.nvmlDeviceGetMigMode(h) == [0, 0]
+    assert nvml.nvmlDeviceGetMigMode(h) == [0, 1]  # the pending mode IS set; it waits for a reset/reboot
     with pytest.raises(pynvml.NVMLError_InUse):
         nvml.simResetGpu(h)
     procs = nvml.nvmlDeviceGetComputeRunningProcesses(h)
     assert [(p.pid, p.usedGpuMemory >> 20) for p in procs] == [(4242, 2048)]
     assert nvml.nvmlDeviceGetUtilizationRates(h).gpu >= 40
     assert nvml.nvmlDeviceGetMemoryInfo(h).used >> 20 >= 2048
+    assert nvml.nvmlDeviceSetMigMode(h, 0) == pynvml.NVML_SUCCESS  # withdrawn while still pending
+    assert nvml.nvmlDeviceGetMigMode(h) == [0, 0]
 
 
 def test_reboot_drops_instances_applies_ampere_pending(tmp_path: Path) -> None:
@@ -141,7 +160,8 @@ def test_reboot_drops_instances_applies_ampere_pending(tmp_path: Path) -> None:
     nvml = _sim("a30x4", path)
     inject.write_mig_layout(nvml.store, 0, ["2g.12gb", "1g.6gb", "1g.6gb"])
     h1 = nvml.nvmlDeviceGetHandleByIndex(1)
-    nvml.nvmlDeviceSetMigMode(h1, 1)
+    inject.inject_process(nvml.store, 1, 4242, "python3")
+    assert nvml.nvmlDeviceSetMigMode(h1, 1) == pynvml.NVML_ERROR_IN_USE
     assert nvml.nvmlDeviceGetMigMode(h1) == [0, 1]
     inject.reboot(nvml.store)
     h0 = nvml.nvmlDeviceGetHandleByIndex(0)

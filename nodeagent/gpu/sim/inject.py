@@ -25,13 +25,39 @@ def _check_gpu(store: SimStore, gpu: int) -> None:
         )
 
 
-def inject_xid(store: SimStore, gpu: int, code: int, gi_id: int | None = None) -> None:
-    """An XID critical error event on a GPU (e.g. 48 double-bit ECC, 79 fallen off the bus)."""
+RECOVERY_ACTIONS = {  # nvmlDeviceGpuRecoveryAction_t
+    "none": 0, "gpu-reset": 1, "node-reboot": 2, "drain-p2p": 3, "drain-and-reset": 4,
+    "recover-imex-domain": 5, "bus-reset": 6, "system-reboot": 7,
+}
+
+
+def inject_xid(
+    store: SimStore, gpu: int, code: int, gi_id: int | None = None, recovery_action: int | None = None
+) -> None:
+    """An XID critical error event on a GPU (e.g. 48 double-bit ECC, 79 fallen off the bus); with
+    ``recovery_action`` the driver also asks for that recovery (field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)."""
     _check_gpu(store, gpu)
     if code <= 0:
         raise InputError(f"XID code must be positive, got {code}", subject=str(code))
+    _check_action(recovery_action)
     with store.transaction() as st:
         append_event(st, gpu, int(pynvml.nvmlEventTypeXidCriticalError), code, gi_id)
+        if recovery_action is not None:
+            st["gpus"][gpu]["recovery_action"] = recovery_action
+
+
+def set_recovery_action(store: SimStore, gpu: int, action: int) -> None:
+    """Set the recovery action the driver reports for a GPU (0 = none: the GPU needs nothing)."""
+    _check_gpu(store, gpu)
+    _check_action(action)
+    with store.transaction() as st:
+        st["gpus"][gpu]["recovery_action"] = action
+
+
+def _check_action(action: int | None) -> None:
+    if action is not None and action not in RECOVERY_ACTIONS.values():
+        known = ", ".join(f"{v} ({k})" for k, v in RECOVERY_ACTIONS.items())
+        raise InputError(f"unknown GPU recovery action {action}; known: {known}", subject=str(action))
 
 
 def inject_lost(store: SimStore, gpu: int) -> None:
@@ -57,6 +83,19 @@ def inject_process(
         gs["processes"].append({"pid": pid, "name": name, "used_mib": used_mib, "gi_id": gi_id})
 
 
+def hold_device(store: SimStore, gpu: int, client: str, held: bool = True) -> None:
+    """A non-compute client (``nvidia-persistenced``, a DCGM agent) opens (or, ``held=False``, closes) the
+    GPU's device: the driver cannot reset it by itself, so a MIG mode change stays pending (status
+    IN_USE) until an explicit GPU reset (which such clients do not block) or a reboot."""
+    _check_gpu(store, gpu)
+    if not client:
+        raise InputError("client name must not be empty")
+    with store.transaction() as st:
+        gs = st["gpus"][gpu]
+        clients = [c for c in gs.get("clients", []) if c != client]
+        gs["clients"] = [*clients, client] if held else clients
+
+
 def kill_process(store: SimStore, gpu: int, pid: int | None = None) -> None:
     """End one process (or all of them) on a GPU."""
     _check_gpu(store, gpu)
@@ -74,6 +113,7 @@ def recover(store: SimStore, gpu: int | None = None) -> None:
             if gpu is None or i == gpu:
                 gs["lost"] = False
                 gs["processes"] = []
+                gs["recovery_action"] = 0
         if gpu is None:
             st["fail_next"] = []
 

@@ -16,6 +16,7 @@ _UUID_NAMESPACE = uuid.UUID("6f1d3a52-8c1e-4c55-9d0b-6a0c1f1e2b7d")
 
 ARCH_NVML = {"turing": 6, "ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}
 FABRICS = ("nvswitch", "bridges", "none")
+VIRTUALIZATION = ("baremetal", "passthrough")
 SWITCH_LEVELS = {"single": 10, "multiple": 20, "hostbridge": 30}
 
 
@@ -62,6 +63,13 @@ class SimMachine:
     nvlink_bridges: tuple[tuple[int, int], ...]
     pcie_switch_level: int  # NVML topology level between GPUs behind the same PCIe switch
     gpus: tuple[SimGpuSpec, ...]
+    virtualization: str = "baremetal"  # "passthrough": a VM guest, no GPU reset; MIG mode needs a reboot
+    # NVML functions this driver lacks in their versioned form (pynvml raises NVMLLibraryMismatchError)
+    missing_functions: frozenset[str] = frozenset()
+
+    @property
+    def passthrough(self) -> bool:
+        return self.virtualization == "passthrough"
 
     def nvlink_peers(self, index: int) -> tuple[int, ...]:
         """GPUs this GPU reaches over NVLink."""
@@ -102,6 +110,8 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
             product = m.get("mig_product")
             if product is not None and product not in PRODUCTS:
                 raise ValueError(f"unknown mig_product {product!r}")
+            if product is not None and max(p.memory_mib for p in PRODUCTS[product].profiles) > int(m["memory_mib"]):
+                raise ValueError(f"model {entry['model']!r}: a {product} MIG profile is larger than its memory_mib")
             if m["architecture"] not in ARCH_NVML:
                 raise ValueError(f"unknown architecture {m['architecture']!r}")
             gpus.append(
@@ -127,6 +137,9 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
         if fabric not in FABRICS:
             raise ValueError(f"nvlink_fabric must be one of {FABRICS}")
         bridges = tuple((int(a), int(b)) for a, b in doc.get("nvlink_bridges", []))
+        virtualization = str(doc.get("virtualization", "baremetal"))
+        if virtualization not in VIRTUALIZATION:
+            raise ValueError(f"virtualization must be one of {VIRTUALIZATION}")
         return SimMachine(
             name=name,
             description=str(doc.get("description", name)),
@@ -136,6 +149,8 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
             nvlink_bridges=bridges,
             pcie_switch_level=SWITCH_LEVELS[str(doc.get("pcie_switch_level", "single"))],
             gpus=tuple(gpus),
+            virtualization=virtualization,
+            missing_functions=frozenset(str(f) for f in doc.get("missing_functions", ())),
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise InputError(f"simulated machine {name!r} is malformed: {e}", subject=name) from e

@@ -5,12 +5,17 @@ pynvml's names and signatures, and every other attribute (constants, ctypes stru
 its subclasses) is pynvml's own. Handles are the same ctypes pointer types pynvml returns, with the
 simulated object encoded in the pointer value, so arrays of handles work exactly like on hardware.
 
-Behaviour follows REFERENCE §3: MIG profiles, placements and remaining capacity from
-``nodeagent.gpu.profiles``; overlapping instances fail with NVML_ERROR_INSUFFICIENT_RESOURCES; running
-processes make mode changes and destroys fail with NVML_ERROR_IN_USE; on Ampere a MIG mode change stays
-pending until a GPU reset (``simResetGpu``) or reboot (``simReboot``), on Hopper it applies at once and
-does not survive a reset; instances never survive a reset or reboot. Faults (XID events, lost GPUs,
-processes, one-shot call failures) are written into the shared state by ``nodeagent.gpu.sim.inject``.
+Behaviour follows docs/gpu-facts.md: MIG profiles, placements and remaining capacity from
+``nodeagent.gpu.profiles`` (for the machine's driver); overlapping instances fail with
+NVML_ERROR_INSUFFICIENT_RESOURCES; MIG mode changes are current at once on an idle bare-metal GPU, pending
+(status IN_USE) while processes or other clients hold it, and pending with RESET_REQUIRED in a passthrough
+VM; a pending mode applies at a GPU reset (``simResetGpu``, Ampere; Hopper forgets the mode) or reboot
+(``simReboot``); instances never survive either. MIG disabled, GPU-instance calls answer NOT_SUPPORTED; a
+non-root caller (``privileged=False`` or NODEAGENT_SIM_UNPRIVILEGED=1) gets NO_PERMISSION where the driver
+gives it; GPU-instance ids are numbered as the driver does in the MIG user guide's examples. Faults (XID
+events with a recovery action, lost GPUs, processes, held devices, one-shot call failures) are written
+into the shared state by ``nodeagent.gpu.sim.inject``; a machine may lack versioned NVML functions
+(``missing_functions``: NVMLLibraryMismatchError).
 
 Extensions beyond NVML are named ``sim*``.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 import time
 import uuid
@@ -26,12 +32,29 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.gpu.profiles import CI_PROFILE_FOR_SLICES, MigProduct, gpu_instance_id
+from nodeagent.gpu.profiles import CI_PROFILE_FOR_SLICES, MigProduct, ProfileSpec, gpu_instance_id
 from nodeagent.gpu.sim.machine import SimGpuSpec, SimMachine
 from nodeagent.gpu.sim.state import MAX_EVENTS, SimStore, State
 
 MIB = 1024 * 1024
 NO_ID = 0xFFFFFFFF
+FI_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+ENV_UNPRIVILEGED = "NODEAGENT_SIM_UNPRIVILEGED"  # "1": answer like NVML does for a non-root caller
+
+# NVML functions that answer NO_PERMISSION to a non-root caller (on a MIG-enabled parent for processes)
+_PRIVILEGED = frozenset({
+    "nvmlDeviceGetGpuInstancePossiblePlacements",
+    "nvmlDeviceGetGpuInstances",
+    "nvmlDeviceGetGpuInstanceById",
+    "nvmlDeviceCreateGpuInstance",
+    "nvmlDeviceCreateGpuInstanceWithPlacement",
+    "nvmlGpuInstanceDestroy",
+    "nvmlGpuInstanceCreateComputeInstance",
+    "nvmlGpuInstanceGetComputeInstances",
+    "nvmlComputeInstanceDestroy",
+    "nvmlDeviceSetMigMode",
+    "simResetGpu",
+})
 
 # handle kinds, encoded in bits 40.. of the pointer value
 _DEV, _MIG, _GI, _CI, _EVSET = 1, 2, 3, 4, 5
@@ -71,9 +94,12 @@ def _err(code: int) -> pynvml.NVMLError:
 class SimulatedNvml:
     """pynvml for a simulated machine; pass it to ``NvmlAdapter`` in place of the pynvml module."""
 
-    def __init__(self, store: SimStore) -> None:
+    def __init__(self, store: SimStore, *, privileged: bool | None = None) -> None:
         self.store = store
         self.machine: SimMachine = store.machine
+        # like the driver: a non-root caller may read most things but not MIG administration
+        self.privileged = os.environ.get(ENV_UNPRIVILEGED, "") != "1" if privileged is None else privileged
+        self._products: dict[str, MigProduct] = {}
         self._init_count = 0
         self._lock = threading.Lock()
         self._event_sets: dict[int, dict[str, Any]] = {}
@@ -91,6 +117,14 @@ class SimulatedNvml:
     def _enter(self, fname: str) -> State:
         if self._init_count <= 0 and fname not in ("nvmlInit", "nvmlInitWithFlags"):
             raise _err(pynvml.NVML_ERROR_UNINITIALIZED)
+        if fname in self.machine.missing_functions:  # an older driver without the versioned symbol
+            raise pynvml.NVMLLibraryMismatchError(
+                "Unversioned function called and the pyNVML version does not match the NVML lib version. "
+                "Either use matching pyNVML and NVML lib versions or use a versioned function such as "
+                f"{fname}"
+            )
+        if not self.privileged and fname in _PRIVILEGED:
+            raise _err(pynvml.NVML_ERROR_NO_PERMISSION)
         state = self.store.read()
         if any(f.get("function") == fname for f in state.get("fail_next", ())):
             code = 0
@@ -126,12 +160,26 @@ class SimulatedNvml:
         return kind, index, gi, ci
 
     def _product(self, index: int, state: State, *, need_enabled: bool = True) -> MigProduct:
+        """The GPU's MIG table as this machine's driver offers it; MIG disabled: NOT_SUPPORTED."""
         product = self._spec(index).mig_product
         if product is None:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if need_enabled and not state["gpus"][index]["mig_current"]:
-            raise _err(pynvml.NVML_ERROR_INVALID_STATE)
-        return product
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        table = self._products.get(product.key)
+        if table is None:
+            specs = product.specs_for_driver(self.machine.driver_version)
+            table = self._products[product.key] = MigProduct(
+                product.key, product.memory_slices, product.compute_slices, specs, product.pci_device_ids,
+                product.total_memory_mib, product.memory_tolerance_mib, product.driver_memory,
+            )
+        return table
+
+    def _profile_spec(self, index: int, state: State, name: str) -> ProfileSpec:
+        spec = self._product(index, state, need_enabled=False).spec(name)
+        if spec is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return spec
 
     @staticmethod
     def _find_gi(gs: dict[str, Any], gi_id: int) -> dict[str, Any]:
@@ -273,7 +321,7 @@ class SimulatedNvml:
         if kind == _MIG:
             gi = self._find_gi(gs, gi_id)
             prof = self._product(index, state).profile_by_id(gi["profile_id"])
-            total = (prof.memory_mib if prof else 0) * MIB
+            total = (_mig_device_mib(prof.memory_mib, gi["start"], gi["size"]) if prof else 0) * MIB
             used_mib = sum(p["used_mib"] for p in gs["processes"] if p.get("gi_id") == gi_id)
         else:
             total = self._spec(index).memory_mib * MIB
@@ -294,6 +342,8 @@ class SimulatedNvml:
     def nvmlDeviceGetUtilizationRates(self, handle: Any) -> Any:
         state = self._enter("nvmlDeviceGetUtilizationRates")
         index = self._gpu(state, handle)[1]
+        if state["gpus"][index]["mig_current"]:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # "N/A" in nvidia-smi: no whole-GPU figure in MIG mode
         load = self._load(index, state)
         util = pynvml.c_nvmlUtilization_t()
         util.gpu = round(load * 100)
@@ -320,8 +370,19 @@ class SimulatedNvml:
 
     # --- processes ----------------------------------------------------------------------------
     def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
-        state = self._enter("nvmlDeviceGetComputeRunningProcesses")
+        return self._processes("nvmlDeviceGetComputeRunningProcesses", handle)
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, handle: Any) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses_v2", handle)
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any) -> list[Any]:
+        return self._processes("nvmlDeviceGetComputeRunningProcesses_v3", handle)
+
+    def _processes(self, fname: str, handle: Any) -> list[Any]:
+        state = self._enter(fname)
         kind, index, gi_id, _ = self._gpu(state, handle, (_DEV, _MIG))
+        if kind == _DEV and not self.privileged and state["gpus"][index]["mig_current"]:
+            raise _err(pynvml.NVML_ERROR_NO_PERMISSION)
         out = []
         for p in state["gpus"][index]["processes"]:
             if kind == _MIG and p.get("gi_id") != gi_id:
@@ -339,8 +400,6 @@ class SimulatedNvml:
             )
         return out
 
-    nvmlDeviceGetComputeRunningProcesses_v3 = nvmlDeviceGetComputeRunningProcesses
-    nvmlDeviceGetComputeRunningProcesses_v2 = nvmlDeviceGetComputeRunningProcesses
 
     # --- topology -----------------------------------------------------------------------------
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
@@ -406,7 +465,14 @@ class SimulatedNvml:
         return [int(gs["mig_current"]), int(gs["mig_pending"])]
 
     def nvmlDeviceSetMigMode(self, handle: Any, mode: int) -> int:
-        """Returns the activation status like NVML: 0, or NVML_ERROR_IN_USE when processes hold the GPU."""
+        """Sets the pending mode and returns the activation status like NVML does on hardware.
+
+        Bare metal, idle GPU: the driver resets it (Ampere) or switches at once (Hopper and later), the mode
+        is current, status SUCCESS. Processes running, or another client holding the device (a monitoring
+        agent, nvidia-persistenced; ``inject.hold_device``): the pending mode is set, status IN_USE — the
+        GPU switches at its next reset or reboot. A passthrough VM cannot reset the GPU: pending set, status
+        RESET_REQUIRED. Disabling MIG while GPU instances exist fails with IN_USE.
+        """
         state = self._enter("nvmlDeviceSetMigMode")
         index = self._gpu(state, handle)[1]
         self._product(index, state, need_enabled=False)
@@ -415,37 +481,40 @@ class SimulatedNvml:
         want = bool(mode)
         with self.store.transaction() as st:
             gs = st["gpus"][index]
-            if gs["processes"]:
-                return int(pynvml.NVML_ERROR_IN_USE)
             if not want and gs["gis"]:
                 raise _err(pynvml.NVML_ERROR_IN_USE)
             gs["mig_pending"] = want
-            if not self._spec(index).mig_needs_reset:
-                gs["mig_current"] = want
+            if gs["mig_current"] == want:
+                return int(pynvml.NVML_SUCCESS)
+            if gs["processes"] or gs.get("clients"):  # e.g. nvidia-persistenced or DCGM holding the device
+                return int(pynvml.NVML_ERROR_IN_USE)
+            if self.machine.passthrough and self._spec(index).mig_needs_reset:
+                return int(pynvml.NVML_ERROR_RESET_REQUIRED)
+            gs["mig_current"] = want
         return int(pynvml.NVML_SUCCESS)
 
     # --- GPU instance profiles ----------------------------------------------------------------
     def nvmlDeviceGetGpuInstanceProfileInfo(self, device: Any, profile: int, version: int = 2) -> Any:
         state = self._enter("nvmlDeviceGetGpuInstanceProfileInfo")
         index = self._gpu(state, device)[1]
-        product = self._product(index, state, need_enabled=False)
+        product = self._product(index, state)  # MIG disabled: NOT_SUPPORTED, as on hardware
         if not 0 <= profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         prof = product.profile_by_index(profile)
         if prof is None:
             raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        spec = self._profile_spec(index, state, prof.name)
         info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t() if version == 2 else pynvml.c_nvmlGpuInstanceProfileInfo_t()
         info.id = prof.id
         info.isP2pSupported = 0
         info.sliceCount = prof.slice_count
         info.instanceCount = prof.instance_count
-        info.multiprocessorCount = prof.slice_count * (16 if self._spec(index).architecture == "hopper" else 14)
-        info.copyEngineCount = prof.slice_count
-        has_media = prof.name.endswith("+me") or prof.slice_count >= 2
-        info.decoderCount = 1 if has_media else 0
-        info.jpegCount = 1 if prof.name.endswith("+me") else 0
-        info.ofaCount = 1 if prof.name.endswith("+me") else 0
-        info.encoderCount = 0
+        info.multiprocessorCount = spec.multiprocessors
+        info.copyEngineCount = spec.copy_engines
+        info.decoderCount = spec.decoders
+        info.jpegCount = spec.jpeg
+        info.ofaCount = spec.ofa
+        info.encoderCount = spec.encoders
         info.memorySizeMB = prof.memory_mib
         if version == 2:
             info.name = f"MIG {prof.name}".encode()
@@ -519,8 +588,11 @@ class SimulatedNvml:
         with self.store.transaction() as st:
             gs = st["gpus"][index]
             if start is None:
-                # NVML picks the placement; like the driver, prefer the highest free start
-                candidates = [s for s in reversed(prof.placement_starts) if self._fits(product, gs, prof, s)]
+                # NVML picks the placement: like the driver in the MIG user guide's examples, the upper
+                # half of the memory slices first, then the lower half, each from its lowest start
+                half = product.memory_slices // 2
+                order = sorted(prof.placement_starts, key=lambda s: (s < half, s))
+                candidates = [s for s in order if self._fits(product, gs, prof, s)]
                 if not candidates:
                     raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
                 start = candidates[0]
@@ -528,7 +600,7 @@ class SimulatedNvml:
                 raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
             elif not self._fits(product, gs, prof, start):
                 raise _err(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-            gi_id = gpu_instance_id(product, start, prof.placement_size)
+            gi_id = driver_gi_id(product, gs, start, prof.placement_size)
             st["serial"] += 1
             gs["gis"].append(
                 {
@@ -618,7 +690,8 @@ class SimulatedNvml:
         info.id = profile
         info.sliceCount = slices
         info.instanceCount = gi_prof.slice_count // slices
-        info.multiprocessorCount = slices * (16 if self._spec(index).architecture == "hopper" else 14)
+        gi_spec = self._profile_spec(index, state, gi_prof.name)
+        info.multiprocessorCount = gi_spec.multiprocessors * slices // gi_prof.slice_count
         if version == 2:
             suffix = "" if slices == gi_prof.slice_count else f"c.{gi_prof.name}"
             info.name = (f"MIG {gi_prof.name}" if not suffix else f"MIG {slices}{suffix}").encode()
@@ -718,7 +791,7 @@ class SimulatedNvml:
         state = self._enter("nvmlDeviceGetMaxMigDeviceCount")
         index = self._gpu(state, device)[1]
         product = self._spec(index).mig_product
-        return product.max_mig_devices if product else 0
+        return product.max_mig_devices if product and state["gpus"][index]["mig_current"] else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
         state = self._enter("nvmlDeviceGetMigDeviceHandleByIndex")
@@ -730,9 +803,27 @@ class SimulatedNvml:
         gi, ci = pairs[index]
         return _ptr(_key(_MIG, gpu, gi["id"], ci["id"]), pynvml.c_nvmlDevice_t)
 
-    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> int:
+    def nvmlDeviceIsMigDeviceHandle(self, device: Any) -> Any:
+        """A ctypes ``c_uint``, as pynvml returns it (not a Python bool or int)."""
         state = self._enter("nvmlDeviceIsMigDeviceHandle")
-        return int(self._gpu(state, device, (_DEV, _MIG))[0] == _MIG)
+        return ctypes.c_uint(int(self._gpu(state, device, (_DEV, _MIG))[0] == _MIG))
+
+    # --- field values -------------------------------------------------------------------------
+    def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
+        """Only NVML_FI_DEV_GET_GPU_RECOVERY_ACTION answers; other fields carry NOT_SUPPORTED."""
+        state = self._enter("nvmlDeviceGetFieldValues")
+        index = self._gpu(state, handle)[1]
+        values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
+        for i, field_id in enumerate(fieldIds):
+            fid = int(field_id[0] if isinstance(field_id, tuple) else field_id)
+            values[i].fieldId = fid
+            if fid == FI_RECOVERY_ACTION:
+                values[i].nvmlReturn = pynvml.NVML_SUCCESS
+                values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                values[i].value.uiVal = int(state["gpus"][index].get("recovery_action", 0))
+            else:
+                values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
 
     def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, migDevice: Any) -> Any:
         state = self._enter("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
@@ -827,6 +918,8 @@ class SimulatedNvml:
         applies a pending MIG mode (Ampere) or forgets the MIG mode (Hopper and later)."""
         state = self._enter("simResetGpu")
         index = self._gpu(state, handle)[1]
+        if self.machine.passthrough:
+            raise _err(pynvml.NVML_ERROR_RESET_REQUIRED)  # no GPU reset from inside the guest: reboot
         with self.store.transaction() as st:
             gs = st["gpus"][index]
             if gs["processes"]:
@@ -843,9 +936,36 @@ def copy_gs(gs: dict[str, Any]) -> dict[str, Any]:
     return {**gs, "gis": list(gs["gis"])}
 
 
+def _mig_device_mib(profile_mib: int, start: int, size: int) -> int:
+    """A MIG device's memory as nvmlDeviceGetMemoryInfo reports it: the larger instances show a little more
+    than their profile, by placement (two 3g.20gb devices: 20224 and 20096 MiB for a 19968 MiB profile)."""
+    if size < 4:
+        return profile_mib
+    return profile_mib + (256 if start == 0 else 128)
+
+
+def driver_gi_id(product: MigProduct, gs: dict[str, Any], start: int, size: int) -> int:
+    """The GPU-instance id the driver gives a new instance (ids are the driver's choice; nodeagent never
+    keys on them). As in the MIG user guide: on a GPU holding only one-slice instances, they are numbered
+    from the upper half (an all-1g.5gb A100 shows ids 7,8,9,11,12,13,14 at starts 4,5,6,0,1,2,3); next to
+    larger instances, the memory-slice tree's ids (3g at 4 → 2, 1g at 0 → 7, 2g at 2 → 4, 1g at 1 → 8)."""
+    taken = {int(gi["id"]) for gi in gs["gis"]}
+    plain = gpu_instance_id(product, start, size)
+    candidates = [plain]
+    if size == 1 and all(int(gi["size"]) == 1 for gi in gs["gis"]):
+        half = product.memory_slices // 2
+        candidates.insert(0, product.memory_slices - 1 + (start + half) % product.memory_slices)
+    for gi_id in candidates:
+        if gi_id not in taken:
+            return gi_id
+    first = product.memory_slices // size - 1
+    return min(i for i in range(first, first + 2 * product.memory_slices) if i not in taken)
+
+
 def _reset_gpu_state(gs: dict[str, Any], spec: SimGpuSpec) -> None:
     gs["gis"] = []
     gs["processes"] = []
+    gs["recovery_action"] = 0
     if spec.mig_needs_reset:
         gs["mig_current"] = gs["mig_pending"]
     else:
