@@ -1,4 +1,4 @@
-"""MIG GPU-instance profile tables per product, as plain data (facts and sources: docs/gpu-facts.md).
+"""MIG GPU-instance profile tables per product, as plain data (facts and sources: nodeagent/gpu/FACTS.md).
 
 Pure: no I/O, no pynvml import. The NVML profile constants are repeated here by value (tests check them
 against pynvml) so planners can read the tables without loading NVML. The simulator serves these tables,

@@ -1,4 +1,4 @@
-"""NVML semantics of docs/gpu-facts.md on the simulator and through the adapter."""
+"""NVML semantics of nodeagent/gpu/FACTS.md on the simulator and through the adapter."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_mig_disabled_return_codes() -> None:
                  lambda: sim.nvmlDeviceCreateGpuInstance(h, 19),
                  lambda: sim.nvmlDeviceGetGpuInstanceById(h, 1)):
         with pytest.raises(pynvml.NVMLError_NotSupported):
-            call()
+            call()  # type: ignore[no-untyped-call]
     assert sim.nvmlDeviceGetMaxMigDeviceCount(h) == 0
     l4 = SimulatedNvml(SimStore(load_machine("l40s-x4")))
     l4.nvmlInit()
@@ -90,7 +90,7 @@ def test_non_root_codes_and_discovery() -> None:
                  lambda: sim.nvmlDeviceCreateGpuInstance(h, 19),
                  lambda: sim.nvmlDeviceGetComputeRunningProcesses(h)):
         with pytest.raises(pynvml.NVMLError_NoPermission):
-            call()
+            call()  # type: ignore[no-untyped-call]
     with pytest.raises(NvmlPermissionError):
         adapter.discover()
     inv = adapter.discover(partial=True)

@@ -114,7 +114,7 @@ def test_busy_gpu_errors_name_the_gpu(h100: NvmlAdapter) -> None:
     assert h100.processes(2)[0].name == "trainer"
     assert h100.processes(2)[0].used_memory_mib == 4096
     m = h100.metrics(2)
-    assert m.utilisation_pct >= 40 and m.memory_used_mib >= 4096 and m.power_w > 72 and m.temperature_c > 30
+    assert m.utilisation_pct is not None and m.utilisation_pct >= 40 and m.memory_used_mib >= 4096 and m.power_w > 72 and m.temperature_c > 30
     idle = h100.metrics(1)
     assert idle.utilisation_pct == 0 and idle.memory_total_mib == 81559
 

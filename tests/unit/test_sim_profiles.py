@@ -1,4 +1,4 @@
-"""The simulator against every MIG table row of docs/gpu-facts.md: counts, memory, placements, profile ids."""
+"""The simulator against every MIG table row of nodeagent/gpu/FACTS.md: counts, memory, placements, profile ids."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from nodeagent.gpu import profiles
 from nodeagent.gpu.sim import SimStore, SimulatedNvml, inject, load_machine
 
-# Transcribed from docs/gpu-facts.md: (product, profile, count, MiB, starts, size, SM, CE,
+# Transcribed from nodeagent/gpu/FACTS.md: (product, profile, count, MiB, starts, size, SM, CE,
 # decoders, JPEG, OFA). Memory is NVML's MiB figure (nvidia-smi -lgip GiB x 1024).
 _EIGHT = {"1": (0, 1, 2, 3, 4, 5, 6), "1d": (0, 2, 4, 6), "2": (0, 2, 4), "3": (0, 4), "4": (0,), "7": (0,)}
 Row = tuple[str, str, int, int, tuple[int, ...], int, int, int, int, int, int]
@@ -85,7 +85,7 @@ PCI_IDS = {
     "GB300": {0x31C210DE},
     "RTX-PRO-6000": {0x2BB510DE},
 }
-# names docs/gpu-facts.md gives for the products whose figures it does not list in full
+# names nodeagent/gpu/FACTS.md gives for the products whose figures it does not list in full
 NAMES = {
     "H100-96GB": ("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
     "H20": ("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
@@ -143,7 +143,7 @@ def test_table_is_complete() -> None:
 
 
 def test_tables_against_reference_figures() -> None:
-    """Every row docs/gpu-facts.md gives in full: memory, instance count, placements, SM, CE, DEC, JPEG, OFA."""
+    """Every row nodeagent/gpu/FACTS.md gives in full: memory, instance count, placements, SM, CE, DEC, JPEG, OFA."""
     for key, name, count, mib, starts, size, sm, ce, dec, jpeg, ofa in TABLE:
         spec = profiles.PRODUCTS[key].spec(name)
         assert spec is not None, (key, name)

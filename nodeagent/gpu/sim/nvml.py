@@ -5,7 +5,7 @@ pynvml's names and signatures, and every other attribute (constants, ctypes stru
 its subclasses) is pynvml's own. Handles are the same ctypes pointer types pynvml returns, with the
 simulated object encoded in the pointer value, so arrays of handles work exactly like on hardware.
 
-Behaviour follows docs/gpu-facts.md: MIG profiles, placements and remaining capacity from
+Behaviour follows nodeagent/gpu/FACTS.md: MIG profiles, placements and remaining capacity from
 ``nodeagent.gpu.profiles`` (for the machine's driver); overlapping instances fail with
 NVML_ERROR_INSUFFICIENT_RESOURCES; MIG mode changes are current at once on an idle bare-metal GPU, pending
 (status IN_USE) while processes or other clients hold it, and pending with RESET_REQUIRED in a passthrough
