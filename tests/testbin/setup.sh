@@ -211,3 +211,12 @@ elif [ "${BASH_SOURCE[0]}" = "$0" ]; then
 else
   nodeagent_peers_setup || return 1
 fi
+
+# cdi-check: drives the CDI reference library (tags.cncf.io/container-device-interface/pkg/cdi, version
+# pinned in tests/testbin/cdi-check/go.mod) for the CDI tests. Not part of nodeagent_peers_setup: the tests
+# build it on first use through this function (tests/peers/cdicheck.py).
+nodeagent_peers_cdi_check() {
+  local mod=$NODEAGENT_TESTBIN/cdi-check
+  build_go_binary cdi-check "$mod" . "$(_go_mod_version "$mod" tags.cncf.io/container-device-interface)" || return 1
+  export NODEAGENT_CDI_CHECK=$NODEAGENT_GO_BINARY
+}
