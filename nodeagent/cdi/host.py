@@ -143,7 +143,7 @@ def _node(paths: HostPaths, path: str, major_name: str, minor: int, majors: dict
           required: bool) -> NodeFact | None:
     """The fact for one node: a real character device as is; a stand-in file, or a missing node the
     spec must still name (``required``), with its numbers; ``None`` when absent and not required."""
-    host = paths(path)
+    host = Path(os.path.abspath(paths(path)))
     try:
         st: os.stat_result | None = os.stat(host)
     except FileNotFoundError:
@@ -180,7 +180,7 @@ def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] |
             if e.name in seen:  # the first directory that has a file wins, as on the loader path
                 continue
             seen.add(e.name)
-            out.append(MountFact(f"{d}/{e.name}", e.path))
+            out.append(MountFact(f"{d}/{e.name}", os.path.abspath(e.path)))
     return out
 
 
@@ -225,10 +225,10 @@ def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/") -> H
     fw_dir = f"/lib/firmware/nvidia/{inventory.driver_version}"
     host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
     if host_fw.is_dir():
-        firmware = [MountFact(f"{fw_dir}/{p.name}", str(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
-    sockets = [MountFact(s, str(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
+        firmware = [MountFact(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
+    sockets = [MountFact(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
     hook = next(
-        (str(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
+        (os.path.abspath(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
     )
     return HostFacts(
         nodes=nodes,
