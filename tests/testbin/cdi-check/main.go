@@ -2,7 +2,10 @@
 // one JSON document: the load errors per spec file, every qualified device name the cache resolves, and
 // for each -inject group the result of InjectDevices into an empty OCI spec (edited spec or error).
 //
-//	cdi-check -spec-dir DIR [-spec-dir DIR ...] [-inject name,name ...] [-inject ...]
+//	cdi-check -spec-dir DIR [-spec-dir DIR ...] [-inject name,name ...] [-annotation KEY=VALUE ...]
+//
+// An -annotation is one container annotation (the device plugin's cdi-annotations form): its device
+// names are taken with cdi.ParseAnnotations, then injected like an -inject group.
 //
 // Exit status: 0 when the JSON was printed (errors are reported inside it), 2 on bad usage.
 package main
@@ -25,6 +28,7 @@ func (l *listFlag) String() string     { return strings.Join(*l, " ") }
 func (l *listFlag) Set(v string) error { *l = append(*l, v); return nil }
 
 type injection struct {
+	Annotation string    `json:"annotation,omitempty"`
 	Devices    []string  `json:"devices"`
 	Unresolved []string  `json:"unresolved"`
 	Error      string    `json:"error,omitempty"`
@@ -38,10 +42,29 @@ type report struct {
 	Injections []injection         `json:"injections"`
 }
 
+func inject(cache *cdi.Cache, annotation string, names []string) injection {
+	spec := &oci.Spec{Process: &oci.Process{}, Linux: &oci.Linux{}}
+	unresolved, err := cache.InjectDevices(spec, names...)
+	inj := injection{Annotation: annotation, Devices: names, Unresolved: unresolved}
+	if inj.Devices == nil {
+		inj.Devices = []string{}
+	}
+	if inj.Unresolved == nil {
+		inj.Unresolved = []string{}
+	}
+	if err != nil {
+		inj.Error = err.Error()
+	} else {
+		inj.Spec = spec
+	}
+	return inj
+}
+
 func main() {
-	var dirs, injects listFlag
+	var dirs, injects, annotations listFlag
 	flag.Var(&dirs, "spec-dir", "CDI spec directory (repeatable)")
 	flag.Var(&injects, "inject", "comma-separated qualified device names to inject together (repeatable)")
+	flag.Var(&annotations, "annotation", "KEY=VALUE container annotation naming CDI devices (repeatable)")
 	flag.Parse()
 	if len(dirs) == 0 || flag.NArg() != 0 {
 		fmt.Fprintln(os.Stderr, "usage: cdi-check -spec-dir DIR [-spec-dir DIR ...] [-inject name,name ...]")
@@ -68,18 +91,21 @@ func main() {
 					names = append(names, n)
 				}
 			}
-			spec := &oci.Spec{Process: &oci.Process{}, Linux: &oci.Linux{}}
-			unresolved, err := cache.InjectDevices(spec, names...)
-			inj := injection{Devices: names, Unresolved: unresolved}
-			if inj.Unresolved == nil {
-				inj.Unresolved = []string{}
+			out.Injections = append(out.Injections, inject(cache, "", names))
+		}
+		for _, a := range annotations {
+			key, value, ok := strings.Cut(a, "=")
+			if !ok {
+				fmt.Fprintln(os.Stderr, "cdi-check: -annotation wants KEY=VALUE, got", a)
+				os.Exit(2)
 			}
+			_, names, err := cdi.ParseAnnotations(map[string]string{key: value})
 			if err != nil {
-				inj.Error = err.Error()
-			} else {
-				inj.Spec = spec
+				out.Injections = append(out.Injections, injection{Annotation: key, Devices: []string{},
+					Unresolved: []string{}, Error: err.Error()})
+				continue
 			}
-			out.Injections = append(out.Injections, inj)
+			out.Injections = append(out.Injections, inject(cache, key, names))
 		}
 	}
 	enc := json.NewEncoder(os.Stdout)
