@@ -9,9 +9,8 @@ nodes, read-only mounts of the driver's files and, when installed, the ``nvidia-
 
 from __future__ import annotations
 
+import json
 from typing import Any
-
-import yaml
 
 from nodeagent.cdi.host import CdiError, HostFacts, MountFact, NodeFact
 from nodeagent.cdi.names import ALL_DEVICES, CDI_KIND, gpu_names, mig_names, ordered_mig_devices
@@ -151,10 +150,45 @@ def generate(inventory: Inventory, facts: HostFacts) -> dict[str, Any] | None:
     return spec
 
 
+def _scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid YAML double-quoted scalar
+    raise TypeError(f"unexpected value in a CDI spec: {v!r}")
+
+
+def _emit(value: Any, indent: str, out: list[str]) -> None:
+    """Block-style YAML for the dicts, lists, strings and ints a spec holds (much faster than PyYAML)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, dict | list) and v:
+                out.append(f"{indent}{k}:")
+                _emit(v, indent + "  ", out)
+            elif isinstance(v, dict | list):
+                out.append(f"{indent}{k}: {'[]' if isinstance(v, list) else '{}'}")
+            else:
+                out.append(f"{indent}{k}: {_scalar(v)}")
+        return
+    for item in value:
+        if isinstance(item, dict) and item:
+            sub: list[str] = []
+            _emit(item, indent + "  ", sub)
+            out.append(indent + "- " + sub[0][len(indent) + 2:])
+            out.extend(sub[1:])
+        elif isinstance(item, list):
+            raise TypeError("nested lists do not occur in a CDI spec")
+        else:
+            out.append(f"{indent}- {_scalar(item)}")
+
+
 def render(spec: dict[str, Any]) -> str:
-    """The file's text: a comment header and block YAML, stable for equal specs."""
-    body = yaml.safe_dump(spec, sort_keys=False, default_flow_style=False, width=1000)
-    return HEADER + body
+    """The file's text: a comment header and block YAML with quoted strings, stable for equal specs."""
+    out: list[str] = []
+    _emit(spec, "", out)
+    return HEADER + "\n".join(out) + "\n"
 
 
 def device_names(spec: dict[str, Any] | None) -> list[str]:

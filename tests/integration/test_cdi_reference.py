@@ -150,8 +150,8 @@ def test_library_rejects_a_spec_declaring_too_low_a_version(tmp_path: Path) -> N
     writer.write(host.discover())
     spec_file = Path(writer.file)
     text = spec_file.read_text()
-    assert "cdiVersion: 0.5.0" in text
-    spec_file.write_text(text.replace("cdiVersion: 0.5.0", "cdiVersion: 0.4.0"))
+    assert 'cdiVersion: "0.5.0"' in text
+    spec_file.write_text(text.replace('cdiVersion: "0.5.0"', 'cdiVersion: "0.4.0"'))
     out = run_cdi_check([host.spec_dir], [["nvidia.com/gpu=0"]])
     assert list(out["errors"]) == [str(spec_file)]
     assert "0.5.0" in " ".join(out["errors"][str(spec_file)])

@@ -184,8 +184,8 @@ def test_writer_zero_diff_writes_nothing_and_vanished_mig_entries_go(tmp_path: P
     assert writer.refresh(inv2)
     text = target.read_text()
     assert not any(u in text for u in old_uuids)
-    assert "name: '0:1'" not in text
-    assert "name: 0:0" in text
+    assert 'name: "0:1"' not in text
+    assert 'name: "0:0"' in text
     assert inv2.gpu(0).mig_devices[0].uuid in text
 
 
@@ -243,3 +243,14 @@ def test_cli_generate_show_check(tmp_path: Path) -> None:
     assert r.stdout.strip() == f"wrote {spec_file} (21 device names)"
     r = runner.invoke(cli, [*base, "generate", *sim, "--stdout"], standalone_mode=False)
     assert yaml.safe_load(r.stdout)["cdiVersion"] == "0.5.0"
+
+
+@pytest.mark.parametrize("machine", ["dgx-h100", "a30x4", "t4x1"])
+def test_rendered_yaml_reads_back_as_the_spec(tmp_path: Path, machine: str) -> None:
+    host = make_host(tmp_path, machine)
+    inv = host.discover()
+    spec = generate(inv, collect(host.paths, inv))
+    assert spec is not None
+    spec["containerEdits"]["env"].append('A="quoted" \\ back\nslash: ü')
+    spec["containerEdits"]["empty"] = []
+    assert yaml.safe_load(render(spec)) == spec
