@@ -254,3 +254,16 @@ def test_rendered_yaml_reads_back_as_the_spec(tmp_path: Path, machine: str) -> N
     spec["containerEdits"]["env"].append('A="quoted" \\ back\nslash: ü')
     spec["containerEdits"]["empty"] = []
     assert yaml.safe_load(render(spec)) == spec
+
+
+def test_on_inventory_runs_refresh_off_the_event_loop(tmp_path: Path) -> None:
+    import asyncio
+
+    paths, inv = _host_inventory(tmp_path)
+    writer = CdiWriter(paths)
+
+    async def go() -> tuple[bool, bool]:
+        return await writer.on_inventory(inv), await writer.on_inventory(inv)
+
+    assert asyncio.run(go()) == (True, False)
+    assert writer.last is not None and writer.last.action == "unchanged"
