@@ -65,10 +65,14 @@ class CdiWriter:
     writer per node); ``last`` keeps the most recent result for status reporting.
     """
 
-    def __init__(self, paths: HostPaths, *, driver_root: str = "/", spec_path: str = SPEC_PATH) -> None:
+    def __init__(self, paths: HostPaths, *, driver_root: str = "/", spec_path: str = SPEC_PATH,
+                 sim_host_files: bool = False) -> None:
         self.paths = paths
         self.driver_root = driver_root
         self.spec_path = spec_path
+        # With the NVML simulator there is no driver to keep /proc and /dev in step with the MIG layout:
+        # each write first lays them out for the inventory (nodeagent.cdi.simhost), as the driver would.
+        self.sim_host_files = sim_host_files
         self.last: WriteResult | None = None
 
     @property
@@ -82,6 +86,10 @@ class CdiWriter:
         """Bring the file in line with ``inventory``; raises ``CdiError`` (file untouched) on failure."""
         start = time.perf_counter()
         target = self.paths(self.spec_path)
+        if self.sim_host_files:
+            from nodeagent.cdi.simhost import materialise
+
+            materialise(self.paths, inventory)
         spec = generate(inventory, collect(self.paths, inventory, self.driver_root))
         try:
             old = fileio.read_bytes(target)

@@ -267,3 +267,17 @@ def test_on_inventory_runs_refresh_off_the_event_loop(tmp_path: Path) -> None:
 
     assert asyncio.run(go()) == (True, False)
     assert writer.last is not None and writer.last.action == "unchanged"
+
+
+def test_sim_host_files_follow_the_inventory_on_each_write(tmp_path: Path) -> None:
+    """With the simulator, the writer lays out /proc and /dev itself (no driver does it)."""
+    migs = (mig_device(0, 3), mig_device(0, 5))
+    inv = Inventory("550.54.15", 12040, (gpu(0, mig=migs), gpu(1)))
+    writer = CdiWriter(HostPaths(tmp_path), sim_host_files=True)
+    assert writer.write(inv).action == "written"
+    caps = sorted(p.name for p in (tmp_path / "dev/nvidia-caps").iterdir())
+    assert caps == sorted(f"nvidia-cap{n}" for n in (30, 31, 48, 49))
+    fewer = Inventory("550.54.15", 12040, (gpu(0, mig=migs[:1]), gpu(1)))
+    assert writer.write(fewer).action == "written"
+    assert sorted(p.name for p in (tmp_path / "dev/nvidia-caps").iterdir()) == ["nvidia-cap30", "nvidia-cap31"]
+    assert not (tmp_path / "proc/driver/nvidia/capabilities/gpu0/mig/gi5").exists()
