@@ -169,7 +169,9 @@ def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] |
         except (FileNotFoundError, NotADirectoryError):
             continue
         for e in entries:
-            if e.is_symlink() or not e.is_file():
+            # Libraries: the versioned file itself (its .so.1 links are the loader's business); tools may
+            # be links (alternatives), which the bind mount follows.
+            if (keep is not None and e.is_symlink()) or not e.is_file():
                 continue
             if keep is not None:
                 m = keep.fullmatch(e.name)

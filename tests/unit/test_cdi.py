@@ -281,3 +281,17 @@ def test_sim_host_files_follow_the_inventory_on_each_write(tmp_path: Path) -> No
     assert writer.write(fewer).action == "written"
     assert sorted(p.name for p in (tmp_path / "dev/nvidia-caps").iterdir()) == ["nvidia-cap30", "nvidia-cap31"]
     assert not (tmp_path / "proc/driver/nvidia/capabilities/gpu0/mig/gi5").exists()
+
+
+def test_linked_tool_is_mounted_but_library_links_are_not(tmp_path: Path) -> None:
+    paths, inv = _host_inventory(tmp_path)
+    smi = tmp_path / "usr/bin/nvidia-smi"
+    real = tmp_path / "opt/nvidia/nvidia-smi"
+    real.parent.mkdir(parents=True)
+    smi.rename(real)
+    smi.symlink_to(real)
+    spec = generate(inv, collect(paths, inv))
+    assert spec is not None
+    mounts = {m["containerPath"] for m in spec["containerEdits"]["mounts"]}
+    assert "/usr/bin/nvidia-smi" in mounts
+    assert "/usr/lib/x86_64-linux-gnu/libcuda.so.1" not in mounts
