@@ -129,9 +129,11 @@ class CdiWriter:
         return await asyncio.to_thread(self.refresh, inventory)
 
 
-def cdi_step(paths: HostPaths, inventory: Inventory, driver_root: str = "/") -> CdiStepResult:
-    """``bootstrap``'s ``cdi`` step: write the spec for ``inventory``; never raises for host problems."""
-    writer = CdiWriter(paths, driver_root=driver_root)
+def cdi_step(paths: HostPaths, inventory: Inventory, driver_root: str = "/", *,
+             sim_host_files: bool = False) -> CdiStepResult:
+    """``bootstrap``'s ``cdi`` step: write the spec for ``inventory``; never raises for host problems.
+    ``sim_host_files``: running on the NVML simulator (see ``CdiWriter``)."""
+    writer = CdiWriter(paths, driver_root=driver_root, sim_host_files=sim_host_files)
     try:
         r = writer.write(inventory)
     except CdiError as e:
