@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "runtime": "nodeagent.commands.runtime:runtime",
     "run": "nodeagent.commands.run:run",
     "bootstrap": "nodeagent.commands.bootstrap:bootstrap",
+    "cdi": "nodeagent.commands.cdi:cdi",
 }
 
 

@@ -12,13 +12,13 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from nodeagent.cdi.names import qualified_name
 from nodeagent.errors import InputError
 from nodeagent.sharing.devices import PhysicalDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-CDI_KIND = "nvidia.com/gpu"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 # /proc/driver/nvidia-caps/mig-minors numbering: "config" 1, "monitor" 2, then per GPU 15 GPU
@@ -128,7 +128,8 @@ def container_allocation(
     if "volume-mounts" in strategies:
         envs[VISIBLE_DEVICES_ENV] = VOLUME_MOUNT_ROOT
         mounts.extend(Mount(f"{VOLUME_MOUNT_ROOT}/{i}", "/dev/null") for i in ids)
-    cdi_names = [f"{CDI_KIND}={i}" for i in ids]
+    # The names nodeagent's CDI spec (nodeagent.cdi) gives these devices: index "0" / "0:1" or UUID.
+    cdi_names = [qualified_name(i) for i in ids]
     if "cdi-annotations" in strategies:
         annotations[cdi_annotation_key(flags.cdi_annotation_prefix, device_ids)] = ",".join(cdi_names)
     if "cdi-cri" in strategies:

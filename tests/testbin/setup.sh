@@ -220,3 +220,23 @@ elif [ "${BASH_SOURCE[0]}" = "$0" ]; then
 else
   nodeagent_peers_setup || return 1
 fi
+
+# cdi-check: drives the CDI reference library (tags.cncf.io/container-device-interface/pkg/cdi, version
+# pinned in tests/testbin/cdi-check/go.mod) for the CDI tests; the same module has cri-cdi (creates a
+# container through CRI with CDI devices and prints the OCI spec) and pause (the test image's process).
+# Not part of nodeagent_peers_setup: the tests build them on first use (tests/peers/cdicheck.py).
+nodeagent_peers_cdi_check() {
+  local mod=$NODEAGENT_TESTBIN/cdi-check version
+  version=$(_go_mod_version "$mod" tags.cncf.io/container-device-interface)
+  build_go_binary cdi-check "$mod" . "$version" || return 1
+  export NODEAGENT_CDI_CHECK=$NODEAGENT_GO_BINARY
+  build_go_binary cri-cdi "$mod" ./cmd/cri-cdi "$version" || return 1
+  export NODEAGENT_CRI_CDI=$NODEAGENT_GO_BINARY
+  build_go_binary cdi-pause "$mod" ./cmd/pause "$version" || return 1
+  export NODEAGENT_CDI_PAUSE=$NODEAGENT_GO_BINARY
+  # containerd 2's runc shim (Debian's 1.6 shim cannot serve containerd 2), from the containerd2 module.
+  local cd2=$NODEAGENT_TESTBIN/containerd2
+  build_go_binary containerd2-shim-runc-v2 "$cd2" github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+    "$(_go_mod_version "$cd2" github.com/containerd/containerd/v2)" || return 1
+  export NODEAGENT_CONTAINERD2_SHIM=$NODEAGENT_GO_BINARY
+}

@@ -1,0 +1,244 @@
+"""The host facts a CDI spec needs, read under ``--root`` (I/O only; the spec itself is built in ``spec``).
+
+* ``/proc/driver/nvidia-caps/mig-minors``: which ``/dev/nvidia-caps/nvidia-cap<N>`` grants access to a
+  GPU instance (``gpu<minor>/gi<id>/access N``) or compute instance (``gpu<minor>/gi<id>/ci<id>/access N``);
+* ``/dev``: which NVIDIA device nodes exist. A real character device is left for the runtime to stat (as
+  ``nvidia-ctk`` does); a stand-in file (a simulated host) gets its type and numbers written into the
+  spec, majors taken from ``/proc/devices``;
+* the driver root: the driver's libraries (``lib*.so.<driver version>``), tools and firmware, mounted
+  read-only into containers at the same path relative to the driver root;
+* ``nvidia-cdi-hook``: when installed, containers get its ``create-symlinks`` and ``update-ldcache`` hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from nodeagent.errors import OperationError
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+
+MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
+PROC_DEVICES = "/proc/devices"
+NVIDIA_MAJOR = 195  # fixed major of /dev/nvidiactl, /dev/nvidia-modeset and /dev/nvidiaN
+CONTROL_NODES: dict[str, tuple[str, int]] = {
+    # container path -> (/proc/devices name of its major, minor)
+    "/dev/nvidiactl": ("nvidia-frontend", 255),
+    "/dev/nvidia-uvm": ("nvidia-uvm", 0),
+    "/dev/nvidia-uvm-tools": ("nvidia-uvm", 1),
+    "/dev/nvidia-modeset": ("nvidia-frontend", 254),
+}
+LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/lib/x86_64-linux-gnu",
+    "/lib64",
+)
+_LIBRARY = re.compile(
+    r"lib(nvidia-[A-Za-z0-9_.-]+|cuda|cudadebugger|nvcuvid|nvoptix|GLX_nvidia|EGL_nvidia|GLESv2_nvidia"
+    r"|GLESv1_CM_nvidia)\.so\.(?P<version>[0-9.]+)"
+)
+BINARIES = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
+BINARY_DIRS = ("/usr/bin", "/usr/local/bin", "/bin")
+HOOK_CANDIDATES = (
+    "/usr/bin/nvidia-cdi-hook",
+    "/usr/local/bin/nvidia-cdi-hook",
+    "/usr/local/nvidia/toolkit/nvidia-cdi-hook",
+)
+IPC_SOCKETS = ("/run/nvidia-persistenced/socket", "/run/nvidia-fabricmanager/socket")
+
+_MIG_LINE = re.compile(r"gpu(?P<gpu>\d+)/gi(?P<gi>\d+)(?:/ci(?P<ci>\d+))?/access\s+(?P<minor>\d+)")
+
+
+class CdiError(OperationError):
+    """The CDI spec could not be built or written; the previous spec (if any) is left as it was."""
+
+
+@dataclass(frozen=True)
+class NodeFact:
+    """A device node as the spec should name it."""
+
+    path: str  # inside the container, e.g. /dev/nvidia0
+    host_path: str  # where it is on this host (differs from path under --root)
+    major: int | None = None  # set only for stand-in files (simulated hosts)
+    minor: int | None = None
+
+
+@dataclass(frozen=True)
+class MountFact:
+    container_path: str
+    host_path: str
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """Everything besides the inventory that goes into the spec."""
+
+    nodes: dict[str, NodeFact] = field(default_factory=dict)  # container path -> fact, existing nodes only
+    mig_minors: dict[tuple[int, int, int | None], int] = field(default_factory=dict)  # (gpu, gi, ci|None)
+    libraries: tuple[MountFact, ...] = ()
+    binaries: tuple[MountFact, ...] = ()
+    firmware: tuple[MountFact, ...] = ()
+    sockets: tuple[MountFact, ...] = ()
+    hook: str | None = None  # host path of nvidia-cdi-hook
+    mig_minors_source: str = MIG_MINORS
+
+
+def parse_mig_minors(text: str, source: str = MIG_MINORS) -> dict[tuple[int, int, int | None], int]:
+    """``gpu0/gi1/access 12`` → ``{(0, 1, None): 12}``; ``gpu0/gi1/ci0/access 13`` → ``{(0, 1, 0): 13}``.
+
+    ``config`` and ``monitor`` lines are accepted and ignored; any other line is an error naming it.
+    """
+    out: dict[tuple[int, int, int | None], int] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        m = _MIG_LINE.fullmatch(line)
+        if m is None:
+            parts = line.split()
+            if len(parts) == 2 and parts[0] in ("config", "monitor") and parts[1].isdigit():
+                continue
+            raise CdiError(f"{source}:{lineno}: cannot parse {line!r}", subject=source)
+        ci = None if m["ci"] is None else int(m["ci"])
+        out[(int(m["gpu"]), int(m["gi"]), ci)] = int(m["minor"])
+    return out
+
+
+def parse_proc_devices(text: str) -> dict[str, int]:
+    """Character-device majors by name from ``/proc/devices``."""
+    majors: dict[str, int] = {}
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.endswith(":"):
+            section = line
+            continue
+        parts = line.split()
+        if section.startswith("Character") and len(parts) == 2 and parts[0].isdigit():
+            majors.setdefault(parts[1], int(parts[0]))
+    return majors
+
+
+def _major_for(name: str, majors: dict[str, int]) -> int | None:
+    if name == "nvidia-frontend":
+        return majors.get("nvidia-frontend", majors.get("nvidia", NVIDIA_MAJOR))
+    return majors.get(name)
+
+
+def _node(paths: HostPaths, path: str, major_name: str, minor: int, majors: dict[str, int], *,
+          required: bool) -> NodeFact | None:
+    """The fact for one node: a real character device as is; a stand-in file, or a missing node the
+    spec must still name (``required``), with its numbers; ``None`` when absent and not required."""
+    host = Path(os.path.abspath(paths(path)))
+    try:
+        st: os.stat_result | None = os.stat(host)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISCHR(st.st_mode):
+        return NodeFact(path, str(host))
+    if st is None and not required:
+        return None
+    major = _major_for(major_name, majors)
+    if major is None:
+        return None
+    return NodeFact(path, str(host), major, minor)
+
+
+def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] | None,
+               names: tuple[str, ...], version: str) -> list[MountFact]:
+    out: list[MountFact] = []
+    seen: set[str] = set()
+    for d in directories:
+        host_dir = base.joinpath(*PurePosixPath(d).parts[1:])
+        try:
+            entries = sorted(os.scandir(host_dir), key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            # Libraries: the versioned file itself (its .so.1 links are the loader's business); tools may
+            # be links (alternatives), which the bind mount follows.
+            if (keep is not None and e.is_symlink()) or not e.is_file():
+                continue
+            if keep is not None:
+                m = keep.fullmatch(e.name)
+                if m is None or m["version"] != version:
+                    continue
+            elif e.name not in names:
+                continue
+            if e.name in seen:  # the first directory that has a file wins, as on the loader path
+                continue
+            seen.add(e.name)
+            out.append(MountFact(f"{d}/{e.name}", os.path.abspath(e.path)))
+    return out
+
+
+def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/") -> HostFacts:
+    """Read the host facts the spec for ``inventory`` needs, under ``paths``."""
+    majors: dict[str, int] = {}
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        majors = parse_proc_devices(paths(PROC_DEVICES).read_text())
+    nodes: dict[str, NodeFact] = {}
+    for path, (major_name, minor) in CONTROL_NODES.items():
+        fact = _node(paths, path, major_name, minor, majors, required=False)
+        if fact is not None:
+            nodes[path] = fact
+    for gpu in inventory.gpus:
+        path = f"/dev/nvidia{gpu.minor_number}"
+        fact = _node(paths, path, "nvidia-frontend", gpu.minor_number, majors, required=True)
+        if fact is not None:
+            nodes[path] = fact
+
+    minors_file = paths(MIG_MINORS)
+    mig_minors: dict[tuple[int, int, int | None], int] = {}
+    if any(g.mig_devices for g in inventory.gpus):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            mig_minors = parse_mig_minors(minors_file.read_text(), str(minors_file))
+    for gpu in inventory.gpus:
+        for mig in gpu.mig_devices:
+            keys: tuple[tuple[int, int, int | None], ...] = (
+                (gpu.minor_number, mig.gi_id, None), (gpu.minor_number, mig.gi_id, mig.ci_id))
+            for key in keys:
+                cap = mig_minors.get(key)
+                if cap is None:
+                    continue
+                path = f"/dev/nvidia-caps/nvidia-cap{cap}"
+                fact = _node(paths, path, "nvidia-caps", cap, majors, required=True)
+                if fact is not None:
+                    nodes[path] = fact
+
+    root = paths(driver_root)
+    libraries = _mounts_in(root, LIBRARY_DIRS, _LIBRARY, (), inventory.driver_version)
+    binaries = _mounts_in(root, BINARY_DIRS, None, BINARIES, inventory.driver_version)
+    firmware: list[MountFact] = []
+    fw_dir = f"/lib/firmware/nvidia/{inventory.driver_version}"
+    host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
+    if host_fw.is_dir():
+        firmware = [MountFact(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
+    sockets = [MountFact(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
+    hook = next(
+        (os.path.abspath(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
+    )
+    return HostFacts(
+        nodes=nodes,
+        mig_minors=mig_minors,
+        libraries=tuple(libraries),
+        binaries=tuple(binaries),
+        firmware=tuple(firmware),
+        sockets=tuple(sockets),
+        hook=hook,
+        mig_minors_source=str(minors_file),
+    )
