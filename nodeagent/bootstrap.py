@@ -111,6 +111,8 @@ class BootstrapParts:
     connect: Callable[[AgentConfig, HostPaths], Any]  # a KubeClient that answered, or raises
     # (kube, config, component, message, ok) -> reason of the Event recorded on the Node, or None
     record_event: Callable[[Any, AgentConfig, str, str, bool], str | None] | None = None
+    # the node's CDI spec for the inventory (None: no CDI step)
+    write_cdi: Callable[[AgentConfig, HostPaths, Inventory], StepResult] | None = None
 
 
 def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: BootstrapParts) -> Report:
@@ -159,7 +161,13 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
         skip("mig", "discovery failed")
     else:
         inv, name = inventory, options.mig_config
-        step("mig", lambda: parts.apply_mig(config, paths, inv, name))
+        mig = step("mig", lambda: parts.apply_mig(config, paths, inv, name))
+        if mig.outcome is Outcome.CHANGED:  # the CDI spec must name the new MIG devices
+            try:
+                inventory = parts.discover(config, paths)
+            except NodeAgentError as e:
+                log.warning("rediscovery after the MIG change failed: %s", e)
+                inventory = None
 
     if not config.runtime.enabled:
         skip("runtime", "runtime.enabled = false")
@@ -177,6 +185,17 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
             skip("containerd-restart", "runtime.restart = none")
         else:
             step("containerd-restart", lambda: parts.restart_containerd(config, paths))
+
+    # containerd reads CDI specs when it creates a container: the spec may follow its restart
+    if not config.cdi.enabled:
+        skip("cdi", "cdi.enabled = false")
+    elif parts.write_cdi is None:
+        skip("cdi", "no CDI writer")
+    elif inventory is None:
+        skip("cdi", "discovery failed")
+    else:
+        write_cdi, inv_cdi = parts.write_cdi, inventory
+        step("cdi", lambda: write_cdi(config, paths, inv_cdi))
 
     kube: Any = None
     if not (options.kube and config.kube):
@@ -387,6 +406,13 @@ def _record_event(kube: Any, config: AgentConfig, component: str, message: str, 
     return good if ok else bad
 
 
+def _write_cdi(config: AgentConfig, paths: HostPaths, inventory: Inventory) -> StepResult:
+    from nodeagent.cdi.writer import cdi_step
+
+    r = cdi_step(paths, inventory, config.cdi.driver_root, sim_host_files=bool(config.simulate.machine))
+    return StepResult(Outcome(r.outcome), r.message, dict(r.details))
+
+
 def default_parts() -> BootstrapParts:
     return BootstrapParts(
         discover=_discover,
@@ -397,4 +423,5 @@ def default_parts() -> BootstrapParts:
         publish_labels=_publish_labels,
         connect=_connect,
         record_event=_record_event,
+        write_cdi=_write_cdi,
     )

@@ -96,6 +96,12 @@ class HealthSettings:
 
 
 @dataclass(frozen=True)
+class CdiSettings:
+    enabled: bool = True  # keep /var/run/cdi/nvidia.yaml true to the GPUs and MIG devices
+    driver_root: str = "/"  # where the driver's libraries and tools are found (host path)
+
+
+@dataclass(frozen=True)
 class SimulateSettings:
     machine: str = ""  # simulated machine name; "" = real NVML
     state: str = ""  # simulator state file: a path on this machine, never re-rooted under --root
@@ -116,6 +122,7 @@ class AgentConfig:
     publish: PublishSettings = field(default_factory=PublishSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
+    cdi: CdiSettings = field(default_factory=CdiSettings)
     simulate: SimulateSettings = field(default_factory=SimulateSettings)
     source: str = field(default="", compare=False)  # where it was read from (for messages)
 
@@ -177,6 +184,7 @@ _ABSOLUTE_PATHS = {
     "mig.hooks_file",
     "runtime.containerd_config",
     "runtime.dropin",
+    "cdi.driver_root",
     "simulate.state",
 }
 

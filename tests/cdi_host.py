@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def layouts(machine: str) -> dict[str, dict[int, list[str] | None]]:
     out: dict[str, dict[int, list[str] | None]] = {"off": {}}
     smallest = {i: [p.profiles[0].name] * len(p.profiles[0].placement_starts) for i, p in products.items()}
     out["all-smallest"] = dict(smallest)
-    halves = {}
+    halves: dict[int, list[str] | None] = {}
     for i, p in products.items():
         half = next(x for x in p.profiles if len(x.placement_starts) == 2 and "+" not in x.name)
         halves[i] = [half.name, half.name]
@@ -80,7 +81,7 @@ def layouts(machine: str) -> dict[str, dict[int, list[str] | None]]:
     return out
 
 
-def apply_layout(host: SimHost, layout: dict[int, list[str] | None]) -> Inventory:
+def apply_layout(host: SimHost, layout: Mapping[int, list[str] | None]) -> Inventory:
     """Write ``layout`` into the simulator (GPUs not named: MIG off) and refresh the host files."""
     for i in _products(host.store.machine.name):
         profiles = layout.get(i)

@@ -9,7 +9,7 @@ by a reload) reads are empty and writes are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,9 +99,49 @@ class MetricsLink:
             self._sink.count_publish(result)
 
 
+class CdiLink:
+    """The node's CDI spec writer while it runs: refreshed before any device name is advertised."""
+
+    def __init__(self) -> None:
+        self._refresh: Callable[[Inventory], Awaitable[object]] | None = None
+
+    def attach(self, refresh: Callable[[Inventory], Awaitable[object]]) -> None:
+        self._refresh = refresh
+
+    def detach(self, refresh: Callable[[Inventory], Awaitable[object]]) -> None:
+        if self._refresh == refresh:
+            self._refresh = None
+
+    async def refresh(self, inventory: Inventory) -> None:
+        if self._refresh is not None:
+            await self._refresh(inventory)
+
+
+class Advertiser:
+    """What the MIG reconciler advertises through: the CDI spec is written first, so every device name
+    the device plugin then hands out resolves; withdrawing needs no spec change (stale names resolve to
+    nothing the kubelet can still ask for)."""
+
+    def __init__(self, cdi: CdiLink, plugin: DevicePluginLink) -> None:
+        self._cdi = cdi
+        self._plugin = plugin
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        await self._plugin.withdraw(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        await self._cdi.refresh(inventory)
+        await self._plugin.update(inventory)
+
+
 @dataclass
 class Shared:
     """Every link, owned by the daemon: components come and go with reloads, the links stay."""
 
     device_plugin: DevicePluginLink = field(default_factory=DevicePluginLink)
     metrics: MetricsLink = field(default_factory=MetricsLink)
+    cdi: CdiLink = field(default_factory=CdiLink)
+
+    @property
+    def advertiser(self) -> Advertiser:
+        return Advertiser(self.cdi, self.device_plugin)

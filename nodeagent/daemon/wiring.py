@@ -31,7 +31,13 @@ def open_kube(config: AgentConfig) -> Any:
 
 
 def default_specs() -> list[ComponentSpec]:
-    """The real parts of the node, in start order (the device plugin first: the others read it)."""
+    """The real parts of the node, in start order: the CDI spec before anything names a device, then the
+    device plugin (the others read it)."""
+
+    def cdi(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.cdi import CdiComponent
+
+        return CdiComponent(ctx) if ctx.config.cdi.enabled else None
 
     def device_plugin(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.deviceplugin import DevicePluginComponent
@@ -64,6 +70,7 @@ def default_specs() -> list[ComponentSpec]:
         return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
 
     return [
+        ComponentSpec("cdi", frozenset({"cdi"}), cdi),
         ComponentSpec("device-plugin", frozenset({"device_plugin", "kubelet", "health"}), device_plugin),
         ComponentSpec("mig", frozenset({"mig"}), mig),
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import tomlkit
+import yaml
 
 from tests.e2e._agent import REPO
 from tests.peers.apiserver import KubeApiServer
@@ -50,7 +51,7 @@ def test_image_build_under_root_is_idempotent_and_loads_in_containerd(tmp_path: 
     assert code == 0, err
     assert results(report) == {
         "discover": "unchanged", "mig": "skipped", "runtime": "changed", "containerd-restart": "skipped",
-        "runtimeclass": "skipped", "labels": "skipped",
+        "cdi": "changed", "runtimeclass": "skipped", "labels": "skipped",
     }
     assert report["steps"][0]["details"]["gpus"] == 8
     cfg = root / "etc/containerd/config.toml"
@@ -64,7 +65,7 @@ def test_image_build_under_root_is_idempotent_and_loads_in_containerd(tmp_path: 
     code, report, err = bootstrap(*args)
     assert code == 0, err
     assert report["changed"] is False
-    assert results(report)["runtime"] == "unchanged"
+    assert results(report)["runtime"] == "unchanged" and results(report)["cdi"] == "unchanged"
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
 
 
@@ -77,8 +78,14 @@ def test_mig_config_applied_once_and_unknown_name_exits_2(tmp_path: Path) -> Non
     assert code == 0, err
     assert results(report)["mig"] == "changed"
     assert report["steps"][1]["details"]["gpus"] == list(range(8))
+    # the CDI step runs after MIG on the rediscovered GPUs: the spec names the 56 new MIG devices
+    assert results(report)["cdi"] == "changed"
+    spec = yaml.safe_load((root / "var/run/cdi/nvidia.yaml").read_text())
+    names = {d["name"] for d in spec["devices"]}
+    assert {f"{g}:{n}" for g in range(8) for n in range(7)} <= names and "all" in names
     code, report, _ = bootstrap(*base, "--mig-config", "all-1g.10gb")
     assert code == 0 and results(report)["mig"] == "unchanged" and report["changed"] is False
+    assert results(report)["cdi"] == "unchanged"
     code, report, _ = bootstrap(*base, "--mig-config", "no-such-config")
     assert code == 2
     assert results(report)["mig"] == "failed"

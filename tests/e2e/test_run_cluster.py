@@ -34,6 +34,11 @@ def node_obj(server: KubeApiServer, name: str) -> dict[str, Any]:
     return doc
 
 
+def cdi_names(root: Path) -> set[str]:
+    spec = yaml.safe_load((root / "var/run/cdi/nvidia.yaml").read_text())
+    return {d["name"] for d in spec["devices"]}
+
+
 def make_node(server: KubeApiServer, name: str) -> None:
     server.request("DELETE", f"/api/v1/nodes/{name}")
     status, body = server.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
@@ -95,6 +100,8 @@ def test_labels_mig_change_to_success_and_labels_survive_stop(
     with running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
         kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
+        assert {str(g) for g in range(8)} | {"all"} <= cdi_names(root)  # written before the plugin served
+        assert not any(":" in n for n in cdi_names(root))
         eventually(lambda: node_obj(kube_apiserver, node)["metadata"].get("labels", {}).get("nvidia.com/gpu.count")
                    == "8", 15, "gpu.count label")
         set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
@@ -105,6 +112,9 @@ def test_labels_mig_change_to_success_and_labels_survive_stop(
         eventually(lambda: state() == "success", 60, "mig.config.state=success")
         _, res = kubelet_harness.wait("nvidia.com/mig-1g.10gb", registered=True, total=56, timeout=20)
         assert len(res.devices) == 56
+        # the CDI spec named the new MIG devices before they were advertised, and no longer the whole GPUs'
+        # MIG-less layout: every name the kubelet can now be handed resolves
+        assert {f"{g}:{n}" for g in range(8) for n in range(7)} <= cdi_names(root)
         eventually(lambda: node_obj(kube_apiserver, node)["metadata"]["labels"].get("nvidia.com/mig-1g.10gb.count")
                    == "56", 15, "mig-1g.10gb.count label")
         before = node_obj(kube_apiserver, node)["metadata"]["labels"]

@@ -24,6 +24,7 @@ class Node:
         self.labels: dict[str, str] = {}
         self.rc = False
         self.calls: list[str] = []
+        self.cdi_written = False
 
     def parts(self, **over: Any) -> BootstrapParts:
         def runtime(cfg: AgentConfig, paths: HostPaths) -> StepResult:
@@ -50,7 +51,14 @@ class Node:
             self.labels = want
             return StepResult(Outcome.CHANGED)
 
+        def cdi(cfg: AgentConfig, paths: HostPaths, inv: Inventory) -> StepResult:
+            if self.cdi_written:
+                return StepResult(Outcome.UNCHANGED)
+            self.cdi_written = True
+            return StepResult(Outcome.CHANGED, "wrote /var/run/cdi/nvidia.yaml")
+
         base: dict[str, Any] = {
+            "write_cdi": cdi,
             "discover": lambda c, p: INV,
             "apply_mig": lambda c, p, inv, name: StepResult(Outcome.UNCHANGED, f"already {name}"),
             "configure_runtime": runtime,
@@ -75,7 +83,7 @@ def test_first_run_changes_second_run_does_not() -> None:
     r1 = bootstrap(AgentConfig(), P, Options(), node.parts())
     assert results(r1) == {
         "discover": "unchanged", "mig": "skipped", "runtime": "changed", "containerd-restart": "changed",
-        "runtimeclass": "changed", "labels": "changed",
+        "cdi": "changed", "runtimeclass": "changed", "labels": "changed",
     }
     assert r1.changed and r1.exit_code == 0
     r2 = bootstrap(AgentConfig(), P, Options(), node.parts())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,9 @@ def test_real_character_devices_are_left_for_the_runtime_to_stat(tmp_path: Path)
     """On a real host the runtime reads type and numbers from the node itself (as nvidia-ctk's specs do)."""
     inv = Inventory("550.54.15", 12040, (gpu(0),))
     (tmp_path / "dev").mkdir()
-    os.symlink("/dev/null", tmp_path / "dev/nvidia0")
-    os.symlink("/dev/null", tmp_path / "dev/nvidiactl")
+    # real character devices inside the root (a symlink to the host's /dev/null would be re-rooted)
+    os.mknod(tmp_path / "dev/nvidia0", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    os.mknod(tmp_path / "dev/nvidiactl", stat.S_IFCHR | 0o666, os.makedev(1, 3))
     spec = generate(inv, collect(HostPaths(tmp_path), inv))
     assert spec is not None
     assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [

@@ -9,7 +9,7 @@ from typing import Any
 
 from nodeagent.config import AgentConfig, DevicePluginSettings
 from nodeagent.daemon import Component, ComponentSpec, Context, Daemon
-from nodeagent.daemon.shared import DevicePluginLink, MetricsLink
+from nodeagent.daemon.shared import DevicePluginLink, MetricsLink, Shared
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.sdnotify import Notifier
@@ -110,3 +110,38 @@ async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
     metrics.detach(sink)
     metrics.observe_reconcile("mig", "failed", 4.0)
     assert sink.seen == [("mig", "success", 2.0), ("mig", "failed", 3.0)] and sink.publishes == ["res"]
+
+
+async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertises() -> None:
+
+
+    order: list[str] = []
+
+    class Plugin:
+        plugin_config = None
+
+        def served(self) -> list[str]:
+            return []
+
+        def health(self) -> dict[int, bool]:
+            return {}
+
+        async def withdraw(self, gpu_indices: set[int]) -> None:
+            order.append(f"withdraw {sorted(gpu_indices)}")
+
+        async def update(self, inventory: Inventory) -> None:
+            order.append("advertise")
+
+    async def refresh(inventory: Inventory) -> None:
+        order.append("cdi")
+
+    shared = Shared()
+    shared.device_plugin.attach(Plugin())
+    inv = Inventory(driver_version="550.54.15", cuda_driver_version=12040)
+    await shared.advertiser.update(inv)  # no CDI writer attached: advertising still happens
+    shared.cdi.attach(refresh)
+    await shared.advertiser.withdraw({1})
+    await shared.advertiser.update(inv)
+    shared.cdi.detach(refresh)
+    await shared.advertiser.update(inv)
+    assert order == ["advertise", "withdraw [1]", "cdi", "advertise", "advertise"]

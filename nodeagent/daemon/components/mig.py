@@ -47,7 +47,7 @@ class MigComponent(Component):
             NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
             ctx.gpu,  # type: ignore[arg-type]
             ctx.paths.mig_state_dir,
-            publisher=ctx.shared.device_plugin,
+            publisher=ctx.shared.advertiser,
             options=MigReconcilerOptions(sources=sources, with_reboot=cfg.with_reboot),
             reboot=reboot_host,
             boot_id=lambda: read_boot_id(proc),
