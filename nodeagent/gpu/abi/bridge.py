@@ -596,6 +596,45 @@ def nvmlDeviceGetComputeInstanceId(dev: int, out: int) -> int:
     return SUCCESS
 
 
+def nvmlDeviceGetAttributes_v2(dev: int, out: int) -> int:
+    """Engine counts, slices and memory of a MIG device (NVML answers this for MIG device handles only)."""
+    _need(out)
+    sim = _sim()
+    mig = _h(dev)
+    if not sim.nvmlDeviceIsMigDeviceHandle(mig):
+        return int(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    parent = sim.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig)
+    gi = sim.nvmlDeviceGetGpuInstanceById(parent, sim.nvmlDeviceGetGpuInstanceId(mig))
+    gi_info = sim.nvmlGpuInstanceGetInfo(gi)
+    ci = sim.nvmlGpuInstanceGetComputeInstanceById(gi, sim.nvmlDeviceGetComputeInstanceId(mig))
+    ci_info = sim.nvmlComputeInstanceGetInfo(ci)
+    gi_prof = None
+    for index in range(int(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)):
+        try:
+            candidate = sim.nvmlDeviceGetGpuInstanceProfileInfo(parent, index)
+        except pynvml.NVMLError:
+            continue
+        if int(candidate.id) == int(gi_info.profileId):
+            gi_prof = candidate
+            break
+    if gi_prof is None:
+        return NOT_FOUND
+    ci_prof = sim.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        gi, int(ci_info.profileId), int(pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+    )
+    dst = pynvml.c_nvmlDeviceAttributes.from_address(out)
+    dst.multiprocessorCount = int(ci_prof.multiprocessorCount)
+    dst.sharedCopyEngineCount = int(gi_prof.copyEngineCount)
+    dst.sharedDecoderCount = int(gi_prof.decoderCount)
+    dst.sharedEncoderCount = int(gi_prof.encoderCount)
+    dst.sharedJpegCount = int(gi_prof.jpegCount)
+    dst.sharedOfaCount = int(gi_prof.ofaCount)
+    dst.gpuInstanceSliceCount = int(gi_prof.sliceCount)
+    dst.computeInstanceSliceCount = int(ci_prof.sliceCount)
+    dst.memorySizeMB = int(gi_prof.memorySizeMB)
+    return SUCCESS
+
+
 # --- events -----------------------------------------------------------------------------------------
 def nvmlEventSetCreate(out: int) -> int:
     _need(out)
@@ -643,6 +682,7 @@ nvmlDeviceGetHandleByPciBusId = nvmlDeviceGetHandleByPciBusId_v2
 nvmlDeviceGetNvLinkRemotePciInfo = nvmlDeviceGetNvLinkRemotePciInfo_v2
 nvmlDeviceGetGpuInstancePossiblePlacements = nvmlDeviceGetGpuInstancePossiblePlacements_v2
 nvmlComputeInstanceGetInfo = nvmlComputeInstanceGetInfo_v2
+nvmlDeviceGetAttributes = nvmlDeviceGetAttributes_v2
 
 _FUNCTIONS: dict[str, Callable[..., int]] = {
     name: fn for name, fn in globals().items() if name.startswith("nvml") and callable(fn)
