@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.nvmlInit()
     try:
         handle = sim.nvmlDeviceGetHandleByIndex(args.id)
-        bus_id = sim.nvmlDeviceGetPciInfo(handle).busId.decode()
+        bus = sim.nvmlDeviceGetPciInfo(handle).busId
+        bus_id = bus.decode() if isinstance(bus, bytes) else str(bus)
         sim.simResetGpu(handle)
     except pynvml.NVMLError as e:
         if int(e.value) == pynvml.NVML_ERROR_IN_USE:
