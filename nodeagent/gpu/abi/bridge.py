@@ -259,9 +259,34 @@ def nvmlDeviceGetHandleByIndex_v2(index: int, out: int) -> int:
     return SUCCESS
 
 
+def _mig_handle_by_uuid(sim: SimulatedNvml, want: str) -> Any:
+    """NVML hands out MIG device handles by MIG UUID too (the simulator knows GPU UUIDs only)."""
+    for index in range(sim.nvmlDeviceGetCount()):
+        dev = sim.nvmlDeviceGetHandleByIndex(index)
+        try:
+            if not sim.nvmlDeviceGetMigMode(dev)[0]:
+                continue
+            count = sim.nvmlDeviceGetMaxMigDeviceCount(dev)
+        except pynvml.NVMLError:
+            continue
+        for i in range(count):
+            try:
+                mig = sim.nvmlDeviceGetMigDeviceHandleByIndex(dev, i)
+            except pynvml.NVMLError:
+                break
+            if sim.nvmlDeviceGetUUID(mig) == want:
+                return mig
+    raise _Error(NOT_FOUND)
+
+
 def nvmlDeviceGetHandleByUUID(uuid: int, out: int) -> int:
     _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetHandleByUUID(_get_str(uuid)))
+    sim = _sim()
+    want = _get_str(uuid).decode(errors="replace")
+    if want.startswith("MIG-"):
+        _put_handle(out, _mig_handle_by_uuid(sim, want))
+    else:
+        _put_handle(out, sim.nvmlDeviceGetHandleByUUID(want))
     return SUCCESS
 
 
@@ -571,7 +596,15 @@ def nvmlDeviceGetMaxMigDeviceCount(dev: int, out: int) -> int:
 
 def nvmlDeviceGetMigDeviceHandleByIndex(dev: int, index: int, out: int) -> int:
     _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetMigDeviceHandleByIndex(_h(dev), index))
+    try:
+        handle = _sim().nvmlDeviceGetMigDeviceHandleByIndex(_h(dev), index)
+    except pynvml.NVMLError as e:
+        # A MIG-capable GPU with MIG off has no MIG device at any index: NVML says NOT_FOUND, which
+        # go-nvlib's VisitMigDevices skips (the simulator says INVALID_STATE, which stops it).
+        if int(e.value) == pynvml.NVML_ERROR_INVALID_STATE:
+            return NOT_FOUND
+        raise
+    _put_handle(out, handle)
     return SUCCESS
 
 

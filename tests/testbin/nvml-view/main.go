@@ -298,10 +298,11 @@ func main() {
 				placement.Size = placements[0].Size
 			}
 			gi, ret = dev.CreateGpuInstanceWithPlacement(&info, &placement)
+			check(ret, "create GPU instance")
 		} else {
 			gi, ret = dev.CreateGpuInstance(&info)
+			check(ret, "create GPU instance")
 		}
-		check(ret, "create GPU instance")
 		ciInfo, ret := gi.GetComputeInstanceProfileInfo(ciProfileFor(info.SliceCount), nvml.COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
 		check(ret, "compute instance profile info")
 		ci, ret := gi.CreateComputeInstance(&ciInfo)
