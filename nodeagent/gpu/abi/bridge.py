@@ -8,7 +8,8 @@ layouts of ``nvml.h``) and return an ``nvmlReturn_t``. A name not served here ma
 
 The machine and state are those of ``configure()`` (nodeagent's ABI mode) or else of the environment:
 ``NODEAGENT_SIM_MACHINE`` (a simulated machine name) and ``NODEAGENT_SIM_STATE`` (the shared state file).
-``NODEAGENT_NVML_TRACE=1`` prints each call's name and result on stderr.
+``NODEAGENT_NVML_TRACE=1`` prints each call's name and result on stderr; ``NODEAGENT_NVML_INIT_LOG=FILE``
+appends one line per nvmlInit to FILE.
 """
 
 from __future__ import annotations
@@ -204,7 +205,21 @@ def _init() -> int:
         assert _M.sim is not None
         _M.sim.nvmlInit()
         _M.inits += 1
+    _note_init(key)
     return SUCCESS
+
+
+def _note_init(key: tuple[str | None, str | None]) -> None:
+    """With ``NODEAGENT_NVML_INIT_LOG`` set, append "pid machine state" for each nvmlInit (tests use it
+    to prove that a process really went through the C library)."""
+    path = os.environ.get("NODEAGENT_NVML_INIT_LOG")
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()} {key[0] or '-'} {key[1] or '-'}\n")
+    except OSError as e:
+        print(f"libnvidia-ml (nodeagent stand-in): cannot append to {path}: {e}", file=sys.stderr)
 
 
 # --- NVML functions, by C name ----------------------------------------------------------------------
