@@ -77,8 +77,9 @@ def open_pynvml(machine: str | None, state: Path | None) -> ModuleType:
     from nodeagent.gpu.sim.state import SimStore
 
     store = SimStore.open(machine, state)  # a bad machine name or state file fails here, in one line
-    with store.transaction():
-        pass  # the file exists from now on, naming its machine, for processes that only get the path
+    if not state.exists():
+        with store.transaction():
+            pass  # the file exists from now on, naming its machine, for processes that only get the path
     with _lock:
         if _loaded is None:
             try:
