@@ -2,7 +2,8 @@
 ``open_nvml(--simulate/--sim-state)`` in them gets the REAL pynvml bound to the stand-in library, so the
 adapter, the MIG applier, the health monitor (XID events through nvmlEventSetWait_v2) and the device plugin
 (at the real kubelet device manager) run the production NVML path. An init log proves the C library
-served each run.
+served each run. (tests/unit/test_discover_cli.py is not among them: it clears every NODEAGENT_* variable
+for its child processes; test_abi_discover.py runs ``nodeagent discover`` in ABI mode instead.)
 
 Deselected, each for a named reason (they reach past NVML, which a real driver does not allow):
 """
@@ -39,7 +40,6 @@ DESELECTED = {
 __doc__ = (__doc__ or "") + "".join(f"\n- {k}: {v}" for k, v in DESELECTED.items())
 
 SUITES = {
-    "discover": ["tests/unit/test_discover_cli.py"],
     "mig": ["tests/unit/test_mig_cli.py", "tests/unit/test_mig_recover_cli.py"],
     "metrics-and-health": ["tests/unit/test_metrics.py", "tests/unit/test_health_reload.py"],
     "device-plugin-at-the-kubelet": ["tests/integration/test_deviceplugin_kubelet.py"],
