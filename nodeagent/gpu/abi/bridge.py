@@ -142,6 +142,13 @@ def _h(value: int) -> Any:
 
 def _fill(src: Any, dst: Any) -> None:
     """Copy the fields ``dst`` (a struct in the caller's memory) shares with ``src`` (a pynvml answer)."""
+    if type(src) is type(dst):  # same layout: one copy instead of a field-by-field walk
+        versioned = dst._fields_[0][0] == "version"
+        version = ctypes.c_uint.from_address(ctypes.addressof(dst)).value if versioned else 0
+        ctypes.memmove(ctypes.addressof(dst), ctypes.addressof(src), ctypes.sizeof(dst))
+        if versioned:  # the caller's struct keeps the version it asked for
+            ctypes.c_uint.from_address(ctypes.addressof(dst)).value = version
+        return
     for field in dst._fields_:
         name = field[0]
         if name != "version" and hasattr(src, name):
