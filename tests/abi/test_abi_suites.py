@@ -43,6 +43,8 @@ SUITES = {
     "mig": ["tests/unit/test_mig_cli.py", "tests/unit/test_mig_recover_cli.py"],
     "metrics-and-health": ["tests/unit/test_metrics.py", "tests/unit/test_health_reload.py"],
     "device-plugin-at-the-kubelet": ["tests/integration/test_deviceplugin_kubelet.py"],
+    # `nodeagent run` against the real kube-apiserver: nvidia.com/mig.config label -> MIG applied -> success
+    "mig-label-flow": ["tests/e2e/test_run_cluster.py::test_labels_mig_change_to_success_and_labels_survive_stop"],
 }
 
 
@@ -57,7 +59,7 @@ def test_suite_passes_on_the_real_pynvml_over_the_stand_in(tmp_path: Path, suite
         NODEAGENT_NVML_INIT_LOG=str(init_log),
     )
     files = SUITES[suite]
-    deselect = [a for k in DESELECTED if k.split("::")[0] in files for a in ("--deselect", k)]
+    deselect = [a for k in DESELECTED if k.split("::")[0] in files for a in ("--deselect", k)]  # whole files only
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs", *files, *deselect],
