@@ -28,6 +28,13 @@ def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPa
             raise InputError(f"sim-state file {sim_state}: directory {sim_state.absolute().parent} does not exist",
                              subject=str(sim_state))
 
+        from nodeagent.gpu import abi
+
+        if abi.abi_mode_requested():  # the real pynvml over the stand-in libnvidia-ml.so.1 (README: ABI mode)
+            adapter = NvmlAdapter(abi.open_pynvml(simulate, sim_state), paths)
+            if sim_state is not None:  # one simulated machine: the same fault domain as the Python path
+                adapter.fault_domain = f"sim:{sim_state.absolute()}"
+            return adapter
         return adapter_for_sim(open_sim(simulate, sim_state), paths)
     import pynvml
 

@@ -240,3 +240,91 @@ nodeagent_peers_cdi_check() {
     "$(_go_mod_version "$cd2" github.com/containerd/containerd/v2)" || return 1
   export NODEAGENT_CONTAINERD2_SHIM=$NODEAGENT_GO_BINARY
 }
+
+# --- NVML ABI mode: the stand-in libnvidia-ml.so.1 and NVIDIA's Go tools on it (README: ABI mode) ---------
+# Builds, cached like the Go peers:
+#   ${NODEAGENT_CACHE}/lib/nvml-abi-<hash>/libnvidia-ml.so.1   (nodeagent/gpu/abi, gcc; nvml.h from go-nvml)
+#   ${NODEAGENT_CACHE}/bin/nvml-view-<version>-<hash>          (tests/testbin/nvml-view: go-nvml + go-nvlib)
+#   ${NODEAGENT_CACHE}/bin/nvidia-ctk-<version>-<hash>         (tests/testbin/nvidia-ctk: the toolkit's CLI)
+# and exports NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK. cgo builds use a private
+# TMPDIR/GOTMPDIR (a stray nvml.h in a shared temp directory shadows go-nvml's).
+
+# _abi_python: the interpreter of the project's venv (the one the stand-in embeds by default).
+_abi_python() {
+  local root
+  root=$(cd "$NODEAGENT_TESTBIN/../.." && pwd)
+  if [ -x "$root/${VENV:-.venv}/bin/python" ]; then
+    echo "$root/${VENV:-.venv}/bin/python"
+  else
+    command -v python3
+  fi
+}
+
+# build_cgo_binary NAME MODDIR PKG VERSION: like build_go_binary, with cgo (gcc) and a private temp dir.
+build_cgo_binary() {
+  local name=$1 moddir=$2 pkg=$3 version=${4:-dev}
+  local hash dest bindir=$NODEAGENT_CACHE/bin logdir=$NODEAGENT_CACHE/logs
+  hash=$( (_go_sources_hash "$moddir" "$pkg" && echo cgo) | sha256sum | cut -c1-12) || return 1
+  dest=$bindir/$name-$version-$hash
+  mkdir -p "$bindir" "$logdir" || return 1
+  if [ ! -x "$dest" ]; then
+    local lock=$bindir/.$name.lock log=$logdir/build-$name-$version-$hash.log tmp rc=0 start=$SECONDS
+    exec {_abi_lock_fd}>"$lock" || return 1
+    flock "$_abi_lock_fd" || return 1
+    if [ ! -x "$dest" ]; then
+      _peers_log "building $name $version with cgo (not in the cache; log: $log)"
+      tmp=$(mktemp -d "${NODEAGENT_CACHE}/cgo-tmp.XXXXXX") || return 1
+      (
+        cd "$moddir" &&
+          TMPDIR=$tmp GOTMPDIR=$tmp CGO_ENABLED=1 CGO_CFLAGS="-O2 -w" \
+            GOFLAGS="-mod=mod -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
+            nice -n 10 go build -trimpath -ldflags="-s -w" -o "$dest.tmp.$$" "$pkg"
+      ) >"$log" 2>&1 || rc=$?
+      rm -rf "$tmp"
+      if [ "$rc" -ne 0 ]; then
+        rm -f "$dest.tmp.$$"
+        exec {_abi_lock_fd}>&-
+        _peers_log "building $name failed (exit $rc); last lines of $log:"
+        tail -n 20 "$log" >&2
+        return 1
+      fi
+      mv -f "$dest.tmp.$$" "$dest"
+      _peers_log "built $name in $((SECONDS - start))s -> $dest"
+    fi
+    exec {_abi_lock_fd}>&-
+  fi
+  NODEAGENT_GO_BINARY=$dest
+}
+
+nodeagent_peers_nvml_abi() {
+  local view_mod=$NODEAGENT_TESTBIN/nvml-view ctk_mod=$NODEAGENT_TESTBIN/nvidia-ctk py nvml_dir nvml_h hash
+  command -v gcc >/dev/null 2>&1 || _peers_install_debian gcc libc6-dev || return 1
+  py=$(_abi_python)
+  nvml_dir=$(cd "$view_mod" && GOFLAGS=-mod=mod go list -m -f '{{.Dir}}' github.com/NVIDIA/go-nvml) || {
+    _peers_log "cannot download github.com/NVIDIA/go-nvml (for nvml.h)"
+    return 1
+  }
+  nvml_h=$nvml_dir/pkg/nvml/nvml.h
+  hash=$(cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.gpu.abi.build --nvml-h "$nvml_h" --hash) || return 1
+  local libdir=$NODEAGENT_CACHE/lib/nvml-abi-$hash
+  if [ ! -f "$libdir/libnvidia-ml.so.1" ]; then
+    _peers_log "building the stand-in libnvidia-ml.so.1 ($libdir)"
+    (cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.gpu.abi.build --nvml-h "$nvml_h" --out "$libdir") >/dev/null ||
+      return 1
+  fi
+  export NODEAGENT_NVML_LIBRARY=$libdir/libnvidia-ml.so.1
+  build_cgo_binary nvml-view "$view_mod" . "$(_go_mod_version "$view_mod" github.com/NVIDIA/go-nvlib)" || return 1
+  export NODEAGENT_NVML_VIEW=$NODEAGENT_GO_BINARY
+  build_cgo_binary nvidia-ctk "$ctk_mod" github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk \
+    "$(_go_mod_version "$ctk_mod" github.com/NVIDIA/nvidia-container-toolkit)" || return 1
+  export NODEAGENT_NVIDIA_CTK=$NODEAGENT_GO_BINARY
+}
+
+if [ -n "${NODEAGENT_PEERS_LIB_ONLY:-}" ]; then
+  :
+elif [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  nodeagent_peers_nvml_abi
+  env | grep '^NODEAGENT_NVML\|^NODEAGENT_NVIDIA' | sort
+else
+  nodeagent_peers_nvml_abi || return 1
+fi

@@ -1,0 +1,161 @@
+"""Helpers of the ABI tests: the stand-in libnvidia-ml.so.1, nodeagent on the real pynvml, NVIDIA's Go tools.
+
+Everything that loads the stand-in runs in a child process: once pynvml has bound a libnvidia-ml.so.1 in
+a process it keeps it, and the test process must keep seeing "no NVML" for the other tests.
+Built by tests/testbin/setup.sh (nodeagent_peers_nvml_abi): NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW,
+NODEAGENT_NVIDIA_CTK. A missing one FAILS the test with how to build it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MIG_MACHINES = ["a30x4", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "hgx-h200", "mixed"]
+ALL_MACHINES = [*MIG_MACHINES, "l4x2", "t4x1"]
+
+
+def built(var: str) -> Path:
+    value = os.environ.get(var, "")
+    if not value or not Path(value).is_file():
+        pytest.fail(
+            f"{var} is not set to a built file: run `source tests/testbin/setup.sh` (or bash tests/run.sh), "
+            "which builds the stand-in libnvidia-ml.so.1, nvml-view and nvidia-ctk",
+            pytrace=False,
+        )
+    return Path(value)
+
+
+def library() -> Path:
+    return built("NODEAGENT_NVML_LIBRARY")
+
+
+def abi_env(state: Path, machine: str | None = None, **extra: str) -> dict[str, str]:
+    """Environment of a process that uses the stand-in: loader path, machine, state, nodeagent ABI mode."""
+    env = dict(os.environ)
+    lib = library()
+    env["LD_LIBRARY_PATH"] = (
+        f"{lib.parent}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else str(lib.parent)
+    )
+    env["NODEAGENT_SIM_STATE"] = str(state)
+    if machine is not None:
+        env["NODEAGENT_SIM_MACHINE"] = machine
+    else:
+        env.pop("NODEAGENT_SIM_MACHINE", None)
+    env["NODEAGENT_SIM_ABI"] = "1"
+    env.update(extra)
+    return env
+
+
+def plain_env() -> dict[str, str]:
+    """Environment of a nodeagent process on the Python-level simulator (no ABI mode)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NODEAGENT_SIM_ABI", "NODEAGENT_SIM_MACHINE")}
+    env.pop("NODEAGENT_SIM_STATE", None)
+    return env
+
+
+def run(
+    cmd: list[str], env: dict[str, str], check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def nodeagent(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "nodeagent", *args], env, check=check)
+
+
+def discover(state: Path, machine: str | None, abi: bool) -> dict[str, Any]:
+    """``nodeagent discover --json`` on the simulator, through the C ABI (real pynvml) or not."""
+    sim = (["--simulate", machine] if machine else []) + ["--sim-state", str(state)]
+    env = abi_env(state, machine) if abi else plain_env()
+    doc: dict[str, Any] = json.loads(nodeagent("discover", *sim, "--json", env=env).stdout)
+    return doc
+
+
+def nvml_view(state: Path, *args: str, check: bool = True) -> Any:
+    """nvml-view (go-nvml + go-nvlib) on the stand-in; its JSON answer."""
+    proc = run([str(built("NODEAGENT_NVML_VIEW")), *args], abi_env(state), check=check)
+    if not check and proc.returncode != 0:
+        return proc
+    return json.loads(proc.stdout)
+
+
+def compare_with_go(node: dict[str, Any], view: dict[str, Any]) -> list[str]:
+    """Differences between nodeagent's discover JSON and nvml-view's, as readable lines (empty: same)."""
+    diffs: list[str] = []
+
+    def same(what: str, a: Any, b: Any) -> None:
+        if a != b:
+            diffs.append(f"{what}: nodeagent {a!r} != NVIDIA Go {b!r}")
+
+    same("driver version", node["driver_version"], view["driver_version"])
+    same("CUDA driver version", node["cuda_driver_version"], view["cuda_driver_version"])
+    same("GPU count", len(node["gpus"]), len(view["gpus"]))
+    for g, v in zip(node["gpus"], view["gpus"], strict=False):
+        at = f"GPU {g['index']}"
+        same(f"{at} index", g["index"], v["index"])
+        same(f"{at} uuid", g["uuid"], v["uuid"])
+        same(f"{at} name", g["name"], v["name"])
+        same(f"{at} PCI bus id", g["pci_bus_id"][-12:].lower(), v["pci_bus_id"][-12:].lower())
+        same(f"{at} minor", g["minor_number"], v["minor_number"])
+        same(f"{at} memory", g["memory_mib"], v["memory_mib"])
+        # go-nvlib spells out "Ada Lovelace"; nodeagent labels the family "ada"
+        same(f"{at} architecture", g["architecture"], v["architecture"].lower().split()[0])
+        same(
+            f"{at} compute capability", f"{g['compute_major']}.{g['compute_minor']}", v["compute_capability"]
+        )
+        same(f"{at} MIG capable", g["mig_capable"], v["mig_capable"])
+        same(f"{at} MIG current", g["mig_current"], v["mig_enabled"])
+        same(f"{at} MIG pending", g["mig_pending"], v["mig_pending"])
+        mine = [
+            (p["name"], p["gi_profile_id"], p["id"], p["slice_count"], p["instance_count"], p["memory_mib"],
+             p["placement_starts"], p["placement_size"])
+            for p in g["mig_profiles"]
+        ]  # fmt: skip
+        theirs = [
+            (p["name"].removeprefix("MIG "), p["gi_profile_id"], p["id"], p["slice_count"], p["instance_count"],
+             p["memory_mib"], p["placement_starts"], p["placement_size"])
+            for p in v["mig_profiles"]
+        ]  # fmt: skip
+        same(f"{at} MIG profiles", mine, theirs)
+        parsed = [p["go_nvlib_name"] for p in v["mig_profiles"]]
+        same(
+            f"{at} MIG profile names as go-nvlib parses them", [p["name"] for p in g["mig_profiles"]], parsed
+        )
+        mine_devs = [
+            (
+                d["gi_id"],
+                d["ci_id"],
+                d["uuid"],
+                d["profile"],
+                d["placement_start"],
+                d["placement_size"],
+                d["memory_mib"],
+            )
+            for d in g["mig_devices"]
+        ]
+        theirs_devs = [
+            (
+                d["gi_id"],
+                d["ci_id"],
+                d["uuid"],
+                d["profile"],
+                d["placement_start"],
+                d["placement_size"],
+                d["memory_mib"],
+            )
+            for d in v["mig_devices"]
+        ]
+        same(f"{at} MIG devices", mine_devs, theirs_devs)
+    return diffs

@@ -1,0 +1,113 @@
+"""Health through the C ABI: XIDs injected with ``nodeagent sim inject`` reach nodeagent's adapter on the
+real pynvml (nvmlEventSetWait_v2, documented nvmlEventData_t layout) and go-nvml's EventSet.Wait alike;
+a lost GPU and its recovery look the same on both NVML paths; metrics agree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.abi._abi import abi_env, built, discover, nodeagent, plain_env
+
+NO_ID = 0xFFFFFFFF
+
+# A child process: an adapter from open_nvml (ABI mode or not, by environment) waits for events.
+WAITER = """
+import json, sys
+from pathlib import Path
+from nodeagent.gpu import open_nvml
+adapter = open_nvml(None, Path(sys.argv[1]))
+assert adapter.wait_events(0) == []
+print("ready", flush=True)
+events = []
+for _ in range(50):
+    events += adapter.wait_events(200)
+    if len(events) >= int(sys.argv[2]):
+        break
+print(json.dumps([e.__dict__ for e in events]), flush=True)
+print(json.dumps([adapter.metrics(i).__dict__ for i in range(adapter.device_count())]), flush=True)
+print(type(adapter.nvml).__name__, adapter.nvml.__name__ if hasattr(adapter.nvml, "__name__") else "", flush=True)
+adapter.close()
+"""
+
+
+def _events_seen(tmp_path: Path, abi: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    state = tmp_path / ("abi" if abi else "sim") / "state.json"
+    state.parent.mkdir()
+    discover(state, "dgx-h100", abi=False)
+    env = abi_env(state) if abi else plain_env()
+    nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", "3", "3g.40gb", "3g.40gb", env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", WAITER, str(state), "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        sim = ["--sim-state", str(state)]
+        nodeagent("sim", "inject", "xid", *sim, "--gpu", "1", "--code", "48", env=env)
+        nodeagent("sim", "inject", "xid", *sim, "--gpu", "3", "--code", "94", "--gi", "2", env=env)
+        nodeagent("sim", "inject", "xid", *sim, "--gpu", "6", "--code", "31", env=env)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    events, metrics, kind = out.strip().splitlines()
+    return json.loads(events), json.loads(metrics), kind
+
+
+def test_injected_xids_reach_nodeagent_on_the_real_pynvml_like_on_the_simulator(tmp_path: Path) -> None:
+    abi_events, abi_metrics, abi_kind = _events_seen(tmp_path, abi=True)
+    sim_events, sim_metrics, sim_kind = _events_seen(tmp_path, abi=False)
+    assert abi_kind == "module pynvml" and sim_kind.startswith("SimulatedNvml")
+    assert [(e["gpu_index"], e["kind"], e["xid"], e["gi_id"]) for e in abi_events] == [
+        (1, "xid", 48, None),
+        (3, "xid", 94, 2),
+        (6, "xid", 31, None),
+    ]
+    assert abi_events == sim_events
+    assert abi_metrics == sim_metrics  # idle GPUs: no time-dependent load in the readings
+
+
+def test_go_nvml_event_wait_gets_the_injected_xids(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    discover(state, "a30x4", abi=False)
+    env = abi_env(state)
+    waiter = subprocess.Popen(
+        [str(built("NODEAGENT_NVML_VIEW")), "events", "3000", "2"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(1.5)  # the Go process starts its interpreter and registers before the first XID
+        nodeagent("sim", "inject", "xid", "--sim-state", str(state), "--gpu", "2", "--code", "79", env=env)
+        nodeagent("sim", "inject", "xid", "--sim-state", str(state), "--gpu", "0", "--code", "13", env=env)
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        waiter.kill()
+    assert waiter.returncode == 0, err
+    assert json.loads(out) == [
+        {"gpu": 2, "event_type": 8, "event_data": 79, "gpu_instance_id": NO_ID, "compute_instance_id": NO_ID},
+        {"gpu": 0, "event_type": 8, "event_data": 13, "gpu_instance_id": NO_ID, "compute_instance_id": NO_ID},
+    ]
+
+
+def test_lost_gpu_and_recovery_look_the_same_on_both_paths(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    before = discover(state, "dgx-a100-80gb", abi=True)
+    env = abi_env(state)
+    nodeagent("sim", "inject", "lost", "--sim-state", str(state), "--gpu", "5", env=env)
+    abi = discover(state, None, abi=True)
+    assert abi == discover(state, None, abi=False)
+    lost = [g["index"] for g in abi["gpus"] if g["lost"]]
+    assert lost == [5]
+    # go-nvml stops at the lost GPU with NVML's own error
+    view = subprocess.run(
+        [str(built("NODEAGENT_NVML_VIEW"))], env=env, capture_output=True, text=True, check=False
+    )
+    assert view.returncode == 1 and "GPU is lost" in view.stderr
+    nodeagent("sim", "inject", "recover", "--sim-state", str(state), "--gpu", "5", env=env)
+    assert discover(state, None, abi=True) == discover(state, None, abi=False) == before
