@@ -19,17 +19,6 @@ from tests.abi._abi import (
     nvml_view,
 )
 
-H200_MEMORY = pytest.mark.xfail(
-    strict=True,
-    reason="simulator table: hgx-h200 MIG profile memory sizes are larger than the names say (1g.18gb has "
-    "18432 MiB > 1/8 of the GPU's 143771 MiB; 7g.141gb has 144384 MiB > the whole GPU), so go-nvlib, "
-    "which derives names from memorySizeMB / total memory, calls them 1g.35gb ... 7g.159gb",
-)
-
-
-def _machines(names: list[str]) -> list[object]:
-    return [pytest.param(m, marks=H200_MEMORY) if m == "hgx-h200" else m for m in names]
-
 
 def _three_way(state: Path, machine: str | None = None) -> dict[str, object]:
     python_level = discover(state, machine, abi=False)
@@ -40,7 +29,7 @@ def _three_way(state: Path, machine: str | None = None) -> dict[str, object]:
     return abi
 
 
-@pytest.mark.parametrize("machine", _machines(ALL_MACHINES))
+@pytest.mark.parametrize("machine", ALL_MACHINES)
 def test_fresh_machine_same_through_python_abi_and_go(tmp_path: Path, machine: str) -> None:
     state = tmp_path / "state.json"
     node = _three_way(state, machine)
@@ -59,7 +48,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("machine", _machines(MIG_MACHINES))
+@pytest.mark.parametrize("machine", MIG_MACHINES)
 def test_layout_written_by_the_simulator(tmp_path: Path, machine: str) -> None:
     state = tmp_path / "state.json"
     discover(state, machine, abi=False)
@@ -82,7 +71,8 @@ def test_layout_applied_by_nodeagent_through_the_c_abi(tmp_path: Path, machine: 
     assert "applied all-balanced" in out
     assert nodeagent(*root, "mig", "assert", *sim, "-c", "all-balanced", env=env).returncode == 0
     node = _three_way(state)
-    assert all(g["mig_current"] and g["mig_devices"] for g in node["gpus"])  # type: ignore[union-attr]
+    gpus = node["gpus"]
+    assert isinstance(gpus, list) and all(g["mig_current"] and g["mig_devices"] for g in gpus)
     exported = nodeagent(*root, "mig", "export", *sim, env=env).stdout
     plain = nodeagent(*root, "mig", "export", *sim, env={**env, "NODEAGENT_SIM_ABI": "0"}).stdout
     assert exported == plain and exported.strip()

@@ -100,8 +100,10 @@ def _need(ptr: int) -> int:
     return ptr
 
 
-def _put_uint(ptr: int, value: int) -> None:
-    ctypes.c_uint.from_address(_need(ptr)).value = int(value)
+def _put_uint(ptr: int, value: int | ctypes.c_uint) -> None:
+    # some simulator answers are ctypes values, as pynvml's own are (nvmlDeviceIsMigDeviceHandle: c_uint)
+    plain = value.value if isinstance(value, ctypes.c_uint) else int(value)
+    ctypes.c_uint.from_address(_need(ptr)).value = plain
 
 
 def _put_int(ptr: int, value: int) -> None:
