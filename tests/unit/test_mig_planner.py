@@ -1,4 +1,4 @@
-"""Planner and placement search on every MIG table of nodeagent/gpu/profiles.py."""
+"""Planner and placement search on every documented MIG table (nodeagent/gpu/FACTS.md)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ from itertools import product as cartesian
 import pytest
 
 from nodeagent.errors import ConfigError
-from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
+from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice, MigProfile
 from nodeagent.gpu.profiles import PRODUCTS, gpu_instance_id
 from nodeagent.mig.layout import NoFit, check_totals, compute_slices, find_layout, fits, memory_slices
 from nodeagent.mig.planner import plan, plan_gpu
 from nodeagent.mig.spec import Desired, Selection, parse_config, resolve
 
 ARCH = {"A100-40GB": "ampere", "A100-80GB": "ampere", "A30-24GB": "ampere", "H100-80GB": "hopper",
-        "H200-141GB": "hopper"}
+        "H200-141GB": "hopper", "H100-NVL": "hopper", "H100-96GB": "hopper", "H20": "hopper",
+        "GH200-144GB": "hopper", "B200": "blackwell", "GB200": "blackwell", "B300": "blackwell",
+        "GB300": "blackwell", "RTX-PRO-6000": "blackwell"}
 
 
 def make_gpu(key: str, index: int = 0, layout: tuple[tuple[str, int], ...] = (), enabled: bool | None = None) -> Gpu:
@@ -29,9 +31,15 @@ def make_gpu(key: str, index: int = 0, layout: tuple[tuple[str, int], ...] = (),
     on = bool(layout) if enabled is None else enabled
     return Gpu(index=index, uuid=f"GPU-{index}", name=f"NVIDIA {key}", pci_bus_id=f"0000:{index:02x}:00.0",
                pci_device_id=prod.pci_device_ids[0], memory_mib=prod.profiles[-1].memory_mib, numa_node=0,
-               compute_major=8 if ARCH[key] == "ampere" else 9, compute_minor=0, minor_number=index,
+               compute_major={"ampere": 8, "hopper": 9}.get(ARCH[key], 10), compute_minor=0, minor_number=index,
                architecture=ARCH[key], mig_capable=True, mig_current=on, mig_pending=on,
                mig_profiles=prod.profiles, mig_devices=tuple(devs))
+
+
+def _profile(gpu: Gpu, name: str) -> MigProfile:
+    found = gpu.profile(name)
+    assert found is not None, name
+    return found
 
 
 def occupied_ok(gpu: Gpu, slots: list[tuple[str, int]]) -> bool:
@@ -46,8 +54,7 @@ def occupied_ok(gpu: Gpu, slots: list[tuple[str, int]]) -> bool:
         if used & cells:
             return False
         used |= cells
-    chosen = [gpu.profile(n) for n, _ in slots]
-    return sum(p.slice_count for p in chosen if p is not None) <= compute_slices(gpu)
+    return sum(_profile(gpu, n).slice_count for n, _ in slots) <= compute_slices(gpu)
 
 
 @pytest.mark.parametrize("key", sorted(PRODUCTS))
@@ -83,7 +90,7 @@ def test_search_agrees_with_brute_force(key: str) -> None:
     checked = 0
     for combo in cartesian(*ranges):
         counts = {p.name: n for p, n in zip(profs, combo, strict=True) if n}
-        if sum(p.placement_size * counts[p.name] for p in profs if p.name in counts) > slices:
+        if sum(_profile(gpu, n).placement_size * c for n, c in counts.items()) > slices:
             assert not fits(gpu, counts)
             continue
         assert fits(gpu, counts) == brute(counts), counts
