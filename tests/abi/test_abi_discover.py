@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.gpu.sim.inject import hold_device
+from nodeagent.gpu.sim.machine import load_machine
+from nodeagent.gpu.sim.state import SimStore
 from tests.abi._abi import (
     ALL_MACHINES,
     MIG_MACHINES,
@@ -18,6 +21,8 @@ from tests.abi._abi import (
     nodeagent,
     nvml_view,
 )
+
+NVML_SUCCESS, NVML_ERROR_RESET_REQUIRED, NVML_ERROR_IN_USE = 0, 16, 19  # nvml.h
 
 
 def _three_way(state: Path, machine: str | None = None) -> dict[str, object]:
@@ -35,6 +40,21 @@ def test_fresh_machine_same_through_python_abi_and_go(tmp_path: Path, machine: s
     node = _three_way(state, machine)
     gpus = node["gpus"]
     assert isinstance(gpus, list) and gpus and all(not g["mig_devices"] for g in gpus)
+    mig_gpus = [g["index"] for g in gpus if g["mig_capable"]]
+    assert bool(mig_gpus) == (machine in MIG_MACHINES)
+    if not mig_gpus:
+        return
+    # with MIG on, go-nvlib reads every profile and placement through NVML: same as nodeagent's
+    nodeagent(
+        "sim", "mig", "--sim-state", str(state), "--gpu", ",".join(map(str, mig_gpus)), env=abi_env(state)
+    )
+    node = _three_way(state)
+    view = nvml_view(state)
+    for index in mig_gpus:
+        assert node["gpus"][index]["mig_current"]  # type: ignore[index]
+        assert view["gpus"][index]["mig_profiles"], (
+            f"GPU {index}: NVIDIA Go lists no MIG profiles with MIG on"
+        )
 
 
 # a mixed layout per machine: one big and one small GPU instance on its first MIG-capable GPU (GPU 0)
@@ -45,7 +65,22 @@ LAYOUTS = {
     "dgx-h100": ["3g.40gb", "1g.10gb"],
     "hgx-h200": ["3g.71gb", "1g.18gb"],
     "mixed": ["3g.40gb", "1g.10gb"],
+    "dgx-b200": ["3g.90gb", "1g.23gb"],
+    "gb200-nvl": ["3g.93gb", "1g.23gb"],
+    "gb300-nvl": ["3g.139gb", "1g.35gb"],
+    "gh200": ["3g.48gb", "1g.12gb"],
+    "gh200-144gb": ["3g.72gb", "1g.18gb"],
+    "h100-nvl": ["3g.47gb", "1g.12gb"],
+    "hgx-b300": ["3g.135gb", "1g.34gb"],
+    "hgx-h20": ["3g.48gb", "1g.12gb"],
+    # the Blackwell RTX PRO variants: graphics, no media engine, all media engines
+    "rtx-pro-6000": ["2g.48gb+gfx", "1g.24gb-me", "1g.24gb+me.all"],
+    "vm-a100-passthrough": ["3g.40gb", "1g.10gb"],
 }
+
+
+def test_every_mig_machine_has_a_layout() -> None:
+    assert sorted(LAYOUTS) == sorted(MIG_MACHINES)
 
 
 @pytest.mark.parametrize("machine", MIG_MACHINES)
@@ -104,10 +139,37 @@ def test_layout_made_by_nvidias_go_code_is_seen_by_nodeagent(tmp_path: Path) -> 
     assert compare_with_go(after, nvml_view(state)) == []
 
 
-def test_mig_mode_on_ampere_stays_pending_until_reset_for_go_too(tmp_path: Path) -> None:
+def _mig_mode(state: Path, gpu: int) -> tuple[bool, bool]:
+    node = _three_way(state)
+    g = node["gpus"][gpu]  # type: ignore[index]
+    return g["mig_current"], g["mig_pending"]
+
+
+def test_mig_mode_on_an_idle_ampere_gpu_is_current_at_once_for_go_too(tmp_path: Path) -> None:
+    """Bare metal, nothing holds the GPU: the driver resets it and the mode is current at once."""
     state = tmp_path / "state.json"
     discover(state, "dgx-a100-80gb", abi=False)
-    assert nvml_view(state, "mig-mode", "2", "on") == {"activation_status": 0}
-    node = _three_way(state)
-    gpu = node["gpus"][2]  # type: ignore[index]
-    assert (gpu["mig_current"], gpu["mig_pending"]) == (False, True)
+    assert nvml_view(state, "mig-mode", "2", "on") == {"activation_status": NVML_SUCCESS}
+    assert _mig_mode(state, 2) == (True, True)
+
+
+def test_mig_mode_on_a_held_ampere_gpu_stays_pending_until_reset_for_go_too(tmp_path: Path) -> None:
+    """Another client holds the device (nvidia-persistenced): pending set, status IN_USE, current after the
+    next reset/reboot."""
+    state = tmp_path / "state.json"
+    discover(state, "dgx-a100-80gb", abi=False)
+    hold_device(SimStore(load_machine("dgx-a100-80gb"), state), 2, "nvidia-persistenced")
+    assert nvml_view(state, "mig-mode", "2", "on") == {"activation_status": NVML_ERROR_IN_USE}
+    assert _mig_mode(state, 2) == (False, True)
+    nodeagent("sim", "reboot", "--sim-state", str(state), env=abi_env(state))
+    assert _mig_mode(state, 2) == (True, True)
+
+
+def test_mig_mode_in_a_passthrough_vm_needs_a_reset_for_go_too(tmp_path: Path) -> None:
+    """A passthrough VM cannot reset the GPU: pending set, status RESET_REQUIRED, current after a reboot."""
+    state = tmp_path / "state.json"
+    discover(state, "vm-a100-passthrough", abi=False)
+    assert nvml_view(state, "mig-mode", "0", "on") == {"activation_status": NVML_ERROR_RESET_REQUIRED}
+    assert _mig_mode(state, 0) == (False, True)
+    nodeagent("sim", "reboot", "--sim-state", str(state), env=abi_env(state))
+    assert _mig_mode(state, 0) == (True, True)
