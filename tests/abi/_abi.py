@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-# every machine of `nodeagent sim machines` (test_abi_library checks that none is missing)
+# every machine of `nodeagent sim machines` (test_abi_discover checks that none is missing)
 MIG_MACHINES = [
     "a30x4", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "gb200-nvl", "gb300-nvl", "gh200",
     "gh200-144gb", "h100-nvl", "hgx-b300", "hgx-h20", "hgx-h200", "mixed", "rtx-pro-6000", "vm-a100-passthrough",

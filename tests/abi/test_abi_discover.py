@@ -5,21 +5,26 @@ the C ABI and by the Go program through the C API."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from nodeagent.gpu.sim.inject import hold_device
-from nodeagent.gpu.sim.machine import load_machine
+from nodeagent.gpu.sim.machine import load_machine, machine_names
 from nodeagent.gpu.sim.state import SimStore
 from tests.abi._abi import (
     ALL_MACHINES,
     MIG_MACHINES,
     abi_env,
+    built,
     compare_with_go,
     discover,
     nodeagent,
     nvml_view,
+    plain_env,
+    run,
 )
 
 NVML_SUCCESS, NVML_ERROR_RESET_REQUIRED, NVML_ERROR_IN_USE = 0, 16, 19  # nvml.h
@@ -173,3 +178,75 @@ def test_mig_mode_in_a_passthrough_vm_needs_a_reset_for_go_too(tmp_path: Path) -
     assert _mig_mode(state, 0) == (False, True)
     nodeagent("sim", "reboot", "--sim-state", str(state), env=abi_env(state))
     assert _mig_mode(state, 0) == (True, True)
+
+
+def test_unprivileged_caller_gets_no_permission_through_the_c_abi_and_go(tmp_path: Path) -> None:
+    """NODEAGENT_SIM_UNPRIVILEGED=1 (NVML as a non-root user): nodeagent's discover over the real pynvml
+    shows what the Python simulator shows and names the facts that need root; ``mig apply`` fails with one
+    line on both paths and changes nothing; go-nvml gets NVML's NO_PERMISSION."""
+    state = tmp_path / "state.json"
+    discover(state, "dgx-h100", abi=False)
+    nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", "0", "3g.40gb", env=abi_env(state))
+    before = discover(state, None, abi=True)
+    unprivileged = {"NODEAGENT_SIM_UNPRIVILEGED": "1"}
+    sim = ["--sim-state", str(state)]
+    abi_env_u, plain_env_u = abi_env(state, **unprivileged), {**plain_env(), **unprivileged}
+    abi = json.loads(nodeagent("discover", *sim, "--json", env=abi_env_u).stdout)
+    assert abi == json.loads(nodeagent("discover", *sim, "--json", env=plain_env_u).stdout)
+    assert any("GPU instances" in fact for fact in abi["needs_root"])
+    assert [(d["profile"], d["placement_start"]) for d in abi["gpus"][0]["mig_devices"]] == [("3g.40gb", -1)]
+    root = ["--root", str(tmp_path / "root")]
+    refusals = []
+    for env in (abi_env_u, plain_env_u):
+        proc = nodeagent(*root, "mig", "apply", *sim, "-c", "all-1g.10gb", env=env, check=False)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        refusals.append([line for line in proc.stderr.splitlines() if "root" in line])
+    assert refusals[0] == refusals[1] and len(refusals[0]) == 1, refusals
+    assert discover(state, None, abi=True) == before
+    for go_args in (["create", "0", "1g.10gb"], ["mig-mode", "1", "on"]):
+        go = run([str(built("NODEAGENT_NVML_VIEW")), *go_args], abi_env_u, check=False)
+        assert go.returncode == 1 and "Insufficient Permissions" in go.stderr, go.stderr
+    assert discover(state, None, abi=True) == before
+
+
+def test_machine_lists_are_every_simulated_machine() -> None:
+    names = machine_names()
+    assert sorted(ALL_MACHINES) == names
+    assert sorted(MIG_MACHINES) == [n for n in names if any(g.mig_product for g in load_machine(n).gpus)]
+
+
+# A child process on the real pynvml over the stand-in: MIG device handles by index and back by MIG UUID.
+HANDLES = """
+import json, pynvml
+pynvml.nvmlInit()
+gpu = pynvml.nvmlDeviceGetHandleByIndex(0)
+seen = []
+for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+    try:
+        mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i)
+    except pynvml.NVMLError_NotFound:
+        continue
+    back = pynvml.nvmlDeviceGetHandleByUUID(pynvml.nvmlDeviceGetUUID(mig))
+    seen.append([pynvml.nvmlDeviceGetUUID(back), pynvml.nvmlDeviceIsMigDeviceHandle(back).value,  # a c_uint, as pynvml returns it
+                 pynvml.nvmlDeviceGetGpuInstanceId(back), pynvml.nvmlDeviceGetComputeInstanceId(back)])
+codes = []
+for index in (1, 2):  # an A100 with MIG off, an L4 without MIG
+    try:
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(pynvml.nvmlDeviceGetHandleByIndex(index), 0)
+    except pynvml.NVMLError as e:
+        codes.append(e.value)
+print(json.dumps({"seen": seen, "max_mig_off": pynvml.nvmlDeviceGetMaxMigDeviceCount(
+    pynvml.nvmlDeviceGetHandleByIndex(1)), "codes": codes}))
+"""
+
+
+def test_mig_device_handles_by_index_and_by_mig_uuid_through_the_c_abi(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    discover(state, "mixed", abi=False)
+    nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", "0", "3g.40gb", "1g.10gb", env=abi_env(state))
+    node = discover(state, None, abi=True)
+    out = json.loads(run([sys.executable, "-c", HANDLES], abi_env(state)).stdout)
+    devices = node["gpus"][0]["mig_devices"]
+    assert sorted(out["seen"]) == sorted([d["uuid"], 1, d["gi_id"], d["ci_id"]] for d in devices)
+    assert len(out["seen"]) == 2
+    assert out["max_mig_off"] == 0 and out["codes"] == [6, 3]  # NOT_FOUND (MIG off), NOT_SUPPORTED (no MIG)

@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.abi._abi import abi_env, built, discover, nodeagent, plain_env
+from nodeagent.gpu.sim.inject import inject_xid
+from nodeagent.gpu.sim.machine import load_machine
+from nodeagent.gpu.sim.state import SimStore
+from tests.abi._abi import abi_env, built, discover, nodeagent, plain_env, run
 
 NO_ID = 0xFFFFFFFF
 
@@ -111,3 +114,34 @@ def test_lost_gpu_and_recovery_look_the_same_on_both_paths(tmp_path: Path) -> No
     assert view.returncode == 1 and "GPU is lost" in view.stderr
     nodeagent("sim", "inject", "recover", "--sim-state", str(state), "--gpu", "5", env=env)
     assert discover(state, None, abi=True) == discover(state, None, abi=False) == before
+
+
+# A child process: the recovery action of every GPU as nodeagent's adapter reads it (field 230), and in
+# ABI mode the raw answer of the real pynvml's nvmlDeviceGetFieldValues for GPU 1 (one served field with
+# a scope, one field the simulator lacks).
+RECOVERY = """
+import json, sys
+from pathlib import Path
+from nodeagent.gpu import open_nvml
+adapter = open_nvml(None, Path(sys.argv[1]))
+actions = [adapter.recovery_action(i) for i in range(adapter.device_count())]
+raw = None
+if type(adapter.nvml).__name__ == "module":
+    nvml = adapter.nvml
+    values = nvml.nvmlDeviceGetFieldValues(nvml.nvmlDeviceGetHandleByIndex(1), [(230, 0), 1])
+    raw = [(v.fieldId, v.scopeId, v.nvmlReturn, v.valueType, v.value.uiVal) for v in values]
+print(json.dumps({"actions": actions, "raw": raw, "nvml": type(adapter.nvml).__name__}))
+adapter.close()
+"""
+
+
+def test_recovery_action_after_an_xid_reads_the_same_through_the_c_abi(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    discover(state, "dgx-h100", abi=False)
+    inject_xid(SimStore(load_machine("dgx-h100"), state), 1, 79, recovery_action=2)  # node reboot
+    abi = json.loads(run([sys.executable, "-c", RECOVERY, str(state)], abi_env(state)).stdout)
+    sim = json.loads(run([sys.executable, "-c", RECOVERY, str(state)], plain_env()).stdout)
+    assert (abi["nvml"], sim["nvml"]) == ("module", "SimulatedNvml")
+    assert abi["actions"] == sim["actions"] == [0, 2, 0, 0, 0, 0, 0, 0]
+    # NVML_VALUE_TYPE_UNSIGNED_INT 1; the unserved field answers its own NOT_SUPPORTED (3), the call SUCCESS
+    assert abi["raw"] == [[230, 0, 0, 1, 2], [1, 0, 3, 0, 0]]

@@ -238,3 +238,31 @@ def test_state_file_shared_between_stores(tmp_path: Path) -> None:
     assert SimStore.open(None, path).machine.name == "dgx-a100-40gb"
     with pytest.raises(InputError, match="does not fit"):
         inject.write_mig_layout(a.store, 2, ["7g.40gb", "1g.5gb"])
+
+
+def test_mig_device_handles_by_index_and_by_mig_uuid() -> None:
+    """MIG off: no MIG device at any index (NOT_FOUND, as NVML); no MIG at all: NOT_SUPPORTED. A MIG UUID
+    gives the MIG device's handle through nvmlDeviceGetHandleByUUID, as on hardware."""
+    nvml = _sim("mixed")
+    a100, l4 = nvml.nvmlDeviceGetHandleByIndex(0), nvml.nvmlDeviceGetHandleByIndex(2)
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(a100) == 0
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(a100, 0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(l4, 0)
+    inject.write_mig_layout(nvml.store, 0, ["3g.40gb", "1g.10gb"])
+    migs = [nvml.nvmlDeviceGetMigDeviceHandleByIndex(a100, i) for i in range(2)]
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(a100, 2)
+    for mig in migs:
+        by_uuid = nvml.nvmlDeviceGetHandleByUUID(nvml.nvmlDeviceGetUUID(mig))
+        assert ctypes.cast(by_uuid, ctypes.c_void_p).value == ctypes.cast(mig, ctypes.c_void_p).value
+        assert nvml.nvmlDeviceIsMigDeviceHandle(by_uuid).value == 1
+    gpu_uuid = nvml.nvmlDeviceGetUUID(a100)
+    assert nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(gpu_uuid.encode())) == 0
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetHandleByUUID("MIG-00000000-0000-0000-0000-000000000000")
+    gone = nvml.nvmlDeviceGetUUID(migs[1])
+    inject.write_mig_layout(nvml.store, 0, [])
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetHandleByUUID(gone)

@@ -100,18 +100,21 @@ def _need(ptr: int) -> int:
     return ptr
 
 
-def _put_uint(ptr: int, value: int | ctypes.c_uint) -> None:
+def _plain(value: Any) -> int:
     # some simulator answers are ctypes values, as pynvml's own are (nvmlDeviceIsMigDeviceHandle: c_uint)
-    plain = value.value if isinstance(value, ctypes.c_uint) else int(value)
-    ctypes.c_uint.from_address(_need(ptr)).value = plain
+    return int(value.value if isinstance(value, ctypes._SimpleCData) else value)
 
 
-def _put_int(ptr: int, value: int) -> None:
-    ctypes.c_int.from_address(_need(ptr)).value = int(value)
+def _put_uint(ptr: int, value: Any) -> None:
+    ctypes.c_uint.from_address(_need(ptr)).value = _plain(value)
 
 
-def _put_ull(ptr: int, value: int) -> None:
-    ctypes.c_ulonglong.from_address(_need(ptr)).value = int(value)
+def _put_int(ptr: int, value: Any) -> None:
+    ctypes.c_int.from_address(_need(ptr)).value = _plain(value)
+
+
+def _put_ull(ptr: int, value: Any) -> None:
+    ctypes.c_ulonglong.from_address(_need(ptr)).value = _plain(value)
 
 
 def _put_handle(ptr: int, handle: Any) -> None:
@@ -283,34 +286,9 @@ def nvmlDeviceGetHandleByIndex_v2(index: int, out: int) -> int:
     return SUCCESS
 
 
-def _mig_handle_by_uuid(sim: SimulatedNvml, want: str) -> Any:
-    """NVML hands out MIG device handles by MIG UUID too (the simulator knows GPU UUIDs only)."""
-    for index in range(sim.nvmlDeviceGetCount()):
-        dev = sim.nvmlDeviceGetHandleByIndex(index)
-        try:
-            if not sim.nvmlDeviceGetMigMode(dev)[0]:
-                continue
-            count = sim.nvmlDeviceGetMaxMigDeviceCount(dev)
-        except pynvml.NVMLError:
-            continue
-        for i in range(count):
-            try:
-                mig = sim.nvmlDeviceGetMigDeviceHandleByIndex(dev, i)
-            except pynvml.NVMLError:
-                break
-            if sim.nvmlDeviceGetUUID(mig) == want:
-                return mig
-    raise _Error(NOT_FOUND)
-
-
 def nvmlDeviceGetHandleByUUID(uuid: int, out: int) -> int:
     _need(out)
-    sim = _sim()
-    want = _get_str(uuid).decode(errors="replace")
-    if want.startswith("MIG-"):
-        _put_handle(out, _mig_handle_by_uuid(sim, want))
-    else:
-        _put_handle(out, sim.nvmlDeviceGetHandleByUUID(want))
+    _put_handle(out, _sim().nvmlDeviceGetHandleByUUID(_get_str(uuid).decode(errors="replace")))
     return SUCCESS
 
 
@@ -449,6 +427,24 @@ def nvmlDeviceGetNvLinkRemoteDeviceType(dev: int, link: int, out: int) -> int:
 def nvmlDeviceGetNvLinkRemotePciInfo_v2(dev: int, link: int, out: int) -> int:
     info = _sim().nvmlDeviceGetNvLinkRemotePciInfo(_h(dev), link)
     _fill(info, pynvml.nvmlPciInfo_t.from_address(_need(out)))
+    return SUCCESS
+
+
+def nvmlDeviceGetFieldValues(dev: int, count: int, values: int) -> int:
+    """Fills each caller-given ``nvmlFieldValue_t`` (fieldId and scopeId set by the caller) with the
+    simulator's answer: the value or that field's own nvmlReturn (NOT_SUPPORTED for fields it lacks)."""
+    n = ctypes.c_int(count).value
+    if n < 0:
+        return INVALID_ARGUMENT
+    if n == 0:
+        return SUCCESS
+    array = (pynvml.c_nvmlFieldValue_t * n).from_address(_need(values))
+    asked = [(int(array[i].fieldId), int(array[i].scopeId)) for i in range(n)]
+    answers = _sim().nvmlDeviceGetFieldValues(_h(dev), asked)
+    for i, (field_id, scope_id) in enumerate(asked):
+        _fill(answers[i], array[i])
+        array[i].fieldId = field_id
+        array[i].scopeId = scope_id
     return SUCCESS
 
 
@@ -620,15 +616,7 @@ def nvmlDeviceGetMaxMigDeviceCount(dev: int, out: int) -> int:
 
 def nvmlDeviceGetMigDeviceHandleByIndex(dev: int, index: int, out: int) -> int:
     _need(out)
-    try:
-        handle = _sim().nvmlDeviceGetMigDeviceHandleByIndex(_h(dev), index)
-    except pynvml.NVMLError as e:
-        # A MIG-capable GPU with MIG off has no MIG device at any index: NVML says NOT_FOUND, which
-        # go-nvlib's VisitMigDevices skips (the simulator says INVALID_STATE, which stops it).
-        if int(e.value) == pynvml.NVML_ERROR_INVALID_STATE:
-            return NOT_FOUND
-        raise
-    _put_handle(out, handle)
+    _put_handle(out, _sim().nvmlDeviceGetMigDeviceHandleByIndex(_h(dev), index))
     return SUCCESS
 
 

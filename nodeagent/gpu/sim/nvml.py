@@ -241,6 +241,15 @@ class SimulatedNvml:
         for g in self.machine.gpus:
             if g.uuid == want:
                 return self.nvmlDeviceGetHandleByIndex(g.index)
+        if want.startswith("MIG-"):  # NVML hands out MIG device handles by MIG UUID too
+            state = self.store.read()
+            for g in self.machine.gpus:
+                gs = state["gpus"][g.index]
+                if gs["lost"] or not gs["mig_current"]:
+                    continue
+                for gi, ci in self._mig_pairs(gs):
+                    if self._mig_uuid(g.index, gi, ci) == want:
+                        return _ptr(_key(_MIG, g.index, gi["id"], ci["id"]), pynvml.c_nvmlDevice_t)
         raise _err(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetHandleByPciBusId(self, bus_id: str | bytes) -> Any:
@@ -796,8 +805,9 @@ class SimulatedNvml:
     def nvmlDeviceGetMigDeviceHandleByIndex(self, device: Any, index: int) -> Any:
         state = self._enter("nvmlDeviceGetMigDeviceHandleByIndex")
         gpu = self._gpu(state, device)[1]
-        self._product(gpu, state)
-        pairs = self._mig_pairs(state["gpus"][gpu])
+        self._product(gpu, state, need_enabled=False)  # no MIG at all: NOT_SUPPORTED
+        # MIG disabled: no MIG device at any index, NOT_FOUND as NVML says (go-nvlib skips that answer)
+        pairs = self._mig_pairs(state["gpus"][gpu]) if state["gpus"][gpu]["mig_current"] else []
         if not 0 <= index < len(pairs):
             raise _err(pynvml.NVML_ERROR_NOT_FOUND)
         gi, ci = pairs[index]
