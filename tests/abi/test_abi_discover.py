@@ -98,7 +98,7 @@ def test_layout_written_by_the_simulator(tmp_path: Path, machine: str) -> None:
     assert sorted(d["profile"] for d in devices) == sorted(LAYOUTS[machine])
 
 
-@pytest.mark.parametrize("machine", ["a30x4", "dgx-a100-80gb", "dgx-h100"])
+@pytest.mark.parametrize("machine", ["a30x4", "dgx-a100-80gb", "dgx-h100", "dgx-b200", "rtx-pro-6000"])
 def test_layout_applied_by_nodeagent_through_the_c_abi(tmp_path: Path, machine: str) -> None:
     """``nodeagent mig apply`` on the real pynvml: MIG mode (with a GPU reset on Ampere, via the nvidia-smi
     stand-in), GPU and compute instances, all through ctypes and the C library."""
