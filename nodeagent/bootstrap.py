@@ -409,7 +409,8 @@ def _record_event(kube: Any, config: AgentConfig, component: str, message: str, 
 def _write_cdi(config: AgentConfig, paths: HostPaths, inventory: Inventory) -> StepResult:
     from nodeagent.cdi.writer import cdi_step
 
-    r = cdi_step(paths, inventory, config.cdi.driver_root, sim_host_files=bool(config.simulate.machine))
+    simulated = bool(config.simulate.machine or config.simulate.state)  # the machine may come from the state file
+    r = cdi_step(paths, inventory, config.cdi.driver_root, sim_host_files=simulated)
     return StepResult(Outcome(r.outcome), r.message, dict(r.details))
 
 

@@ -22,7 +22,7 @@ class CdiComponent(Component):
 
         self._ctx = ctx
         self.writer = CdiWriter(ctx.paths, driver_root=ctx.config.cdi.driver_root,
-                                sim_host_files=bool(ctx.config.simulate.machine))
+                                sim_host_files=bool(ctx.config.simulate.machine or ctx.config.simulate.state))
 
     async def start(self, ctx: Context) -> None:
         ctx.shared.cdi.attach(self._refresh)
