@@ -41,7 +41,9 @@ from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
 from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.health import EventPumps, HealthSource
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.ports import GpuDiscovery, GpuTelemetry, MigAdministration
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
 from nodeagent.sdnotify import Notifier
@@ -55,10 +57,14 @@ STOP_TIMEOUT = 3.0  # seconds all components together get to stop (the unit allo
 READY_FALLBACK = 60.0  # READY=1 is sent after this long even if the kubelet never answered
 
 
-class GpuSource(Protocol):
-    """What the daemon needs from the NVML adapter."""
+class GpuSource(GpuDiscovery, MigAdministration, HealthSource, GpuTelemetry, Protocol):
+    """What the daemon and its components use of the NVML adapter: the ports of ``nodeagent.gpu.ports``
+    (discovery and MIG administration, health events, telemetry) and ``close``. ``open_nvml`` and
+    ``adapter_for_sim`` return one; tests hand in small fakes of the same shape."""
 
-    def discover(self) -> Inventory: ...
+    def discover(self, *, partial: bool = False) -> Inventory: ...
+
+    def close(self) -> None: ...
 
 
 class Context:
@@ -78,6 +84,11 @@ class Context:
     @property
     def gpu(self) -> GpuSource:
         return self._daemon.gpu
+
+    @property
+    def pumps(self) -> EventPumps:
+        """The NVML event pumps of every health monitor; owned by the daemon, kept across reloads."""
+        return self._daemon.pumps
 
     @property
     def inventory(self) -> Inventory | None:
@@ -199,6 +210,7 @@ class Daemon:
         self.inventory: Inventory | None = None
         self.scheduler = AsyncIOScheduler()
         self.shared = Shared()
+        self.pumps = EventPumps()  # outlives every health monitor (and GPU source) a reload replaces
         self._node_watches: NodeWatchHub | None = None
         self.ctx = Context(self)
         self._slots = [_Slot(spec) for spec in specs]
@@ -395,10 +407,7 @@ class Daemon:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
-        close = getattr(self.gpu, "close", None)
-        if callable(close):
-            with contextlib.suppress(Exception):
-                close()
+        _close(self.gpu)
         if self.kube is not None:
             with contextlib.suppress(Exception):
                 self.kube.close()
@@ -590,12 +599,14 @@ class Daemon:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
 
 
-def _close(source: Any) -> None:
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _close(source: _Closable) -> None:
     """Close a GPU source or API client that is being replaced; a failure there changes nothing anymore."""
-    close = getattr(source, "close", None)
-    if callable(close):
-        with contextlib.suppress(Exception):
-            close()
+    with contextlib.suppress(Exception):
+        source.close()
 
 
 TRIM_AFTER_READY_S = 5.0  # start-up publishing has settled by then

@@ -19,7 +19,14 @@ from typing import Any
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
 from nodeagent.deviceplugin.server import ResourceServer, socket_name
 from nodeagent.errors import ConfigError, NodeAgentError
-from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource, to_xid_event
+from nodeagent.gpu.health import (
+    EventPumps,
+    HealthMonitor,
+    HealthSettings,
+    HealthSource,
+    shared_pumps,
+    to_xid_event,
+)
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.topology import score_matrix
 from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, resource_ids
@@ -57,6 +64,7 @@ class DevicePluginService:
         plugin_config: PluginConfig | None = None,
         nvml: HealthSource | None = None,
         health: HealthSettings | None = None,
+        pumps: EventPumps | None = None,
         register_timeout_s: float = 5.0,
         backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
@@ -80,7 +88,8 @@ class DevicePluginService:
         self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
             self.monitor = XidTrackingMonitor(
-                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed
+                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed,
+                pumps=pumps if pumps is not None else shared_pumps(),
             )
 
     # ------------------------------------------------------------------ public interface

@@ -23,8 +23,16 @@ from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.podnames import CheckpointEntry, PodNameLookup, parse_checkpoint, pod_names
 from nodeagent.kube.podresources import Assignment
 from nodeagent.sdnotify import Notifier
+from tests.unit._gpu import QuietGpus
 
 # -- metrics default ----------------------------------------------------------------------------------
+
+
+class _Kube:
+    """An API client that answered (bootstrap closes it at the end)."""
+
+    def close(self) -> None:
+        pass
 
 
 def test_metrics_default_is_localhost_and_empty_turns_it_off() -> None:
@@ -39,9 +47,8 @@ def test_metrics_default_is_localhost_and_empty_turns_it_off() -> None:
     assert spec.build(Ctx()) is None  # type: ignore[arg-type]
 
 
-class NoGpus:
-    def discover(self) -> Inventory:
-        return Inventory("550.54.15", 12040, ())
+class NoGpus(QuietGpus):
+    """No GPUs at all."""
 
 
 def _metrics_daemon(address: str) -> Daemon:
@@ -150,7 +157,7 @@ def _parts(runtime: StepResult | Exception, restart: StepResult, recorded: list[
     def connect(c: AgentConfig, p: HostPaths) -> Any:
         if not connect_ok:
             raise KubeletError("API not there")
-        return object()
+        return _Kube()
 
     def record(kube: Any, c: AgentConfig, component: str, message: str, ok: bool) -> str | None:
         recorded.append((component, message, ok))
@@ -207,3 +214,15 @@ def test_no_event_when_unchanged_unreachable_or_events_off() -> None:
     bootstrap(off, P, Options(), _parts(WROTE, RESTARTED, recorded))
     assert recorded == []
 
+
+
+def test_the_device_plugin_monitor_uses_the_daemons_event_pumps_across_reloads() -> None:
+    from nodeagent.daemon.components.deviceplugin import DevicePluginComponent
+
+    cfg = apply_overrides(AgentConfig(), {"kube": False, "metrics.address": ""})
+    d = Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(), specs=[],
+               notifier=Notifier({}))
+    first, second = DevicePluginComponent(d.ctx), DevicePluginComponent(d.ctx)
+    assert first.service.monitor is not None and second.service.monitor is not None
+    assert first.service.monitor.pumps is d.pumps and second.service.monitor.pumps is d.pumps
+    assert first.service.monitor.source is d.gpu

@@ -38,12 +38,12 @@ class DevicePluginComponent(Component):
         health = GpuHealthSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
-        nvml = ctx.gpu if hasattr(ctx.gpu, "wait_events") and hasattr(ctx.gpu, "gpu_healthy") else None
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
-            nvml=nvml,  # type: ignore[arg-type]
+            nvml=ctx.gpu,
             health=health,
+            pumps=ctx.pumps,  # the daemon's: an XID in flight while a reload rebuilds the plugin is not lost
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)

@@ -93,9 +93,8 @@ class MetricsComponent(Component):
 
     async def sample(self) -> None:
         inv = self._ctx.inventory
-        gpu = self._ctx.gpu
-        read = getattr(gpu, "metrics", None)
-        if inv is None or not callable(read):
+        read = self._ctx.gpu.metrics
+        if inv is None:
             return
 
         def collect() -> tuple[dict[int, Any], list[Any]]:
