@@ -294,9 +294,13 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
 def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
     from nodeagent.runtime.configure import configure, options_from_settings
 
-    result = configure(paths, options_from_settings(config.runtime))
+    result = configure(paths, options_from_settings(config.runtime, kubelet_dir=config.kubelet.dir))
     changed = [f"{f.path} ({f.action})" for f in result.files if f.action != "unchanged"]
     details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed}
+    if result.warnings:
+        details["warnings"] = list(result.warnings)
+    if result.notes:
+        details["notes"] = list(result.notes)
     if changed:
         details["files"] = changed
     if result.containerd_version:

@@ -259,6 +259,8 @@ def parse_config(text: str, where: str) -> AgentConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{where}: not valid TOML: {e}", subject=where) from e
+    except RecursionError as e:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"{where}: not valid TOML: arrays or tables nested too deeply", subject=where) from e
     cfg: AgentConfig = _build(AgentConfig, data, "", where)
     return dataclasses.replace(cfg, source=where)
 
@@ -314,29 +316,40 @@ def load_config(
         path = config_file
         explicit = True
     where = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as e:
+    text = _read_text(path, "config file", "")
+    if text is None:
         if explicit:
-            raise ConfigError(f"{where}: config file not found", subject=where) from e
+            raise ConfigError(f"{where}: config file not found", subject=where)
         cfg = dataclasses.replace(AgentConfig(), source="defaults")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: cannot read config file: {e}", subject=where) from e
     else:
         cfg = parse_config(text, where)
     return apply_overrides(cfg, overrides or {})
 
 
+def _read_text(path: Path, what: str, key: str) -> str | None:
+    """UTF-8 text of a regular file of bounded size, None when it does not exist. Never blocks: a FIFO, a
+    directory or a device in its place is a ``ConfigError`` naming the file, as is a file too big."""
+    from nodeagent.fileio import read_regular
+
+    named = f" ({key})" if key else ""
+    try:
+        data = read_regular(path)
+    except ConfigError as e:
+        reason = str(e).removeprefix(f"{path}: ").removeprefix("cannot read: ")
+        raise ConfigError(f"{path}: cannot read the {what}{named}: {reason}", subject=str(path)) from e
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: cannot read the {what}{named}: not UTF-8 text ({e.reason} at byte {e.start})",
+                          subject=str(path)) from e
+
+
 def read_named_file(path: Path, what: str, key: str) -> str | None:
     """Text of a file the configuration names; None when it does not exist; ``ConfigError`` when it cannot
     be read (a directory, no permission, not UTF-8)."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ConfigError(f"{path}: cannot read the {what} ({key}): {reason}", subject=str(path)) from e
+    return _read_text(path, what, key)
 
 
 def require_named_file(path: Path, what: str, key: str) -> str:

@@ -519,9 +519,12 @@ class Daemon:
 
     async def _reload(self) -> None:
         assert self._reload_config is not None
-        try:  # everything is read and checked before anything changes
-            new = self._reload_config()
-            files = self._read_files(new, self.paths) if self._read_files is not None else ConfigFiles()
+        try:  # everything is read and checked before anything changes, off the loop (files are never
+            # waited for: a FIFO or device in a config file's place is refused at once, see fileio.read_regular)
+            new = await asyncio.to_thread(self._reload_config)
+            read_files = self._read_files
+            files = await asyncio.to_thread(read_files, new, self.paths) if read_files is not None \
+                else ConfigFiles()
         except Exception as e:
             if isinstance(e, NodeAgentError):
                 log.error("reload rejected, keeping the running config: %s", e)

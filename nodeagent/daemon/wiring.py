@@ -68,7 +68,7 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("mig", frozenset({"mig"}), mig),
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
-        ComponentSpec("runtime", frozenset({"runtime"}), runtime),
+        ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
     ]
 
 
