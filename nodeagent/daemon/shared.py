@@ -26,6 +26,10 @@ class ServedDevices(Protocol):
 
     def health(self) -> dict[int, bool]: ...
 
+    def last_xids(self) -> dict[int, int]:
+        """GPU index → the last XID it reported (critical or not), for DCGM_FI_DEV_XID_ERRORS."""
+        ...
+
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
     async def update(self, inventory: Inventory) -> None: ...
@@ -67,6 +71,9 @@ class DevicePluginLink:
 
     def health(self) -> dict[int, bool]:
         return self._plugin.health() if self._plugin is not None else {}
+
+    def last_xids(self) -> dict[int, int]:
+        return self._plugin.last_xids() if self._plugin is not None else {}
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._plugin is not None:

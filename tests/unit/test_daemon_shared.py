@@ -38,6 +38,9 @@ class FakePlugin(Component):
     def health(self) -> dict[int, bool]:
         return {0: True, 1: False}
 
+    def last_xids(self) -> dict[int, int]:
+        return {1: 79}
+
     async def withdraw(self, gpu_indices: set[int]) -> None:
         self.withdrawn.append(gpu_indices)
 
@@ -78,6 +81,7 @@ async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -
         snap = link.snapshot()
         assert (snap.served, snap.plugin_config, dict(snap.health)) == (("nvidia.com/a",), "config-a",
                                                                          {0: True, 1: False})
+        assert link.last_xids() == {1: 79}
         await link.withdraw({1})
         assert plugins[0].withdrawn == [{1}]
         # a reload rebuilds the device plugin: readers see the new one, the old one is unlinked
@@ -91,7 +95,7 @@ async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -
     finally:
         d.request_stop()
         await asyncio.wait_for(task, 5)
-    assert link.snapshot().served == () and link.health() == {}
+    assert link.snapshot().served == () and link.health() == {} and link.last_xids() == {}
 
 
 async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:

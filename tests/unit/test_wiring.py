@@ -226,3 +226,32 @@ def test_the_device_plugin_monitor_uses_the_daemons_event_pumps_across_reloads()
     assert first.service.monitor is not None and second.service.monitor is not None
     assert first.service.monitor.pumps is d.pumps and second.service.monitor.pumps is d.pumps
     assert first.service.monitor.source is d.gpu
+
+
+async def test_the_publisher_closes_its_event_recorder_when_a_reload_replaces_it_and_at_shutdown() -> None:
+    from nodeagent.daemon.components.publisher import PublisherComponent
+
+    built: list[PublisherComponent] = []
+
+    def publisher(ctx: Context) -> PublisherComponent:
+        built.append(PublisherComponent(ctx))
+        return built[-1]
+
+    configs = [apply_overrides(AgentConfig(), {"metrics.address": ""})]
+    d = Daemon(configs[0], HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(),
+               kube_factory=lambda c: _Kube(), notifier=Notifier({}), reload_config=lambda: configs[-1],
+               specs=[ComponentSpec("publisher", frozenset({"publish"}), publisher)], ready_fallback=0.1)
+    task = asyncio.create_task(d.run(install_signals=False))
+    try:
+        for _ in range(100):
+            if d._ready_sent:
+                break
+            await asyncio.sleep(0.05)
+        assert len(built) == 1 and not built[0].publisher.events._closed
+        configs.append(apply_overrides(configs[0], {"publish.events": False}))
+        await d.reload()
+        assert len(built) == 2 and built[0].publisher.events._closed and not built[1].publisher.events._closed
+    finally:
+        d.request_stop()
+        await asyncio.wait_for(task, 5)
+    assert built[1].publisher.events._closed

@@ -106,6 +106,9 @@ class DevicePluginComponent(Component):
             return {}
         return {g.index: monitor.is_healthy(g.index) for g in self._ctx.inventory.gpus}
 
+    def last_xids(self) -> dict[int, int]:
+        return self.service.last_xids()
+
     async def stop(self) -> None:
         self._ctx.shared.device_plugin.detach(self)
         await self.service.stop()

@@ -105,7 +105,8 @@ class MetricsComponent(Component):
             return out, self._read_assignments()
 
         samples, assignments = await asyncio.to_thread(collect)
-        self.metrics.update_gpus(inv, samples, assignments, self._health())
+        self.metrics.update_gpus(inv, samples, assignments, self._health(),
+                                 xids=self._ctx.shared.device_plugin.last_xids())
 
     async def stop(self) -> None:
         self._ctx.shared.metrics.detach(self.metrics)
