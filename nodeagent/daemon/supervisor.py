@@ -86,6 +86,11 @@ class Context:
         return self._daemon.gpu
 
     @property
+    def exiting(self) -> bool:
+        """True once the process is on its way out (components stop for good, not for a reload)."""
+        return self._daemon.exiting
+
+    @property
     def pumps(self) -> EventPumps:
         """The NVML event pumps of every health monitor; owned by the daemon, kept across reloads."""
         return self._daemon.pumps
@@ -219,6 +224,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._status: dict[str, str] = {}
         self._ready_sent = False
+        self.exiting = False
         self.started_at = time.monotonic()
         self.reloads = 0
         self.resyncs = 0
@@ -396,6 +402,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         log.info("stopping")
+        self.exiting = True
         self.notifier.stopping()
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)

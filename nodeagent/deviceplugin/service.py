@@ -65,6 +65,7 @@ class DevicePluginService:
         nvml: HealthSource | None = None,
         health: HealthSettings | None = None,
         pumps: EventPumps | None = None,
+        exclude_gpus: Iterable[int] = (),
         register_timeout_s: float = 5.0,
         backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
@@ -74,6 +75,8 @@ class DevicePluginService:
         self._backoff_max = backoff_max_s
         self._inventory: Inventory | None = None
         self._withdrawn: frozenset[int] = frozenset()
+        # GPUs another plane (DRA) serves: never advertised here, still watched by the health monitor
+        self._excluded: frozenset[int] = frozenset(exclude_gpus)
         self._servers: dict[str, ResourceServer] = {}
         self._registering: dict[str, asyncio.Task[None]] = {}
         self._last_cause: dict[str, str] = {}
@@ -112,7 +115,8 @@ class DevicePluginService:
         async with self._lock:
             if self._started:
                 raise RuntimeError("DevicePluginService already started")
-            resources = self._checked(build_resources(inventory, self.config), self.config.source)
+            resources = self._checked(build_resources(inventory, self.config, withdrawn=self._excluded),
+                                      self.config.source)
             self._inventory = inventory
             self._scores = score_matrix(inventory)
             self._started = True
@@ -125,7 +129,7 @@ class DevicePluginService:
         """Follow a new Inventory and/or config; raises ConfigError (changing nothing) when invalid."""
         async with self._lock:
             config = plugin_config or self.config
-            resources = self._checked(build_resources(inventory, config), config.source)
+            resources = self._checked(build_resources(inventory, config, withdrawn=self._excluded), config.source)
             self.config, self._inventory, self._withdrawn = config, inventory, frozenset()
             self._scores = score_matrix(inventory)
             if self.monitor is not None:
@@ -139,7 +143,7 @@ class DevicePluginService:
             if self._inventory is None:
                 return
             self._withdrawn = self._withdrawn | frozenset(gpu_indices)
-            resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn)
+            resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn | self._excluded)
             await self._apply(self._checked(resources, self.config.source))
 
     def served_resources(self) -> dict[str, list[str]]:

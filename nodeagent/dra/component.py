@@ -9,7 +9,8 @@
 Health: with ``nvml=`` the component runs its own ``HealthMonitor`` (only when no device plugin runs on
 the same NVML source: a source serves one monitor); otherwise pass the device plugin's monitor changes
 to ``set_health``. ``gpu_filter`` limits the pool to some GPUs, so two planes on one node never hand
-out the same GPU. ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
+out the same GPU; ``pumps`` is the NVML event-pump registry of whoever outlives the component (the
+daemon's, so a rebuild hands over what its monitor held). ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
 
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
@@ -36,7 +37,7 @@ from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
-from nodeagent.gpu.health import HealthMonitor, HealthSettings
+from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings, shared_pumps
 from nodeagent.gpu.health import HealthSource as NvmlHealthSource
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.hostpaths import HostPaths
@@ -67,6 +68,7 @@ class DraComponent:
         nvml: NvmlHealthSource | None = None,
         health_settings: HealthSettings | None = None,
         gpu_filter: Callable[[Gpu], bool] | None = None,
+        pumps: EventPumps | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -96,7 +98,8 @@ class DraComponent:
         self.monitor: HealthMonitor | None = None
         if nvml is not None:
             self.monitor = HealthMonitor(nvml, health_settings or HealthSettings.from_env(),
-                                         on_change=self._monitor_changed)
+                                         on_change=self._monitor_changed,
+                                         pumps=pumps if pumps is not None else shared_pumps())
 
     async def _monitor_changed(self) -> None:
         assert self.monitor is not None

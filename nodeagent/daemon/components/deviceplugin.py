@@ -44,6 +44,8 @@ class DevicePluginComponent(Component):
             nvml=ctx.gpu,
             health=health,
             pumps=ctx.pumps,  # the daemon's: an XID in flight while a reload rebuilds the plugin is not lost
+            # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
+            exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)
@@ -54,10 +56,12 @@ class DevicePluginComponent(Component):
             # A health change reaches the kubelet through the servers (the service's own hook) and then the
             # Node at once: GpuUnhealthy/GpuHealthy Events and GPU object state do not wait for the resync.
             to_kubelet = monitor.on_change
+            link = ctx.shared.health  # the DRA plane beside the plugin (plane "both") follows this monitor
 
             async def health_changed() -> None:
                 try:
                     await to_kubelet()
+                    await link.publish(monitor.unhealthy())
                 finally:
                     ctx.request_resync()
 
@@ -77,6 +81,8 @@ class DevicePluginComponent(Component):
         if not self._started:
             await self.service.start(inventory)
             self._started = True
+            if self.service.monitor is not None:  # what a replaced monitor handed over, for the DRA plane
+                await self._ctx.shared.health.publish(self.service.monitor.unhealthy())
         else:
             await self.service.update(inventory)
         self._changed.set()
