@@ -69,12 +69,14 @@ class DraComponent:
         health_settings: HealthSettings | None = None,
         gpu_filter: Callable[[Gpu], bool] | None = None,
         pumps: EventPumps | None = None,
+        kubelet_host_dir: Path | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
         self.node_name = node_name
         self.driver = driver
         self.kubelet_dir = kubelet_dir or paths("/var/lib/kubelet")
+        self.kubelet_host_dir = kubelet_host_dir  # the kubelet's directory as the kubelet sees it (default: the same)
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
@@ -116,7 +118,7 @@ class DraComponent:
         await self._set_inventory(inventory)
         await asyncio.to_thread(self.preparer.recover)
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
-                                on_registered=self.reverify)
+                                on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
         if self.health_source is not None:

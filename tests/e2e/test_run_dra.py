@@ -11,8 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from nodeagent.dra.api import reg_pb2, reg_pb2_grpc
 from nodeagent.dra.slices import UNHEALTHY_TAINT_KEY
 from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import Agent, eventually, node_root, running_agent
@@ -72,6 +74,10 @@ def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
             kubelet = root / "var/lib/kubelet"
             assert (kubelet / f"plugins_registry/{DRIVER}-reg.sock").is_socket()
             assert (kubelet / f"plugins/{DRIVER}/dra.sock").is_socket()
+            # the kubelet dials the host path, not the one under --root
+            with grpc.insecure_channel(f"unix://{kubelet / f'plugins_registry/{DRIVER}-reg.sock'}") as ch:
+                info = reg_pb2_grpc.RegistrationStub(ch).GetInfo(reg_pb2.InfoRequest(), timeout=5)
+            assert (info.name, info.endpoint) == (DRIVER, f"/var/lib/kubelet/plugins/{DRIVER}/dra.sock")
             plugin_dir = kubelet / "device-plugins"
             assert not plugin_dir.exists() or not list(plugin_dir.glob("*.sock"))
             assert "component device-plugin started" not in agent.log()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.health import HealthKey
@@ -47,6 +48,7 @@ class DraPlaneComponent(Component):
             kube=ctx.kube,
             node_name=ctx.node_name,
             kubelet_dir=ctx.host_path(cfg.kubelet.dir),
+            kubelet_host_dir=Path(cfg.kubelet.dir),  # the endpoint the kubelet dials (a host path, not --root's)
             verify_interval_s=cfg.dra.verify_interval,
             gpu_filter=None if alone else beside_the_device_plugin,
             nvml=ctx.gpu if alone else None,
