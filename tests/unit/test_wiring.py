@@ -255,3 +255,32 @@ async def test_the_publisher_closes_its_event_recorder_when_a_reload_replaces_it
         d.request_stop()
         await asyncio.wait_for(task, 5)
     assert built[1].publisher.events._closed
+
+
+async def test_the_runtime_check_uses_the_kubelet_dir_and_logs_each_warning_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import nodeagent.runtime.configure as configure_mod
+    from nodeagent.daemon.components.runtime import RuntimeCheckComponent
+    from nodeagent.runtime.configure import Options as RuntimeOptions
+    from nodeagent.runtime.configure import Result
+
+    seen: list[RuntimeOptions] = []
+
+    def configure(paths: HostPaths, opts: RuntimeOptions) -> Result:
+        seen.append(opts)
+        return Result(changed=False, restart_needed=False, mode="drop-in", dry_run=True,
+                      warnings=["/etc/containerd/config.toml disables the CRI plugin"])
+
+    monkeypatch.setattr(configure_mod, "configure", configure)
+    cfg = apply_overrides(AgentConfig(), {"kube": False, "metrics.address": "", "kubelet.dir": "/data/kubelet",
+                                          "runtime.check_interval": 0.0})
+    d = Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(), specs=[],
+               notifier=Notifier({}))
+    check = RuntimeCheckComponent(d.ctx)
+    with caplog.at_level(logging.WARNING):
+        await check.check()
+        await check.check()
+    assert [o.kubelet_dir for o in seen] == ["/data/kubelet"] * 2 and all(o.dry_run for o in seen)
+    warned = [r.getMessage() for r in caplog.records if "disables the CRI plugin" in r.getMessage()]
+    assert warned == ["runtime check: /etc/containerd/config.toml disables the CRI plugin"]
+    assert check.drift is False
