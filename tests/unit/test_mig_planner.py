@@ -14,8 +14,16 @@ from nodeagent.mig.layout import NoFit, check_totals, compute_slices, find_layou
 from nodeagent.mig.planner import plan, plan_gpu
 from nodeagent.mig.spec import Desired, Selection, parse_config, resolve
 
-ARCH = {"A100-40GB": "ampere", "A100-80GB": "ampere", "A30-24GB": "ampere", "H100-80GB": "hopper",
-        "H200-141GB": "hopper"}
+
+def _arch(key: str) -> str:
+    if key.startswith(("A100", "A30")):
+        return "ampere"
+    if key.startswith(("B", "GB", "RTX-PRO")):
+        return "blackwell"
+    return "hopper"  # H100, H200, H20, GH200
+
+
+ARCH = {key: _arch(key) for key in PRODUCTS}
 
 
 def make_gpu(key: str, index: int = 0, layout: tuple[tuple[str, int], ...] = (), enabled: bool | None = None) -> Gpu:
@@ -29,7 +37,7 @@ def make_gpu(key: str, index: int = 0, layout: tuple[tuple[str, int], ...] = (),
     on = bool(layout) if enabled is None else enabled
     return Gpu(index=index, uuid=f"GPU-{index}", name=f"NVIDIA {key}", pci_bus_id=f"0000:{index:02x}:00.0",
                pci_device_id=prod.pci_device_ids[0], memory_mib=prod.profiles[-1].memory_mib, numa_node=0,
-               compute_major=8 if ARCH[key] == "ampere" else 9, compute_minor=0, minor_number=index,
+               compute_major={"ampere": 8, "hopper": 9}.get(ARCH[key], 10), compute_minor=0, minor_number=index,
                architecture=ARCH[key], mig_capable=True, mig_current=on, mig_pending=on,
                mig_profiles=prod.profiles, mig_devices=tuple(devs))
 
