@@ -114,3 +114,29 @@ async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
     metrics.detach(sink)
     metrics.observe_reconcile("mig", "failed", 4.0)
     assert sink.seen == [("mig", "success", 2.0), ("mig", "failed", 3.0)] and sink.publishes == ["res"]
+
+
+async def test_health_link_forwards_the_plugins_unhealthy_map_and_starts_a_late_sink_from_the_last_one() -> None:
+    from collections.abc import Mapping
+
+    from nodeagent.daemon.shared import HealthLink
+
+    class Dra:
+        def __init__(self) -> None:
+            self.seen: list[dict[tuple[int, int | None], str]] = []
+
+        async def set_health(self, unhealthy: Mapping[tuple[int, int | None], str]) -> None:
+            self.seen.append(dict(unhealthy))
+
+    link = HealthLink()
+    await link.publish({(1, None): "XID 48"})  # nobody attached yet: kept
+    first = Dra()
+    await link.attach(first)
+    assert first.seen == [{(1, None): "XID 48"}]
+    await link.publish({})
+    assert first.seen[-1] == {}
+    second = Dra()
+    await link.attach(second)  # a rebuilt DRA plane replaces the first
+    link.detach(first)  # a late detach of the old one does not unlink the new one
+    await link.publish({(0, 3): "XID 94"})
+    assert second.seen == [{}, {(0, 3): "XID 94"}] and len(first.seen) == 2
