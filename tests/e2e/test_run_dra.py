@@ -39,6 +39,12 @@ def slice_devices(server: KubeApiServer, node: str) -> dict[str, dict[str, Any]]
     return {d["name"]: d for s in items for d in s["spec"]["devices"]}
 
 
+def slice_versions(server: KubeApiServer, node: str) -> dict[str, str]:
+    status, body = server.get(f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3D{node}")
+    assert status == 200, body
+    return {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in json.loads(body)["items"]}
+
+
 def config(path: Path, server: KubeApiServer, plane: str, gpus: str = "") -> Path:
     path.write_text(f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 300.0\n'
                     "[runtime]\nenabled = false\n[mig]\nenabled = false\n"
@@ -81,6 +87,16 @@ def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
             plugin_dir = kubelet / "device-plugins"
             assert not plugin_dir.exists() or not list(plugin_dir.glob("*.sock"))
             assert "component device-plugin started" not in agent.log()
+            # a reload that rebuilds the plane but keeps it keeps the slices too (no withdraw, no rewrite)
+            before = slice_versions(kube_apiserver, node)
+            config(cfg, kube_apiserver, "dra").write_text(cfg.read_text().replace("verify_interval = 5.0",
+                                                                                  "verify_interval = 7.0"))
+            reload_and_wait(agent)
+            assert "reload: changed dra" in agent.log() and agent.log().count("component dra started") == 2
+            # the rebuilt plane's first sync finds its pool intact in the API and takes it over as it is
+            eventually(lambda: f"DRA pool {node}: adopted 1 ResourceSlice(s)" in agent.log(), 15, "pool adopted")
+            assert slice_versions(kube_apiserver, node) == before
+            assert "withdrawn" not in agent.log()
             code, took = agent.stop()
             assert code == 0 and took < 5.0, agent.log()
             # leaving is not withdrawing: prepared claims keep running, the next start answers for them
