@@ -225,9 +225,7 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
                 if reason:
                     events.append(reason)
         finally:
-            close = getattr(kube, "close", None)
-            if callable(close):
-                close()
+            kube.close()
     return Report(tuple(reports), tuple(events))
 
 
@@ -263,9 +261,7 @@ def _discover(config: AgentConfig, paths: HostPaths) -> Inventory:
         inv: Inventory = adapter.discover()
         return inv
     finally:
-        close = getattr(adapter, "close", None)
-        if callable(close):
-            close()
+        adapter.close()
 
 
 def _connect(config: AgentConfig, paths: HostPaths) -> Any:
@@ -311,17 +307,19 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
             details["recovered"] = recovery.describe()
         return StepResult(Outcome.CHANGED, f"MIG config {name} applied", details)
     finally:
-        close = getattr(adapter, "close", None)
-        if callable(close):
-            close()
+        adapter.close()
 
 
 def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
     from nodeagent.runtime.configure import configure, options_from_settings
 
-    result = configure(paths, options_from_settings(config.runtime))
+    result = configure(paths, options_from_settings(config.runtime, kubelet_dir=config.kubelet.dir))
     changed = [f"{f.path} ({f.action})" for f in result.files if f.action != "unchanged"]
     details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed}
+    if result.warnings:
+        details["warnings"] = list(result.warnings)
+    if result.notes:
+        details["notes"] = list(result.notes)
     if changed:
         details["files"] = changed
     if result.containerd_version:
@@ -366,7 +364,7 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
     try:
         res = publisher.publish(inventory, (), plugin_config)
     except KubeError as e:
-        if getattr(e, "status", None) == 404:
+        if e.status == 404:
             return StepResult(Outcome.SKIPPED,
                               f"node {node_name} is not registered yet; the agent labels it later")
         raise
@@ -395,7 +393,7 @@ def _record_event(kube: Any, config: AgentConfig, component: str, message: str, 
     try:
         node.uid()
     except KubeError as e:
-        if getattr(e, "status", None) != 404:
+        if e.status != 404:
             log.warning("no %s event on node %s: %s", component, node.name, e)
         return None
     if not EventRecorder(node).reconfigured(component, message, ok=ok):

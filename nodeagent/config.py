@@ -29,6 +29,7 @@ LogFormat = Literal["text", "json"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 RuntimeMode = Literal["drop-in", "in-place"]
 RestartMode = Literal["systemd", "signal", "none"]
+DevicePlane = Literal["device-plugin", "dra", "both"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,15 @@ class KubeletSettings:
 class DevicePluginSettings:
     enabled: bool = True
     config: str = ""  # NVIDIA device-plugin config (version: v1); "" = built-in defaults
+    # how GPUs reach pods: the kubelet device plugin, the DRA driver gpu.nodeagent.io (needs the API), or
+    # both, each with its own GPUs ([dra] gpus)
+    plane: DevicePlane = "device-plugin"
+
+
+@dataclass(frozen=True)
+class DraSettings:
+    verify_interval: float = 60.0  # seconds between checks that the node's ResourceSlices are intact
+    gpus: tuple[int, ...] = ()  # with plane = "both": the GPU indices DRA serves (the device plugin the rest)
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,7 @@ class AgentConfig:
     resync_interval: float = 60.0  # seconds between full rediscovery + publish passes
     kubelet: KubeletSettings = field(default_factory=KubeletSettings)
     device_plugin: DevicePluginSettings = field(default_factory=DevicePluginSettings)
+    dra: DraSettings = field(default_factory=DraSettings)
     mig: MigSettings = field(default_factory=MigSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     publish: PublishSettings = field(default_factory=PublishSettings)
@@ -172,6 +183,7 @@ _POSITIVE = {
     "metrics.interval",
     "health.window",
     "health.poll_interval",
+    "dra.verify_interval",
 }
 _NON_NEGATIVE = {"runtime.check_interval"}
 MAX_SECONDS = 366 * 24 * 3600.0  # no interval or window is longer than a year (the scheduler's limit is near)
@@ -219,6 +231,10 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise bad("a string")
         return value
+    if origin is tuple and get_args(tp) == (int, ...):
+        if not isinstance(value, list | tuple) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise bad("a list of integers")
+        return tuple(value)
     raise AssertionError(f"unsupported config type {tp!r} for {key}")
 
 
@@ -237,6 +253,11 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
             parse_address(value)
         except ValueError as e:
             raise ConfigError(f"{where}: key '{key}': {e}", subject=key) from e
+    if key == "dra.gpus":
+        if any(v < 0 for v in value):
+            raise ConfigError(f"{where}: key '{key}' lists a negative GPU index: {list(value)!r}", subject=key)
+        if len(set(value)) != len(value):
+            raise ConfigError(f"{where}: key '{key}' lists a GPU twice: {list(value)!r}", subject=key)
     if key == "node_name" and value and (len(value) > 253 or any(c.isspace() for c in value)):
         raise ConfigError(f"{where}: key '{key}' is not a valid node name: {value!r}", subject=key)
 
@@ -267,7 +288,10 @@ def parse_config(text: str, where: str) -> AgentConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{where}: not valid TOML: {e}", subject=where) from e
+    except RecursionError as e:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"{where}: not valid TOML: arrays or tables nested too deeply", subject=where) from e
     cfg: AgentConfig = _build(AgentConfig, data, "", where)
+    _check_together(cfg, where)
     return dataclasses.replace(cfg, source=where)
 
 
@@ -287,7 +311,15 @@ def apply_overrides(cfg: AgentConfig, overrides: Mapping[str, Any],
         return cfg
     merged = _merge(_as_dict(cfg), tree)
     new: AgentConfig = _build(AgentConfig, merged, "", where)
+    _check_together(new, where)
     return dataclasses.replace(new, source=cfg.source)
+
+
+def _check_together(cfg: AgentConfig, where: str) -> None:
+    """Keys that are only valid together."""
+    if cfg.device_plugin.plane == "both" and not cfg.dra.gpus:
+        raise ConfigError(f"{where}: key 'dra.gpus' must list the GPU indices DRA serves when "
+                          "device_plugin.plane is 'both' (the device plugin serves the others)", subject="dra.gpus")
 
 
 def _as_dict(cfg: AgentConfig) -> dict[str, Any]:
@@ -322,29 +354,40 @@ def load_config(
         path = config_file
         explicit = True
     where = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as e:
+    text = _read_text(path, "config file", "")
+    if text is None:
         if explicit:
-            raise ConfigError(f"{where}: config file not found", subject=where) from e
+            raise ConfigError(f"{where}: config file not found", subject=where)
         cfg = dataclasses.replace(AgentConfig(), source="defaults")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: cannot read config file: {e}", subject=where) from e
     else:
         cfg = parse_config(text, where)
     return apply_overrides(cfg, overrides or {})
 
 
+def _read_text(path: Path, what: str, key: str) -> str | None:
+    """UTF-8 text of a regular file of bounded size, None when it does not exist. Never blocks: a FIFO, a
+    directory or a device in its place is a ``ConfigError`` naming the file, as is a file too big."""
+    from nodeagent.fileio import read_regular
+
+    named = f" ({key})" if key else ""
+    try:
+        data = read_regular(path)
+    except ConfigError as e:
+        reason = str(e).removeprefix(f"{path}: ").removeprefix("cannot read: ")
+        raise ConfigError(f"{path}: cannot read the {what}{named}: {reason}", subject=str(path)) from e
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: cannot read the {what}{named}: not UTF-8 text ({e.reason} at byte {e.start})",
+                          subject=str(path)) from e
+
+
 def read_named_file(path: Path, what: str, key: str) -> str | None:
     """Text of a file the configuration names; None when it does not exist; ``ConfigError`` when it cannot
     be read (a directory, no permission, not UTF-8)."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ConfigError(f"{path}: cannot read the {what} ({key}): {reason}", subject=str(path)) from e
+    return _read_text(path, what, key)
 
 
 def require_named_file(path: Path, what: str, key: str) -> str:

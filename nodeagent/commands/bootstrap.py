@@ -12,7 +12,7 @@ from nodeagent.config import load_config
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--config", "config_file", type=click.Path(path_type=Path), default=None,
               help="Config file (default: /etc/nodeagent/config.toml under --root; missing = defaults).")
 @click.option("--simulate", metavar="MACHINE", default=None, help="Use the NVML simulator with this machine.")
 @click.option("--sim-state", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -2,9 +2,9 @@
 
     supervisor   Daemon, Context, Component, ComponentSpec: start, resync, reload (SIGHUP), READY, stop
     files        ConfigFiles, read_config_files: the files the config names, validated with it
-    shared       the typed links between components (device plugin, metrics), owned by the daemon
+    shared       the typed links between components (device plugin, metrics, health), owned by the daemon
     wiring       open_gpu, open_kube, default_specs, build_daemon: the real parts
-    components/  one module per component: deviceplugin, mig, publisher, metrics, runtime
+    components/  one module per component: deviceplugin, dra, mig, publisher, metrics, runtime
 """
 
 from __future__ import annotations

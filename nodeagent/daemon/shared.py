@@ -1,9 +1,10 @@
 """What one component publishes and another reads, as typed objects the daemon owns across reloads.
 
 A component never looks another one up: the device plugin attaches itself to ``DevicePluginLink`` while
-it runs (the publisher reads its served resources, plugin config and health; the MIG reconciler withdraws
-and re-advertises through it), and the metrics component attaches its registry to ``MetricsLink`` (the
-MIG reconciler and the publisher count into it). While nothing is attached (disabled, or being rebuilt
+it runs (the publisher reads its served resources, plugin config and health, the metrics its last XIDs;
+the MIG reconciler withdraws and re-advertises through it), the metrics component attaches its registry to
+``MetricsLink`` (the MIG reconciler and the publisher count into it), and the device plugin's health
+changes reach the DRA plane beside it through ``HealthLink``. While nothing is attached (disabled, or being rebuilt
 by a reload) reads are empty and writes are dropped.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
 
@@ -25,6 +27,10 @@ class ServedDevices(Protocol):
     def served(self) -> list[str]: ...
 
     def health(self) -> dict[int, bool]: ...
+
+    def last_xids(self) -> dict[int, int]:
+        """GPU index → the last XID it reported (critical or not), for DCGM_FI_DEV_XID_ERRORS."""
+        ...
 
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
@@ -67,6 +73,9 @@ class DevicePluginLink:
 
     def health(self) -> dict[int, bool]:
         return self._plugin.health() if self._plugin is not None else {}
+
+    def last_xids(self) -> dict[int, int]:
+        return self._plugin.last_xids() if self._plugin is not None else {}
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._plugin is not None:
@@ -134,12 +143,45 @@ class Advertiser:
         await self._plugin.update(inventory)
 
 
+class HealthSink(Protocol):
+    """What takes the device plugin's health monitor changes (the DRA plane beside it, plane "both")."""
+
+    async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None: ...
+
+
+class HealthLink:
+    """The device plugin's unhealthy map (``HealthMonitor.unhealthy()``), forwarded to whoever serves GPUs
+    beside it on the same NVML source: one source feeds one monitor. The last map is kept, so a sink
+    attached later (rebuilt by a reload) starts from it."""
+
+    def __init__(self) -> None:
+        self._sink: HealthSink | None = None
+        self._last: dict[HealthKey, str] = {}
+
+    def current(self) -> dict[HealthKey, str]:
+        return dict(self._last)
+
+    async def attach(self, sink: HealthSink) -> None:
+        self._sink = sink
+        await sink.set_health(self.current())
+
+    def detach(self, sink: HealthSink) -> None:
+        if self._sink is sink:
+            self._sink = None
+
+    async def publish(self, unhealthy: Mapping[HealthKey, str]) -> None:
+        self._last = dict(unhealthy)
+        if self._sink is not None:
+            await self._sink.set_health(self.current())
+
+
 @dataclass
 class Shared:
     """Every link, owned by the daemon: components come and go with reloads, the links stay."""
 
     device_plugin: DevicePluginLink = field(default_factory=DevicePluginLink)
     metrics: MetricsLink = field(default_factory=MetricsLink)
+    health: HealthLink = field(default_factory=HealthLink)
     cdi: CdiLink = field(default_factory=CdiLink)
 
     @property

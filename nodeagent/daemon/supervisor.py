@@ -41,7 +41,9 @@ from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
 from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.health import EventPumps, HealthSource
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.ports import GpuDiscovery, GpuTelemetry, MigAdministration
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
 from nodeagent.sdnotify import Notifier
@@ -55,10 +57,14 @@ STOP_TIMEOUT = 3.0  # seconds all components together get to stop (the unit allo
 READY_FALLBACK = 60.0  # READY=1 is sent after this long even if the kubelet never answered
 
 
-class GpuSource(Protocol):
-    """What the daemon needs from the NVML adapter."""
+class GpuSource(GpuDiscovery, MigAdministration, HealthSource, GpuTelemetry, Protocol):
+    """What the daemon and its components use of the NVML adapter: the ports of ``nodeagent.gpu.ports``
+    (discovery and MIG administration, health events, telemetry) and ``close``. ``open_nvml`` and
+    ``adapter_for_sim`` return one; tests hand in small fakes of the same shape."""
 
-    def discover(self) -> Inventory: ...
+    def discover(self, *, partial: bool = False) -> Inventory: ...
+
+    def close(self) -> None: ...
 
 
 class Context:
@@ -78,6 +84,16 @@ class Context:
     @property
     def gpu(self) -> GpuSource:
         return self._daemon.gpu
+
+    @property
+    def exiting(self) -> bool:
+        """True once the process is on its way out (components stop for good, not for a reload)."""
+        return self._daemon.exiting
+
+    @property
+    def pumps(self) -> EventPumps:
+        """The NVML event pumps of every health monitor; owned by the daemon, kept across reloads."""
+        return self._daemon.pumps
 
     @property
     def inventory(self) -> Inventory | None:
@@ -199,6 +215,7 @@ class Daemon:
         self.inventory: Inventory | None = None
         self.scheduler = AsyncIOScheduler()
         self.shared = Shared()
+        self.pumps = EventPumps()  # outlives every health monitor (and GPU source) a reload replaces
         self._node_watches: NodeWatchHub | None = None
         self.ctx = Context(self)
         self._slots = [_Slot(spec) for spec in specs]
@@ -207,6 +224,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._status: dict[str, str] = {}
         self._ready_sent = False
+        self.exiting = False
         self.started_at = time.monotonic()
         self.reloads = 0
         self.resyncs = 0
@@ -384,6 +402,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         log.info("stopping")
+        self.exiting = True
         self.notifier.stopping()
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
@@ -395,10 +414,7 @@ class Daemon:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
-        close = getattr(self.gpu, "close", None)
-        if callable(close):
-            with contextlib.suppress(Exception):
-                close()
+        _close(self.gpu)
         if self.kube is not None:
             with contextlib.suppress(Exception):
                 self.kube.close()
@@ -510,9 +526,12 @@ class Daemon:
 
     async def _reload(self) -> None:
         assert self._reload_config is not None
-        try:  # everything is read and checked before anything changes
-            new = self._reload_config()
-            files = self._read_files(new, self.paths) if self._read_files is not None else ConfigFiles()
+        try:  # everything is read and checked before anything changes, off the loop (files are never
+            # waited for: a FIFO or device in a config file's place is refused at once, see fileio.read_regular)
+            new = await asyncio.to_thread(self._reload_config)
+            read_files = self._read_files
+            files = await asyncio.to_thread(read_files, new, self.paths) if read_files is not None \
+                else ConfigFiles()
         except Exception as e:
             if isinstance(e, NodeAgentError):
                 log.error("reload rejected, keeping the running config: %s", e)
@@ -590,12 +609,14 @@ class Daemon:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
 
 
-def _close(source: Any) -> None:
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _close(source: _Closable) -> None:
     """Close a GPU source or API client that is being replaced; a failure there changes nothing anymore."""
-    close = getattr(source, "close", None)
-    if callable(close):
-        with contextlib.suppress(Exception):
-            close()
+    with contextlib.suppress(Exception):
+        source.close()
 
 
 TRIM_AFTER_READY_S = 5.0  # start-up publishing has settled by then

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from nodeagent.daemon.files import read_config_files
 from nodeagent.daemon.supervisor import Component, ComponentSpec, Context, Daemon, GpuSource
 from nodeagent.hostpaths import HostPaths
 from nodeagent.sdnotify import Notifier
+
+log = logging.getLogger(__name__)
 
 
 def open_gpu(config: AgentConfig, paths: HostPaths) -> GpuSource:
@@ -32,7 +35,8 @@ def open_kube(config: AgentConfig) -> Any:
 
 def default_specs() -> list[ComponentSpec]:
     """The real parts of the node, in start order: the CDI spec before anything names a device, then the
-    device plugin (the others read it)."""
+    device plugin (the others read it), the DRA plane right after it (with plane "both" it follows the
+    plugin's health monitor)."""
 
     def cdi(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.cdi import CdiComponent
@@ -42,7 +46,19 @@ def default_specs() -> list[ComponentSpec]:
     def device_plugin(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.deviceplugin import DevicePluginComponent
 
-        return DevicePluginComponent(ctx) if ctx.config.device_plugin.enabled else None
+        dp = ctx.config.device_plugin
+        return DevicePluginComponent(ctx) if dp.enabled and dp.plane != "dra" else None
+
+    def dra(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.dra import DraPlaneComponent
+
+        if ctx.config.device_plugin.plane == "device-plugin":
+            return None
+        if ctx.kube is None:
+            log.warning("device_plugin.plane = %r needs the Kubernetes API (kube = false): the DRA driver "
+                        "does not run", ctx.config.device_plugin.plane)
+            return None
+        return DraPlaneComponent(ctx)
 
     def mig(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.mig import MigComponent
@@ -71,11 +87,12 @@ def default_specs() -> list[ComponentSpec]:
 
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
-        ComponentSpec("device-plugin", frozenset({"device_plugin", "kubelet", "health"}), device_plugin),
+        ComponentSpec("device-plugin", frozenset({"device_plugin", "dra", "kubelet", "health"}), device_plugin),
+        ComponentSpec("dra", frozenset({"device_plugin", "dra", "kubelet", "health"}), dra),
         ComponentSpec("mig", frozenset({"mig"}), mig),
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
-        ComponentSpec("runtime", frozenset({"runtime"}), runtime),
+        ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
     ]
 
 

@@ -19,7 +19,14 @@ from typing import Any
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
 from nodeagent.deviceplugin.server import ResourceServer, socket_name
 from nodeagent.errors import ConfigError, NodeAgentError
-from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource, to_xid_event
+from nodeagent.gpu.health import (
+    EventPumps,
+    HealthMonitor,
+    HealthSettings,
+    HealthSource,
+    shared_pumps,
+    to_xid_event,
+)
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.topology import score_matrix
 from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, resource_ids
@@ -57,6 +64,8 @@ class DevicePluginService:
         plugin_config: PluginConfig | None = None,
         nvml: HealthSource | None = None,
         health: HealthSettings | None = None,
+        pumps: EventPumps | None = None,
+        exclude_gpus: Iterable[int] = (),
         register_timeout_s: float = 5.0,
         backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
@@ -66,6 +75,8 @@ class DevicePluginService:
         self._backoff_max = backoff_max_s
         self._inventory: Inventory | None = None
         self._withdrawn: frozenset[int] = frozenset()
+        # GPUs another plane (DRA) serves: never advertised here, still watched by the health monitor
+        self._excluded: frozenset[int] = frozenset(exclude_gpus)
         self._servers: dict[str, ResourceServer] = {}
         self._registering: dict[str, asyncio.Task[None]] = {}
         self._last_cause: dict[str, str] = {}
@@ -80,7 +91,8 @@ class DevicePluginService:
         self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
             self.monitor = XidTrackingMonitor(
-                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed
+                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed,
+                pumps=pumps if pumps is not None else shared_pumps(),
             )
 
     # ------------------------------------------------------------------ public interface
@@ -103,7 +115,8 @@ class DevicePluginService:
         async with self._lock:
             if self._started:
                 raise RuntimeError("DevicePluginService already started")
-            resources = self._checked(build_resources(inventory, self.config), self.config.source)
+            resources = self._checked(build_resources(inventory, self.config, withdrawn=self._excluded),
+                                      self.config.source)
             self._inventory = inventory
             self._scores = score_matrix(inventory)
             self._started = True
@@ -116,7 +129,7 @@ class DevicePluginService:
         """Follow a new Inventory and/or config; raises ConfigError (changing nothing) when invalid."""
         async with self._lock:
             config = plugin_config or self.config
-            resources = self._checked(build_resources(inventory, config), config.source)
+            resources = self._checked(build_resources(inventory, config, withdrawn=self._excluded), config.source)
             self.config, self._inventory, self._withdrawn = config, inventory, frozenset()
             self._scores = score_matrix(inventory)
             if self.monitor is not None:
@@ -130,7 +143,7 @@ class DevicePluginService:
             if self._inventory is None:
                 return
             self._withdrawn = self._withdrawn | frozenset(gpu_indices)
-            resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn)
+            resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn | self._excluded)
             await self._apply(self._checked(resources, self.config.source))
 
     def served_resources(self) -> dict[str, list[str]]:

@@ -9,7 +9,8 @@
 Health: with ``nvml=`` the component runs its own ``HealthMonitor`` (only when no device plugin runs on
 the same NVML source: a source serves one monitor); otherwise pass the device plugin's monitor changes
 to ``set_health``. ``gpu_filter`` limits the pool to some GPUs, so two planes on one node never hand
-out the same GPU. ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
+out the same GPU; ``pumps`` is the NVML event-pump registry of whoever outlives the component (the
+daemon's, so a rebuild hands over what its monitor held). ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
 
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
@@ -36,7 +37,7 @@ from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
-from nodeagent.gpu.health import HealthMonitor, HealthSettings
+from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings, shared_pumps
 from nodeagent.gpu.health import HealthSource as NvmlHealthSource
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.hostpaths import HostPaths
@@ -67,12 +68,15 @@ class DraComponent:
         nvml: NvmlHealthSource | None = None,
         health_settings: HealthSettings | None = None,
         gpu_filter: Callable[[Gpu], bool] | None = None,
+        pumps: EventPumps | None = None,
+        kubelet_host_dir: Path | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
         self.node_name = node_name
         self.driver = driver
         self.kubelet_dir = kubelet_dir or paths("/var/lib/kubelet")
+        self.kubelet_host_dir = kubelet_host_dir  # the kubelet's directory as the kubelet sees it (default: the same)
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
@@ -96,7 +100,8 @@ class DraComponent:
         self.monitor: HealthMonitor | None = None
         if nvml is not None:
             self.monitor = HealthMonitor(nvml, health_settings or HealthSettings.from_env(),
-                                         on_change=self._monitor_changed)
+                                         on_change=self._monitor_changed,
+                                         pumps=pumps if pumps is not None else shared_pumps())
 
     async def _monitor_changed(self) -> None:
         assert self.monitor is not None
@@ -113,7 +118,7 @@ class DraComponent:
         await self._set_inventory(inventory)
         await asyncio.to_thread(self.preparer.recover)
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
-                                on_registered=self.reverify)
+                                on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
         if self.health_source is not None:

@@ -104,7 +104,7 @@ class _RegistrationServicer:
         self.owner = owner
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
-        return reg_pb2.PluginInfo(type=PLUGIN_TYPE, name=self.owner.driver, endpoint=str(self.owner.dra_path),
+        return reg_pb2.PluginInfo(type=PLUGIN_TYPE, name=self.owner.driver, endpoint=str(self.owner.endpoint),
                                   supported_versions=list(SERVICES))
 
     async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
@@ -141,11 +141,15 @@ async def _serve(path: Path, add: list[Any]) -> grpc.aio.Server:
 
 class DraServer:
     def __init__(self, kubelet_dir: Path, preparer: ClaimPreparer, feed: HealthFeed, *,
-                 driver: str = DRIVER_NAME, on_registered: Callable[[], None] | None = None) -> None:
+                 driver: str = DRIVER_NAME, on_registered: Callable[[], None] | None = None,
+                 kubelet_host_dir: Path | None = None) -> None:
         self.driver = driver
         self.on_registered = on_registered  # called on every successful (re-)registration
         self.reg_path = registration_socket(kubelet_dir, driver)
         self.dra_path = dra_socket(kubelet_dir, driver)
+        # what the kubelet dials: the socket's path on the host (``kubelet_dir`` may be the host's directory
+        # seen from a container, under --root)
+        self.endpoint = dra_socket(kubelet_host_dir, driver) if kubelet_host_dir is not None else self.dra_path
         self.preparer = preparer
         self.feed = feed
         self.registered = False

@@ -24,7 +24,8 @@ from tests.peers.harness import KubeletHarness
 pytestmark = pytest.mark.peers
 
 MANIFESTS = REPO / "packaging/kubernetes"
-ORDER = ("namespace.yaml", "gpu-crd.yaml", "rbac.yaml", "admission-policy.yaml", "configmap.yaml", "daemonset.yaml")
+ORDER = ("namespace.yaml", "gpu-crd.yaml", "rbac.yaml", "rbac-dra.yaml", "admission-policy.yaml", "configmap.yaml",
+         "daemonset.yaml")
 RBAC_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
@@ -97,7 +98,14 @@ def test_daemonset_shape() -> None:
     # never the kubelet's whole directory (every pod's secret volumes): only the subdirectories the agent uses
     for container in (*pod["initContainers"], *pod["containers"]):
         kubelet = {m["mountPath"] for m in container["volumeMounts"] if m["mountPath"].startswith("/host/var/lib/kubelet")}
-        assert kubelet == {"/host/var/lib/kubelet/device-plugins", "/host/var/lib/kubelet/pod-resources"}
+        assert kubelet == {"/host/var/lib/kubelet/device-plugins", "/host/var/lib/kubelet/pod-resources",
+                           "/host/var/lib/kubelet/plugins_registry", "/host/var/lib/kubelet/plugins/gpu.nodeagent.io"}
+    # the DRA driver's sockets and claim specs are where the kubelet and the runtime look for them
+    from nodeagent.dra.server import dra_socket, registration_socket
+
+    kubelet_dir = Path("/host/var/lib/kubelet")
+    assert {str(registration_socket(kubelet_dir).parent), str(dra_socket(kubelet_dir).parent),
+            "/host/var/run/cdi"} <= mounts
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert "/var/lib/kubelet" not in host_paths
     assert main["args"][:2] == ["--root", "/host"]
@@ -414,3 +422,11 @@ def test_image_recipe_matches_the_daemonset() -> None:
         proc = subprocess.run([sys.executable, "-m", "nodeagent", *container["args"], "--help"], cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, (container["name"], proc.stderr)
+
+
+def test_readme_applies_every_manifest_the_agent_needs() -> None:
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("kubectl apply -f packaging/kubernetes/namespace.yaml"):]
+    block = block[:block.index("\n```")]
+    applied = re.findall(r"-f packaging/kubernetes/([a-z-]+\.yaml)", block)
+    assert applied == list(ORDER), applied

@@ -169,3 +169,61 @@ def test_sighup_refuses_a_broken_mig_config_and_keeps_the_running_one(
             assert "Traceback" not in agent.log()
             code, took = agent.stop()
             assert code == 0 and took < 5.0
+
+
+UNREADABLE_CONFIGS = {
+    "directory": "is a directory, expected a regular file",
+    "fifo": "is a FIFO, expected a regular file",
+    "deeply-nested": "nested too deeply",
+    "huge": "bytes nodeagent reads",
+}
+
+
+def _make_unreadable(path: Path, case: str) -> None:
+    import os
+
+    if case == "directory":
+        path.mkdir()
+    elif case == "fifo":
+        os.mkfifo(path)
+    elif case == "deeply-nested":
+        path.write_text("[metrics]\naddress = " + "[" * 5000 + "]" * 5000 + "\n")
+    else:
+        path.write_text("# padding\n" * 600_000)  # about 6 MB of comments: more than the reader takes
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE_CONFIGS))
+def test_a_config_path_that_is_no_readable_toml_file_exits_2_in_one_line(tmp_path: Path, case: str) -> None:
+    config = tmp_path / "config.toml"
+    _make_unreadable(config, case)
+    with node_root() as root, running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+        assert agent.proc.wait(15) == 2, agent.log()
+        lines = agent.log().splitlines()
+        assert len(lines) == 1, lines  # one line: no usage text, no traceback
+        assert lines[0].startswith(f"error: {config}") and UNREADABLE_CONFIGS[case] in lines[0], lines[0]
+
+
+def test_sighup_with_a_fifo_in_place_of_the_config_is_refused_without_freezing_the_agent(
+    tmp_path: Path, kubelet_harness: KubeletHarness
+) -> None:
+    import os
+
+    config = tmp_path / "config.toml"
+    config.write_text("resync_interval = 30\n")
+    with node_root(kubelet_harness) as root, \
+            running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+        agent.wait_notify("READY=1")
+        kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
+        config.unlink()
+        os.mkfifo(config)  # nobody ever writes to it: a blocking read would hang for good
+        reload_and_wait(agent)
+        rejected = [ln for ln in agent.log().splitlines() if "reload rejected" in ln]
+        assert rejected and str(config) in rejected[-1] and "FIFO" in rejected[-1], agent.log()
+        # the loop still answers: a second SIGHUP with a good file again applies
+        config.unlink()
+        config.write_text("resync_interval = 45\n")
+        reload_and_wait(agent)
+        assert "reload: changed resync_interval" in agent.log()
+        assert kubelet_harness.resource("nvidia.com/gpu").registered
+        code, took = agent.stop()
+        assert code == 0 and took < 5.0

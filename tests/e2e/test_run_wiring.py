@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from nodeagent.gpu.sim.inject import inject_process, inject_xid
+from nodeagent.gpu.sim.inject import inject_process
 from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.gpuobjects import API_PATH
 from tests._metrics import scrape_or_none
@@ -45,7 +47,7 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
     sim_state = tmp_path / "sim.json"
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 300.0\n'
-                   "[runtime]\nenabled = false\n"
+                   "[runtime]\nenabled = false\n[metrics]\ninterval = 1.0\n"
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
     try:
@@ -83,7 +85,10 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
             holder.close()  # the port frees up; the resync the health change asks for binds it
             sick = (busy + 1) % 4
             t0 = time.monotonic()
-            inject_xid(store, sick, 48)
+            injected = subprocess.run([sys.executable, "-m", "nodeagent", "sim", "inject", "xid", "--sim-state",
+                                       str(sim_state), "--gpu", str(sick), "--code", "48"],
+                                      capture_output=True, text=True, timeout=30)
+            assert injected.returncode == 0, injected.stderr
             eventually(lambda: any(e[0] == "GpuUnhealthy" and e[2].startswith(f"GPU {sick} ")
                                    for e in events(kube_apiserver, node)), 15, "GpuUnhealthy event")
             eventually(lambda: json.loads(kube_apiserver.get(f"{API_PATH}/{node}-gpu{sick}")[1])["status"]["state"]
@@ -91,6 +96,16 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
             took = time.monotonic() - t0
             assert took < 15, took
 
+            def last_xids() -> dict[str, float] | None:
+                scraped = scrape_or_none(port)
+                if scraped is None:
+                    return None
+                xids = {lab["gpu"]: v for lab, v in scraped.get("DCGM_FI_DEV_XID_ERRORS", [])}
+                return xids if xids.get(str(sick)) == 48 else None
+
+            # the XID the device plugin's health monitor saw reaches DCGM_FI_DEV_XID_ERRORS of that GPU only
+            xids = eventually(last_xids, 15, f"DCGM_FI_DEV_XID_ERRORS 48 for GPU {sick}")
+            assert xids == {str(i): (48.0 if i == sick else 0.0) for i in range(4)}, xids
             metrics = eventually(lambda: scrape_or_none(port), 10, "metrics endpoint after the port freed up")
             reconciles = {(lab["component"], lab["result"]): v for lab, v in metrics["nodeagent_reconciles_total"]}
             assert reconciles == {("mig", "failed"): 1.0}, reconciles

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from nodeagent.bootstrap import BootstrapParts, Options, Outcome, StepResult, bootstrap
 from nodeagent.config import AgentConfig, apply_overrides
 from nodeagent.errors import ConfigError, KubeError, RebootRequired, RuntimeConfigError
@@ -13,6 +15,13 @@ from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 
 INV = Inventory("550.54.15", 12040, ())
+
+
+class _Kube:
+    """An API client that answered (bootstrap closes it at the end)."""
+
+    def close(self) -> None:
+        pass
 
 
 class Node:
@@ -65,7 +74,7 @@ class Node:
             "restart_containerd": restart,
             "ensure_runtimeclass": rc,
             "publish_labels": labels,
-            "connect": lambda c, p: object(),
+            "connect": lambda c, p: _Kube(),
         }
         base.update(over)
         return BootstrapParts(**base)
@@ -153,3 +162,25 @@ def test_crashing_step_still_reports() -> None:
     assert results(r)["mig"] == "skipped"
     assert results(r)["labels"] == "skipped"
     assert r.exit_code == 1
+
+
+def test_the_runtime_step_uses_the_configured_kubelet_dir_and_reports_warnings_and_notes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import nodeagent.runtime.configure as configure_mod
+    from nodeagent.bootstrap import _configure_runtime
+    from nodeagent.config import apply_overrides
+    from nodeagent.runtime.configure import Options as RuntimeOptions
+    from nodeagent.runtime.configure import Result
+
+    seen: list[RuntimeOptions] = []
+
+    def configure(paths: HostPaths, opts: RuntimeOptions) -> Result:
+        seen.append(opts)
+        return Result(changed=False, restart_needed=False, mode="dropin",
+                      warnings=["CRI plugin disabled"], notes=["already wired"])
+
+    monkeypatch.setattr(configure_mod, "configure", configure)
+    cfg = apply_overrides(AgentConfig(), {"kubelet.dir": "/data/kubelet"})
+    res = _configure_runtime(cfg, P)
+    assert [o.kubelet_dir for o in seen] == ["/data/kubelet"]
+    assert res.details["warnings"] == ["CRI plugin disabled"] and res.details["notes"] == ["already wired"]

@@ -18,6 +18,7 @@ from nodeagent.errors import ConfigError, OperationError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.sdnotify import Notifier
+from tests.unit._gpu import QuietGpus
 
 
 def _gpu(i: int) -> Gpu:
@@ -27,7 +28,7 @@ def _gpu(i: int) -> Gpu:
     )
 
 
-class Gpus:
+class Gpus(QuietGpus):
     """A GpuSource whose GPU count the test changes."""
 
     def __init__(self, count: int = 2) -> None:
@@ -35,7 +36,7 @@ class Gpus:
         self.calls = 0
         self.closed = False
 
-    def discover(self) -> Inventory:
+    def discover(self, *, partial: bool = False) -> Inventory:
         self.calls += 1
         return Inventory("550.54.15", 12040, tuple(_gpu(i) for i in range(self.count)))
 

@@ -38,6 +38,9 @@ class FakePlugin(Component):
     def health(self) -> dict[int, bool]:
         return {0: True, 1: False}
 
+    def last_xids(self) -> dict[int, int]:
+        return {1: 79}
+
     async def withdraw(self, gpu_indices: set[int]) -> None:
         self.withdrawn.append(gpu_indices)
 
@@ -78,6 +81,7 @@ async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -
         snap = link.snapshot()
         assert (snap.served, snap.plugin_config, dict(snap.health)) == (("nvidia.com/a",), "config-a",
                                                                          {0: True, 1: False})
+        assert link.last_xids() == {1: 79}
         await link.withdraw({1})
         assert plugins[0].withdrawn == [{1}]
         # a reload rebuilds the device plugin: readers see the new one, the old one is unlinked
@@ -91,7 +95,7 @@ async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -
     finally:
         d.request_stop()
         await asyncio.wait_for(task, 5)
-    assert link.snapshot().served == () and link.health() == {}
+    assert link.snapshot().served == () and link.health() == {} and link.last_xids() == {}
 
 
 async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
@@ -113,8 +117,6 @@ async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
 
 
 async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertises() -> None:
-
-
     order: list[str] = []
 
     class Plugin:
@@ -124,6 +126,9 @@ async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertise
             return []
 
         def health(self) -> dict[int, bool]:
+            return {}
+
+        def last_xids(self) -> dict[int, int]:
             return {}
 
         async def withdraw(self, gpu_indices: set[int]) -> None:
@@ -145,3 +150,29 @@ async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertise
     shared.cdi.detach(refresh)
     await shared.advertiser.update(inv)
     assert order == ["advertise", "withdraw [1]", "cdi", "advertise", "advertise"]
+
+
+async def test_health_link_forwards_the_plugins_unhealthy_map_and_starts_a_late_sink_from_the_last_one() -> None:
+    from collections.abc import Mapping
+
+    from nodeagent.daemon.shared import HealthLink
+
+    class Dra:
+        def __init__(self) -> None:
+            self.seen: list[dict[tuple[int, int | None], str]] = []
+
+        async def set_health(self, unhealthy: Mapping[tuple[int, int | None], str]) -> None:
+            self.seen.append(dict(unhealthy))
+
+    link = HealthLink()
+    await link.publish({(1, None): "XID 48"})  # nobody attached yet: kept
+    first = Dra()
+    await link.attach(first)
+    assert first.seen == [{(1, None): "XID 48"}]
+    await link.publish({})
+    assert first.seen[-1] == {}
+    second = Dra()
+    await link.attach(second)  # a rebuilt DRA plane replaces the first
+    link.detach(first)  # a late detach of the old one does not unlink the new one
+    await link.publish({(0, 3): "XID 94"})
+    assert second.seen == [{}, {(0, 3): "XID 94"}] and len(first.seen) == 2

@@ -23,8 +23,16 @@ from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.podnames import CheckpointEntry, PodNameLookup, parse_checkpoint, pod_names
 from nodeagent.kube.podresources import Assignment
 from nodeagent.sdnotify import Notifier
+from tests.unit._gpu import QuietGpus
 
 # -- metrics default ----------------------------------------------------------------------------------
+
+
+class _Kube:
+    """An API client that answered (bootstrap closes it at the end)."""
+
+    def close(self) -> None:
+        pass
 
 
 def test_metrics_default_is_localhost_and_empty_turns_it_off() -> None:
@@ -39,9 +47,8 @@ def test_metrics_default_is_localhost_and_empty_turns_it_off() -> None:
     assert spec.build(Ctx()) is None  # type: ignore[arg-type]
 
 
-class NoGpus:
-    def discover(self) -> Inventory:
-        return Inventory("550.54.15", 12040, ())
+class NoGpus(QuietGpus):
+    """No GPUs at all."""
 
 
 def _metrics_daemon(address: str) -> Daemon:
@@ -150,7 +157,7 @@ def _parts(runtime: StepResult | Exception, restart: StepResult, recorded: list[
     def connect(c: AgentConfig, p: HostPaths) -> Any:
         if not connect_ok:
             raise KubeletError("API not there")
-        return object()
+        return _Kube()
 
     def record(kube: Any, c: AgentConfig, component: str, message: str, ok: bool) -> str | None:
         recorded.append((component, message, ok))
@@ -207,3 +214,73 @@ def test_no_event_when_unchanged_unreachable_or_events_off() -> None:
     bootstrap(off, P, Options(), _parts(WROTE, RESTARTED, recorded))
     assert recorded == []
 
+
+
+def test_the_device_plugin_monitor_uses_the_daemons_event_pumps_across_reloads() -> None:
+    from nodeagent.daemon.components.deviceplugin import DevicePluginComponent
+
+    cfg = apply_overrides(AgentConfig(), {"kube": False, "metrics.address": ""})
+    d = Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(), specs=[],
+               notifier=Notifier({}))
+    first, second = DevicePluginComponent(d.ctx), DevicePluginComponent(d.ctx)
+    assert first.service.monitor is not None and second.service.monitor is not None
+    assert first.service.monitor.pumps is d.pumps and second.service.monitor.pumps is d.pumps
+    assert first.service.monitor.source is d.gpu
+
+
+async def test_the_publisher_closes_its_event_recorder_when_a_reload_replaces_it_and_at_shutdown() -> None:
+    from nodeagent.daemon.components.publisher import PublisherComponent
+
+    built: list[PublisherComponent] = []
+
+    def publisher(ctx: Context) -> PublisherComponent:
+        built.append(PublisherComponent(ctx))
+        return built[-1]
+
+    configs = [apply_overrides(AgentConfig(), {"metrics.address": ""})]
+    d = Daemon(configs[0], HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(),
+               kube_factory=lambda c: _Kube(), notifier=Notifier({}), reload_config=lambda: configs[-1],
+               specs=[ComponentSpec("publisher", frozenset({"publish"}), publisher)], ready_fallback=0.1)
+    task = asyncio.create_task(d.run(install_signals=False))
+    try:
+        for _ in range(100):
+            if d._ready_sent:
+                break
+            await asyncio.sleep(0.05)
+        assert len(built) == 1 and not built[0].publisher.events._closed
+        configs.append(apply_overrides(configs[0], {"publish.events": False}))
+        await d.reload()
+        assert len(built) == 2 and built[0].publisher.events._closed and not built[1].publisher.events._closed
+    finally:
+        d.request_stop()
+        await asyncio.wait_for(task, 5)
+    assert built[1].publisher.events._closed
+
+
+async def test_the_runtime_check_uses_the_kubelet_dir_and_logs_each_warning_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import nodeagent.runtime.configure as configure_mod
+    from nodeagent.daemon.components.runtime import RuntimeCheckComponent
+    from nodeagent.runtime.configure import Options as RuntimeOptions
+    from nodeagent.runtime.configure import Result
+
+    seen: list[RuntimeOptions] = []
+
+    def configure(paths: HostPaths, opts: RuntimeOptions) -> Result:
+        seen.append(opts)
+        return Result(changed=False, restart_needed=False, mode="drop-in", dry_run=True,
+                      warnings=["/etc/containerd/config.toml disables the CRI plugin"])
+
+    monkeypatch.setattr(configure_mod, "configure", configure)
+    cfg = apply_overrides(AgentConfig(), {"kube": False, "metrics.address": "", "kubelet.dir": "/data/kubelet",
+                                          "runtime.check_interval": 0.0})
+    d = Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(), specs=[],
+               notifier=Notifier({}))
+    check = RuntimeCheckComponent(d.ctx)
+    with caplog.at_level(logging.WARNING):
+        await check.check()
+        await check.check()
+    assert [o.kubelet_dir for o in seen] == ["/data/kubelet"] * 2 and all(o.dry_run for o in seen)
+    warned = [r.getMessage() for r in caplog.records if "disables the CRI plugin" in r.getMessage()]
+    assert warned == ["runtime check: /etc/containerd/config.toml disables the CRI plugin"]
+    assert check.drift is False

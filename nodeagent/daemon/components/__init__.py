@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Protocol
 
 
-def close_quietly(obj: Any) -> None:
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def close_quietly(obj: Closable) -> None:
     """Close a client on the way out; a failure there changes nothing anymore."""
-    close = getattr(obj, "close", None)
-    if callable(close):
-        with contextlib.suppress(Exception):
-            close()
+    with contextlib.suppress(Exception):
+        obj.close()

@@ -38,12 +38,14 @@ class DevicePluginComponent(Component):
         health = GpuHealthSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
-        nvml = ctx.gpu if hasattr(ctx.gpu, "wait_events") and hasattr(ctx.gpu, "gpu_healthy") else None
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
-            nvml=nvml,  # type: ignore[arg-type]
+            nvml=ctx.gpu,
             health=health,
+            pumps=ctx.pumps,  # the daemon's: an XID in flight while a reload rebuilds the plugin is not lost
+            # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
+            exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)
@@ -54,10 +56,12 @@ class DevicePluginComponent(Component):
             # A health change reaches the kubelet through the servers (the service's own hook) and then the
             # Node at once: GpuUnhealthy/GpuHealthy Events and GPU object state do not wait for the resync.
             to_kubelet = monitor.on_change
+            link = ctx.shared.health  # the DRA plane beside the plugin (plane "both") follows this monitor
 
             async def health_changed() -> None:
                 try:
                     await to_kubelet()
+                    await link.publish(monitor.unhealthy())
                 finally:
                     ctx.request_resync()
 
@@ -77,6 +81,8 @@ class DevicePluginComponent(Component):
         if not self._started:
             await self.service.start(inventory)
             self._started = True
+            if self.service.monitor is not None:  # what a replaced monitor handed over, for the DRA plane
+                await self._ctx.shared.health.publish(self.service.monitor.unhealthy())
         else:
             await self.service.update(inventory)
         self._changed.set()
@@ -105,6 +111,9 @@ class DevicePluginComponent(Component):
         if monitor is None or self._ctx.inventory is None:
             return {}
         return {g.index: monitor.is_healthy(g.index) for g in self._ctx.inventory.gpus}
+
+    def last_xids(self) -> dict[int, int]:
+        return self.service.last_xids()
 
     async def stop(self) -> None:
         self._ctx.shared.device_plugin.detach(self)

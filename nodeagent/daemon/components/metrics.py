@@ -93,9 +93,8 @@ class MetricsComponent(Component):
 
     async def sample(self) -> None:
         inv = self._ctx.inventory
-        gpu = self._ctx.gpu
-        read = getattr(gpu, "metrics", None)
-        if inv is None or not callable(read):
+        read = self._ctx.gpu.metrics
+        if inv is None:
             return
 
         def collect() -> tuple[dict[int, Any], list[Any]]:
@@ -106,7 +105,8 @@ class MetricsComponent(Component):
             return out, self._read_assignments()
 
         samples, assignments = await asyncio.to_thread(collect)
-        self.metrics.update_gpus(inv, samples, assignments, self._health())
+        self.metrics.update_gpus(inv, samples, assignments, self._health(),
+                                 xids=self._ctx.shared.device_plugin.last_xids())
 
     async def stop(self) -> None:
         self._ctx.shared.metrics.detach(self.metrics)

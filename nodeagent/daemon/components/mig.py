@@ -45,7 +45,7 @@ class MigComponent(Component):
         metrics = ctx.shared.metrics
         self.reconciler = MigReconciler(
             NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
-            ctx.gpu,  # type: ignore[arg-type]
+            ctx.gpu,
             ctx.paths.mig_state_dir,
             publisher=ctx.shared.advertiser,
             options=MigReconcilerOptions(sources=sources, with_reboot=cfg.with_reboot),

@@ -14,6 +14,8 @@ from nodeagent.gpu.inventory import Inventory
 
 log = logging.getLogger(__name__)
 
+EVENTS_CLOSE_TIMEOUT = 1.0  # of the daemon's STOP_TIMEOUT, what the Event retry thread gets to end
+
 
 class PublisherComponent(Component):
     """Publishes in its own task (never blocks the loop) what the inventory and ``ctx.shared.device_plugin``
@@ -88,4 +90,7 @@ class PublisherComponent(Component):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         await asyncio.to_thread(self.publisher.close)
+        # the Event recorder goes with its publisher (a reload builds a new one): its retry thread ends and
+        # what the API never took is logged as lost
+        await asyncio.to_thread(self.publisher.events.close, EVENTS_CLOSE_TIMEOUT)
         close_quietly(self.pod_resources)

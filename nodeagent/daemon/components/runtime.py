@@ -24,6 +24,7 @@ class RuntimeCheckComponent(Component):
         super().__init__()
         self._ctx = ctx
         self.drift: bool | None = None
+        self.warnings: tuple[str, ...] = ()
 
     async def start(self, ctx: Context) -> None:
         interval = ctx.config.runtime.check_interval
@@ -37,13 +38,19 @@ class RuntimeCheckComponent(Component):
     async def check(self) -> None:
         from nodeagent.runtime.configure import configure, options_from_settings
 
-        opts = options_from_settings(self._ctx.config.runtime, dry_run=True)
+        cfg = self._ctx.config
+        opts = options_from_settings(cfg.runtime, dry_run=True, kubelet_dir=cfg.kubelet.dir)
         try:
             result = await asyncio.to_thread(configure, self._ctx.paths, opts)
         except NodeAgentError as e:
             self._ctx.set_status(self.name, f"check failed: {e}")
             log.warning("runtime check failed: %s", e)
             return
+        warnings = tuple(result.warnings)
+        if warnings != self.warnings:  # each warning once, until it changes
+            for w in warnings:
+                log.warning("runtime check: %s", w)
+        self.warnings = warnings
         drift = result.changed
         if drift != self.drift:
             if drift:
