@@ -69,6 +69,11 @@ def default_specs() -> list[ComponentSpec]:
 
         return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
 
+    def conditions(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.conditions import ConditionsComponent
+
+        return ConditionsComponent(ctx) if ctx.kube is not None else None
+
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
         ComponentSpec("device-plugin", frozenset({"device_plugin", "kubelet", "health"}), device_plugin),
@@ -76,6 +81,7 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime"}), runtime),
+        ComponentSpec("conditions", frozenset({"publish"}), conditions),
     ]
 
 

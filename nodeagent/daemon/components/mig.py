@@ -42,7 +42,6 @@ class MigComponent(Component):
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
         self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
-        metrics = ctx.shared.metrics
         self.reconciler = MigReconciler(
             NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
             ctx.gpu,  # type: ignore[arg-type]
@@ -53,11 +52,20 @@ class MigComponent(Component):
             boot_id=lambda: read_boot_id(proc),
             proc_root=proc,
             on_inventory=self._after_apply,
-            on_result=lambda result, seconds: metrics.observe_reconcile("mig", result, seconds),
+            on_result=self._on_result,
             pod_name=PodNameLookup(checkpoint, self.pod_resources.list),
         )
         self._ctx = ctx
         self._task: asyncio.Task[Any] | None = None
+
+    def _on_result(self, state: str, seconds: float) -> None:
+        """After each reconcile: counted into ``ctx.shared.metrics``, reported (state, config name, error)
+        to ``ctx.shared.conditions``."""
+        self._ctx.shared.metrics.observe_reconcile("mig", state, seconds)
+        key = self.reconciler.last_key
+        record = self.reconciler.state.load() or {}
+        error = str(record.get("error") or "") if state == "failed" else ""
+        self._ctx.shared.conditions.report_mig(state=state, config=key[0] if key else "", error=error)
 
     async def _after_apply(self, inventory: Inventory) -> None:
         self._ctx.request_resync()
