@@ -108,6 +108,9 @@ class Condition:
     status: Status
     reason: str
     message: str
+    # "not known yet": written only where the Node has no condition of this type, so a restarting agent
+    # does not flap a condition to Unknown before its inputs have answered again
+    provisional: bool = False
 
     def key(self) -> tuple[str, str, str]:
         return self.status, self.reason, self.message
@@ -137,7 +140,7 @@ def _sorted_faults(faults: Iterable[GpuFault]) -> list[GpuFault]:
 def gpu_healthy(h: GpuHealthInput | None) -> Condition:
     if h is None or not h.monitored:
         why = "health checks are not running" if h is not None else "GPU health is not known yet"
-        return Condition(GPU_HEALTHY, "Unknown", "HealthChecksUnavailable", why)
+        return Condition(GPU_HEALTHY, "Unknown", "HealthChecksUnavailable", why, provisional=h is None)
     if not h.faults:
         return Condition(GPU_HEALTHY, "True", "AllGpusHealthy", f"{h.gpus} GPU(s), none unhealthy")
     faults = _sorted_faults(h.faults)
@@ -156,7 +159,8 @@ def gpu_healthy(h: GpuHealthInput | None) -> Condition:
 
 def gpu_ready(h: GpuHealthInput | None) -> Condition:
     if h is None:
-        return Condition(GPU_READY, "Unknown", "GpuStateUnknown", "GPU discovery and health are not known yet")
+        return Condition(GPU_READY, "Unknown", "GpuStateUnknown", "GPU discovery and health are not known yet",
+                         provisional=True)
     if h.gpus == 0:
         return Condition(GPU_READY, "False", "NoGpusFound", "no GPU was found on this node")
     if not h.monitored:
@@ -175,7 +179,7 @@ def mig_configured(m: MigInput) -> Condition:
     name = repr(m.config)
     if m.state is None:
         return Condition(MIG_CONFIGURED, "Unknown", "MigConfigNotRequested",
-                         "no nvidia.com/mig.config apply since the agent started")
+                         "no nvidia.com/mig.config apply since the agent started", provisional=True)
     if m.state == "success":
         return Condition(MIG_CONFIGURED, "True", "MigConfigApplied", f"MIG config {name} is applied")
     if m.state == "failed":
@@ -201,9 +205,10 @@ def runtime_ready(r: RuntimeInput) -> Condition:
         return Condition(RUNTIME_READY, "False", "CdiSpecStale", one_line(f"the CDI spec is not current{detail}"))
     if r.containerd_wired is None:
         why = r.containerd_detail or "the containerd runtime check has not answered yet"
-        return Condition(RUNTIME_READY, "Unknown", "RuntimeCheckPending", one_line(why))
+        return Condition(RUNTIME_READY, "Unknown", "RuntimeCheckPending", one_line(why), provisional=True)
     if r.cdi_enabled and r.cdi_current is None:
-        return Condition(RUNTIME_READY, "Unknown", "CdiSpecPending", "the CDI spec has not been written yet")
+        return Condition(RUNTIME_READY, "Unknown", "CdiSpecPending", "the CDI spec has not been written yet",
+                         provisional=True)
     cdi = "; the CDI spec is current" if r.cdi_enabled else ""
     return Condition(RUNTIME_READY, "True", "RuntimeWired", f"containerd carries the NVIDIA runtime{cdi}")
 
@@ -222,12 +227,15 @@ def plan_conditions(
 ) -> list[dict[str, Any]]:
     """The condition objects to patch: those of ``desired`` whose status, reason or message differ from
     ``current`` (the Node's conditions). ``lastTransitionTime`` is kept from ``current`` when the status is
-    the same, else ``now``; ``lastHeartbeatTime`` is the time of this write. Empty: nothing to write."""
+    the same, else ``now``; ``lastHeartbeatTime`` is the time of this write. A provisional condition ("not
+    known yet") replaces none already there. Empty: nothing to write."""
     by_type = {str(c.get("type", "")): c for c in current}
     stamp = _timestamp(now)
     out: list[dict[str, Any]] = []
     for d in desired:
         old = by_type.get(d.type)
+        if old is not None and d.provisional:
+            continue
         if old is not None and (old.get("status"), old.get("reason"), old.get("message")) == d.key():
             continue
         same_status = old is not None and old.get("status") == d.status and old.get("lastTransitionTime")

@@ -159,3 +159,15 @@ def test_plan_ignores_other_conditions() -> None:
     kubelet = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting"}
     out = plan_conditions([kubelet], build_conditions(healthy_node()), T0)
     assert "Ready" not in {c["type"] for c in out}
+
+
+def test_not_known_yet_does_not_replace_a_known_condition() -> None:
+    """A restarting agent whose checks have not answered yet leaves the Node's conditions as they are."""
+    first = plan_conditions([], build_conditions(healthy_node()), T0)
+    assert plan_conditions(first, build_conditions(ConditionSnapshot()), T1) == []
+    # on a Node without them, "not known yet" is written as Unknown
+    assert {c["status"] for c in plan_conditions([], build_conditions(ConditionSnapshot()), T1)} == {"Unknown"}
+    # known-Unknown (the check is off) does replace
+    off = ConditionSnapshot(health=GpuHealthInput(8), mig=MigInput(enabled=False),
+                            runtime=RuntimeInput(check_enabled=False))
+    assert [c["type"] for c in plan_conditions(first, build_conditions(off), T1)] == [MIG_CONFIGURED, RUNTIME_READY]

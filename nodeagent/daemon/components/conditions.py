@@ -15,6 +15,8 @@ from nodeagent.gpu.inventory import Inventory
 
 log = logging.getLogger(__name__)
 
+SETTLE_S = 0.5
+
 
 async def report_gpu_health(ctx: Context, service: Any) -> None:
     """Report the device plugin service's health monitor state (faults, last XIDs, the driver's recovery
@@ -102,6 +104,7 @@ class ConditionsComponent(Component):
     async def _worker(self) -> None:
         while True:
             await self._wanted.wait()
+            await asyncio.sleep(SETTLE_S)  # reports arriving together (start, a MIG apply) make one write
             self._wanted.clear()
             try:
                 await asyncio.to_thread(self.writer.sync, self.snapshot())
