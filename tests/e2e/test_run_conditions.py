@@ -200,3 +200,58 @@ def test_condition_transitions_one_write_each_none_idle(
             assert code == 0, agent.log()
         assert figures["restart"] == 0
     print("condition status PATCHes:", json.dumps(figures))
+
+
+def readme_taint_script() -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("## Node conditions", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    assert block.startswith("# taint-gpu-not-ready"), block
+    return block
+
+
+def test_readme_taint_rule_follows_gpu_ready(tmp_path: Path, kube_apiserver: KubeApiServer) -> None:
+    """The README's plain taint rule, run as written with kubectl: a node whose GPUReady is False gets the
+    NoSchedule taint, loses it when GPUReady is True again; a node without the condition is left alone."""
+    if shutil.which("kubectl") is None:
+        pytest.fail("kubectl is not installed: the README's taint rule cannot be run")
+    from tests.e2e.test_run_cluster import make_node
+
+    node, bystander = "e2e-taint-rule", "e2e-taint-bystander"
+    for n in (node, bystander):
+        make_node(kube_apiserver, n)
+    script = readme_taint_script()
+
+    def gpu_ready(status: str) -> None:
+        code, body = kube_apiserver.request(
+            "PATCH", f"/api/v1/nodes/{node}/status",
+            {"status": {"conditions": [{"type": GPU_READY, "status": status, "reason": "Test", "message": "t"}]}},
+            content_type="application/strategic-merge-patch+json")
+        assert code == 200, body
+
+    def run() -> None:
+        done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60, check=False,
+                              env={"PATH": "/usr/bin:/bin", "KUBECONFIG": str(kube_apiserver.kubeconfig),
+                                   "HOME": str(tmp_path)})
+        assert done.returncode == 0, done.stderr
+
+    def taints(n: str) -> list[dict[str, Any]]:
+        """The rule's taints on ``n`` (others, e.g. node.kubernetes.io/not-ready, are not its business)."""
+        code, body = kube_apiserver.get(f"/api/v1/nodes/{n}")
+        assert code == 200, body
+        return [t for t in json.loads(body)["spec"].get("taints") or [] if t["key"].startswith("nodeagent.io/")]
+
+    try:
+        gpu_ready("False")
+        run()
+        assert [(t["key"], t.get("value"), t["effect"]) for t in taints(node)] == [
+            ("nodeagent.io/gpu-not-ready", "true", "NoSchedule")]
+        run()  # again: still exactly one taint
+        assert len(taints(node)) == 1
+        gpu_ready("True")
+        run()
+        assert taints(node) == []
+        run()  # untainting an untainted node is quiet
+        assert taints(node) == [] and taints(bystander) == []
+    finally:
+        for n in (node, bystander):
+            kube_apiserver.request("DELETE", f"/api/v1/nodes/{n}")
