@@ -151,7 +151,7 @@ def test_condition_transitions_one_write_each_none_idle(
                                                                   "MIG config 'all-1g.10gb' is applied")
             time.sleep(1.5)
             figures["mig_applied"] = status_patches(kube_apiserver) - before
-            assert figures["mig_applied"] == 1
+            assert 1 <= figures["mig_applied"] <= 2  # MigConfigPending first when the apply took over 2 s
             assert cond(kube_apiserver, node, GPU_READY)[0] == "True"  # 8 GPUs, now in MIG mode, all healthy
 
             # a name no config has: MIGConfigured False with the reconciler's reason

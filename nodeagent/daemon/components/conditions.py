@@ -16,6 +16,7 @@ from nodeagent.gpu.inventory import Inventory
 log = logging.getLogger(__name__)
 
 SETTLE_S = 0.5
+PENDING_S = 2.0  # a MIG apply shows as pending only when it takes longer than this (most take less)
 
 
 async def report_gpu_health(ctx: Context, service: Any) -> None:
@@ -105,6 +106,10 @@ class ConditionsComponent(Component):
         while True:
             await self._wanted.wait()
             await asyncio.sleep(SETTLE_S)  # reports arriving together (start, a MIG apply) make one write
+            for _ in range(int(PENDING_S / 0.1)):
+                if self._ctx.shared.conditions.mig.state != "pending":
+                    break
+                await asyncio.sleep(0.1)
             self._wanted.clear()
             try:
                 await asyncio.to_thread(self.writer.sync, self.snapshot())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from nodeagent.daemon.components import close_quietly
@@ -31,7 +32,14 @@ class MigComponent(Component):
         from nodeagent.kube.node import NodeClient
         from nodeagent.kube.podnames import CHECKPOINT_NAME, PodNameLookup
         from nodeagent.kube.podresources import PodResourcesClient
-        from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
+        from nodeagent.mig.reconciler import (
+            PENDING,
+            REBOOTING,
+            STATE_LABEL,
+            MigReconciler,
+            MigReconcilerOptions,
+            read_boot_id,
+        )
 
         cfg = ctx.config.mig
         sources = ctx.files.mig  # the MIG config and hooks as validated with the config (start / SIGHUP)
@@ -42,8 +50,18 @@ class MigComponent(Component):
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
         self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
+        reconciler_node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
+        patch_labels = reconciler_node.apatch_labels
+
+        async def apatch_labels(changes: Mapping[str, str | None]) -> Any:
+            # pending/rebooting reach the Node conditions as the reconciler writes them (results: on_result)
+            if changes.get(STATE_LABEL) in (PENDING, REBOOTING):
+                self._report(str(changes[STATE_LABEL]))
+            return await patch_labels(changes)
+
+        reconciler_node.apatch_labels = apatch_labels  # type: ignore[method-assign]
         self.reconciler = MigReconciler(
-            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
+            reconciler_node,
             ctx.gpu,  # type: ignore[arg-type]
             ctx.paths.mig_state_dir,
             publisher=ctx.shared.advertiser,
@@ -62,6 +80,9 @@ class MigComponent(Component):
         """After each reconcile: counted into ``ctx.shared.metrics``, reported (state, config name, error)
         to ``ctx.shared.conditions``."""
         self._ctx.shared.metrics.observe_reconcile("mig", state, seconds)
+        self._report(state)
+
+    def _report(self, state: str) -> None:
         key = self.reconciler.last_key
         record = self.reconciler.state.load() or {}
         error = str(record.get("error") or "") if state == "failed" else ""
