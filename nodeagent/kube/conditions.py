@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the builder stays importable without the API client
-    from nodeagent.kube.node import NodeClient
+    from nodeagent.kube.node import NodeClient, NodeView
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +257,16 @@ class ConditionWriter:
     """Writes the conditions to the own Node on change only (blocking; run it in a worker thread).
 
     The Node's conditions are read once (so a restarted agent keeps their transition times and writes
-    nothing when they still hold); afterwards the writer compares with what it last wrote. ``writes``
-    counts the PATCH requests sent."""
+    nothing when they still hold); afterwards the writer compares with what it last wrote, and ``observe``
+    (fed by the watch of the own Node) notices when somebody changed or removed them. ``writes`` counts the
+    PATCH requests sent."""
 
     def __init__(self, node: NodeClient, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.node = node
         self.clock = clock
         self.writes = 0
         self._known: dict[str, dict[str, Any]] | None = None
+        self._written_rv = -1  # resourceVersion of the Node our last write produced
         self._lock = threading.Lock()
 
     def sync(self, snapshot: ConditionSnapshot) -> list[str]:
@@ -277,15 +279,42 @@ class ConditionWriter:
             changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock())
             if not changes:
                 return []
-            self.node.patch_status_conditions(changes)
+            written = self.node.patch_status_conditions(changes)
             self.writes += 1
+            if written is not None:
+                self._written_rv = _rv(written.resource_version)
             for c in changes:
                 self._known[c["type"]] = c
                 log.info("node %s: condition %s=%s (%s): %s", self.node.name, c["type"], c["status"],
                          c["reason"], c["message"])
             return [c["type"] for c in changes]
 
+    def observe(self, view: NodeView) -> bool:
+        """A version of the own Node (from its watch): True when our conditions on it differ from what this
+        writer last wrote or read (somebody changed or removed them, or the Node was recreated); the next
+        ``sync`` then writes them again. Versions older than our last write are ignored."""
+        with self._lock:
+            if view.deleted:
+                self._known = None
+                return False
+            if self._known is None or _rv(view.resource_version) < self._written_rv:
+                return False
+            seen = {str(c.get("type", "")): dict(c) for c in view.conditions
+                    if str(c.get("type", "")) in CONDITION_TYPES}
+            fields = ("status", "reason", "message")
+            if all(t in seen and all(seen[t].get(f) == c.get(f) for f in fields) for t, c in self._known.items()):
+                return False
+            self._known = seen
+            return True
+
     def forget(self) -> None:
         """Read the Node again before the next write (after the Node was recreated, say)."""
         with self._lock:
             self._known = None
+
+
+def _rv(resource_version: str) -> int:
+    try:
+        return int(resource_version)
+    except ValueError:
+        return -1

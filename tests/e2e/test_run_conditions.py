@@ -167,6 +167,19 @@ def test_condition_transitions_one_write_each_none_idle(
             figures["mig_failed"] = status_patches(kube_apiserver) - before
             assert figures["mig_failed"] == 1
 
+            # somebody removes GPUReady from the Node: the watch sees it, the agent writes it again (one write)
+            before = status_patches(kube_apiserver)
+            code, body = kube_apiserver.request(
+                "PATCH", f"/api/v1/nodes/{node}/status",
+                {"status": {"conditions": [{"type": GPU_READY, "$patch": "delete"}]}},
+                content_type="application/strategic-merge-patch+json")
+            assert code == 200, body
+            eventually(lambda: cond(kube_apiserver, node, GPU_READY)[:2] == ("True", "AllGpusReady"), 20,
+                       "GPUReady written again after its removal")
+            time.sleep(1.5)
+            figures["restored"] = status_patches(kube_apiserver) - before - 1  # minus the removal itself
+            assert figures["restored"] == 1
+
             # containerd unwired (the drop-in gone): RuntimeReady False; wired again: True
             dropin = root / DROPIN
             saved = dropin.read_bytes()

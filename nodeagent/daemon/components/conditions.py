@@ -72,6 +72,7 @@ class ConditionsComponent(Component):
         self._ctx = ctx
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[Any] | None = None
+        self._watch: Any = None
         self.last_error = ""
 
     def _wake(self) -> None:
@@ -81,6 +82,14 @@ class ConditionsComponent(Component):
         ctx.shared.conditions.subscribe(self._wake)
         self._task = ctx.spawn(self._worker(), "conditions")
         self._wanted.set()
+        # the one shared watch of the own Node: conditions somebody changed or removed are written again
+        loop = asyncio.get_running_loop()
+
+        def on_node(view: Any) -> None:
+            if self.writer.observe(view):
+                loop.call_soon_threadsafe(self._wanted.set)
+
+        self._watch = await asyncio.to_thread(self.writer.node.watch, on_node)
 
     async def on_inventory(self, inventory: Inventory) -> None:
         self._wanted.set()
@@ -127,6 +136,9 @@ class ConditionsComponent(Component):
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._wake)
+        if self._watch is not None:
+            await asyncio.to_thread(self._watch.stop)
+            self._watch = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
