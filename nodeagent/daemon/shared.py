@@ -10,12 +10,16 @@ by a reload) reads are empty and writes are dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
+
+if TYPE_CHECKING:
+    from nodeagent.kube.conditions import ConditionSnapshot, GpuHealthInput
 
 
 class ServedDevices(Protocol):
@@ -183,7 +187,68 @@ class Shared:
     metrics: MetricsLink = field(default_factory=MetricsLink)
     health: HealthLink = field(default_factory=HealthLink)
     cdi: CdiLink = field(default_factory=CdiLink)
+    conditions: ConditionInputs = field(default_factory=lambda: ConditionInputs())
 
     @property
     def advertiser(self) -> Advertiser:
         return Advertiser(self.cdi, self.device_plugin)
+
+
+class ConditionInputs:
+    """What the Node conditions are built from, reported by the components as they learn it (kept across
+    reloads: a value reported before the conditions writer runs is not lost); ``changed`` wakes the writer.
+
+    The device plugin reports GPU health (with XIDs and recovery actions) on every health change, the MIG
+    component the result of each reconcile, the runtime component each containerd check, the CDI component
+    each spec write."""
+
+    def __init__(self) -> None:
+        from nodeagent.kube.conditions import MigInput, RuntimeInput
+
+        self.health: GpuHealthInput | None = None
+        self.mig = MigInput()
+        self.runtime = RuntimeInput()
+        self._listeners: list[Callable[[], None]] = []
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
+
+    def snapshot(self) -> ConditionSnapshot:
+        from nodeagent.kube.conditions import ConditionSnapshot
+
+        return ConditionSnapshot(self.health, self.mig, self.runtime)
+
+    def report_health(self, health: GpuHealthInput | None) -> None:
+        if health != self.health:
+            self.health = health
+            self._changed()
+
+    def report_mig(self, *, enabled: bool = True, state: str | None = None, config: str = "",
+                   error: str = "") -> None:
+        from nodeagent.kube.conditions import MigInput
+
+        mig = MigInput(enabled, state, config, error)
+        if mig != self.mig:
+            self.mig = mig
+            self._changed()
+
+    def report_runtime(self, *, enabled: bool = True, wired: bool | None = None, detail: str = "") -> None:
+        rt = dataclasses.replace(self.runtime, check_enabled=enabled, containerd_wired=wired,
+                                 containerd_detail=detail)
+        if rt != self.runtime:
+            self.runtime = rt
+            self._changed()
+
+    def report_cdi(self, *, enabled: bool = True, current: bool | None = None, detail: str = "") -> None:
+        rt = dataclasses.replace(self.runtime, cdi_enabled=enabled, cdi_current=current, cdi_detail=detail)
+        if rt != self.runtime:
+            self.runtime = rt
+            self._changed()

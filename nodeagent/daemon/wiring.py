@@ -85,6 +85,11 @@ def default_specs() -> list[ComponentSpec]:
 
         return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
 
+    def conditions(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.conditions import ConditionsComponent
+
+        return ConditionsComponent(ctx) if ctx.kube is not None else None
+
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
         ComponentSpec("device-plugin", frozenset({"device_plugin", "dra", "kubelet", "health"}), device_plugin),
@@ -93,6 +98,7 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
+        ComponentSpec("conditions", frozenset({"publish"}), conditions),
     ]
 
 

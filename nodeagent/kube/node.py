@@ -37,6 +37,7 @@ EVENT_NAMESPACE = "default"  # where the kubelet records Node events too
 COMPONENT = "nodeagent"
 EVENT_MESSAGE_MAX = 1024
 EVENT_TYPES = ("Normal", "Warning")
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class NodeView:
     capacity: Mapping[str, str] = field(default_factory=dict)
     allocatable: Mapping[str, str] = field(default_factory=dict)
     deleted: bool = False
+    conditions: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], *, deleted: bool = False) -> NodeView:
@@ -65,6 +67,7 @@ class NodeView:
             capacity=dict(status.get("capacity") or {}),
             allocatable=dict(status.get("allocatable") or {}),
             deleted=deleted,
+            conditions=tuple(dict(c) for c in status.get("conditions") or () if isinstance(c, Mapping)),
         )
 
 
@@ -152,6 +155,22 @@ class NodeClient:
                 body=ops,
                 content_type=JSON_PATCH,
                 action=f"patch status of node {self.name}",
+                subject=self.name,
+            )
+        )
+
+    def patch_status_conditions(self, conditions: list[dict[str, Any]]) -> NodeView | None:
+        """One strategic-merge patch of ``status.conditions``: merged by ``type`` (the list's patch merge
+        key), so conditions of other types (the kubelet's) stay as they are; None when there are none."""
+        if not conditions:
+            return None
+        return self._view(
+            self.kube.request(
+                "PATCH",
+                self.path + "/status",
+                body={"status": {"conditions": conditions}},
+                content_type=STRATEGIC_MERGE_PATCH,
+                action=f"patch conditions of node {self.name}",
                 subject=self.name,
             )
         )

@@ -261,6 +261,9 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
     label = {"metadata": {"labels": {"nvidia.com/gpu.count": "8"}}}
     wait_for_policy(kube_apiserver, token, other)
     gpus_status = [{"op": "add", "path": "/status/capacity", "value": {"nvidia.com/gpu": "64"}}]
+    gpu_ready = {"status": {"conditions": [{"type": "nodeagent.io/GPUReady", "status": "True", "reason": "AllGpusReady",
+                                            "message": "all 8 GPU(s) present and healthy"}]}}
+    strategic = "application/strategic-merge-patch+json"
 
     def gpu_obj(n: str) -> dict[str, Any]:
         return {"apiVersion": "nodeagent.io/v1alpha1", "kind": "GPU",
@@ -274,6 +277,7 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
     allowed: list[tuple[str, str, Any, str | None]] = [
         ("PATCH", f"/api/v1/nodes/{own}", label, None),
         ("PATCH", f"/api/v1/nodes/{own}/status", gpus_status, "application/json-patch+json"),
+        ("PATCH", f"/api/v1/nodes/{own}/status", gpu_ready, strategic),  # the GPU Node conditions
         ("POST", "/api/v1/namespaces/default/events", event(own), "application/json"),
         ("PATCH", "/apis/node.k8s.io/v1/runtimeclasses/nvidia", {"metadata": {"labels": {"a": "b"}}}, None),
         ("POST", "/apis/nodeagent.io/v1alpha1/gpus", gpu_obj(own), "application/json"),
@@ -292,6 +296,7 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
         ("PATCH", f"/api/v1/nodes/{other}", {"spec": {"unschedulable": True}}, None),
         ("PATCH", f"/api/v1/nodes/{other}", {"spec": {"taints": None}}, None),
         ("PATCH", f"/api/v1/nodes/{other}/status", gpus_status, "application/json-patch+json"),
+        ("PATCH", f"/api/v1/nodes/{other}/status", gpu_ready, strategic),
         ("PATCH", f"/api/v1/nodes/{own}", {"spec": {"unschedulable": True}}, None),
         ("DELETE", f"/api/v1/nodes/{other}", None, None),
         ("DELETE", "/apis/node.k8s.io/v1/runtimeclasses/gvisor", None, None),
@@ -314,6 +319,7 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
     node = json.loads(kube_apiserver.get(f"/api/v1/nodes/{other}")[1])
     assert node["spec"]["taints"][0]["key"] == "dedicated" and not node["spec"].get("unschedulable")
     assert "nvidia.com/gpu" not in node.get("status", {}).get("capacity", {})
+    assert not node.get("status", {}).get("conditions")
     assert "nvidia.com/gpu.count" not in node["metadata"].get("labels", {})
     assert json.loads(kube_apiserver.get("/apis/node.k8s.io/v1/runtimeclasses/gvisor")[1])["handler"] == "runsc"
     # a nodeagent token without a node claim (not bound to a pod) changes nothing at all, not even "its" Node
@@ -391,6 +397,9 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
                        "8 GPU objects with status")
             set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
             eventually(lambda: labels().get("nvidia.com/mig.config.state") == "success", 60, "MIG state success")
+            eventually(lambda: {(c["type"], c["status"]) for c in node_obj(kube_apiserver, node)["status"].get(
+                "conditions", [])} >= {("nodeagent.io/GPUReady", "True"), ("nodeagent.io/MIGConfigured", "True")},
+                20, "GPU Node conditions written with the agent's own token")
             status, answer = kube_apiserver.get(f"/api/v1/namespaces/default/events?fieldSelector="
                                                 f"involvedObject.name={node}")
             assert status == 200 and json.loads(answer)["items"], answer

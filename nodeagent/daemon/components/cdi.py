@@ -40,7 +40,9 @@ class CdiComponent(Component):
         except CdiError as e:  # the old spec stays; the next inventory tries again
             log.warning("cdi: %s", e)
             self._ctx.set_status("cdi", "spec not written")
+            self._ctx.shared.conditions.report_cdi(current=False, detail=str(e))
             return
+        self._ctx.shared.conditions.report_cdi(current=True)
         if changed:
             log.info("cdi: wrote %s", self.writer.file)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from nodeagent.daemon.components.conditions import report_gpu_health
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
@@ -62,6 +63,7 @@ class DevicePluginComponent(Component):
                 try:
                     await to_kubelet()
                     await link.publish(monitor.unhealthy())
+                    await report_gpu_health(ctx, self.service)
                 finally:
                     ctx.request_resync()
 
@@ -86,6 +88,7 @@ class DevicePluginComponent(Component):
         else:
             await self.service.update(inventory)
         self._changed.set()
+        await report_gpu_health(self._ctx, self.service)
 
     async def update(self, inventory: Inventory) -> None:
         await self.on_inventory(inventory)

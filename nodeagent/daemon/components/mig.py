@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from nodeagent.daemon.components import close_quietly
@@ -31,7 +32,14 @@ class MigComponent(Component):
         from nodeagent.kube.node import NodeClient
         from nodeagent.kube.podnames import CHECKPOINT_NAME, PodNameLookup
         from nodeagent.kube.podresources import PodResourcesClient
-        from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
+        from nodeagent.mig.reconciler import (
+            PENDING,
+            REBOOTING,
+            STATE_LABEL,
+            MigReconciler,
+            MigReconcilerOptions,
+            read_boot_id,
+        )
 
         cfg = ctx.config.mig
         sources = ctx.files.mig  # the MIG config and hooks as validated with the config (start / SIGHUP)
@@ -42,9 +50,18 @@ class MigComponent(Component):
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
         self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
-        metrics = ctx.shared.metrics
+        reconciler_node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
+        patch_labels = reconciler_node.apatch_labels
+
+        async def apatch_labels(changes: Mapping[str, str | None]) -> Any:
+            # pending/rebooting reach the Node conditions as the reconciler writes them (results: on_result)
+            if changes.get(STATE_LABEL) in (PENDING, REBOOTING):
+                self._report(str(changes[STATE_LABEL]))
+            return await patch_labels(changes)
+
+        reconciler_node.apatch_labels = apatch_labels  # type: ignore[method-assign]
         self.reconciler = MigReconciler(
-            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
+            reconciler_node,
             ctx.gpu,
             ctx.paths.mig_state_dir,
             publisher=ctx.shared.advertiser,
@@ -53,11 +70,23 @@ class MigComponent(Component):
             boot_id=lambda: read_boot_id(proc),
             proc_root=proc,
             on_inventory=self._after_apply,
-            on_result=lambda result, seconds: metrics.observe_reconcile("mig", result, seconds),
+            on_result=self._on_result,
             pod_name=PodNameLookup(checkpoint, self.pod_resources.list),
         )
         self._ctx = ctx
         self._task: asyncio.Task[Any] | None = None
+
+    def _on_result(self, state: str, seconds: float) -> None:
+        """After each reconcile: counted into ``ctx.shared.metrics``, reported (state, config name, error)
+        to ``ctx.shared.conditions``."""
+        self._ctx.shared.metrics.observe_reconcile("mig", state, seconds)
+        self._report(state)
+
+    def _report(self, state: str) -> None:
+        key = self.reconciler.last_key
+        record = self.reconciler.state.load() or {}
+        error = str(record.get("error") or "") if state == "failed" else ""
+        self._ctx.shared.conditions.report_mig(state=state, config=key[0] if key else "", error=error)
 
     async def _after_apply(self, inventory: Inventory) -> None:
         self._ctx.request_resync()

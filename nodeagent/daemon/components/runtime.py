@@ -44,6 +44,7 @@ class RuntimeCheckComponent(Component):
             result = await asyncio.to_thread(configure, self._ctx.paths, opts)
         except NodeAgentError as e:
             self._ctx.set_status(self.name, f"check failed: {e}")
+            self._ctx.shared.conditions.report_runtime(wired=None, detail=f"the runtime check failed: {e}")
             log.warning("runtime check failed: %s", e)
             return
         warnings = tuple(result.warnings)
@@ -52,6 +53,8 @@ class RuntimeCheckComponent(Component):
                 log.warning("runtime check: %s", w)
         self.warnings = warnings
         drift = result.changed
+        pending = ", ".join(f.path for f in result.files if f.action != "unchanged")
+        self._ctx.shared.conditions.report_runtime(wired=not drift, detail=f"{pending} not as wanted" if drift else "")
         if drift != self.drift:
             if drift:
                 files = ", ".join(f.path for f in result.files if f.action != "unchanged")

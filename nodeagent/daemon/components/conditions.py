@@ -1,0 +1,146 @@
+"""The GPU Node conditions as a daemon component: built from what the other components report into
+``ctx.shared.conditions`` and written to the own Node only when one of them changes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 0.5
+PENDING_S = 2.0  # a MIG apply shows as pending only when it takes longer than this (most take less)
+
+
+async def report_gpu_health(ctx: Context, service: Any) -> None:
+    """Report the device plugin service's health monitor state (faults, last XIDs, the driver's recovery
+    actions) into ``ctx.shared.conditions``."""
+    from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
+    from nodeagent.kube.conditions import GpuFault, GpuHealthInput
+
+    inv = ctx.inventory
+    if inv is None:
+        return
+    monitor = service.monitor
+    if monitor is None or not monitor.settings.enabled:
+        ctx.shared.conditions.report_health(GpuHealthInput(len(inv.gpus), (), monitored=False))
+        return
+    faults: dict[tuple[int, int | None], str] = monitor.unhealthy()
+    xids: dict[int, int] = service.last_xids()
+    uuids = {g.index: g.uuid for g in inv.gpus}
+    read_action = getattr(ctx.gpu, "recovery_action", None)
+
+    def recovery(index: int) -> str | None:
+        if not callable(read_action):
+            return None
+        try:
+            action = int(read_action(index))
+        except Exception:  # a lost GPU answers nothing: its fault says "lost" already
+            return None
+        return None if action == RECOVERY_NONE else recovery_action_name(action)
+
+    indices = sorted({k[0] for k in faults})
+    actions = await asyncio.to_thread(lambda: {i: recovery(i) for i in indices})
+    out = tuple(
+        GpuFault(index=idx, uuid=uuids.get(idx, ""), xid=xids.get(idx), recovery=actions.get(idx),
+                 lost=reason.startswith("GPU lost"), gi_id=gi)
+        for (idx, gi), reason in sorted(faults.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1))
+    )
+    ctx.shared.conditions.report_health(GpuHealthInput(len(inv.gpus), out))
+
+
+class ConditionsComponent(Component):
+    """Writes ``nodeagent.io/GPUReady``, ``GPUHealthy``, ``MIGConfigured`` and ``RuntimeReady`` in its own
+    task whenever a report changes them (and checks at every resync, which writes nothing when nothing
+    changed)."""
+
+    name = "conditions"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        from nodeagent.kube.conditions import ConditionWriter
+        from nodeagent.kube.node import NodeClient
+
+        self.writer = ConditionWriter(NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches))
+        self._ctx = ctx
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task[Any] | None = None
+        self._watch: Any = None
+        self.last_error = ""
+
+    def _wake(self) -> None:
+        self._wanted.set()
+
+    async def start(self, ctx: Context) -> None:
+        ctx.shared.conditions.subscribe(self._wake)
+        self._task = ctx.spawn(self._worker(), "conditions")
+        self._wanted.set()
+        # the one shared watch of the own Node: conditions somebody changed or removed are written again
+        loop = asyncio.get_running_loop()
+
+        def on_node(view: Any) -> None:
+            if self.writer.observe(view):
+                loop.call_soon_threadsafe(self._wanted.set)
+
+        self._watch = await asyncio.to_thread(self.writer.node.watch, on_node)
+
+    async def on_inventory(self, inventory: Inventory) -> None:
+        self._wanted.set()
+
+    async def resync(self) -> None:
+        self._wanted.set()
+
+    def snapshot(self) -> Any:
+        """The reported inputs, with what the config switches off marked as off."""
+        cfg = self._ctx.config
+        s = self._ctx.shared.conditions.snapshot()
+        mig = s.mig if cfg.mig.enabled else dataclasses.replace(s.mig, enabled=False)
+        runtime = dataclasses.replace(s.runtime, check_enabled=cfg.runtime.enabled, cdi_enabled=cfg.cdi.enabled)
+        health = s.health
+        inv = self._ctx.inventory
+        if health is None and inv is not None and not cfg.device_plugin.enabled:
+            from nodeagent.kube.conditions import GpuHealthInput
+
+            health = GpuHealthInput(len(inv.gpus), (), monitored=False)
+        return dataclasses.replace(s, health=health, mig=mig, runtime=runtime)
+
+    async def _worker(self) -> None:
+        while True:
+            await self._wanted.wait()
+            await asyncio.sleep(SETTLE_S)  # reports arriving together (start, a MIG apply) make one write
+            for _ in range(int(PENDING_S / 0.1)):
+                if self._ctx.shared.conditions.mig.state != "pending":
+                    break
+                await asyncio.sleep(0.1)
+            self._wanted.clear()
+            try:
+                await asyncio.to_thread(self.writer.sync, self.snapshot())
+            except NodeAgentError as e:
+                if str(e) != self.last_error:
+                    log.warning("node conditions not written (retried at the next resync): %s", e)
+                self.last_error = str(e)
+                self.writer.forget()
+                self._ctx.set_status(self.name, "API unreachable")
+                continue
+            if self.last_error:
+                log.info("node conditions are written again")
+            self.last_error = ""
+            self._ctx.set_status(self.name, f"{self.writer.writes} write(s)")
+
+    async def stop(self) -> None:
+        self._ctx.shared.conditions.unsubscribe(self._wake)
+        if self._watch is not None:
+            await asyncio.to_thread(self._watch.stop)
+            self._watch = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None

@@ -1,0 +1,320 @@
+"""GPU Node conditions: four ``status.conditions`` entries built from typed inputs, written only on change.
+
+``build_conditions`` is pure: it turns what the components know (GPU health with XIDs and recovery actions,
+the last MIG config apply, the containerd wiring check, the CDI spec) into four conditions:
+
+- ``nodeagent.io/GPUReady``: every GPU found is healthy (the node can run GPU work).
+- ``nodeagent.io/GPUHealthy``: no GPU is marked unhealthy; the message names each unhealthy GPU's index,
+  UUID, last XID and the recovery action the driver asks for.
+- ``nodeagent.io/MIGConfigured``: the result of the last ``nvidia.com/mig.config`` apply.
+- ``nodeagent.io/RuntimeReady``: containerd carries the NVIDIA runtime and the CDI spec is current.
+
+Status follows the Kubernetes conventions: ``True``/``False`` when the agent knows, ``Unknown`` when it
+cannot tell (the check is off or has not run). Reasons are CamelCase codes, messages one line of at most
+``MESSAGE_MAX`` characters. ``ConditionWriter`` sends one strategic-merge patch of ``status.conditions``
+(merged by ``type``, so the kubelet's own conditions are untouched) only when a condition's status, reason
+or message changed; ``lastTransitionTime`` moves only when its status changes. A pass with nothing new
+sends nothing: there are no heartbeat writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # the builder stays importable without the API client
+    from nodeagent.kube.node import NodeClient, NodeView
+
+log = logging.getLogger(__name__)
+
+PREFIX = "nodeagent.io/"
+GPU_READY = PREFIX + "GPUReady"
+GPU_HEALTHY = PREFIX + "GPUHealthy"
+MIG_CONFIGURED = PREFIX + "MIGConfigured"
+RUNTIME_READY = PREFIX + "RuntimeReady"
+CONDITION_TYPES = (GPU_READY, GPU_HEALTHY, MIG_CONFIGURED, RUNTIME_READY)
+MESSAGE_MAX = 512
+
+Status = Literal["True", "False", "Unknown"]
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuFault:
+    """One unhealthy GPU (``gi_id`` set: one of its GPU instances) as the health monitor sees it."""
+
+    index: int
+    uuid: str = ""
+    xid: int | None = None  # the last XID the GPU reported
+    recovery: str | None = None  # the driver's recovery action ("GPU reset", "node reboot", ...), None: none
+    lost: bool = False  # NVML reports the GPU lost (fallen off the bus)
+    gi_id: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuHealthInput:
+    """The GPUs found and the faults the health monitor holds; ``monitored`` False: no health checks run."""
+
+    gpus: int
+    faults: tuple[GpuFault, ...] = ()
+    monitored: bool = True
+
+
+@dataclass(frozen=True)
+class MigInput:
+    """The last ``nvidia.com/mig.config`` reconcile: ``state`` one of success/failed/pending/rebooting, or
+    None when no config was asked for since the agent started; ``enabled`` False: MIG management is off."""
+
+    enabled: bool = True
+    state: str | None = None
+    config: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RuntimeInput:
+    """``containerd_wired``: the runtime check's last answer (None: check off or not run yet);
+    ``cdi_current``: the CDI spec writer's last answer (None: CDI off or not written yet)."""
+
+    check_enabled: bool = True
+    containerd_wired: bool | None = None
+    containerd_detail: str = ""
+    cdi_enabled: bool = True
+    cdi_current: bool | None = None
+    cdi_detail: str = ""
+
+
+@dataclass(frozen=True)
+class ConditionSnapshot:
+    """Everything the four conditions are built from; ``None`` parts are not known yet (Unknown)."""
+
+    health: GpuHealthInput | None = None
+    mig: MigInput = field(default_factory=MigInput)
+    runtime: RuntimeInput = field(default_factory=RuntimeInput)
+
+
+# -- the pure builder --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: Status
+    reason: str
+    message: str
+    # "not known yet": written only where the Node has no condition of this type, so a restarting agent
+    # does not flap a condition to Unknown before its inputs have answered again
+    provisional: bool = False
+
+    def key(self) -> tuple[str, str, str]:
+        return self.status, self.reason, self.message
+
+
+def one_line(text: str, limit: int = MESSAGE_MAX) -> str:
+    """``text`` on one line (runs of whitespace become one space), cut to ``limit`` characters with '...'."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3].rstrip() + "..."
+
+
+def describe_fault(f: GpuFault) -> str:
+    where = f"GPU {f.index}" + (f" GI {f.gi_id}" if f.gi_id is not None else "")
+    if f.uuid:
+        where += f" ({f.uuid})"
+    parts = ["lost"] if f.lost else []
+    if f.xid is not None:
+        parts.append(f"XID {f.xid}")
+    parts.append(f"recovery: {f.recovery or 'none'}")
+    return where + ": " + ", ".join(parts)
+
+
+def _sorted_faults(faults: Iterable[GpuFault]) -> list[GpuFault]:
+    return sorted(faults, key=lambda f: (f.index, -1 if f.gi_id is None else f.gi_id))
+
+
+def gpu_healthy(h: GpuHealthInput | None) -> Condition:
+    if h is None or not h.monitored:
+        why = "health checks are not running" if h is not None else "GPU health is not known yet"
+        return Condition(GPU_HEALTHY, "Unknown", "HealthChecksUnavailable", why, provisional=h is None)
+    if not h.faults:
+        return Condition(GPU_HEALTHY, "True", "AllGpusHealthy", f"{h.gpus} GPU(s), none unhealthy")
+    faults = _sorted_faults(h.faults)
+    gpus = len({f.index for f in faults})
+    if any(f.lost for f in faults):
+        reason = "GpuLost"
+    elif any(f.recovery for f in faults):
+        reason = "GpuRecoveryRequired"
+    elif any(f.xid is not None for f in faults):
+        reason = "XidError"
+    else:
+        reason = "GpuUnhealthy"
+    msg = f"{gpus} of {h.gpus} GPU(s) unhealthy: " + "; ".join(describe_fault(f) for f in faults)
+    return Condition(GPU_HEALTHY, "False", reason, one_line(msg))
+
+
+def gpu_ready(h: GpuHealthInput | None) -> Condition:
+    if h is None:
+        return Condition(GPU_READY, "Unknown", "GpuStateUnknown", "GPU discovery and health are not known yet",
+                         provisional=True)
+    if h.gpus == 0:
+        return Condition(GPU_READY, "False", "NoGpusFound", "no GPU was found on this node")
+    if not h.monitored:
+        return Condition(GPU_READY, "Unknown", "HealthChecksUnavailable",
+                         f"{h.gpus} GPU(s) found; health checks are not running")
+    if h.faults:
+        bad = sorted({f.index for f in h.faults})
+        return Condition(GPU_READY, "False", "GpusUnhealthy", one_line(
+            f"{len(bad)} of {h.gpus} GPU(s) unhealthy: GPU " + ", ".join(str(i) for i in bad)))
+    return Condition(GPU_READY, "True", "AllGpusReady", f"all {h.gpus} GPU(s) present and healthy")
+
+
+def mig_configured(m: MigInput) -> Condition:
+    if not m.enabled:
+        return Condition(MIG_CONFIGURED, "Unknown", "MigManagementDisabled", "MIG management is off")
+    name = repr(m.config)
+    if m.state is None:
+        return Condition(MIG_CONFIGURED, "Unknown", "MigConfigNotRequested",
+                         "no nvidia.com/mig.config apply since the agent started", provisional=True)
+    if m.state == "success":
+        return Condition(MIG_CONFIGURED, "True", "MigConfigApplied", f"MIG config {name} is applied")
+    if m.state == "failed":
+        msg = f"MIG config {name} failed" + (f": {m.error}" if m.error else "")
+        return Condition(MIG_CONFIGURED, "False", "MigConfigFailed", one_line(msg))
+    if m.state == "rebooting":
+        return Condition(MIG_CONFIGURED, "False", "MigConfigRebootRequired",
+                         f"MIG config {name} waits for a host reboot")
+    if m.state == "pending":
+        return Condition(MIG_CONFIGURED, "False", "MigConfigPending", f"MIG config {name} is being applied")
+    return Condition(MIG_CONFIGURED, "Unknown", "MigStateUnknown", one_line(f"MIG state {m.state!r}"))
+
+
+def runtime_ready(r: RuntimeInput) -> Condition:
+    if not r.check_enabled:
+        return Condition(RUNTIME_READY, "Unknown", "RuntimeCheckDisabled", "the containerd runtime check is off")
+    if r.containerd_wired is False:
+        detail = f": {r.containerd_detail}" if r.containerd_detail else ""
+        return Condition(RUNTIME_READY, "False", "ContainerdNotWired",
+                         one_line(f"containerd does not carry the NVIDIA runtime{detail}"))
+    if r.cdi_enabled and r.cdi_current is False:
+        detail = f": {r.cdi_detail}" if r.cdi_detail else ""
+        return Condition(RUNTIME_READY, "False", "CdiSpecStale", one_line(f"the CDI spec is not current{detail}"))
+    if r.containerd_wired is None:
+        why = r.containerd_detail or "the containerd runtime check has not answered yet"
+        return Condition(RUNTIME_READY, "Unknown", "RuntimeCheckPending", one_line(why), provisional=True)
+    if r.cdi_enabled and r.cdi_current is None:
+        return Condition(RUNTIME_READY, "Unknown", "CdiSpecPending", "the CDI spec has not been written yet",
+                         provisional=True)
+    cdi = "; the CDI spec is current" if r.cdi_enabled else ""
+    return Condition(RUNTIME_READY, "True", "RuntimeWired", f"containerd carries the NVIDIA runtime{cdi}")
+
+
+def build_conditions(s: ConditionSnapshot) -> list[Condition]:
+    """The four conditions for ``s``, in ``CONDITION_TYPES`` order."""
+    return [gpu_ready(s.health), gpu_healthy(s.health), mig_configured(s.mig), runtime_ready(s.runtime)]
+
+
+def _timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def plan_conditions(
+    current: Sequence[Mapping[str, Any]], desired: Iterable[Condition], now: datetime
+) -> list[dict[str, Any]]:
+    """The condition objects to patch: those of ``desired`` whose status, reason or message differ from
+    ``current`` (the Node's conditions). ``lastTransitionTime`` is kept from ``current`` when the status is
+    the same, else ``now``; ``lastHeartbeatTime`` is the time of this write. A provisional condition ("not
+    known yet") replaces none already there. Empty: nothing to write."""
+    by_type = {str(c.get("type", "")): c for c in current}
+    stamp = _timestamp(now)
+    out: list[dict[str, Any]] = []
+    for d in desired:
+        old = by_type.get(d.type)
+        if old is not None and d.provisional:
+            continue
+        if old is not None and (old.get("status"), old.get("reason"), old.get("message")) == d.key():
+            continue
+        same_status = old is not None and old.get("status") == d.status and old.get("lastTransitionTime")
+        out.append({
+            "type": d.type,
+            "status": d.status,
+            "reason": d.reason,
+            "message": d.message,
+            "lastHeartbeatTime": stamp,
+            "lastTransitionTime": str(old["lastTransitionTime"]) if same_status and old else stamp,
+        })
+    return out
+
+
+# -- the writer --------------------------------------------------------------------------------------
+
+
+class ConditionWriter:
+    """Writes the conditions to the own Node on change only (blocking; run it in a worker thread).
+
+    The Node's conditions are read once (so a restarted agent keeps their transition times and writes
+    nothing when they still hold); afterwards the writer compares with what it last wrote, and ``observe``
+    (fed by the watch of the own Node) notices when somebody changed or removed them. ``writes`` counts the
+    PATCH requests sent."""
+
+    def __init__(self, node: NodeClient, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        self.node = node
+        self.clock = clock
+        self.writes = 0
+        self._known: dict[str, dict[str, Any]] | None = None
+        self._written_rv = -1  # resourceVersion of the Node our last write produced
+        self._lock = threading.Lock()
+
+    def sync(self, snapshot: ConditionSnapshot) -> list[str]:
+        """Bring the Node's conditions in line with ``snapshot``; the types written (empty: no request)."""
+        with self._lock:
+            if self._known is None:
+                view = self.node.get()
+                self._known = {str(c.get("type", "")): dict(c) for c in view.conditions
+                               if str(c.get("type", "")) in CONDITION_TYPES}
+            changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock())
+            if not changes:
+                return []
+            written = self.node.patch_status_conditions(changes)
+            self.writes += 1
+            if written is not None:
+                self._written_rv = _rv(written.resource_version)
+            for c in changes:
+                self._known[c["type"]] = c
+                log.info("node %s: condition %s=%s (%s): %s", self.node.name, c["type"], c["status"],
+                         c["reason"], c["message"])
+            return [c["type"] for c in changes]
+
+    def observe(self, view: NodeView) -> bool:
+        """A version of the own Node (from its watch): True when our conditions on it differ from what this
+        writer last wrote or read (somebody changed or removed them, or the Node was recreated); the next
+        ``sync`` then writes them again. Versions older than our last write are ignored."""
+        with self._lock:
+            if view.deleted:
+                self._known = None
+                return False
+            if self._known is None or _rv(view.resource_version) < self._written_rv:
+                return False
+            seen = {str(c.get("type", "")): dict(c) for c in view.conditions
+                    if str(c.get("type", "")) in CONDITION_TYPES}
+            fields = ("status", "reason", "message")
+            if all(t in seen and all(seen[t].get(f) == c.get(f) for f in fields) for t, c in self._known.items()):
+                return False
+            self._known = seen
+            return True
+
+    def forget(self) -> None:
+        """Read the Node again before the next write (after the Node was recreated, say)."""
+        with self._lock:
+            self._known = None
+
+
+def _rv(resource_version: str) -> int:
+    try:
+        return int(resource_version)
+    except ValueError:
+        return -1

@@ -1,0 +1,173 @@
+"""The pure GPU Node condition builder and its change planner."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+
+from nodeagent.kube.conditions import (
+    CONDITION_TYPES,
+    GPU_HEALTHY,
+    GPU_READY,
+    MESSAGE_MAX,
+    MIG_CONFIGURED,
+    RUNTIME_READY,
+    Condition,
+    ConditionSnapshot,
+    GpuFault,
+    GpuHealthInput,
+    MigInput,
+    RuntimeInput,
+    build_conditions,
+    one_line,
+    plan_conditions,
+)
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+T1 = datetime(2026, 1, 1, 12, 5, 0, tzinfo=UTC)
+CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
+
+
+def by_type(s: ConditionSnapshot) -> dict[str, Condition]:
+    return {c.type: c for c in build_conditions(s)}
+
+
+def healthy_node() -> ConditionSnapshot:
+    return ConditionSnapshot(
+        health=GpuHealthInput(8),
+        mig=MigInput(state="success", config="all-1g.10gb"),
+        runtime=RuntimeInput(containerd_wired=True, cdi_current=True),
+    )
+
+
+def test_all_good() -> None:
+    c = by_type(healthy_node())
+    assert list(c) == list(CONDITION_TYPES)
+    assert (c[GPU_READY].status, c[GPU_READY].reason) == ("True", "AllGpusReady")
+    assert c[GPU_READY].message == "all 8 GPU(s) present and healthy"
+    assert (c[GPU_HEALTHY].status, c[GPU_HEALTHY].reason) == ("True", "AllGpusHealthy")
+    assert (c[MIG_CONFIGURED].status, c[MIG_CONFIGURED].reason) == ("True", "MigConfigApplied")
+    assert "'all-1g.10gb'" in c[MIG_CONFIGURED].message
+    assert (c[RUNTIME_READY].status, c[RUNTIME_READY].reason) == ("True", "RuntimeWired")
+
+
+def test_nothing_known_is_unknown() -> None:
+    c = by_type(ConditionSnapshot())
+    assert {k: v.status for k, v in c.items()} == {t: "Unknown" for t in CONDITION_TYPES}
+    assert c[MIG_CONFIGURED].reason == "MigConfigNotRequested"
+    assert c[RUNTIME_READY].reason == "RuntimeCheckPending"
+
+
+def test_xid_fault_names_index_uuid_xid_and_recovery() -> None:
+    s = ConditionSnapshot(health=GpuHealthInput(8, (
+        GpuFault(5, "GPU-bbb", xid=79, lost=True),
+        GpuFault(2, "GPU-aaa", xid=48, recovery="GPU reset"),
+    )))
+    c = by_type(s)
+    assert (c[GPU_READY].status, c[GPU_READY].reason) == ("False", "GpusUnhealthy")
+    assert c[GPU_READY].message == "2 of 8 GPU(s) unhealthy: GPU 2, 5"
+    h = c[GPU_HEALTHY]
+    assert (h.status, h.reason) == ("False", "GpuLost")  # the worst fault names the reason
+    assert h.message == ("2 of 8 GPU(s) unhealthy: GPU 2 (GPU-aaa): XID 48, recovery: GPU reset; "
+                         "GPU 5 (GPU-bbb): lost, XID 79, recovery: none")
+
+
+def test_health_reasons_by_kind() -> None:
+    def reason(*faults: GpuFault) -> str:
+        return by_type(ConditionSnapshot(health=GpuHealthInput(4, faults)))[GPU_HEALTHY].reason
+
+    assert reason(GpuFault(0, xid=48)) == "XidError"
+    assert reason(GpuFault(0, xid=48, recovery="node reboot")) == "GpuRecoveryRequired"
+    assert reason(GpuFault(0)) == "GpuUnhealthy"
+    gi = by_type(ConditionSnapshot(health=GpuHealthInput(4, (GpuFault(1, "U", xid=94, gi_id=3),))))
+    assert "GPU 1 GI 3 (U): XID 94" in gi[GPU_HEALTHY].message
+
+
+def test_no_gpus_and_no_health_checks() -> None:
+    c = by_type(ConditionSnapshot(health=GpuHealthInput(0)))
+    assert (c[GPU_READY].status, c[GPU_READY].reason) == ("False", "NoGpusFound")
+    c = by_type(ConditionSnapshot(health=GpuHealthInput(4, monitored=False)))
+    assert (c[GPU_READY].status, c[GPU_HEALTHY].status) == ("Unknown", "Unknown")
+    assert c[GPU_HEALTHY].reason == "HealthChecksUnavailable"
+
+
+def test_mig_states() -> None:
+    def mig(**kw: object) -> Condition:
+        return by_type(ConditionSnapshot(mig=MigInput(**kw)))[MIG_CONFIGURED]  # type: ignore[arg-type]
+
+    failed = mig(state="failed", config="all-7g.99gb", error="no config named 'all-7g.99gb'\n(known: a, b)")
+    assert (failed.status, failed.reason) == ("False", "MigConfigFailed")
+    assert failed.message == "MIG config 'all-7g.99gb' failed: no config named 'all-7g.99gb' (known: a, b)"
+    assert (mig(state="rebooting", config="x").status, mig(state="rebooting", config="x").reason) == (
+        "False", "MigConfigRebootRequired")
+    assert mig(state="pending", config="x").reason == "MigConfigPending"
+    assert (mig(enabled=False).status, mig(enabled=False).reason) == ("Unknown", "MigManagementDisabled")
+    assert mig(state="odd").status == "Unknown"
+
+
+def test_runtime() -> None:
+    def rt(**kw: object) -> Condition:
+        return by_type(ConditionSnapshot(runtime=RuntimeInput(**kw)))[RUNTIME_READY]  # type: ignore[arg-type]
+
+    assert rt(containerd_wired=False, containerd_detail="/etc/containerd/conf.d/99-nvidia.toml not as wanted",
+              cdi_current=True).reason == "ContainerdNotWired"
+    assert rt(containerd_wired=True, cdi_current=False, cdi_detail="disk full").reason == "CdiSpecStale"
+    assert rt(containerd_wired=True, cdi_current=None).reason == "CdiSpecPending"
+    assert rt(containerd_wired=True, cdi_enabled=False).status == "True"
+    assert rt(check_enabled=False).reason == "RuntimeCheckDisabled"
+
+
+def test_reasons_camel_case_messages_one_bounded_line() -> None:
+    many = tuple(GpuFault(i, f"GPU-{'x' * 40}-{i}", xid=79, recovery="node reboot") for i in range(64))
+    snaps = [
+        healthy_node(), ConditionSnapshot(),
+        ConditionSnapshot(health=GpuHealthInput(64, many),
+                          mig=MigInput(state="failed", config="c", error="e\n" * 1000),
+                          runtime=RuntimeInput(containerd_wired=False, containerd_detail="a\tb\n" * 500)),
+    ]
+    for s in snaps:
+        for c in build_conditions(s):
+            assert CAMEL.match(c.reason), c
+            assert "\n" not in c.message and "\t" not in c.message, c
+            assert 0 < len(c.message) <= MESSAGE_MAX, c
+    assert one_line("a" * 600).endswith("...") and len(one_line("a" * 600)) == MESSAGE_MAX
+
+
+def test_plan_writes_only_changes_and_keeps_transition_time() -> None:
+    first = plan_conditions([], build_conditions(healthy_node()), T0)
+    assert [c["type"] for c in first] == list(CONDITION_TYPES)
+    assert all(c["lastTransitionTime"] == "2026-01-01T12:00:00Z" for c in first)
+    # the same again: nothing to write (no heartbeat)
+    assert plan_conditions(first, build_conditions(healthy_node()), T1) == []
+    # an XID: GPUReady and GPUHealthy change status, transition time moves; the other two stay unwritten
+    bad = ConditionSnapshot(health=GpuHealthInput(8, (GpuFault(2, "GPU-a", xid=48),)),
+                            mig=healthy_node().mig, runtime=healthy_node().runtime)
+    second = plan_conditions(first, build_conditions(bad), T1)
+    assert [c["type"] for c in second] == [GPU_READY, GPU_HEALTHY]
+    assert all(c["lastTransitionTime"] == "2026-01-01T12:05:00Z" for c in second)
+    # a second GPU fails too: message changes, status does not: transition time kept
+    current = {c["type"]: c for c in first} | {c["type"]: c for c in second}
+    worse = ConditionSnapshot(health=GpuHealthInput(8, (GpuFault(2, "GPU-a", xid=48), GpuFault(3, "GPU-b", xid=48))),
+                              mig=healthy_node().mig, runtime=healthy_node().runtime)
+    third = plan_conditions(list(current.values()), build_conditions(worse), datetime(2026, 1, 2, tzinfo=UTC))
+    assert [c["type"] for c in third] == [GPU_READY, GPU_HEALTHY]
+    assert all(c["lastTransitionTime"] == "2026-01-01T12:05:00Z" for c in third)
+    assert all(c["lastHeartbeatTime"] == "2026-01-02T00:00:00Z" for c in third)
+
+
+def test_plan_ignores_other_conditions() -> None:
+    kubelet = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting"}
+    out = plan_conditions([kubelet], build_conditions(healthy_node()), T0)
+    assert "Ready" not in {c["type"] for c in out}
+
+
+def test_not_known_yet_does_not_replace_a_known_condition() -> None:
+    """A restarting agent whose checks have not answered yet leaves the Node's conditions as they are."""
+    first = plan_conditions([], build_conditions(healthy_node()), T0)
+    assert plan_conditions(first, build_conditions(ConditionSnapshot()), T1) == []
+    # on a Node without them, "not known yet" is written as Unknown
+    assert {c["status"] for c in plan_conditions([], build_conditions(ConditionSnapshot()), T1)} == {"Unknown"}
+    # known-Unknown (the check is off) does replace
+    off = ConditionSnapshot(health=GpuHealthInput(8), mig=MigInput(enabled=False),
+                            runtime=RuntimeInput(check_enabled=False))
+    assert [c["type"] for c in plan_conditions(first, build_conditions(off), T1)] == [MIG_CONFIGURED, RUNTIME_READY]
