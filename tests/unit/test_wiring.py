@@ -284,3 +284,36 @@ async def test_the_runtime_check_uses_the_kubelet_dir_and_logs_each_warning_once
     warned = [r.getMessage() for r in caplog.records if "disables the CRI plugin" in r.getMessage()]
     assert warned == ["runtime check: /etc/containerd/config.toml disables the CRI plugin"]
     assert check.drift is False
+
+
+async def test_the_runtime_class_is_retried_at_each_resync_until_the_api_answers() -> None:
+
+    from nodeagent.daemon.components.runtime import RuntimeCheckComponent
+    from nodeagent.errors import KubeError
+
+    class Api(_Kube):
+        def __init__(self) -> None:
+            self.up = False
+            self.created: list[str] = []
+
+        def request(self, method: str, path: str, **kw: Any) -> Any:
+            if not self.up:
+                raise KubeError("connection refused", retryable=True)
+            if method == "GET":
+                raise KubeError("not found", status=404)
+            self.created.append(kw["body"]["metadata"]["name"])
+            return {}
+
+    api = Api()
+    cfg = apply_overrides(AgentConfig(), {"metrics.address": "", "runtime.check_interval": 0.0})
+    d = Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: NoGpus(), specs=[],
+               kube_factory=lambda c: api, notifier=Notifier({}))
+    check = RuntimeCheckComponent(d.ctx)
+    await check._runtime_class()  # the API is down at start: nothing created, nothing raised
+    await check.resync()
+    assert api.created == [] and not check.runtime_class_done
+    api.up = True
+    await check.resync()
+    assert api.created == ["nvidia"] and check.runtime_class_done
+    await check.resync()  # done: no more writes
+    assert api.created == ["nvidia"]

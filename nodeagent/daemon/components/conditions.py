@@ -35,13 +35,11 @@ async def report_gpu_health(ctx: Context, service: Any) -> None:
     faults: dict[tuple[int, int | None], str] = monitor.unhealthy()
     xids: dict[int, int] = service.last_xids()
     uuids = {g.index: g.uuid for g in inv.gpus}
-    read_action = getattr(ctx.gpu, "recovery_action", None)
+    gpu = ctx.gpu
 
     def recovery(index: int) -> str | None:
-        if not callable(read_action):
-            return None
         try:
-            action = int(read_action(index))
+            action = int(gpu.recovery_action(index))
         except Exception:  # a lost GPU answers nothing: its fault says "lost" already
             return None
         return None if action == RECOVERY_NONE else recovery_action_name(action)

@@ -25,6 +25,7 @@ class RuntimeCheckComponent(Component):
         self._ctx = ctx
         self.drift: bool | None = None
         self.warnings: tuple[str, ...] = ()
+        self.runtime_class_done = False
 
     async def start(self, ctx: Context) -> None:
         interval = ctx.config.runtime.check_interval
@@ -72,9 +73,14 @@ class RuntimeCheckComponent(Component):
         try:
             done = await asyncio.to_thread(ensure_runtime_classes, self._ctx.kube, classes)
         except NodeAgentError as e:
-            log.warning("RuntimeClass not ensured (retried at the next start or reload): %s", e)
+            log.warning("RuntimeClass not ensured (retried at the next resync): %s", e)
             return
+        self.runtime_class_done = True
         log.info("RuntimeClass: %s", ", ".join(f"{k} {v}" for k, v in done.items()))
+
+    async def resync(self) -> None:
+        if self._ctx.kube is not None and not self.runtime_class_done:
+            await self._runtime_class()
 
     async def stop(self) -> None:
         with contextlib.suppress(Exception):
