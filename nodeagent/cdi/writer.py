@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -61,8 +62,8 @@ class CdiWriter:
     """Keeps ``/var/run/cdi/nvidia.yaml`` (under ``paths``) equal to what the inventory says.
 
     ``refresh`` is synchronous and fast (a few stats and at most one small atomic write); the daemon
-    may call ``on_inventory`` from its event loop instead. Calls are serialised by the caller (one
-    writer per node); ``last`` keeps the most recent result for status reporting.
+    may call ``on_inventory`` from its event loop instead. Calls are serialised here: the daemon writes
+    from a rediscovery and from a MIG apply that may overlap; ``last`` keeps the most recent result.
     """
 
     def __init__(self, paths: HostPaths, *, driver_root: str = "/", spec_path: str = SPEC_PATH,
@@ -74,6 +75,7 @@ class CdiWriter:
         # each write first lays them out for the inventory (nodeagent.cdi.simhost), as the driver would.
         self.sim_host_files = sim_host_files
         self.last: WriteResult | None = None
+        self._lock = threading.Lock()
 
     @property
     def file(self) -> str:
@@ -84,6 +86,10 @@ class CdiWriter:
 
     def write(self, inventory: Inventory) -> WriteResult:
         """Bring the file in line with ``inventory``; raises ``CdiError`` (file untouched) on failure."""
+        with self._lock:
+            return self._write(inventory)
+
+    def _write(self, inventory: Inventory) -> WriteResult:
         start = time.perf_counter()
         target = self.paths(self.spec_path)
         if self.sim_host_files:

@@ -17,7 +17,7 @@ from nodeagent.cdi.writer import CdiWriter, cdi_step
 from nodeagent.cli import cli
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
-from tests.cdi_host import apply_layout, make_host
+from tests.cdi_host import apply_layout, layouts, make_host
 from tests.unit._dp_inventories import gpu, mig_device
 
 
@@ -297,3 +297,32 @@ def test_linked_tool_is_mounted_but_library_links_are_not(tmp_path: Path) -> Non
     mounts = {m["containerPath"] for m in spec["containerEdits"]["mounts"]}
     assert "/usr/bin/nvidia-smi" in mounts
     assert "/usr/lib/x86_64-linux-gnu/libcuda.so.1" not in mounts
+
+
+def test_overlapping_refreshes_from_threads_are_serialised(tmp_path: Path) -> None:
+    """A rediscovery and a MIG apply may refresh at the same time (two threads): every call ends with a
+    whole spec for one of the inventories, none fails half-way through laying out the simulated host."""
+    import threading
+
+    host = make_host(tmp_path, "dgx-h100")
+    plain = host.discover()
+    mig = apply_layout(host, layouts("dgx-h100")["all-smallest"])
+    writer = CdiWriter(host.paths, sim_host_files=True)
+    errors: list[BaseException] = []
+
+    def hammer(inv: Inventory) -> None:
+        try:
+            for _ in range(15):
+                writer.refresh(inv)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(inv,)) for inv in (plain, mig, plain, mig)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    writer.refresh(mig)
+    names = set(writer.last.devices) if writer.last else set()
+    assert {f"nvidia.com/gpu={g}:{n}" for g in range(8) for n in range(7)} <= names
