@@ -262,6 +262,12 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: key '{key}' is not a valid node name: {value!r}", subject=key)
 
 
+def _quoted(text: str, limit: int = 60) -> str:
+    """A key the user typed, as one bounded line (escapes instead of line breaks)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+
+
 def _build(cls: type[Any], data: Mapping[str, Any], prefix: str, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
@@ -269,7 +275,7 @@ def _build(cls: type[Any], data: Mapping[str, Any], prefix: str, where: str) -> 
     for name, value in data.items():
         key = prefix + name
         if name not in known:
-            raise ConfigError(f"{where}: unknown key '{key}'", subject=key)
+            raise ConfigError(f"{where}: unknown key {_quoted(key)}", subject=key)
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):

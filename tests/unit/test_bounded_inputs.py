@@ -207,6 +207,54 @@ def test_fuzzed_bytes_give_a_config_or_one_line(raw: bytes) -> None:
 
 
 
+_cfg_leaf = st.one_of(st.booleans(), st.integers(-10**15, 10**15), st.floats(allow_nan=True, allow_infinity=True),
+                      st.text(max_size=40), st.sampled_from(["/etc/x.toml", "../../x", "drop-in", "dra", "both",
+                                                              "127.0.0.1:9400", "signal", "json", ""]))
+_cfg_value = st.one_of(_cfg_leaf, st.lists(_cfg_leaf, max_size=5))
+_cfg_keys = st.sampled_from(["enabled", "dir", "config", "plane", "gpus", "interval", "address", "mode",
+                             "dropin", "restart", "check_interval", "window", "poll_interval", "machine",
+                             "state", "driver_root", "verify_interval", "labels", "cdi"]) | st.text(max_size=10)
+_cfg_doc = st.dictionaries(
+    st.sampled_from(["kubelet", "device_plugin", "dra", "mig", "runtime", "publish", "metrics", "health", "cdi",
+                     "simulate", "node_name", "kube", "resync_interval", "log_format"]) | st.text(max_size=8),
+    st.one_of(_cfg_value, st.dictionaries(_cfg_keys, _cfg_value, max_size=6)), max_size=8)
+
+
+@settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow], phases=QUICK)
+@given(_cfg_doc)
+def test_fuzzed_agent_configs_give_a_config_or_one_line(doc: dict[str, object]) -> None:
+    import math
+
+    import tomlkit
+
+    from nodeagent.config import AgentConfig, parse_config
+
+    try:
+        text = tomlkit.dumps(doc)
+    except Exception:  # a document TOML cannot spell (e.g. a bare key after a table): not an input
+        return
+    try:
+        cfg = parse_config(text, "config.toml")
+    except ConfigError as e:
+        one_line(e)
+        return
+    assert isinstance(cfg, AgentConfig)
+    for number in (cfg.resync_interval, cfg.metrics.interval, cfg.health.window, cfg.health.poll_interval,
+                   cfg.runtime.check_interval):
+        assert math.isfinite(number)  # NaN/inf never pass validation
+
+
+@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow], phases=QUICK)
+@given(st.text(max_size=400) | st.builds(lambda n: "a = " + "[" * n + "]" * n, st.integers(0, 5000)))
+def test_fuzzed_agent_config_text_gives_a_config_or_one_line(text: str) -> None:
+    from nodeagent.config import parse_config
+
+    try:
+        parse_config(text, "config.toml")
+    except ConfigError as e:
+        one_line(e)
+
+
 def test_keys_and_references_with_line_breaks_stay_on_one_line() -> None:
     """Found by the fuzz test: an unknown key holding a line break was echoed raw, splitting the error."""
     doc = {"version": "v1", "sharing": {"timeSlicing": {"resources": [{"name": "gpu", "replicas": 2, "x\ny": 1}]}}}
