@@ -67,6 +67,9 @@ class MigSettings:
     config_file: str = "/etc/nodeagent/mig-config.yaml"  # mig-parted v1 file with named configs
     hooks_file: str = ""  # mig-parted hooks file; "" = none
     with_reboot: bool = False  # allowed to reboot the node when a mode change cannot take effect otherwise
+    # seconds the label-driven apply waits for the pods holding a GPU that must change to let it go (its
+    # devices are withdrawn meanwhile); then the apply fails and nothing changes (0 = do not wait)
+    release_timeout: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ _POSITIVE = {
     "health.poll_interval",
     "dra.verify_interval",
 }
-_NON_NEGATIVE = {"runtime.check_interval"}
+_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout"}
 MAX_SECONDS = 366 * 24 * 3600.0  # no interval or window is longer than a year (the scheduler's limit is near)
 _ABSOLUTE_PATHS = {
     "kubeconfig",

@@ -2,7 +2,8 @@
 
 A component never looks another one up: the device plugin attaches itself to ``DevicePluginLink`` while
 it runs (the publisher reads its served resources, plugin config and health, the metrics its last XIDs;
-the MIG reconciler withdraws and re-advertises through it), the metrics component attaches its registry to
+the MIG reconciler withdraws and re-advertises through it, and asks which device IDs a GPU gives to find
+the pods holding it), the metrics component attaches its registry to
 ``MetricsLink`` (the MIG reconciler and the publisher count into it), and the device plugin's health
 changes reach the DRA plane beside it through ``HealthLink``. While nothing is attached (disabled, or being rebuilt
 by a reload) reads are empty and writes are dropped.
@@ -39,6 +40,10 @@ class ServedDevices(Protocol):
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
     async def update(self, inventory: Inventory) -> None: ...
+
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        """(resource, device ID) → GPU index of every device these GPUs give, withdrawn ones included."""
+        ...
 
 
 class MetricsSink(Protocol):
@@ -84,6 +89,9 @@ class DevicePluginLink:
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._plugin is not None:
             await self._plugin.withdraw(gpu_indices)
+
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        return self._plugin.device_gpus(gpu_indices) if self._plugin is not None else {}
 
     async def update(self, inventory: Inventory) -> None:
         if self._plugin is not None:

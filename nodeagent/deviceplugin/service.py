@@ -146,6 +146,15 @@ class DevicePluginService:
             resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn | self._excluded)
             await self._apply(self._checked(resources, self.config.source))
 
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        """(resource, device ID) → GPU index for every device of these GPUs the current inventory gives,
+        withdrawn or not (the IDs a pod may hold while they are withdrawn)."""
+        if self._inventory is None:
+            return {}
+        resources = build_resources(self._inventory, self.config, withdrawn=self._excluded)
+        return {(r.name, d.id): d.physical.gpu_index for r in resources.values() for d in r.devices
+                if d.physical.gpu_index in gpu_indices}
+
     def served_resources(self) -> dict[str, list[str]]:
         return resource_ids({n: s.resource for n, s in self._servers.items()})
 

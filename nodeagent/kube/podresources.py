@@ -6,7 +6,7 @@ run it in a thread. Answers are converted into plain frozen dataclasses at this 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,19 @@ def by_device(assignments: Iterable[Assignment]) -> dict[str, list[Assignment]]:
         for dev in a.device_ids:
             out.setdefault(dev, []).append(a)
     return out
+
+
+def holders_by_gpu(assignments: Iterable[Assignment],
+                   device_gpus: Mapping[tuple[str, str], int]) -> dict[int, tuple[str, ...]]:
+    """GPU index → sorted ``namespace/name`` of the pods holding one of its devices, given (resource,
+    device ID) → GPU index (pure). GPUs no pod holds are absent."""
+    out: dict[int, set[str]] = {}
+    for a in assignments:
+        for dev in a.device_ids:
+            gpu = device_gpus.get((a.resource, dev))
+            if gpu is not None:
+                out.setdefault(gpu, set()).add(f"{a.namespace}/{a.pod}")
+    return {g: tuple(sorted(pods)) for g, pods in sorted(out.items())}
 
 
 class PodResourcesClient:

@@ -23,7 +23,7 @@ from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.events import RESOURCE_REFUSED, EventRecorder
-from nodeagent.kube.gpuobjects import GpuObjects, SyncResult, desired_gpu_objects
+from nodeagent.kube.gpuobjects import GpuObjects, SyncResult, desired_gpu_objects, gpu_of_device
 from nodeagent.kube.labels import (
     MANAGED_LABELS_ANNOTATION,
     NetFacts,
@@ -271,7 +271,18 @@ class NodePublisher:
                 continue
             detail = ("the kubelet no longer allocates its devices" if not healthy
                       else "its devices are allocatable again")
+            pods = self._pods_on(g.index, inp) if not healthy else ()
+            if pods:
+                detail += f"; pods holding it: {', '.join(pods)}"
             self.events.health_changed(f"{g.index} ({g.uuid}, {g.name})", healthy, detail)
+
+    def _pods_on(self, gpu: int, inp: _Inputs) -> tuple[str, ...]:
+        """``namespace/name`` of the pods the kubelet's PodResources shows holding a device of ``gpu`` (one
+        of the served resources)."""
+        pods = {f"{a.namespace}/{a.pod}" for a in self._read_assignments()
+                if a.resource in inp.served
+                and any(gpu_of_device(d, inp.inventory) == gpu for d in a.device_ids)}
+        return tuple(sorted(pods))
 
     def _remember(self, view: NodeView) -> NodeView:
         if self._latest is None or not self._latest.resource_version or _rv_newer(view, self._latest):

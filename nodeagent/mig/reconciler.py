@@ -4,9 +4,15 @@ The own Node's ``nvidia.com/mig.config`` names the wanted config. On start and o
 value (or of the annotation ``nodeagent.io/mig.config.generation``, which re-applies the same value):
 
     nvidia.com/mig.config.state=pending
-    → the device-plugin resources of the GPUs that change are withdrawn (the plugin process stays)
+    → the device-plugin resources of the GPUs that change are withdrawn (the plugin process stays; the
+      other GPUs' devices stay listed and keep serving their pods)
+    → wait, at most ``release_timeout_s``, until the kubelet's PodResources shows none of the withdrawn
+      GPUs' devices held by a pod (no drain of the node)
     → apply (apply.py) → rediscover → resources re-advertised
     → state=success, or state=failed with the reason in a Warning Event on the Node.
+
+A GPU still held by a pod when the wait ends is never touched: the state is ``failed``, the Warning Event
+names the pods holding it, and its devices are advertised again as they were.
 
 Every path ends in ``success`` or ``failed`` within bounded waits — except a mode change that needs a
 host reboot, which ends in ``rebooting``. With ``with_reboot`` the agent then reboots the host; after the
@@ -71,6 +77,15 @@ class NodeApi(Protocol):
     def updates(self, **kwargs: Any) -> AsyncIterator[Any]: ...
 
 
+class GpuHolders(Protocol):
+    """Which pods hold devices of some GPUs, as the kubelet's PodResources API tells it."""
+
+    async def __call__(self, gpu_indices: frozenset[int]) -> Mapping[int, tuple[str, ...]]:
+        """GPU index → ``namespace/name`` of every pod holding one of its devices (GPUs held by no pod are
+        absent). Raises ``NodeAgentError`` when that cannot be known (the kubelet does not answer)."""
+        ...
+
+
 class ResourcePublisher(Protocol):
     """What the reconciler needs of the device-plugin service."""
 
@@ -91,6 +106,9 @@ class MigReconcilerOptions:
     apply_timeout_s: float = 600.0  # upper bound for one apply (NVML + hooks)
     kube_timeout_s: float = 30.0  # upper bound for one Kubernetes call
     publish_timeout_s: float = 30.0  # upper bound for withdraw / re-advertise
+    # upper bound for the pods holding a GPU that must change to let it go (``mig.release_timeout``)
+    release_timeout_s: float = 300.0
+    release_poll_s: float = 1.0  # how often PodResources is asked during that wait
 
 
 def _key(view: NodeViewLike) -> tuple[str, str] | None:
@@ -119,6 +137,8 @@ class MigReconciler:
         on_inventory: Callable[[Inventory], Awaitable[None]] | None = None,
         on_result: Callable[[str, float], None] | None = None,
         pod_name: Callable[[str], str | None] | None = None,
+        holders: GpuHolders | None = None,
+        on_state: Callable[[str], None] | None = None,
     ) -> None:
         self.node = node
         self.adapter = adapter
@@ -132,6 +152,9 @@ class MigReconciler:
         self.on_result = on_result  # (state written, seconds taken) after each reconcile, e.g. for metrics
         # pod UID → "namespace/name" for busy-GPU refusals (blocking; called in a worker thread)
         self.pod_name = pod_name
+        # the pods holding withdrawn GPUs (None: nothing known to wait for; the NVML busy check remains)
+        self.holders = holders
+        self.on_state = on_state  # every state label value, before it is written (e.g. Node conditions)
         self.last_key: tuple[str, str] | None = None
         self.last_state: str | None = None
         self.last_plan: Plan | None = None
@@ -271,6 +294,7 @@ class MigReconciler:
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
         try:
+            await self._wait_released(name, frozenset(touched))
             await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
                                    self.options.apply_timeout_s)
         except TimeoutError as e:
@@ -284,6 +308,33 @@ class MigReconciler:
         changed = ", ".join(g.describe() for g in the_plan.touched)
         return SUCCESS, f"MIG config {name} applied: {changed}"[:1000]
 
+    async def _wait_released(self, name: str, gpus: frozenset[int]) -> None:
+        """Wait until no pod holds a device of ``gpus`` (already withdrawn: the kubelet hands none of them
+        out again), at most ``release_timeout_s``; then raise ``OperationError`` naming the holders."""
+        if self.holders is None or not gpus:
+            return
+        deadline = time.monotonic() + self.options.release_timeout_s
+        announced = False
+        while True:
+            try:
+                held = {g: pods for g, pods in (await self.holders(gpus)).items() if pods and g in gpus}
+                unknown = ""
+            except NodeAgentError as e:
+                held, unknown = {}, str(e)
+            if not held and not unknown:
+                return
+            what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
+            if time.monotonic() >= deadline:
+                raise OperationError(
+                    f"{what} after waiting {self.options.release_timeout_s:g}s for the GPU(s) to be released; "
+                    "nothing was changed", subject=CONFIG_LABEL)
+            if not announced:
+                announced = True
+                await self._event("MigWaitingForPods",
+                                  f"MIG config {name} waits up to {self.options.release_timeout_s:g}s: {what}"
+                                  [:1000], "Normal")
+            await asyncio.sleep(min(self.options.release_poll_s, max(0.0, deadline - time.monotonic())))
+
     async def _publish(self, inventory: Inventory) -> None:
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.update(inventory), self.options.publish_timeout_s)
@@ -294,6 +345,11 @@ class MigReconciler:
 
     async def _set_state(self, state: str) -> None:
         self.last_state = state
+        if self.on_state is not None:
+            try:
+                self.on_state(state)
+            except Exception:
+                log.exception("mig: state callback failed")
         await self._kube(lambda: self.node.apatch_labels({STATE_LABEL: state}), f"set {STATE_LABEL}={state}")
 
     async def _event(self, reason: str, message: str, type_: str) -> None:
@@ -313,6 +369,15 @@ class MigReconciler:
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def _describe_holders(held: Mapping[int, tuple[str, ...]]) -> str:
+    """``GPU 0 is held by pods ml/a, ml/b; GPU 3 is held by pod x/y`` (one line)."""
+    parts = []
+    for gpu in sorted(held):
+        pods = held[gpu]
+        parts.append(f"GPU {gpu} is held by pod{'s' if len(pods) > 1 else ''} {', '.join(pods)}")
+    return "; ".join(parts)
 
 
 def read_boot_id(proc_root: Path) -> str:

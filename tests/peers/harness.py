@@ -88,6 +88,16 @@ class Update:
     resource: Resource
 
 
+@dataclass(frozen=True)
+class PodHealth:
+    """``containers``: container → resource → device ID → ``Healthy``/``Unhealthy`` (the pod status'
+    ``allocatedResourcesStatus``); ``updates``: how many times the manager asked for this pod's status to be
+    synced after a device health change."""
+
+    containers: dict[str, dict[str, dict[str, str]]]
+    updates: int
+
+
 @dataclass
 class KubeletHarness:
     """A running harness. ``plugin_dir`` is where plugins find ``kubelet.sock`` and put their sockets."""
@@ -178,6 +188,14 @@ class KubeletHarness:
                       available=available or [], must_include=must_include or [], size=size)
         response: dict[str, Any] = r["response"] or {}
         return response
+
+    def pod_health(self, pod_uid: str) -> PodHealth:
+        """The device manager's ``UpdateAllocatedResourcesStatus`` for the pod (the ResourceHealthStatus
+        gate is on): what the kubelet would write as each container's ``allocatedResourcesStatus``."""
+        r = self.call("pod_health", pod_uid=pod_uid)
+        containers = {c: {res: dict(devs) for res, devs in (by_res or {}).items()}
+                      for c, by_res in (r["containers"] or {}).items()}
+        return PodHealth(containers, int(r["updates"]))
 
     def log_tail(self, lines: int = 40) -> str:
         return tail(self.workdir / "harness.log", lines)

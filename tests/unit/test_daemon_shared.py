@@ -47,6 +47,9 @@ class FakePlugin(Component):
     async def update(self, inventory: Inventory) -> None:
         self.updates += 1
 
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        return {(f"nvidia.com/{self.tag}", f"GPU-{i}"): i for i in gpu_indices}
+
     async def start(self, ctx: Context) -> None:
         self._ctx = ctx
         ctx.shared.device_plugin.attach(self)
@@ -136,6 +139,9 @@ async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertise
 
         async def update(self, inventory: Inventory) -> None:
             order.append("advertise")
+
+        def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+            return {}
 
     async def refresh(inventory: Inventory) -> None:
         order.append("cdi")

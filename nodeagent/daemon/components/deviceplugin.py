@@ -96,6 +96,9 @@ class DevicePluginComponent(Component):
     async def withdraw(self, gpu_indices: set[int]) -> None:
         await self.service.withdraw(gpu_indices)
 
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        return self.service.device_gpus(gpu_indices)
+
     async def _watch_registration(self) -> None:
         while True:
             self._changed.clear()

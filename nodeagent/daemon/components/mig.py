@@ -32,14 +32,7 @@ class MigComponent(Component):
         from nodeagent.kube.node import NodeClient
         from nodeagent.kube.podnames import CHECKPOINT_NAME, PodNameLookup
         from nodeagent.kube.podresources import PodResourcesClient
-        from nodeagent.mig.reconciler import (
-            PENDING,
-            REBOOTING,
-            STATE_LABEL,
-            MigReconciler,
-            MigReconcilerOptions,
-            read_boot_id,
-        )
+        from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
 
         cfg = ctx.config.mig
         sources = ctx.files.mig  # the MIG config and hooks as validated with the config (start / SIGHUP)
@@ -50,31 +43,52 @@ class MigComponent(Component):
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
         self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
-        reconciler_node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
-        patch_labels = reconciler_node.apatch_labels
+        link = ctx.shared.device_plugin
 
-        async def apatch_labels(changes: Mapping[str, str | None]) -> Any:
-            # pending/rebooting reach the Node conditions as the reconciler writes them (results: on_result)
-            if changes.get(STATE_LABEL) in (PENDING, REBOOTING):
-                self._report(str(changes[STATE_LABEL]))
-            return await patch_labels(changes)
+        async def holders(gpu_indices: frozenset[int]) -> Mapping[int, tuple[str, ...]]:
+            return await self._holders(link.device_gpus(gpu_indices))
 
-        reconciler_node.apatch_labels = apatch_labels  # type: ignore[method-assign]
         self.reconciler = MigReconciler(
-            reconciler_node,
+            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
             ctx.gpu,
             ctx.paths.mig_state_dir,
             publisher=ctx.shared.advertiser,
-            options=MigReconcilerOptions(sources=sources, with_reboot=cfg.with_reboot),
+            options=MigReconcilerOptions(sources=sources, with_reboot=cfg.with_reboot,
+                                         release_timeout_s=cfg.release_timeout),
             reboot=reboot_host,
             boot_id=lambda: read_boot_id(proc),
             proc_root=proc,
             on_inventory=self._after_apply,
             on_result=self._on_result,
             pod_name=PodNameLookup(checkpoint, self.pod_resources.list),
+            holders=holders,
+            on_state=self._on_state,
         )
         self._ctx = ctx
+        self._no_kubelet_logged = False
         self._task: asyncio.Task[Any] | None = None
+
+    def _on_state(self, state: str) -> None:
+        """pending/rebooting reach the Node conditions as the reconciler writes them (results: on_result)."""
+        if state in ("pending", "rebooting"):
+            self._report(state)
+
+    async def _holders(self, device_gpus: Mapping[tuple[str, str], int]) -> Mapping[int, tuple[str, ...]]:
+        """The pods the kubelet's PodResources shows holding these devices, by GPU. No PodResources socket
+        at all means no kubelet to ask (logged once): nothing to wait for; a socket that does not answer
+        raises, and the reconciler keeps asking until its timeout."""
+        from nodeagent.kube.podresources import holders_by_gpu
+
+        if not device_gpus:
+            return {}
+        if not self.pod_resources.socket_path.exists():
+            if not self._no_kubelet_logged:
+                self._no_kubelet_logged = True
+                log.warning("mig: no kubelet PodResources socket at %s: GPUs are changed without asking which "
+                            "pods hold them (the NVML busy check still applies)", self.pod_resources.socket_path)
+            return {}
+        assignments = await asyncio.to_thread(self.pod_resources.list)
+        return holders_by_gpu(assignments, device_gpus)
 
     def _on_result(self, state: str, seconds: float) -> None:
         """After each reconcile: counted into ``ctx.shared.metrics``, reported (state, config name, error)

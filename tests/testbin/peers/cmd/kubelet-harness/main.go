@@ -17,7 +17,13 @@
 //	{"cmd": "updates", "resource": R, "since": SEQ}
 //	{"cmd": "plugin", "socket": NAME, "method": M, "devices": [...], "available": [...],
 //	 "must_include": [...], "size": N}
+//	{"cmd": "pod_health", "pod_uid": U}
 //	{"cmd": "quit"}
+//
+// The kubelet's ResourceHealthStatus feature gate is on: "pod_health" answers what the manager's
+// UpdateAllocatedResourcesStatus writes into the pod's container statuses (allocatedResourcesStatus: per
+// container, per resource, each allocated device Healthy/Unhealthy), plus how many times the manager asked
+// (on its Updates channel, as it asks the kubelet) for that pod's status to be synced after a health change.
 //
 // Answers carry "ok"; failures carry "error" and, for gRPC failures of the plugin, "code" (the gRPC
 // status code name) and "message". See tests/peers/harness.py for the typed Python client.
@@ -52,6 +58,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 	podresourcesv1 "k8s.io/kubelet/pkg/apis/podresources/v1"
@@ -86,6 +93,9 @@ func main() {
 
 	if err := mountKubeletDir(*dir); err != nil {
 		fatal(err.Error())
+	}
+	if err := utilfeature.DefaultMutableFeatureGate.Set("ResourceHealthStatus=true"); err != nil {
+		fatal("enabling the ResourceHealthStatus feature gate: " + err.Error())
 	}
 	h := newHarness(*dir)
 	if err := h.startManager(); err != nil {
@@ -197,10 +207,13 @@ type harness struct {
 	state   map[string]resourceState
 	updates []update
 	stopped bool
+	// pod UID → how many health updates the manager sent for it on its Updates channel
+	healthUpdates map[string]int
 }
 
 func newHarness(dir string) *harness {
-	h := &harness{dir: dir, pods: map[string]*podEntry{}, state: map[string]resourceState{}}
+	h := &harness{dir: dir, pods: map[string]*podEntry{}, state: map[string]resourceState{},
+		healthUpdates: map[string]int{}}
 	h.changed = sync.NewCond(&h.mu)
 	return h
 }
@@ -238,7 +251,66 @@ func (h *harness) startManager() error {
 	h.mu.Lock()
 	h.manager = m
 	h.mu.Unlock()
+	go h.drainHealthUpdates(m)
 	return nil
+}
+
+// drainHealthUpdates reads the manager's Updates channel the way the kubelet's sync loop does (a full
+// channel drops updates), counting the pods it names. It ends when the manager is replaced or stopped.
+func (h *harness) drainHealthUpdates(m *devicemanager.ManagerImpl) {
+	for {
+		select {
+		case u, ok := <-m.Updates():
+			if !ok {
+				return
+			}
+			h.mu.Lock()
+			for _, uid := range u.PodUIDs {
+				h.healthUpdates[uid]++
+			}
+			h.changed.Broadcast()
+			h.mu.Unlock()
+		case <-time.After(100 * time.Millisecond):
+			if h.currentManager() != m {
+				return
+			}
+		}
+	}
+}
+
+// podHealth builds the pod's status as the kubelet does before generating it (one container status per
+// container of the spec) and lets the manager fill in allocatedResourcesStatus.
+func (h *harness) podHealth(req *request) reply {
+	h.mu.Lock()
+	entry, ok := h.pods[req.PodUID]
+	var pod *v1.Pod
+	if ok {
+		pod = entry.pod.DeepCopy()
+	}
+	updates := h.healthUpdates[req.PodUID]
+	m := h.manager
+	h.mu.Unlock()
+	if !ok {
+		return reply{"ok": false, "error": fmt.Sprintf("no pod with uid %q", req.PodUID)}
+	}
+	podStatus := &v1.PodStatus{}
+	for _, c := range pod.Spec.Containers {
+		podStatus.ContainerStatuses = append(podStatus.ContainerStatuses, v1.ContainerStatus{Name: c.Name})
+	}
+	m.UpdateAllocatedResourcesStatus(pod, podStatus)
+	containers := map[string]any{}
+	for _, cs := range podStatus.ContainerStatuses {
+		resources := map[string]map[string]string{}
+		for _, rs := range cs.AllocatedResourcesStatus {
+			devices := map[string]string{}
+			for _, r := range rs.Resources {
+				devices[string(r.ResourceID)] = string(r.Health)
+			}
+			resources[string(rs.Name)] = devices
+		}
+		containers[cs.Name] = resources
+	}
+	return reply{"ok": true, "containers": containers, "updates": updates}
 }
 
 func (h *harness) shutdown() {
@@ -456,6 +528,8 @@ func (h *harness) handle(req *request) reply {
 		return h.listUpdates(req)
 	case "plugin":
 		return h.pluginCall(req)
+	case "pod_health":
+		return h.podHealth(req)
 	case "quit":
 		return reply{"ok": true}
 	default:
