@@ -141,18 +141,55 @@ class CdiLink:
 class Advertiser:
     """What the MIG reconciler advertises through: the CDI spec is written first, so every device name
     the device plugin then hands out resolves; withdrawing needs no spec change (stale names resolve to
-    nothing the kubelet can still ask for)."""
+    nothing the kubelet can still ask for). The DRA plane, when one runs, withdraws the same GPUs from
+    its ResourceSlices and lists the new layout after the device plugin."""
 
-    def __init__(self, cdi: CdiLink, plugin: DevicePluginLink) -> None:
+    def __init__(self, cdi: CdiLink, plugin: DevicePluginLink, dra: DraLink | None = None) -> None:
         self._cdi = cdi
         self._plugin = plugin
+        self._dra = dra
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         await self._plugin.withdraw(gpu_indices)
+        if self._dra is not None:
+            await self._dra.withdraw(gpu_indices)
 
     async def update(self, inventory: Inventory) -> None:
         await self._cdi.refresh(inventory)
         await self._plugin.update(inventory)
+        if self._dra is not None:
+            await self._dra.update(inventory)
+
+
+class DraPool(Protocol):
+    """What the MIG reconciler needs of the DRA plane: leave GPUs out of the ResourceSlices, and list
+    them again (the new layout) with the next inventory."""
+
+    async def withdraw(self, gpu_indices: set[int]) -> None: ...
+
+    async def update(self, inventory: Inventory) -> None: ...
+
+
+class DraLink:
+    """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops."""
+
+    def __init__(self) -> None:
+        self._pool: DraPool | None = None
+
+    def attach(self, pool: DraPool) -> None:
+        self._pool = pool
+
+    def detach(self, pool: DraPool) -> None:
+        if self._pool is pool:
+            self._pool = None
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        if self._pool is not None:
+            await self._pool.withdraw(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        if self._pool is not None:
+            await self._pool.update(inventory)
 
 
 class HealthSink(Protocol):
@@ -195,11 +232,12 @@ class Shared:
     metrics: MetricsLink = field(default_factory=MetricsLink)
     health: HealthLink = field(default_factory=HealthLink)
     cdi: CdiLink = field(default_factory=CdiLink)
+    dra: DraLink = field(default_factory=DraLink)
     conditions: ConditionInputs = field(default_factory=lambda: ConditionInputs())
 
     @property
     def advertiser(self) -> Advertiser:
-        return Advertiser(self.cdi, self.device_plugin)
+        return Advertiser(self.cdi, self.device_plugin, self.dra)
 
 
 class ConditionInputs:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from nodeagent.dra import DRIVER_NAME
@@ -86,6 +86,7 @@ class DraComponent:
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
         self._unhealthy: dict[HealthKey, str] = {}
+        self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until the next inventory
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -136,7 +137,14 @@ class DraComponent:
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:
             self.monitor.set_gpus(g.index for g in inventory.gpus)
+        self._withdrawn = frozenset()
         await self._set_inventory(inventory)
+
+    async def withdraw(self, gpu_indices: Iterable[int]) -> None:
+        """Leave these GPUs' devices out of the ResourceSlices (a MIG change on them) until the next
+        ``on_inventory``; claims already prepared on them stay answered."""
+        self._withdrawn = self._withdrawn | frozenset(gpu_indices)
+        await self._refresh()
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
         """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""
@@ -146,7 +154,7 @@ class DraComponent:
     async def _refresh(self) -> None:
         bad = unhealthy_devices(self.devices, self._unhealthy)
         await self.feed.update([d.name for d in self.devices], bad)
-        self._wanted = pool_content(self.devices, bad)
+        self._wanted = pool_content([d for d in self.devices if d.gpu_index not in self._withdrawn], bad)
         if self._wanted != self._published:
             self._dirty.set()
 

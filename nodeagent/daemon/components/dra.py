@@ -69,6 +69,7 @@ class DraPlaneComponent(Component):
         self._started = True
         if self._plane == "both":
             await self._ctx.shared.health.attach(self)
+        self._ctx.shared.dra.attach(self)
         gpus = sorted({d.gpu_index for d in self.dra.devices})
         log.info("DRA driver gpu.nodeagent.io serves %d device(s) on GPU(s) %s", len(self.dra.devices),
                  ", ".join(map(str, gpus)) or "none")
@@ -85,6 +86,13 @@ class DraPlaneComponent(Component):
         await self.dra.on_inventory(inventory)
         self._ctx.set_status(self.name, f"{len(self.dra.devices)} device(s)")
 
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        if self._started:
+            await self.dra.withdraw(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        await self.on_inventory(inventory)
+
     async def resync(self) -> None:
         if self._started:
             self.dra.reverify()
@@ -98,6 +106,7 @@ class DraPlaneComponent(Component):
 
     async def stop(self) -> None:
         self._ctx.shared.health.detach(self)
+        self._ctx.shared.dra.detach(self)
         withdraw = self._plane_goes_away()
         await self.dra.stop(withdraw_slices=withdraw)
         if withdraw:

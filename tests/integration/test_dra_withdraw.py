@@ -1,0 +1,58 @@
+"""A MIG change on some GPUs of a DRA node (real kube-apiserver, resource.k8s.io/v1): their devices leave
+the node's ResourceSlices at once, the other GPUs' devices stay, and the next inventory lists them again."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from nodeagent.daemon.shared import Shared
+from nodeagent.dra.component import DraComponent
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient
+from tests.integration.test_dra_slices import slices_of
+from tests.unit._dp_inventories import nvswitch_box
+
+pytestmark = pytest.mark.peers
+
+
+def listed(kube: KubeClient, node: str) -> list[str]:
+    return sorted(d["name"] for s in slices_of(kube, node) for d in s["spec"]["devices"])
+
+
+async def test_withdrawn_gpus_leave_the_slices_until_the_next_inventory(kube: KubeClient, node_name: str) -> None:
+    root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, verify_interval_s=60)
+    inv = nvswitch_box(3)
+
+    class Plane:  # what the daemon's DRA component hands the link
+        async def withdraw(self, gpu_indices: set[int]) -> None:
+            await dra.withdraw(gpu_indices)
+
+        async def update(self, inventory: Inventory) -> None:
+            await dra.on_inventory(inventory)
+
+    shared = Shared()
+    plane = Plane()
+    shared.dra.attach(plane)
+    try:
+        await dra.start(inv)
+        assert await dra.wait_published() == 1
+        await shared.advertiser.withdraw({1})  # through the link the MIG reconciler uses
+        assert await dra.wait_published() == 2
+        assert listed(kube, node_name) == ["gpu-0", "gpu-2"]
+        await shared.advertiser.withdraw({1})  # again: nothing more to write
+        assert await dra.wait_published() == 2
+        await shared.advertiser.update(inv)
+        assert await dra.wait_published() == 3
+        assert listed(kube, node_name) == ["gpu-0", "gpu-1", "gpu-2"]
+        shared.dra.detach(plane)
+        await shared.advertiser.withdraw({0})  # no DRA plane attached: nothing happens
+        assert listed(kube, node_name) == ["gpu-0", "gpu-1", "gpu-2"]
+    finally:
+        await dra.stop()
+        shutil.rmtree(root, ignore_errors=True)
