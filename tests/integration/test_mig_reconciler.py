@@ -394,3 +394,61 @@ async def test_touched_gpus_withdrawn_at_kubelet_untouched_keep_serving(
     assert all(untouched <= {d.id for d in r.devices} for r in seen)  # the untouched GPUs never left
     assert {d.id for d in seen[0].devices} == untouched  # the first change is the withdrawal of GPUs 0-3
     assert len(mig.devices) == 8
+
+
+async def test_waits_for_the_pods_holding_a_changing_gpu_then_applies(node: NodeClient, tmp_path: Path) -> None:
+    """Holders seen twice, then gone: one MigWaitingForPods Event naming them, then the apply; the state
+    hook saw every value the label got."""
+    adapter, _ = sim("dgx-a100-40gb")
+    pub = RecordingPublisher()
+    asked: list[frozenset[int]] = []
+
+    async def holders(gpu_indices: frozenset[int]) -> dict[int, tuple[str, ...]]:
+        asked.append(gpu_indices)
+        # GPU 9 is not one of the changing GPUs: never waited for
+        return {0: ("ml/a", "ml/b"), 9: ("x/y",)} if len(asked) <= 2 else {9: ("x/y",)}
+
+    states: list[str] = []
+    node.patch_labels({CONFIG_LABEL: "all-balanced"})
+    rec = MigReconciler(node, adapter, tmp_path, publisher=pub, holders=holders, on_state=states.append,
+                        options=MigReconcilerOptions(release_timeout_s=30, release_poll_s=0.05))
+    assert await run_until_terminal(rec, node) == "success"
+    assert states == ["pending", "success"]
+    assert asked == [frozenset(range(8))] * 3
+    assert pub.calls[0] == ("withdraw", list(range(8)))  # withdrawn before the first question
+    waiting = [e for e in events(node) if e[0] == "MigWaitingForPods"]
+    assert waiting == [("MigWaitingForPods", "Normal",
+                        "MIG config all-balanced waits up to 30s: GPU 0 is held by pods ml/a, ml/b")]
+    assert all(v for v in layout(adapter).values())
+
+
+async def test_pods_never_let_go_or_kubelet_silent_ends_failed_and_changes_nothing(
+    node: NodeClient, tmp_path: Path
+) -> None:
+    from nodeagent.errors import KubeletError
+
+    adapter, _ = sim("dgx-a100-40gb")
+    before = layout(adapter)
+    for attempt, answer in enumerate(("held", "silent")):
+        pub = RecordingPublisher()
+
+        async def holders(gpu_indices: frozenset[int], answer: str = answer) -> dict[int, tuple[str, ...]]:
+            if answer == "silent":
+                raise KubeletError("PodResources List on /k.sock failed: UNAVAILABLE", subject="/k.sock")
+            return {3: ("ml/train",)}
+
+        node.patch_labels({CONFIG_LABEL: "all-balanced"})
+        node.patch_metadata(annotations={GENERATION_ANNOTATION: str(attempt)})
+        rec = MigReconciler(node, adapter, tmp_path, publisher=pub, holders=holders,
+                            options=MigReconcilerOptions(release_timeout_s=0.3, release_poll_s=0.05))
+        assert await run_until_terminal(rec, node) == "failed"
+        assert layout(adapter) == before  # nothing applied, nothing reset
+        assert pub.calls[0] == ("withdraw", list(range(8)))
+        assert pub.calls[-1] == ("update", 0)  # advertised again as they were
+    failed = sorted(e[2] for e in events(node) if e[0] == "MigConfigFailed")
+    assert failed == [
+        "MIG config 'all-balanced' failed: GPU 3 is held by pod ml/train after waiting 0.3s for the GPU(s) to be "
+        "released; nothing was changed",
+        "MIG config 'all-balanced' failed: pod use unknown (PodResources List on /k.sock failed: UNAVAILABLE) "
+        "after waiting 0.3s for the GPU(s) to be released; nothing was changed",
+    ]

@@ -21,7 +21,7 @@ from tests.unit.test_daemon import notify as notify  # the fixture
 
 REPO = Path(__file__).resolve().parents[2]
 FLOAT_KEYS = [("", "resync_interval"), ("metrics", "interval"), ("health", "window"),
-              ("health", "poll_interval"), ("runtime", "check_interval")]
+              ("health", "poll_interval"), ("runtime", "check_interval"), ("mig", "release_timeout")]
 
 
 def toml(section: str, key: str, value: str) -> str:
