@@ -11,7 +11,8 @@ value (or of the annotation ``nodeagent.io/mig.config.generation``, which re-app
     → apply (apply.py) → rediscover → resources re-advertised
     → state=success, or state=failed with the reason in a Warning Event on the Node.
 
-A GPU still held by a pod when the wait ends is never touched: the state is ``failed``, the Warning Event
+Restoring the GPUs of an interrupted apply (below) waits for their pods the same way. A GPU still held
+by a pod when the wait ends is never touched: the state is ``failed``, the Warning Event
 names the pods holding it, and its devices are advertised again as they were.
 
 Every path ends in ``success`` or ``failed`` within bounded waits — except a mode change that needs a
@@ -256,6 +257,8 @@ class MigReconciler:
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.withdraw(gpus), self.options.publish_timeout_s)
         try:
+            # a pod given one of these GPUs' devices since (e.g. after a restart) keeps it untouched
+            await self._wait_released("restoring the GPUs of an interrupted MIG apply", frozenset(gpus))
             recovery = await asyncio.wait_for(
                 asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
         except TimeoutError as e:
@@ -294,7 +297,7 @@ class MigReconciler:
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
         try:
-            await self._wait_released(name, frozenset(touched))
+            await self._wait_released(f"MIG config {name}", frozenset(touched))
             await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
                                    self.options.apply_timeout_s)
         except TimeoutError as e:
@@ -308,7 +311,7 @@ class MigReconciler:
         changed = ", ".join(g.describe() for g in the_plan.touched)
         return SUCCESS, f"MIG config {name} applied: {changed}"[:1000]
 
-    async def _wait_released(self, name: str, gpus: frozenset[int]) -> None:
+    async def _wait_released(self, what_waits: str, gpus: frozenset[int]) -> None:
         """Wait until no pod holds a device of ``gpus`` (already withdrawn: the kubelet hands none of them
         out again), at most ``release_timeout_s``; then raise ``OperationError`` naming the holders."""
         if self.holders is None or not gpus:
@@ -331,8 +334,8 @@ class MigReconciler:
             if not announced:
                 announced = True
                 await self._event("MigWaitingForPods",
-                                  f"MIG config {name} waits up to {self.options.release_timeout_s:g}s: {what}"
-                                  [:1000], "Normal")
+                                  f"{what_waits} waits up to {self.options.release_timeout_s:g}s: {what}"[:1000],
+                                  "Normal")
             await asyncio.sleep(min(self.options.release_poll_s, max(0.0, deadline - time.monotonic())))
 
     async def _publish(self, inventory: Inventory) -> None:

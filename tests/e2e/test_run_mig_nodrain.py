@@ -195,7 +195,7 @@ def test_held_gpu_times_out_failed_naming_the_pod_and_nothing_changes(node: Node
     started = time.monotonic()
     node.request(f"gpu{held}-3g")
     # withdrawn at once: its device leaves the kubelet's list, the others stay; GPUReady stays True
-    node.harness.wait(GPU, total=len(others), timeout=10)
+    node.harness.wait(GPU, total=len(others), timeout=20)
     assert node.listed() == others
     assert node.state() == "pending"
     eventually(lambda: node.condition(MIG_CONFIGURED)[:2] == ("False", "MigConfigPending"), 10,
@@ -226,7 +226,10 @@ def test_pod_released_within_the_timeout_then_applied(node: Node) -> None:
     uid, held = node.hold("brief")
     inject_process(node.store, held, 4444, "python batch.py")
     node.request(f"gpu{held}-3g")
-    eventually(lambda: node.uuid(held) not in node.listed(), 10, "the held GPU withdrawn")
+    try:
+        eventually(lambda: node.uuid(held) not in node.listed(), 20, "the held GPU withdrawn")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; GPU {held}, state {node.state()}\n{node.agent.log()[-6000:]}") from e
     time.sleep(1.0)
     assert node.state() == "pending"
     assert node.gpu_state(held)["mig_current"] is False  # not touched while the pod holds it
