@@ -14,13 +14,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
     from nodeagent.kube.conditions import ConditionSnapshot, GpuHealthInput
+
+
+T = TypeVar("T")
 
 
 class ServedDevices(Protocol):
@@ -61,63 +64,58 @@ class DevicePluginSnapshot:
     health: Mapping[int, bool] = field(default_factory=dict)
 
 
-class DevicePluginLink:
-    """The device plugin as the other components see it (the MIG reconciler's ``ResourcePublisher``)."""
+class _Slot(Generic[T]):
+    """Holds the one attached object; detaching an object that is no longer the attached one does nothing
+    (a rebuilt component attached its successor first)."""
 
     def __init__(self) -> None:
-        self._plugin: ServedDevices | None = None
+        self._held: T | None = None
 
-    def attach(self, plugin: ServedDevices) -> None:
-        self._plugin = plugin
+    def attach(self, it: T) -> None:
+        self._held = it
 
-    def detach(self, plugin: ServedDevices) -> None:
-        if self._plugin is plugin:
-            self._plugin = None
+    def detach(self, it: T) -> None:
+        if self._held is it:
+            self._held = None
+
+
+class DevicePluginLink(_Slot[ServedDevices]):
+    """The device plugin as the other components see it (the MIG reconciler's ``ResourcePublisher``)."""
 
     def snapshot(self) -> DevicePluginSnapshot:
-        p = self._plugin
+        p = self._held
         if p is None:
             return DevicePluginSnapshot()
         return DevicePluginSnapshot(tuple(p.served()), p.plugin_config, p.health())
 
     def health(self) -> dict[int, bool]:
-        return self._plugin.health() if self._plugin is not None else {}
+        return self._held.health() if self._held is not None else {}
 
     def last_xids(self) -> dict[int, int]:
-        return self._plugin.last_xids() if self._plugin is not None else {}
+        return self._held.last_xids() if self._held is not None else {}
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
-        if self._plugin is not None:
-            await self._plugin.withdraw(gpu_indices)
+        if self._held is not None:
+            await self._held.withdraw(gpu_indices)
 
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
-        return self._plugin.device_gpus(gpu_indices) if self._plugin is not None else {}
+        return self._held.device_gpus(gpu_indices) if self._held is not None else {}
 
     async def update(self, inventory: Inventory) -> None:
-        if self._plugin is not None:
-            await self._plugin.update(inventory)
+        if self._held is not None:
+            await self._held.update(inventory)
 
 
-class MetricsLink:
+class MetricsLink(_Slot[MetricsSink]):
     """The running metrics registry; what happens while none runs is not counted."""
 
-    def __init__(self) -> None:
-        self._sink: MetricsSink | None = None
-
-    def attach(self, sink: MetricsSink) -> None:
-        self._sink = sink
-
-    def detach(self, sink: MetricsSink) -> None:
-        if self._sink is sink:
-            self._sink = None
-
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
-        if self._sink is not None:
-            self._sink.observe_reconcile(component, result, seconds)
+        if self._held is not None:
+            self._held.observe_reconcile(component, result, seconds)
 
     def count_publish(self, result: Any) -> None:
-        if self._sink is not None:
-            self._sink.count_publish(result)
+        if self._held is not None:
+            self._held.count_publish(result)
 
 
 class CdiLink:
@@ -170,26 +168,16 @@ class DraPool(Protocol):
     async def update(self, inventory: Inventory) -> None: ...
 
 
-class DraLink:
+class DraLink(_Slot[DraPool]):
     """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops."""
 
-    def __init__(self) -> None:
-        self._pool: DraPool | None = None
-
-    def attach(self, pool: DraPool) -> None:
-        self._pool = pool
-
-    def detach(self, pool: DraPool) -> None:
-        if self._pool is pool:
-            self._pool = None
-
     async def withdraw(self, gpu_indices: set[int]) -> None:
-        if self._pool is not None:
-            await self._pool.withdraw(gpu_indices)
+        if self._held is not None:
+            await self._held.withdraw(gpu_indices)
 
     async def update(self, inventory: Inventory) -> None:
-        if self._pool is not None:
-            await self._pool.update(inventory)
+        if self._held is not None:
+            await self._held.update(inventory)
 
 
 class HealthSink(Protocol):
