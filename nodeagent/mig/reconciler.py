@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import MigAdapter, MigStateFile, Recovery
+from nodeagent.mig.apply import MigAdapter, MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
 from nodeagent.mig.planner import Plan
 
@@ -328,15 +328,31 @@ class MigReconciler:
                 return
             what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
             if time.monotonic() >= deadline:
+                running = await asyncio.to_thread(self._running, sorted(held) or sorted(gpus))
                 raise OperationError(
-                    f"{what} after waiting {self.options.release_timeout_s:g}s for the GPU(s) to be released; "
-                    "nothing was changed", subject=CONFIG_LABEL)
+                    f"{what} after waiting {self.options.release_timeout_s:g}s for the GPU(s) to be released"
+                    + (f" (processes: {running})" if running else "") + "; nothing was changed",
+                    subject=CONFIG_LABEL)
             if not announced:
                 announced = True
                 await self._event("MigWaitingForPods",
                                   f"{what_waits} waits up to {self.options.release_timeout_s:g}s: {what}"[:1000],
                                   "Normal")
             await asyncio.sleep(min(self.options.release_poll_s, max(0.0, deadline - time.monotonic())))
+
+    def _running(self, gpus: list[int]) -> str:
+        """``GPU 1: pid 42 (python train.py) in pod ml/a (uid …) | GPU 3: …``: the processes NVML shows on
+        these GPUs ("" for none). Blocking (/proc and the pod-name lookup)."""
+        out = []
+        for index in gpus:
+            try:
+                procs = self.adapter.processes(index)
+            except NodeAgentError:
+                continue
+            if procs:
+                out.append(f"GPU {index}: "
+                           + "; ".join(describe_process(p, self.proc_root, self.pod_name) for p in procs))
+        return " | ".join(out)
 
     async def _publish(self, inventory: Inventory) -> None:
         if self.publisher is not None:

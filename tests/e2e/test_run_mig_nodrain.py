@@ -209,6 +209,7 @@ def test_held_gpu_times_out_failed_naming_the_pod_and_nothing_changes(node: Node
     assert event["type"] == "Warning"
     message = event["message"]
     assert f"GPU {held} is held by pod ml/hold" in message and "nothing was changed" in message, message
+    assert f"(processes: GPU {held}: pid 4343 (python serve.py))" in message, message  # NVML's view too
     eventually(lambda: node.condition(MIG_CONFIGURED)[:2] == ("False", "MigConfigFailed"), 10,
                "MIGConfigured MigConfigFailed")
     assert "ml/hold" in node.condition(MIG_CONFIGURED)[2]

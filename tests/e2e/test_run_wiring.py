@@ -48,6 +48,7 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 300.0\n'
                    "[runtime]\nenabled = false\n[metrics]\ninterval = 1.0\n"
+                   "[mig]\nrelease_timeout = 0\n"  # a GPU a pod holds: refused at once, naming the process
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
     try:
@@ -79,6 +80,7 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
             assert status == 200, body
             (refusal,) = eventually(lambda: [e for e in events(kube_apiserver, node) if e[0] == "MigConfigFailed"],
                                     30, "MigConfigFailed event")
+            assert f"GPU {busy} is held by pod ml/train-0 after waiting 0s" in refusal[2], refusal
             assert f"GPU {busy}: pid 4242 (python train.py) in pod ml/train-0 (uid {POD_UID})" in refusal[2], refusal
 
             # a health change with the periodic resync 5 minutes away: Event and GPU object state come at once
