@@ -6,6 +6,8 @@ allocates a device from the ResourceSlices nodeagent's DRA component publishes f
 binds the pod there, then the kubelet's DRA manager (tests/testbin/dra-harness; the driver registered
 through its plugin watcher) prepares the claim. The CDI IDs it returns must resolve, with the CDI
 reference library (cdi-check), in the per-claim spec nodeagent wrote; unprepare removes the spec.
+A driver process killed (-9) inside NodePrepareResources is cleaned up by its restart and the kubelet's
+retry prepares the claim.
 """
 
 from __future__ import annotations
@@ -292,3 +294,124 @@ def test_unchanged_nvidia_gpu_pod_is_served_through_the_extended_resource_class(
     mappings = got.pod_status["extendedResourceClaimStatus"]["requestMappings"]
     assert [(m["containerName"], m["resourceName"]) for m in mappings] == [("main", "nvidia.com/gpu")], mappings
     assert got.claim["metadata"]["name"] == got.pod_status["extendedResourceClaimStatus"]["resourceClaimName"]
+
+
+AGENT_CHILD = """
+import asyncio, os, signal, sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from nodeagent.dra.checkpoint import Checkpoint
+from nodeagent.dra.component import DraComponent
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient, connect
+from tests.integration.test_dra_scheduling import INVENTORY
+
+if {kill!r}:
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9 after the claim's CDI spec, before its record
+    Checkpoint.put = killed
+
+async def main():
+    dra = DraComponent(paths=HostPaths(Path({root!r})), kube=KubeClient(connect(Path({kubeconfig!r}))),
+                       node_name={node!r}, verify_interval_s=0.5)
+    await dra.start(INVENTORY)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster: Cluster) -> None:
+    """The DRA driver process dies (kill -9) inside NodePrepareResources of a scheduler-allocated claim;
+    the restarted agent cleans up what was half done and the kubelet's retry prepares the claim."""
+    import subprocess
+    import sys
+
+    from nodeagent.dra.component import CHECKPOINT_NAME
+    from tests.peers._proc import stop_process
+    from tests.peers.draharness import DraHarnessError
+
+    node = "dra-sched-kill"
+    repo = str(Path(__file__).resolve().parents[2])
+    root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    simhost.materialise(HostPaths(root), INVENTORY)
+    kubeconfig = cluster.plane.apiserver.kubeconfig
+    agents: list[subprocess.Popen[str]] = []
+
+    def agent(kill: bool) -> subprocess.Popen[str]:
+        code = AGENT_CHILD.format(repo=repo, kill=kill, root=str(root), kubeconfig=str(kubeconfig), node=node)
+        log = root / f"agent-{len(agents)}.log"
+        with log.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True,
+                                    cwd=repo)
+        agents.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n", log.read_text()
+        return proc
+
+    cluster.kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": node, "labels": {"kubernetes.io/hostname": node}}})
+    try:
+        n = cluster.get(f"/api/v1/nodes/{node}")
+        n["status"] = cluster.get(f"/api/v1/nodes/{NODE}")["status"]
+        cluster.kube.request("PUT", f"/api/v1/nodes/{node}/status", body=n)
+        n = cluster.get(f"/api/v1/nodes/{node}")
+        n["spec"].pop("taints", None)
+        cluster.kube.request("PUT", f"/api/v1/nodes/{node}", body=n)
+        first = agent(kill=True)
+        registry = root / "var/lib/kubelet/plugins_registry"
+        with running_dra_harness(kubeconfig, registry, node, binary=cluster.release.dra_harness()) as h:
+            h.wait_registered(DRIVER_NAME)
+            wait_for(lambda: len(cluster.kube.list_resource_slices(field_selector=f"spec.nodeName={node}")), 30,
+                     "the second node's ResourceSlices", cluster)
+            claim_template(cluster.kube, "kill-gpu", "gpu.nodeagent.io")
+            body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kill-gpu"}, "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node}, "terminationGracePeriodSeconds": 0,
+                "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                                "resources": {"claims": [{"name": "gpu"}]}}],
+                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "kill-gpu"}]}}
+            pod = cluster.kube.request("POST", f"/api/v1/namespaces/{NS}/pods", body=body)
+            path = f"/api/v1/namespaces/{NS}/pods/kill-gpu"
+            bound = wait_for(lambda: (p := cluster.get(path))["spec"].get("nodeName") and p, 60, "pod scheduled",
+                             cluster)
+            assert bound["spec"]["nodeName"] == node
+            claim_name = bound["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+            claim = cluster.get(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims/{claim_name}")
+            claim_uid = claim["metadata"]["uid"]
+            [result] = claim["status"]["allocation"]["devices"]["results"]
+            hpod = Pod(NS, "kill-gpu", pod["metadata"]["uid"], {claim_name: claim_name}, {"main": [claim_name]})
+            spec_file = root / "var/run/cdi" / f"{DRIVER_NAME}-claim_{claim_uid}.json"
+
+            with pytest.raises(DraHarnessError):
+                h.prepare(hpod)
+            assert first.wait(10) == -9
+            assert spec_file.exists()  # half done: the spec was written, the record was not
+
+            second = agent(kill=False)
+            assert not spec_file.exists()  # the orphaned spec is gone before the driver registers again
+
+            def prepared() -> dict[str, list[str]] | None:
+                try:
+                    return h.prepare(hpod)
+                except DraHarnessError:  # the kubelet retries until the new registration is in use
+                    return None
+
+            cdi = wait_for(prepared, 30, "prepare after the restart", cluster)
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}"]}
+            checkpoint = (root / "var/lib/nodeagent" / CHECKPOINT_NAME).read_text()
+            assert claim_uid in checkpoint and spec_file.exists()
+            out = run_cdi_check([root / "var/run/cdi"], [cdi["main"]])
+            assert out["injections"][0]["unresolved"] == [] and not out["injections"][0].get("error")
+            h.unprepare(hpod)
+            assert not spec_file.exists()
+            stop_process(second)
+    finally:
+        for p in agents:
+            stop_process(p)
+            if p.stdout is not None:
+                p.stdout.close()
+        cluster.plane.apiserver.request("DELETE", f"/api/v1/namespaces/{NS}/pods/kill-gpu?gracePeriodSeconds=0")
+        for s in cluster.kube.list_resource_slices(field_selector=f"spec.nodeName={node}"):
+            cluster.kube.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
+        cluster.kube.request("DELETE", f"/api/v1/nodes/{node}")
+        shutil.rmtree(root, ignore_errors=True)
