@@ -16,11 +16,10 @@ import asyncio
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import yaml
@@ -30,6 +29,7 @@ from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.component import DraComponent
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient, connect
+from tests.e2e._agent import eventually
 from tests.peers.cdicheck import run_cdi_check
 from tests.peers.controlplane import RELEASES, ControlPlane, KubeRelease, running_control_plane
 from tests.peers.draharness import DraHarness, Pod, running_dra_harness
@@ -93,14 +93,11 @@ class Cluster:
 
 
 def wait_for(cond: Callable[[], T | None], timeout: float, what: str, cluster: Cluster | None = None) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s\n{cluster.diagnostics() if cluster else ''}")
-        time.sleep(0.1)
+    """``eventually``, failing with the scheduler's and the controller manager's last log lines."""
+    try:
+        return cast(T, eventually(cond, timeout, what))
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{cluster.diagnostics() if cluster else ''}") from None
 
 
 def apply_device_classes(kube: KubeClient) -> None:
