@@ -12,7 +12,8 @@ Releases (``RELEASES``), all built by tests/testbin/setup.sh from one set of Go 
 ``v1.37.2`` (go-1.37.mod beside each go.mod)
     NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37, NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37,
     NODEAGENT_DRA_HARNESS_1_37. Feature gates: none, the release's defaults (DRAExtendedResource and
-    DRADeviceTaints are GA, DRAPartitionableDevices and DRAConsumableCapacity beta, all on).
+    DRADeviceTaints are GA, DRAPartitionableDevices and DRAConsumableCapacity beta, all on); the API
+    server runs with --endpoint-reconciler-type=none (1.37 rejects the loopback advertise address otherwise).
 
 ``running_control_plane(release)`` starts etcd + kube-apiserver, the controller manager (only
 ``resourceclaim-controller``: ResourceClaims from pod templates, reservations released when pods go) and
@@ -80,7 +81,9 @@ RELEASES = (
                 "nodeagent_peers_dra_harness", "DRADeviceTaints=true,DRAExtendedResource=true",
                 ("--runtime-config=resource.k8s.io/v1alpha3=true",)),
     KubeRelease("v1.37.2", "_1_37", "nodeagent_peers_k8s137", "nodeagent_peers_k8s137",
-                "nodeagent_peers_k8s137", ""),
+                "nodeagent_peers_k8s137", "",
+                # 1.37 refuses a loopback advertise address while it reconciles the kubernetes Endpoints
+                ("--endpoint-reconciler-type=none",)),
 )
 
 
