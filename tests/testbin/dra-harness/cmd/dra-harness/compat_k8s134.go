@@ -19,3 +19,7 @@ func runPluginManager(_ context.Context, pm pluginmanager.PluginManager, ready c
 func updateAllocatedResourcesStatus(m *dra.Manager, pod *v1.Pod, status *v1.PodStatus) {
 	m.UpdateAllocatedResourcesStatus(pod, status)
 }
+
+func startManager(ctx context.Context, m *dra.Manager, pods dra.ActivePodsFunc, node *v1.Node, ready config.SourcesReady) error {
+	return m.Start(ctx, pods, func() (*v1.Node, error) { return node, nil }, ready)
+}

@@ -1,7 +1,7 @@
 //go:build k8s137
 
-// The kubelet APIs of Kubernetes 1.37 (built with -modfile=go-1.37.mod -tags k8s137): the plugin manager
-// and the resource status update take a context / logger.
+// The kubelet APIs of Kubernetes 1.37 (built with -modfile=go-1.37.mod -tags k8s137): the plugin manager,
+// the node getter and the resource status update take a context / logger.
 package main
 
 import (
@@ -20,4 +20,8 @@ func runPluginManager(ctx context.Context, pm pluginmanager.PluginManager, ready
 
 func updateAllocatedResourcesStatus(m *dra.Manager, pod *v1.Pod, status *v1.PodStatus) {
 	m.UpdateAllocatedResourcesStatus(klog.Background(), pod, status)
+}
+
+func startManager(ctx context.Context, m *dra.Manager, pods dra.ActivePodsFunc, node *v1.Node, ready config.SourcesReady) error {
+	return m.Start(ctx, pods, func(context.Context) (*v1.Node, error) { return node, nil }, ready)
 }

@@ -114,7 +114,7 @@ func main() {
 	h := &harness{manager: manager, pods: map[types.UID]*v1.Pod{}}
 	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: *nodeName, UID: types.UID("node-" + *nodeName)}}
 	ready := config.NewSourcesReady(func(_ sets.Set[string]) bool { return true })
-	if err := manager.Start(ctx, h.activePods, func() (*v1.Node, error) { return node, nil }, ready); err != nil {
+	if err := startManager(ctx, manager, h.activePods, node, ready); err != nil {
 		fatal("starting the DRA manager: " + err.Error())
 	}
 	plugins := pluginmanager.NewPluginManager(*registry, &record.FakeRecorder{})
