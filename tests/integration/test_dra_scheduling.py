@@ -6,6 +6,7 @@ allocates a device from the ResourceSlices nodeagent's DRA component publishes f
 binds the pod there, then the kubelet's DRA manager (tests/testbin/dra-harness; the driver registered
 through its plugin watcher) prepares the claim. The CDI IDs it returns must resolve, with the CDI
 reference library (cdi-check), in the per-claim spec nodeagent wrote; unprepare removes the spec.
+An XID on the allocated GPU shows in allocatedResourcesStatus and as a device taint until recovery.
 A driver process killed (-9) inside NodePrepareResources is cleaned up by its restart and the kubelet's
 retry prepares the claim.
 """
@@ -27,9 +28,11 @@ import yaml
 from nodeagent.cdi import simhost
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.component import DraComponent
+from nodeagent.dra.slices import UNHEALTHY_TAINT_KEY
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import eventually
+from tests.integration.test_dra_kubelet import resource_health
 from tests.peers.cdicheck import run_cdi_check
 from tests.peers.controlplane import RELEASES, ControlPlane, KubeRelease, running_control_plane
 from tests.peers.draharness import DraHarness, Pod, running_dra_harness
@@ -74,6 +77,7 @@ class Cluster:
     harness: DraHarness
     dra: DraComponent
     root: Path
+    loop: LoopThread
 
     @property
     def release(self) -> KubeRelease:
@@ -146,7 +150,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             registry = root / "var/lib/kubelet/plugins_registry"
             with running_dra_harness(plane.apiserver.kubeconfig, registry, NODE, binary=harness_bin) as h:
                 h.wait_registered(DRIVER_NAME)
-                c = Cluster(plane, kube, h, dra, root)
+                c = Cluster(plane, kube, h, dra, root, loop)
                 # the kubelet wipes the node's slices when the driver registers; the driver writes them again
                 wait_for(lambda: len(slice_devices(kube)) == 6, 30, "the node's ResourceSlices", c)
                 yield c
@@ -190,9 +194,11 @@ class Prepared:
     env: list[str]  # the container environment after the CDI reference library injected the IDs
 
 
-def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool) -> Prepared:
+def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool,
+                         while_prepared: Callable[[Pod, str, str], None] | None = None) -> Prepared:
     """Wait for the real scheduler to bind the pod and allocate its claim, prepare it through the kubelet's
-    DRA manager, resolve the CDI IDs with the CDI reference library, then unprepare and delete the pod."""
+    DRA manager, resolve the CDI IDs with the CDI reference library, run ``while_prepared(pod, device,
+    CDI ID)``, then unprepare and delete the pod."""
     name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
     path = f"/api/v1/namespaces/{NS}/pods/{name}"
     claim_path = ""
@@ -225,6 +231,8 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         [inj] = out["injections"]
         assert inj["unresolved"] == [] and not inj.get("error"), inj
         env = list(inj["spec"]["process"].get("env") or [])
+        if while_prepared is not None:
+            while_prepared(hpod, str(result["device"]), cdi["main"][0])
 
         c.harness.unprepare(hpod)
         assert not spec_file.exists()
@@ -291,6 +299,27 @@ def test_unchanged_nvidia_gpu_pod_is_served_through_the_extended_resource_class(
     mappings = got.pod_status["extendedResourceClaimStatus"]["requestMappings"]
     assert [(m["containerName"], m["resourceName"]) for m in mappings] == [("main", "nvidia.com/gpu")], mappings
     assert got.claim["metadata"]["name"] == got.pod_status["extendedResourceClaimStatus"]["resourceClaimName"]
+
+
+def test_xid_marks_the_prepared_device_unhealthy_and_taints_it_until_recovery(cluster: Cluster) -> None:
+    """The kubelet sees the allocated device Unhealthy in allocatedResourcesStatus and the slice carries the
+    device taint while the GPU has an XID; recovery clears both."""
+
+    def xid(pod: Pod, device: str, cdi_id: str) -> None:
+        index = int(device.removeprefix("gpu-"))
+        assert resource_health(cluster.harness, pod) == {cdi_id: "Healthy"}
+        cluster.loop.run(cluster.dra.set_health({(index, None): "XID 79"}))
+        wait_for(lambda: resource_health(cluster.harness, pod) == {cdi_id: "Unhealthy"}, 20, "Unhealthy", cluster)
+        taints = wait_for(lambda: slice_devices(cluster.kube)[device].get("taints"), 20, "device taint", cluster)
+        assert [t["key"] for t in taints] == [UNHEALTHY_TAINT_KEY]
+        cluster.loop.run(cluster.dra.set_health({}))
+        wait_for(lambda: resource_health(cluster.harness, pod) == {cdi_id: "Healthy"}, 20, "Healthy again", cluster)
+        wait_for(lambda: "taints" not in slice_devices(cluster.kube)[device], 20, "taint removed", cluster)
+
+    claim_template(cluster.kube, "xid-gpu", "gpu.nodeagent.io")
+    got = schedule_and_prepare(cluster, create_pod(cluster.kube, "xid-gpu", template="xid-gpu"), from_template=True,
+                               while_prepared=xid)
+    assert got.device.startswith("gpu-") and "mig" not in got.device
 
 
 AGENT_CHILD = """
