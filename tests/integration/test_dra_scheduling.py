@@ -254,8 +254,14 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
                      f"claim of {name} deallocated", c)
 
 
+def slice_device(c: Cluster, device: str) -> dict[str, Any]:
+    """The device in the node's slices (waiting out a moment without them: the kubelet deletes a node's
+    slices when a driver registers, the driver writes them again)."""
+    return wait_for(lambda: slice_devices(c.kube).get(device), 20, f"{device} in the ResourceSlices", c)
+
+
 def uuid_of(c: Cluster, device: str) -> str:
-    return str(slice_devices(c.kube)[device]["attributes"]["uuid"]["string"])
+    return str(slice_device(c, device)["attributes"]["uuid"]["string"])
 
 
 def test_claim_template_for_one_whole_gpu(cluster: Cluster) -> None:
@@ -310,11 +316,11 @@ def test_xid_marks_the_prepared_device_unhealthy_and_taints_it_until_recovery(cl
         assert resource_health(cluster.harness, pod) == {cdi_id: "Healthy"}
         cluster.loop.run(cluster.dra.set_health({(index, None): "XID 79"}))
         wait_for(lambda: resource_health(cluster.harness, pod) == {cdi_id: "Unhealthy"}, 20, "Unhealthy", cluster)
-        taints = wait_for(lambda: slice_devices(cluster.kube)[device].get("taints"), 20, "device taint", cluster)
+        taints = wait_for(lambda: slice_device(cluster, device).get("taints"), 20, "device taint", cluster)
         assert [t["key"] for t in taints] == [UNHEALTHY_TAINT_KEY]
         cluster.loop.run(cluster.dra.set_health({}))
         wait_for(lambda: resource_health(cluster.harness, pod) == {cdi_id: "Healthy"}, 20, "Healthy again", cluster)
-        wait_for(lambda: "taints" not in slice_devices(cluster.kube)[device], 20, "taint removed", cluster)
+        wait_for(lambda: "taints" not in slice_device(cluster, device), 20, "taint removed", cluster)
 
     claim_template(cluster.kube, "xid-gpu", "gpu.nodeagent.io")
     got = schedule_and_prepare(cluster, create_pod(cluster.kube, "xid-gpu", template="xid-gpu"), from_template=True,
