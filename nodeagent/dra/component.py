@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
@@ -132,6 +133,13 @@ class DraComponent:
         self.devices = build_devices(inventory, roots, self.gpu_filter)
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
+        # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
+        try:
+            facts = await asyncio.to_thread(collect_host_facts, self.paths, inventory)
+            self.preparer.specs.node_facts = facts.nodes
+        except NodeAgentError as e:  # e.g. an unreadable mig-minors table: name the nodes by path alone
+            log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
+            self.preparer.specs.node_facts = {}
         await self._refresh()
 
     async def on_inventory(self, inventory: Inventory) -> None:

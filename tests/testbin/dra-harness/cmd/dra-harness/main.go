@@ -114,13 +114,13 @@ func main() {
 	h := &harness{manager: manager, pods: map[types.UID]*v1.Pod{}}
 	node := &v1.Node{ObjectMeta: metav1.ObjectMeta{Name: *nodeName, UID: types.UID("node-" + *nodeName)}}
 	ready := config.NewSourcesReady(func(_ sets.Set[string]) bool { return true })
-	if err := manager.Start(ctx, h.activePods, func() (*v1.Node, error) { return node, nil }, ready); err != nil {
+	if err := startManager(ctx, manager, h.activePods, node, ready); err != nil {
 		fatal("starting the DRA manager: " + err.Error())
 	}
 	plugins := pluginmanager.NewPluginManager(*registry, &record.FakeRecorder{})
 	plugins.AddHandler(registerapi.DRAPlugin, manager.GetWatcherHandler())
 	stop := make(chan struct{})
-	go plugins.Run(ready, stop)
+	go runPluginManager(ctx, plugins, ready, stop)
 
 	h.serve(ctx)
 	close(stop)
@@ -233,7 +233,7 @@ func (h *harness) handle(ctx context.Context, c *command) map[string]any {
 		for _, ctr := range pod.Spec.Containers {
 			status.ContainerStatuses = append(status.ContainerStatuses, v1.ContainerStatus{Name: ctr.Name})
 		}
-		h.manager.UpdateAllocatedResourcesStatus(pod, status)
+		updateAllocatedResourcesStatus(h.manager, pod, status)
 		res := map[string]any{}
 		for _, cs := range status.ContainerStatuses {
 			res[cs.Name] = cs.AllocatedResourcesStatus
