@@ -197,8 +197,9 @@ def start_apiserver(workdir: Path | None = None) -> KubeApiServer:
              # No controller-manager runs, so nothing would create the default service accounts.
              "--disable-admission-plugins=ServiceAccount",
              "--allow-privileged=true", "--profiling=false", "--v=1",
-             # DRA device taints are alpha before 1.36: without the gate the server drops them silently.
-             "--feature-gates=DRADeviceTaints=true"],
+             # DRA device taints and partitionable devices (shared counters) are alpha before 1.36: without
+             # the gates the server drops those fields silently.
+             "--feature-gates=DRADeviceTaints=true,DRAPartitionableDevices=true"],
             stdin=subprocess.DEVNULL, stdout=api_log, stderr=subprocess.STDOUT,
         )
         server._procs.append(apiserver)

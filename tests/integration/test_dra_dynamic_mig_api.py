@@ -1,0 +1,94 @@
+"""Dynamic MIG pools on the REAL kube-apiserver: the placement devices and shared counters of every
+simulated MIG machine (all GPUs in MIG mode) pass the server's ResourceSlice validation in the layout its
+version requires, come back with counters intact (the DRAPartitionableDevices fields are not dropped),
+and the server rejects the other layout and a device consuming an unknown counter."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from nodeagent.dra.devices import build_counter_sets, build_devices
+from nodeagent.dra.publisher import SlicePublisher
+from nodeagent.dra.slices import LAYOUT_INLINE, LAYOUT_SEPARATE, build_slices, layout_for, pool_content
+from nodeagent.errors import KubeError
+from nodeagent.gpu import adapter_for_sim
+from nodeagent.gpu.inventory import Gpu, Inventory
+from nodeagent.gpu.sim import open_sim
+from nodeagent.gpu.sim.machine import load_machine
+from nodeagent.kube.client import KubeClient
+from tests.peers.apiserver import KubeApiServer
+
+pytestmark = pytest.mark.peers
+
+MACHINES = ["dgx-a100-40gb", "dgx-h100", "a30x4", "rtx-pro-6000", "dgx-b200", "hgx-h200"]
+
+
+def mig_inventory(machine: str) -> Inventory:
+    adapter = adapter_for_sim(open_sim(machine))
+    for i in range(len(load_machine(machine).gpus)):
+        if adapter.set_mig_mode(i, True):
+            adapter.reset_gpu(i)
+    return adapter.discover()
+
+
+def dynamic(gpu: Gpu) -> bool:
+    return True
+
+
+def slices_of(kube: KubeClient, node: str) -> list[dict[str, Any]]:
+    items = kube.list_resource_slices(field_selector=f"spec.nodeName={node},spec.driver=gpu.nodeagent.io")
+    return sorted(items, key=lambda s: str(s["metadata"]["name"]))
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_the_server_accepts_every_models_dynamic_pool(kube: KubeClient, kube_apiserver: KubeApiServer,
+                                                      node_name: str, machine: str) -> None:
+    inv = mig_inventory(machine)
+    devs = build_devices(inv, dynamic_mig=dynamic)
+    content = pool_content(devs, None, build_counter_sets(devs, inv))
+    pub = SlicePublisher(kube, node_name)
+    r = pub.sync(content)
+    assert pub.layout == layout_for(kube_apiserver.version)
+    assert r.writes == r.slices >= 1
+    got = slices_of(kube, node_name)
+    published = [d for s in got for d in s["spec"].get("devices", [])]
+    assert sorted(d["name"] for d in published) == sorted(d.name for d in devs)
+    sets = {cs["name"]: cs for s in got for cs in s["spec"].get("sharedCounters", [])}
+    assert sorted(sets) == sorted(f"gpu-{g.index}-counters" for g in inv.gpus)
+    # the server kept the counters and consumptions as written
+    assert sets["gpu-0-counters"]["counters"]["memory-slice-0"] == {"value": "1"}
+    by_name = {d["name"]: d for d in published}
+    some = next(d for d in devs if d.placement is not None and d.placement.size > 1)
+    assert by_name[some.name]["consumesCounters"][0]["counterSet"] == f"gpu-{some.gpu_index}-counters"
+    assert len(by_name[some.name]["consumesCounters"][0]["counters"]) == len(
+        next(iter(some.consumes.values())))
+    # nothing to write again, and a restarted agent adopts what is there
+    assert pub.sync(content).writes == 0
+    assert SlicePublisher(kube, node_name).sync(content).writes == 0
+    pub.remove()
+
+
+def test_the_server_refuses_the_wrong_layout_and_unknown_counters(kube: KubeClient, kube_apiserver: KubeApiServer,
+                                                                  node_name: str) -> None:
+    inv = mig_inventory("dgx-h100")
+    devs = build_devices(inv, dynamic_mig=dynamic)
+    content = pool_content(devs, None, build_counter_sets(devs, inv))
+    right = layout_for(kube_apiserver.version)
+    wrong = LAYOUT_SEPARATE if right == LAYOUT_INLINE else LAYOUT_INLINE
+    bodies = build_slices(node_name, content, 1, layout=wrong)
+    with pytest.raises(KubeError) as err:
+        for body in bodies:
+            kube.create_resource_slice(body)
+    assert err.value.status == 422, err.value
+    for s in slices_of(kube, node_name):
+        kube.delete_resource_slice(s["metadata"]["name"])
+
+    [body, *_] = [b for b in build_slices(node_name, content, 1, layout=right) if b["spec"].get("devices")]
+    bad = copy.deepcopy(body)
+    bad["spec"]["devices"][0]["consumesCounters"][0]["counters"]["memory-slice-99"] = {"value": "1"}
+    with pytest.raises(KubeError) as err:
+        kube.create_resource_slice(bad)
+    assert err.value.status == 422 and "memory-slice-99" in str(err.value)
