@@ -11,6 +11,11 @@ A claim with a dynamic MIG device changes the GPU, so it is recorded BEFORE the 
 the instances, removes the spec and drops the record. A start that finds ``preparing`` undoes it (destroys
 any instance at the recorded placements, removes the spec; the kubelet retries); ``unpreparing`` is
 finished. Only instances at placements a record names are ever destroyed.
+
+The file is replaced atomically (temporary file + rename) but not fsynced: a killed process cannot lose
+a write (the page cache outlives it), and what the file describes (prepared claims, their containers,
+MIG instances, ``/var/run/cdi``) all ends with the boot, so the version a power loss may bring back
+describes nothing that still exists (a record whose MIG instance is gone is dropped at start).
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ class Checkpoint:
         data = {"version": VERSION, "claims": {u: c.to_dict() for u, c in sorted(self.claims.items())}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fileio.atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n", mode=0o600,
-                            backup=False)
+                            backup=False, durable=False)
 
     def put(self, record: ClaimRecord) -> None:
         self.claims[record.uid] = record

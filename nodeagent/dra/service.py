@@ -144,14 +144,14 @@ class ClaimPreparer:
                 self.specs.remove(uid)
                 done.append(f"dropped {label}: its MIG instance is gone")
                 continue
-            if not self.specs.path(uid).exists():
-                devs = [self._spec_device(d) for d in rec.devices]
-                if all(d is not None for d in devs):
-                    self.specs.write(uid, [d for d in devs if d is not None])
+            devs = [self._spec_device(d) for d in rec.devices]
+            if all(d is not None for d in devs):
+                wanted = [d for d in devs if d is not None]
+                if self.specs.current(uid) != self.specs.render(uid, wanted):
+                    self.specs.write(uid, wanted)
                     done.append(f"rewrote the CDI spec of {label}")
-                else:
-                    log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten", rec.namespace,
-                                rec.name, uid)
+            elif not self.specs.path(uid).exists():
+                log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten", rec.namespace, rec.name, uid)
         for uid in sorted(self.specs.claim_uids() - set(self.checkpoint.claims)):
             self.specs.remove(uid)
             done.append(f"removed the orphaned CDI spec of claim {uid}")
