@@ -303,10 +303,11 @@ class ClaimPreparer:
         if any(d.mig is not None for d in rec.devices):
             if self.mig is None:
                 raise ValueError("the claim holds dynamic MIG devices and this driver has no MIG access")
+            inventory = self._live_inventory(rec)
             if rec.state != UNPREPARING:
                 rec = dataclasses.replace(rec, state=UNPREPARING)
                 self.checkpoint.put(rec)
-            self._destroy_instances(rec, self._live_inventory(rec))
+            self._destroy_instances(rec, inventory)
         self.checkpoint.drop(ref.uid)
         self.specs.remove(ref.uid)
         log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)

@@ -5,11 +5,15 @@ real kube-apiserver.
    by the benchmark as the scheduler would), the driver's NodePrepareResources over its socket (our own
    gRPC client; includes the driver's ResourceClaim GET, CDI spec and checkpoint writes), and the kubelet
    code's whole PrepareResources (its own claim GET + the driver call + its checkpoint). p50/p99.
-2. Slice writes while idle: the pool is re-verified every VERIFY seconds for WINDOW seconds; writes are
-   counted and extrapolated to one hour (target 0).
+2. Dynamic MIG: allocated claim for one MIG placement → NodePrepareResources answered, including the GPU-
+   and compute-instance creation on the NVML simulator (an 8-GPU H100 machine in MIG mode, ``dynamic_mig``),
+   then NodeUnprepareResources (instance destroyed). p50/p99 of both.
+3. Slice writes while idle: both pools (whole GPUs, and the dynamic MIG pool with its shared counters) are
+   re-verified every VERIFY seconds for WINDOW seconds; writes are counted and extrapolated to one hour
+   (target 0).
 
 Prints figures and one JSON line. No timing asserts. Usage:
-    .venv/bin/python tests/bench/bench_dra.py [--claims 100] [--window 20] [--verify 1]
+    .venv/bin/python tests/bench/bench_dra.py [--claims 100] [--mig-claims 40] [--window 20] [--verify 1]
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import grpc
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.api import v1_pb2, v1_pb2_grpc
 from nodeagent.dra.component import DraComponent
+from nodeagent.gpu import adapter_for_sim
+from nodeagent.gpu.sim import open_sim
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient, connect
 from tests.integration.test_dra_kubelet import create_allocated_claim
@@ -82,6 +88,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 _, seconds = await asyncio.to_thread(harness.prepare_timed, pod)
                 kubelet_ms.append(seconds * 1000)
                 await asyncio.to_thread(harness.unprepare, pod)
+        mig_prepare_ms, mig_unprepare_ms = await bench_dynamic_mig(args, kube, root)
         await dra.wait_published()
         writes0, reads0 = kube.stats.writes, kube.stats.total
         await asyncio.sleep(args.window)
@@ -94,6 +101,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "prepare_driver_ms_p99": round(pct(driver_ms, 0.99), 2),
             "prepare_kubelet_ms_p50": round(statistics.median(kubelet_ms), 2),
             "prepare_kubelet_ms_p99": round(pct(kubelet_ms, 0.99), 2),
+            "mig_claims": len(mig_prepare_ms),
+            "prepare_mig_ms_p50": round(statistics.median(mig_prepare_ms), 2),
+            "prepare_mig_ms_p99": round(pct(mig_prepare_ms, 0.99), 2),
+            "unprepare_mig_ms_p50": round(statistics.median(mig_unprepare_ms), 2),
+            "unprepare_mig_ms_p99": round(pct(mig_unprepare_ms, 0.99), 2),
             "idle_window_s": args.window, "verify_interval_s": args.verify,
             "idle_slice_writes": idle_writes, "idle_slice_writes_per_hour": round(idle_writes * per_hour, 1),
             "idle_requests_per_hour": round(idle_requests * per_hour, 1),
@@ -101,6 +113,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if harness is not None:
             harness.stop()
+        for c in _MIG_COMPONENTS:
+            await c.stop()
         await dra.stop()
         kube.close()
         server.stop()
@@ -108,9 +122,49 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+MIG_NODE = "bench-dra-mig"
+
+
+async def bench_dynamic_mig(args: argparse.Namespace, kube: KubeClient, root: Path) -> tuple[list[float], list[float]]:
+    """Prepare/unprepare of dynamic MIG claims; the component stays up (its pool counts in the idle window)."""
+    adapter = adapter_for_sim(open_sim("dgx-h100", root / "sim-state.json"))
+    for i in range(8):
+        if adapter.set_mig_mode(i, True):
+            adapter.reset_gpu(i)
+    mroot = root / "mig"
+    dra = DraComponent(paths=HostPaths(mroot), kube=kube, node_name=MIG_NODE, verify_interval_s=args.verify,
+                       mig=adapter, dynamic_mig=True)
+    await dra.start(adapter.discover())
+    _MIG_COMPONENTS.append(dra)
+    await dra.wait_published()
+    placements = [d.name for d in dra.devices if d.placement is not None and d.placement.profile == "1g.10gb"]
+    prepare_ms: list[float] = []
+    unprepare_ms: list[float] = []
+    async with grpc.aio.insecure_channel(f"unix://{dra.server.dra_path if dra.server else ''}") as ch:
+        stub = v1_pb2_grpc.DRAPluginStub(ch)
+        for i in range(args.mig_claims):
+            pod = Pod("default", f"mig-{i}", str(uuid.uuid4()), {}, {"main": ["gpu"]})
+            uid = await asyncio.to_thread(create_allocated_claim, kube, MIG_NODE,
+                                          [("gpu", placements[i % len(placements)])], pod)
+            claims = [v1_pb2.Claim(namespace="default", uid=uid, name=next(iter(pod.claims)))]
+            t0 = time.perf_counter()
+            resp = await stub.NodePrepareResources(v1_pb2.NodePrepareResourcesRequest(claims=claims))
+            prepare_ms.append((time.perf_counter() - t0) * 1000)
+            assert resp.claims[uid].error == "", resp.claims[uid].error
+            t0 = time.perf_counter()
+            un = await stub.NodeUnprepareResources(v1_pb2.NodeUnprepareResourcesRequest(claims=claims))
+            unprepare_ms.append((time.perf_counter() - t0) * 1000)
+            assert un.claims[uid].error == "", un.claims[uid].error
+    return prepare_ms, unprepare_ms
+
+
+_MIG_COMPONENTS: list[DraComponent] = []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--claims", type=int, default=100)
+    ap.add_argument("--mig-claims", type=int, default=40)
     ap.add_argument("--window", type=float, default=20.0)
     ap.add_argument("--verify", type=float, default=1.0)
     res = asyncio.run(run(ap.parse_args()))
@@ -118,6 +172,10 @@ def main() -> None:
           f"p99 {res['prepare_driver_ms_p99']} ms over {res['claims']} claims")
     print(f"kubelet PrepareResources (claim GET + driver + checkpoint): p50 {res['prepare_kubelet_ms_p50']} ms, "
           f"p99 {res['prepare_kubelet_ms_p99']} ms")
+    print(f"NodePrepareResources (driver, dynamic MIG 1g.10gb incl. GPU/compute instance creation): "
+          f"p50 {res['prepare_mig_ms_p50']} ms, p99 {res['prepare_mig_ms_p99']} ms over {res['mig_claims']} claims; "
+          f"NodeUnprepareResources (instance destroyed): p50 {res['unprepare_mig_ms_p50']} ms, "
+          f"p99 {res['unprepare_mig_ms_p99']} ms")
     print(f"idle: {res['idle_slice_writes']} slice writes in {res['idle_window_s']} s "
           f"(verify every {res['verify_interval_s']} s) -> {res['idle_slice_writes_per_hour']} per hour; "
           f"{res['idle_requests_per_hour']} requests per hour")
