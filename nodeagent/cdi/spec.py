@@ -24,7 +24,8 @@ MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 _VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0")
 
 
-def _node_entry(fact: NodeFact) -> dict[str, Any]:
+def node_entry(fact: NodeFact) -> dict[str, Any]:
+    """A spec ``deviceNodes`` entry: the host path under ``--root``, the numbers of a stand-in file."""
     entry: dict[str, Any] = {"path": fact.path}
     if fact.host_path != fact.path:
         entry["hostPath"] = fact.host_path
@@ -69,7 +70,7 @@ def _mig_nodes(gpu: Gpu, mig: MigDevice, facts: HostFacts) -> list[NodeFact]:
 
 
 def _device(name: str, nodes: list[NodeFact]) -> dict[str, Any]:
-    return {"name": name, "containerEdits": {"deviceNodes": [_node_entry(n) for n in nodes]}}
+    return {"name": name, "containerEdits": {"deviceNodes": [node_entry(n) for n in nodes]}}
 
 
 def _hooks(hook: str, libraries: tuple[MountFact, ...]) -> list[dict[str, Any]]:
@@ -137,7 +138,7 @@ def generate(inventory: Inventory, facts: HostFacts) -> dict[str, Any] | None:
     control = [facts.nodes[p] for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                                         "/dev/nvidia-modeset") if p in facts.nodes]
     if control:
-        common["deviceNodes"] = [_node_entry(n) for n in control]
+        common["deviceNodes"] = [node_entry(n) for n in control]
     mounts = [*facts.libraries, *facts.binaries, *facts.firmware, *facts.sockets]
     if mounts:
         common["mounts"] = [_mount_entry(m) for m in mounts]

@@ -3,8 +3,10 @@
 One spec per prepared claim, kind ``gpu.nodeagent.io/claim``, one CDI device per allocated device named
 ``<claim uid>-<device name>``. The spec-wide edits carry what every GPU container needs (control device
 nodes, ``NVIDIA_VISIBLE_DEVICES`` listing the claim's device UUIDs); each device adds its own device
-nodes (``/dev/nvidiaN``, and for a MIG device its GPU- and compute-instance access nodes). Files are
-written atomically, so a runtime reading the directory never sees half a spec, but without fsync:
+nodes (``/dev/nvidiaN``, and for a MIG device its GPU- and compute-instance access nodes). A node the
+host facts know (nodeagent.cdi.host: the node's host path under ``--root``, the numbers of a simulated
+host's stand-in file) is written as the node-wide CDI spec writes it, so both specs resolve alike. Files
+are written atomically, so a runtime reading the directory never sees half a spec, but without fsync:
 ``/var/run/cdi`` does not outlive the boot and the driver's start-up rewrites any spec that is missing or
 differs from its claim record. A spec already on disk with the wanted content is not written again.
 """
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nodeagent import fileio
+from nodeagent.cdi.host import NodeFact
+from nodeagent.cdi.spec import node_entry
 from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, VISIBLE_DEVICES_ENV, mig_cap_minors
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.devices import DraDevice
@@ -42,31 +46,34 @@ def cdi_device_id(claim_uid: str, device: str) -> str:
     return f"{CDI_KIND}={cdi_device_name(claim_uid, device)}"
 
 
-def _node(path: str) -> dict[str, Any]:
-    return {"path": path}
+def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
+    fact = facts.get(path)
+    return {"path": path} if fact is None else node_entry(fact)
 
 
-def _device_nodes(dev: DraDevice) -> list[dict[str, Any]]:
-    nodes = [_node(f"/dev/nvidia{dev.minor}")]
+def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[str, Any]]:
+    nodes = [_node(f"/dev/nvidia{dev.minor}", facts)]
     if dev.gi_id is not None and dev.ci_id is not None:
         for minor in mig_cap_minors(dev.minor, dev.gi_id, dev.ci_id):
-            nodes.append(_node(f"/dev/nvidia-caps/nvidia-cap{minor}"))
+            nodes.append(_node(f"/dev/nvidia-caps/nvidia-cap{minor}", facts))
     return nodes
 
 
-def claim_spec(claim_uid: str, devices: Sequence[DraDevice]) -> dict[str, Any]:
-    """The CDI spec for one claim (pure)."""
+def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
+               facts: Mapping[str, NodeFact] | None = None) -> dict[str, Any]:
+    """The CDI spec for one claim (pure); ``facts`` are the host's device nodes by container path."""
+    facts = facts or {}
     _check_uid(claim_uid)
     return {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
         "devices": [
-            {"name": cdi_device_name(claim_uid, d.name), "containerEdits": {"deviceNodes": _device_nodes(d)}}
+            {"name": cdi_device_name(claim_uid, d.name), "containerEdits": {"deviceNodes": _device_nodes(d, facts)}}
             for d in devices
         ],
         "containerEdits": {
             "env": [f"{VISIBLE_DEVICES_ENV}={','.join(d.uuid for d in devices)}"],
-            "deviceNodes": [_node(p) for p in CONTROL_DEVICES],
+            "deviceNodes": [_node(p, facts) for p in CONTROL_DEVICES],
         },
     }
 
@@ -76,6 +83,7 @@ class ClaimSpecs:
 
     def __init__(self, cdi_dir: Path) -> None:
         self.dir = cdi_dir
+        self.node_facts: Mapping[str, NodeFact] = {}  # set from the host facts on each inventory
 
     def path(self, claim_uid: str) -> Path:
         _check_uid(claim_uid)
@@ -90,9 +98,8 @@ class ClaimSpecs:
             fileio.atomic_write(path, data, mode=0o644, backup=False, durable=False)
         return [cdi_device_id(claim_uid, d.name) for d in devices]
 
-    @staticmethod
-    def render(claim_uid: str, devices: Sequence[DraDevice]) -> str:
-        return json.dumps(claim_spec(claim_uid, devices), indent=2, sort_keys=True) + "\n"
+    def render(self, claim_uid: str, devices: Sequence[DraDevice]) -> str:
+        return json.dumps(claim_spec(claim_uid, devices, self.node_facts), indent=2, sort_keys=True) + "\n"
 
     def current(self, claim_uid: str) -> str | None:
         """The claim's spec file as it is on disk (None when missing or unreadable)."""

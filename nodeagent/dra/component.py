@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
@@ -148,6 +149,13 @@ class DraComponent:
                                      self._dynamic if self.dynamic_mig else None)
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
+        # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
+        try:
+            facts = await asyncio.to_thread(collect_host_facts, self.paths, inventory)
+            self.preparer.specs.node_facts = facts.nodes
+        except NodeAgentError as e:  # e.g. an unreadable mig-minors table: name the nodes by path alone
+            log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
+            self.preparer.specs.node_facts = {}
         await self._refresh()
 
     def _dynamic(self, gpu: Gpu) -> bool:

@@ -26,21 +26,23 @@ export NODEAGENT_CACHE
 
 _peers_log() { echo "peers: $*" >&2; }
 
-# _go_mod_version MODDIR MODULE: the version MODDIR/go.mod requires for MODULE (or "dev").
+# _go_mod_version MODDIR MODULE [MODFILE]: the version MODDIR/go.mod (or MODFILE) requires for MODULE
+# (or "dev").
 _go_mod_version() {
   local v
-  v=$(awk -v m="$2" '($1 == m || $2 == m) && $NF ~ /^v[0-9]/ {print $NF; exit}' "$1/go.mod" 2>/dev/null || true)
+  v=$(awk -v m="$2" '($1 == m || $2 == m) && $NF ~ /^v[0-9]/ {print $NF; exit}' "$1/${3:-go.mod}" 2>/dev/null ||
+    true)
   echo "${v:-dev}"
 }
 
-# _go_sources_hash MODDIR PKG: short hash over the Go toolchain version, go.mod, go.sum and the files of
-# the main package, so editing one command does not rebuild the others.
+# _go_sources_hash MODDIR PKG [MODFILE]: short hash over the Go toolchain version, go.mod, go.sum (or
+# MODFILE and its .sum) and the files of the main package, so editing one command does not rebuild the others.
 _go_sources_hash() {
-  local moddir=$1 pkg=$2
+  local moddir=$1 pkg=$2 modfile=${3:-go.mod}
   (
     cd "$moddir" || exit 1
     go env GOVERSION
-    cat go.mod go.sum 2>/dev/null
+    cat "$modfile" "${modfile%.mod}.sum" 2>/dev/null
     if [ -d "$pkg" ]; then
       find "$pkg" -type f -name '*.go' -print0 | LC_ALL=C sort -z | xargs -0 -r cat
     else
@@ -49,21 +51,24 @@ _go_sources_hash() {
   ) | sha256sum | cut -c1-12
 }
 
-# build_go_binary NAME MODDIR PKG [VERSION [LDFLAGS]]
+# build_go_binary NAME MODDIR PKG [VERSION [LDFLAGS [MODFILE [TAGS]]]]
 # Builds package PKG (relative to MODDIR, e.g. ./cmd/etcd) of the Go module in MODDIR into the cache
 # unless it is already there. Sets NODEAGENT_GO_BINARY to the binary's path. VERSION (default "dev") goes
 # into the file name, e.g. "$(_go_mod_version MODDIR k8s.io/kubernetes)"; LDFLAGS (e.g. -X stamps) are
-# added to "-s -w" and to the cache key. Concurrent callers wait on a lock instead of building twice;
-# the binary appears atomically.
+# added to "-s -w" and to the cache key. MODFILE (e.g. go-1.37.mod, with its go-1.37.sum beside it)
+# builds the same sources against another module file (go build -modfile); TAGS are go build tags. Both
+# go into the cache key. Concurrent callers wait on a lock instead of building twice; the binary appears
+# atomically.
 build_go_binary() {
-  local name=$1 moddir=$2 pkg=$3 version=${4:-} ldflags=${5:-}
+  local name=$1 moddir=$2 pkg=$3 version=${4:-} ldflags=${5:-} modfile=${6:-} tags=${7:-}
   if ! command -v go >/dev/null 2>&1; then
     _peers_log "cannot build $name: the Go toolchain is not installed (need go >= 1.24 on PATH)"
     return 1
   fi
   version=${version:-dev}
   local hash dest bindir logdir
-  hash=$( (_go_sources_hash "$moddir" "$pkg" && echo "$ldflags") | sha256sum | cut -c1-12) || {
+  hash=$( (_go_sources_hash "$moddir" "$pkg" "$modfile" && echo "$ldflags" &&
+    if [ -n "$modfile$tags" ]; then echo "modfile=$modfile tags=$tags"; fi) | sha256sum | cut -c1-12) || {
     _peers_log "cannot hash $moddir"
     return 1
   }
@@ -72,7 +77,7 @@ build_go_binary() {
   dest=$bindir/$name-$version-$hash
   mkdir -p "$bindir" "$logdir" || return 1
   if [ ! -x "$dest" ]; then
-    local lock=$bindir/.$name.lock log=$logdir/build-$name-$version-$hash.log
+    local lock=$bindir/.$name-$version.lock log=$logdir/build-$name-$version-$hash.log
     exec {_peers_lock_fd}>"$lock" || return 1
     if ! flock -n "$_peers_lock_fd"; then
       _peers_log "waiting for another build of $name (log: $log)"
@@ -84,7 +89,8 @@ build_go_binary() {
       (
         cd "$moddir" &&
           CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
-            nice -n 10 go build -trimpath -ldflags="-s -w $ldflags" -o "$dest.tmp.$$" "$pkg"
+            nice -n 10 go build ${modfile:+-modfile="$modfile"} ${tags:+-tags="$tags"} -trimpath \
+            -ldflags="-s -w $ldflags" -o "$dest.tmp.$$" "$pkg"
       ) >"$log" 2>&1 || rc=$?
       if [ "$rc" -ne 0 ]; then
         rm -f "$dest.tmp.$$"
@@ -189,6 +195,41 @@ nodeagent_peers_sample_device_plugin() {
   build_go_binary sample-device-plugin "$mod" k8s.io/kubernetes/test/images/sample-device-plugin \
     "$(_go_mod_version "$mod" k8s.io/kubernetes)" || return 1
   export NODEAGENT_SAMPLE_DEVICE_PLUGIN=$NODEAGENT_GO_BINARY
+}
+
+# kube-scheduler and kube-controller-manager from the peers module (same release as kube-apiserver), for
+# the DRA scheduling tests (tests/peers/scheduler.py, tests/peers/controllermanager.py). Not called by
+# nodeagent_peers_setup: the DRA tests build them on first use through tests/peers/_resolve.py.
+nodeagent_peers_kube_control_plane() {
+  local peers_mod=$NODEAGENT_TESTBIN/peers kube_version
+  kube_version=$(_go_mod_version "$peers_mod" k8s.io/kubernetes)
+  build_go_binary kube-scheduler "$peers_mod" ./cmd/kube-scheduler "$kube_version" \
+    "$(_kube_version_ldflags "$kube_version")" || return 1
+  export NODEAGENT_KUBE_SCHEDULER=$NODEAGENT_GO_BINARY
+  build_go_binary kube-controller-manager "$peers_mod" ./cmd/kube-controller-manager "$kube_version" \
+    "$(_kube_version_ldflags "$kube_version")" || return 1
+  export NODEAGENT_KUBE_CONTROLLER_MANAGER=$NODEAGENT_GO_BINARY
+}
+
+# The second Kubernetes release of the DRA tests: kube-apiserver, kube-scheduler, kube-controller-manager
+# (tests/testbin/peers) and the dra-harness built from the same sources against k8s.io/kubernetes v1.37.2
+# (go-1.37.mod / go-1.37.sum beside each go.mod; the harness needs build tag k8s137 for two kubelet API
+# changes). Exports NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
+# NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37 and NODEAGENT_DRA_HARNESS_1_37. Not called by
+# nodeagent_peers_setup: the DRA scheduling tests build them on first use (tests/peers/_resolve.py).
+nodeagent_peers_k8s137() {
+  local peers_mod=$NODEAGENT_TESTBIN/peers harness_mod=$NODEAGENT_TESTBIN/dra-harness mf=go-1.37.mod v ld
+  v=$(_go_mod_version "$peers_mod" k8s.io/kubernetes "$mf")
+  ld=$(_kube_version_ldflags "$v")
+  build_go_binary kube-apiserver "$peers_mod" ./cmd/kube-apiserver "$v" "$ld" "$mf" || return 1
+  export NODEAGENT_KUBE_APISERVER_1_37=$NODEAGENT_GO_BINARY
+  build_go_binary kube-scheduler "$peers_mod" ./cmd/kube-scheduler "$v" "$ld" "$mf" || return 1
+  export NODEAGENT_KUBE_SCHEDULER_1_37=$NODEAGENT_GO_BINARY
+  build_go_binary kube-controller-manager "$peers_mod" ./cmd/kube-controller-manager "$v" "$ld" "$mf" || return 1
+  export NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37=$NODEAGENT_GO_BINARY
+  build_go_binary dra-harness "$harness_mod" ./cmd/dra-harness "$(_go_mod_version "$harness_mod" k8s.io/kubernetes "$mf")" \
+    "" "$mf" k8s137 || return 1
+  export NODEAGENT_DRA_HARNESS_1_37=$NODEAGENT_GO_BINARY
 }
 
 # The kubelet's DRA manager and plugin watcher (tests/testbin/dra-harness, same Kubernetes release as

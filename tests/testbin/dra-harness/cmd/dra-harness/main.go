@@ -120,7 +120,7 @@ func main() {
 	plugins := pluginmanager.NewPluginManager(*registry, &record.FakeRecorder{})
 	plugins.AddHandler(registerapi.DRAPlugin, manager.GetWatcherHandler())
 	stop := make(chan struct{})
-	go plugins.Run(ready, stop)
+	go runPluginManager(ctx, plugins, ready, stop)
 
 	h.serve(ctx)
 	close(stop)
@@ -233,7 +233,7 @@ func (h *harness) handle(ctx context.Context, c *command) map[string]any {
 		for _, ctr := range pod.Spec.Containers {
 			status.ContainerStatuses = append(status.ContainerStatuses, v1.ContainerStatus{Name: ctr.Name})
 		}
-		h.manager.UpdateAllocatedResourcesStatus(pod, status)
+		updateAllocatedResourcesStatus(h.manager, pod, status)
 		res := map[string]any{}
 		for _, cs := range status.ContainerStatuses {
 			res[cs.Name] = cs.AllocatedResourcesStatus
