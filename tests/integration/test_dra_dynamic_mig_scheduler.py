@@ -160,9 +160,11 @@ async def test_the_scheduler_never_allocates_overlapping_placements(
         claim_for(kube, c, "3g.20gb", 4, node)
         assert wait_for(lambda: allocated_device(kube, c), 30) == "gpu-0-mig-3g-20gb-at-4"
         for n in refused:
-            cond = wait_for(lambda n=n: (pod_scheduled(kube, n) or {}).get("reason") == "Unschedulable"
-                            and pod_scheduled(kube, n), 30)
-            assert cond["status"] == "False"
+            def unschedulable(n: str = n) -> bool:
+                cond = pod_scheduled(kube, n) or {}
+                return cond.get("reason") == "Unschedulable" and cond.get("status") == "False"
+
+            wait_for(unschedulable, 30)
             assert allocated_device(kube, n) is None
 
         # nodeagent prepares what the scheduler allocated: exactly those GPU instances
