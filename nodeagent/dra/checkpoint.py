@@ -123,8 +123,9 @@ class Checkpoint:
     def save(self) -> None:
         data = {"version": VERSION, "claims": {u: c.to_dict() for u, c in sorted(self.claims.items())}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fileio.atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n", mode=0o600,
-                            backup=False, durable=False)
+        # compact: without indent the json module encodes in C (the file is rewritten at every prepare)
+        text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
+        fileio.atomic_write(self.path, text, mode=0o600, backup=False, durable=False)
 
     def put(self, record: ClaimRecord) -> None:
         self.claims[record.uid] = record

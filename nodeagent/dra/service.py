@@ -180,7 +180,11 @@ class ClaimPreparer:
             if rec is not None and rec.state == PREPARED:  # a concurrent call got there first
                 return PrepareResult(rec.devices)
             try:
-                prepared = await asyncio.to_thread(self._write, ref, wanted)
+                if any(dev.dynamic for dev, _ in wanted):
+                    prepared = await asyncio.to_thread(self._write, ref, wanted)
+                else:
+                    # two small files replaced without fsync: cheaper in the loop than a thread hop
+                    prepared = self._write(ref, wanted)
             except (OSError, ValueError, NodeAgentError) as e:
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
                 log.error("%s", msg)
