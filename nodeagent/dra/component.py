@@ -37,7 +37,13 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
-from nodeagent.dra.devices import DraDevice, build_counter_sets, build_devices, read_pcie_roots
+from nodeagent.dra.devices import (
+    DraDevice,
+    build_counter_sets,
+    build_devices,
+    dynamic_mig_gpu,
+    read_pcie_roots,
+)
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthSource, unhealthy_devices
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
@@ -161,8 +167,7 @@ class DraComponent:
     def _dynamic(self, gpu: Gpu) -> bool:
         """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""
         assert self.preparer is not None
-        owned = self.preparer.owned_instances().get(gpu.index, set())
-        return all((m.profile, m.placement_start) in owned for m in (*gpu.mig_devices, *gpu.bare_gpu_instances))
+        return dynamic_mig_gpu(gpu, self.preparer.owned_instances().get(gpu.index, set()))
 
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:

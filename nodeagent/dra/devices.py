@@ -256,6 +256,13 @@ def _placement_devices(inv: Inventory, gpu: Gpu, roots: Mapping[str, str]) -> li
     return out
 
 
+def dynamic_mig_gpu(gpu: Gpu, owned: set[tuple[str, int]]) -> bool:
+    """Whether a GPU in MIG mode may serve dynamic MIG: every GPU instance on it is one of ``owned``
+    ((profile, placement start) of the instances claim records name); any other instance is a static
+    layout, which is published as it is and never changed."""
+    return all((m.profile, m.placement_start) in owned for m in (*gpu.mig_devices, *gpu.bare_gpu_instances))
+
+
 def build_counter_sets(devices: Sequence[DraDevice], inv: Inventory) -> list[CounterSet]:
     """The counter sets the dynamic devices among ``devices`` consume (one per GPU, in GPU order)."""
     indices = sorted({d.gpu_index for d in devices if d.dynamic})

@@ -1,23 +1,32 @@
 """Dynamic MIG pools on the REAL kube-apiserver: the placement devices and shared counters of every
 simulated MIG machine (all GPUs in MIG mode) pass the server's ResourceSlice validation in the layout its
 version requires, come back with counters intact (the DRAPartitionableDevices fields are not dropped),
-and the server rejects the other layout and a device consuming an unknown counter."""
+and the server rejects the other layout and a device consuming an unknown counter; the component publishes
+placements only on GPUs without a static layout and writes nothing when a prepared instance shows up."""
 
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from nodeagent.dra.component import DraComponent
 from nodeagent.dra.devices import build_counter_sets, build_devices
 from nodeagent.dra.publisher import SlicePublisher
+from nodeagent.dra.service import ClaimRef
 from nodeagent.dra.slices import LAYOUT_INLINE, LAYOUT_SEPARATE, build_slices, layout_for, pool_content
 from nodeagent.errors import KubeError
 from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.sim import open_sim
 from nodeagent.gpu.sim.machine import load_machine
+from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
 from tests.peers.apiserver import KubeApiServer
 
@@ -36,6 +45,14 @@ def mig_inventory(machine: str) -> Inventory:
 
 def dynamic(gpu: Gpu) -> bool:
     return True
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory: the kubelet socket paths below it must fit a Unix socket name."""
+    d = Path(tempfile.mkdtemp(prefix="dmig-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def slices_of(kube: KubeClient, node: str) -> list[dict[str, Any]]:
@@ -92,3 +109,45 @@ def test_the_server_refuses_the_wrong_layout_and_unknown_counters(kube: KubeClie
     with pytest.raises(KubeError) as err:
         kube.create_resource_slice(bad)
     assert err.value.status == 422 and "memory-slice-99" in str(err.value)
+
+
+async def test_component_serves_dynamic_mig_and_leaves_a_static_layout_alone(
+        kube: KubeClient, node_name: str, short_tmp: Path) -> None:
+    tmp_path = short_tmp
+    adapter = adapter_for_sim(open_sim("dgx-a100-40gb", tmp_path / "sim.json"))
+    for i in (0, 1):
+        if adapter.set_mig_mode(i, True):
+            adapter.reset_gpu(i)
+    static = adapter.create_mig_device(1, "3g.20gb", 4)  # GPU 1 carries a static layout
+    dra = DraComponent(paths=HostPaths(tmp_path / "root"), kube=kube, node_name=node_name, mig=adapter,
+                       dynamic_mig=True, gpu_filter=lambda g: g.index in (0, 1))
+    await dra.start(adapter.discover())
+    try:
+        await dra.wait_published()
+        names = {d.name for d in dra.devices}
+        assert "gpu-0-mig-7g-40gb-at-0" in names and "gpu-0-mig-1g-5gb-at-6" in names
+        assert f"gpu-1-mig-{static.gi_id}-{static.ci_id}" in names  # the static device, as it is
+        assert not any(n.startswith("gpu-1-mig-") and "-at-" in n for n in names)
+        sets = [cs["name"] for s in slices_of(kube, node_name) for cs in s["spec"].get("sharedCounters", [])]
+        assert sets == ["gpu-0-counters"]
+
+        uid = str(uuid.uuid4())
+        claims = {"c1": {"metadata": {"namespace": "ns", "name": "c1", "uid": uid}, "status": {"allocation": {
+            "devices": {"results": [{"request": "r", "driver": "gpu.nodeagent.io", "pool": node_name,
+                                     "device": "gpu-0-mig-2g-10gb-at-2"}]}}}}}
+        assert dra.preparer is not None
+        dra.preparer.read_claim = lambda ns, name: claims[name]
+        out = await dra.preparer.prepare([ClaimRef("ns", uid, "c1")])
+        assert out[uid].error == ""
+        # the daemon rediscovers: GPU 0 now holds the claim's instance, the pool is unchanged, nothing written
+        writes = dra.publisher.writes
+        await dra.on_inventory(adapter.discover())
+        await dra.wait_published()
+        assert {d.name for d in dra.devices} == names and dra.publisher.writes == writes
+        # unprepare destroys only the claim's instance; the static one on GPU 1 stays
+        assert await dra.preparer.unprepare([ClaimRef("ns", uid, "c1")]) == {uid: ""}
+        inv = adapter.discover()
+        assert inv.gpu(0).mig_devices == ()
+        assert [(m.profile, m.placement_start) for m in inv.gpu(1).mig_devices] == [("3g.20gb", 4)]
+    finally:
+        await dra.stop()
