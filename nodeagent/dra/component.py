@@ -135,9 +135,9 @@ class DraComponent:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
-                                      driver=self.driver, mig=self.mig if self.dynamic_mig else None)
+                                      driver=self.driver, mig=self.mig)  # MIG claims unprepare even with the knob off
         await self._set_inventory(inventory)
-        if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None and self.dynamic_mig:
+        if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
             await self._set_inventory(await asyncio.to_thread(self.mig.discover))
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
                                 on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir)

@@ -168,6 +168,11 @@ class ClaimPreparer:
         rec = self.checkpoint.claims.get(ref.uid)
         if rec is not None and rec.state == PREPARED:
             return PrepareResult(rec.devices)
+        if rec is not None:  # an unprepare that could not finish (instance busy): it must complete first
+            msg = (f"claim {ref.namespace}/{ref.name} is being unprepared ({rec.state}); "
+                   "NodeUnprepareResources has to finish first")
+            log.warning("NodePrepareResources: %s", msg)
+            return PrepareResult(error=msg)
         try:
             self.specs.path(ref.uid)  # rejects a UID unusable in a file or CDI name before anything else
             claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)

@@ -256,6 +256,9 @@ async def test_a_kill_during_unprepare_is_finished_and_a_lost_instance_drops_the
     # killed after recording "unpreparing" (instance still there, or already destroyed)
     rec = p.checkpoint.claims["u1"]
     p.checkpoint.put(dataclasses.replace(rec, state=UNPREPARING))
+    # while an unprepare is unfinished, a prepare of the same claim is refused (nothing created twice)
+    again = await p.prepare([ClaimRef("ns", "u1", "one")])
+    assert "being unprepared" in again["u1"].error and len(instances(adapter)) == 2
     p2 = preparer(tmp_path, adapter_for_sim(open_sim(None, state)), claims)
     assert any("finished the interrupted unprepare" in line for line in p2.recover(p2.mig.discover()))  # type: ignore[union-attr]
     assert instances(adapter) == [("1g.5gb", 6)] and not p2.specs.path("u1").exists()
