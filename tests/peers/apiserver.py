@@ -197,6 +197,9 @@ def start_apiserver(workdir: Path | None = None) -> KubeApiServer:
              # No controller-manager runs, so nothing would create the default service accounts.
              "--disable-admission-plugins=ServiceAccount",
              "--allow-privileged=true", "--profiling=false", "--v=1",
+             # 1.37 refuses a loopback advertise address for the kubernetes Service's endpoints; no
+             # test needs them
+             "--endpoint-reconciler-type=none",
              # DRA device taints and partitionable devices (shared counters) are alpha before 1.36: without
              # the gates the server drops those fields silently.
              "--feature-gates=DRADeviceTaints=true,DRAPartitionableDevices=true"],
