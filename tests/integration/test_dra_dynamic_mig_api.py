@@ -1,8 +1,8 @@
 """Dynamic MIG pools on the REAL kube-apiserver: the placement devices and shared counters of every
 simulated MIG machine (all GPUs in MIG mode) pass the server's ResourceSlice validation in the layout its
 version requires, come back with counters intact (the DRAPartitionableDevices fields are not dropped),
-and the server rejects the other layout (and, on 1.34, a device consuming an unknown counter); run against
-1.37.2 with NODEAGENT_KUBE_APISERVER pointing at that build; the component publishes
+and the server rejects the other layout (and, on 1.34, a device consuming an unknown counter), on both
+releases of tests/integration/_releases.py; the component publishes
 placements only on GPUs without a static layout and writes nothing when a prepared instance shows up."""
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ from nodeagent.gpu.sim import open_sim
 from nodeagent.gpu.sim.machine import load_machine
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
+from tests.integration._releases import release_apiserver
 from tests.peers.apiserver import KubeApiServer
 
 pytestmark = pytest.mark.peers
+
+kube_apiserver = release_apiserver  # every test once per Kubernetes release
 
 MACHINES = ["dgx-a100-40gb", "dgx-h100", "a30x4", "rtx-pro-6000", "dgx-b200", "hgx-h200"]
 

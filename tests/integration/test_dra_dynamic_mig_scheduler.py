@@ -1,4 +1,5 @@
-"""Dynamic MIG with the REAL kube-scheduler (its DynamicResources plugin, DRAPartitionableDevices on): the
+"""Dynamic MIG with the REAL kube-scheduler (its DynamicResources plugin, DRAPartitionableDevices on), in
+releases 1.34.4 and 1.37.2 (tests/integration/_releases.py): the
 pool of a simulated A100-40GB in MIG mode is published by nodeagent; claims for overlapping placements are
 never both allocated (the second pod stays unschedulable), a non-overlapping one is; the allocations the
 scheduler wrote are then prepared by nodeagent, which creates exactly those GPU instances."""
@@ -27,10 +28,12 @@ from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim import open_sim
 from nodeagent.kube.client import KubeClient
 from tests.integration._kube import wait_for
-from tests.peers._resolve import peer_binary
+from tests.integration._releases import release_apiserver, release_binary
 from tests.peers.apiserver import KubeApiServer
 
 pytestmark = pytest.mark.peers
+
+kube_apiserver = release_apiserver  # every test once per Kubernetes release
 
 NS = "default"
 CLAIMS = f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims"
@@ -40,7 +43,7 @@ CLASS = "mig-dyn.gpu.nodeagent.io"
 
 @pytest.fixture(scope="module")
 def scheduler(kube_apiserver: KubeApiServer) -> Iterator[subprocess.Popen[bytes]]:
-    binary = peer_binary("NODEAGENT_KUBE_SCHEDULER", "nodeagent_peers_kube_control_plane", "kube-scheduler")
+    binary = release_binary(kube_apiserver.version, "kube-scheduler")
     log = (kube_apiserver.workdir / "kube-scheduler.log").open("wb")
     proc = subprocess.Popen(
         [str(binary), f"--kubeconfig={kube_apiserver.kubeconfig}", "--leader-elect=false", "--secure-port=0",
