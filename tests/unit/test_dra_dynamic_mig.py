@@ -8,6 +8,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -269,3 +273,61 @@ async def test_a_kill_during_unprepare_is_finished_and_a_lost_instance_drops_the
     p3 = preparer(tmp_path, adapter_for_sim(open_sim(None, state)), claims)
     assert any("its MIG instance is gone" in line for line in p3.recover(p3.mig.discover()))  # type: ignore[union-attr]
     assert p3.checkpoint.claims == {} and p3.specs.claim_uids() == set()
+
+
+_KILLED_CHILD = r'''
+import asyncio, sys, time
+from pathlib import Path
+from nodeagent.dra.cdi import ClaimSpecs
+from nodeagent.dra.checkpoint import Checkpoint
+from nodeagent.dra.devices import build_devices
+from nodeagent.dra.service import ClaimPreparer, ClaimRef
+from nodeagent.gpu import adapter_for_sim
+from nodeagent.gpu.sim import open_sim
+
+tmp, device, stop_after = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+adapter = adapter_for_sim(open_sim(None, tmp / "sim.json"))
+real_create = adapter.create_mig_device
+
+
+def create(index, profile, start=None):
+    if stop_after == "recorded":
+        print("stopped", flush=True)
+        time.sleep(600)
+    made = real_create(index, profile, start)
+    print("stopped", flush=True)  # the GPU instance exists; the spec and the prepared record do not
+    time.sleep(600)
+    return made
+
+
+adapter.create_mig_device = create
+claim = {"metadata": {"namespace": "ns", "name": "one", "uid": "u1"}, "status": {"allocation": {"devices": {
+    "results": [{"request": "mig", "driver": "gpu.nodeagent.io", "pool": "node-a", "device": device}]}}}}
+p = ClaimPreparer(Checkpoint.load(tmp / "state" / "dra-claims.json"), ClaimSpecs(tmp / "cdi"),
+                  lambda ns, name: claim, "node-a", mig=adapter)
+p.set_devices(build_devices(adapter.discover(), dynamic_mig=lambda g: True))
+asyncio.run(p.prepare([ClaimRef("ns", "u1", "one")]))
+'''
+
+
+@pytest.mark.parametrize("stop_after", ["recorded", "instance-created"])
+def test_kill_9_during_prepare_is_undone_by_the_next_start(tmp_path: Path, stop_after: str) -> None:
+    """A real SIGKILL of a preparing process (simulator state in a file shared with this process)."""
+    adapter = sim_with_mig("dgx-h100", tmp_path / "sim.json")
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(tmp_path), "gpu-0-mig-3g-40gb-at-0", stop_after],
+                             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "stopped"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    assert Checkpoint.load(tmp_path / "state" / "dra-claims.json").claims["u1"].state == PREPARING
+    assert instances(adapter) == ([("3g.40gb", 0)] if stop_after == "instance-created" else [])
+
+    fresh = adapter_for_sim(open_sim(None, tmp_path / "sim.json"))
+    p = preparer(tmp_path, fresh, Claims(claim("u1", "one", ["gpu-0-mig-3g-40gb-at-0"])))
+    assert any("undid the interrupted prepare" in line for line in p.recover(fresh.discover()))
+    assert instances(fresh) == [] and p.checkpoint.claims == {} and p.specs.claim_uids() == set()
