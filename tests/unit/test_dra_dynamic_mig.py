@@ -18,16 +18,9 @@ from typing import Any
 
 import pytest
 
+from nodeagent.dra import checkpoint as ckpt
 from nodeagent.dra.cdi import ClaimSpecs
-from nodeagent.dra.checkpoint import (
-    PREPARED,
-    PREPARING,
-    UNPREPARING,
-    Checkpoint,
-    ClaimRecord,
-    MigInstance,
-    PreparedDevice,
-)
+from nodeagent.dra.checkpoint import Checkpoint
 from nodeagent.dra.devices import DraDevice, build_counter_sets, build_devices, mig_counters, with_instance
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import (
@@ -203,7 +196,7 @@ async def test_prepare_creates_the_instance_and_unprepare_destroys_it(tmp_path: 
     assert spec["containerEdits"]["env"] == [f"NVIDIA_VISIBLE_DEVICES={dev.mig.uuid}"]
     nodes = [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]]
     assert nodes[0] == "/dev/nvidia0" and any("nvidia-cap" in n for n in nodes[1:])
-    assert Checkpoint.load(p.checkpoint.path).claims["u1"].state == PREPARED
+    assert Checkpoint.load(p.checkpoint.path).claims["u1"].state == ckpt.PREPARED
     # idempotent: no second instance
     assert (await p.prepare([ClaimRef("ns", "u1", "one")]))["u1"] == out["u1"]
     assert len(instances(adapter)) == 3
@@ -229,14 +222,14 @@ async def test_a_kill_during_prepare_is_undone_by_the_next_start(tmp_path: Path,
     # what the files hold when the process is killed at ``step`` of preparing u1
     dev = p.devices["gpu-0-mig-3g-20gb-at-0"]
     gpu_uuid = adapter.discover().gpu(0).uuid
-    pd = PreparedDevice(("mig",), POOL, dev.name, ("gpu.nodeagent.io/claim=u1-" + dev.name,),
-                        MigInstance(0, gpu_uuid, "3g.20gb", 0))
-    p.checkpoint.put(ClaimRecord("u1", "ns", "one", PREPARING, (pd,)))
+    pd = ckpt.PreparedDevice(("mig",), POOL, dev.name, ("gpu.nodeagent.io/claim=u1-" + dev.name,),
+                        ckpt.MigInstance(0, gpu_uuid, "3g.20gb", 0))
+    p.checkpoint.put(ckpt.ClaimRecord("u1", "ns", "one", ckpt.PREPARING, (pd,)))
     if step != "recorded":
         inst = adapter.create_mig_device(0, "3g.20gb", 0)
         if step == "spec-written":
             p.specs.write("u1", [with_instance(dev, inst)])
-    assert Checkpoint.load(p.checkpoint.path).claims["u1"].state == PREPARING
+    assert Checkpoint.load(p.checkpoint.path).claims["u1"].state == ckpt.PREPARING
 
     # a fresh process over the same simulator state file
     adapter2 = adapter_for_sim(open_sim(None, state))
@@ -259,7 +252,7 @@ async def test_a_kill_during_unprepare_is_finished_and_a_lost_instance_drops_the
     assert out["u1"].error == "" and out["u2"].error == ""
     # killed after recording "unpreparing" (instance still there, or already destroyed)
     rec = p.checkpoint.claims["u1"]
-    p.checkpoint.put(dataclasses.replace(rec, state=UNPREPARING))
+    p.checkpoint.put(dataclasses.replace(rec, state=ckpt.UNPREPARING))
     # while an unprepare is unfinished, a prepare of the same claim is refused (nothing created twice)
     again = await p.prepare([ClaimRef("ns", "u1", "one")])
     assert "being unprepared" in again["u1"].error and len(instances(adapter)) == 2
@@ -324,7 +317,7 @@ def test_kill_9_during_prepare_is_undone_by_the_next_start(tmp_path: Path, stop_
         child.wait()
         if child.stdout is not None:
             child.stdout.close()
-    assert Checkpoint.load(tmp_path / "state" / "dra-claims.json").claims["u1"].state == PREPARING
+    assert Checkpoint.load(tmp_path / "state" / "dra-claims.json").claims["u1"].state == ckpt.PREPARING
     assert instances(adapter) == ([("3g.40gb", 0)] if stop_after == "instance-created" else [])
 
     fresh = adapter_for_sim(open_sim(None, tmp_path / "sim.json"))
