@@ -36,7 +36,7 @@ from nodeagent.dra.checkpoint import (
     PreparedDevice,
 )
 from nodeagent.dra.devices import DraDevice, with_instance
-from nodeagent.errors import NodeAgentError
+from nodeagent.errors import GpuBusyError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
 
@@ -316,7 +316,15 @@ class ClaimPreparer:
             if rec.state != UNPREPARING:
                 rec = dataclasses.replace(rec, state=UNPREPARING)
                 self.checkpoint.put(rec)
-            self._destroy_instances(rec, inventory)
+            try:
+                self._destroy_instances(rec, inventory)
+            except GpuBusyError:
+                raise
+            except NodeAgentError:
+                if inventory is not None:
+                    raise
+                # the recorded instance may be gone already (a GPU reset): look at what is there
+                self._destroy_instances(rec, self.mig.discover())
         self.checkpoint.drop(ref.uid)
         self.specs.remove(ref.uid)
         log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)

@@ -37,7 +37,7 @@ from nodeagent.errors import InsufficientResourcesError
 from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import open_sim
+from nodeagent.gpu.sim import inject, open_sim
 from nodeagent.gpu.sim.machine import load_machine, machine_names
 
 POOL = "node-a"
@@ -276,7 +276,7 @@ from nodeagent.dra.checkpoint import Checkpoint
 from nodeagent.dra.devices import build_devices
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import open_sim
+from nodeagent.gpu.sim import inject, open_sim
 
 tmp, device, stop_after = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 adapter = adapter_for_sim(open_sim(None, tmp / "sim.json"))
@@ -324,3 +324,29 @@ def test_kill_9_during_prepare_is_undone_by_the_next_start(tmp_path: Path, stop_
     p = preparer(tmp_path, fresh, Claims(claim("u1", "one", ["gpu-0-mig-3g-40gb-at-0"])))
     assert any("undid the interrupted prepare" in line for line in p.recover(fresh.discover()))
     assert instances(fresh) == [] and p.checkpoint.claims == {} and p.specs.claim_uids() == set()
+
+
+async def test_unprepare_waits_for_a_busy_instance_and_copes_with_a_vanished_one(tmp_path: Path) -> None:
+    state = tmp_path / "sim.json"
+    adapter = sim_with_mig("dgx-h100", state)
+    sim = open_sim(None, state)
+    claims = Claims(claim("u1", "one", ["gpu-0-mig-2g-20gb-at-0"]), claim("u2", "two", ["gpu-0-mig-1g-10gb-at-6"]))
+    p = preparer(tmp_path, adapter, claims)
+    out = await p.prepare([ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u2", "two")])
+    assert out["u1"].error == "" and out["u2"].error == ""
+    m1 = out["u1"].devices[0].mig
+    assert m1 is not None and m1.gi_id is not None
+    # a process still runs on u1's instance: unprepare fails, stays recorded, and a prepare is refused
+    inject.inject_process(sim.store, 0, 4242, "trainer", gi_id=m1.gi_id)
+    err = await p.unprepare([ClaimRef("ns", "u1", "one")])
+    assert err["u1"] and p.checkpoint.claims["u1"].state == ckpt.UNPREPARING
+    assert ("2g.20gb", 0) in instances(adapter)
+    inject.kill_process(sim.store, 0, 4242)
+    assert await p.unprepare([ClaimRef("ns", "u1", "one")]) == {"u1": ""}
+    assert instances(adapter) == [("1g.10gb", 6)] and "u1" not in p.checkpoint.claims
+    # u2's instance vanished behind the driver's back (a GPU reset): unprepare still completes
+    m2 = out["u2"].devices[0].mig
+    assert m2 is not None and m2.gi_id is not None
+    adapter.destroy_mig_device(0, m2.gi_id)
+    assert await p.unprepare([ClaimRef("ns", "u2", "two")]) == {"u2": ""}
+    assert p.checkpoint.claims == {} and p.specs.claim_uids() == set()
