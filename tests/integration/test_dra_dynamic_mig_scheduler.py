@@ -45,9 +45,10 @@ CLASS = "mig-dyn.gpu.nodeagent.io"
 def scheduler(kube_apiserver: KubeApiServer) -> Iterator[subprocess.Popen[bytes]]:
     binary = release_binary(kube_apiserver.version, "kube-scheduler")
     log = (kube_apiserver.workdir / "kube-scheduler.log").open("wb")
+    gates = ["--feature-gates=DRAPartitionableDevices=true"] if kube_apiserver.version < "v1.36" else []
     proc = subprocess.Popen(
         [str(binary), f"--kubeconfig={kube_apiserver.kubeconfig}", "--leader-elect=false", "--secure-port=0",
-         "--feature-gates=DRAPartitionableDevices=true", "--v=2"],
+         *gates, "--v=2"],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
     )
     try:

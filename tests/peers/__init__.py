@@ -56,6 +56,12 @@ Fixtures (registered by tests/conftest.py):
     ``.default_runtime``) from the running CRI service's ``RuntimeService.Status`` (verbose), the call the
     kubelet makes, and ``.version_tuple()``.
 
+``tests.peers.controlplane`` (used by tests/integration/test_dra_scheduling.py, module-scoped there)
+    ``RELEASES`` (v1.34.4 and v1.37.2, each with its binaries and feature gates) and
+    ``running_control_plane(release)`` -> ``ControlPlane``: its own etcd + kube-apiserver (``.apiserver``),
+    kube-controller-manager running only ``resourceclaim-controller``, and kube-scheduler, each waited for
+    on /healthz. ``release.dra_harness()`` is that release's kubelet DRA harness (tests/peers/draharness.py).
+
 Outside pytest: ``running_apiserver()``, ``running_harness()``, ``containerd_peer()`` context managers
 (``containerd_peer(Containerd2)`` for containerd 2).
 ``tests.peers.sampleplugin.SampleDevicePlugin`` is a minimal Python device plugin (the project's generated

@@ -13,7 +13,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -154,9 +154,18 @@ def _wait_ready(server: KubeApiServer, apiserver: subprocess.Popen[bytes], etcd:
     raise RuntimeError(f"kube-apiserver not ready after {READY_TIMEOUT:.0f}s ({last}):\n{server.log_tail()}")
 
 
-def start_apiserver(workdir: Path | None = None) -> KubeApiServer:
-    """Start etcd and kube-apiserver; returns once /readyz answers 200. Call ``stop()`` when done."""
-    apiserver_bin = peer_binary("NODEAGENT_KUBE_APISERVER", "nodeagent_peers_apiserver", "kube-apiserver")
+# DRA device taints and partitionable devices (shared counters) are alpha before 1.36: without the gates the
+# server drops those fields silently.
+DEFAULT_FEATURE_GATES = "DRADeviceTaints=true,DRAPartitionableDevices=true"
+
+
+def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,
+                    feature_gates: str = DEFAULT_FEATURE_GATES, extra_args: Sequence[str] = ()) -> KubeApiServer:
+    """Start etcd and kube-apiserver; returns once /readyz answers 200. Call ``stop()`` when done.
+
+    ``binary`` is another kube-apiserver build (default: NODEAGENT_KUBE_APISERVER); ``feature_gates`` its
+    --feature-gates value ("" for the release's defaults); ``extra_args`` more flags (e.g. --runtime-config)."""
+    apiserver_bin = binary or peer_binary("NODEAGENT_KUBE_APISERVER", "nodeagent_peers_apiserver", "kube-apiserver")
     etcd_bin = peer_binary("NODEAGENT_ETCD", "nodeagent_peers_apiserver", "etcd")
     own_dir = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="nodeagent-apiserver-")) if workdir is None else workdir
@@ -197,12 +206,7 @@ def start_apiserver(workdir: Path | None = None) -> KubeApiServer:
              # No controller-manager runs, so nothing would create the default service accounts.
              "--disable-admission-plugins=ServiceAccount",
              "--allow-privileged=true", "--profiling=false", "--v=1",
-             # 1.37 refuses a loopback advertise address for the kubernetes Service's endpoints; no
-             # test needs them
-             "--endpoint-reconciler-type=none",
-             # DRA device taints and partitionable devices (shared counters) are alpha before 1.36: without
-             # the gates the server drops those fields silently.
-             "--feature-gates=DRADeviceTaints=true,DRAPartitionableDevices=true"],
+             *([f"--feature-gates={feature_gates}"] if feature_gates else []), *extra_args],
             stdin=subprocess.DEVNULL, stdout=api_log, stderr=subprocess.STDOUT,
         )
         server._procs.append(apiserver)
@@ -222,8 +226,9 @@ def start_apiserver(workdir: Path | None = None) -> KubeApiServer:
 
 
 @contextlib.contextmanager
-def running_apiserver() -> Iterator[KubeApiServer]:
-    server = start_apiserver()
+def running_apiserver(*, binary: Path | None = None,
+                      feature_gates: str = DEFAULT_FEATURE_GATES) -> Iterator[KubeApiServer]:
+    server = start_apiserver(binary=binary, feature_gates=feature_gates)
     try:
         yield server
     finally:

@@ -107,8 +107,9 @@ class DraHarness:
 
 
 def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_name: str,
-                      verbosity: int = 0) -> DraHarness:
-    binary = peer_binary("NODEAGENT_DRA_HARNESS", "nodeagent_peers_dra_harness", "kubelet DRA harness")
+                      verbosity: int = 0, binary: Path | None = None) -> DraHarness:
+    """``binary`` is another build of the harness (default: NODEAGENT_DRA_HARNESS, the peers' release)."""
+    binary = binary or peer_binary("NODEAGENT_DRA_HARNESS", "nodeagent_peers_dra_harness", "kubelet DRA harness")
     state_dir = workdir / "dra-state"
     with (workdir / "dra-harness.log").open("wb") as log:
         proc = subprocess.Popen(
@@ -120,10 +121,11 @@ def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_
 
 
 @contextmanager
-def running_dra_harness(kubeconfig: Path, registry_dir: Path, node_name: str) -> Iterator[DraHarness]:
+def running_dra_harness(kubeconfig: Path, registry_dir: Path, node_name: str,
+                        binary: Path | None = None) -> Iterator[DraHarness]:
     wd = Path(tempfile.mkdtemp(prefix="nodeagent-dra-kubelet-"))
     try:
-        harness = start_dra_harness(wd, kubeconfig, registry_dir, node_name, verbosity=4)
+        harness = start_dra_harness(wd, kubeconfig, registry_dir, node_name, verbosity=4, binary=binary)
         try:
             yield harness
         finally:

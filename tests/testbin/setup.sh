@@ -10,6 +10,12 @@
 #   * exports the paths the pytest fixtures (tests/peers/) read:
 #       NODEAGENT_KUBE_APISERVER, NODEAGENT_ETCD, NODEAGENT_KUBELET_HARNESS,
 #       NODEAGENT_CONTAINERD, NODEAGENT_RUNC, NODEAGENT_CONTAINERD2, NODEAGENT_CRI_STATUS
+#   * on demand (the tests that need them call these functions through tests/peers/_resolve.py):
+#       nodeagent_peers_kube_control_plane -> NODEAGENT_KUBE_SCHEDULER, NODEAGENT_KUBE_CONTROLLER_MANAGER
+#       nodeagent_peers_dra_harness -> NODEAGENT_DRA_HARNESS
+#       nodeagent_peers_k8s137 -> NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
+#                                 NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37, NODEAGENT_DRA_HARNESS_1_37
+#       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 # KUBEBUILDER_ASSETS, when set to a directory holding kube-apiserver and etcd, is used instead of building
 # those two.
 #

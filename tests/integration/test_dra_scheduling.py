@@ -1,0 +1,414 @@
+"""Pods with DRA claims go through the REAL control plane and the kubelet's DRA code, on two Kubernetes
+releases (v1.34.4, the v1 API floor, and v1.37.2; tests/peers/controlplane.py):
+
+kube-controller-manager creates each pod's ResourceClaim from its ResourceClaimTemplate, kube-scheduler
+allocates a device from the ResourceSlices nodeagent's DRA component publishes for a simulated node and
+binds the pod there, then the kubelet's DRA manager (tests/testbin/dra-harness; the driver registered
+through its plugin watcher) prepares the claim. The CDI IDs it returns must resolve, with the CDI
+reference library (cdi-check), in the per-claim spec nodeagent wrote; unprepare removes the spec.
+A driver process killed (-9) inside NodePrepareResources is cleaned up by its restart and the kubelet's
+retry prepares the claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import pytest
+import yaml
+
+from nodeagent.cdi import simhost
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.component import DraComponent
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient, connect
+from tests.e2e._agent import eventually
+from tests.peers.cdicheck import run_cdi_check
+from tests.peers.controlplane import RELEASES, ControlPlane, KubeRelease, running_control_plane
+from tests.peers.draharness import DraHarness, Pod, running_dra_harness
+from tests.unit._dp_inventories import gpu, mig_box
+
+pytestmark = pytest.mark.peers
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "packaging/kubernetes"
+NODE = "dra-sched-node"
+NS = "default"
+T = TypeVar("T")
+
+# One GPU in MIG mode with two 1g.10gb devices (gpu-0-mig-1-0, gpu-0-mig-2-0), whole GPUs gpu-1..gpu-3,
+# and gpu-4, another product, for the productName selector.
+INVENTORY = replace(mig_box(per_gpu=2, gpus_on=1, gpus_off=3),
+                    gpus=(*mig_box(per_gpu=2, gpus_on=1, gpus_off=3).gpus,
+                          gpu(4, numa=None, name="NVIDIA A100-SXM4-80GB")))
+
+
+class LoopThread:
+    """An asyncio loop in its own thread: the DRA component serves the kubelet's calls while the test
+    blocks on the harness and the API."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dra-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@dataclass
+class Cluster:
+    plane: ControlPlane
+    kube: KubeClient
+    harness: DraHarness
+    dra: DraComponent
+    root: Path
+
+    @property
+    def release(self) -> KubeRelease:
+        return self.plane.release
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "var/run/cdi"
+
+    def get(self, path: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.kube.request("GET", path)
+        return out
+
+    def diagnostics(self) -> str:
+        return "\n".join(f"--- {c}:\n{self.plane.log_tail(c, 15)}" for c in ("kube-scheduler",
+                                                                          "kube-controller-manager"))
+
+
+def wait_for(cond: Callable[[], T | None], timeout: float, what: str, cluster: Cluster | None = None) -> T:
+    """``eventually``, failing with the scheduler's and the controller manager's last log lines."""
+    try:
+        return cast(T, eventually(cond, timeout, what))
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{cluster.diagnostics() if cluster else ''}") from None
+
+
+def apply_device_classes(kube: KubeClient) -> None:
+    for f in ("deviceclass.yaml", "deviceclass-extended-resource.yaml"):
+        for doc in yaml.safe_load_all((MANIFESTS / f).read_text()):
+            if doc:
+                kube.request("POST", "/apis/resource.k8s.io/v1/deviceclasses", body=doc)
+
+
+def make_node(kube: KubeClient) -> None:
+    kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": NODE, "labels": {"kubernetes.io/hostname": NODE}}})
+    node = kube.request("GET", f"/api/v1/nodes/{NODE}")
+    resources = {"cpu": "32", "memory": "256Gi", "pods": "110"}  # no nvidia.com/gpu: DRA serves it
+    node["status"] = {"capacity": resources, "allocatable": resources, "conditions": [
+        {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "simulated node"}]}
+    kube.request("PUT", f"/api/v1/nodes/{NODE}/status", body=node)
+    # the TaintNodesByCondition admission plugin created the node with the not-ready taint; no node
+    # lifecycle controller runs to lift it once Ready
+    node = kube.request("GET", f"/api/v1/nodes/{NODE}")
+    node["spec"].pop("taints", None)
+    kube.request("PUT", f"/api/v1/nodes/{NODE}", body=node)
+
+
+def slice_devices(kube: KubeClient) -> dict[str, dict[str, Any]]:
+    items = kube.list_resource_slices(field_selector=f"spec.nodeName={NODE}")
+    return {d["name"]: d for s in items for d in s["spec"]["devices"]}
+
+
+@pytest.fixture(scope="module", params=RELEASES, ids=[r.version for r in RELEASES])
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    release: KubeRelease = request.param
+    harness_bin = release.dra_harness()
+    with running_control_plane(release) as plane:
+        kube = KubeClient(connect(plane.apiserver.kubeconfig))
+        agent_kube = KubeClient(connect(plane.apiserver.kubeconfig))
+        root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))  # socket paths must stay under 108 bytes
+        loop = LoopThread()
+        dra = DraComponent(paths=HostPaths(root), kube=agent_kube, node_name=NODE, verify_interval_s=0.5)
+        try:
+            apply_device_classes(kube)
+            make_node(kube)
+            # the simulated host's /proc/devices, mig-minors and /dev stand-ins, as `nodeagent run --simulate`
+            simhost.materialise(HostPaths(root), INVENTORY)
+            loop.run(dra.start(INVENTORY))
+            registry = root / "var/lib/kubelet/plugins_registry"
+            with running_dra_harness(plane.apiserver.kubeconfig, registry, NODE, binary=harness_bin) as h:
+                h.wait_registered(DRIVER_NAME)
+                c = Cluster(plane, kube, h, dra, root)
+                # the kubelet wipes the node's slices when the driver registers; the driver writes them again
+                wait_for(lambda: len(slice_devices(kube)) == 6, 30, "the node's ResourceSlices", c)
+                yield c
+        finally:
+            loop.run(dra.stop())
+            loop.close()
+            agent_kube.close()
+            kube.close()
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def claim_template(kube: KubeClient, name: str, device_class: str, cel: str | None = None) -> None:
+    exactly: dict[str, Any] = {"deviceClassName": device_class}
+    if cel:
+        exactly["selectors"] = [{"cel": {"expression": cel}}]
+    kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates", body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}})
+
+
+def create_pod(kube: KubeClient, name: str, *, template: str | None = None,
+               extended: dict[str, str] | None = None) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": "main", "image": "registry.k8s.io/pause:3.10"}
+    spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0}
+    if template:
+        container["resources"] = {"claims": [{"name": "gpu"}]}
+        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": template}]
+    if extended:
+        container["resources"] = {"requests": extended, "limits": extended}
+    out: dict[str, Any] = kube.request("POST", f"/api/v1/namespaces/{NS}/pods", body={
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec})
+    return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    pod_status: dict[str, Any]
+    claim: dict[str, Any]
+    device: str  # the allocated device's name in the ResourceSlice
+    cdi_ids: list[str]
+    env: list[str]  # the container environment after the CDI reference library injected the IDs
+
+
+def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool) -> Prepared:
+    """Wait for the real scheduler to bind the pod and allocate its claim, prepare it through the kubelet's
+    DRA manager, resolve the CDI IDs with the CDI reference library, then unprepare and delete the pod."""
+    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+    path = f"/api/v1/namespaces/{NS}/pods/{name}"
+    claim_path = ""
+    try:
+        bound = wait_for(lambda: (p := c.get(path))["spec"].get("nodeName") and p, 60, f"pod {name} scheduled", c)
+        assert bound["spec"]["nodeName"] == NODE
+        status = bound.get("status") or {}
+        if from_template:
+            [entry] = status["resourceClaimStatuses"]
+            claim_name = entry["resourceClaimName"]
+        else:
+            claim_name = status["extendedResourceClaimStatus"]["resourceClaimName"]
+        claim_path = f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims/{claim_name}"
+        claim = c.get(claim_path)
+        owner = claim["metadata"]["ownerReferences"]
+        assert [(o["kind"], o["uid"]) for o in owner] == [("Pod", uid)], owner
+        [result] = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"]) == (DRIVER_NAME, NODE), result
+        assert [r["uid"] for r in claim["status"]["reservedFor"]] == [uid]
+
+        hpod = Pod(NS, name, uid, {claim_name: claim_name}, {"main": [claim_name]})
+        cdi = c.harness.prepare(hpod)
+        claim_uid = claim["metadata"]["uid"]
+        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}"]}, cdi
+        spec_file = c.cdi_dir / f"{DRIVER_NAME}-claim_{claim_uid}.json"
+        assert spec_file.is_file()
+        out = run_cdi_check([c.cdi_dir], [cdi["main"]])
+        assert not any(out["errors"].values()), out["errors"]
+        assert set(cdi["main"]) <= set(out["devices"])
+        [inj] = out["injections"]
+        assert inj["unresolved"] == [] and not inj.get("error"), inj
+        env = list(inj["spec"]["process"].get("env") or [])
+
+        c.harness.unprepare(hpod)
+        assert not spec_file.exists()
+        gone = run_cdi_check([c.cdi_dir], [cdi["main"]])
+        assert not set(cdi["main"]) & set(gone["devices"])
+        assert gone["injections"][0]["unresolved"] == cdi["main"]
+        return Prepared(status, claim, str(result["device"]), cdi["main"], env)
+    finally:
+        c.kube.request("DELETE", f"{path}?gracePeriodSeconds=0")
+        if claim_path and not from_template and c.release.minor < 35:
+            # The 1.34 resourceclaim controller does not look at pod.status.extendedResourceClaimStatus when
+            # a pod goes: delete the claim the way the garbage collector (not run here) would; the
+            # controller then drops the reservation, the allocation and its finalizer.
+            c.kube.request("DELETE", claim_path)
+            wait_for(lambda: c.plane.apiserver.get(claim_path)[0] == 404, 30, f"claim of {name} gone", c)
+        elif claim_path:
+            # the pod is gone: the resourceclaim controller drops the reservation and the allocation
+            wait_for(lambda: not (c.get(claim_path).get("status") or {}).get("allocation"), 30,
+                     f"claim of {name} deallocated", c)
+
+
+def uuid_of(c: Cluster, device: str) -> str:
+    return str(slice_devices(c.kube)[device]["attributes"]["uuid"]["string"])
+
+
+def test_claim_template_for_one_whole_gpu(cluster: Cluster) -> None:
+    claim_template(cluster.kube, "one-gpu", "gpu.nodeagent.io")
+    pod = create_pod(cluster.kube, "one-gpu", template="one-gpu")
+    got = schedule_and_prepare(cluster, pod, from_template=True)
+    assert got.device in {"gpu-1", "gpu-2", "gpu-3", "gpu-4"}, got.device
+    assert f"NVIDIA_VISIBLE_DEVICES={uuid_of(cluster, got.device)}" in got.env, got.env
+    assert got.claim["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"] == "gpu"
+
+
+def test_gpu_chosen_by_uuid_and_by_product_name(cluster: Cluster) -> None:
+    by_uuid = uuid_of(cluster, "gpu-2")
+    claim_template(cluster.kube, "by-uuid", "gpu.nodeagent.io",
+                   f'device.attributes["{DRIVER_NAME}"].uuid == "{by_uuid}"')
+    got = schedule_and_prepare(cluster, create_pod(cluster.kube, "by-uuid", template="by-uuid"), from_template=True)
+    assert got.device == "gpu-2" and f"NVIDIA_VISIBLE_DEVICES={by_uuid}" in got.env, got
+
+    claim_template(cluster.kube, "by-product", "gpu.nodeagent.io",
+                   f'device.attributes["{DRIVER_NAME}"].productName == "NVIDIA A100-SXM4-80GB"')
+    got = schedule_and_prepare(cluster, create_pod(cluster.kube, "by-product", template="by-product"),
+                               from_template=True)
+    assert got.device == "gpu-4", got
+
+
+def test_claim_template_for_a_mig_device(cluster: Cluster) -> None:
+    claim_template(cluster.kube, "one-mig", "mig.gpu.nodeagent.io",
+                   f'device.attributes["{DRIVER_NAME}"].profile == "1g.10gb"')
+    got = schedule_and_prepare(cluster, create_pod(cluster.kube, "one-mig", template="one-mig"), from_template=True)
+    assert got.device in {"gpu-0-mig-1-0", "gpu-0-mig-2-0"}, got.device
+    assert f"NVIDIA_VISIBLE_DEVICES={uuid_of(cluster, got.device)}" in got.env, got.env
+
+
+def test_unchanged_nvidia_gpu_pod_is_served_through_the_extended_resource_class(cluster: Cluster) -> None:
+    dc = cluster.get("/apis/resource.k8s.io/v1/deviceclasses/gpu-extended.nodeagent.io")
+    assert dc["spec"]["extendedResourceName"] == "nvidia.com/gpu"  # kept: the gate is on (1.34) or GA (1.37)
+    pod = create_pod(cluster.kube, "plain-gpu", extended={"nvidia.com/gpu": "1"})
+    got = schedule_and_prepare(cluster, pod, from_template=False)
+    assert got.device in {"gpu-1", "gpu-2", "gpu-3", "gpu-4"}, got.device
+    assert f"NVIDIA_VISIBLE_DEVICES={uuid_of(cluster, got.device)}" in got.env, got.env
+    mappings = got.pod_status["extendedResourceClaimStatus"]["requestMappings"]
+    assert [(m["containerName"], m["resourceName"]) for m in mappings] == [("main", "nvidia.com/gpu")], mappings
+    assert got.claim["metadata"]["name"] == got.pod_status["extendedResourceClaimStatus"]["resourceClaimName"]
+
+
+AGENT_CHILD = """
+import asyncio, os, signal, sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from nodeagent.dra.checkpoint import Checkpoint
+from nodeagent.dra.component import DraComponent
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import KubeClient, connect
+from tests.integration.test_dra_scheduling import INVENTORY
+
+if {kill!r}:
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9 after the claim's CDI spec, before its record
+    Checkpoint.put = killed
+
+async def main():
+    dra = DraComponent(paths=HostPaths(Path({root!r})), kube=KubeClient(connect(Path({kubeconfig!r}))),
+                       node_name={node!r}, verify_interval_s=0.5)
+    await dra.start(INVENTORY)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster: Cluster) -> None:
+    """The DRA driver process dies (kill -9) inside NodePrepareResources of a scheduler-allocated claim;
+    the restarted agent cleans up what was half done and the kubelet's retry prepares the claim."""
+    import subprocess
+    import sys
+
+    from nodeagent.dra.component import CHECKPOINT_NAME
+    from tests.peers._proc import stop_process
+    from tests.peers.draharness import DraHarnessError
+
+    node = "dra-sched-kill"
+    repo = str(Path(__file__).resolve().parents[2])
+    root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    simhost.materialise(HostPaths(root), INVENTORY)
+    kubeconfig = cluster.plane.apiserver.kubeconfig
+    agents: list[subprocess.Popen[str]] = []
+
+    def agent(kill: bool) -> subprocess.Popen[str]:
+        code = AGENT_CHILD.format(repo=repo, kill=kill, root=str(root), kubeconfig=str(kubeconfig), node=node)
+        log = root / f"agent-{len(agents)}.log"
+        with log.open("w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err, text=True,
+                                    cwd=repo)
+        agents.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n", log.read_text()
+        return proc
+
+    cluster.kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": node, "labels": {"kubernetes.io/hostname": node}}})
+    try:
+        n = cluster.get(f"/api/v1/nodes/{node}")
+        n["status"] = cluster.get(f"/api/v1/nodes/{NODE}")["status"]
+        cluster.kube.request("PUT", f"/api/v1/nodes/{node}/status", body=n)
+        n = cluster.get(f"/api/v1/nodes/{node}")
+        n["spec"].pop("taints", None)
+        cluster.kube.request("PUT", f"/api/v1/nodes/{node}", body=n)
+        first = agent(kill=True)
+        registry = root / "var/lib/kubelet/plugins_registry"
+        with running_dra_harness(kubeconfig, registry, node, binary=cluster.release.dra_harness()) as h:
+            h.wait_registered(DRIVER_NAME)
+            wait_for(lambda: len(cluster.kube.list_resource_slices(field_selector=f"spec.nodeName={node}")), 30,
+                     "the second node's ResourceSlices", cluster)
+            claim_template(cluster.kube, "kill-gpu", "gpu.nodeagent.io")
+            body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kill-gpu"}, "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node}, "terminationGracePeriodSeconds": 0,
+                "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                                "resources": {"claims": [{"name": "gpu"}]}}],
+                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "kill-gpu"}]}}
+            pod = cluster.kube.request("POST", f"/api/v1/namespaces/{NS}/pods", body=body)
+            path = f"/api/v1/namespaces/{NS}/pods/kill-gpu"
+            bound = wait_for(lambda: (p := cluster.get(path))["spec"].get("nodeName") and p, 60, "pod scheduled",
+                             cluster)
+            assert bound["spec"]["nodeName"] == node
+            claim_name = bound["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+            claim = cluster.get(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims/{claim_name}")
+            claim_uid = claim["metadata"]["uid"]
+            [result] = claim["status"]["allocation"]["devices"]["results"]
+            hpod = Pod(NS, "kill-gpu", pod["metadata"]["uid"], {claim_name: claim_name}, {"main": [claim_name]})
+            spec_file = root / "var/run/cdi" / f"{DRIVER_NAME}-claim_{claim_uid}.json"
+
+            with pytest.raises(DraHarnessError):
+                h.prepare(hpod)
+            assert first.wait(10) == -9
+            assert spec_file.exists()  # half done: the spec was written, the record was not
+
+            second = agent(kill=False)
+            assert not spec_file.exists()  # the orphaned spec is gone before the driver registers again
+
+            def prepared() -> dict[str, list[str]] | None:
+                try:
+                    return h.prepare(hpod)
+                except DraHarnessError:  # the kubelet retries until the new registration is in use
+                    return None
+
+            cdi = wait_for(prepared, 30, "prepare after the restart", cluster)
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}"]}
+            checkpoint = (root / "var/lib/nodeagent" / CHECKPOINT_NAME).read_text()
+            assert claim_uid in checkpoint and spec_file.exists()
+            out = run_cdi_check([root / "var/run/cdi"], [cdi["main"]])
+            assert out["injections"][0]["unresolved"] == [] and not out["injections"][0].get("error")
+            h.unprepare(hpod)
+            assert not spec_file.exists()
+            stop_process(second)
+    finally:
+        for p in agents:
+            stop_process(p)
+            if p.stdout is not None:
+                p.stdout.close()
+        cluster.plane.apiserver.request("DELETE", f"/api/v1/namespaces/{NS}/pods/kill-gpu?gracePeriodSeconds=0")
+        for s in cluster.kube.list_resource_slices(field_selector=f"spec.nodeName={node}"):
+            cluster.kube.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
+        cluster.kube.request("DELETE", f"/api/v1/nodes/{node}")
+        shutil.rmtree(root, ignore_errors=True)
