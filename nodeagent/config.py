@@ -59,6 +59,9 @@ class DevicePluginSettings:
 class DraSettings:
     verify_interval: float = 60.0  # seconds between checks that the node's ResourceSlices are intact
     gpus: tuple[int, ...] = ()  # with plane = "both": the GPU indices DRA serves (the device plugin the rest)
+    # GPUs in MIG mode without a static layout publish every MIG placement (partitionable devices, needs
+    # the API's DRAPartitionableDevices); NodePrepareResources creates the GPU instance of a claim
+    dynamic_mig: bool = False
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ def _write_replace(
     mode: int,
     owner: tuple[int, int] | None,
     before_rename: Callable[[Path], None] | None,
+    durable: bool = True,
 ) -> None:
     fd, tmp_name = tempfile.mkstemp(prefix="." + target.name + TMP_MARKER, dir=target.parent)
     tmp = Path(tmp_name)
@@ -173,7 +174,8 @@ def _write_replace(
                 # Only root may give a file away; an unprivileged caller keeps its own ownership.
                 with contextlib.suppress(PermissionError):
                     os.fchown(f.fileno(), owner[0], owner[1])
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if before_rename is not None:
             before_rename(tmp)
         os.replace(tmp, target)
@@ -181,7 +183,8 @@ def _write_replace(
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
 
 
 def atomic_write(
@@ -191,13 +194,17 @@ def atomic_write(
     mode: int | None = None,
     backup: bool = True,
     before_rename: Callable[[Path], None] | None = None,
+    durable: bool = True,
 ) -> Path | None:
     """Replace ``path`` with ``data`` atomically; return the backup path if a backup was written.
 
     ``mode``: file mode for the new file; default is the previous file's mode, else 0644. The previous
     owner is kept when the caller may set it. The parent directory must exist. ``str`` data is written
     as UTF-8 exactly as given (no newline translation). ``before_rename`` is a test hook called with the
-    fully written temporary file just before it replaces the target.
+    fully written temporary file just before it replaces the target. ``durable=False`` skips the
+    fsyncs: the replacement is still atomic for readers and against a killed process (the page cache
+    survives it), but a power loss may bring back the previous file; only for files whose content ends
+    with the boot anyway.
     """
     target = _target(Path(path))
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
@@ -215,16 +222,18 @@ def atomic_write(
         old = target.read_bytes()
         written_backup = backup_path(target)
         _write_replace(written_backup, old, stat.S_IMODE(st.st_mode), owner, None)
-    _write_replace(target, payload, new_mode, owner, before_rename)
+    _write_replace(target, payload, new_mode, owner, before_rename, durable)
     return written_backup
 
 
-def remove(path: Path | str) -> bool:
-    """Delete a file durably (directory flushed); ``False`` when it was already gone."""
+def remove(path: Path | str, *, durable: bool = True) -> bool:
+    """Delete a file durably (directory flushed unless ``durable=False``); ``False`` when it was already
+    gone."""
     p = Path(path)
     try:
         p.unlink()
     except FileNotFoundError:
         return False
-    fsync_dir(p.parent)
+    if durable:
+        fsync_dir(p.parent)
     return True

@@ -6,7 +6,9 @@ nodes, ``NVIDIA_VISIBLE_DEVICES`` listing the claim's device UUIDs); each device
 nodes (``/dev/nvidiaN``, and for a MIG device its GPU- and compute-instance access nodes). A node the
 host facts know (nodeagent.cdi.host: the node's host path under ``--root``, the numbers of a simulated
 host's stand-in file) is written as the node-wide CDI spec writes it, so both specs resolve alike. Files
-are written atomically, so a runtime reading the directory never sees half a spec.
+are written atomically, so a runtime reading the directory never sees half a spec, but without fsync:
+``/var/run/cdi`` does not outlive the boot and the driver's start-up rewrites any spec that is missing or
+differs from its claim record. A spec already on disk with the wanted content is not written again.
 """
 
 from __future__ import annotations
@@ -89,14 +91,25 @@ class ClaimSpecs:
 
     def write(self, claim_uid: str, devices: Sequence[DraDevice]) -> list[str]:
         """Write (or rewrite) the claim's spec atomically; its CDI device IDs in device order."""
-        spec = claim_spec(claim_uid, devices, self.node_facts)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        data = json.dumps(spec, indent=2, sort_keys=True) + "\n"
-        fileio.atomic_write(self.path(claim_uid), data, mode=0o644, backup=False)
+        data = self.render(claim_uid, devices)
+        path = self.path(claim_uid)
+        if self.current(claim_uid) != data:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fileio.atomic_write(path, data, mode=0o644, backup=False, durable=False)
         return [cdi_device_id(claim_uid, d.name) for d in devices]
 
+    def render(self, claim_uid: str, devices: Sequence[DraDevice]) -> str:
+        return json.dumps(claim_spec(claim_uid, devices, self.node_facts), indent=2, sort_keys=True) + "\n"
+
+    def current(self, claim_uid: str) -> str | None:
+        """The claim's spec file as it is on disk (None when missing or unreadable)."""
+        try:
+            return self.path(claim_uid).read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+
     def remove(self, claim_uid: str) -> bool:
-        return fileio.remove(self.path(claim_uid))
+        return fileio.remove(self.path(claim_uid), durable=False)
 
     def claim_uids(self) -> set[str]:
         """The claims that have a spec file here."""

@@ -4,6 +4,18 @@ A claim is recorded (with its devices and CDI IDs) only after its CDI spec file 
 record goes before the spec file is removed. A process killed between the two steps therefore leaves at
 most a spec file without a record, which the next start deletes (the kubelet retries the call); a record
 always means "prepared and answered", never half done.
+
+A claim with a dynamic MIG device changes the GPU, so it is recorded BEFORE the side effect: state
+``preparing`` (placements named, no instance yet) → GPU/compute instances created → CDI spec →
+``prepared`` (with the instance ids and MIG UUIDs); unprepare records ``unpreparing`` first, then destroys
+the instances, removes the spec and drops the record. A start that finds ``preparing`` undoes it (destroys
+any instance at the recorded placements, removes the spec; the kubelet retries); ``unpreparing`` is
+finished. Only instances at placements a record names are ever destroyed.
+
+The file is replaced atomically (temporary file + rename) but not fsynced: a killed process cannot lose
+a write (the page cache outlives it), and what the file describes (prepared claims, their containers,
+MIG instances, ``/var/run/cdi``) all ends with the boot, so the version a power loss may bring back
+describes nothing that still exists (a record whose MIG instance is gone is dropped at start).
 """
 
 from __future__ import annotations
@@ -18,6 +30,34 @@ from nodeagent.errors import InputError
 
 VERSION = 1
 PREPARED = "prepared"
+PREPARING = "preparing"
+UNPREPARING = "unpreparing"
+STATES = (PREPARING, PREPARED, UNPREPARING)
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """A dynamic MIG device's GPU instance: where it goes and, once created, what NVML called it."""
+
+    gpu_index: int
+    gpu_uuid: str
+    profile: str
+    start: int
+    gi_id: int | None = None
+    ci_id: int | None = None
+    uuid: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_index": self.gpu_index, "gpu_uuid": self.gpu_uuid, "profile": self.profile,
+                "start": self.start, "gi_id": self.gi_id, "ci_id": self.ci_id, "uuid": self.uuid}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MigInstance:
+        def opt(v: Any) -> int | None:
+            return None if v is None else int(v)
+
+        return cls(int(d["gpu_index"]), str(d["gpu_uuid"]), str(d["profile"]), int(d["start"]),
+                   opt(d.get("gi_id")), opt(d.get("ci_id")), str(d.get("uuid", "")))
 
 
 @dataclass(frozen=True)
@@ -26,10 +66,14 @@ class PreparedDevice:
     pool: str
     device: str
     cdi_device_ids: tuple[str, ...]
+    mig: MigInstance | None = None  # dynamic MIG only
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request_names": list(self.request_names), "pool": self.pool, "device": self.device,
-                "cdi_device_ids": list(self.cdi_device_ids)}
+        d: dict[str, Any] = {"request_names": list(self.request_names), "pool": self.pool,
+                             "device": self.device, "cdi_device_ids": list(self.cdi_device_ids)}
+        if self.mig is not None:
+            d["mig"] = self.mig.to_dict()
+        return d
 
 
 @dataclass(frozen=True)
@@ -62,11 +106,12 @@ class Checkpoint:
             if raw.get("version") != VERSION:
                 raise ValueError(f"unsupported version {raw.get('version')!r}")
             for uid, c in dict(raw["claims"]).items():
-                if c["state"] != PREPARED:
+                if c["state"] not in STATES:
                     raise ValueError(f"claim {uid}: unknown state {c['state']!r}")
                 devices = tuple(
                     PreparedDevice(tuple(map(str, d["request_names"])), str(d["pool"]), str(d["device"]),
-                                   tuple(map(str, d["cdi_device_ids"])))
+                                   tuple(map(str, d["cdi_device_ids"])),
+                                   MigInstance.from_dict(d["mig"]) if d.get("mig") is not None else None)
                     for d in c["devices"]
                 )
                 cp.claims[str(uid)] = ClaimRecord(str(uid), str(c["namespace"]), str(c["name"]),
@@ -78,8 +123,9 @@ class Checkpoint:
     def save(self) -> None:
         data = {"version": VERSION, "claims": {u: c.to_dict() for u, c in sorted(self.claims.items())}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fileio.atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n", mode=0o600,
-                            backup=False)
+        # compact: without indent the json module encodes in C (the file is rewritten at every prepare)
+        text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
+        fileio.atomic_write(self.path, text, mode=0o600, backup=False, durable=False)
 
     def put(self, record: ClaimRecord) -> None:
         self.claims[record.uid] = record

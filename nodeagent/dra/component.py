@@ -12,6 +12,12 @@ to ``set_health``. ``gpu_filter`` limits the pool to some GPUs, so two planes on
 out the same GPU; ``pumps`` is the NVML event-pump registry of whoever outlives the component (the
 daemon's, so a rebuild hands over what its monitor held). ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
 
+Dynamic MIG (``dynamic_mig=True`` with ``mig=`` the MIG port): a GPU in MIG mode whose GPU instances are
+all ones this driver created for claims (none at first) publishes its placements and counters
+(``nodeagent.dra.devices``); prepare creates the instance. A GPU carrying any other instance (a static
+layout, e.g. from mig-parted or the MIG manager) keeps publishing its existing MIG devices and is never
+changed by this driver.
+
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
 deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
@@ -31,7 +37,13 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
-from nodeagent.dra.devices import DraDevice, build_devices, read_pcie_roots
+from nodeagent.dra.devices import (
+    DraDevice,
+    build_counter_sets,
+    build_devices,
+    dynamic_mig_gpu,
+    read_pcie_roots,
+)
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthSource, unhealthy_devices
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
@@ -41,6 +53,7 @@ from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings, shared_pumps
 from nodeagent.gpu.health import HealthSource as NvmlHealthSource
 from nodeagent.gpu.inventory import Gpu, Inventory
+from nodeagent.gpu.ports import MigAdministration
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
 
@@ -71,6 +84,9 @@ class DraComponent:
         gpu_filter: Callable[[Gpu], bool] | None = None,
         pumps: EventPumps | None = None,
         kubelet_host_dir: Path | None = None,
+        mig: MigAdministration | None = None,
+        dynamic_mig: bool = False,
+        slice_layout: str | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -83,7 +99,11 @@ class DraComponent:
         self.health_source = health_source
         self.verify_interval_s = verify_interval_s
         self.gpu_filter = gpu_filter
-        self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice)
+        self.mig = mig
+        self.dynamic_mig = dynamic_mig and mig is not None
+        self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice,
+                                        layout=slice_layout)
+        self._inventory: Inventory | None = None
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
         self._unhealthy: dict[HealthKey, str] = {}
@@ -116,9 +136,10 @@ class DraComponent:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
-                                      driver=self.driver)
+                                      driver=self.driver, mig=self.mig)  # MIG claims unprepare even with the knob off
         await self._set_inventory(inventory)
-        await asyncio.to_thread(self.preparer.recover)
+        if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
+            await self._set_inventory(await asyncio.to_thread(self.mig.discover))
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
                                 on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir)
         await self.server.start()
@@ -130,7 +151,9 @@ class DraComponent:
 
     async def _set_inventory(self, inventory: Inventory) -> None:
         roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
-        self.devices = build_devices(inventory, roots, self.gpu_filter)
+        self._inventory = inventory
+        self.devices = build_devices(inventory, roots, self.gpu_filter,
+                                     self._dynamic if self.dynamic_mig else None)
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -141,6 +164,11 @@ class DraComponent:
             log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
             self.preparer.specs.node_facts = {}
         await self._refresh()
+
+    def _dynamic(self, gpu: Gpu) -> bool:
+        """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""
+        assert self.preparer is not None
+        return dynamic_mig_gpu(gpu, self.preparer.owned_instances().get(gpu.index, set()))
 
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:
@@ -162,7 +190,9 @@ class DraComponent:
     async def _refresh(self) -> None:
         bad = unhealthy_devices(self.devices, self._unhealthy)
         await self.feed.update([d.name for d in self.devices], bad)
-        self._wanted = pool_content([d for d in self.devices if d.gpu_index not in self._withdrawn], bad)
+        kept = [d for d in self.devices if d.gpu_index not in self._withdrawn]
+        counters = build_counter_sets(kept, self._inventory) if self._inventory is not None else []
+        self._wanted = pool_content(kept, bad, counters)
         if self._wanted != self._published:
             self._dirty.set()
 

@@ -3,23 +3,58 @@
 A GPU in MIG mode is published through its existing MIG devices only (the whole GPU cannot be handed out
 then); any other GPU is published whole. Lost GPUs are left out. Device names are DNS labels:
 ``gpu-<index>`` and ``gpu-<index>-mig-<gi>-<ci>``.
+
+Dynamic MIG (partitionable devices, KEP-4815): a GPU in MIG mode that the caller selects with
+``dynamic_mig`` publishes one device per possible placement of each GPU-instance profile NVML offers
+(``gpu-<index>-mig-<profile>-at-<start>``) instead of its existing instances, and one counter set
+``gpu-<index>-counters`` the placements consume from:
+
+- ``memory-slice-<i>`` (1 each): a placement consumes every memory slice it covers, so two overlapping
+  placements can never be allocated together;
+- ``compute-slices`` (the GPU's compute slices): a placement consumes its profile's slice count;
+- ``<profile>-instances`` for a profile of which fewer instances fit than it has placements (the
+  ``+me`` variants: one per GPU): each placement of that profile consumes 1.
+
+These are the rules NVML applies when a GPU instance is created, so an allocation the scheduler makes
+from the counters can always be created on the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
+from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice, MigProfile
 
 # Standard attribute names (resource.kubernetes.io): PCI address and PCIe root complex.
 PCI_BUS_ID_ATTR = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTR = "resource.kubernetes.io/pcieRoot"
 
 _PCIE_ROOT_RE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a dynamic MIG device's GPU instance goes: profile and start (in memory slices) on a GPU."""
+
+    gpu_index: int
+    gpu_uuid: str
+    profile: str
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class CounterSet:
+    """One GPU's shared counters (API form of the values is built by ``nodeagent.dra.slices``)."""
+
+    name: str
+    gpu_index: int
+    counters: Mapping[str, int]
 
 
 @dataclass(frozen=True)
@@ -35,6 +70,12 @@ class DraDevice:
     ci_id: int | None = None
     attributes: Mapping[str, Any] = field(default_factory=dict)  # API form: {"uuid": {"string": ...}}
     capacity: Mapping[str, Any] = field(default_factory=dict)  # API form: {"memory": {"value": "80Gi"}}
+    placement: Placement | None = None  # dynamic MIG: the GPU instance prepare creates
+    consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # counter set → counter → amount
+
+    @property
+    def dynamic(self) -> bool:
+        return self.placement is not None
 
     @property
     def health_key(self) -> tuple[int, int | None]:
@@ -137,20 +178,115 @@ def _mig_device(inv: Inventory, gpu: Gpu, mig: MigDevice, roots: Mapping[str, st
     )
 
 
+_PROFILE_BAD = re.compile(r"[^a-z0-9-]+")
+
+
+def profile_label(profile: str) -> str:
+    """A GPU-instance profile name as part of a DNS label: ``1g.10gb+me`` → ``1g-10gb-plus-me``,
+    ``1g.24gb-me`` → ``1g-24gb-me`` (``+`` and ``-`` variants stay apart)."""
+    s = profile.lower().replace("+", "-plus-").replace(".", "-")
+    return _PROFILE_BAD.sub("-", s).strip("-")
+
+
+def placement_device_name(index: int, profile: str, start: int) -> str:
+    return f"gpu-{index}-mig-{profile_label(profile)}-at-{start}"
+
+
+def counter_set_name(index: int) -> str:
+    return f"gpu-{index}-counters"
+
+
+def memory_slice_counter(i: int) -> str:
+    return f"memory-slice-{i}"
+
+
+COMPUTE_SLICES_COUNTER = "compute-slices"
+
+
+def instances_counter(profile: str) -> str:
+    return f"{profile_label(profile)}-instances"
+
+
+def _limited(p: MigProfile) -> bool:
+    return 0 < p.instance_count < len(p.placement_starts)
+
+
+def mig_counters(gpu: Gpu) -> dict[str, int]:
+    """The GPU's shared counters (see the module text), from the profiles NVML reports."""
+    profiles = [p for p in gpu.mig_profiles if p.placement_starts]
+    memory_slices = max((s + p.placement_size for p in profiles for s in p.placement_starts), default=0)
+    counters = {memory_slice_counter(i): 1 for i in range(memory_slices)}
+    counters[COMPUTE_SLICES_COUNTER] = max((p.slice_count for p in profiles), default=0)
+    for p in profiles:
+        if _limited(p):
+            counters[instances_counter(p.name)] = p.instance_count
+    return counters
+
+
+def placement_consumes(gpu: Gpu, prof: MigProfile, start: int) -> dict[str, int]:
+    used = {memory_slice_counter(i): 1 for i in range(start, start + prof.placement_size)}
+    used[COMPUTE_SLICES_COUNTER] = prof.slice_count
+    if _limited(prof):
+        used[instances_counter(prof.name)] = 1
+    return used
+
+
+def _placement_devices(inv: Inventory, gpu: Gpu, roots: Mapping[str, str]) -> list[DraDevice]:
+    out: list[DraDevice] = []
+    cset = counter_set_name(gpu.index)
+    common = _common(inv, gpu, roots)
+    for prof in sorted(gpu.mig_profiles, key=lambda p: (p.placement_size, p.slice_count, p.memory_mib, p.name)):
+        for start in prof.placement_starts:
+            attrs = {
+                "type": _str("mig"),
+                "parentUUID": _str(gpu.uuid),
+                "parentIndex": {"int": gpu.index},
+                "profile": _str(prof.name),
+                "placementStart": {"int": start},
+                "placementSize": {"int": prof.placement_size},
+                **common,
+            }
+            out.append(DraDevice(
+                name=placement_device_name(gpu.index, prof.name, start), kind="mig", gpu_index=gpu.index,
+                minor=gpu.minor_number, uuid="", attributes=attrs,
+                capacity={"memory": {"value": f"{prof.memory_mib}Mi"}},
+                placement=Placement(gpu.index, gpu.uuid, prof.name, start, prof.placement_size),
+                consumes={cset: placement_consumes(gpu, prof, start)},
+            ))
+    return out
+
+
+def dynamic_mig_gpu(gpu: Gpu, owned: set[tuple[str, int]]) -> bool:
+    """Whether a GPU in MIG mode may serve dynamic MIG: every GPU instance on it is one of ``owned``
+    ((profile, placement start) of the instances claim records name); any other instance is a static
+    layout, which is published as it is and never changed."""
+    return all((m.profile, m.placement_start) in owned for m in (*gpu.mig_devices, *gpu.bare_gpu_instances))
+
+
+def build_counter_sets(devices: Sequence[DraDevice], inv: Inventory) -> list[CounterSet]:
+    """The counter sets the dynamic devices among ``devices`` consume (one per GPU, in GPU order)."""
+    indices = sorted({d.gpu_index for d in devices if d.dynamic})
+    return [CounterSet(counter_set_name(i), i, mig_counters(inv.gpu(i))) for i in indices]
+
+
 def build_devices(
     inv: Inventory,
     pcie_roots: Mapping[str, str] | None = None,
     gpu_filter: Callable[[Gpu], bool] | None = None,
+    dynamic_mig: Callable[[Gpu], bool] | None = None,
 ) -> list[DraDevice]:
     """Every device of the node's pool, in a stable order. ``pcie_roots``: NVML bus id → root complex;
     ``gpu_filter``: only GPUs it accepts (and their MIG devices) are published, e.g. the GPUs left to DRA
-    when the device plugin serves the others on the same node."""
+    when the device plugin serves the others on the same node; ``dynamic_mig``: the GPUs in MIG mode it
+    accepts publish their placements (dynamic MIG) instead of their existing MIG devices."""
     roots = pcie_roots or {}
     out: list[DraDevice] = []
     for gpu in sorted(inv.gpus, key=lambda g: g.index):
         if gpu.lost or (gpu_filter is not None and not gpu_filter(gpu)):
             continue
-        if gpu.mig_current:
+        if gpu.mig_current and dynamic_mig is not None and dynamic_mig(gpu):
+            out.extend(_placement_devices(inv, gpu, roots))
+        elif gpu.mig_current:
             for mig in sorted(gpu.mig_devices, key=lambda m: (m.gi_id, m.ci_id)):
                 out.append(_mig_device(inv, gpu, mig, roots))
         else:
@@ -166,3 +302,8 @@ def read_pcie_roots(inv: Inventory, sys_pci_devices: Path) -> dict[str, str]:
         if root is not None:
             out[gpu.pci_bus_id] = root
     return out
+
+
+def with_instance(dev: DraDevice, mig: MigDevice) -> DraDevice:
+    """A dynamic MIG device once its GPU instance exists: what its CDI spec names (uuid, instance ids)."""
+    return dataclasses.replace(dev, uuid=mig.uuid, gi_id=mig.gi_id, ci_id=mig.ci_id)

@@ -6,6 +6,9 @@ content hash and the slice count matches, they are adopted as they are (a restar
 otherwise the pool generation becomes one more than the highest seen and all slices are rewritten.
 Every later change bumps the generation, replaces the slices by name (create when missing) and deletes
 the slices beyond the new count. ``remove()`` deletes all of the node's slices of this driver.
+
+Shared counters are laid out as the API server's version requires (``nodeagent.dra.slices``): unless
+given, the layout is read from ``/version`` at the first sync of a pool with counters.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.dra import DRIVER_NAME
-from nodeagent.dra.slices import CONTENT_ANNOTATION, MAX_DEVICES, PoolContent, build_slices
+from nodeagent.dra.slices import (
+    CONTENT_ANNOTATION,
+    LAYOUTS,
+    MAX_DEVICES,
+    PoolContent,
+    build_slices,
+    layout_for,
+)
 from nodeagent.errors import KubeError
 from nodeagent.kube.client import KubeClient
 
@@ -32,8 +42,11 @@ class SyncResult:
 
 class SlicePublisher:
     def __init__(self, kube: KubeClient, node_name: str, *, driver: str = DRIVER_NAME,
-                 max_devices: int = MAX_DEVICES) -> None:
+                 max_devices: int = MAX_DEVICES, layout: str | None = None) -> None:
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}: {layout!r}")
         self.kube = kube
+        self.layout = layout
         self.node_name = node_name
         self.driver = driver
         self.max_devices = max_devices
@@ -60,7 +73,8 @@ class SlicePublisher:
         if self._stale:
             self._stale = False
             self._digest = None
-        digest = content.digest
+        layout = self._layout(content)
+        digest = content.digest_for(layout)
         if self._digest == digest:
             return SyncResult(self.generation, 0, len(self._names))
         current = self._current()
@@ -78,7 +92,7 @@ class SlicePublisher:
                 return SyncResult(self.generation, 0, len(current))
         self.generation = max([self.generation, *gens]) + 1
         wanted = build_slices(self.node_name, content, self.generation, driver=self.driver,
-                              max_devices=self.max_devices)
+                              max_devices=self.max_devices, layout=layout)
         writes = 0
         for body in wanted:
             name = body["metadata"]["name"]
@@ -99,6 +113,15 @@ class SlicePublisher:
         log.info("DRA pool %s: generation %d, %d device(s) in %d ResourceSlice(s)", self.node_name,
                  self.generation, len(content.devices), len(wanted))
         return SyncResult(self.generation, writes, len(wanted))
+
+    def _layout(self, content: PoolContent) -> str:
+        if self.layout is None and content.counter_sets:
+            version = str(self.kube.request("GET", "/version", action="read the API server version")
+                          .get("gitVersion", ""))
+            self.layout = layout_for(version)
+            log.info("DRA pool %s: API server %s, shared counters laid out %s", self.node_name, version,
+                     self.layout)
+        return self.layout or layout_for("")
 
     def invalidate(self) -> None:
         """Forget what the API holds (outage, kubelet wipe): the next ``sync`` reads and compares again.

@@ -5,11 +5,20 @@ read, nothing written); otherwise the claim is read from the API server, its all
 driver are checked against this node's pool and devices, its CDI spec is written and then the claim is
 recorded as prepared. Unprepare drops the record and then the spec; an unknown claim is already
 unprepared. One failing claim never affects the others of the same call.
+
+Dynamic MIG devices (``DraDevice.placement``) need a GPU instance: the claim is recorded ``preparing``
+first, then each GPU instance is created at its allocated placement with one compute instance through the
+``MigAdministration`` port, then the CDI spec names the new MIG devices and the record becomes
+``prepared``. A failure midway destroys what this call created and drops the record. Unprepare records
+``unpreparing``, destroys the instances, removes the spec and drops the record. ``recover()`` at start
+undoes a ``preparing`` record and finishes an ``unpreparing`` one (see ``nodeagent.dra.checkpoint``), and
+drops a ``prepared`` MIG record whose instance is gone (a reboot): the kubelet prepares it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,9 +26,19 @@ from typing import Any
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs, cdi_device_id
-from nodeagent.dra.checkpoint import PREPARED, Checkpoint, ClaimRecord, PreparedDevice
-from nodeagent.dra.devices import DraDevice
-from nodeagent.errors import NodeAgentError
+from nodeagent.dra.checkpoint import (
+    PREPARED,
+    PREPARING,
+    UNPREPARING,
+    Checkpoint,
+    ClaimRecord,
+    MigInstance,
+    PreparedDevice,
+)
+from nodeagent.dra.devices import DraDevice, with_instance
+from nodeagent.errors import GpuBusyError, NodeAgentError
+from nodeagent.gpu.inventory import Inventory, MigDevice
+from nodeagent.gpu.ports import MigAdministration
 
 log = logging.getLogger(__name__)
 
@@ -60,34 +79,79 @@ def _allocated(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[tup
     return out
 
 
+def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
+    """The MIG device at the record's placement (same GPU, profile and start), if it exists."""
+    for gpu in inv.gpus:
+        if gpu.index != m.gpu_index or gpu.uuid != m.gpu_uuid:
+            continue
+        for dev in (*gpu.mig_devices, *gpu.bare_gpu_instances):
+            if dev.placement_start == m.start and dev.profile == m.profile:
+                return dev
+    return None
+
+
 class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
-                 *, driver: str = DRIVER_NAME) -> None:
+                 *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None) -> None:
         self.checkpoint = checkpoint
         self.specs = specs
         self.read_claim = read_claim
         self.pool = pool
         self.driver = driver
+        self.mig = mig  # needed for dynamic MIG devices only
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
 
+    def owned_instances(self) -> dict[int, set[tuple[str, int]]]:
+        """GPU index → (profile, start) of every GPU instance a claim record names (prepared or not)."""
+        out: dict[int, set[tuple[str, int]]] = {}
+        for rec in self.checkpoint.claims.values():
+            for d in rec.devices:
+                if d.mig is not None:
+                    out.setdefault(d.mig.gpu_index, set()).add((d.mig.profile, d.mig.start))
+        return out
+
     # -- start-up ------------------------------------------------------------------------------------
-    def recover(self) -> list[str]:
-        """Rewrite missing specs of prepared claims (``/var/run`` is emptied by a reboot) and delete spec
-        files no record owns (a process killed mid-prepare or mid-unprepare). What was done, one line each."""
+    def recover(self, inventory: Inventory | None = None) -> list[str]:
+        """Settle what a killed process left: undo ``preparing`` records and finish ``unpreparing`` ones
+        (with ``inventory`` and the MIG port), drop ``prepared`` MIG records whose instance is gone,
+        rewrite missing specs of prepared claims (``/var/run`` is emptied by a reboot) and delete spec files
+        no record owns. What was done, one line each."""
         done: list[str] = []
         for uid, rec in sorted(self.checkpoint.claims.items()):
-            if not self.specs.path(uid).exists():
-                devs = [self.devices.get(d.device) for d in rec.devices]
-                if all(d is not None for d in devs):
-                    self.specs.write(uid, [d for d in devs if d is not None])
-                    done.append(f"rewrote the CDI spec of claim {rec.namespace}/{rec.name} ({uid})")
-                else:
-                    log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten", rec.namespace,
-                                rec.name, uid)
+            label = f"claim {rec.namespace}/{rec.name} ({uid})"
+            if rec.state in (PREPARING, UNPREPARING):
+                if any(d.mig is not None for d in rec.devices) and (inventory is None or self.mig is None):
+                    log.warning("%s: %s, but no MIG access to settle it", label, rec.state)
+                    continue
+                assert inventory is not None
+                self._destroy_instances(rec, inventory)
+                self.checkpoint.drop(uid)
+                self.specs.remove(uid)
+                what = "undid the interrupted prepare" if rec.state == PREPARING else "finished the interrupted unprepare"
+                done.append(f"{what} of {label}")
+                continue
+            migs = [d.mig for d in rec.devices if d.mig is not None]
+            if migs and inventory is not None and any(
+                    (inst := _instance_of(inventory, m)) is None or inst.gi_id != m.gi_id for m in migs):
+                # the GPU instance is gone (reboot, GPU reset): nothing is prepared any more
+                if self.mig is not None:
+                    self._destroy_instances(rec, inventory)
+                self.checkpoint.drop(uid)
+                self.specs.remove(uid)
+                done.append(f"dropped {label}: its MIG instance is gone")
+                continue
+            devs = [self._spec_device(d) for d in rec.devices]
+            if all(d is not None for d in devs):
+                wanted = [d for d in devs if d is not None]
+                if self.specs.current(uid) != self.specs.render(uid, wanted):
+                    self.specs.write(uid, wanted)
+                    done.append(f"rewrote the CDI spec of {label}")
+            elif not self.specs.path(uid).exists():
+                log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten", rec.namespace, rec.name, uid)
         for uid in sorted(self.specs.claim_uids() - set(self.checkpoint.claims)):
             self.specs.remove(uid)
             done.append(f"removed the orphaned CDI spec of claim {uid}")
@@ -104,6 +168,11 @@ class ClaimPreparer:
         rec = self.checkpoint.claims.get(ref.uid)
         if rec is not None and rec.state == PREPARED:
             return PrepareResult(rec.devices)
+        if rec is not None:  # an unprepare that could not finish (instance busy): it must complete first
+            msg = (f"claim {ref.namespace}/{ref.name} is being unprepared ({rec.state}); "
+                   "NodeUnprepareResources has to finish first")
+            log.warning("NodePrepareResources: %s", msg)
+            return PrepareResult(error=msg)
         try:
             self.specs.path(ref.uid)  # rejects a UID unusable in a file or CDI name before anything else
             claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
@@ -116,8 +185,12 @@ class ClaimPreparer:
             if rec is not None and rec.state == PREPARED:  # a concurrent call got there first
                 return PrepareResult(rec.devices)
             try:
-                prepared = await asyncio.to_thread(self._write, ref, wanted)
-            except (OSError, ValueError) as e:
+                if any(dev.dynamic for dev, _ in wanted):
+                    prepared = await asyncio.to_thread(self._write, ref, wanted)
+                else:
+                    # two small files replaced without fsync: cheaper in the loop than a thread hop
+                    prepared = self._write(ref, wanted)
+            except (OSError, ValueError, NodeAgentError) as e:
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
                 log.error("%s", msg)
                 return PrepareResult(error=msg)
@@ -139,13 +212,83 @@ class ClaimPreparer:
                 reqs.append(request)
         return [(self.devices[name], tuple(reqs)) for name, reqs in by_device.items()]
 
+    def _spec_device(self, d: PreparedDevice) -> DraDevice | None:
+        dev = self.devices.get(d.device)
+        if dev is None or d.mig is None:
+            return dev
+        if d.mig.gi_id is None or d.mig.ci_id is None:
+            return None
+        mig = MigDevice(d.mig.gpu_index, d.mig.gi_id, d.mig.ci_id, d.mig.profile, d.mig.start,
+                        dev.placement.size if dev.placement else 0, 0, d.mig.uuid)
+        return with_instance(dev, mig)
+
     def _write(self, ref: ClaimRef, wanted: list[tuple[DraDevice, tuple[str, ...]]]) -> tuple[PreparedDevice, ...]:
-        prepared = tuple(
-            PreparedDevice(reqs, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name),)) for dev, reqs in wanted
+        def prepared_device(dev: DraDevice, reqs: tuple[str, ...], mig: MigInstance | None) -> PreparedDevice:
+            return PreparedDevice(reqs, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name),), mig)
+
+        if not any(dev.dynamic for dev, _ in wanted):
+            prepared = tuple(prepared_device(dev, reqs, None) for dev, reqs in wanted)
+            self.specs.write(ref.uid, [dev for dev, _ in wanted])
+            self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
+            return prepared
+        if self.mig is None:
+            raise ValueError("dynamic MIG devices need MIG access, which this driver has not got")
+        # the intent goes to disk before the GPU changes
+        intent = tuple(
+            prepared_device(dev, reqs, MigInstance(dev.placement.gpu_index, dev.placement.gpu_uuid,
+                                                   dev.placement.profile, dev.placement.start)
+                            if dev.placement is not None else None)
+            for dev, reqs in wanted
         )
-        self.specs.write(ref.uid, [dev for dev, _ in wanted])
-        self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
+        self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARING, intent))
+        created: list[MigDevice] = []
+        try:
+            final: list[PreparedDevice] = []
+            spec_devices: list[DraDevice] = []
+            for (dev, _), pd in zip(wanted, intent, strict=True):
+                if pd.mig is None:
+                    final.append(pd)
+                    spec_devices.append(dev)
+                    continue
+                inst = self.mig.create_mig_device(pd.mig.gpu_index, pd.mig.profile, pd.mig.start)
+                created.append(inst)
+                mig = dataclasses.replace(pd.mig, gi_id=inst.gi_id, ci_id=inst.ci_id, uuid=inst.uuid)
+                final.append(dataclasses.replace(pd, mig=mig))
+                spec_devices.append(with_instance(dev, inst))
+            self.specs.write(ref.uid, spec_devices)
+            prepared = tuple(final)
+            self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
+        except BaseException:
+            for inst in reversed(created):
+                try:
+                    self.mig.destroy_mig_device(inst.gpu_index, inst.gi_id)
+                except NodeAgentError as e:
+                    log.error("claim %s/%s: cannot destroy GPU instance %d on GPU %d again: %s", ref.namespace,
+                              ref.name, inst.gi_id, inst.gpu_index, e)
+            self.specs.remove(ref.uid)
+            self.checkpoint.drop(ref.uid)
+            raise
         return prepared
+
+    def _destroy_instances(self, rec: ClaimRecord, inventory: Inventory | None) -> None:
+        """Destroy the GPU instances of a record: by the recorded id, or (an interrupted prepare) whatever
+        instance of the recorded profile sits at the recorded placement."""
+        for d in rec.devices:
+            m = d.mig
+            if m is None:
+                continue
+            assert self.mig is not None
+            gi_id = m.gi_id
+            if inventory is not None:
+                inst = _instance_of(inventory, m)
+                if inst is None:
+                    continue
+                gi_id = inst.gi_id
+            if gi_id is None:
+                continue
+            self.mig.destroy_mig_device(m.gpu_index, gi_id)
+            log.info("claim %s/%s: destroyed GPU instance %d (%s at %d) on GPU %d", rec.namespace, rec.name,
+                     gi_id, m.profile, m.start, m.gpu_index)
 
     # -- unprepare -------------------------------------------------------------------------------------
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
@@ -156,15 +299,40 @@ class ClaimPreparer:
                 try:
                     await asyncio.to_thread(self._unprepare_one, ref)
                     out[ref.uid] = ""
-                except (OSError, ValueError) as e:
+                except (OSError, ValueError, NodeAgentError) as e:
                     out[ref.uid] = f"cannot unprepare claim {ref.namespace}/{ref.name}: {e}"
                     log.error("%s", out[ref.uid])
         return out
 
     def _unprepare_one(self, ref: ClaimRef) -> None:
-        if ref.uid not in self.checkpoint.claims:
+        rec = self.checkpoint.claims.get(ref.uid)
+        if rec is None:
             self.specs.remove(ref.uid)  # a spec without a record would be an orphan anyway
             return
+        if any(d.mig is not None for d in rec.devices):
+            if self.mig is None:
+                raise ValueError("the claim holds dynamic MIG devices and this driver has no MIG access")
+            inventory = self._live_inventory(rec)
+            if rec.state != UNPREPARING:
+                rec = dataclasses.replace(rec, state=UNPREPARING)
+                self.checkpoint.put(rec)
+            try:
+                self._destroy_instances(rec, inventory)
+            except GpuBusyError:
+                raise
+            except NodeAgentError:
+                if inventory is not None:
+                    raise
+                # the recorded instance may be gone already (a GPU reset): look at what is there
+                self._destroy_instances(rec, self.mig.discover())
         self.checkpoint.drop(ref.uid)
         self.specs.remove(ref.uid)
         log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)
+
+    def _live_inventory(self, rec: ClaimRecord) -> Inventory | None:
+        """For a record whose instances may not all exist (a retried unprepare after a partial one): the
+        MIG port's current view; None when every instance id is recorded and known to exist."""
+        if all(d.mig is None or d.mig.gi_id is not None for d in rec.devices) and rec.state == PREPARED:
+            return None
+        assert self.mig is not None
+        return self.mig.discover()

@@ -154,8 +154,9 @@ def _wait_ready(server: KubeApiServer, apiserver: subprocess.Popen[bytes], etcd:
     raise RuntimeError(f"kube-apiserver not ready after {READY_TIMEOUT:.0f}s ({last}):\n{server.log_tail()}")
 
 
-# DRA device taints are alpha before 1.36: without the gate the server drops them silently.
-DEFAULT_FEATURE_GATES = "DRADeviceTaints=true"
+# DRA device taints and partitionable devices (shared counters) are alpha before 1.36: without the gates the
+# server drops those fields silently.
+DEFAULT_FEATURE_GATES = "DRADeviceTaints=true,DRAPartitionableDevices=true"
 
 
 def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,

@@ -56,6 +56,8 @@ class DraPlaneComponent(Component):
                 recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
             ) if alone else None,
             pumps=ctx.pumps,
+            mig=ctx.gpu,
+            dynamic_mig=cfg.dra.dynamic_mig,
         )
         self._started = False
 

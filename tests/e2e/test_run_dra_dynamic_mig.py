@@ -1,0 +1,66 @@
+"""``nodeagent run`` with ``[dra] dynamic_mig = true`` against the real kube-apiserver: a MIG-mode GPU without
+a static layout publishes its placements and a counter set, a GPU with a static layout keeps its MIG
+device, GPUs outside MIG mode stay whole; turning the knob off on SIGHUP publishes the plain pool."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.gpu import adapter_for_sim
+from nodeagent.gpu.sim import open_sim
+from tests.e2e._agent import eventually, node_root, running_agent
+from tests.e2e.test_run_cluster import make_node
+from tests.e2e.test_run_dra import config
+from tests.peers.apiserver import KubeApiServer
+
+pytestmark = pytest.mark.peers
+
+
+def pool(server: KubeApiServer, node: str) -> tuple[set[str], list[str]] | None:
+    """(device names, counter set names) of the node's slices; None when there is no slice."""
+    status, body = server.get(f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3D{node}")
+    assert status == 200, body
+    items: list[dict[str, Any]] = json.loads(body)["items"]
+    if not items:
+        return None
+    names = {d["name"] for s in items for d in s["spec"].get("devices") or []}
+    sets = sorted(cs["name"] for s in items for cs in s["spec"].get("sharedCounters") or [])
+    return names, sets
+
+
+def test_dynamic_mig_knob_publishes_placements_and_counters(tmp_path: Path, kube_apiserver: KubeApiServer) -> None:
+    node = "e2e-dra-dynmig"
+    make_node(kube_apiserver, node)
+    state = tmp_path / "sim.json"
+    adapter = adapter_for_sim(open_sim("dgx-h100", state))
+    for i in (0, 1):
+        if adapter.set_mig_mode(i, True):
+            adapter.reset_gpu(i)
+    static = adapter.create_mig_device(1, "3g.40gb", 0)
+    cfg = config(tmp_path / "config.toml", kube_apiserver, "dra", "dynamic_mig = true\n")
+    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(state), "--node-name", node]
+    with node_root() as root, running_agent(tmp_path, root, args) as agent:
+        agent.wait_notify("READY=1", timeout=20)
+        names, sets = eventually(lambda: pool(kube_apiserver, node), 20, "ResourceSlices of the node")
+        assert sets == ["gpu-0-counters"]
+        assert {"gpu-0-mig-7g-80gb-at-0", "gpu-0-mig-1g-10gb-at-6", "gpu-0-mig-3g-40gb-at-4"} <= names
+        assert f"gpu-1-mig-{static.gi_id}-{static.ci_id}" in names
+        assert not any(n.startswith("gpu-1-") and "-at-" in n for n in names)
+        assert {f"gpu-{i}" for i in range(2, 8)} <= names and "gpu-0" not in names
+
+        # the knob off: GPU 0 (MIG mode, no instance) offers nothing, no counters
+        cfg.write_text(cfg.read_text().replace("dynamic_mig = true", "dynamic_mig = false"))
+        agent.send(signal.SIGHUP)
+
+        def plain() -> tuple[set[str], list[str]] | None:
+            p = pool(kube_apiserver, node)
+            return p if p is not None and not p[1] else None
+
+        names, _ = eventually(plain, 20, "the pool without counters")
+        assert not any("-at-" in n for n in names)
+        assert f"gpu-1-mig-{static.gi_id}-{static.ci_id}" in names
