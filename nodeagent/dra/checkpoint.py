@@ -125,7 +125,7 @@ class Checkpoint:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # compact: without indent the json module encodes in C (the file is rewritten at every prepare)
         text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
-        fileio.atomic_write(self.path, text, mode=0o600, backup=False, durable=False)
+        fileio.atomic_write(self.path, text, mode=0o600, backup=False)
 
     def put(self, record: ClaimRecord) -> None:
         self.claims[record.uid] = record
