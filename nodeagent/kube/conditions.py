@@ -273,6 +273,7 @@ class StatusStage:
         self._listeners: list[Callable[[], None]] = []
         self.expected = False  # a publisher stages here (the writer waits for its first pass at start)
         self.passes = 0  # publish passes done since (staged or not)
+        self._written: NodeView | None = None  # the Node as the writer's last patch returned it
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """``listener`` is called (from any thread) whenever something is staged."""
@@ -303,11 +304,18 @@ class StatusStage:
         with self._lock:
             return {k: dict(v) for k, v in self._fields.items()}
 
-    def clear(self, written: StatusFields) -> None:
-        """Forget ``written`` (what the writer sent) unless something newer was staged meanwhile."""
+    def clear(self, written: StatusFields, view: NodeView | None = None) -> None:
+        """Forget ``written`` (what the writer sent) unless something newer was staged meanwhile; ``view``
+        is the Node the patch returned (the staging side plans its next pass from it, not from older)."""
         with self._lock:
             if self._fields == written:
                 self._fields = {}
+            if view is not None:
+                self._written = view
+
+    def written_view(self) -> NodeView | None:
+        with self._lock:
+            return self._written
 
 
 class ConditionWriter:
@@ -344,7 +352,7 @@ class ConditionWriter:
             if written is not None:
                 self._written_rv = _rv(written.resource_version)
             if self.stage is not None and fields:
-                self.stage.clear(fields)
+                self.stage.clear(fields, written)
                 log.info("node %s: status %s written", self.node.name, ", ".join(sorted(fields)))
             for c in changes:
                 self._known[c["type"]] = c

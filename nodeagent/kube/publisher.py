@@ -161,6 +161,9 @@ class NodePublisher:
     def _current(self) -> NodeView:
         if self._latest is None or self._watch is None:
             self._latest = self.node.get()
+        written = self.status_stage.written_view() if self.status_stage is not None else None
+        if written is not None and written.name == self.node.name and _rv_newer(written, self._latest):
+            self._latest = written  # the conditions writer wrote our staged values since
         return self._latest
 
     def _net(self) -> NetFacts | None:

@@ -113,7 +113,7 @@ def idle_hour(window: float) -> dict[str, Any]:
         with running_harness() as harness, node_root(harness) as root:
             wire_containerd(root)
             args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(work / "sim.json")]
-            _, offset = server.audit_writes(settle=0)
+            _, offset = server.audit_writes()
             port = _free_port()
             with running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
                 agent.wait_notify("READY=1", timeout=60)

@@ -88,7 +88,7 @@ def test_first_publish_is_ten_writes_then_none(
             "--node-name", NODE]
     with node_root(kubelet_harness) as root:
         wire_containerd(root)
-        _, offset = kube_apiserver.audit_writes(settle=0)
+        _, offset = kube_apiserver.audit_writes()  # after the set-up writes are flushed
         with running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=30)
             eventually(lambda: published(kube_apiserver), 30, "labels, resources, conditions and GPU objects")
