@@ -37,7 +37,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from nodeagent.gpu import open_nvml
 from nodeagent.gpu.inventory import Inventory
@@ -53,6 +52,7 @@ from nodeagent.kube.gpuobjects import install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
 from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
+from tests._metrics import apiserver_request_counts
 from tests.peers.apiserver import KubeApiServer, start_apiserver
 
 SERVED = ("nvidia.com/gpu",)
@@ -109,17 +109,8 @@ def cpu_s(proc: psutil.Process | None) -> float:
 
 def served_writes(server: KubeApiServer) -> float:
     """Write requests on the agents' resources the apiserver has served (its apiserver_request_total)."""
-    status, body = server.get("/metrics", timeout=30)
-    assert status == 200
-    total = 0.0
-    for fam in text_string_to_metric_families(body.decode()):
-        if fam.name != "apiserver_request":
-            continue
-        for s in fam.samples:
-            if (s.name == "apiserver_request_total" and s.labels.get("verb") in WRITE_VERBS
-                    and s.labels.get("resource") in AGENT_RESOURCES):
-                total += s.value
-    return total
+    return sum(v for lab, v in apiserver_request_counts(server)
+               if lab.get("verb") in WRITE_VERBS and lab.get("resource") in AGENT_RESOURCES)
 
 
 class SimAgent:
