@@ -285,7 +285,7 @@ class StatusStage:
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def stage(self, fields: StatusFields) -> None:
+    def stage(self, fields: Mapping[str, Mapping[str, str | None]]) -> None:
         with self._lock:
             changed = fields != self._fields
             self._fields = {k: dict(v) for k, v in fields.items()}
@@ -304,7 +304,7 @@ class StatusStage:
         with self._lock:
             return {k: dict(v) for k, v in self._fields.items()}
 
-    def clear(self, written: StatusFields, view: NodeView | None = None) -> None:
+    def clear(self, written: Mapping[str, Mapping[str, str | None]], view: NodeView | None = None) -> None:
         """Forget ``written`` (what the writer sent) unless something newer was staged meanwhile; ``view``
         is the Node the patch returned (the staging side plans its next pass from it, not from older)."""
         with self._lock:
@@ -332,6 +332,7 @@ class ConditionWriter:
         self.clock = clock
         self.stage = stage
         self.writes = 0
+        self.fields_written = 0  # of ``writes``, those that carried staged status values
         self._known: dict[str, dict[str, Any]] | None = None
         self._written_rv = -1  # resourceVersion of the Node our last write produced
         self._lock = threading.Lock()
@@ -352,6 +353,7 @@ class ConditionWriter:
             if written is not None:
                 self._written_rv = _rv(written.resource_version)
             if self.stage is not None and fields:
+                self.fields_written += 1
                 self.stage.clear(fields, written)
                 log.info("node %s: status %s written", self.node.name, ", ".join(sorted(fields)))
             for c in changes:

@@ -56,6 +56,14 @@ async def report_gpu_health(ctx: Context, service: Any) -> None:
     ctx.shared.conditions.report_health(GpuHealthInput(len(inv.gpus), out))
 
 
+@dataclasses.dataclass(frozen=True)
+class _PublisherStatusWrite:
+    """The publisher's status values written by this component: counted as the publisher's status write
+    (``nodeagent_publish_writes_total{target="status"}``)."""
+
+    status_writes: int = 1
+
+
 class ConditionsComponent(Component):
     """Writes ``nodeagent.io/GPUReady``, ``GPUHealthy``, ``MIGConfigured`` and ``RuntimeReady`` in its own
     task whenever a report changes them (and checks at every resync, which writes nothing when nothing
@@ -135,6 +143,7 @@ class ConditionsComponent(Component):
                     break
                 await asyncio.sleep(0.1)  # start: the publisher's values go out in this same write
             self._wanted.clear()
+            carried = self.writer.fields_written
             try:
                 await asyncio.to_thread(self.writer.sync, self.snapshot())
             except NodeAgentError as e:
@@ -144,6 +153,8 @@ class ConditionsComponent(Component):
                 self.writer.forget()
                 self._ctx.set_status(self.name, "API unreachable")
                 continue
+            if self.writer.fields_written != carried:
+                self._ctx.shared.metrics.count_publish(_PublisherStatusWrite())
             if self.last_error:
                 log.info("node conditions are written again")
             self.last_error = ""
