@@ -8,8 +8,9 @@ objects of GPUs that are gone are deleted. The CRD is ``packaging/kubernetes/gpu
 
 The CRD has no status subresource, so every change is ONE request: a new GPU is created with its status,
 a changed one gets one JSON patch of what differs (spec, status, owner, labels). A cluster still serving an
-older CRD with a status subresource drops the status of a create: ``sync`` notices it in the answer and
-from then on writes status through ``/status`` as well (two requests for a new GPU).
+older CRD with a status subresource drops the status of a create (and keeps the old one on a patch):
+``sync`` notices it in the answer, writes the status through ``/status`` and does so from then on (two
+requests for a new GPU).
 """
 
 from __future__ import annotations
@@ -256,7 +257,14 @@ class GpuObjects:
                     if main:
                         res.status_subresource_writes += 1
             else:
+                before = have.status
                 self._patch(name, "", ops, have)
+                if status_changed and have.status == before:
+                    # the server kept the old status: an older CRD with a status subresource
+                    self.status_subresource = True
+                    self._patch(name, "/status", [{"op": "add", "path": "/status", "value": dict(want.status)}],
+                                have)
+                    res.status_subresource_writes += 1
             (res.updated if meta_changed else res.status_updated).append(name)
         for name in sorted(set(seen) - set(desired)):
             try:
@@ -280,7 +288,7 @@ class GpuObjects:
         created = self.kube.request("POST", API_PATH, body=body, action=f"create GPU object {name}", subject=name)
         have = seen[name] = _seen_from(created)
         res.created.append(name)
-        if have.status != dict(want.status):
+        if want.status and not have.status:
             # an older CRD with a status subresource: the create dropped the status; write it there
             self.status_subresource = True
             self._patch(name, "/status", [{"op": "add", "path": "/status", "value": dict(want.status)}], have)

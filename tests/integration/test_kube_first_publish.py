@@ -131,6 +131,13 @@ def test_older_crd_with_status_subresource_gets_status_through_it() -> None:
             assert (res.updated, res.writes) == ([f"{node}-gpu0"], 2)
             g0 = kube.request("GET", f"{API_PATH}/{node}-gpu0")
             assert (g0["spec"]["model"], g0["status"]["state"]) == ("NVIDIA H100 NVL", "Healthy")
+            # a restarted agent finds its objects and learns of the subresource from its first status change
+            again = GpuObjects(kube, node)
+            assert again.sync(desired_gpu_objects(node, renamed, SharingFacts()), uid).writes == 0
+            res = again.sync(desired_gpu_objects(node, renamed, SharingFacts(), health={1: False}), uid)
+            assert (res.status_updated, res.writes, again.status_subresource) == ([f"{node}-gpu1"], 2, True)
+            assert kube.request("GET", f"{API_PATH}/{node}-gpu1")["status"]["state"] == "Unhealthy"
+            assert again.sync(desired_gpu_objects(node, renamed, SharingFacts(), health={1: False}), uid).writes == 0
         finally:
             kube.close()
 
