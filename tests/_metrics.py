@@ -42,3 +42,12 @@ def node_watches(server: KubeApiServer) -> dict[str, float]:
             scope = re.search(r'scope="([^"]*)"', line)
             out[scope.group(1) if scope else "?"] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def apiserver_request_counts(server: KubeApiServer) -> list[tuple[dict[str, str], float]]:
+    """The apiserver's own ``apiserver_request_total`` samples: (labels: verb, resource, subresource, scope,
+    code, ...; count)."""
+    status, body = server.get("/metrics", timeout=30)
+    assert status == 200
+    return [(dict(s.labels), s.value) for fam in text_string_to_metric_families(body.decode())
+            if fam.name == "apiserver_request" for s in fam.samples if s.name == "apiserver_request_total"]

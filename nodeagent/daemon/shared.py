@@ -20,7 +20,7 @@ from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
-    from nodeagent.kube.conditions import ConditionSnapshot, GpuHealthInput
+    from nodeagent.kube.conditions import ConditionSnapshot, GpuHealthInput, StatusStage
 
 
 T = TypeVar("T")
@@ -222,10 +222,18 @@ class Shared:
     cdi: CdiLink = field(default_factory=CdiLink)
     dra: DraLink = field(default_factory=DraLink)
     conditions: ConditionInputs = field(default_factory=lambda: ConditionInputs())
+    # what the publisher stages for the conditions writer's next Node status patch (one write for both)
+    node_status: StatusStage = field(default_factory=lambda: _status_stage())
 
     @property
     def advertiser(self) -> Advertiser:
         return Advertiser(self.cdi, self.device_plugin, self.dra)
+
+
+def _status_stage() -> StatusStage:
+    from nodeagent.kube.conditions import StatusStage
+
+    return StatusStage()
 
 
 class ConditionInputs:

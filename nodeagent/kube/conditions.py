@@ -15,6 +15,10 @@ cannot tell (the check is off or has not run). Reasons are CamelCase codes, mess
 (merged by ``type``, so the kubelet's own conditions are untouched) only when a condition's status, reason
 or message changed; ``lastTransitionTime`` moves only when its status changes. A pass with nothing new
 sends nothing: there are no heartbeat writes.
+
+``StatusStage`` lets the publisher hand its status fields (unserved extended resources in ``capacity`` and
+``allocatable``) to the ``ConditionWriter`` instead of writing them itself: they go out in the writer's next
+status patch, together with the conditions. An agent's start then costs one Node status write, not two.
 """
 
 from __future__ import annotations
@@ -253,6 +257,67 @@ def plan_conditions(
 # -- the writer --------------------------------------------------------------------------------------
 
 
+StatusFields = dict[str, dict[str, str | None]]  # status field -> name -> value (None: remove the name)
+
+
+class StatusStage:
+    """Node status fields waiting for the next status patch of a ``ConditionWriter`` (thread-safe).
+
+    ``stage`` replaces what waits (the staging side computes the whole difference each pass) and wakes the
+    listeners; the writer sends it with its conditions and ``clear``s it once written. ``expect``/``passes``
+    let the writer wait, once at start, for the staging side's first pass so that both go out together."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fields: StatusFields = {}
+        self._listeners: list[Callable[[], None]] = []
+        self.expected = False  # a publisher stages here (the writer waits for its first pass at start)
+        self.passes = 0  # publish passes done since (staged or not)
+        self._written: NodeView | None = None  # the Node as the writer's last patch returned it
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """``listener`` is called (from any thread) whenever something is staged."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def stage(self, fields: Mapping[str, Mapping[str, str | None]]) -> None:
+        with self._lock:
+            changed = fields != self._fields
+            self._fields = {k: dict(v) for k, v in fields.items()}
+            listeners = list(self._listeners) if changed and fields else []
+        for listener in listeners:
+            listener()
+
+    def expect(self) -> None:
+        self.expected = True
+
+    def pass_done(self) -> None:
+        with self._lock:
+            self.passes += 1
+
+    def peek(self) -> StatusFields:
+        with self._lock:
+            return {k: dict(v) for k, v in self._fields.items()}
+
+    def clear(self, written: Mapping[str, Mapping[str, str | None]], view: NodeView | None = None) -> None:
+        """Forget ``written`` (what the writer sent) unless something newer was staged meanwhile; ``view``
+        is the Node the patch returned (the staging side plans its next pass from it, not from older)."""
+        with self._lock:
+            if self._fields == written:
+                self._fields = {}
+            if view is not None:
+                self._written = view
+
+    def written_view(self) -> NodeView | None:
+        with self._lock:
+            return self._written
+
+
 class ConditionWriter:
     """Writes the conditions to the own Node on change only (blocking; run it in a worker thread).
 
@@ -261,10 +326,13 @@ class ConditionWriter:
     (fed by the watch of the own Node) notices when somebody changed or removed them. ``writes`` counts the
     PATCH requests sent."""
 
-    def __init__(self, node: NodeClient, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+    def __init__(self, node: NodeClient, clock: Callable[[], datetime] = lambda: datetime.now(UTC), *,
+                 stage: StatusStage | None = None) -> None:
         self.node = node
         self.clock = clock
+        self.stage = stage
         self.writes = 0
+        self.fields_written = 0  # of ``writes``, those that carried staged status values
         self._known: dict[str, dict[str, Any]] | None = None
         self._written_rv = -1  # resourceVersion of the Node our last write produced
         self._lock = threading.Lock()
@@ -277,12 +345,17 @@ class ConditionWriter:
                 self._known = {str(c.get("type", "")): dict(c) for c in view.conditions
                                if str(c.get("type", "")) in CONDITION_TYPES}
             changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock())
-            if not changes:
+            fields = self.stage.peek() if self.stage is not None else {}
+            if not changes and not fields:
                 return []
-            written = self.node.patch_status_conditions(changes)
+            written = self.node.patch_status_conditions(changes, fields)
             self.writes += 1
             if written is not None:
                 self._written_rv = _rv(written.resource_version)
+            if self.stage is not None and fields:
+                self.fields_written += 1
+                self.stage.clear(fields, written)
+                log.info("node %s: status %s written", self.node.name, ", ".join(sorted(fields)))
             for c in changes:
                 self._known[c["type"]] = c
                 log.info("node %s: condition %s=%s (%s): %s", self.node.name, c["type"], c["status"],

@@ -5,6 +5,12 @@ what each object should hold. ``GpuObjects.sync`` writes only the differences: i
 objects once (label ``nodeagent.io/node``), then keeps what it wrote in memory, so a pass where nothing
 changed sends no request at all. Objects carry an owner reference to the Node (they go away with it);
 objects of GPUs that are gone are deleted. The CRD is ``packaging/kubernetes/gpu-crd.yaml``.
+
+The CRD has no status subresource, so every change is ONE request: a new GPU is created with its status,
+a changed one gets one JSON patch of what differs (spec, status, owner, labels). A cluster still serving an
+older CRD with a status subresource drops the status of a create (and keeps the old one on a patch):
+``sync`` notices it in the answer, writes the status through ``/status`` and does so from then on (two
+requests for a new GPU).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import yaml
 
 from nodeagent.errors import KubeError
 from nodeagent.gpu.inventory import Gpu, Inventory
-from nodeagent.kube.client import JSON_PATCH, MERGE_PATCH, KubeClient
+from nodeagent.kube.client import JSON_PATCH, KubeClient
 from nodeagent.kube.labels import NVIDIA, SharingFacts, resource_profile
 from nodeagent.kube.podresources import Assignment
 
@@ -34,6 +40,9 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 NODE_LABEL = "nodeagent.io/node"
 API_PATH = f"/apis/{GROUP}/{VERSION}/{PLURAL}"
 CRD_FILE = Path(__file__).resolve().parents[2] / "packaging" / "kubernetes" / "gpu-crd.yaml"
+
+
+_Dicts = list[dict[str, Any]]  # owner references, JSON-patch ops
 
 
 @dataclass(frozen=True)
@@ -51,9 +60,12 @@ class SyncResult:
     status_updated: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
 
+    status_subresource_writes: int = 0  # extra /status requests an older CRD (with the subresource) needs
+
     @property
     def writes(self) -> int:
-        return len(self.created) * 2 + len(self.updated) + len(self.status_updated) + len(self.deleted)
+        return (len(self.created) + len(self.updated) + len(self.status_updated) + len(self.deleted)
+                + self.status_subresource_writes)
 
 
 def object_name(node_name: str, index: int) -> str:
@@ -181,6 +193,7 @@ class GpuObjects:
         self.kube = kube
         self.node_name = node_name
         self._cache: dict[str, _Seen] | None = None
+        self.status_subresource = False  # learnt from the first create: the served CRD has one
 
     def invalidate(self) -> None:
         """Forget what was written; the next sync lists the objects again."""
@@ -227,42 +240,32 @@ class GpuObjects:
         for name, want in desired.items():
             have = seen.get(name)
             if have is None:
-                body = {
-                    "apiVersion": f"{GROUP}/{VERSION}",
-                    "kind": KIND,
-                    "metadata": {"name": name, "labels": dict(want.labels), "ownerReferences": owners},
-                    "spec": dict(want.spec),
-                }
-                created = self.kube.request(
-                    "POST", API_PATH, body=body, action=f"create GPU object {name}", subject=name
-                )
-                seen[name] = _seen_from(created)
-                res.created.append(name)
-                have = seen[name]
-            elif have.labels != dict(want.labels) or have.spec != dict(want.spec) or have.owners != owners:
-                patch: dict[str, Any] = {
-                    "metadata": {"labels": dict(want.labels), "ownerReferences": owners},
-                    "spec": dict(want.spec),
-                }
-                out = self.kube.request(
-                    "PATCH", f"{API_PATH}/{name}", body=patch, content_type=MERGE_PATCH,
-                    action=f"update GPU object {name}", subject=name,
-                )
-                fresh = _seen_from(out)
-                have.labels, have.spec, have.owners = fresh.labels, fresh.spec, fresh.owners
-                res.updated.append(name)
-            if have.status != dict(want.status):
-                out = self.kube.request(
-                    "PATCH",
-                    f"{API_PATH}/{name}/status",
-                    body=[{"op": "add", "path": "/status", "value": dict(want.status)}],
-                    content_type=JSON_PATCH,
-                    action=f"update status of GPU object {name}",
-                    subject=name,
-                )
-                have.status = _seen_from(out).status
-                if name not in res.created:
-                    res.status_updated.append(name)
+                self._create(name, want, owners, seen, res)
+                continue
+            ops = _patch_ops(have, want, owners)
+            if not ops:
+                continue
+            meta_changed = any(not op["path"].startswith("/status") for op in ops)
+            status_changed = have.status != dict(want.status)
+            if self.status_subresource:
+                main = [op for op in ops if not op["path"].startswith("/status")]
+                if main:
+                    self._patch(name, "", main, have)
+                if status_changed:
+                    self._patch(name, "/status", [{"op": "add", "path": "/status", "value": dict(want.status)}],
+                                have)
+                    if main:
+                        res.status_subresource_writes += 1
+            else:
+                before = have.status
+                self._patch(name, "", ops, have)
+                if status_changed and have.status == before:
+                    # the server kept the old status: an older CRD with a status subresource
+                    self.status_subresource = True
+                    self._patch(name, "/status", [{"op": "add", "path": "/status", "value": dict(want.status)}],
+                                have)
+                    res.status_subresource_writes += 1
+            (res.updated if meta_changed else res.status_updated).append(name)
         for name in sorted(set(seen) - set(desired)):
             try:
                 self.kube.request("DELETE", f"{API_PATH}/{name}", action=f"delete GPU object {name}", subject=name)
@@ -272,6 +275,55 @@ class GpuObjects:
             del seen[name]
             res.deleted.append(name)
         return res
+
+    def _create(self, name: str, want: DesiredGpu, owners: _Dicts, seen: dict[str, _Seen],
+                res: SyncResult) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "metadata": {"name": name, "labels": dict(want.labels), "ownerReferences": owners},
+            "spec": dict(want.spec),
+            "status": dict(want.status),
+        }
+        created = self.kube.request("POST", API_PATH, body=body, action=f"create GPU object {name}", subject=name)
+        have = seen[name] = _seen_from(created)
+        res.created.append(name)
+        if want.status and not have.status:
+            # an older CRD with a status subresource: the create dropped the status; write it there
+            self.status_subresource = True
+            self._patch(name, "/status", [{"op": "add", "path": "/status", "value": dict(want.status)}], have)
+            res.status_subresource_writes += 1
+
+    def _patch(self, name: str, sub: str, ops: _Dicts, have: _Seen) -> None:
+        out = self.kube.request(
+            "PATCH", f"{API_PATH}/{name}{sub}", body=ops, content_type=JSON_PATCH,
+            action=f"update {'status of ' if sub else ''}GPU object {name}", subject=name,
+        )
+        fresh = _seen_from(out)
+        have.labels, have.spec, have.owners, have.status = fresh.labels, fresh.spec, fresh.owners, fresh.status
+
+
+def _patch_ops(have: _Seen, want: DesiredGpu, owners: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """JSON-patch ops turning ``have`` into ``want``: whole spec/status/owners, single labels (labels others
+    set on the object stay)."""
+    ops: list[dict[str, Any]] = []
+    if any(have.labels.get(k) != v for k, v in want.labels.items()):
+        if not have.labels:
+            ops.append({"op": "add", "path": "/metadata/labels", "value": dict(want.labels)})
+        else:
+            ops.extend({"op": "add", "path": f"/metadata/labels/{_pointer(k)}", "value": v}
+                       for k, v in sorted(want.labels.items()) if have.labels.get(k) != v)
+    if have.owners != owners:
+        ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": owners})
+    if have.spec != dict(want.spec):
+        ops.append({"op": "add", "path": "/spec", "value": dict(want.spec)})
+    if have.status != dict(want.status):
+        ops.append({"op": "add", "path": "/status", "value": dict(want.status)})
+    return ops
+
+
+def _pointer(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def install_crd(kube: KubeClient, manifest: str | None = None, *, timeout: float = 30.0) -> None:

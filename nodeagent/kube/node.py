@@ -159,18 +159,25 @@ class NodeClient:
             )
         )
 
-    def patch_status_conditions(self, conditions: list[dict[str, Any]]) -> NodeView | None:
+    def patch_status_conditions(
+        self, conditions: list[dict[str, Any]], fields: Mapping[str, Mapping[str, str | None]] | None = None
+    ) -> NodeView | None:
         """One strategic-merge patch of ``status.conditions``: merged by ``type`` (the list's patch merge
-        key), so conditions of other types (the kubelet's) stay as they are; None when there are none."""
-        if not conditions:
+        key), so conditions of other types (the kubelet's) stay as they are. ``fields`` rides along in the
+        same request: status maps such as ``capacity``/``allocatable`` (name -> value, None removes the
+        name; other names stay). None when there is nothing to send (no request is made)."""
+        status: dict[str, Any] = {k: dict(v) for k, v in (fields or {}).items() if v}
+        if conditions:
+            status["conditions"] = conditions
+        if not status:
             return None
         return self._view(
             self.kube.request(
                 "PATCH",
                 self.path + "/status",
-                body={"status": {"conditions": conditions}},
+                body={"status": status},
                 content_type=STRATEGIC_MERGE_PATCH,
-                action=f"patch conditions of node {self.name}",
+                action=f"patch {'conditions' if conditions else 'status'} of node {self.name}",
                 subject=self.name,
             )
         )

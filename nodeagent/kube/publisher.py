@@ -5,7 +5,8 @@ GPU objects (pure planners), compares them with the last known Node (from the wa
 writes only differences: a pass where nothing changed makes no write at all. A GPU whose ``health``
 changed between passes gets a Node Event (``GpuUnhealthy`` Warning / ``GpuHealthy``). With ``start_watch`` the
 publisher keeps one watch on the own Node and re-applies its values when somebody (the kubelet, a user)
-resets them.
+resets them. With a ``StatusStage`` the status values are not written here but staged for the
+``ConditionWriter``, which sends them in its next status patch together with the Node conditions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from nodeagent.errors import KubeError, KubeletError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
+from nodeagent.kube.conditions import StatusStage
 from nodeagent.kube.events import RESOURCE_REFUSED, EventRecorder
 from nodeagent.kube.gpuobjects import GpuObjects, SyncResult, desired_gpu_objects, gpu_of_device
 from nodeagent.kube.labels import (
@@ -39,6 +41,7 @@ from nodeagent.kube.resources import (
     MANAGED_RESOURCES_ANNOTATION,
     ResourceSettings,
     desired_resources,
+    merge_fields,
     plan_status,
 )
 from nodeagent.net.nics import read_nics
@@ -98,6 +101,7 @@ class PublishResult:
     status_ops: list[dict[str, Any]] = field(default_factory=list)
     metadata_writes: int = 0
     status_writes: int = 0
+    status_staged: bool = False  # status values handed to the StatusStage (written with the conditions)
     gpu_objects: SyncResult = field(default_factory=SyncResult)
     refused: tuple[str, ...] = ()
     errors: list[str] = field(default_factory=list)
@@ -129,8 +133,10 @@ class NodePublisher:
         net: NetFacts | None = None,
         events: EventRecorder | None = None,
         watches: NodeWatchHub | None = None,
+        status_stage: StatusStage | None = None,
     ) -> None:
         self.kube = kube
+        self.status_stage = status_stage
         self.config = config or PublisherConfig()
         self.node = NodeClient(kube, node_name, watches=watches)
         self.paths = paths or HostPaths()
@@ -155,6 +161,9 @@ class NodePublisher:
     def _current(self) -> NodeView:
         if self._latest is None or self._watch is None:
             self._latest = self.node.get()
+        written = self.status_stage.written_view() if self.status_stage is not None else None
+        if written is not None and written.name == self.node.name and _rv_newer(written, self._latest):
+            self._latest = written  # the conditions writer wrote our staged values since
         return self._latest
 
     def _net(self) -> NetFacts | None:
@@ -225,7 +234,15 @@ class NodePublisher:
             res.label_changes = labels_meta
             if view is not None:
                 node = self._remember(view)
-        if status_ops:
+        if self.status_stage is not None:
+            # the conditions writer sends these with its next patch; the ownership annotation shrinks only
+            # once the Node shows the removal (a later pass), never before the removal is written
+            self.status_stage.stage(merge_fields(status_ops))
+            res.status_staged = bool(status_ops)
+            res.status_ops = status_ops
+            if status_ops:
+                after = None
+        elif status_ops:
             view = self.node.patch_status(status_ops)
             res.status_writes += 1
             res.status_ops = status_ops
@@ -298,6 +315,8 @@ class NodePublisher:
         owned = parse_managed(view.annotations.get(MANAGED_LABELS_ANNOTATION))
         if self._want_labels and owned != set(self._want_labels):
             return True
+        if self.status_stage is not None and self.status_stage.peek():
+            return False  # the resource values are staged, not written yet: that is no reset
         for k, v in self._want_resources.items():
             if view.capacity.get(k) != v or view.allocatable.get(k) != v:
                 return True

@@ -105,3 +105,20 @@ def plan_status(
     if after_keys != expected_now:
         after = after_keys
     return StatusPlan(ops=ops, annotation_before=before, annotation_after=after, refused=refused)
+
+
+def merge_fields(ops: list[dict[str, Any]]) -> dict[str, dict[str, str | None]]:
+    """The same change as ``plan_status``'s JSON-patch ops, as ``status`` fields of a merge patch: field
+    (``capacity``/``allocatable``) -> name -> quantity, or None to remove the name. Lets the resource
+    values travel in one status patch together with other status fields (the Node conditions)."""
+    out: dict[str, dict[str, str | None]] = {}
+    for op in ops:
+        parts = str(op["path"]).split("/")  # "", "status", field[, escaped name]
+        if len(parts) < 3 or parts[1] != "status":
+            raise ValueError(f"not a status op: {op!r}")
+        fields = out.setdefault(parts[2], {})
+        if len(parts) == 3:
+            continue  # the map itself, created empty: a merge patch creates it with its first key
+        name = "/".join(parts[3:]).replace("~1", "/").replace("~0", "~")
+        fields[name] = None if op["op"] == "remove" else str(op["value"])
+    return out

@@ -3,10 +3,17 @@
 ``ensure_runtime_classes`` is idempotent: an existing class with the right handler is left alone (labels
 are merged in), a missing one is created. A RuntimeClass's handler cannot be changed in place, so a class
 with a different handler is deleted and created again.
+
+A whole fleet starting at once would all find the class missing and all create it (one 201, the rest
+409s, each a write the apiserver handles). With ``spread`` an agent that finds it missing waits a random
+moment within ``spread`` seconds and reads again before it creates: the first one to wake creates it, the
+others find it made.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -45,9 +52,13 @@ def _create(kube: KubeClient, name: str, handler: str) -> None:
     kube.request("POST", _PATH, body=_body(name, handler), action=f"write RuntimeClass {name}", subject=name)
 
 
-def ensure_runtime_class(kube: KubeClient, name: str, handler: str) -> Action:
+def ensure_runtime_class(kube: KubeClient, name: str, handler: str, *, spread: float = 0.0,
+                         rng: random.Random | None = None) -> Action:
     current = _read(kube, name)
     write = f"write RuntimeClass {name}"
+    if current is None and spread > 0:
+        time.sleep((rng or random).uniform(0.0, spread))  # another agent of the fleet may make it meanwhile
+        current = _read(kube, name)
     if current is None:
         try:
             _create(kube, name, handler)
@@ -70,6 +81,8 @@ def ensure_runtime_class(kube: KubeClient, name: str, handler: str) -> Action:
     return "unchanged"
 
 
-def ensure_runtime_classes(kube: KubeClient, classes: Mapping[str, str]) -> dict[str, Action]:
+def ensure_runtime_classes(kube: KubeClient, classes: Mapping[str, str], *, spread: float = 0.0,
+                           rng: random.Random | None = None) -> dict[str, Action]:
     """Create or update every ``name -> handler``; returns what happened to each."""
-    return {name: ensure_runtime_class(kube, name, handler) for name, handler in classes.items()}
+    return {name: ensure_runtime_class(kube, name, handler, spread=spread, rng=rng)
+            for name, handler in classes.items()}

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -82,3 +85,34 @@ def test_cli_configure_creates_runtime_classes(kube: KubeClient, kube_apiserver,
         assert not json.loads(second.stdout)["changed"]
     finally:
         _cleanup(kube, *created)
+
+
+class _Turns(random.Random):
+    """Hands out the given delays in turn (which agent wakes first is then known)."""
+
+    def __init__(self, delays: list[float]) -> None:
+        super().__init__(0)
+        self.delays = delays
+        self.lock = threading.Lock()
+
+    def uniform(self, a: float, b: float) -> float:
+        with self.lock:
+            return self.delays.pop(0)
+
+
+def test_a_fleet_starting_at_once_creates_the_class_once(kube_apiserver) -> None:  # type: ignore[no-untyped-def]
+    """Six agents find the class missing at the same moment: with a spread, the first to wake creates it and
+    the others read it (the apiserver answers one create, no 409)."""
+    name = f"nvidia-{uuid.uuid4().hex[:6]}"
+    clients = [KubeClient(connect(kube_apiserver.kubeconfig)) for _ in range(6)]
+    turns = _Turns([0.0, 0.5, 0.6, 0.7, 0.8, 0.9])
+    try:
+        with ThreadPoolExecutor(6) as ex:
+            done = list(ex.map(lambda c: ensure_runtime_classes(c, {name: "nvidia"}, spread=1.0, rng=turns)[name],
+                               clients))
+        assert sorted(done) == ["created"] + ["unchanged"] * 5
+        assert sum(c.stats.writes for c in clients) == 1
+    finally:
+        _cleanup(clients[0], name)
+        for c in clients:
+            c.close()

@@ -82,6 +82,30 @@ def write_kubeconfig(path: Path, url: str, pki: Path) -> None:
     path.chmod(0o600)
 
 
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+  - level: Metadata
+    verbs: ["create", "update", "patch", "delete", "deletecollection"]
+  - level: None
+"""
+AUDIT_FLUSH_S = 1.5  # the batch backend's default max wait is 1 s
+
+
+@dataclass(frozen=True)
+class AuditWrite:
+    """One write request as the apiserver's audit log records it."""
+
+    verb: str
+    resource: str
+    subresource: str
+    namespace: str
+    name: str
+    code: int
+    user: str
+
+
 @dataclass
 class KubeApiServer:
     """A running kube-apiserver (with its etcd). ``kubeconfig`` gives cluster-admin access."""
@@ -123,6 +147,36 @@ class KubeApiServer:
                 return status, resp.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
+
+    @property
+    def audit_log(self) -> Path:
+        """The apiserver's audit log: one JSON line per write request (create/update/patch/delete), read
+        with ``audit_writes``."""
+        return self.workdir / "audit.log"
+
+    def audit_writes(self, since: int = 0, settle: float = AUDIT_FLUSH_S) -> tuple[list[AuditWrite], int]:
+        """Write requests the apiserver has logged from byte offset ``since`` (0: all), and the offset to
+        pass next time. Waits ``settle`` s first: the log backend writes in batches (flushed every second)."""
+        if settle > 0:
+            time.sleep(settle)
+        out: list[AuditWrite] = []
+        try:
+            with self.audit_log.open("rb") as f:
+                f.seek(since)
+                data = f.read()
+        except FileNotFoundError:
+            return [], since
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            ev = json.loads(line)
+            ref = ev.get("objectRef") or {}
+            out.append(AuditWrite(
+                verb=str(ev.get("verb", "")), resource=str(ref.get("resource", "")),
+                subresource=str(ref.get("subresource", "")), namespace=str(ref.get("namespace", "")),
+                name=str(ref.get("name", "")), code=int((ev.get("responseStatus") or {}).get("code", 0)),
+                user=str((ev.get("user") or {}).get("username", "")),
+            ))
+        return out, since + end
 
     def log_tail(self, name: str = "kube-apiserver", lines: int = 40) -> str:
         return tail(self.workdir / f"{name}.log", lines)
@@ -189,6 +243,8 @@ def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,
             stdin=subprocess.DEVNULL, stdout=etcd_log, stderr=subprocess.STDOUT,
         )
         server._procs.append(etcd)
+        policy = wd / "audit-policy.yaml"
+        policy.write_text(AUDIT_POLICY)
         api_log = (wd / "kube-apiserver.log").open("wb")
         server._logs.append(api_log)
         apiserver = subprocess.Popen(
@@ -206,6 +262,9 @@ def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,
              # No controller-manager runs, so nothing would create the default service accounts.
              "--disable-admission-plugins=ServiceAccount",
              "--allow-privileged=true", "--profiling=false", "--v=1",
+             # every write, at Metadata level, one JSON line each: tests count an agent's writes by name
+             f"--audit-policy-file={policy}", f"--audit-log-path={server.audit_log}",
+             "--audit-log-maxbackup=1", "--audit-log-maxsize=200", "--audit-log-mode=batch",
              *([f"--feature-gates={feature_gates}"] if feature_gates else []), *extra_args],
             stdin=subprocess.DEVNULL, stdout=api_log, stderr=subprocess.STDOUT,
         )

@@ -171,3 +171,23 @@ def test_not_known_yet_does_not_replace_a_known_condition() -> None:
     off = ConditionSnapshot(health=GpuHealthInput(8), mig=MigInput(enabled=False),
                             runtime=RuntimeInput(check_enabled=False))
     assert [c["type"] for c in plan_conditions(first, build_conditions(off), T1)] == [MIG_CONFIGURED, RUNTIME_READY]
+
+
+def test_status_stage_replaces_wakes_and_clears_only_what_was_written() -> None:
+    from nodeagent.kube.conditions import StatusStage
+
+    stage = StatusStage()
+    woken: list[int] = []
+    stage.subscribe(lambda: woken.append(1))
+    first = {"capacity": {"nvidia.com/gpu-memory": "100"}}
+    stage.stage(first)
+    stage.stage(first)  # the same again: nothing new to wake for
+    assert stage.peek() == first and woken == [1]
+    newer = {"capacity": {"nvidia.com/gpu-memory": "200"}}
+    stage.stage(newer)
+    stage.clear(first)  # a write of the older values does not drop the newer ones
+    assert stage.peek() == newer and woken == [1, 1]
+    stage.clear(newer)
+    assert stage.peek() == {}
+    stage.stage({})  # nothing to write wakes nobody
+    assert woken == [1, 1]

@@ -8,6 +8,7 @@ from nodeagent.kube.resources import (
     ResourceSettings,
     desired_resources,
     json_pointer_escape,
+    merge_fields,
     plan_status,
 )
 
@@ -75,3 +76,24 @@ def test_reset_value_is_written_again() -> None:
                     has_allocatable=False)
     assert {"op": "add", "path": "/status/allocatable", "value": {}} in p.ops
     assert {"op": "add", "path": "/status/capacity/nvidia.com~1gpu-memory", "value": "100"} in p.ops
+
+
+def test_merge_fields_carry_the_same_change_as_the_ops() -> None:
+    """The ops of a first publish and of a removal, as status fields of one merge patch."""
+    first = plan_status({"cpu": "8"}, {}, {}, {"nvidia.com/gpu-memory": "100", "example.com/a~b": "1"}, [],
+                        has_allocatable=False)
+    assert merge_fields(first.ops) == {
+        "capacity": {"example.com/a~b": "1", "nvidia.com/gpu-memory": "100"},
+        "allocatable": {"example.com/a~b": "1", "nvidia.com/gpu-memory": "100"},
+    }
+    gone = plan_status({"aliyun.com/gpu-mem": "44"}, {"aliyun.com/gpu-mem": "44"},
+                       {MANAGED_RESOURCES_ANNOTATION: "aliyun.com/gpu-mem"}, {}, [])
+    assert merge_fields(gone.ops) == {"capacity": {"aliyun.com/gpu-mem": None},
+                                      "allocatable": {"aliyun.com/gpu-mem": None}}
+    assert merge_fields([]) == {}
+    try:
+        merge_fields([{"op": "add", "path": "/metadata/labels", "value": {}}])
+    except ValueError as e:
+        assert "not a status op" in str(e)
+    else:
+        raise AssertionError("a non-status op was accepted")

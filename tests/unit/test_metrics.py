@@ -144,4 +144,4 @@ def test_reconcile_and_publish_observers() -> None:
     assert rec == {("mig", "success"): 1.0, ("mig", "failed"): 1.0}
     assert any(lab.get("le") == "+Inf" and v == 2.0 for lab, v in fams["nodeagent_apply_duration_seconds"])
     writes = {lab["target"]: v for lab, v in fams["nodeagent_publish_writes"] if "target" in lab}
-    assert writes == {"labels": 1.0, "status": 1.0, "gpu_objects": 2.0}
+    assert writes == {"labels": 1.0, "status": 1.0, "gpu_objects": 1.0}  # a new GPU object: one create

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from nodeagent.daemon.supervisor import Component, Context
@@ -16,6 +17,7 @@ from nodeagent.gpu.inventory import Inventory
 log = logging.getLogger(__name__)
 
 SETTLE_S = 0.5
+FIRST_PASS_WAIT_S = 5.0  # at start, how long the first write waits for the publisher's status values
 PENDING_S = 2.0  # a MIG apply shows as pending only when it takes longer than this (most take less)
 
 
@@ -54,10 +56,19 @@ async def report_gpu_health(ctx: Context, service: Any) -> None:
     ctx.shared.conditions.report_health(GpuHealthInput(len(inv.gpus), out))
 
 
+@dataclasses.dataclass(frozen=True)
+class _PublisherStatusWrite:
+    """The publisher's status values written by this component: counted as the publisher's status write
+    (``nodeagent_publish_writes_total{target="status"}``)."""
+
+    status_writes: int = 1
+
+
 class ConditionsComponent(Component):
     """Writes ``nodeagent.io/GPUReady``, ``GPUHealthy``, ``MIGConfigured`` and ``RuntimeReady`` in its own
     task whenever a report changes them (and checks at every resync, which writes nothing when nothing
-    changed)."""
+    changed). The status values the publisher stages in ``ctx.shared.node_status`` go out in the same
+    patch; at start the first write waits (bounded) for the publisher's first pass so both are one write."""
 
     name = "conditions"
 
@@ -66,11 +77,13 @@ class ConditionsComponent(Component):
         from nodeagent.kube.conditions import ConditionWriter
         from nodeagent.kube.node import NodeClient
 
-        self.writer = ConditionWriter(NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches))
+        self.writer = ConditionWriter(NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
+                                      stage=ctx.shared.node_status)
         self._ctx = ctx
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[Any] | None = None
         self._watch: Any = None
+        self._staged: Callable[[], None] | None = None
         self.last_error = ""
 
     def _wake(self) -> None:
@@ -78,10 +91,17 @@ class ConditionsComponent(Component):
 
     async def start(self, ctx: Context) -> None:
         ctx.shared.conditions.subscribe(self._wake)
+        loop = asyncio.get_running_loop()
+
+        def staged() -> None:  # called from the publisher's worker thread
+            with contextlib.suppress(RuntimeError):  # the loop is gone while the daemon stops
+                loop.call_soon_threadsafe(self._wanted.set)
+
+        self._staged = staged
+        ctx.shared.node_status.subscribe(staged)
         self._task = ctx.spawn(self._worker(), "conditions")
         self._wanted.set()
         # the one shared watch of the own Node: conditions somebody changed or removed are written again
-        loop = asyncio.get_running_loop()
 
         def on_node(view: Any) -> None:
             if self.writer.observe(view):
@@ -117,7 +137,13 @@ class ConditionsComponent(Component):
                 if self._ctx.shared.conditions.mig.state != "pending":
                     break
                 await asyncio.sleep(0.1)
+            stage = self._ctx.shared.node_status
+            for _ in range(int(FIRST_PASS_WAIT_S / 0.1)):
+                if not stage.expected or stage.passes:
+                    break
+                await asyncio.sleep(0.1)  # start: the publisher's values go out in this same write
             self._wanted.clear()
+            carried = self.writer.fields_written
             try:
                 await asyncio.to_thread(self.writer.sync, self.snapshot())
             except NodeAgentError as e:
@@ -127,6 +153,8 @@ class ConditionsComponent(Component):
                 self.writer.forget()
                 self._ctx.set_status(self.name, "API unreachable")
                 continue
+            if self.writer.fields_written != carried:
+                self._ctx.shared.metrics.count_publish(_PublisherStatusWrite())
             if self.last_error:
                 log.info("node conditions are written again")
             self.last_error = ""
@@ -134,6 +162,9 @@ class ConditionsComponent(Component):
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._wake)
+        if self._staged is not None:
+            self._ctx.shared.node_status.unsubscribe(self._staged)
+            self._staged = None
         if self._watch is not None:
             await asyncio.to_thread(self._watch.stop)
             self._watch = None

@@ -19,7 +19,9 @@ EVENTS_CLOSE_TIMEOUT = 1.0  # of the daemon's STOP_TIMEOUT, what the Event retry
 
 class PublisherComponent(Component):
     """Publishes in its own task (never blocks the loop) what the inventory and ``ctx.shared.device_plugin``
-    (served resources, plugin config, health) say; counts its writes into ``ctx.shared.metrics``."""
+    (served resources, plugin config, health) say; counts its writes into ``ctx.shared.metrics``. Its Node
+    status values go to ``ctx.shared.node_status``: the conditions component writes them with the
+    conditions, in one status patch."""
 
     name = "publisher"
 
@@ -36,7 +38,10 @@ class PublisherComponent(Component):
             paths=ctx.paths,
             pod_resources=self.pod_resources,
             watches=ctx.node_watches,
+            # the conditions component (it runs wherever the API does) writes these with the conditions
+            status_stage=ctx.shared.node_status,
         )
+        ctx.shared.node_status.expect()
         self._ctx = ctx
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[Any] | None = None
@@ -63,8 +68,11 @@ class PublisherComponent(Component):
                 continue
             dp = self._ctx.shared.device_plugin.snapshot()
             try:
-                res = await self.publisher.apublish(inv, dp.served, dp.plugin_config,
-                                                    health=dp.health or None)
+                try:
+                    res = await self.publisher.apublish(inv, dp.served, dp.plugin_config,
+                                                        health=dp.health or None)
+                finally:
+                    self._ctx.shared.node_status.pass_done()
                 if not watching:
                     await asyncio.to_thread(self.publisher.start_watch)
                     watching = True

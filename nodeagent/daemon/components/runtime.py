@@ -11,6 +11,10 @@ from nodeagent.errors import NodeAgentError
 
 log = logging.getLogger(__name__)
 
+# a missing RuntimeClass is read again after a random moment within this many seconds before it is created,
+# so that of a fleet starting at once one agent creates it and the others find it (in a task: start waits not)
+RUNTIME_CLASS_SPREAD_S = 3.0
+
 
 class RuntimeCheckComponent(Component):
     """Checks (never writes) that containerd still carries the NVIDIA runtime; ``bootstrap`` writes it.
@@ -71,7 +75,8 @@ class RuntimeCheckComponent(Component):
 
         classes = desired_classes(cdi=self._ctx.config.runtime.cdi)
         try:
-            done = await asyncio.to_thread(ensure_runtime_classes, self._ctx.kube, classes)
+            done = await asyncio.to_thread(ensure_runtime_classes, self._ctx.kube, classes,
+                                           spread=RUNTIME_CLASS_SPREAD_S)
         except NodeAgentError as e:
             log.warning("RuntimeClass not ensured (retried at the next resync): %s", e)
             return
