@@ -251,8 +251,8 @@ class ResourceServer:
         self.changed = threading.Condition()  # guards version, device_list and closing
         self._server: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self._last_list: tuple[tuple[str, str], ...] = ()
-        self.device_list: Any = self._build_list()
+        self._published = self._visible()  # what device_list shows
+        self.device_list: Any = self._build_list(self._published)
         self.list_sent_at: float = 0.0
 
     @property
@@ -275,18 +275,18 @@ class ResourceServer:
     def socket_path(self) -> Path:
         return self.plugin_dir / self.endpoint
 
-    def _health_snapshot(self) -> tuple[tuple[str, str], ...]:
-        return tuple((d.id, HEALTHY if self._health_of(d) else UNHEALTHY) for d in self.resource.devices)
+    def _visible(self) -> tuple[tuple[str, str, int | None], ...]:
+        """What the kubelet sees of each device: ID, health, NUMA node."""
+        return tuple(
+            (d.id, HEALTHY if self._health_of(d) else UNHEALTHY, d.numa_node) for d in self.resource.devices
+        )
 
-    def _build_list(self) -> Any:
-        """The ListAndWatchResponse of the current devices and health (built on the daemon's loop)."""
-        health = dict(self._health_snapshot())
+    @staticmethod
+    def _build_list(visible: tuple[tuple[str, str, int | None], ...]) -> Any:
         devices = []
-        for d in self.resource.devices:
-            topo = (
-                api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=d.numa_node)]) if d.numa_node is not None else None
-            )
-            devices.append(api_pb2.Device(ID=d.id, health=health[d.id], topology=topo))
+        for dev_id, health, numa in visible:
+            topo = api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
+            devices.append(api_pb2.Device(ID=dev_id, health=health, topology=topo))
         return api_pb2.ListAndWatchResponse(devices=devices)
 
     def wake(self) -> None:
@@ -294,38 +294,30 @@ class ResourceServer:
         with self.changed:
             self.changed.notify_all()
 
-    def _bump(self) -> None:
-        device_list = self._build_list()
+    def _publish(self) -> bool:
+        """Rebuild the device list and wake every stream to re-send it, if what the kubelet sees changed
+        since the list was last built (on the daemon's loop; the streams only read the built list)."""
+        visible = self._visible()
+        if visible == self._published:
+            return False
+        device_list = self._build_list(visible)
         with self.changed:
-            self.device_list = device_list
+            self._published, self.device_list = visible, device_list
             self.version += 1
             self.changed.notify_all()
+        return True
 
     async def set_resource(
         self, resource: Resource, flags: PluginFlags, scores: Mapping[tuple[int, int], int], policy: str
     ) -> bool:
-        """Swap in a new device list / settings; re-sends the list if anything visible changed."""
-        before = self._visible()
+        """Swap in a new device list / settings (the kept Allocate answers go with the old ones); re-sends
+        the list if anything visible changed."""
         self.served = _Served(resource, flags, scores, policy)
-        self._last_list = self._health_snapshot()
-        if before != self._visible():
-            self._bump()
-            return True
-        return False
-
-    def _visible(self) -> tuple[tuple[str, str, int | None], ...]:
-        return tuple(
-            (d.id, HEALTHY if self._health_of(d) else UNHEALTHY, d.numa_node) for d in self.resource.devices
-        )
+        return self._publish()
 
     async def health_changed(self) -> bool:
         """Re-send the list if any device's health flipped."""
-        snap = self._health_snapshot()
-        if snap != self._last_list:
-            self._last_list = snap
-            self._bump()
-            return True
-        return False
+        return self._publish()
 
     async def start(self) -> None:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
@@ -347,7 +339,7 @@ class ResourceServer:
                                subject=str(path)) from e
         with self.changed:
             self.closing = False
-            self.device_list = self._build_list()
+        self._publish()
         pool = ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix=f"device-plugin {self.name}")
         server = grpc.server(pool, options=[("grpc.so_reuseport", 0)])
         handlers = _Servicer(self).handlers()
@@ -361,7 +353,6 @@ class ResourceServer:
         server.start()
         os.chmod(path, 0o600)
         self._server, self._pool = server, pool
-        self._last_list = self._health_snapshot()
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
 
     async def stop(self) -> None:
