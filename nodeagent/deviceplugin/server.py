@@ -199,28 +199,20 @@ class _Servicer:
 
     def handlers(self) -> dict[str, Any]:
         """The method handlers; Allocate without protobuf (de)serializers, the others with them."""
+
+        def proto(kind: Callable[..., Any], method: Callable[..., Any], request: Any, response: Any) -> Any:
+            return kind(method, request_deserializer=request.FromString, response_serializer=response.SerializeToString)
+
+        unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
         return {
-            "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
-                self.GetDevicePluginOptions,
-                request_deserializer=api_pb2.Empty.FromString,
-                response_serializer=api_pb2.DevicePluginOptions.SerializeToString,
-            ),
-            "ListAndWatch": grpc.unary_stream_rpc_method_handler(
-                self.ListAndWatch,
-                request_deserializer=api_pb2.Empty.FromString,
-                response_serializer=api_pb2.ListAndWatchResponse.SerializeToString,
-            ),
-            "GetPreferredAllocation": grpc.unary_unary_rpc_method_handler(
-                self.GetPreferredAllocation,
-                request_deserializer=api_pb2.PreferredAllocationRequest.FromString,
-                response_serializer=api_pb2.PreferredAllocationResponse.SerializeToString,
-            ),
-            "Allocate": grpc.unary_unary_rpc_method_handler(self.Allocate),
-            "PreStartContainer": grpc.unary_unary_rpc_method_handler(
-                self.PreStartContainer,
-                request_deserializer=api_pb2.PreStartContainerRequest.FromString,
-                response_serializer=api_pb2.PreStartContainerResponse.SerializeToString,
-            ),
+            "GetDevicePluginOptions": proto(unary, self.GetDevicePluginOptions, api_pb2.Empty,
+                                            api_pb2.DevicePluginOptions),
+            "ListAndWatch": proto(stream, self.ListAndWatch, api_pb2.Empty, api_pb2.ListAndWatchResponse),
+            "GetPreferredAllocation": proto(unary, self.GetPreferredAllocation, api_pb2.PreferredAllocationRequest,
+                                            api_pb2.PreferredAllocationResponse),
+            "Allocate": unary(self.Allocate),
+            "PreStartContainer": proto(unary, self.PreStartContainer, api_pb2.PreStartContainerRequest,
+                                       api_pb2.PreStartContainerResponse),
         }
 
 
