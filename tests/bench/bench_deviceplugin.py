@@ -63,9 +63,8 @@ asyncio.run(main(*sys.argv[1:4]))
 
 
 # The least a Python gRPC server on nodeagent's stack (threaded server, raw bytes, gRPC's own listener) can do
-# per Allocate:
-# answer constant bytes. Measured beside nodeagent and the Go plugin, it shows how much of the gap is
-# nodeagent's work and how much the Python gRPC stack.
+# per Allocate: answer constant bytes. Measured beside nodeagent and the Go plugin, it shows how much of the
+# gap is nodeagent's work and how much the Python gRPC stack.
 FLOOR = r"""
 import sys
 from concurrent.futures import ThreadPoolExecutor
