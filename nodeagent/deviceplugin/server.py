@@ -1,7 +1,8 @@
-"""One grpc.aio DevicePlugin server per resource, on its own Unix socket (mode 0600).
+"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on its own threads.
 
 The server holds the current ``Resource`` and per-device health; every change bumps a version and
-every open ListAndWatch stream re-sends the full list at once.
+every open ListAndWatch stream re-sends the full list at once. Allocate answers are kept as bytes per
+request bytes until the next change.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
-from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
 from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
 from nodeagent.sharing.devices import AdvertisedDevice, Resource
@@ -35,6 +38,10 @@ MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 # Allocate answers are a pure function of the device list and settings: the answers given since the last
 # change are kept (the kubelet asks for the same few sets again and again), up to this many.
 ALLOCATION_CACHE_SIZE = 1024
+SERVICE = "v1beta1.DevicePlugin"
+# Worker threads of one server: each open ListAndWatch stream holds one (the kubelet keeps one); threads
+# start only when needed.
+SERVER_THREADS = 8
 
 
 def socket_name(resource_name: str) -> str:
@@ -63,6 +70,36 @@ def _to_proto(alloc: ContainerAllocation) -> Any:
         ],
         cdi_devices=[api_pb2.CDIDevice(name=n) for n in alloc.cdi_devices],
     )
+
+
+class _Served:
+    """What a server answers from: one resource and its settings, never changed in place (a change brings a
+    new one, so the answers kept for the old device list go with it)."""
+
+    __slots__ = ("answers", "flags", "policy", "resource", "scores")
+
+    def __init__(
+        self, resource: Resource, flags: PluginFlags, scores: Mapping[tuple[int, int], int], policy: str
+    ) -> None:
+        self.resource = resource
+        self.flags = flags
+        self.scores = scores
+        self.policy = policy
+        self.answers: dict[bytes, bytes] = {}  # serialized AllocateRequest → serialized AllocateResponse
+
+    def answer(self, request: bytes) -> bytes:
+        """The serialized AllocateResponse to a serialized AllocateRequest, validated in full; kept for the
+        same bytes again. Raises ``AllocationError`` (never kept) for anything this resource cannot give."""
+        try:
+            parsed = api_pb2.AllocateRequest.FromString(request)
+        except DecodeError as e:
+            raise AllocationError(f"malformed AllocateRequest ({len(request)} bytes): {e}") from e
+        allocs = allocate(self.resource, self.flags, [list(c.devices_ids) for c in parsed.container_requests])
+        response = api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
+        answer: bytes = response.SerializeToString()
+        if len(self.answers) < ALLOCATION_CACHE_SIZE:
+            self.answers[request] = answer
+        return answer
 
 
 def preferred(
@@ -103,60 +140,90 @@ def preferred(
     return spread_pick(avail, must, size, group, used, policy)
 
 
-class _Servicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
+class _Servicer:
+    """The DevicePlugin methods. They run on the gRPC server's worker threads, never on the daemon's event loop:
+    they read only the server's current ``_Served`` (replaced whole on a change) and its prebuilt device list."""
+
     def __init__(self, owner: ResourceServer) -> None:
         self._owner = owner
 
-    async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
-    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
         owner = self._owner
+        changed = owner.changed
+        context.add_callback(owner.wake)  # a cancelled stream stops waiting at once
         sent = -1
-        while not owner.closing:
-            if owner.version != sent:
-                sent = owner.version
-                yield owner.list_response()
-                continue
-            await owner.wait_change(sent)
+        while True:
+            with changed:
+                while owner.version == sent and not owner.closing and context.is_active():
+                    changed.wait()
+                if owner.closing or not context.is_active():
+                    return
+                sent, message = owner.version, owner.device_list
+            owner.list_sent_at = time.monotonic()
+            yield message
 
-    async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
-        owner = self._owner
+    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        served = self._owner.served
         responses = []
         for creq in request.container_requests:
             ids = preferred(
-                owner.resource,
+                served.resource,
                 list(creq.available_deviceIDs),
                 list(creq.must_include_deviceIDs),
                 int(creq.allocation_size),
-                owner.scores,
-                owner.policy,
+                served.scores,
+                served.policy,
             )
             responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
-    async def Allocate(self, request: Any, context: Any) -> Any:
-        owner = self._owner
-        key = tuple(tuple(c.devices_ids) for c in request.container_requests)
-        cached = owner.allocations.get(key)
-        if cached is not None:
-            return cached
+    def Allocate(self, request: bytes, context: Any) -> bytes:
+        """Raw bytes in and out: a request already answered since the last change gets the kept bytes again;
+        any other is parsed, validated and answered."""
+        served = self._owner.served
+        answer = served.answers.get(request)
+        if answer is not None:
+            return answer
         try:
-            allocs = allocate(owner.resource, owner.flags, [list(ids) for ids in key])
+            return served.answer(request)
         except AllocationError as e:
             log.warning("allocate refused: %s", e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        response = api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
-        if len(owner.allocations) < ALLOCATION_CACHE_SIZE:
-            owner.allocations[key] = response
-        return response
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise  # abort raises; never reached
 
-    async def PreStartContainer(self, request: Any, context: Any) -> Any:
+    def PreStartContainer(self, request: Any, context: Any) -> Any:
         return api_pb2.PreStartContainerResponse()
+
+    def handlers(self) -> dict[str, Any]:
+        """The method handlers; Allocate without protobuf (de)serializers, the others with them."""
+
+        def proto(kind: Callable[..., Any], method: Callable[..., Any], request: Any, response: Any) -> Any:
+            return kind(method, request_deserializer=request.FromString, response_serializer=response.SerializeToString)
+
+        unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+        return {
+            "GetDevicePluginOptions": proto(unary, self.GetDevicePluginOptions, api_pb2.Empty,
+                                            api_pb2.DevicePluginOptions),
+            "ListAndWatch": proto(stream, self.ListAndWatch, api_pb2.Empty, api_pb2.ListAndWatchResponse),
+            "GetPreferredAllocation": proto(unary, self.GetPreferredAllocation, api_pb2.PreferredAllocationRequest,
+                                            api_pb2.PreferredAllocationResponse),
+            "Allocate": unary(self.Allocate),
+            "PreStartContainer": proto(unary, self.PreStartContainer, api_pb2.PreStartContainerRequest,
+                                       api_pb2.PreStartContainerResponse),
+        }
 
 
 class ResourceServer:
-    """The DevicePlugin server of one resource."""
+    """The DevicePlugin server of one resource.
+
+    Its gRPC server is the threaded one: the methods run on a small pool of their own threads, so an Allocate
+    neither waits for the daemon's other coroutines nor hops through the event loop (measured: a lower and
+    steadier Allocate latency than grpc.aio on the daemon's loop). The daemon's loop changes what is served
+    (``set_resource``, ``health_changed``); the threads read it.
+    """
 
     def __init__(
         self,
@@ -169,18 +236,24 @@ class ResourceServer:
         health_of: Callable[[AdvertisedDevice], bool],
     ) -> None:
         self.plugin_dir = plugin_dir.absolute()  # gRPC needs unix:///abs/path
-        self.resource = resource
-        self.flags = flags
-        self.scores = scores
-        self.policy = policy
+        self.served = _Served(resource, flags, scores, policy)
         self._health_of = health_of
         self.version = 0
         self.closing = False
-        self._changed = asyncio.Condition()
+        self.changed = threading.Condition()  # guards version, device_list and closing
         self._server: Any = None
-        self._last_list: tuple[tuple[str, str], ...] = ()
+        self._pool: ThreadPoolExecutor | None = None
+        self._published = self._visible()  # what device_list shows
+        self.device_list: Any = self._build_list(self._published)
         self.list_sent_at: float = 0.0
-        self.allocations: dict[tuple[tuple[str, ...], ...], Any] = {}  # request → AllocateResponse
+
+    @property
+    def resource(self) -> Resource:
+        return self.served.resource
+
+    @property
+    def flags(self) -> PluginFlags:
+        return self.served.flags
 
     @property
     def name(self) -> str:
@@ -194,55 +267,49 @@ class ResourceServer:
     def socket_path(self) -> Path:
         return self.plugin_dir / self.endpoint
 
-    def _health_snapshot(self) -> tuple[tuple[str, str], ...]:
-        return tuple((d.id, HEALTHY if self._health_of(d) else UNHEALTHY) for d in self.resource.devices)
-
-    def list_response(self) -> Any:
-        self.list_sent_at = time.monotonic()
-        health = dict(self._health_snapshot())
-        devices = []
-        for d in self.resource.devices:
-            topo = (
-                api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=d.numa_node)]) if d.numa_node is not None else None
-            )
-            devices.append(api_pb2.Device(ID=d.id, health=health[d.id], topology=topo))
-        return api_pb2.ListAndWatchResponse(devices=devices)
-
-    async def wait_change(self, seen: int) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.version != seen or self.closing)
-
-    async def _bump(self) -> None:
-        async with self._changed:
-            self.version += 1
-            self._changed.notify_all()
-
-    async def set_resource(
-        self, resource: Resource, flags: PluginFlags, scores: Mapping[tuple[int, int], int], policy: str
-    ) -> bool:
-        """Swap in a new device list / settings; re-sends the list if anything visible changed."""
-        before = self._visible()
-        self.resource, self.flags, self.scores, self.policy = resource, flags, scores, policy
-        self.allocations = {}
-        self._last_list = self._health_snapshot()
-        if before != self._visible():
-            await self._bump()
-            return True
-        return False
-
     def _visible(self) -> tuple[tuple[str, str, int | None], ...]:
+        """What the kubelet sees of each device: ID, health, NUMA node."""
         return tuple(
             (d.id, HEALTHY if self._health_of(d) else UNHEALTHY, d.numa_node) for d in self.resource.devices
         )
 
+    @staticmethod
+    def _build_list(visible: tuple[tuple[str, str, int | None], ...]) -> Any:
+        devices = []
+        for dev_id, health, numa in visible:
+            topo = api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
+            devices.append(api_pb2.Device(ID=dev_id, health=health, topology=topo))
+        return api_pb2.ListAndWatchResponse(devices=devices)
+
+    def wake(self) -> None:
+        """Wake every waiting ListAndWatch stream (each then checks whether it still runs)."""
+        with self.changed:
+            self.changed.notify_all()
+
+    def _publish(self) -> bool:
+        """Rebuild the device list and wake every stream to re-send it, if what the kubelet sees changed
+        since the list was last built (on the daemon's loop; the streams only read the built list)."""
+        visible = self._visible()
+        if visible == self._published:
+            return False
+        device_list = self._build_list(visible)
+        with self.changed:
+            self._published, self.device_list = visible, device_list
+            self.version += 1
+            self.changed.notify_all()
+        return True
+
+    async def set_resource(
+        self, resource: Resource, flags: PluginFlags, scores: Mapping[tuple[int, int], int], policy: str
+    ) -> bool:
+        """Swap in a new device list / settings (the kept Allocate answers go with the old ones); re-sends
+        the list if anything visible changed."""
+        self.served = _Served(resource, flags, scores, policy)
+        return self._publish()
+
     async def health_changed(self) -> bool:
         """Re-send the list if any device's health flipped."""
-        snap = self._health_snapshot()
-        if snap != self._last_list:
-            self._last_list = snap
-            await self._bump()
-            return True
-        return False
+        return self._publish()
 
     async def start(self) -> None:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
@@ -262,27 +329,35 @@ class ResourceServer:
         except OSError as e:
             raise KubeletError(f"cannot serve {self.name}: cannot remove {path}: {e.strerror}",
                                subject=str(path)) from e
-        self.closing = False
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        api_pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), server)
+        with self.changed:
+            self.closing = False
+        self._publish()
+        pool = ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix=f"device-plugin {self.name}")
+        server = grpc.server(pool, options=[("grpc.so_reuseport", 0)])
+        handlers = _Servicer(self).handlers()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
         try:
             server.add_insecure_port(f"unix://{path}")
         except RuntimeError as e:
+            pool.shutdown(wait=False)
             raise KubeletError(f"cannot serve {self.name} on {path}: {e}", subject=str(path)) from e
-        await server.start()
+        server.start()
         os.chmod(path, 0o600)
-        self._server = server
-        self._last_list = self._health_snapshot()
+        self._server, self._pool = server, pool
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
 
     async def stop(self) -> None:
         server, self._server = self._server, None
         if server is None:
             return
-        async with self._changed:
+        with self.changed:
             self.closing = True
-            self._changed.notify_all()
-        await server.stop(STOP_GRACE_S)
+            self.changed.notify_all()
+        pool, self._pool = self._pool, None
+        await asyncio.to_thread(server.stop(STOP_GRACE_S).wait)
+        if pool is not None:  # every stream has seen ``closing`` or its cancellation: the threads end now
+            await asyncio.to_thread(pool.shutdown)
         path = self.socket_path
         if path.is_socket():  # only our own socket: whatever else took the path stays (start refuses it)
             with contextlib.suppress(FileNotFoundError):

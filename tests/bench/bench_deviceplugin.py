@@ -6,9 +6,11 @@ Measures, over real Unix sockets:
   * Allocate p50/p99 (1 device) of nodeagent's server, and of the Kubernetes sample device plugin in Go
     (k8s.io/kubernetes/test/images/sample-device-plugin) with the same Python gRPC client in the same run,
     both servers up at once and measured in alternating blocks of 100 calls, so both see the same machine
-    load (a shared CI box drifts by more than the difference being measured). nodeagent runs with its
-    default health settings (NVML events, a health poll each second), as on a node;
-  * the same for a Python grpc.aio server that answers a constant (the floor of the Python gRPC stack);
+    load (a shared CI box drifts by more than the difference being measured), over several rounds, each
+    round's ratio nodeagent/Go printed (compare ratios, not absolute figures from different moments).
+    nodeagent runs with its default health settings (NVML events, a health poll each second), as on a node;
+  * the same for a Python gRPC server on the same stack as nodeagent's (threaded server, bytes in and out)
+    that answers a constant: the floor of the Python gRPC stack;
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -60,30 +62,29 @@ asyncio.run(main(*sys.argv[1:4]))
 """
 
 
-# The least a Python grpc.aio server can do per Allocate: answer a constant. Measured beside nodeagent and
-# the Go plugin, it shows how much of the gap is nodeagent's work and how much the Python gRPC stack.
+# The least a Python gRPC server on nodeagent's stack (threaded server, raw bytes, gRPC's own listener) can do
+# per Allocate: answer constant bytes. Measured beside nodeagent and the Go plugin, it shows how much of the
+# gap is nodeagent's work and how much the Python gRPC stack.
 FLOOR = r"""
-import asyncio, sys
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import nodeagent  # before grpc: nodeagent's gRPC settings
 import grpc
-from nodeagent.deviceplugin.api import pb2, pb2_grpc
+from nodeagent.deviceplugin.api import pb2
 
 ANSWER = pb2.AllocateResponse(container_responses=[
-    pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})])
+    pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})
+]).SerializeToString()
 
-class Servicer(pb2_grpc.DevicePluginServicer):
-    async def Allocate(self, request, context):
-        return ANSWER
-
-async def main(path):
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb2_grpc.add_DevicePluginServicer_to_server(Servicer(), server)
-    server.add_insecure_port(f"unix://{path}")
-    await server.start()
-    print("ready", flush=True)
-    await asyncio.to_thread(sys.stdin.read)
-    await server.stop(0)
-
-asyncio.run(main(sys.argv[1]))
+handlers = {"Allocate": grpc.unary_unary_rpc_method_handler(lambda request, context: ANSWER)}
+server = grpc.server(ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
+server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", handlers),))
+server.add_registered_method_handlers("v1beta1.DevicePlugin", handlers)
+server.add_insecure_port(f"unix://{sys.argv[1]}")
+server.start()
+print("ready", flush=True)
+sys.stdin.read()
+server.stop(0)
 """
 
 
@@ -146,7 +147,8 @@ def timed(fn: Callable[[], Any], n: int, warmup: int = 50) -> list[float]:
 
 
 def bench_allocate_pair(servers: dict[str, tuple[Path, str]], n: int, block: int = 100) -> dict[str, dict[str, float]]:
-    """Allocate latencies of each server (name → socket, device ID), measured in alternating blocks."""
+    """Allocate latencies of each server (name → socket, device ID), measured in alternating blocks; the
+    servers are warmed up with 100 calls each first, then with 5 before every block."""
     channels = {name: grpc.insecure_channel(f"unix://{sock}") for name, (sock, _) in servers.items()}
     try:
         calls = {}
@@ -311,8 +313,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--no-sample", action="store_true", help="skip the Go sample device plugin")
+    ap.add_argument("--rounds", type=int, default=3, help="Allocate rounds (each measures every server)")
     args = ap.parse_args()
-    n = 300 if args.quick else 2000
+    n = 300 if args.quick else 3000
     result: dict[str, Any] = {"bench": "deviceplugin"}
     with tempfile.TemporaryDirectory(prefix="na-dpbench-") as t:
         tmp = Path(t)
@@ -330,7 +333,9 @@ def main() -> None:
             if binary is not None:
                 sample = SamplePlugin(binary, tmp)
                 servers["allocate_k8s_sample_go"] = (sample.socket, "Dev-1")
-            result.update(bench_allocate_pair(servers, n))
+            rounds = [bench_allocate_pair(servers, n) for _ in range(max(1, args.rounds))]
+            result["allocate_rounds"] = rounds
+            result.update(rounds[-1])
             result["preferred_dgx_h100"] = bench_preferred(pdir / "nvidia-gpu.sock", 50 if args.quick else 300)
         finally:
             if sample is not None:
@@ -340,13 +345,15 @@ def main() -> None:
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
-    a = result["allocate_nodeagent"]
-    print(f"Allocate (nodeagent, 1 GPU):        p50 {a['p50_ms']} ms  p99 {a['p99_ms']} ms  (n={a['n']})")
-    if "allocate_k8s_sample_go" in result:
-        s = result["allocate_k8s_sample_go"]
-        print(f"Allocate (k8s sample plugin, Go):   p50 {s['p50_ms']} ms  p99 {s['p99_ms']} ms  (n={s['n']})")
-    f = result["allocate_python_grpc_floor"]
-    print(f"Allocate (constant, Python grpc.aio): p50 {f['p50_ms']} ms  p99 {f['p99_ms']} ms  (n={f['n']})")
+    for i, r in enumerate(result["allocate_rounds"]):
+        a, f = r["allocate_nodeagent"], r["allocate_python_grpc_floor"]
+        line = (f"Allocate round {i + 1} (n={a['n']} each): nodeagent p50 {a['p50_ms']} p99 {a['p99_ms']} ms; "
+                f"Python floor p50 {f['p50_ms']} p99 {f['p99_ms']} ms")
+        if "allocate_k8s_sample_go" in r:
+            s = r["allocate_k8s_sample_go"]
+            line += (f"; Go sample p50 {s['p50_ms']} p99 {s['p99_ms']} ms; nodeagent/Go p50 "
+                     f"{a['p50_ms'] / s['p50_ms']:.2f} p99 {a['p99_ms'] / s['p99_ms']:.2f}")
+        print(line)
     for size, r in result["preferred_dgx_h100"].items():
         print(f"GetPreferredAllocation size {size}:    p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms")
     lw = result["list_and_watch_896"]

@@ -192,3 +192,73 @@ async def test_relative_plugin_dir_and_too_long_socket_path(tmp_path: Path, monk
         await svc.start(nvswitch_box(2))
     await svc.stop()
     assert not (deep / "nvidia-gpu.sock").exists()
+
+
+def _allocate_bytes(ids: list[str]) -> bytes:
+    request: bytes = pb2.AllocateRequest(
+        container_requests=[pb2.ContainerAllocateRequest(devices_ids=ids)]).SerializeToString()
+    return request
+
+
+async def test_kept_allocate_answers_follow_every_change(service: DevicePluginService) -> None:
+    """Answers are kept per request bytes only until the device list or the settings change; a refusal is
+    never kept; bytes that are no AllocateRequest are refused naming what they are."""
+    await service.start(nvswitch_box(4))
+    gpu3 = service.served_resources()["nvidia.com/gpu"][3]
+    ch = grpc.aio.insecure_channel(f"unix://{service.plugin_dir / 'nvidia-gpu.sock'}")
+    raw = ch.unary_unary("/v1beta1.DevicePlugin/Allocate")  # bytes in, bytes out: the exact request bytes
+    async with ch:
+        request = _allocate_bytes([gpu3])
+        first = pb2.AllocateResponse.FromString(await raw(request))
+        assert first.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == gpu3
+        assert await raw(request) == first.SerializeToString()
+        for _ in range(2):  # refused each time it is asked, naming the unknown ID
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await raw(_allocate_bytes(["GPU-unknown"]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "GPU-unknown" in (e.value.details() or "")
+        # new settings: the same bytes get the new answer
+        await service.update(nvswitch_box(4), parse_plugin_config(
+            "version: v1\nflags:\n  plugin:\n    deviceListStrategy: [envvar, cdi-annotations]\n"))
+        second = pb2.AllocateResponse.FromString(await raw(request))
+        assert second.container_responses[0].annotations and second != first
+        # the device withdrawn: the same bytes are refused, naming it
+        await service.withdraw({3})
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await raw(request)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and gpu3 in (e.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await raw(b"\xff\xff\xff")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (e.value.details() or "").startswith("malformed AllocateRequest (3 bytes)")
+
+
+async def test_streams_do_not_starve_allocate(service: DevicePluginService) -> None:
+    """The methods run on the server's own threads: streams cancelled by the thousand free theirs, streams
+    left open up to the pool's size less one do not block an Allocate, and stop ends them all."""
+    import threading
+
+    from nodeagent.deviceplugin.server import SERVER_THREADS
+
+    await service.start(nvswitch_box(2))
+    gpu0 = service.served_resources()["nvidia.com/gpu"][0]
+    request = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[gpu0])])
+    ch, s = stub(service.plugin_dir / "nvidia-gpu.sock")
+    async with ch:
+        for _ in range(SERVER_THREADS * 3):
+            stream = s.ListAndWatch(pb2.Empty())
+            assert len((await stream.read()).devices) == 2
+            stream.cancel()
+        assert (await s.Allocate(request, timeout=5)).container_responses[0].envs
+        open_streams = [s.ListAndWatch(pb2.Empty()) for _ in range(SERVER_THREADS - 1)]
+        for stream in open_streams:
+            assert len((await stream.read()).devices) == 2
+        assert (await s.Allocate(request, timeout=5)).container_responses[0].envs
+        await service.update(nvswitch_box(2), parse_plugin_config(
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"))
+        for stream in open_streams:  # every open stream gets the new list
+            assert len((await asyncio.wait_for(stream.read(), 5)).devices) == 4
+        await service.stop()
+        for stream in open_streams:
+            assert await asyncio.wait_for(stream.read(), 5) is grpc.aio.EOF or stream.done()
+    assert not [t for t in threading.enumerate() if t.name.startswith("device-plugin ")]

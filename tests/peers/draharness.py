@@ -6,7 +6,6 @@ them through ``asyncio.to_thread`` (the harness calls back into the driver while
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import tempfile
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.peers._proc import stop_process, tail
+from tests.peers._proc import exchange, quit_peer, tail
 from tests.peers._resolve import peer_binary
 
 
@@ -54,14 +53,7 @@ class DraHarness:
 
     def call(self, cmd: str, **args: Any) -> dict[str, Any]:
         with self._lock:
-            if self._proc.poll() is not None or self._proc.stdin is None or self._proc.stdout is None:
-                raise DraHarnessError(f"DRA harness is not running:\n{self.log_tail()}")
-            self._proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-            self._proc.stdin.flush()
-            answer = self._proc.stdout.readline()
-        if not answer:
-            raise DraHarnessError(f"DRA harness died during {cmd!r}:\n{self.log_tail()}")
-        reply: dict[str, Any] = json.loads(answer)
+            reply = exchange(self._proc, {"cmd": cmd, **args}, "DRA harness", self.log_tail, DraHarnessError)
         if not reply.get("ok"):
             raise DraHarnessError(str(reply.get("error")))
         return reply
@@ -93,17 +85,7 @@ class DraHarness:
         return tail(self.workdir / "dra-harness.log", lines)
 
     def stop(self) -> None:
-        if self._proc.poll() is None and self._proc.stdin is not None:
-            try:
-                self._proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self._proc.stdin.flush()
-                self._proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        stop_process(self._proc)
-        for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
-                stream.close()
+        quit_peer(self._proc)
 
 
 def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_name: str,

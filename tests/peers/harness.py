@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import tempfile
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.peers._proc import stop_process, tail
+from tests.peers._proc import exchange, quit_peer, tail
 from tests.peers._resolve import peer_binary
 
 
@@ -117,15 +116,8 @@ class KubeletHarness:
         """Send one raw command; returns the answer or raises ``HarnessError``."""
         with self._lock:
             self._next_id += 1
-            line = json.dumps({"cmd": cmd, "id": self._next_id, **args})
-            if self._proc.poll() is not None or self._proc.stdin is None or self._proc.stdout is None:
-                raise HarnessError(f"kubelet harness is not running:\n{self.log_tail()}")
-            self._proc.stdin.write(line + "\n")
-            self._proc.stdin.flush()
-            answer = self._proc.stdout.readline()
-        if not answer:
-            raise HarnessError(f"kubelet harness died during {cmd!r}:\n{self.log_tail()}")
-        reply: dict[str, Any] = json.loads(answer)
+            request = {"cmd": cmd, "id": self._next_id, **args}
+            reply = exchange(self._proc, request, "kubelet harness", self.log_tail, HarnessError)
         if not reply.get("ok"):
             raise HarnessError(str(reply.get("error")), reply.get("code"), reply.get("message"), reply.get("state"))
         return reply
@@ -201,17 +193,7 @@ class KubeletHarness:
         return tail(self.workdir / "harness.log", lines)
 
     def stop(self) -> None:
-        if self._proc.poll() is None and self._proc.stdin is not None:
-            try:
-                self._proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self._proc.stdin.flush()
-                self._proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        stop_process(self._proc)
-        for stream in (self._proc.stdin, self._proc.stdout):
-            if stream is not None:
-                stream.close()
+        quit_peer(self._proc)
 
 
 def start_harness(workdir: Path, verbosity: int = 0) -> KubeletHarness:
