@@ -18,8 +18,7 @@ from __future__ import annotations
 import subprocess
 import time
 import tomllib
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +26,7 @@ import pytest
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, RUNC_V2
 from tests.abi._abi import built
-from tests.integration._containerd import Case, StatePaths
+from tests.integration._containerd import Case, ContainerdHostPaths
 from tests.peers.containerd import Containerd, ContainerdConfigError
 
 pytestmark = pytest.mark.peers
@@ -54,19 +53,6 @@ CASES = [(n, "containerd2" if _version(n) >= 3 else "containerd") for n in [*FIL
 CASES += [(n, "containerd2") for n in [*FILES, ABSENT] if _blank(n)]
 
 
-@dataclass(frozen=True)
-class _Paths(StatePaths):
-    """Real absolute paths (root /), nodeagent's state in the temp directory, and the judging containerd as
-    the host's /usr/bin/containerd (nodeagent reads its version to pick the file format)."""
-
-    containerd: Path = Path("/usr/bin/containerd")
-
-    def __call__(self, host_path: str | PurePosixPath) -> Path:
-        if str(host_path) == "/usr/bin/containerd":
-            return self.containerd
-        return super().__call__(host_path)
-
-
 def _copy(tmp: Path, name: str, peer: Containerd) -> Case:
     etc = tmp / "etc"
     etc.mkdir(parents=True)
@@ -78,7 +64,7 @@ def _copy(tmp: Path, name: str, peer: Containerd) -> Case:
         original = config.read_bytes()
     (etc / "registries.toml").write_text("version = 2\n")  # relative imports of the corpus
     (etc / "site").mkdir()
-    return Case(_Paths(Path("/"), state=tmp / "state", containerd=peer.binary), config,
+    return Case(ContainerdHostPaths(Path("/"), state=tmp / "state", containerd=peer.binary), config,
                 etc / "conf.d" / "99-nvidia.toml", tmp / "toolkit.toml", original)  # fmt: skip
 
 
