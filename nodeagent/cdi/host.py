@@ -17,6 +17,7 @@ import os
 import posixpath
 import re
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -221,18 +222,26 @@ class DriverFacts:
 def driver_key(paths: HostPaths, driver_version: str, driver_root: str = "/") -> tuple[object, ...]:
     """Changes whenever ``collect_driver`` could answer differently: the driver version and the
     modification times of every directory it lists or looks into (an added, removed or renamed library,
-    tool, firmware file, socket or hook changes its directory's time). A few stats instead of listing
-    the library directories, which on a real host hold thousands of files."""
+    tool, firmware file, socket or hook changes its directory's time); unique while one of them changed
+    within the last second. A few stats instead of listing the library directories, which on a real host
+    hold thousands of files."""
     root = paths(driver_root)
     dirs = [root.joinpath(*PurePosixPath(d).parts[1:]) for d in (*LIBRARY_DIRS, *BINARY_DIRS)]
     dirs.append(root.joinpath("lib", "firmware", "nvidia", driver_version))
     dirs += [paths(posixpath.dirname(p)) for p in (*IPC_SOCKETS, *HOOK_CANDIDATES)]
     key: list[object] = [driver_version, driver_root]
+    young = time.time_ns() - 1_000_000_000
     for d in dirs:
         try:
-            key.append(os.stat(d).st_mtime_ns)
+            mtime = os.stat(d).st_mtime_ns
         except OSError:
             key.append(None)
+            continue
+        if mtime > young:
+            # directory times come from a coarse clock: a change within the last second may not show in
+            # them yet, so such a directory is listed afresh (a key equal to no other)
+            return (*key, object())
+        key.append(mtime)
     return tuple(key)
 
 
