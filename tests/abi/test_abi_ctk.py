@@ -57,7 +57,7 @@ CASES: list[tuple[str, dict[int, list[str]]]] = [
 IDS = [f"{m}-{'+'.join(f'{g}:{len(p)}' for g, p in layout.items()) or 'fresh'}" for m, layout in CASES]
 
 
-def _nodeagent_spec(root: Path, state: Path, *extra: str) -> dict[str, Any]:
+def nodeagent_spec(root: Path, state: Path, *extra: str) -> dict[str, Any]:
     out = nodeagent("--root", str(root), "cdi", "generate", "--sim-state", str(state), "--driver-root",
                     DRIVER_ROOT, *extra, env=abi_env(state)).stdout  # fmt: skip
     assert "wrote" in out or "up to date" in out, out
@@ -65,7 +65,7 @@ def _nodeagent_spec(root: Path, state: Path, *extra: str) -> dict[str, Any]:
     return spec
 
 
-def _as_driver_host(root: Path, spec: dict[str, Any], driver_version: str) -> None:
+def as_driver_host(root: Path, spec: dict[str, Any], driver_version: str) -> None:
     """Device nodes where nodeagent's simulator put stand-in files; the stand-in NVML in the driver root."""
     for edits in [d["containerEdits"] for d in spec["devices"]] + [spec["containerEdits"]]:
         for node in edits.get("deviceNodes", []):
@@ -78,7 +78,7 @@ def _as_driver_host(root: Path, spec: dict[str, Any], driver_version: str) -> No
     shutil.copyfile(library(), lib)
 
 
-def _ctk_cdi(root: Path, state: Path) -> tuple[dict[str, Any], float]:
+def ctk_cdi(root: Path, state: Path) -> tuple[dict[str, Any], float]:
     if shutil.which("unshare") is None:
         pytest.fail(
             "unshare (util-linux) is needed to give nvidia-ctk its /proc/driver/nvidia-caps", pytrace=False
@@ -125,10 +125,10 @@ def test_cdi_generate_matches_nodeagents_spec_file(
     node = discover(state, machine, abi=False)
     for gpu, profiles in layout.items():
         nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", str(gpu), *profiles, env=abi_env(state))
-    first = _nodeagent_spec(root, state, "--sim-host-files")
-    _as_driver_host(root, first, node["driver_version"])
-    mine = _nodeagent_spec(root, state)
-    theirs, elapsed = _ctk_cdi(root, state)
+    first = nodeagent_spec(root, state, "--sim-host-files")
+    as_driver_host(root, first, node["driver_version"])
+    mine = nodeagent_spec(root, state)
+    theirs, elapsed = ctk_cdi(root, state)
 
     assert mine["kind"] == theirs["kind"] == "nvidia.com/gpu"
     ours_devices, ctk_devices = _devices(mine), _devices(theirs)
