@@ -124,6 +124,7 @@ class SimStore:
         if stamp is None:
             self._state = initial_state(self.machine)
             self._stamp = None
+            self._raw = b""
             return
         # Inodes get reused and mtimes come from a coarse clock, so a file changed within the last second
         # is re-read even when its identity looks unchanged; it is parsed again only when its bytes differ
@@ -182,11 +183,12 @@ class SimStore:
                 self._load_file()
                 work = copy.deepcopy(self._state)
                 yield work
-                text = json.dumps(work, indent=1, sort_keys=True) + "\n"
-                atomic_write(self.path, text, backup=False)
+                data = (json.dumps(work, indent=1, sort_keys=True) + "\n").encode()
+                if data != self._raw:  # an unchanged state (e.g. opening the store) leaves the file alone
+                    atomic_write(self.path, data, backup=False)
+                    self._stamp = self._file_stamp()
+                    self._raw = data
                 self._state = work
-                self._stamp = self._file_stamp()
-                self._raw = text.encode()
             self._bump()
 
     def _bump(self) -> None:
