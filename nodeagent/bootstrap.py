@@ -312,8 +312,13 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
 
 def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
     from nodeagent.runtime.configure import configure, options_from_settings
+    from nodeagent.sharing.spec import load_plugin_config
 
-    result = configure(paths, options_from_settings(config.runtime, kubelet_dir=config.kubelet.dir))
+    dp = config.device_plugin
+    strategies = load_plugin_config(paths(dp.config)).flags.plugin.device_list_strategy \
+        if dp.enabled and dp.config else ()
+    result = configure(paths, options_from_settings(config.runtime, kubelet_dir=config.kubelet.dir,
+                                                    device_list_strategies=strategies))
     changed = [f"{f.path} ({f.action})" for f in result.files if f.action != "unchanged"]
     details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed}
     if result.warnings:

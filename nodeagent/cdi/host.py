@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import re
 import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -139,11 +141,31 @@ def _major_for(name: str, majors: dict[str, int]) -> int | None:
     return majors.get(name)
 
 
-def _node(paths: HostPaths, path: str, major_name: str, minor: int, majors: dict[str, int], *,
+class _Dirs:
+    """Host directories resolved under the root once per collect (``paths()`` follows symlinks component
+    by component under ``--root``, which is what a hundred device nodes per refresh would otherwise pay);
+    an entry that is itself a symlink is resolved in full, so nothing leaves the root."""
+
+    def __init__(self, paths: HostPaths) -> None:
+        self._paths = paths
+        self._dirs: dict[str, Path] = {}
+
+    def __call__(self, path: str) -> Path:
+        parent, _, name = path.rpartition("/")
+        base = self._dirs.get(parent)
+        if base is None:
+            base = self._dirs[parent] = Path(os.path.abspath(self._paths(parent or "/")))
+        host = base / name
+        if os.path.islink(host):
+            return Path(os.path.abspath(self._paths(path)))
+        return host
+
+
+def _node(dirs: _Dirs, path: str, major_name: str, minor: int, majors: dict[str, int], *,
           required: bool) -> NodeFact | None:
     """The fact for one node: a real character device as is; a stand-in file, or a missing node the
     spec must still name (``required``), with its numbers; ``None`` when absent and not required."""
-    host = Path(os.path.abspath(paths(path)))
+    host = dirs(path)
     try:
         st: os.stat_result | None = os.stat(host)
     except FileNotFoundError:
@@ -186,19 +208,76 @@ def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] |
     return out
 
 
-def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/") -> HostFacts:
-    """Read the host facts the spec for ``inventory`` needs, under ``paths``."""
+@dataclass(frozen=True)
+class DriverFacts:
+    """What the driver root holds for one driver version: libraries, tools, firmware, IPC sockets, hook."""
+
+    libraries: tuple[MountFact, ...] = ()
+    binaries: tuple[MountFact, ...] = ()
+    firmware: tuple[MountFact, ...] = ()
+    sockets: tuple[MountFact, ...] = ()
+    hook: str | None = None
+
+
+def driver_key(paths: HostPaths, driver_version: str, driver_root: str = "/") -> tuple[object, ...]:
+    """Changes whenever ``collect_driver`` could answer differently: the driver version and the
+    modification times of every directory it lists or looks into (an added, removed or renamed library,
+    tool, firmware file, socket or hook changes its directory's time); unique while one of them changed
+    within the last second. A few stats instead of listing the library directories, which on a real host
+    hold thousands of files."""
+    root = paths(driver_root)
+    dirs = [root.joinpath(*PurePosixPath(d).parts[1:]) for d in (*LIBRARY_DIRS, *BINARY_DIRS)]
+    dirs.append(root.joinpath("lib", "firmware", "nvidia", driver_version))
+    dirs += [paths(posixpath.dirname(p)) for p in (*IPC_SOCKETS, *HOOK_CANDIDATES)]
+    key: list[object] = [driver_version, driver_root]
+    young = time.time_ns() - 1_000_000_000
+    for d in dirs:
+        try:
+            mtime = os.stat(d).st_mtime_ns
+        except OSError:
+            key.append(None)
+            continue
+        if mtime > young:
+            # directory times come from a coarse clock: a change within the last second may not show in
+            # them yet, so such a directory is listed afresh (a key equal to no other)
+            return (*key, object())
+        key.append(mtime)
+    return tuple(key)
+
+
+def collect_driver(paths: HostPaths, driver_version: str, driver_root: str = "/") -> DriverFacts:
+    """Read the driver root (under ``paths``) for ``driver_version``."""
+    root = paths(driver_root)
+    libraries = _mounts_in(root, LIBRARY_DIRS, _LIBRARY, (), driver_version)
+    binaries = _mounts_in(root, BINARY_DIRS, None, BINARIES, driver_version)
+    firmware: list[MountFact] = []
+    fw_dir = f"/lib/firmware/nvidia/{driver_version}"
+    host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
+    if host_fw.is_dir():
+        firmware = [MountFact(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
+    sockets = [MountFact(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
+    hook = next(
+        (os.path.abspath(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
+    )
+    return DriverFacts(tuple(libraries), tuple(binaries), tuple(firmware), tuple(sockets), hook)
+
+
+def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/",
+            driver: DriverFacts | None = None) -> HostFacts:
+    """Read the host facts the spec for ``inventory`` needs, under ``paths``; ``driver``: the driver
+    root's facts when the caller already has them current (see ``driver_key``)."""
     majors: dict[str, int] = {}
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         majors = parse_proc_devices(paths(PROC_DEVICES).read_text())
+    dirs = _Dirs(paths)
     nodes: dict[str, NodeFact] = {}
     for path, (major_name, minor) in CONTROL_NODES.items():
-        fact = _node(paths, path, major_name, minor, majors, required=False)
+        fact = _node(dirs, path, major_name, minor, majors, required=False)
         if fact is not None:
             nodes[path] = fact
     for gpu in inventory.gpus:
         path = f"/dev/nvidia{gpu.minor_number}"
-        fact = _node(paths, path, "nvidia-frontend", gpu.minor_number, majors, required=True)
+        fact = _node(dirs, path, "nvidia-frontend", gpu.minor_number, majors, required=True)
         if fact is not None:
             nodes[path] = fact
 
@@ -216,29 +295,19 @@ def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/") -> H
                 if cap is None:
                     continue
                 path = f"/dev/nvidia-caps/nvidia-cap{cap}"
-                fact = _node(paths, path, "nvidia-caps", cap, majors, required=True)
+                fact = _node(dirs, path, "nvidia-caps", cap, majors, required=True)
                 if fact is not None:
                     nodes[path] = fact
 
-    root = paths(driver_root)
-    libraries = _mounts_in(root, LIBRARY_DIRS, _LIBRARY, (), inventory.driver_version)
-    binaries = _mounts_in(root, BINARY_DIRS, None, BINARIES, inventory.driver_version)
-    firmware: list[MountFact] = []
-    fw_dir = f"/lib/firmware/nvidia/{inventory.driver_version}"
-    host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
-    if host_fw.is_dir():
-        firmware = [MountFact(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
-    sockets = [MountFact(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
-    hook = next(
-        (os.path.abspath(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
-    )
+    if driver is None:
+        driver = collect_driver(paths, inventory.driver_version, driver_root)
     return HostFacts(
         nodes=nodes,
         mig_minors=mig_minors,
-        libraries=tuple(libraries),
-        binaries=tuple(binaries),
-        firmware=tuple(firmware),
-        sockets=tuple(sockets),
-        hook=hook,
+        libraries=driver.libraries,
+        binaries=driver.binaries,
+        firmware=driver.firmware,
+        sockets=driver.sockets,
+        hook=driver.hook,
         mig_minors_source=str(minors_file),
     )

@@ -10,6 +10,7 @@ nodes, read-only mounts of the driver's files and, when installed, the ``nvidia-
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from nodeagent.cdi.host import CdiError, HostFacts, MountFact, NodeFact
@@ -114,12 +115,10 @@ def generate(inventory: Inventory, facts: HostFacts) -> dict[str, Any] | None:
     if not gpus:
         return None
     devices: list[dict[str, Any]] = []
-    all_nodes: list[NodeFact] = []
+    all_nodes: dict[NodeFact, None] = {}  # insertion-ordered set
 
     def add_all(nodes: list[NodeFact]) -> None:
-        for n in nodes:
-            if n not in all_nodes:
-                all_nodes.append(n)
+        all_nodes.update(dict.fromkeys(nodes))
 
     for gpu in gpus:
         nodes = [_gpu_node(gpu, facts)]
@@ -132,7 +131,7 @@ def generate(inventory: Inventory, facts: HostFacts) -> dict[str, Any] | None:
             add_all(nodes)
             for name in mig_names(gpu, mig):
                 devices.append(_device(name, nodes))
-    devices.append(_device(ALL_DEVICES, all_nodes))
+    devices.append(_device(ALL_DEVICES, list(all_nodes)))
 
     common: dict[str, Any] = {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}
     control = [facts.nodes[p] for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
@@ -151,12 +150,17 @@ def generate(inventory: Inventory, facts: HostFacts) -> dict[str, Any] | None:
     return spec
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9 _./:=+,@%-]*")
+
+
 def _scalar(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
         return str(v)
     if isinstance(v, str):
+        if _PLAIN.fullmatch(v):  # what json.dumps would give, without its per-call cost
+            return f'"{v}"'
         return json.dumps(v)  # a JSON string is a valid YAML double-quoted scalar
     raise TypeError(f"unexpected value in a CDI spec: {v!r}")
 
@@ -174,7 +178,13 @@ def _emit(value: Any, indent: str, out: list[str]) -> None:
                 out.append(f"{indent}{k}: {_scalar(v)}")
         return
     for item in value:
-        if isinstance(item, dict) and item:
+        if isinstance(item, dict) and item and not any(isinstance(v, dict | list) for v in item.values()):
+            # a flat mapping (a device node, a mount's fields): its lines directly, the first one dashed
+            lead = indent + "- "
+            for k, v in item.items():
+                out.append(f"{lead}{k}: {_scalar(v)}")
+                lead = indent + "  "
+        elif isinstance(item, dict) and item:
             sub: list[str] = []
             _emit(item, indent + "  ", sub)
             out.append(indent + "- " + sub[0][len(indent) + 2:])

@@ -4,6 +4,10 @@
 CLI make. It regenerates the whole spec from the inventory, so MIG devices that vanished lose their
 entries in the same write; equal content writes nothing; no GPU removes the file (a CDI spec without
 devices is invalid, and names that no longer exist must not resolve).
+
+Kept lean for the MIG apply path (apply → spec → first Allocate): the driver root is listed again only
+when its directories changed (``host.driver_key``); the device nodes and mig-minors are read on every
+refresh; and a refresh whose inventory and host facts equal those of the last write renders nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nodeagent import fileio
-from nodeagent.cdi.host import CdiError, collect
+from nodeagent.cdi.host import CdiError, DriverFacts, HostFacts, collect, collect_driver, driver_key
 from nodeagent.cdi.spec import device_names, generate, render
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
@@ -76,6 +80,9 @@ class CdiWriter:
         self.sim_host_files = sim_host_files
         self.last: WriteResult | None = None
         self._lock = threading.Lock()
+        self._driver: tuple[tuple[object, ...], DriverFacts] | None = None
+        # (inventory, host facts, file bytes) of the last write or check that left the file current
+        self._current: tuple[Inventory, HostFacts, bytes] | None = None
 
     @property
     def file(self) -> str:
@@ -83,6 +90,12 @@ class CdiWriter:
 
     def render(self, inventory: Inventory) -> str | None:
         return build(self.paths, inventory, self.driver_root)
+
+    def _driver_facts(self, driver_version: str) -> DriverFacts:
+        key = driver_key(self.paths, driver_version, self.driver_root)
+        if self._driver is None or self._driver[0] != key:
+            self._driver = (key, collect_driver(self.paths, driver_version, self.driver_root))
+        return self._driver[1]
 
     def write(self, inventory: Inventory) -> WriteResult:
         """Bring the file in line with ``inventory``; raises ``CdiError`` (file untouched) on failure."""
@@ -96,11 +109,20 @@ class CdiWriter:
             from nodeagent.cdi.simhost import materialise
 
             materialise(self.paths, inventory)
-        spec = generate(inventory, collect(self.paths, inventory, self.driver_root))
+        facts = collect(self.paths, inventory, self.driver_root, self._driver_facts(inventory.driver_version))
         try:
             old = fileio.read_bytes(target)
         except OSError as e:
             raise CdiError(f"cannot read {target}: {e}", subject=str(target)) from e
+        current = self._current
+        if current is not None and old == current[2] and current[0] == inventory and current[1] == facts:
+            # same GPUs, same host, and the file still holds what was written for them: nothing to render
+            assert self.last is not None
+            result = WriteResult("unchanged", str(target), self.last.devices, time.perf_counter() - start)
+            self.last = result
+            return result
+        self._current = None
+        spec = generate(inventory, facts)
         if spec is None:
             action: Literal["written", "unchanged", "removed", "absent"] = "absent"
             if old is not None:
@@ -120,6 +142,7 @@ class CdiWriter:
                 except OSError as e:
                     raise CdiError(f"cannot write {target}: {e}", subject=str(target)) from e
                 action = "written"
+            self._current = (inventory, facts, data)
             result = WriteResult(action, str(target), tuple(device_names(spec)), time.perf_counter() - start)
         if result.changed:
             log.info("CDI spec %s %s (%d device names)", result.action, result.path, len(result.devices))

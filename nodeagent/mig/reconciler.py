@@ -296,17 +296,20 @@ class MigReconciler:
         touched = {g.index for g in the_plan.touched}
         if self.publisher is not None:
             await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
+        applied: Inventory | None = None
         try:
             await self._wait_released(f"MIG config {name}", frozenset(touched))
-            await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
-                                   self.options.apply_timeout_s)
+            result = await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
+                                            self.options.apply_timeout_s)
+            applied = result.inventory  # discovered and verified by the apply itself
         except TimeoutError as e:
             raise OperationError(f"applying MIG config {name} took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:
-            # Re-advertise whatever the GPUs are now (new layout, or the restored old one).
+            # Re-advertise whatever the GPUs are now: the new layout as the apply saw it (no second
+            # discovery on the way to the first Allocate), or after a failure the restored old one.
             with contextlib.suppress(Exception):
-                current = await asyncio.to_thread(self.adapter.discover)
+                current = applied if applied is not None else await asyncio.to_thread(self.adapter.discover)
                 await self._publish(current)
         changed = ", ".join(g.describe() for g in the_plan.touched)
         return SUCCESS, f"MIG config {name} applied: {changed}"[:1000]

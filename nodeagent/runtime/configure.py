@@ -28,6 +28,7 @@ import hashlib
 import json
 import posixpath
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +47,8 @@ TOOLKIT_CONFIG = "/etc/nvidia-container-runtime/config.toml"
 MAX_STATE_BYTES = 8 * ctd.MAX_CONFIG_BYTES
 # Plugin IDs that, once in `disabled_plugins`, leave the kubelet without a CRI service.
 CRI_PLUGIN_IDS = ("cri", "io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime")
+# device-plugin strategies whose Allocate answers name CDI devices that containerd must inject
+CDI_STRATEGIES = ("cdi-annotations", "cdi-cri")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -60,6 +63,9 @@ class Options:
     binary_path: str = ctd.DEFAULT_BINARY
     set_as_default: bool = False
     cdi: bool = False
+    # CDI injection on in containerd (where it needs the switch) without the nvidia-cdi runtime: the device
+    # plugin hands out CDI device names (deviceListStrategy cdi-annotations / cdi-cri)
+    cdi_devices: bool = False
     leak_guard: bool = True
     toolkit_config: str = TOOLKIT_CONFIG
     dry_run: bool = False
@@ -279,7 +285,8 @@ def plan(paths: HostPaths, opts: Options) -> tuple[list[_Plan], dict[str, Any]]:
         runtime_name=opts.runtime_name,
         binary_path=opts.binary_path,
         set_as_default=opts.set_as_default,
-        enable_cdi=opts.cdi,
+        enable_cdi=opts.cdi or opts.cdi_devices,
+        cdi_runtime=opts.cdi,
         systemd_cgroup=host.systemd_cgroup(paths, opts.kubelet_dir),
         containerd_version=cversion,
     )
@@ -373,7 +380,7 @@ def configure(paths: HostPaths, opts: Options, *, _after_write: Any = None) -> R
         warnings=list(facts["warnings"]),
         notes=list(facts["notes"]),
     )
-    if opts.cdi and facts["cversion"] is not None and facts["cversion"] < (1, 7, 0):
+    if (opts.cdi or opts.cdi_devices) and facts["cversion"] is not None and facts["cversion"] < (1, 7, 0):
         result.warnings.append(
             f"containerd {facts['containerd_version']} has no CDI support (needs 1.7 or later); "
             "enable_cdi is written but ignored until containerd is upgraded"
@@ -419,15 +426,20 @@ def configure(paths: HostPaths, opts: Options, *, _after_write: Any = None) -> R
 
 
 def options_from_settings(settings: RuntimeSettings, *, dry_run: bool = False,
-                          kubelet_dir: str = host.KUBELET_DIR) -> Options:
+                          kubelet_dir: str = host.KUBELET_DIR,
+                          device_list_strategies: Sequence[str] = ()) -> Options:
     """``Options`` from the agent config's ``[runtime]`` section (what ``bootstrap`` and the daemon use);
-    ``kubelet_dir`` is the config's ``[kubelet] dir``."""
+    ``kubelet_dir`` is the config's ``[kubelet] dir``; ``device_list_strategies`` the device plugin's
+    ``deviceListStrategy``: with ``cdi-annotations`` or ``cdi-cri`` containerd must inject CDI devices, so
+    CDI is switched on where the installed containerd needs it (``cdi_devices``), even without
+    ``[runtime] cdi``."""
     return Options(
         containerd_config=settings.containerd_config,
         mode=settings.mode,
         dropin=settings.dropin,
         set_as_default=settings.set_as_default,
         cdi=settings.cdi,
+        cdi_devices=any(s in CDI_STRATEGIES for s in device_list_strategies),
         leak_guard=settings.leak_guard,
         dry_run=dry_run,
         kubelet_dir=kubelet_dir,

@@ -61,6 +61,8 @@ class Desired:
     binary_path: str = DEFAULT_BINARY
     set_as_default: bool = False
     enable_cdi: bool = False
+    # with enable_cdi: also the nvidia-cdi runtime (False: only CDI injection on, for CDI device names)
+    cdi_runtime: bool = True
     cdi_runtime_name: str = "nvidia-cdi"
     cdi_binary_path: str = DEFAULT_CDI_BINARY
     # The node's cgroup driver; used only when no runtime table exists to copy from.
@@ -71,7 +73,7 @@ class Desired:
     def runtimes(self) -> dict[str, str]:
         """Runtime name -> BinaryName of every runtime this config adds."""
         out = {self.runtime_name: self.binary_path}
-        if self.enable_cdi:
+        if self.enable_cdi and self.cdi_runtime:
             out[self.cdi_runtime_name] = self.cdi_binary_path
         return out
 

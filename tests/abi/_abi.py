@@ -24,6 +24,27 @@ MIG_MACHINES = [
 ]  # fmt: skip
 ALL_MACHINES = [*MIG_MACHINES, "a10-x2", "l40-x2", "l40s-x4", "l4x2", "t4x1"]
 
+# a mixed layout per machine: one big and one small GPU instance on its first MIG-capable GPU (GPU 0)
+MIG_LAYOUTS: dict[str, list[str]] = {
+    "a30x4": ["2g.12gb", "1g.6gb"],
+    "dgx-a100-40gb": ["3g.20gb", "1g.5gb"],
+    "dgx-a100-80gb": ["3g.40gb", "1g.10gb"],
+    "dgx-h100": ["3g.40gb", "1g.10gb"],
+    "hgx-h200": ["3g.71gb", "1g.18gb"],
+    "mixed": ["3g.40gb", "1g.10gb"],
+    "dgx-b200": ["3g.90gb", "1g.23gb"],
+    "gb200-nvl": ["3g.93gb", "1g.23gb"],
+    "gb300-nvl": ["3g.139gb", "1g.35gb"],
+    "gh200": ["3g.48gb", "1g.12gb"],
+    "gh200-144gb": ["3g.72gb", "1g.18gb"],
+    "h100-nvl": ["3g.47gb", "1g.12gb"],
+    "hgx-b300": ["3g.135gb", "1g.34gb"],
+    "hgx-h20": ["3g.48gb", "1g.12gb"],
+    # the Blackwell RTX PRO variants: graphics, no media engine, all media engines
+    "rtx-pro-6000": ["2g.48gb+gfx", "1g.24gb-me", "1g.24gb+me.all"],
+    "vm-a100-passthrough": ["3g.40gb", "1g.10gb"],
+}
+
 # Profile names on which go-nvlib v0.13 and NVML (nodeagent takes NVML's own name) differ, each asserted:
 # (GPU name, NVML's profile name) -> the name go-nvlib's NewMigProfile(...).String() gives. go-nvlib does
 # not read the driver's name; it derives "<N>gb" from the profile's share of the GPU's memory rounded up

@@ -1,11 +1,22 @@
-"""NVIDIA's nvidia-ctk v1.20.1 (``cdi generate --mode nvml``) on the stand-in library, side by side with
-nodeagent: the same CDI device names and the same device nodes per device.
+"""NVIDIA's nvidia-ctk v1.20.1 (``cdi generate --mode nvml``) on the stand-in library, side by side with the
+spec file nodeagent itself writes (``nodeagent cdi generate``), on every simulated machine (fresh) and on a
+MIG layout of every MIG-capable machine (plus layouts on several GPUs at once).
 
-The test lays out a fake driver root the way the driver would: /dev/nvidia<minor>, the control nodes,
-/dev/nvidia-caps/nvidia-cap<N> with /proc/driver/nvidia-caps/mig-minors in the driver's documented
-numbering, libcuda.so.<version>, and libnvidia-ml.so.<version> = the stand-in. nvidia-ctk v1.20.1 reads
-mig-minors from the host's /proc (not under --driver-root), so it runs in a private mount namespace with
-a tmpfs over /proc/driver holding the file.
+One host under the test's root serves both: ``nodeagent cdi generate --sim-host-files`` lays out the
+simulator's /proc and /dev facts and a fake driver root (/driver), and writes /var/run/cdi/nvidia.yaml.
+The test then makes that host look like a driver's to nvidia-ctk: the /dev stand-ins become character
+device nodes with the numbers nodeagent's spec gave them, and the driver root's
+libnvidia-ml.so.<version> becomes a copy of the stand-in (nvidia-ctk loads NVML from its driver root).
+nodeagent regenerates its spec on that host (its own file, read back from disk, is what is compared), and
+nvidia-ctk generates from the same driver root and /dev. nvidia-ctk v1.20.1 reads mig-minors from the
+host's /proc (not under --driver-root), so it runs in a private mount namespace with a tmpfs over
+/proc/driver holding the file nodeagent laid out.
+
+Compared: the device names (nodeagent also names a MIG-mode GPU as a whole, for the device plugin's
+migStrategy 'none'; nvidia-ctk does not: asserted exactly), each device's device nodes, the common device nodes, the env and the driver
+mounts (host and container paths). Not compared: hooks (nvidia-ctk runs with ``--disable-hook all``; the
+fake driver root's nvidia-cdi-hook does nothing), mount options, and nvidia-ctk's NVIDIA_CTK_LIBCUDA_DIR
+(read by its hooks only; asserted to be its one extra variable).
 """
 
 from __future__ import annotations
@@ -19,59 +30,63 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, mig_cap_minors
-from tests.abi._abi import abi_env, built, discover, library, nodeagent
+from tests.abi._abi import (
+    ALL_MACHINES,
+    MIG_LAYOUTS,
+    MIG_MACHINES,
+    abi_env,
+    built,
+    discover,
+    library,
+    nodeagent,
+)
 
-NVIDIA_MAJOR, UVM_MAJOR, CAPS_MAJOR = 195, 510, 511
+DRIVER_ROOT = "/driver"
+LIB_DIR = "usr/lib/x86_64-linux-gnu"
 
-
-def _mig_minors() -> list[tuple[str, int]]:
-    """/proc/driver/nvidia-caps/mig-minors as the driver writes it (NVIDIA's MIG user guide): config 1,
-    monitor 2, then for GPU g, GPU instance i: gpu<g>/gi<i>/access followed by its 8 compute instances."""
-    lines = [("config", 1), ("monitor", 2)]
-    minor = 3
-    for gpu in range(8):
-        for gi in range(15):
-            lines.append((f"gpu{gpu}/gi{gi}/access", minor))
-            lines += [(f"gpu{gpu}/gi{gi}/ci{ci}/access", minor + 1 + ci) for ci in range(8)]
-            minor += 9
-    return lines
-
-
-def _driver_root(root: Path, node: dict[str, Any]) -> Path:
-    dev = root / "dev"
-    (dev / "nvidia-caps").mkdir(parents=True)
-    for g in node["gpus"]:
-        os.mknod(dev / f"nvidia{g['minor_number']}", 0o020644, os.makedev(NVIDIA_MAJOR, g["minor_number"]))
-    os.mknod(dev / "nvidiactl", 0o020644, os.makedev(NVIDIA_MAJOR, 255))
-    os.mknod(dev / "nvidia-modeset", 0o020644, os.makedev(NVIDIA_MAJOR, 254))
-    os.mknod(dev / "nvidia-uvm", 0o020644, os.makedev(UVM_MAJOR, 0))
-    os.mknod(dev / "nvidia-uvm-tools", 0o020644, os.makedev(UVM_MAJOR, 1))
-    minors = _mig_minors()
-    for _, minor in minors:
-        os.mknod(dev / "nvidia-caps" / f"nvidia-cap{minor}", 0o020644, os.makedev(CAPS_MAJOR, minor))
-    procdir = root / "proc-driver" / "nvidia-caps"
-    procdir.mkdir(parents=True)
-    (procdir / "mig-minors").write_text("".join(f"{name} {minor}\n" for name, minor in minors))
-    libdir = root / "usr" / "lib" / "x86_64-linux-gnu"
-    libdir.mkdir(parents=True)
-    version = node["driver_version"]
-    (libdir / f"libcuda.so.{version}").write_bytes(b"")
-    (libdir / f"libnvidia-ml.so.{version}").symlink_to(library())
-    for lib in ("libcuda", "libnvidia-ml"):
-        (libdir / f"{lib}.so.1").symlink_to(f"{lib}.so.{version}")
-    return root
+# (machine, {GPU index: profiles}): every machine fresh, every MIG machine with a layout on GPU 0, and
+# layouts over several GPUs
+CASES: list[tuple[str, dict[int, list[str]]]] = [
+    *((m, {}) for m in ALL_MACHINES),
+    *((m, {0: MIG_LAYOUTS[m]}) for m in MIG_MACHINES),
+    ("dgx-h100", {0: ["3g.40gb", "1g.10gb", "1g.10gb"], 3: ["7g.80gb"], 7: ["1g.10gb"] * 7}),
+    ("mixed", {1: ["2g.20gb", "2g.20gb", "1g.10gb"]}),
+]
+IDS = [f"{m}-{'+'.join(f'{g}:{len(p)}' for g, p in layout.items()) or 'fresh'}" for m, layout in CASES]
 
 
-def _ctk_cdi(root: Path, state: Path) -> tuple[dict[str, Any], float]:
+def nodeagent_spec(root: Path, state: Path, *extra: str) -> dict[str, Any]:
+    out = nodeagent("--root", str(root), "cdi", "generate", "--sim-state", str(state), "--driver-root",
+                    DRIVER_ROOT, *extra, env=abi_env(state)).stdout  # fmt: skip
+    assert "wrote" in out or "up to date" in out, out
+    spec: dict[str, Any] = yaml.safe_load((root / "var/run/cdi/nvidia.yaml").read_text())
+    return spec
+
+
+def as_driver_host(root: Path, spec: dict[str, Any], driver_version: str) -> None:
+    """Device nodes where nodeagent's simulator put stand-in files; the stand-in NVML in the driver root."""
+    for edits in [d["containerEdits"] for d in spec["devices"]] + [spec["containerEdits"]]:
+        for node in edits.get("deviceNodes", []):
+            host = Path(node["hostPath"])
+            if not host.is_char_device():
+                host.unlink()
+                os.mknod(host, 0o020666, os.makedev(node["major"], node["minor"]))
+    lib = root / DRIVER_ROOT.lstrip("/") / LIB_DIR / f"libnvidia-ml.so.{driver_version}"
+    lib.unlink()
+    shutil.copyfile(library(), lib)
+
+
+def ctk_cdi(root: Path, state: Path) -> tuple[dict[str, Any], float]:
     if shutil.which("unshare") is None:
         pytest.fail(
             "unshare (util-linux) is needed to give nvidia-ctk its /proc/driver/nvidia-caps", pytrace=False
         )
     script = (
-        'mount -t tmpfs nodeagent-test /proc/driver && cp -r "$1/proc-driver/nvidia-caps" /proc/driver/ && '
-        'exec "$2" cdi generate --driver-root "$1" --mode nvml --format json --disable-hook all'
+        'mount -t tmpfs nodeagent-test /proc/driver && cp -r "$1/proc/driver/nvidia-caps" /proc/driver/ && '
+        'exec "$2" cdi generate --driver-root "$1/driver" --dev-root "$1" --mode nvml --format json '
+        "--disable-hook all"
     )
     env = abi_env(state)
     env.pop("LD_LIBRARY_PATH")  # nvidia-ctk must find libnvidia-ml.so.1 under its driver root
@@ -86,47 +101,52 @@ def _ctk_cdi(root: Path, state: Path) -> tuple[dict[str, Any], float]:
     return spec, elapsed
 
 
-def _nodeagent_devices(node: dict[str, Any]) -> dict[str, set[str]]:
-    """CDI name -> device nodes, from nodeagent's inventory and its device-plugin device-node rules.
-    Names follow NVIDIA's "index" and "uuid" strategies: GPU index and UUID; for a GPU in MIG mode its MIG
-    devices as "<gpu>:<n>" (n in NVML's MIG handle order: GPU instance id, then compute instance id)."""
-    out: dict[str, set[str]] = {}
-    for g in node["gpus"]:
-        gpu_node = f"/dev/nvidia{g['minor_number']}"
-        if not g["mig_current"]:
-            out[str(g["index"])] = out[g["uuid"]] = {gpu_node}
-            continue
-        migs = sorted(g["mig_devices"], key=lambda d: (d["gi_id"], d["ci_id"]))
-        for n, d in enumerate(migs):
-            caps = {
-                f"/dev/nvidia-caps/nvidia-cap{m}"
-                for m in mig_cap_minors(g["minor_number"], d["gi_id"], d["ci_id"])
-            }
-            out[f"{g['index']}:{n}"] = out[d["uuid"]] = {gpu_node, *caps}
-    return out
+def _devices(spec: dict[str, Any]) -> dict[str, set[str]]:
+    """CDI device name -> the container paths of its device nodes."""
+    return {
+        d["name"]: {n["path"] for n in d["containerEdits"].get("deviceNodes", [])} for d in spec["devices"]
+    }
 
 
-LAYOUTS: dict[str, dict[int, list[str]]] = {
-    "dgx-h100": {0: ["3g.40gb", "1g.10gb", "1g.10gb"], 3: ["7g.80gb"]},
-    "a30x4": {},
-    "mixed": {1: ["2g.20gb", "2g.20gb", "1g.10gb"]},
-}
+def _common(spec: dict[str, Any]) -> dict[str, Any]:
+    edits = spec["containerEdits"]
+    return {
+        "deviceNodes": {n["path"] for n in edits.get("deviceNodes", [])},
+        "env": set(edits.get("env", [])),
+        "mounts": {(m["hostPath"], m["containerPath"]) for m in edits.get("mounts", [])},
+    }
 
 
-@pytest.mark.parametrize("machine", list(LAYOUTS))
-def test_cdi_generate_names_and_device_nodes_match_nodeagent(tmp_path: Path, machine: str) -> None:
-    state = tmp_path / "state.json"
-    discover(state, machine, abi=False)
-    for gpu, profiles in LAYOUTS[machine].items():
+@pytest.mark.parametrize(("machine", "layout"), CASES, ids=IDS)
+def test_cdi_generate_matches_nodeagents_spec_file(
+    tmp_path: Path, machine: str, layout: dict[int, list[str]]
+) -> None:
+    state, root = tmp_path / "state.json", tmp_path / "root"
+    node = discover(state, machine, abi=False)
+    for gpu, profiles in layout.items():
         nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", str(gpu), *profiles, env=abi_env(state))
-    node = discover(state, None, abi=True)
-    spec, elapsed = _ctk_cdi(_driver_root(tmp_path / "driver", node), state)
-    ctk = {d["name"]: {n["path"] for n in d["containerEdits"]["deviceNodes"]} for d in spec["devices"]}
-    everything = ctk.pop("all")
-    mine = _nodeagent_devices(node)
-    assert ctk == mine
-    assert everything == set().union(*mine.values())
-    common = {n["path"] for n in spec["containerEdits"]["deviceNodes"]}
-    # nodeagent's control nodes; nvidia-ctk adds /dev/nvidia-modeset (display), nodeagent does not
-    assert common == {*CONTROL_DEVICES, "/dev/nvidia-modeset"}
-    print(f"nvidia-ctk cdi generate on {machine}: {elapsed * 1000:.0f} ms")
+    first = nodeagent_spec(root, state, "--sim-host-files")
+    as_driver_host(root, first, node["driver_version"])
+    mine = nodeagent_spec(root, state)
+    theirs, elapsed = ctk_cdi(root, state)
+
+    assert mine["kind"] == theirs["kind"] == "nvidia.com/gpu"
+    ours_devices, ctk_devices = _devices(mine), _devices(theirs)
+    # nodeagent also names a MIG-mode GPU as a whole (index and UUID), as the device plugin with migStrategy
+    # "none" advertises it; nvidia-ctk leaves such GPUs out. Everything else is the same.
+    whole_mig_gpus = {
+        name: {f"/dev/nvidia{g['minor_number']}"}
+        for g in discover(state, None, abi=True)["gpus"]
+        if g["mig_current"]
+        for name in (str(g["index"]), g["uuid"])
+    }
+    assert {n: ours_devices.pop(n, None) for n in whole_mig_gpus} == whole_mig_gpus
+    assert ours_devices == ctk_devices
+    ours_common, ctk_common = _common(mine), _common(theirs)
+    # nvidia-ctk also tells its own hooks where libcuda is; nodeagent's hooks do not read that variable
+    assert ctk_common["env"] - ours_common["env"] == {f"NVIDIA_CTK_LIBCUDA_DIR=/{LIB_DIR}"}
+    ctk_common["env"] = ours_common["env"] & ctk_common["env"]
+    assert ours_common == ctk_common
+    expected_migs = sum(len(p) for p in layout.values())
+    assert sum(":" in name for name in _devices(mine)) == expected_migs
+    print(f"nvidia-ctk cdi generate on {machine}: {elapsed * 1000:.0f} ms, {len(mine['devices'])} devices")

@@ -16,6 +16,7 @@ from nodeagent.gpu.sim.machine import load_machine, machine_names
 from nodeagent.gpu.sim.state import SimStore
 from tests.abi._abi import (
     ALL_MACHINES,
+    MIG_LAYOUTS,
     MIG_MACHINES,
     abi_env,
     built,
@@ -62,26 +63,7 @@ def test_fresh_machine_same_through_python_abi_and_go(tmp_path: Path, machine: s
         )
 
 
-# a mixed layout per machine: one big and one small GPU instance on its first MIG-capable GPU (GPU 0)
-LAYOUTS = {
-    "a30x4": ["2g.12gb", "1g.6gb"],
-    "dgx-a100-40gb": ["3g.20gb", "1g.5gb"],
-    "dgx-a100-80gb": ["3g.40gb", "1g.10gb"],
-    "dgx-h100": ["3g.40gb", "1g.10gb"],
-    "hgx-h200": ["3g.71gb", "1g.18gb"],
-    "mixed": ["3g.40gb", "1g.10gb"],
-    "dgx-b200": ["3g.90gb", "1g.23gb"],
-    "gb200-nvl": ["3g.93gb", "1g.23gb"],
-    "gb300-nvl": ["3g.139gb", "1g.35gb"],
-    "gh200": ["3g.48gb", "1g.12gb"],
-    "gh200-144gb": ["3g.72gb", "1g.18gb"],
-    "h100-nvl": ["3g.47gb", "1g.12gb"],
-    "hgx-b300": ["3g.135gb", "1g.34gb"],
-    "hgx-h20": ["3g.48gb", "1g.12gb"],
-    # the Blackwell RTX PRO variants: graphics, no media engine, all media engines
-    "rtx-pro-6000": ["2g.48gb+gfx", "1g.24gb-me", "1g.24gb+me.all"],
-    "vm-a100-passthrough": ["3g.40gb", "1g.10gb"],
-}
+LAYOUTS = MIG_LAYOUTS
 
 
 def test_every_mig_machine_has_a_layout() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from nodeagent.gpu.sim.inject import inject_xid
 from nodeagent.gpu.sim.machine import load_machine
 from nodeagent.gpu.sim.state import SimStore
-from tests.abi._abi import abi_env, built, discover, nodeagent, plain_env, run
+from tests.abi._abi import abi_env, built, discover, nodeagent, nvml_view, plain_env, run
 
 NO_ID = 0xFFFFFFFF
 
@@ -116,7 +116,8 @@ def test_lost_gpu_and_recovery_look_the_same_on_both_paths(tmp_path: Path) -> No
     assert discover(state, None, abi=True) == discover(state, None, abi=False) == before
 
 
-# A child process: the recovery action of every GPU as nodeagent's adapter reads it (field 230), and in
+# A child process: the recovery action of every GPU as nodeagent's adapter reads it (field 230), compared
+# with NVIDIA's go-nvml reading the same field (nvml-view fields), and in
 # ABI mode the raw answer of the real pynvml's nvmlDeviceGetFieldValues for GPU 1 (one served field with
 # a scope, one field the simulator lacks).
 RECOVERY = """
@@ -145,3 +146,12 @@ def test_recovery_action_after_an_xid_reads_the_same_through_the_c_abi(tmp_path:
     assert abi["actions"] == sim["actions"] == [0, 2, 0, 0, 0, 0, 0, 0]
     # NVML_VALUE_TYPE_UNSIGNED_INT 1; the unserved field answers its own NOT_SUPPORTED (3), the call SUCCESS
     assert abi["raw"] == [[230, 0, 0, 1, 2], [1, 0, 3, 0, 0]]
+    # go-nvml's Device.GetFieldValues (nvml-view fields) reads the same: every GPU's recovery action, and the
+    # same per-field answers for GPU 1
+    go = [nvml_view(state, "fields", str(i), "230") for i in range(len(abi["actions"]))]
+    assert [v[0]["value"] for v in go] == abi["actions"]
+    assert all((v[0]["nvml_return"], v[0]["value_type"]) == (0, 1) for v in go)
+    raw = nvml_view(state, "fields", "1", "230:0", "1")
+    assert [
+        [v["field_id"], v["scope_id"], v["nvml_return"], v["value_type"], v["value"] or 0] for v in raw
+    ] == abi["raw"]

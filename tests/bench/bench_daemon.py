@@ -10,8 +10,11 @@ Figures:
   mig_change_s          label nvidia.com/mig.config change -> state label "success" (with the apiserver)
   kubelet_restarts      N kubelet restarts -> each re-registered; fds/threads before and after
 Prints figures and one JSON line. No timing asserts. Usage:
-    .venv/bin/python tests/bench/bench_daemon.py [--idle SECONDS] [--restarts 100] [--no-kube]
+    .venv/bin/python tests/bench/bench_daemon.py [--idle SECONDS] [--restarts 100] [--no-kube] [--abi]
     .venv/bin/python tests/bench/bench_daemon.py --idle-hour SECONDS
+With --abi the agent runs on the real pynvml over the stand-in libnvidia-ml.so.1 (after
+`source tests/testbin/setup.sh`; ``nvml_library_mapped`` shows the agent process has it loaded), and the
+ABI overhead per NVML call and the discovery time of dgx-h100 with 56 MIG devices are printed as well.
 
 ``--idle-hour W`` measures only this: the writes a running daemon sends over an idle hour, accelerated. The
 daemon (plane "both": GPUs 0-3 as DRA ResourceSlices, 4-7 through the kubelet device plugin; labels,
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import tempfile
@@ -159,6 +163,7 @@ def main() -> None:
     ap.add_argument("--no-kube", action="store_true")
     ap.add_argument("--idle-hour", type=float, default=0.0, metavar="SECONDS",
                     help="only measure the writes of an idle hour, accelerated into SECONDS")
+    ap.add_argument("--abi", action="store_true", help="the agent on the real pynvml over the stand-in library")
     opts = ap.parse_args()
     if opts.idle_hour > 0:
         hour = idle_hour(opts.idle_hour)
@@ -173,6 +178,12 @@ def main() -> None:
         print(f"requests the agent sent in the window (reads: the cycles ran): {hour['idle_api_requests_by_method']}")
         print(json.dumps({"bench": "daemon-idle-hour", **hour}))
         return
+    abi: dict[str, Any] = {}
+    if opts.abi:
+        from tests.bench.bench_abi import abi_environment, abi_figures
+
+        os.environ.update(abi_environment())  # the agent inherits it
+        abi = abi_figures(with_go=False)
     work = Path(tempfile.mkdtemp(prefix="bench-daemon-"))
     sim = work / "sim.json"
     # the mixed MIG layout, written as if applied earlier: 7 x 1g.10gb on each of the 8 GPUs
@@ -180,7 +191,8 @@ def main() -> None:
 
     subprocess.run([sys.executable, "-m", "nodeagent", "sim", "mig", "--simulate", "dgx-h100", "--sim-state",
                     str(sim), "--gpu", "all", *(["1g.10gb"] * 7)], check=True, capture_output=True)
-    figures: dict[str, Any] = {"machine": "dgx-h100", "mig": "7x1g.10gb per GPU", "replicas": 4}
+    figures: dict[str, Any] = {"machine": "dgx-h100", "mig": "7x1g.10gb per GPU", "replicas": 4,
+                               "nvml": "abi" if opts.abi else "python"}
     server = None if opts.no_kube else start_apiserver()
     node = "bench-daemon"
     try:
@@ -208,6 +220,9 @@ def main() -> None:
                 figures["start_to_ready_s"] = round(t_ready - t_start, 3)
                 figures["devices_advertised"] = len(res.devices)
                 proc = psutil.Process(agent.pid)
+                if opts.abi:
+                    maps = Path(f"/proc/{agent.pid}/maps").read_text()
+                    figures["nvml_library_mapped"] = os.path.realpath(os.environ["NODEAGENT_NVML_LIBRARY"]) in maps
                 time.sleep(3)  # let start-up publishing settle
                 cpu0 = proc.cpu_times()
                 t0 = time.monotonic()
@@ -259,6 +274,11 @@ def main() -> None:
             server.stop()
     for k, v in figures.items():
         print(f"{k:24} {v}")
+    if abi:
+        from tests.bench.bench_abi import print_abi_figures
+
+        print_abi_figures(abi)
+        figures["abi"] = abi
     print(json.dumps({"bench": "daemon", **figures}))
 
 

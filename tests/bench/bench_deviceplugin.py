@@ -1,6 +1,10 @@
 """Device-plugin benchmark: prints figures and one JSON line (no assertions on timings).
 
-    .venv/bin/python tests/bench/bench_deviceplugin.py [--quick] [--no-sample]
+    .venv/bin/python tests/bench/bench_deviceplugin.py [--quick] [--no-sample] [--abi]
+
+With --abi every NVML call of nodeagent (its servers, the kubelet part) goes through the real pynvml and
+the stand-in libnvidia-ml.so.1 (after `source tests/testbin/setup.sh`), and the ABI overhead per NVML call
+and the discovery time of dgx-h100 with 56 MIG devices are printed as well (tests/bench/bench_abi.py).
 
 Measures, over real Unix sockets:
   * Allocate p50/p99 (1 device) of nodeagent's server, and of the Kubernetes sample device plugin in Go
@@ -314,9 +318,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--no-sample", action="store_true", help="skip the Go sample device plugin")
     ap.add_argument("--rounds", type=int, default=3, help="Allocate rounds (each measures every server)")
+    ap.add_argument("--abi", action="store_true", help="nodeagent on the real pynvml over the stand-in library")
     args = ap.parse_args()
     n = 300 if args.quick else 3000
-    result: dict[str, Any] = {"bench": "deviceplugin"}
+    result: dict[str, Any] = {"bench": "deviceplugin", "nvml": "abi" if args.abi else "python"}
+    if args.abi:
+        from tests.bench.bench_abi import abi_environment, abi_figures
+
+        os.environ.update(abi_environment())  # this process and every server child
+        result["abi"] = abi_figures(with_go=False)
     with tempfile.TemporaryDirectory(prefix="na-dpbench-") as t:
         tmp = Path(t)
         state = sim_state(tmp, "dgx-h100")
@@ -363,6 +373,10 @@ def main() -> None:
     x, r = result["xid_to_unhealthy"], result["restart_to_registered"]
     print(f"XID -> Unhealthy at kubelet:        p50 {x['p50_ms']} ms  max {x['max_ms']} ms")
     print(f"kubelet restart -> re-registered:   p50 {r['p50_ms']} ms  max {r['max_ms']} ms")
+    if args.abi:
+        from tests.bench.bench_abi import print_abi_figures
+
+        print_abi_figures(result["abi"])
     print(json.dumps(result, sort_keys=True))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from nodeagent.hostpaths import HostPaths
@@ -25,6 +25,19 @@ class StatePaths(HostPaths):
     @property
     def state_dir(self) -> Path:
         return self.state
+
+
+@dataclass(frozen=True)
+class ContainerdHostPaths(StatePaths):
+    """As StatePaths, with ``containerd`` standing in as the host's /usr/bin/containerd (nodeagent reads
+    its version to decide the file format and whether CDI needs switching on)."""
+
+    containerd: Path = Path("/usr/bin/containerd")
+
+    def __call__(self, host_path: str | PurePosixPath) -> Path:
+        if str(host_path) == "/usr/bin/containerd":
+            return self.containerd
+        return super().__call__(host_path)
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 ``run_cdi_check(spec_dirs, groups, annotations)`` loads the spec directories, lists the devices and
 injects each group of names (and each annotation) into an empty OCI spec; the JSON answer is returned.
+``CdiResolver(spec_dirs)`` keeps one cdi-check running with its cache (``-serve``), as containerd keeps
+its own: ``resolve(names)`` refreshes the cache from the directories and injects the names.
 """
 
 from __future__ import annotations
@@ -35,6 +37,43 @@ def run_cdi_check(
     assert proc.returncode == 0, f"cdi-check failed ({proc.returncode}): {proc.stderr}"
     out: dict[str, Any] = json.loads(proc.stdout)
     return out
+
+
+class CdiResolver:
+    """A long-lived ``cdi-check -serve``; use as a context manager."""
+
+    def __init__(self, spec_dirs: Sequence[Path]) -> None:
+        args = [str(cdi_check_binary()), "-serve"]
+        for d in spec_dirs:
+            args += ["-spec-dir", str(d)]
+        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def resolve(self, names: Sequence[str]) -> dict[str, Any]:
+        """``{"errors": {spec file: [...]}, "injection": {"devices", "unresolved", "error"?}}``."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(",".join(names) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        assert line, f"cdi-check -serve ended (exit {self._proc.poll()})"
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+    def __enter__(self) -> CdiResolver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _binary(env_var: str, what: str) -> Path:

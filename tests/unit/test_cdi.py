@@ -326,3 +326,69 @@ def test_overlapping_refreshes_from_threads_are_serialised(tmp_path: Path) -> No
     writer.refresh(mig)
     names = set(writer.last.devices) if writer.last else set()
     assert {f"nvidia.com/gpu={g}:{n}" for g in range(8) for n in range(7)} <= names
+
+
+def test_same_writer_sees_driver_root_changes_without_a_version_change(tmp_path: Path) -> None:
+    """The writer keeps the driver root's listing between refreshes; a library, tool or hook that appears
+    (same driver version) changes its directory and is in the next refresh."""
+    paths, inv = _host_inventory(tmp_path)
+    writer = CdiWriter(paths)
+    assert writer.write(inv).action == "written"
+    assert writer.write(inv).action == "unchanged"
+    libdir = paths("/usr/lib/x86_64-linux-gnu")
+    (libdir / "libnvidia-encode.so.550.54.15").write_text("fake\n")
+    assert writer.write(inv).action == "written"
+    assert "libnvidia-encode.so.550.54.15" in Path(writer.file).read_text()
+    paths("/usr/bin/nvidia-cdi-hook").unlink()
+    assert writer.write(inv).action == "written"
+    assert "nvidia-cdi-hook" not in Path(writer.file).read_text()
+
+
+def test_writer_rewrites_a_spec_edited_behind_its_back(tmp_path: Path) -> None:
+    """Unchanged GPUs and host skip the rendering only while the file still holds what was written."""
+    paths, inv = _host_inventory(tmp_path)
+    writer = CdiWriter(paths)
+    writer.write(inv)
+    good = Path(writer.file).read_bytes()
+    Path(writer.file).write_text("edited\n")
+    assert writer.write(inv).action == "written"
+    assert Path(writer.file).read_bytes() == good
+    Path(writer.file).unlink()
+    assert writer.write(inv).action == "written"
+
+
+def test_mig_change_reads_new_device_nodes_with_the_driver_listing_kept(tmp_path: Path) -> None:
+    host = make_host(tmp_path, "dgx-h100")
+    writer = CdiWriter(host.paths)
+    writer.write(apply_layout(host, {0: ["1g.10gb"] * 7}))
+    inv = apply_layout(host, {0: ["3g.40gb", "3g.40gb"]})
+    assert writer.write(inv).action == "written"
+    spec = yaml.safe_load(Path(writer.file).read_text())
+    fresh = generate(inv, collect(host.paths, inv))
+    assert spec == fresh
+
+
+def test_driver_root_listed_once_while_its_directories_stay_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nodeagent.cdi.host as host_module
+    import nodeagent.cdi.writer as writer_module
+
+    paths, inv = _host_inventory(tmp_path)
+    for d, _, _ in os.walk(tmp_path):  # settled directories: last changed a minute ago
+        os.utime(d, ns=(os.stat(d).st_atime_ns, os.stat(d).st_mtime_ns - 60_000_000_000))
+    calls: list[str] = []
+    real = host_module.collect_driver
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append("listed")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer_module, "collect_driver", counting)
+    writer = CdiWriter(paths)
+    writer.write(inv)
+    writer.write(inv)
+    writer.write(Inventory(inv.driver_version, inv.cuda_driver_version, inv.gpus[:1]))
+    assert calls == ["listed"]
+    (paths("/usr/lib/x86_64-linux-gnu") / "libnvidia-encode.so.550.54.15").write_text("fake\n")
+    assert writer.write(inv).action == "written" and calls == ["listed", "listed"]

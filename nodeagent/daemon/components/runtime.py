@@ -44,7 +44,10 @@ class RuntimeCheckComponent(Component):
         from nodeagent.runtime.configure import configure, options_from_settings
 
         cfg = self._ctx.config
-        opts = options_from_settings(cfg.runtime, dry_run=True, kubelet_dir=cfg.kubelet.dir)
+        plugin_config = self._ctx.files.plugin_config if cfg.device_plugin.enabled else None
+        strategies = plugin_config.flags.plugin.device_list_strategy if plugin_config is not None else ()
+        opts = options_from_settings(cfg.runtime, dry_run=True, kubelet_dir=cfg.kubelet.dir,
+                                     device_list_strategies=strategies)
         try:
             result = await asyncio.to_thread(configure, self._ctx.paths, opts)
         except NodeAgentError as e:

@@ -164,6 +164,54 @@ def _version(ptr: int) -> int:
     return _get_uint(ptr) >> 24
 
 
+def _handle_out(out: int, answer: Callable[[], Any]) -> int:
+    """A call that answers one handle: ``out`` must be given before the simulator is asked (a create call
+    with nowhere to put its handle creates nothing)."""
+    _need(out)
+    _put_handle(out, answer())
+    return SUCCESS
+
+
+def _uint_out(out: int, value: int) -> int:
+    _put_uint(out, value)
+    return SUCCESS
+
+
+def _struct_out(out: int, struct: Any, value: Any) -> int:
+    """The simulator's answer ``value`` into the caller's ``struct`` at ``out``."""
+    _fill(value, struct.from_address(_need(out)))
+    return SUCCESS
+
+
+def _fill_versioned(out: int, structs: dict[int, Any], answer: Callable[[], Any]) -> int:
+    """A ``..._v`` call: the caller's struct at ``out`` says its version (top byte of its first field);
+    fill it with the simulator's ``answer()`` in that layout. Version 3 adds ``capabilities`` (none here)."""
+    version = _version(out)
+    struct = structs.get(version)
+    if struct is None:
+        return ARGUMENT_VERSION_MISMATCH
+    dst = struct.from_address(out)
+    _fill(answer(), dst)
+    if version == 3:
+        dst.capabilities = 0
+    return SUCCESS
+
+
+def _put_handles(out: int, count: int, handle_type: Any, query: Callable[[Any, Any], object]) -> int:
+    """An instance list: ``query(array, n)`` fills a local array of ``handle_type`` and ``n``; the handles go
+    to the caller's array at ``out`` (needed unless there are none) and their number to ``count``."""
+    _need(count)
+    array = (handle_type * _MAX_INSTANCES)()
+    n = ctypes.c_uint(0)
+    query(array, n)
+    if n.value and not out:
+        return INVALID_ARGUMENT
+    for i in range(n.value):
+        _put_handle(out + i * ctypes.sizeof(ctypes.c_void_p), array[i])
+    _put_uint(count, n.value)
+    return SUCCESS
+
+
 # --- the simulator of this process ------------------------------------------------------------------
 class _Machine:
     def __init__(self) -> None:
@@ -276,31 +324,23 @@ def nvmlSystemGetCudaDriverVersion_v2(out: int) -> int:
 
 
 def nvmlDeviceGetCount_v2(out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetCount())
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetCount())
 
 
 def nvmlDeviceGetHandleByIndex_v2(index: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetHandleByIndex(index))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceGetHandleByIndex(index))
 
 
 def nvmlDeviceGetHandleByUUID(uuid: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetHandleByUUID(_get_str(uuid).decode(errors="replace")))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceGetHandleByUUID(_get_str(uuid).decode(errors="replace")))
 
 
 def nvmlDeviceGetHandleByPciBusId_v2(bus_id: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetHandleByPciBusId(_get_str(bus_id)))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceGetHandleByPciBusId(_get_str(bus_id)))
 
 
 def nvmlDeviceGetIndex(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetIndex(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetIndex(_h(dev)))
 
 
 def nvmlDeviceGetName(dev: int, buf: int, length: int) -> int:
@@ -314,13 +354,11 @@ def nvmlDeviceGetUUID(dev: int, buf: int, length: int) -> int:
 
 
 def nvmlDeviceGetMinorNumber(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetMinorNumber(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetMinorNumber(_h(dev)))
 
 
 def nvmlDeviceGetPciInfo_v3(dev: int, out: int) -> int:
-    _fill(_sim().nvmlDeviceGetPciInfo(_h(dev)), pynvml.nvmlPciInfo_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.nvmlPciInfo_t, _sim().nvmlDeviceGetPciInfo(_h(dev)))
 
 
 def nvmlDeviceGetPciInfo_v2(dev: int, out: int) -> int:
@@ -332,8 +370,7 @@ def nvmlDeviceGetPciInfo_v2(dev: int, out: int) -> int:
 
 
 def nvmlDeviceGetArchitecture(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetArchitecture(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetArchitecture(_h(dev)))
 
 
 def nvmlDeviceGetCudaComputeCapability(dev: int, major: int, minor: int) -> int:
@@ -344,13 +381,11 @@ def nvmlDeviceGetCudaComputeCapability(dev: int, major: int, minor: int) -> int:
 
 
 def nvmlDeviceGetNumaNodeId(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetNumaNodeId(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetNumaNodeId(_h(dev)))
 
 
 def nvmlDeviceGetMemoryInfo(dev: int, out: int) -> int:
-    _fill(_sim().nvmlDeviceGetMemoryInfo(_h(dev)), pynvml.c_nvmlMemory_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.c_nvmlMemory_t, _sim().nvmlDeviceGetMemoryInfo(_h(dev)))
 
 
 def nvmlDeviceGetMemoryInfo_v2(dev: int, out: int) -> int:
@@ -364,23 +399,19 @@ def nvmlDeviceGetMemoryInfo_v2(dev: int, out: int) -> int:
 
 
 def nvmlDeviceGetUtilizationRates(dev: int, out: int) -> int:
-    _fill(_sim().nvmlDeviceGetUtilizationRates(_h(dev)), pynvml.c_nvmlUtilization_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.c_nvmlUtilization_t, _sim().nvmlDeviceGetUtilizationRates(_h(dev)))
 
 
 def nvmlDeviceGetTemperature(dev: int, sensor: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetTemperature(_h(dev), sensor))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetTemperature(_h(dev), sensor))
 
 
 def nvmlDeviceGetPowerUsage(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetPowerUsage(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetPowerUsage(_h(dev)))
 
 
 def nvmlDeviceGetEnforcedPowerLimit(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetEnforcedPowerLimit(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetEnforcedPowerLimit(_h(dev)))
 
 
 def _processes(dev: int, count_ptr: int, infos: int, struct: Any) -> int:
@@ -410,24 +441,20 @@ def nvmlDeviceGetComputeRunningProcesses(dev: int, count: int, infos: int) -> in
 
 
 def nvmlDeviceGetTopologyCommonAncestor(dev1: int, dev2: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetTopologyCommonAncestor(_h(dev1), _h(dev2)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetTopologyCommonAncestor(_h(dev1), _h(dev2)))
 
 
 def nvmlDeviceGetNvLinkState(dev: int, link: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetNvLinkState(_h(dev), link))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetNvLinkState(_h(dev), link))
 
 
 def nvmlDeviceGetNvLinkRemoteDeviceType(dev: int, link: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetNvLinkRemoteDeviceType(_h(dev), link))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetNvLinkRemoteDeviceType(_h(dev), link))
 
 
 def nvmlDeviceGetNvLinkRemotePciInfo_v2(dev: int, link: int, out: int) -> int:
     info = _sim().nvmlDeviceGetNvLinkRemotePciInfo(_h(dev), link)
-    _fill(info, pynvml.nvmlPciInfo_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.nvmlPciInfo_t, info)
 
 
 def nvmlDeviceGetFieldValues(dev: int, count: int, values: int) -> int:
@@ -464,21 +491,14 @@ def nvmlDeviceSetMigMode(dev: int, mode: int, status: int) -> int:
 
 def nvmlDeviceGetGpuInstanceProfileInfo(dev: int, profile: int, out: int) -> int:
     info = _sim().nvmlDeviceGetGpuInstanceProfileInfo(_h(dev), profile)
-    _fill(info, pynvml.c_nvmlGpuInstanceProfileInfo_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.c_nvmlGpuInstanceProfileInfo_t, info)
 
 
 def nvmlDeviceGetGpuInstanceProfileInfoV(dev: int, profile: int, out: int) -> int:
-    version = _version(out)
-    struct: Any = {2: pynvml.c_nvmlGpuInstanceProfileInfo_v2_t, 3: _GpuInstanceProfileInfoV3}.get(version)
-    if struct is None:
-        return ARGUMENT_VERSION_MISMATCH
-    info = _sim().nvmlDeviceGetGpuInstanceProfileInfo(_h(dev), profile)
-    dst = struct.from_address(out)
-    _fill(info, dst)
-    if version == 3:
-        dst.capabilities = 0
-    return SUCCESS
+    return _fill_versioned(
+        out, {2: pynvml.c_nvmlGpuInstanceProfileInfo_v2_t, 3: _GpuInstanceProfileInfoV3},
+        lambda: _sim().nvmlDeviceGetGpuInstanceProfileInfo(_h(dev), profile),
+    )  # fmt: skip
 
 
 def nvmlDeviceGetGpuInstancePossiblePlacements_v2(
@@ -501,14 +521,11 @@ def nvmlDeviceGetGpuInstancePossiblePlacements_v2(
 
 
 def nvmlDeviceGetGpuInstanceRemainingCapacity(dev: int, profile_id: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetGpuInstanceRemainingCapacity(_h(dev), profile_id))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetGpuInstanceRemainingCapacity(_h(dev), profile_id))
 
 
 def nvmlDeviceCreateGpuInstance(dev: int, profile_id: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceCreateGpuInstance(_h(dev), profile_id))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceCreateGpuInstance(_h(dev), profile_id))
 
 
 def nvmlDeviceCreateGpuInstanceWithPlacement(dev: int, profile_id: int, placement: int, out: int) -> int:
@@ -519,27 +536,16 @@ def nvmlDeviceCreateGpuInstanceWithPlacement(dev: int, profile_id: int, placemen
 
 
 def nvmlDeviceGetGpuInstances(dev: int, profile_id: int, out: int, count: int) -> int:
-    _need(count)
-    array = (pynvml.c_nvmlGpuInstance_t * _MAX_INSTANCES)()
-    n = ctypes.c_uint(0)
-    _sim().nvmlDeviceGetGpuInstances(_h(dev), profile_id, array, n)
-    if n.value and not out:
-        return INVALID_ARGUMENT
-    for i in range(n.value):
-        _put_handle(out + i * ctypes.sizeof(ctypes.c_void_p), array[i])
-    _put_uint(count, n.value)
-    return SUCCESS
+    return _put_handles(out, count, pynvml.c_nvmlGpuInstance_t,
+                        lambda array, n: _sim().nvmlDeviceGetGpuInstances(_h(dev), profile_id, array, n))
 
 
 def nvmlDeviceGetGpuInstanceById(dev: int, gi_id: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetGpuInstanceById(_h(dev), gi_id))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceGetGpuInstanceById(_h(dev), gi_id))
 
 
 def nvmlGpuInstanceGetInfo(gi: int, out: int) -> int:
-    _fill(_sim().nvmlGpuInstanceGetInfo(_h(gi)), pynvml.c_nvmlGpuInstanceInfo_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.c_nvmlGpuInstanceInfo_t, _sim().nvmlGpuInstanceGetInfo(_h(gi)))
 
 
 def nvmlGpuInstanceDestroy(gi: int) -> int:
@@ -549,59 +555,36 @@ def nvmlGpuInstanceDestroy(gi: int) -> int:
 
 def nvmlGpuInstanceGetComputeInstanceProfileInfo(gi: int, profile: int, eng: int, out: int) -> int:
     info = _sim().nvmlGpuInstanceGetComputeInstanceProfileInfo(_h(gi), profile, eng)
-    _fill(info, pynvml.c_nvmlComputeInstanceProfileInfo_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.c_nvmlComputeInstanceProfileInfo_t, info)
 
 
 def nvmlGpuInstanceGetComputeInstanceProfileInfoV(gi: int, profile: int, eng: int, out: int) -> int:
-    version = _version(out)
-    struct: Any = {2: pynvml.c_nvmlComputeInstanceProfileInfo_v2_t, 3: _ComputeInstanceProfileInfoV3}.get(
-        version
-    )
-    if struct is None:
-        return ARGUMENT_VERSION_MISMATCH
-    info = _sim().nvmlGpuInstanceGetComputeInstanceProfileInfo(_h(gi), profile, eng)
-    dst = struct.from_address(out)
-    _fill(info, dst)
-    if version == 3:
-        dst.capabilities = 0
-    return SUCCESS
+    return _fill_versioned(
+        out, {2: pynvml.c_nvmlComputeInstanceProfileInfo_v2_t, 3: _ComputeInstanceProfileInfoV3},
+        lambda: _sim().nvmlGpuInstanceGetComputeInstanceProfileInfo(_h(gi), profile, eng),
+    )  # fmt: skip
 
 
 def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi: int, profile_id: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlGpuInstanceGetComputeInstanceRemainingCapacity(_h(gi), profile_id))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlGpuInstanceGetComputeInstanceRemainingCapacity(_h(gi), profile_id))
 
 
 def nvmlGpuInstanceCreateComputeInstance(gi: int, profile_id: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlGpuInstanceCreateComputeInstance(_h(gi), profile_id))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlGpuInstanceCreateComputeInstance(_h(gi), profile_id))
 
 
 def nvmlGpuInstanceGetComputeInstances(gi: int, profile_id: int, out: int, count: int) -> int:
-    _need(count)
-    array = (pynvml.c_nvmlComputeInstance_t * _MAX_INSTANCES)()
-    n = ctypes.c_uint(0)
-    _sim().nvmlGpuInstanceGetComputeInstances(_h(gi), profile_id, array, n)
-    if n.value and not out:
-        return INVALID_ARGUMENT
-    for i in range(n.value):
-        _put_handle(out + i * ctypes.sizeof(ctypes.c_void_p), array[i])
-    _put_uint(count, n.value)
-    return SUCCESS
+    return _put_handles(out, count, pynvml.c_nvmlComputeInstance_t,
+                        lambda array, n: _sim().nvmlGpuInstanceGetComputeInstances(_h(gi), profile_id, array, n))
 
 
 def nvmlGpuInstanceGetComputeInstanceById(gi: int, ci_id: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlGpuInstanceGetComputeInstanceById(_h(gi), ci_id))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlGpuInstanceGetComputeInstanceById(_h(gi), ci_id))
 
 
 def nvmlComputeInstanceGetInfo_v2(ci: int, out: int) -> int:
     info = _sim().nvmlComputeInstanceGetInfo(_h(ci))
-    _fill(info, pynvml.c_nvmlComputeInstanceInfo_t.from_address(_need(out)))
-    return SUCCESS
+    return _struct_out(out, pynvml.c_nvmlComputeInstanceInfo_t, info)
 
 
 def nvmlComputeInstanceDestroy(ci: int) -> int:
@@ -610,35 +593,27 @@ def nvmlComputeInstanceDestroy(ci: int) -> int:
 
 
 def nvmlDeviceGetMaxMigDeviceCount(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetMaxMigDeviceCount(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetMaxMigDeviceCount(_h(dev)))
 
 
 def nvmlDeviceGetMigDeviceHandleByIndex(dev: int, index: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetMigDeviceHandleByIndex(_h(dev), index))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceGetMigDeviceHandleByIndex(_h(dev), index))
 
 
 def nvmlDeviceIsMigDeviceHandle(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceIsMigDeviceHandle(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceIsMigDeviceHandle(_h(dev)))
 
 
 def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(dev: int, out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlDeviceGetDeviceHandleFromMigDeviceHandle(_h(dev)))
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlDeviceGetDeviceHandleFromMigDeviceHandle(_h(dev)))
 
 
 def nvmlDeviceGetGpuInstanceId(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetGpuInstanceId(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetGpuInstanceId(_h(dev)))
 
 
 def nvmlDeviceGetComputeInstanceId(dev: int, out: int) -> int:
-    _put_uint(out, _sim().nvmlDeviceGetComputeInstanceId(_h(dev)))
-    return SUCCESS
+    return _uint_out(out, _sim().nvmlDeviceGetComputeInstanceId(_h(dev)))
 
 
 def nvmlDeviceGetAttributes_v2(dev: int, out: int) -> int:
@@ -682,9 +657,7 @@ def nvmlDeviceGetAttributes_v2(dev: int, out: int) -> int:
 
 # --- events -----------------------------------------------------------------------------------------
 def nvmlEventSetCreate(out: int) -> int:
-    _need(out)
-    _put_handle(out, _sim().nvmlEventSetCreate())
-    return SUCCESS
+    return _handle_out(out, lambda: _sim().nvmlEventSetCreate())
 
 
 def nvmlDeviceGetSupportedEventTypes(dev: int, out: int) -> int:

@@ -79,6 +79,7 @@ class SimStore:
         self.path = path
         self._lock = threading.RLock()
         self._stamp: tuple[int, int, int] | None = None
+        self._raw = b""  # the file's bytes as last parsed or written
         self._state: State = initial_state(machine)
         self._generation = 0  # bumped by this process's transactions and by changes seen on the file
         self._changed = threading.Condition(threading.Lock())
@@ -123,13 +124,18 @@ class SimStore:
         if stamp is None:
             self._state = initial_state(self.machine)
             self._stamp = None
+            self._raw = b""
             return
         # Inodes get reused and mtimes come from a coarse clock, so a file changed within the last second
-        # is re-read even when its identity looks unchanged.
+        # is re-read even when its identity looks unchanged; it is parsed again only when its bytes differ
+        # (a rediscovery right after a MIG change makes hundreds of calls while the file is that young).
         if stamp == self._stamp and time.time_ns() - stamp[2] > 1_000_000_000:
             return
         try:
-            doc = json.loads(self.path.read_text())
+            raw = self.path.read_bytes()
+            if stamp == self._stamp and raw == self._raw:
+                return
+            doc = json.loads(raw)
         except (OSError, ValueError) as e:
             raise InputError(f"sim-state file {self.path} is unreadable: {e}", subject=str(self.path)) from e
         if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
@@ -142,6 +148,7 @@ class SimStore:
             )
         self._state = doc
         self._stamp = stamp
+        self._raw = raw
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
@@ -176,9 +183,12 @@ class SimStore:
                 self._load_file()
                 work = copy.deepcopy(self._state)
                 yield work
-                atomic_write(self.path, json.dumps(work, indent=1, sort_keys=True) + "\n", backup=False)
+                data = (json.dumps(work, indent=1, sort_keys=True) + "\n").encode()
+                if data != self._raw:  # an unchanged state (e.g. opening the store) leaves the file alone
+                    atomic_write(self.path, data, backup=False)
+                    self._stamp = self._file_stamp()
+                    self._raw = data
                 self._state = work
-                self._stamp = self._file_stamp()
             self._bump()
 
     def _bump(self) -> None:

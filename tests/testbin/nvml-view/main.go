@@ -6,16 +6,21 @@
 //	nvml-view create GPU PROFILE [START]   GPU instance (at START) + one compute instance covering it
 //	nvml-view destroy GPU GI_ID        destroy the GPU instance and its compute instances
 //	nvml-view events TIMEOUT_MS N      register XID/ECC events on every GPU, print up to N as JSON
+//	nvml-view fields GPU ID[:SCOPE]... nvmlDeviceGetFieldValues in one call; each field's own return,
+//	                                   value type and value (e.g. 230: the GPU recovery action)
 //
 // PROFILE is a go-nvlib profile name ("1g.10gb", "2g.20gb+me"). Errors go to stderr with exit 1.
 package main
 
 import (
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"math"
 	"os"
 	"sort"
 	"strconv"
+	"strings"
 
 	"github.com/NVIDIA/go-nvlib/pkg/nvlib/device"
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -258,6 +263,52 @@ func trimName(b []int8) string {
 	return string(out)
 }
 
+// fieldValue decodes a FieldValue's 8-byte union by its value type (little-endian, as the C union).
+func fieldValue(v nvml.FieldValue) any {
+	b := v.Value[:]
+	switch nvml.ValueType(v.ValueType) {
+	case nvml.VALUE_TYPE_DOUBLE:
+		return math.Float64frombits(binary.LittleEndian.Uint64(b))
+	case nvml.VALUE_TYPE_UNSIGNED_INT:
+		return binary.LittleEndian.Uint32(b)
+	case nvml.VALUE_TYPE_UNSIGNED_LONG, nvml.VALUE_TYPE_UNSIGNED_LONG_LONG:
+		return binary.LittleEndian.Uint64(b)
+	case nvml.VALUE_TYPE_SIGNED_LONG_LONG:
+		return int64(binary.LittleEndian.Uint64(b))
+	case nvml.VALUE_TYPE_SIGNED_INT:
+		return int32(binary.LittleEndian.Uint32(b))
+	case nvml.VALUE_TYPE_UNSIGNED_SHORT:
+		return binary.LittleEndian.Uint16(b)
+	}
+	return nil
+}
+
+// fields reads the given field ids (ID or ID:SCOPE) of one GPU with a single nvmlDeviceGetFieldValues.
+func fields(lib nvml.Interface, gpu int, specs []string) []map[string]any {
+	dev, ret := lib.DeviceGetHandleByIndex(gpu)
+	check(ret, "device handle")
+	values := make([]nvml.FieldValue, len(specs))
+	for i, spec := range specs {
+		id, scope, _ := strings.Cut(spec, ":")
+		values[i].FieldId = uint32(atoi(id, "field id"))
+		if scope != "" {
+			values[i].ScopeId = uint32(atoi(scope, "scope id"))
+		}
+	}
+	check(dev.GetFieldValues(values), "field values")
+	out := make([]map[string]any, len(values))
+	for i, v := range values {
+		out[i] = map[string]any{
+			"field_id": v.FieldId, "scope_id": v.ScopeId, "nvml_return": v.NvmlReturn,
+			"value_type": v.ValueType, "value": nil,
+		}
+		if nvml.Return(v.NvmlReturn) == nvml.SUCCESS {
+			out[i]["value"] = fieldValue(v)
+		}
+	}
+	return out
+}
+
 func printJSON(v any) {
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")
@@ -367,6 +418,8 @@ func main() {
 			})
 		}
 		printJSON(events)
+	case args[0] == "fields" && len(args) >= 3:
+		printJSON(fields(lib, atoi(args[1], "GPU"), args[2:]))
 	default:
 		fmt.Fprintf(os.Stderr, "nvml-view: unknown command %q (see the comment at the top of main.go)\n", args)
 		os.Exit(2)
