@@ -11,6 +11,7 @@ import pytest
 
 from nodeagent.daemon.shared import Shared
 from nodeagent.dra.component import DraComponent
+from nodeagent.dra.service import ClaimRef
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
@@ -35,6 +36,9 @@ async def test_withdrawn_gpus_leave_the_slices_until_the_next_inventory(kube: Ku
 
         async def update(self, inventory: Inventory) -> None:
             await dra.on_inventory(inventory)
+
+        def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+            return dra.claims_on(gpu_indices)
 
     shared = Shared()
     plane = Plane()
