@@ -5,21 +5,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.daemon.components import close_quietly
-from nodeagent.daemon.shared import PreparedClaims
+from nodeagent.daemon.shared import DevicePluginLink, PreparedClaims
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
     from nodeagent.kube.podresources import PodResourcesClient
     from nodeagent.mig.reconciler import Holder
+    from nodeagent.sharing.spec import PluginConfig
 
 log = logging.getLogger(__name__)
 
 DeviceIds = Callable[[frozenset[int]], Mapping[tuple[str, str], int]]
+
+
+def plugin_device_ids(plugin: DevicePluginLink, inventory: Inventory, plugin_config: PluginConfig | None,
+                      gpu_indices: frozenset[int], *, excluded: Iterable[int] = ()) -> dict[tuple[str, str], int]:
+    """(resource, device ID) → GPU index of these GPUs' device-plugin devices: what the running plugin
+    gives, and what the plugin gives ``inventory`` by its resource naming — so a wait that starts before
+    the plugin is attached (restoring an interrupted apply at start) still knows the IDs pods hold."""
+    from nodeagent.errors import NodeAgentError
+    from nodeagent.sharing.devices import device_gpus
+    from nodeagent.sharing.spec import DEFAULT_CONFIG
+
+    ids = dict(plugin.device_gpus(gpu_indices))
+    try:
+        ids.update(device_gpus(inventory, plugin_config or DEFAULT_CONFIG, gpu_indices, excluded=excluded))
+    except NodeAgentError as e:  # the plugin refuses the same config: it serves nothing else either
+        log.warning("mig: device IDs of GPU(s) %s not derived from the plugin config: %s",
+                    ", ".join(map(str, sorted(gpu_indices))), e)
+    return ids
 
 
 class GpuHolderSources:
@@ -130,26 +149,13 @@ class MigComponent(Component):
             self._report(state)
 
     def _device_ids(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
-        """(resource, device ID) → GPU index of these GPUs' device-plugin devices (blocking): what the
-        running plugin gives, and what it gives for the GPUs as they are now by its resource naming — so a
-        wait that starts before the plugin is attached (restoring an interrupted apply at start) still
-        knows the IDs pods hold."""
-        from nodeagent.errors import NodeAgentError
-        from nodeagent.sharing.devices import device_gpus
-        from nodeagent.sharing.spec import DEFAULT_CONFIG
-
-        ids = dict(self._ctx.shared.device_plugin.device_gpus(gpu_indices))
         dp = self._ctx.config.device_plugin
+        plugin = self._ctx.shared.device_plugin
         if not dp.enabled or dp.plane == "dra":
-            return ids  # no device plugin: no pod holds a device-plugin ID of these GPUs
-        config = self._ctx.files.plugin_config or DEFAULT_CONFIG
+            return plugin.device_gpus(gpu_indices)  # no device plugin: no pod holds a device-plugin ID
         excluded = self._ctx.config.dra.gpus if dp.plane == "both" else ()
-        try:
-            ids.update(device_gpus(self.reconciler.adapter.discover(), config, gpu_indices, excluded=excluded))
-        except NodeAgentError as e:  # the plugin refuses the same config: it serves nothing else either
-            log.warning("mig: device IDs of GPU(s) %s not derived from the plugin config: %s",
-                        ", ".join(map(str, sorted(gpu_indices))), e)
-        return ids
+        return plugin_device_ids(plugin, self.reconciler.adapter.discover(), self._ctx.files.plugin_config,
+                                 gpu_indices, excluded=excluded)
 
     def _on_result(self, state: str, seconds: float) -> None:
         """After each reconcile: counted into ``ctx.shared.metrics``, reported (state, config name, error)
