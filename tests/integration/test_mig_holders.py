@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,16 @@ from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.node import NodeClient
 from nodeagent.kube.podresources import PodResourcesClient
+from nodeagent.kube.podresources_api import podresources_pb2 as pb
+from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
 from nodeagent.mig.apply import GpuCheckpoint, InFlight, MigStateFile
-from nodeagent.mig.reconciler import CONFIG_LABEL, GENERATION_ANNOTATION, MigReconciler, MigReconcilerOptions
+from nodeagent.mig.reconciler import (
+    CONFIG_LABEL,
+    GENERATION_ANNOTATION,
+    ClaimHolder,
+    MigReconciler,
+    MigReconcilerOptions,
+)
 from tests.integration.test_mig_reconciler import events, layout, run_until_terminal
 from tests.peers import KubeletHarness
 
@@ -167,3 +176,56 @@ async def test_restoring_an_interrupted_apply_waits_for_pods_before_the_plugin_a
     assert await run_until_terminal(rec, node) == "success"
     assert MigStateFile(state).inflight() == []
     assert all(v == [("1g.10gb", s) for s in range(7)] for v in layout(adapter).values())
+
+
+class ClaimReportingKubelet(pb_grpc.PodResourcesListerServicer):
+    """A PodResources v1 server answering List with dynamic resources, as a kubelet with
+    KubeletPodResourcesDynamicResources does (the harness's kubelet reports none)."""
+
+    def __init__(self, response: pb.ListPodResourcesResponse) -> None:
+        self.response = response
+
+    def List(self, request: pb.ListPodResourcesRequest, context: object) -> pb.ListPodResourcesResponse:
+        return self.response
+
+
+async def test_holders_merge_pods_the_dra_record_and_claims_podresources_reports(short_tmp: Path) -> None:
+    import grpc
+
+    def claim(ns: str, pod: str, name: str, *devices: tuple[str, str, str]) -> pb.PodResources:
+        return pb.PodResources(name=pod, namespace=ns, containers=[pb.ContainerResources(name="c", dynamic_resources=[
+            pb.DynamicResource(claim_name=name, claim_namespace=ns, claim_resources=[
+                pb.ClaimResource(driver_name=d, pool_name=p, device_name=n) for d, p, n in devices])])])
+
+    response = pb.ListPodResourcesResponse(pod_resources=[
+        pb.PodResources(name="train", namespace="ml", containers=[pb.ContainerResources(name="c", devices=[
+            pb.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=["GPU-1"])])]),
+        claim("ml", "infer", "recorded"),  # the DRA record knows where: PodResources adds the pod
+        claim("ab", "eval", "reported", (DRIVER_NAME, "n1", "gpu-2-mig-1-0")),  # not in the record
+        claim("ab", "eval2", "reported", (DRIVER_NAME, "n1", "gpu-2-mig-1-0")),
+        claim("x", "other", "foreign", ("other.example.com", "n1", "gpu-3"), (DRIVER_NAME, "n2", "gpu-3")),
+    ])
+    sock = short_tmp / "pr.sock"
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PodResourcesListerServicer_to_server(ClaimReportingKubelet(response), server)  # type: ignore[no-untyped-call]
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+
+    class Record:
+        def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+            return {g: (ClaimRef("ml", "u1", "recorded"),) for g in (0, 5) if g in gpu_indices}
+
+    client = PodResourcesClient(sock)
+    try:
+        holders = GpuHolderSources(client, lambda g: {("nvidia.com/gpu", "GPU-1"): 1} if 1 in g else {},
+                                   Record(), pool="n1", driver=DRIVER_NAME)
+        got = await holders(frozenset(range(4)))
+        assert got == {
+            0: (ClaimHolder("ml/recorded", ("ml/infer",)),),
+            1: ("ml/train",),
+            2: (ClaimHolder("ab/reported", ("ab/eval", "ab/eval2")),),
+        }
+        assert await holders(frozenset({3, 4})) == {}
+    finally:
+        client.close()
+        server.stop(None)
