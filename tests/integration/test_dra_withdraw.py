@@ -21,6 +21,22 @@ from tests.unit._dp_inventories import nvswitch_box
 pytestmark = pytest.mark.peers
 
 
+class Plane:
+    """What the daemon's DRA component hands ``Shared.dra``, around a bare ``DraComponent``."""
+
+    def __init__(self, dra: DraComponent) -> None:
+        self.dra = dra
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        await self.dra.withdraw(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        await self.dra.on_inventory(inventory)
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        return self.dra.claims_on(gpu_indices)
+
+
 def listed(kube: KubeClient, node: str) -> list[str]:
     return sorted(d["name"] for s in slices_of(kube, node) for d in s["spec"]["devices"])
 
@@ -30,18 +46,8 @@ async def test_withdrawn_gpus_leave_the_slices_until_the_next_inventory(kube: Ku
     dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, verify_interval_s=60)
     inv = nvswitch_box(3)
 
-    class Plane:  # what the daemon's DRA component hands the link
-        async def withdraw(self, gpu_indices: set[int]) -> None:
-            await dra.withdraw(gpu_indices)
-
-        async def update(self, inventory: Inventory) -> None:
-            await dra.on_inventory(inventory)
-
-        def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
-            return dra.claims_on(gpu_indices)
-
     shared = Shared()
-    plane = Plane()
+    plane = Plane(dra)
     shared.dra.attach(plane)
     try:
         await dra.start(inv)

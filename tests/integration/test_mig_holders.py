@@ -24,7 +24,6 @@ from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.component import DraComponent
 from nodeagent.dra.service import ClaimRef
 from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.sim import open_sim
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
@@ -40,6 +39,7 @@ from nodeagent.mig.reconciler import (
     MigReconciler,
     MigReconcilerOptions,
 )
+from tests.integration.test_dra_withdraw import Plane
 from tests.integration.test_mig_reconciler import events, layout, run_until_terminal
 from tests.peers import KubeletHarness
 
@@ -65,18 +65,8 @@ async def test_mig_config_never_destroys_a_dynamic_mig_claims_instance(
     dra = DraComponent(paths=HostPaths(short_tmp / "root"), kube=kube, node_name=node_name, mig=adapter,
                        dynamic_mig=True, gpu_filter=lambda g: g.index == 0)
 
-    class Plane:  # what the daemon's DRA component hands the link
-        async def withdraw(self, gpu_indices: set[int]) -> None:
-            await dra.withdraw(gpu_indices)
-
-        async def update(self, inventory: Inventory) -> None:
-            await dra.on_inventory(inventory)
-
-        def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
-            return dra.claims_on(gpu_indices)
-
     shared = Shared()
-    plane = Plane()
+    plane = Plane(dra)
     await dra.start(adapter.discover())
     shared.dra.attach(plane)
     node = NodeClient(kube, node_name)
