@@ -80,6 +80,10 @@ class _Slot(Generic[T]):
         if self._held is it:
             self._held = None
 
+    @property
+    def attached(self) -> bool:
+        return self._held is not None
+
 
 class DevicePluginLink(_Slot[ServedDevices]):
     """The device plugin as the other components see it (the MIG reconciler's ``ResourcePublisher``)."""

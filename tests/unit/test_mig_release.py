@@ -109,3 +109,36 @@ def test_holders_named_in_one_line() -> None:
     assert _describe_holders(held) == (
         "GPU 0 is held by pods ml/a, ml/b; GPU 1 is held by claim ab/c (pod ab/p); "
         "GPU 3 is held by pod x/y and claim ml/c1 (pods ml/p, ml/q) and claim ml/c2")
+
+
+def test_claims_are_unknown_while_the_dra_plane_that_serves_the_gpus_is_away() -> None:
+    from nodeagent.daemon.components.mig import PlaneClaims
+    from nodeagent.daemon.shared import DraLink
+    from nodeagent.errors import OperationError
+    from nodeagent.gpu.inventory import Inventory
+
+    class Plane:
+        async def withdraw(self, gpu_indices: set[int]) -> None: ...
+
+        async def update(self, inventory: Inventory) -> None: ...
+
+        def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+            return {1: (ClaimRef("ml", "u", "c"),)} if 1 in gpu_indices else {}
+
+    link = DraLink()
+    everything = PlaneClaims(link, lambda: None)  # plane "dra": every GPU
+    some = PlaneClaims(link, lambda: frozenset({1, 2}))  # plane "both" with [dra] gpus = [1, 2]
+    none = PlaneClaims(link, frozenset)  # plane "device-plugin"
+    with pytest.raises(OperationError) as e:
+        everything.claims_on(frozenset({0, 3}))
+    assert str(e.value) == "the DRA plane is not running: claims prepared on GPU(s) 0, 3 are unknown"
+    with pytest.raises(OperationError, match=r"GPU\(s\) 2 are unknown$"):
+        some.claims_on(frozenset({0, 2}))
+    assert some.claims_on(frozenset({0, 3})) == {}  # GPUs the plane does not serve: no claim there
+    assert none.claims_on(frozenset({0, 1})) == {}
+    plane = Plane()
+    link.attach(plane)
+    assert everything.claims_on(frozenset({0, 1})) == {1: (ClaimRef("ml", "u", "c"),)}
+    link.detach(plane)
+    with pytest.raises(OperationError):
+        some.claims_on(frozenset({1}))

@@ -9,11 +9,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.daemon.components import close_quietly
-from nodeagent.daemon.shared import DevicePluginLink, PreparedClaims
+from nodeagent.daemon.shared import DevicePluginLink, DraLink, PreparedClaims
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
+    from nodeagent.dra.service import ClaimRef
     from nodeagent.kube.podresources import PodResourcesClient
     from nodeagent.mig.reconciler import Holder
     from nodeagent.sharing.spec import PluginConfig
@@ -39,6 +40,29 @@ def plugin_device_ids(plugin: DevicePluginLink, inventory: Inventory, plugin_con
         log.warning("mig: device IDs of GPU(s) %s not derived from the plugin config: %s",
                     ", ".join(map(str, sorted(gpu_indices))), e)
     return ids
+
+
+class PlaneClaims:
+    """The DRA plane's prepared claims as the MIG wait reads them (``PreparedClaims``). ``served()`` names
+    the GPUs the plane is configured to serve (None: all of them). While it should serve some of the GPUs
+    asked about but is not attached (not started yet, or being rebuilt by a reload), their claims are
+    unknown: that raises, so the wait keeps asking and, if the plane stays away, ends ``failed`` rather
+    than change a GPU a claim may be using."""
+
+    def __init__(self, link: DraLink, served: Callable[[], frozenset[int] | None]) -> None:
+        self.link = link
+        self.served = served
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        from nodeagent.errors import OperationError
+
+        if not self.link.attached:
+            served = self.served()
+            unknown = gpu_indices if served is None else gpu_indices & served
+            if unknown:
+                raise OperationError("the DRA plane is not running: claims prepared on GPU(s) "
+                                     f"{', '.join(map(str, sorted(unknown)))} are unknown")
+        return self.link.claims_on(gpu_indices)
 
 
 class GpuHolderSources:
@@ -122,7 +146,8 @@ class MigComponent(Component):
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
         from nodeagent.dra import DRIVER_NAME
 
-        holders = GpuHolderSources(self.pod_resources, self._device_ids, ctx.shared.dra, pool=ctx.node_name,
+        claims = PlaneClaims(ctx.shared.dra, self._dra_gpus)
+        holders = GpuHolderSources(self.pod_resources, self._device_ids, claims, pool=ctx.node_name,
                                    driver=DRIVER_NAME)
         self.reconciler = MigReconciler(
             NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
@@ -147,6 +172,13 @@ class MigComponent(Component):
         """pending/rebooting reach the Node conditions as the reconciler writes them (results: on_result)."""
         if state in ("pending", "rebooting"):
             self._report(state)
+
+    def _dra_gpus(self) -> frozenset[int] | None:
+        """The GPUs the DRA plane serves by the current config (None: all; empty: no DRA plane)."""
+        cfg = self._ctx.config
+        if cfg.device_plugin.plane == "device-plugin" or self._ctx.kube is None:
+            return frozenset()
+        return None if cfg.device_plugin.plane == "dra" else frozenset(cfg.dra.gpus)
 
     def _device_ids(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         dp = self._ctx.config.device_plugin
