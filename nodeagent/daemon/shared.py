@@ -3,7 +3,8 @@
 A component never looks another one up: the device plugin attaches itself to ``DevicePluginLink`` while
 it runs (the publisher reads its served resources, plugin config and health, the metrics its last XIDs;
 the MIG reconciler withdraws and re-advertises through it, and asks which device IDs a GPU gives to find
-the pods holding it), the metrics component attaches its registry to
+the pods holding it), the DRA plane to ``DraLink`` (the MIG reconciler withdraws through it and asks which
+claims are prepared on a GPU), the metrics component attaches its registry to
 ``MetricsLink`` (the MIG reconciler and the publisher count into it), and the device plugin's health
 changes reach the DRA plane beside it through ``HealthLink``. While nothing is attached (disabled, or being rebuilt
 by a reload) reads are empty and writes are dropped.
@@ -20,6 +21,7 @@ from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
+    from nodeagent.dra.service import ClaimRef
     from nodeagent.kube.conditions import ConditionSnapshot, GpuHealthInput, StatusStage
 
 
@@ -77,6 +79,10 @@ class _Slot(Generic[T]):
     def detach(self, it: T) -> None:
         if self._held is it:
             self._held = None
+
+    @property
+    def attached(self) -> bool:
+        return self._held is not None
 
 
 class DevicePluginLink(_Slot[ServedDevices]):
@@ -159,9 +165,18 @@ class Advertiser:
             await self._dra.update(inventory)
 
 
-class DraPool(Protocol):
-    """What the MIG reconciler needs of the DRA plane: leave GPUs out of the ResourceSlices, and list
-    them again (the new layout) with the next inventory."""
+class PreparedClaims(Protocol):
+    """The ResourceClaims the DRA plane has prepared, by GPU (its own claim checkpoint)."""
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        """GPU index → the claims prepared on it (whole GPU, MIG device or dynamic MIG instance); GPUs no
+        claim uses are absent."""
+        ...
+
+
+class DraPool(PreparedClaims, Protocol):
+    """What the MIG reconciler needs of the DRA plane: leave GPUs out of the ResourceSlices, list them
+    again (the new layout) with the next inventory, and which claims hold them meanwhile."""
 
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
@@ -169,7 +184,11 @@ class DraPool(Protocol):
 
 
 class DraLink(_Slot[DraPool]):
-    """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops."""
+    """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops and no claim is
+    known."""
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        return self._held.claims_on(gpu_indices) if self._held is not None else {}
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._held is not None:

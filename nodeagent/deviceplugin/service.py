@@ -29,7 +29,7 @@ from nodeagent.gpu.health import (
 )
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.topology import score_matrix
-from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, resource_ids
+from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, device_gpus, resource_ids
 from nodeagent.sharing.spec import DEFAULT_CONFIG, PluginConfig
 
 log = logging.getLogger(__name__)
@@ -151,9 +151,7 @@ class DevicePluginService:
         withdrawn or not (the IDs a pod may hold while they are withdrawn)."""
         if self._inventory is None:
             return {}
-        resources = build_resources(self._inventory, self.config, withdrawn=self._excluded)
-        return {(r.name, d.id): d.physical.gpu_index for r in resources.values() for d in r.devices
-                if d.physical.gpu_index in gpu_indices}
+        return device_gpus(self._inventory, self.config, gpu_indices, excluded=self._excluded)
 
     def served_resources(self) -> dict[str, list[str]]:
         return resource_ids({n: s.resource for n, s in self._servers.items()})

@@ -47,7 +47,7 @@ from nodeagent.dra.devices import (
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthSource, unhealthy_devices
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
-from nodeagent.dra.service import ClaimPreparer
+from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings, shared_pumps
@@ -175,6 +175,10 @@ class DraComponent:
             self.monitor.set_gpus(g.index for g in inventory.gpus)
         self._withdrawn = frozenset()
         await self._set_inventory(inventory)
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        """GPU index → the claims prepared on it (the checkpoint's record; nothing before ``start``)."""
+        return self.preparer.claims_on(gpu_indices) if self.preparer is not None else {}
 
     async def withdraw(self, gpu_indices: Iterable[int]) -> None:
         """Leave these GPUs' devices out of the ResourceSlices (a MIG change on them) until the next

@@ -91,6 +91,16 @@ def mig_device_name(index: int, gi_id: int, ci_id: int) -> str:
     return f"gpu-{index}-mig-{gi_id}-{ci_id}"
 
 
+_DEVICE_GPU_RE = re.compile(r"^gpu-(\d+)(?:-mig-[a-z0-9-]+)?$")
+
+
+def device_gpu_index(name: str) -> int | None:
+    """The GPU index a device name of this pool carries (``gpu-3``, ``gpu-3-mig-…`` → 3); None for any
+    other name."""
+    m = _DEVICE_GPU_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def semver(version: str) -> str | None:
     """``550.54.15`` → ``550.54.15``; ``535.104.05`` → ``535.104.5``; ``12.4`` → ``12.4.0``; else None."""
     parts = version.strip().split(".")

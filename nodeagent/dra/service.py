@@ -35,7 +35,7 @@ from nodeagent.dra.checkpoint import (
     MigInstance,
     PreparedDevice,
 )
-from nodeagent.dra.devices import DraDevice, with_instance
+from nodeagent.dra.devices import DraDevice, device_gpu_index, with_instance
 from nodeagent.errors import GpuBusyError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
@@ -113,6 +113,23 @@ class ClaimPreparer:
                 if d.mig is not None:
                     out.setdefault(d.mig.gpu_index, set()).add((d.mig.profile, d.mig.start))
         return out
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        """GPU index → every claim the checkpoint records on it (prepared, or in the middle of prepare or
+        unprepare: its devices are in use or about to be), sorted; GPUs no claim uses are absent."""
+        out: dict[int, set[ClaimRef]] = {}
+        for rec in list(self.checkpoint.claims.values()):
+            for d in rec.devices:
+                if d.mig is not None:
+                    gpu: int | None = d.mig.gpu_index
+                elif d.pool != self.pool:
+                    continue
+                else:
+                    known = self.devices.get(d.device)
+                    gpu = known.gpu_index if known is not None else device_gpu_index(d.device)
+                if gpu is not None and gpu in gpu_indices:
+                    out.setdefault(gpu, set()).add(ClaimRef(rec.namespace, rec.uid, rec.name))
+        return {g: tuple(sorted(refs, key=lambda r: (r.namespace, r.name, r.uid))) for g, refs in sorted(out.items())}
 
     # -- start-up ------------------------------------------------------------------------------------
     def recover(self, inventory: Inventory | None = None) -> list[str]:

@@ -6,7 +6,7 @@ run it in a thread. Answers are converted into plain frozen dataclasses at this 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,23 @@ class Assignment:
     device_ids: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class ClaimAssignment:
+    """A ResourceClaim (DRA) one container of one pod uses, with the claim's devices as
+    (driver, pool, device) — present only when the kubelet reports dynamic resources."""
+
+    namespace: str
+    pod: str
+    container: str
+    claim_namespace: str
+    claim_name: str
+    devices: tuple[tuple[str, str, str], ...]
+
+    @property
+    def claim(self) -> str:
+        return f"{self.claim_namespace}/{self.claim_name}"
+
+
 def assignments_from_response(resp: pb.ListPodResourcesResponse) -> list[Assignment]:
     out: list[Assignment] = []
     for pod in resp.pod_resources:
@@ -37,6 +54,17 @@ def assignments_from_response(resp: pb.ListPodResourcesResponse) -> list[Assignm
                     out.append(
                         Assignment(pod.namespace, pod.name, c.name, d.resource_name, tuple(d.device_ids))
                     )
+    return out
+
+
+def claim_assignments_from_response(resp: pb.ListPodResourcesResponse) -> list[ClaimAssignment]:
+    out: list[ClaimAssignment] = []
+    for pod in resp.pod_resources:
+        for c in pod.containers:
+            for r in c.dynamic_resources:
+                devices = tuple((d.driver_name, d.pool_name, d.device_name) for d in r.claim_resources)
+                out.append(ClaimAssignment(pod.namespace, pod.name, c.name, r.claim_namespace or pod.namespace,
+                                           r.claim_name, devices))
     return out
 
 
@@ -86,13 +114,23 @@ class PodResourcesClient:
             retryable=True,
         )
 
-    def list(self) -> list[Assignment]:
-        """Every device assignment the kubelet knows about."""
+    def _list(self) -> pb.ListPodResourcesResponse:
         try:
-            resp = self._lister().List(pb.ListPodResourcesRequest(), timeout=self.timeout)
+            resp: pb.ListPodResourcesResponse = self._lister().List(pb.ListPodResourcesRequest(),
+                                                                    timeout=self.timeout)
         except grpc.RpcError as e:
             raise self._fail("List", e) from e
-        return assignments_from_response(resp)
+        return resp
+
+    def list(self) -> list[Assignment]:
+        """Every device assignment the kubelet knows about."""
+        return assignments_from_response(self._list())
+
+    def list_with_claims(self) -> tuple[Sequence[Assignment], Sequence[ClaimAssignment]]:
+        """Device-plugin assignments and the ResourceClaims containers use (one List call; no claims
+        from a kubelet that does not report dynamic resources)."""
+        resp = self._list()
+        return assignments_from_response(resp), claim_assignments_from_response(resp)
 
     def allocatable(self) -> dict[str, tuple[str, ...]]:
         """Resource name → device IDs the kubelet can hand out."""

@@ -7,13 +7,14 @@ value (or of the annotation ``nodeagent.io/mig.config.generation``, which re-app
     → the device-plugin resources of the GPUs that change are withdrawn (the plugin process stays; the
       other GPUs' devices stay listed and keep serving their pods)
     → wait, at most ``release_timeout_s``, until the kubelet's PodResources shows none of the withdrawn
-      GPUs' devices held by a pod (no drain of the node)
+      GPUs' devices held by a pod and no ResourceClaim (DRA) is prepared on them (no drain of the node)
     → apply (apply.py) → rediscover → resources re-advertised
     → state=success, or state=failed with the reason in a Warning Event on the Node.
 
 Restoring the GPUs of an interrupted apply (below) waits for their pods the same way. A GPU still held
-by a pod when the wait ends is never touched: the state is ``failed``, the Warning Event
-names the pods holding it, and its devices are advertised again as they were.
+by a pod or a claim when the wait ends is never touched (GPU instances that dynamic-MIG claims created
+included): the state is ``failed``, the Warning Event names the pods and claims holding it, and its
+devices are advertised again as they were.
 
 Every path ends in ``success`` or ``failed`` within bounded waits — except a mode change that needs a
 host reboot, which ends in ``rebooting``. With ``with_reboot`` the agent then reboots the host; after the
@@ -78,12 +79,31 @@ class NodeApi(Protocol):
     def updates(self, **kwargs: Any) -> AsyncIterator[Any]: ...
 
 
-class GpuHolders(Protocol):
-    """Which pods hold devices of some GPUs, as the kubelet's PodResources API tells it."""
+@dataclass(frozen=True, order=True)
+class ClaimHolder:
+    """A ResourceClaim (DRA) prepared on a GPU: ``namespace/name``, and the pods using it where known."""
 
-    async def __call__(self, gpu_indices: frozenset[int]) -> Mapping[int, tuple[str, ...]]:
-        """GPU index → ``namespace/name`` of every pod holding one of its devices (GPUs held by no pod are
-        absent). Raises ``NodeAgentError`` when that cannot be known (the kubelet does not answer)."""
+    claim: str
+    pods: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if not self.pods:
+            return f"claim {self.claim}"
+        return f"claim {self.claim} (pod{'s' if len(self.pods) > 1 else ''} {', '.join(self.pods)})"
+
+
+# What holds a GPU: a pod (``namespace/name``) given one of its device-plugin devices, or a claim.
+Holder = str | ClaimHolder
+
+
+class GpuHolders(Protocol):
+    """What holds devices of some GPUs: pods (the kubelet's PodResources API) and ResourceClaims prepared
+    on them (the DRA plane's record)."""
+
+    async def __call__(self, gpu_indices: frozenset[int]) -> Mapping[int, tuple[Holder, ...]]:
+        """GPU index → every pod (``namespace/name``) holding one of its devices and every claim prepared
+        on it (GPUs nothing holds are absent). Raises ``NodeAgentError`` when that cannot be known (the
+        kubelet does not answer)."""
         ...
 
 
@@ -153,7 +173,8 @@ class MigReconciler:
         self.on_result = on_result  # (state written, seconds taken) after each reconcile, e.g. for metrics
         # pod UID → "namespace/name" for busy-GPU refusals (blocking; called in a worker thread)
         self.pod_name = pod_name
-        # the pods holding withdrawn GPUs (None: nothing known to wait for; the NVML busy check remains)
+        # the pods and claims holding withdrawn GPUs (None: nothing known to wait for; the NVML busy check
+        # remains)
         self.holders = holders
         self.on_state = on_state  # every state label value, before it is written (e.g. Node conditions)
         self.last_key: tuple[str, str] | None = None
@@ -315,8 +336,8 @@ class MigReconciler:
         return SUCCESS, f"MIG config {name} applied: {changed}"[:1000]
 
     async def _wait_released(self, what_waits: str, gpus: frozenset[int]) -> None:
-        """Wait until no pod holds a device of ``gpus`` (already withdrawn: the kubelet hands none of them
-        out again), at most ``release_timeout_s``; then raise ``OperationError`` naming the holders."""
+        """Wait until nothing holds a device of ``gpus`` (already withdrawn: the kubelet hands none of them
+        out again, the scheduler allocates none), at most ``release_timeout_s``; then raise ``OperationError`` naming the holders."""
         if self.holders is None or not gpus:
             return
         deadline = time.monotonic() + self.options.release_timeout_s
@@ -393,12 +414,14 @@ class MigReconciler:
                 delay = min(delay * 2, 5.0)
 
 
-def _describe_holders(held: Mapping[int, tuple[str, ...]]) -> str:
-    """``GPU 0 is held by pods ml/a, ml/b; GPU 3 is held by pod x/y`` (one line)."""
+def _describe_holders(held: Mapping[int, tuple[Holder, ...]]) -> str:
+    """``GPU 0 is held by pods ml/a, ml/b; GPU 3 is held by pod x/y and claim ml/c (pod ml/p)`` (one line)."""
     parts = []
     for gpu in sorted(held):
-        pods = held[gpu]
-        parts.append(f"GPU {gpu} is held by pod{'s' if len(pods) > 1 else ''} {', '.join(pods)}")
+        pods = [h for h in held[gpu] if isinstance(h, str)]
+        what = [f"pod{'s' if len(pods) > 1 else ''} {', '.join(pods)}"] if pods else []
+        what += [str(h) for h in sorted(h for h in held[gpu] if isinstance(h, ClaimHolder))]
+        parts.append(f"GPU {gpu} is held by {' and '.join(what)}")
     return "; ".join(parts)
 
 

@@ -281,6 +281,15 @@ def build_resources(
     return out
 
 
+def device_gpus(inventory: Inventory, config: PluginConfig, gpu_indices: frozenset[int], *,
+                excluded: Iterable[int] = ()) -> dict[tuple[str, str], int]:
+    """(resource, device ID) → GPU index of every device ``build_resources`` gives these GPUs (nothing
+    withdrawn): the IDs a pod may hold, whether or not they are advertised right now."""
+    resources = build_resources(inventory, config, withdrawn=excluded)
+    return {(r.name, d.id): d.physical.gpu_index for r in resources.values() for d in r.devices
+            if d.physical.gpu_index in gpu_indices}
+
+
 def resource_ids(resources: dict[str, Resource]) -> dict[str, list[str]]:
     """Resource name → advertised IDs (the shape ``served_resources`` reports)."""
     return {name: [d.id for d in r.devices] for name, r in resources.items()}

@@ -11,6 +11,7 @@ import pytest
 
 from nodeagent.daemon.shared import Shared
 from nodeagent.dra.component import DraComponent
+from nodeagent.dra.service import ClaimRef
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
@@ -18,6 +19,22 @@ from tests.integration.test_dra_slices import slices_of
 from tests.unit._dp_inventories import nvswitch_box
 
 pytestmark = pytest.mark.peers
+
+
+class Plane:
+    """What the daemon's DRA component hands ``Shared.dra``, around a bare ``DraComponent``."""
+
+    def __init__(self, dra: DraComponent) -> None:
+        self.dra = dra
+
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        await self.dra.withdraw(gpu_indices)
+
+    async def update(self, inventory: Inventory) -> None:
+        await self.dra.on_inventory(inventory)
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        return self.dra.claims_on(gpu_indices)
 
 
 def listed(kube: KubeClient, node: str) -> list[str]:
@@ -29,15 +46,8 @@ async def test_withdrawn_gpus_leave_the_slices_until_the_next_inventory(kube: Ku
     dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, verify_interval_s=60)
     inv = nvswitch_box(3)
 
-    class Plane:  # what the daemon's DRA component hands the link
-        async def withdraw(self, gpu_indices: set[int]) -> None:
-            await dra.withdraw(gpu_indices)
-
-        async def update(self, inventory: Inventory) -> None:
-            await dra.on_inventory(inventory)
-
     shared = Shared()
-    plane = Plane()
+    plane = Plane(dra)
     shared.dra.attach(plane)
     try:
         await dra.start(inv)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Gpu, Inventory
+
+if TYPE_CHECKING:
+    from nodeagent.dra.service import ClaimRef
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +98,9 @@ class DraPlaneComponent(Component):
 
     async def update(self, inventory: Inventory) -> None:
         await self.on_inventory(inventory)
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        return self.dra.claims_on(gpu_indices) if self._started else {}
 
     async def resync(self) -> None:
         if self._started:

@@ -5,14 +5,115 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.daemon.components import close_quietly
+from nodeagent.daemon.shared import DevicePluginLink, DraLink, PreparedClaims
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
+if TYPE_CHECKING:
+    from nodeagent.dra.service import ClaimRef
+    from nodeagent.kube.podresources import PodResourcesClient
+    from nodeagent.mig.reconciler import Holder
+    from nodeagent.sharing.spec import PluginConfig
+
 log = logging.getLogger(__name__)
+
+DeviceIds = Callable[[frozenset[int]], Mapping[tuple[str, str], int]]
+
+
+def plugin_device_ids(plugin: DevicePluginLink, inventory: Inventory, plugin_config: PluginConfig | None,
+                      gpu_indices: frozenset[int], *, excluded: Iterable[int] = ()) -> dict[tuple[str, str], int]:
+    """(resource, device ID) → GPU index of these GPUs' device-plugin devices: what the running plugin
+    gives, and what the plugin gives ``inventory`` by its resource naming — so a wait that starts before
+    the plugin is attached (restoring an interrupted apply at start) still knows the IDs pods hold."""
+    from nodeagent.errors import NodeAgentError
+    from nodeagent.sharing.devices import device_gpus
+    from nodeagent.sharing.spec import DEFAULT_CONFIG
+
+    ids = dict(plugin.device_gpus(gpu_indices))
+    try:
+        ids.update(device_gpus(inventory, plugin_config or DEFAULT_CONFIG, gpu_indices, excluded=excluded))
+    except NodeAgentError as e:  # the plugin refuses the same config: it serves nothing else either
+        log.warning("mig: device IDs of GPU(s) %s not derived from the plugin config: %s",
+                    ", ".join(map(str, sorted(gpu_indices))), e)
+    return ids
+
+
+class PlaneClaims:
+    """The DRA plane's prepared claims as the MIG wait reads them (``PreparedClaims``). ``served()`` names
+    the GPUs the plane is configured to serve (None: all of them). While it should serve some of the GPUs
+    asked about but is not attached (not started yet, or being rebuilt by a reload), their claims are
+    unknown: that raises, so the wait keeps asking and, if the plane stays away, ends ``failed`` rather
+    than change a GPU a claim may be using."""
+
+    def __init__(self, link: DraLink, served: Callable[[], frozenset[int] | None]) -> None:
+        self.link = link
+        self.served = served
+
+    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
+        from nodeagent.errors import OperationError
+
+        if not self.link.attached:
+            served = self.served()
+            unknown = gpu_indices if served is None else gpu_indices & served
+            if unknown:
+                raise OperationError("the DRA plane is not running: claims prepared on GPU(s) "
+                                     f"{', '.join(map(str, sorted(unknown)))} are unknown")
+        return self.link.claims_on(gpu_indices)
+
+
+class GpuHolderSources:
+    """The MIG reconciler's ``GpuHolders`` on a node: the pods the kubelet's PodResources shows holding
+    the GPUs' device-plugin devices (``device_ids``: (resource, device ID) → GPU index, blocking), and
+    the ResourceClaims prepared on them — the DRA plane's own record (``claims``) and the claims
+    PodResources reports as dynamic resources of this driver's pool, with the pods using them.
+
+    No PodResources socket at all means no kubelet to ask (logged once): only the DRA plane's record
+    counts; a socket that does not answer raises, and the reconciler keeps asking until its timeout."""
+
+    def __init__(self, pod_resources: PodResourcesClient, device_ids: DeviceIds, claims: PreparedClaims, *,
+                 pool: str, driver: str) -> None:
+        self.pod_resources = pod_resources
+        self.device_ids = device_ids
+        self.claims = claims
+        self.pool = pool
+        self.driver = driver
+        self._no_kubelet_logged = False
+
+    async def __call__(self, gpu_indices: frozenset[int]) -> dict[int, tuple[Holder, ...]]:
+        from nodeagent.dra.devices import device_gpu_index
+        from nodeagent.kube.podresources import holders_by_gpu
+        from nodeagent.mig.reconciler import ClaimHolder
+
+        claims: dict[int, set[str]] = {}
+        for gpu, refs in self.claims.claims_on(gpu_indices).items():
+            if gpu in gpu_indices:
+                claims.setdefault(gpu, set()).update(f"{r.namespace}/{r.name}" for r in refs)
+        pods: Mapping[int, tuple[str, ...]] = {}
+        claim_pods: dict[str, set[str]] = {}
+        if self.pod_resources.socket_path.exists():
+            device_gpus = await asyncio.to_thread(self.device_ids, gpu_indices)
+            assignments, uses = await asyncio.to_thread(self.pod_resources.list_with_claims)
+            pods = holders_by_gpu(assignments, device_gpus)
+            for use in uses:
+                claim_pods.setdefault(use.claim, set()).add(f"{use.namespace}/{use.pod}")
+                for driver, pool, device in use.devices:
+                    on = device_gpu_index(device) if driver == self.driver and pool == self.pool else None
+                    if on is not None and on in gpu_indices:
+                        claims.setdefault(on, set()).add(use.claim)
+        elif not self._no_kubelet_logged:
+            self._no_kubelet_logged = True
+            log.warning("mig: no kubelet PodResources socket at %s: GPUs are changed without asking which "
+                        "pods hold them (claims prepared by the DRA plane and the NVML busy check still "
+                        "apply)", self.pod_resources.socket_path)
+        out: dict[int, tuple[Holder, ...]] = {}
+        for gpu in sorted(set(pods) | set(claims)):
+            held = tuple(ClaimHolder(c, tuple(sorted(claim_pods.get(c, ())))) for c in sorted(claims.get(gpu, ())))
+            out[gpu] = (*pods.get(gpu, ()), *held)
+        return out
 
 
 def reboot_host() -> None:
@@ -43,11 +144,11 @@ class MigComponent(Component):
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
         self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
-        link = ctx.shared.device_plugin
+        from nodeagent.dra import DRIVER_NAME
 
-        async def holders(gpu_indices: frozenset[int]) -> Mapping[int, tuple[str, ...]]:
-            return await self._holders(link.device_gpus(gpu_indices))
-
+        claims = PlaneClaims(ctx.shared.dra, self._dra_gpus)
+        holders = GpuHolderSources(self.pod_resources, self._device_ids, claims, pool=ctx.node_name,
+                                   driver=DRIVER_NAME)
         self.reconciler = MigReconciler(
             NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
             ctx.gpu,
@@ -65,7 +166,6 @@ class MigComponent(Component):
             on_state=self._on_state,
         )
         self._ctx = ctx
-        self._no_kubelet_logged = False
         self._task: asyncio.Task[Any] | None = None
 
     def _on_state(self, state: str) -> None:
@@ -73,22 +173,21 @@ class MigComponent(Component):
         if state in ("pending", "rebooting"):
             self._report(state)
 
-    async def _holders(self, device_gpus: Mapping[tuple[str, str], int]) -> Mapping[int, tuple[str, ...]]:
-        """The pods the kubelet's PodResources shows holding these devices, by GPU. No PodResources socket
-        at all means no kubelet to ask (logged once): nothing to wait for; a socket that does not answer
-        raises, and the reconciler keeps asking until its timeout."""
-        from nodeagent.kube.podresources import holders_by_gpu
+    def _dra_gpus(self) -> frozenset[int] | None:
+        """The GPUs the DRA plane serves by the current config (None: all; empty: no DRA plane)."""
+        cfg = self._ctx.config
+        if cfg.device_plugin.plane == "device-plugin" or self._ctx.kube is None:
+            return frozenset()
+        return None if cfg.device_plugin.plane == "dra" else frozenset(cfg.dra.gpus)
 
-        if not device_gpus:
-            return {}
-        if not self.pod_resources.socket_path.exists():
-            if not self._no_kubelet_logged:
-                self._no_kubelet_logged = True
-                log.warning("mig: no kubelet PodResources socket at %s: GPUs are changed without asking which "
-                            "pods hold them (the NVML busy check still applies)", self.pod_resources.socket_path)
-            return {}
-        assignments = await asyncio.to_thread(self.pod_resources.list)
-        return holders_by_gpu(assignments, device_gpus)
+    def _device_ids(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        dp = self._ctx.config.device_plugin
+        plugin = self._ctx.shared.device_plugin
+        if not dp.enabled or dp.plane == "dra":
+            return plugin.device_gpus(gpu_indices)  # no device plugin: no pod holds a device-plugin ID
+        excluded = self._ctx.config.dra.gpus if dp.plane == "both" else ()
+        return plugin_device_ids(plugin, self.reconciler.adapter.discover(), self._ctx.files.plugin_config,
+                                 gpu_indices, excluded=excluded)
 
     def _on_result(self, state: str, seconds: float) -> None:
         """After each reconcile: counted into ``ctx.shared.metrics``, reported (state, config name, error)
