@@ -22,11 +22,15 @@ pytestmark = pytest.mark.peers
 
 
 def pool(server: KubeApiServer, node: str) -> tuple[set[str], list[str]] | None:
-    """(device names, counter set names) of the node's slices; None when there is no slice."""
+    """(device names, counter set names) of the node's complete pool; None while it is absent or partial."""
     status, body = server.get(f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3D{node}")
     assert status == 200, body
     items: list[dict[str, Any]] = json.loads(body)["items"]
     if not items:
+        return None
+    # the pool is written slice by slice: read it only once every slice of one generation is there
+    gens = {s["spec"]["pool"]["generation"] for s in items}
+    if len(gens) != 1 or len(items) != items[0]["spec"]["pool"]["resourceSliceCount"]:
         return None
     names = {d["name"] for s in items for d in s["spec"].get("devices") or []}
     sets = sorted(cs["name"] for s in items for cs in s["spec"].get("sharedCounters") or [])
