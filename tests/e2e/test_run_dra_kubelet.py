@@ -18,8 +18,7 @@ import pytest
 
 from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import eventually, node_root, running_agent
-from tests.e2e.test_run_cluster import make_node
-from tests.e2e.test_run_dra import DRIVER, config, slice_devices, uuid_of
+from tests.e2e.test_run_dra import DRIVER, dra_node, remove_node, slice_devices, uuid_of
 from tests.integration.test_dra_kubelet import CLAIMS, create_allocated_claim
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.cdicheck import run_cdi_check
@@ -37,10 +36,7 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
     tmp_path: Path, kube_apiserver: KubeApiServer
 ) -> None:
     node = "e2e-dra-kubelet"
-    make_node(kube_apiserver, node)
-    cfg = config(tmp_path / "config.toml", kube_apiserver, "dra")
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node]
+    _, args = dra_node(tmp_path, kube_apiserver, node, "dra")
     kube = KubeClient(connect(kube_apiserver.kubeconfig))
     claim_names: list[str] = []
     try:
@@ -120,11 +116,7 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
                 code, _ = agent.stop()
                 assert code == 0, agent.log()
     finally:
-        try:
-            for name in claim_names:
-                kube_apiserver.request("DELETE", f"{CLAIMS}/{name}")
-            for s in kube.list_resource_slices(field_selector=f"spec.nodeName={node}"):
-                kube_apiserver.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
-        finally:
-            kube.close()
-        kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
+        kube.close()
+        for name in claim_names:
+            kube_apiserver.request("DELETE", f"{CLAIMS}/{name}")
+        remove_node(kube_apiserver, node)
