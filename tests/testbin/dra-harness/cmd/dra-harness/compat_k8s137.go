@@ -1,7 +1,7 @@
 //go:build k8s137
 
 // The kubelet APIs of Kubernetes 1.37 (built with -modfile=go-1.37.mod -tags k8s137): the plugin manager,
-// the node getter and the resource status update take a context / logger.
+// the node getter, the resource status update and the plugin watcher's handler take a context / logger.
 package main
 
 import (
