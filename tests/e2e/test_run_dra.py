@@ -60,6 +60,26 @@ def reload_and_wait(agent: Agent) -> None:
     agent.wait_notify("READY=1", after=seen)
 
 
+def dra_node(tmp_path: Path, server: KubeApiServer, node: str, plane: str, gpus: str = "") -> tuple[Path, list[str]]:
+    """Node ``node`` created anew, a config with ``plane`` written in ``tmp_path``; the config's path and the
+    arguments of ``nodeagent run`` on the simulated dgx-h100 (state in ``tmp_path``) as that node."""
+    make_node(server, node)
+    cfg = config(tmp_path / "config.toml", server, plane, gpus)
+    return cfg, ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+                 "--node-name", node]
+
+
+def remove_node(server: KubeApiServer, node: str) -> None:
+    """The node's ResourceSlices and the Node itself deleted."""
+    kube = KubeClient(connect(server.kubeconfig))
+    try:
+        for s in kube.list_resource_slices(field_selector=f"spec.nodeName={node}"):
+            server.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
+    finally:
+        kube.close()
+    server.request("DELETE", f"/api/v1/nodes/{node}")
+
+
 def uuid_of(device: dict[str, Any]) -> str:
     return str(device["attributes"]["uuid"]["string"])
 
@@ -68,10 +88,7 @@ def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
     tmp_path: Path, kube_apiserver: KubeApiServer
 ) -> None:
     node = "e2e-dra-only"
-    make_node(kube_apiserver, node)
-    cfg = config(tmp_path / "config.toml", kube_apiserver, "dra")
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node]
+    cfg, args = dra_node(tmp_path, kube_apiserver, node, "dra")
     try:
         with node_root() as root, running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
@@ -102,23 +119,14 @@ def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
             # leaving is not withdrawing: prepared claims keep running, the next start answers for them
             assert sorted(slice_devices(kube_apiserver, node) or {}) == [f"gpu-{i}" for i in range(8)]
     finally:
-        kube = KubeClient(connect(kube_apiserver.kubeconfig))
-        try:
-            for s in kube.list_resource_slices(field_selector=f"spec.nodeName={node}"):
-                kube_apiserver.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
-        finally:
-            kube.close()
-        kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
+        remove_node(kube_apiserver, node)
 
 
 def test_plane_both_splits_the_gpus_and_sighup_switches_planes(
     tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
     node = "e2e-dra-both"
-    make_node(kube_apiserver, node)
-    cfg = config(tmp_path / "config.toml", kube_apiserver, "both", "gpus = [0, 1]\n")
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", node]
+    cfg, args = dra_node(tmp_path, kube_apiserver, node, "both", "gpus = [0, 1]\n")
     try:
         with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
@@ -159,10 +167,4 @@ def test_plane_both_splits_the_gpus_and_sighup_switches_planes(
             code, took = agent.stop()
             assert code == 0 and took < 5.0, agent.log()
     finally:
-        kube = KubeClient(connect(kube_apiserver.kubeconfig))
-        try:
-            for s in kube.list_resource_slices(field_selector=f"spec.nodeName={node}"):
-                kube_apiserver.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
-        finally:
-            kube.close()
-        kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
+        remove_node(kube_apiserver, node)

@@ -89,14 +89,17 @@ class DraHarness:
 
 
 def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_name: str,
-                      verbosity: int = 0, binary: Path | None = None) -> DraHarness:
-    """``binary`` is another build of the harness (default: NODEAGENT_DRA_HARNESS, the peers' release)."""
+                      verbosity: int = 0, binary: Path | None = None, host_root: Path | None = None) -> DraHarness:
+    """``binary`` is another build of the harness (default: NODEAGENT_DRA_HARNESS, the peers' release).
+    ``host_root``: the kubelet's host filesystem is this directory, so a plugin's registered endpoint (a
+    host path) is dialled under it (default: the real filesystem)."""
     binary = binary or peer_binary("NODEAGENT_DRA_HARNESS", "nodeagent_peers_dra_harness", "kubelet DRA harness")
     state_dir = workdir / "dra-state"
     with (workdir / "dra-harness.log").open("wb") as log:
         proc = subprocess.Popen(
             [str(binary), f"--kubeconfig={kubeconfig}", f"--registry-dir={registry_dir}",
-             f"--state-dir={state_dir}", f"--node-name={node_name}", f"--v={verbosity}"],
+             f"--state-dir={state_dir}", f"--node-name={node_name}", f"--v={verbosity}",
+             *([f"--host-root={host_root}"] if host_root is not None else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
         )
     return DraHarness(registry_dir, state_dir, workdir, proc)
@@ -104,10 +107,11 @@ def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_
 
 @contextmanager
 def running_dra_harness(kubeconfig: Path, registry_dir: Path, node_name: str,
-                        binary: Path | None = None) -> Iterator[DraHarness]:
+                        binary: Path | None = None, host_root: Path | None = None) -> Iterator[DraHarness]:
     wd = Path(tempfile.mkdtemp(prefix="nodeagent-dra-kubelet-"))
     try:
-        harness = start_dra_harness(wd, kubeconfig, registry_dir, node_name, verbosity=4, binary=binary)
+        harness = start_dra_harness(wd, kubeconfig, registry_dir, node_name, verbosity=4, binary=binary,
+                                    host_root=host_root)
         try:
             yield harness
         finally:

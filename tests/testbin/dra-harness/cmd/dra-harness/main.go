@@ -5,6 +5,10 @@
 // checkpoint and consumes the driver's NodeWatchResources health stream (the ResourceHealthStatus
 // feature gate is switched on here).
 //
+// With --host-root R the harness stands for a kubelet whose host filesystem is R: the endpoint a plugin
+// registers (an absolute path on that host) is dialled at R+endpoint. The plugin watcher's handler is
+// wrapped to rewrite the endpoint; the kubelet code itself is unchanged.
+//
 // Commands arrive as JSON lines on stdin and every command gets exactly one JSON line on stdout:
 //
 //	{"cmd": "wait_registered", "driver": D, "timeout": SECONDS}
@@ -24,6 +28,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -80,6 +85,7 @@ func main() {
 	stateDir := flag.String("state-dir", "", "where the DRA manager keeps its checkpoint")
 	nodeName := flag.String("node-name", "dra-node", "the node this kubelet stands for")
 	verbosity := flag.String("v", "0", "klog verbosity of the kubelet code (logs go to stderr)")
+	hostRoot := flag.String("host-root", "", "the host filesystem of this kubelet: registered endpoints are dialled under it")
 	flag.Parse()
 	if *kubeconfig == "" || *registry == "" || *stateDir == "" {
 		fatal("--kubeconfig, --registry-dir and --state-dir are required")
@@ -118,12 +124,30 @@ func main() {
 		fatal("starting the DRA manager: " + err.Error())
 	}
 	plugins := pluginmanager.NewPluginManager(*registry, &record.FakeRecorder{})
-	plugins.AddHandler(registerapi.DRAPlugin, manager.GetWatcherHandler())
+	handler := manager.GetWatcherHandler()
+	if *hostRoot != "" {
+		handler = &hostRootHandler{inner: handler, root: *hostRoot}
+	}
+	plugins.AddHandler(registerapi.DRAPlugin, handler)
 	stop := make(chan struct{})
 	go runPluginManager(ctx, plugins, ready, stop)
 
 	h.serve(ctx)
 	close(stop)
+}
+
+// hostRootHandler passes the plugin watcher's calls on to the DRA manager's handler with each absolute
+// endpoint moved under root (the methods, whose signatures differ between releases, are in compat_*.go).
+type hostRootHandler struct {
+	inner pluginHandler
+	root  string
+}
+
+func (h *hostRootHandler) dialled(endpoint string) string {
+	if !filepath.IsAbs(endpoint) {
+		return endpoint
+	}
+	return filepath.Join(h.root, endpoint)
 }
 
 func fatal(msg string) {
