@@ -219,7 +219,7 @@ nodeagent_peers_kube_control_plane() {
 
 # The second Kubernetes release of the DRA tests: kube-apiserver, kube-scheduler, kube-controller-manager
 # (tests/testbin/peers) and the dra-harness built from the same sources against k8s.io/kubernetes v1.37.2
-# (go-1.37.mod / go-1.37.sum beside each go.mod; the harness needs build tag k8s137 for two kubelet API
+# (go-1.37.mod / go-1.37.sum beside each go.mod; the harness needs build tag k8s137 for the kubelet API
 # changes). Exports NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
 # NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37 and NODEAGENT_DRA_HARNESS_1_37. Not called by
 # nodeagent_peers_setup: the DRA scheduling tests build them on first use (tests/peers/_resolve.py).
