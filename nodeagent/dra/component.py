@@ -174,6 +174,8 @@ class DraComponent:
         if self.monitor is not None:
             self.monitor.set_gpus(g.index for g in inventory.gpus)
         self._withdrawn = frozenset()
+        if self.preparer is not None:
+            self.preparer.withdrawn = frozenset()
         await self._set_inventory(inventory)
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
@@ -182,8 +184,11 @@ class DraComponent:
 
     async def withdraw(self, gpu_indices: Iterable[int]) -> None:
         """Leave these GPUs' devices out of the ResourceSlices (a MIG change on them) until the next
-        ``on_inventory``; claims already prepared on them stay answered."""
+        ``on_inventory``; claims already prepared on them stay answered, new ones are refused (the kubelet
+        retries) so that the MIG change's wait for its GPUs cannot be overtaken."""
         self._withdrawn = self._withdrawn | frozenset(gpu_indices)
+        if self.preparer is not None:
+            self.preparer.withdrawn = self._withdrawn  # and no new claim is prepared on them meanwhile
         await self._refresh()
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:

@@ -101,6 +101,11 @@ class ClaimPreparer:
         self.mig = mig  # needed for dynamic MIG devices only
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
+        # GPUs a MIG change has withdrawn: no new claim is prepared on them until the next inventory
+        self.withdrawn: frozenset[int] = frozenset()
+        # claims between the withdrawn check and their checkpoint record (the record may be written in a
+        # thread): counted by ``claims_on`` so a MIG change waiting for its GPUs cannot miss them
+        self._inflight: dict[str, tuple[ClaimRef, frozenset[int]]] = {}
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
@@ -129,6 +134,9 @@ class ClaimPreparer:
                     gpu = known.gpu_index if known is not None else device_gpu_index(d.device)
                 if gpu is not None and gpu in gpu_indices:
                     out.setdefault(gpu, set()).add(ClaimRef(rec.namespace, rec.uid, rec.name))
+        for ref, gpus in list(self._inflight.values()):
+            for gpu in gpus & gpu_indices:
+                out.setdefault(gpu, set()).add(ref)
         return {g: tuple(sorted(refs, key=lambda r: (r.namespace, r.name, r.uid))) for g, refs in sorted(out.items())}
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -201,6 +209,14 @@ class ClaimPreparer:
             rec = self.checkpoint.claims.get(ref.uid)
             if rec is not None and rec.state == PREPARED:  # a concurrent call got there first
                 return PrepareResult(rec.devices)
+            gpus = frozenset(dev.gpu_index for dev, _ in wanted)
+            if gpus & self.withdrawn:
+                busy = ", ".join(str(g) for g in sorted(gpus & self.withdrawn))
+                msg = (f"cannot prepare claim {ref.namespace}/{ref.name} now: GPU {busy} is being "
+                       "reconfigured (MIG change); the kubelet retries")
+                log.warning("NodePrepareResources: %s", msg)
+                return PrepareResult(error=msg)
+            self._inflight[ref.uid] = (ref, gpus)
             try:
                 if any(dev.dynamic for dev, _ in wanted):
                     prepared = await asyncio.to_thread(self._write, ref, wanted)
@@ -211,6 +227,8 @@ class ClaimPreparer:
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
                 log.error("%s", msg)
                 return PrepareResult(error=msg)
+            finally:
+                self._inflight.pop(ref.uid, None)
         log.info("prepared claim %s/%s (%s): %s", ref.namespace, ref.name, ref.uid,
                  ", ".join(d.device for d in prepared))
         return PrepareResult(prepared)

@@ -66,6 +66,33 @@ def make_preparer(tmp_path: Path, claims: Claims) -> ClaimPreparer:
     return p
 
 
+async def test_a_withdrawn_gpu_takes_no_new_claim_and_a_claim_in_flight_counts_as_holder(tmp_path: Path) -> None:
+    claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]), claim("u2", "two", [("gpu", "gpu-2")]),
+                    claim("u3", "three", [("gpu", "gpu-1")]))
+    p = make_preparer(tmp_path, claims)
+    assert (await p.prepare([ClaimRef("ns", "u1", "one")]))["u1"].error == ""
+    p.withdrawn = frozenset({1})  # a MIG change on GPU 1
+    out = await p.prepare([ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u3", "three")])
+    assert out["u1"].error == "" and out["u1"].devices  # already prepared: still answered
+    assert out["u3"].error == ("cannot prepare claim ns/three now: GPU 1 is being reconfigured (MIG change); "
+                               "the kubelet retries")
+    assert "u3" not in p.checkpoint.claims and p.specs.claim_uids() == {"u1"}
+    # while a claim is being written it is a holder of its GPU even before its record exists
+    seen: list[dict[int, tuple[ClaimRef, ...]]] = []
+    write = p._write
+
+    def spying_write(ref: ClaimRef, wanted: Any) -> Any:
+        seen.append(p.claims_on(frozenset({2})))
+        return write(ref, wanted)
+
+    p._write = spying_write  # type: ignore[method-assign]
+    assert (await p.prepare([ClaimRef("ns", "u2", "two")]))["u2"].error == ""
+    assert seen == [{2: (ClaimRef("ns", "u2", "two"),)}]
+    assert p.claims_on(frozenset({2})) == {2: (ClaimRef("ns", "u2", "two"),)}  # now from the checkpoint
+    p.withdrawn = frozenset()
+    assert (await p.prepare([ClaimRef("ns", "u3", "three")]))["u3"].error == ""
+
+
 async def test_prepare_is_per_claim_idempotent_and_persisted(tmp_path: Path) -> None:
     claims = Claims(
         claim("u1", "one", [("gpu", "gpu-1")]),
