@@ -15,8 +15,7 @@ import copy
 import re
 import subprocess
 import tomllib
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +24,7 @@ from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_CDI_BINARY, RUNC_V2, cri_path
 from tests.integration._containerd import (
     Case,
-    StatePaths,
+    ContainerdHostPaths,
     assert_idempotent_then_undone,
     assert_nvidia_runtime,
     only_additions,
@@ -47,18 +46,6 @@ CRI = cri_path(3)[-1]  # io.containerd.cri.v1.runtime, versions 3 and 4
 VARIANTS = [("drop-in", True, True), ("in-place", False, False), ("in-place", True, True)]
 
 
-@dataclass(frozen=True)
-class _Paths(StatePaths):
-    """As StatePaths, except that the host's containerd is containerd 2."""
-
-    containerd: Path = Path("/nonexistent")
-
-    def __call__(self, host_path: str | PurePosixPath) -> Path:
-        if str(host_path) == "/usr/bin/containerd":
-            return self.containerd
-        return super().__call__(host_path)
-
-
 def _case(tmp_path: Path, name: str, containerd: Containerd) -> Case:
     etc = tmp_path / "etc"
     etc.mkdir()
@@ -71,7 +58,7 @@ def _case(tmp_path: Path, name: str, containerd: Containerd) -> Case:
         original = config.read_bytes()
     (etc / "registries.toml").write_text(
         "version = 3\n[plugins.'io.containerd.cri.v1.images'.registry]\nconfig_path = '/etc/containerd/certs.d'\n")
-    return Case(_Paths(Path("/"), state=tmp_path / "state", containerd=containerd.binary), config,
+    return Case(ContainerdHostPaths(Path("/"), state=tmp_path / "state", containerd=containerd.binary), config,
                 etc / "conf.d" / "99-nvidia.toml", tmp_path / "toolkit.toml", original)
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ import pytest
 from nodeagent.errors import ConfigError
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY
-from tests.integration._containerd import Case, StatePaths
+from tests.integration._containerd import Case, ContainerdHostPaths, StatePaths
 from tests.peers.containerd import Containerd
 from tests.peers.containerd2 import Containerd2
 
@@ -35,24 +34,12 @@ CRI2 = "io.containerd.grpc.v1.cri"
 CRI3 = "io.containerd.cri.v1.runtime"
 
 
-@dataclass(frozen=True)
-class _Paths(StatePaths):
-    """Real absolute paths, state in the temp dir, and the host's containerd binary chosen by the test."""
-
-    containerd: Path = Path("/nonexistent")
-
-    def __call__(self, host_path: str | PurePosixPath) -> Path:
-        if str(host_path) == "/usr/bin/containerd":
-            return self.containerd
-        return super().__call__(host_path)
-
-
 def _case(tmp_path: Path, shape: str, binary: Path) -> Case:
     etc = tmp_path / "etc"
     (etc / "conf.d").mkdir(parents=True)
     config = etc / "config.toml"
     config.write_text((SHAPES / shape).read_text().replace("/etc/containerd/", f"{etc}/"))
-    return Case(_Paths(Path("/"), state=tmp_path / "state", containerd=binary), config,
+    return Case(ContainerdHostPaths(Path("/"), state=tmp_path / "state", containerd=binary), config,
                 etc / "conf.d" / "99-nvidia.toml", tmp_path / "toolkit.toml", config.read_bytes())
 
 
