@@ -176,29 +176,9 @@ def compare_with_go(node: dict[str, Any], view: dict[str, Any]) -> list[str]:
             parsed = [p["go_nvlib_name"] for p in v["mig_profiles"]]
             expected = [GO_NVLIB_NAMES.get((g["name"], p["name"]), p["name"]) for p in g["mig_profiles"]]
             same(f"{at} MIG profile names as go-nvlib parses them (GO_NVLIB_NAMES applied)", expected, parsed)
-        mine_devs = [
-            (
-                d["gi_id"],
-                d["ci_id"],
-                d["uuid"],
-                d["profile"],
-                d["placement_start"],
-                d["placement_size"],
-                d["memory_mib"],
-            )
-            for d in g["mig_devices"]
-        ]
-        theirs_devs = [
-            (
-                d["gi_id"],
-                d["ci_id"],
-                d["uuid"],
-                d["profile"],
-                d["placement_start"],
-                d["placement_size"],
-                d["memory_mib"],
-            )
-            for d in v["mig_devices"]
-        ]
+        # both sides name the MIG device fields alike
+        keys = ("gi_id", "ci_id", "uuid", "profile", "placement_start", "placement_size", "memory_mib")
+        mine_devs = [tuple(d[k] for k in keys) for d in g["mig_devices"]]
+        theirs_devs = [tuple(d[k] for k in keys) for d in v["mig_devices"]]
         same(f"{at} MIG devices", mine_devs, theirs_devs)
     return diffs
