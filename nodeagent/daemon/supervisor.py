@@ -524,6 +524,15 @@ class Daemon:
         finally:
             self.notifier.ready(self.status_line())
 
+    def _reject_reload(self, e: Exception) -> None:
+        """A reload that cannot be taken: logged (a traceback only for the unexpected) and shown in the status;
+        the running config stays."""
+        if isinstance(e, NodeAgentError):
+            log.error("reload rejected, keeping the running config: %s", e)
+        else:
+            log.exception("reload rejected, keeping the running config")
+        self.set_status("config", f"reload rejected: {e}")
+
     async def _reload(self) -> None:
         assert self._reload_config is not None
         try:  # everything is read and checked before anything changes, off the loop (files are never
@@ -533,11 +542,7 @@ class Daemon:
             files = await asyncio.to_thread(read_files, new, self.paths) if read_files is not None \
                 else ConfigFiles()
         except Exception as e:
-            if isinstance(e, NodeAgentError):
-                log.error("reload rejected, keeping the running config: %s", e)
-            else:
-                log.exception("reload rejected, keeping the running config")
-            self.set_status("config", f"reload rejected: {e}")
+            self._reject_reload(e)
             return
         changed = self.config.sections_changed(new)
         changed |= {k for k in set(files.digests) | set(self.files.digests)
@@ -555,11 +560,7 @@ class Daemon:
             try:
                 opened = self._open_sources(new)
             except Exception as e:
-                if isinstance(e, NodeAgentError):
-                    log.error("reload rejected, keeping the running config: %s", e)
-                else:
-                    log.exception("reload rejected, keeping the running config")
-                self.set_status("config", f"reload rejected: {e}")
+                self._reject_reload(e)
                 return
         self.config, self.files = new, files
         if changed & {"log_format", "log_level"}:
