@@ -12,10 +12,8 @@ the instances, removes the spec and drops the record. A start that finds ``prepa
 any instance at the recorded placements, removes the spec; the kubelet retries); ``unpreparing`` is
 finished. Only instances at placements a record names are ever destroyed.
 
-The file is replaced atomically (temporary file + rename) but not fsynced: a killed process cannot lose
-a write (the page cache outlives it), and what the file describes (prepared claims, their containers,
-MIG instances, ``/var/run/cdi``) all ends with the boot, so the version a power loss may bring back
-describes nothing that still exists (a record whose MIG instance is gone is dropped at start).
+The file is replaced atomically and fsynced (temporary file + fsync + rename), like every state file
+under /var/lib; only the per-claim CDI specs in /var/run/cdi, which end with the boot, skip the fsync.
 """
 
 from __future__ import annotations
