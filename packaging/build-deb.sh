@@ -6,8 +6,8 @@
 #   /etc/nodeagent/config.toml  the commented example, a conffile (local edits survive upgrades)
 # Usage: packaging/build-deb.sh [OUTPUT_DIR]      (default: dist/)
 # Wheels are cached in ${NODEAGENT_WHEEL_CACHE:-~/.cache/nodeagent/wheels}, so a rebuild needs no download.
-# The build runs with the project's .venv when there is one, else in a throw-away build venv made from
-# Debian's python3 (pip from python3-venv, setuptools and wheel from the wheel cache or PyPI), so a fresh
+# The build runs with the project's .venv when it has setuptools and wheel, else in a throw-away build
+# venv made from Debian's python3 (pip from python3-venv, setuptools and wheel from the wheel cache or PyPI), so a fresh
 # clone builds without running the tests first.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -31,7 +31,10 @@ STAGE=$WORK/stage
 mkdir -p "$STAGE" "$WHEELS"
 
 # 0. A Python with pip, setuptools and wheel to build with.
-if [ -z "$BUILD_PY" ] && [ -x "$SRC/.venv/bin/python" ]; then
+# The project's .venv only when it can build a wheel: the README's quick start makes one with neither the
+# `wheel` package nor (on newer Pythons) setuptools, and the build leaves the user's .venv untouched.
+if [ -z "$BUILD_PY" ] && [ -x "$SRC/.venv/bin/python" ] \
+    && "$SRC/.venv/bin/python" -c 'import setuptools, wheel' 2>/dev/null; then
   BUILD_PY=$SRC/.venv/bin/python
 fi
 if [ -z "$BUILD_PY" ]; then

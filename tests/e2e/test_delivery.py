@@ -124,13 +124,20 @@ def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_deb_builds_from_a_fresh_clone(tmp_path: Path) -> None:
-    """README "Bare metal": `bash packaging/build-deb.sh` in a fresh clone (no .venv, no test run first)."""
+@pytest.mark.parametrize("venv", [False, True], ids=["no-venv", "quickstart-venv"])
+def test_deb_builds_from_a_fresh_clone(tmp_path: Path, venv: bool) -> None:
+    """README "Bare metal": `bash packaging/build-deb.sh` in a fresh clone (no test run first): without a
+    .venv, and with the .venv the README's quick start makes (no `wheel` package in it), which the build
+    must neither depend on nor change."""
     need("dpkg-deb", "dpkg")
     git = need("git", "git")
     clone = tmp_path / "clone"
     subprocess.run([git, "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
     assert not (clone / ".venv").exists()
+    no_wheel = [str(clone / ".venv/bin/python"), "-c", "import wheel"]
+    if venv:
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(clone / ".venv")], check=True, timeout=120)
+        assert subprocess.run(no_wheel, capture_output=True, timeout=60).returncode != 0
     env = {k: v for k, v in os.environ.items() if k not in ("NODEAGENT_BUILD_PYTHON", "VIRTUAL_ENV")}
     proc = subprocess.run(["bash", "packaging/build-deb.sh"], cwd=clone, capture_output=True, text=True,
                           timeout=900, env=env)
@@ -139,7 +146,10 @@ def test_deb_builds_from_a_fresh_clone(tmp_path: Path) -> None:
     assert deb.parent == clone / "dist" and deb.exists()
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     assert "./opt/nodeagent/bin/nodeagent" in listing and "./lib/systemd/system/nodeagent.service" in listing
-    assert not (clone / ".venv").exists()
+    if venv:
+        assert subprocess.run(no_wheel, capture_output=True, timeout=60).returncode != 0  # left as it was
+    else:
+        assert not (clone / ".venv").exists()
 
 
 def dpkg(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
