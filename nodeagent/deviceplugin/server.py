@@ -1,4 +1,5 @@
-"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on its own threads.
+"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on its own threads
+(the transport is ``nodeagent.wire.server``).
 
 The server holds the current ``Resource`` and per-device health; every change bumps a version and
 every open ListAndWatch stream re-sends the full list at once. Allocate answers are kept as bytes per
@@ -15,11 +16,9 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
@@ -28,6 +27,14 @@ from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
 from nodeagent.sharing.devices import AdvertisedDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
+from nodeagent.wire.server import (
+    INVALID_ARGUMENT,
+    RpcError,
+    ServerStream,
+    StreamMethod,
+    UnaryMethod,
+    UnixGrpcServer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +46,8 @@ MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 # change are kept (the kubelet asks for the same few sets again and again), up to this many.
 ALLOCATION_CACHE_SIZE = 1024
 SERVICE = "v1beta1.DevicePlugin"
-# Worker threads of one server: each open ListAndWatch stream holds one (the kubelet keeps one); threads
-# start only when needed.
-SERVER_THREADS = 8
+# ListAndWatch streams open at once on one server (each holds a thread; the kubelet keeps one).
+MAX_STREAMS = 8
 
 
 def socket_name(resource_name: str) -> str:
@@ -140,35 +146,50 @@ def preferred(
     return spread_pick(avail, must, size, group, used, policy)
 
 
+def _parse(message: Any, request: bytes) -> Any:
+    try:
+        return message.FromString(request)
+    except DecodeError as e:
+        raise RpcError(INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name} ({len(request)} bytes): {e}") from e
+
+
 class _Servicer:
-    """The DevicePlugin methods. They run on the gRPC server's worker threads, never on the daemon's event loop:
-    they read only the server's current ``_Served`` (replaced whole on a change) and its prebuilt device list."""
+    """The DevicePlugin methods, bytes in and out. They run on the socket server's threads, never on the daemon's
+    event loop: they read only the server's current ``_Served`` (replaced whole on a change) and its prebuilt
+    device list."""
+
+    _OPTIONS: bytes = api_pb2.DevicePluginOptions(
+        pre_start_required=False, get_preferred_allocation_available=True).SerializeToString()
+    _PRE_START: bytes = api_pb2.PreStartContainerResponse().SerializeToString()
 
     def __init__(self, owner: ResourceServer) -> None:
         self._owner = owner
 
-    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
-        return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+    def GetDevicePluginOptions(self, request: bytes) -> bytes:
+        _parse(api_pb2.Empty, request)
+        return self._OPTIONS
 
-    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+    def ListAndWatch(self, request: bytes, stream: ServerStream) -> Iterator[bytes]:
+        _parse(api_pb2.Empty, request)
         owner = self._owner
         changed = owner.changed
-        context.add_callback(owner.wake)  # a cancelled stream stops waiting at once
+        stream.add_callback(owner.wake)  # a cancelled stream stops waiting at once
         sent = -1
         while True:
             with changed:
-                while owner.version == sent and not owner.closing and context.is_active():
+                while owner.version == sent and not owner.closing and stream.is_active():
                     changed.wait()
-                if owner.closing or not context.is_active():
+                if owner.closing or not stream.is_active():
                     return
                 sent, message = owner.version, owner.device_list
             owner.list_sent_at = time.monotonic()
             yield message
 
-    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+    def GetPreferredAllocation(self, request: bytes) -> bytes:
+        parsed = _parse(api_pb2.PreferredAllocationRequest, request)
         served = self._owner.served
         responses = []
-        for creq in request.container_requests:
+        for creq in parsed.container_requests:
             ids = preferred(
                 served.resource,
                 list(creq.available_deviceIDs),
@@ -178,11 +199,12 @@ class _Servicer:
                 served.policy,
             )
             responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
-        return api_pb2.PreferredAllocationResponse(container_responses=responses)
+        answer: bytes = api_pb2.PreferredAllocationResponse(container_responses=responses).SerializeToString()
+        return answer
 
-    def Allocate(self, request: bytes, context: Any) -> bytes:
-        """Raw bytes in and out: a request already answered since the last change gets the kept bytes again;
-        any other is parsed, validated and answered."""
+    def Allocate(self, request: bytes) -> bytes:
+        """A request already answered since the last change gets the kept bytes again; any other is parsed,
+        validated and answered."""
         served = self._owner.served
         answer = served.answers.get(request)
         if answer is not None:
@@ -191,38 +213,31 @@ class _Servicer:
             return served.answer(request)
         except AllocationError as e:
             log.warning("allocate refused: %s", e)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise  # abort raises; never reached
+            raise RpcError(INVALID_ARGUMENT, str(e)) from e
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
-        return api_pb2.PreStartContainerResponse()
+    def PreStartContainer(self, request: bytes) -> bytes:
+        _parse(api_pb2.PreStartContainerRequest, request)
+        return self._PRE_START
 
-    def handlers(self) -> dict[str, Any]:
-        """The method handlers; Allocate without protobuf (de)serializers, the others with them."""
-
-        def proto(kind: Callable[..., Any], method: Callable[..., Any], request: Any, response: Any) -> Any:
-            return kind(method, request_deserializer=request.FromString, response_serializer=response.SerializeToString)
-
-        unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
-        return {
-            "GetDevicePluginOptions": proto(unary, self.GetDevicePluginOptions, api_pb2.Empty,
-                                            api_pb2.DevicePluginOptions),
-            "ListAndWatch": proto(stream, self.ListAndWatch, api_pb2.Empty, api_pb2.ListAndWatchResponse),
-            "GetPreferredAllocation": proto(unary, self.GetPreferredAllocation, api_pb2.PreferredAllocationRequest,
-                                            api_pb2.PreferredAllocationResponse),
-            "Allocate": unary(self.Allocate),
-            "PreStartContainer": proto(unary, self.PreStartContainer, api_pb2.PreStartContainerRequest,
-                                       api_pb2.PreStartContainerResponse),
+    def methods(self) -> tuple[dict[str, UnaryMethod], dict[str, StreamMethod]]:
+        """The unary and the server-streaming methods, by path."""
+        prefix = f"/{SERVICE}/"
+        unary: dict[str, UnaryMethod] = {
+            prefix + "GetDevicePluginOptions": self.GetDevicePluginOptions,
+            prefix + "GetPreferredAllocation": self.GetPreferredAllocation,
+            prefix + "Allocate": self.Allocate,
+            prefix + "PreStartContainer": self.PreStartContainer,
         }
+        return unary, {prefix + "ListAndWatch": self.ListAndWatch}
 
 
 class ResourceServer:
     """The DevicePlugin server of one resource.
 
-    Its gRPC server is the threaded one: the methods run on a small pool of their own threads, so an Allocate
-    neither waits for the daemon's other coroutines nor hops through the event loop (measured: a lower and
-    steadier Allocate latency than grpc.aio on the daemon's loop). The daemon's loop changes what is served
-    (``set_resource``, ``health_changed``); the threads read it.
+    The methods run on the socket server's own threads (a unary call on its connection's reader thread, each
+    ListAndWatch on a thread of its own), so an Allocate neither waits for the daemon's other coroutines nor
+    hops through the event loop. The daemon's loop changes what is served (``set_resource``,
+    ``health_changed``); the threads read it.
     """
 
     def __init__(
@@ -235,16 +250,15 @@ class ResourceServer:
         policy: str,
         health_of: Callable[[AdvertisedDevice], bool],
     ) -> None:
-        self.plugin_dir = plugin_dir.absolute()  # gRPC needs unix:///abs/path
+        self.plugin_dir = plugin_dir.absolute()
         self.served = _Served(resource, flags, scores, policy)
         self._health_of = health_of
         self.version = 0
         self.closing = False
         self.changed = threading.Condition()  # guards version, device_list and closing
-        self._server: Any = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._server: UnixGrpcServer | None = None
         self._published = self._visible()  # what device_list shows
-        self.device_list: Any = self._build_list(self._published)
+        self.device_list: bytes = self._build_list(self._published)  # a serialized ListAndWatchResponse
         self.list_sent_at: float = 0.0
 
     @property
@@ -274,12 +288,13 @@ class ResourceServer:
         )
 
     @staticmethod
-    def _build_list(visible: tuple[tuple[str, str, int | None], ...]) -> Any:
+    def _build_list(visible: tuple[tuple[str, str, int | None], ...]) -> bytes:
         devices = []
         for dev_id, health, numa in visible:
             topo = api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
             devices.append(api_pb2.Device(ID=dev_id, health=health, topology=topo))
-        return api_pb2.ListAndWatchResponse(devices=devices)
+        data: bytes = api_pb2.ListAndWatchResponse(devices=devices).SerializeToString()
+        return data
 
     def wake(self) -> None:
         """Wake every waiting ListAndWatch stream (each then checks whether it still runs)."""
@@ -332,19 +347,14 @@ class ResourceServer:
         with self.changed:
             self.closing = False
         self._publish()
-        pool = ThreadPoolExecutor(max_workers=SERVER_THREADS, thread_name_prefix=f"device-plugin {self.name}")
-        server = grpc.server(pool, options=[("grpc.so_reuseport", 0)])
-        handlers = _Servicer(self).handlers()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        server.add_registered_method_handlers(SERVICE, handlers)
+        unary, streaming = _Servicer(self).methods()
+        server = UnixGrpcServer(path, unary, streaming, name=f"device plugin {self.name}",
+                                max_streaming_calls=MAX_STREAMS)
         try:
-            server.add_insecure_port(f"unix://{path}")
-        except RuntimeError as e:
-            pool.shutdown(wait=False)
-            raise KubeletError(f"cannot serve {self.name} on {path}: {e}", subject=str(path)) from e
-        server.start()
-        os.chmod(path, 0o600)
-        self._server, self._pool = server, pool
+            server.start()
+        except OSError as e:
+            raise KubeletError(f"cannot serve {self.name} on {path}: {e.strerror or e}", subject=str(path)) from e
+        self._server = server
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
 
     async def stop(self) -> None:
@@ -354,10 +364,7 @@ class ResourceServer:
         with self.changed:
             self.closing = True
             self.changed.notify_all()
-        pool, self._pool = self._pool, None
-        await asyncio.to_thread(server.stop(STOP_GRACE_S).wait)
-        if pool is not None:  # every stream has seen ``closing`` or its cancellation: the threads end now
-            await asyncio.to_thread(pool.shutdown)
+        await asyncio.to_thread(server.stop, STOP_GRACE_S)
         path = self.socket_path
         if path.is_socket():  # only our own socket: whatever else took the path stays (start refuses it)
             with contextlib.suppress(FileNotFoundError):

@@ -13,8 +13,8 @@ Measures, over real Unix sockets:
     load (a shared CI box drifts by more than the difference being measured), over several rounds, each
     round's ratio nodeagent/Go printed (compare ratios, not absolute figures from different moments).
     nodeagent runs with its default health settings (NVML events, a health poll each second), as on a node;
-  * the same for a Python gRPC server on the same stack as nodeagent's (threaded server, bytes in and out)
-    that answers a constant: the floor of the Python gRPC stack;
+  * the same for a server on nodeagent's stack (nodeagent.wire.server) that answers a constant: the floor of
+    that stack; and for grpcio's threaded server answering the same constant (the stack nodeagent used before);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -66,10 +66,29 @@ asyncio.run(main(*sys.argv[1:4]))
 """
 
 
-# The least a Python gRPC server on nodeagent's stack (threaded server, raw bytes, gRPC's own listener) can do
-# per Allocate: answer constant bytes. Measured beside nodeagent and the Go plugin, it shows how much of the
-# gap is nodeagent's work and how much the Python gRPC stack.
+# The least a server on nodeagent's stack (nodeagent.wire.server) can do per Allocate: answer constant bytes.
+# Measured beside nodeagent and the Go plugin, it shows how much of the time is nodeagent's own work.
 FLOOR = r"""
+import sys
+from pathlib import Path
+from nodeagent.deviceplugin.api import pb2
+from nodeagent.wire.server import UnixGrpcServer
+
+ANSWER = pb2.AllocateResponse(container_responses=[
+    pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})
+]).SerializeToString()
+
+server = UnixGrpcServer(Path(sys.argv[1]), {"/v1beta1.DevicePlugin/Allocate": lambda request: ANSWER}, {},
+                        name="floor")
+server.start()
+print("ready", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+# The same constant answer from grpcio's threaded server (raw bytes): what the device-plugin servers were
+# built on before nodeagent.wire.server.
+GRPCIO = r"""
 import sys
 from concurrent.futures import ThreadPoolExecutor
 import nodeagent  # before grpc: nodeagent's gRPC settings
@@ -333,12 +352,14 @@ def main() -> None:
         pdir = tmp / "dp"
         child = Child(pdir, state, "version: v1\n")
         floor = Child(tmp / "floor.sock", state, "", FLOOR)
+        grpcio = Child(tmp / "grpcio.sock", state, "", GRPCIO)
         sample: SamplePlugin | None = None
         try:
             with grpc.insecure_channel(f"unix://{pdir / 'nvidia-gpu.sock'}") as ch:
                 first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
             servers = {"allocate_nodeagent": (pdir / "nvidia-gpu.sock", first),
-                       "allocate_python_grpc_floor": (tmp / "floor.sock", first)}
+                       "allocate_wire_floor": (tmp / "floor.sock", first),
+                       "allocate_grpcio_constant": (tmp / "grpcio.sock", first)}
             binary = None if args.no_sample else sample_plugin_binary()
             if binary is not None:
                 sample = SamplePlugin(binary, tmp)
@@ -351,14 +372,16 @@ def main() -> None:
             if sample is not None:
                 sample.close()
             floor.close()
+            grpcio.close()
             child.close()
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
     for i, r in enumerate(result["allocate_rounds"]):
-        a, f = r["allocate_nodeagent"], r["allocate_python_grpc_floor"]
+        a, f, g = r["allocate_nodeagent"], r["allocate_wire_floor"], r["allocate_grpcio_constant"]
         line = (f"Allocate round {i + 1} (n={a['n']} each): nodeagent p50 {a['p50_ms']} p99 {a['p99_ms']} ms; "
-                f"Python floor p50 {f['p50_ms']} p99 {f['p99_ms']} ms")
+                f"constant on the same stack p50 {f['p50_ms']} p99 {f['p99_ms']} ms; "
+                f"constant on grpcio p50 {g['p50_ms']} p99 {g['p99_ms']} ms")
         if "allocate_k8s_sample_go" in r:
             s = r["allocate_k8s_sample_go"]
             line += (f"; Go sample p50 {s['p50_ms']} p99 {s['p99_ms']} ms; nodeagent/Go p50 "

@@ -234,26 +234,30 @@ async def test_kept_allocate_answers_follow_every_change(service: DevicePluginSe
 
 
 async def test_streams_do_not_starve_allocate(service: DevicePluginService) -> None:
-    """The methods run on the server's own threads: streams cancelled by the thousand free theirs, streams
-    left open up to the pool's size less one do not block an Allocate, and stop ends them all."""
+    """The methods run on the server's own threads: streams cancelled by the dozen free theirs, streams left
+    open up to the limit do not block an Allocate, one more is refused (RESOURCE_EXHAUSTED), and stop ends
+    them all."""
     import threading
 
-    from nodeagent.deviceplugin.server import SERVER_THREADS
+    from nodeagent.deviceplugin.server import MAX_STREAMS
 
     await service.start(nvswitch_box(2))
     gpu0 = service.served_resources()["nvidia.com/gpu"][0]
     request = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[gpu0])])
     ch, s = stub(service.plugin_dir / "nvidia-gpu.sock")
     async with ch:
-        for _ in range(SERVER_THREADS * 3):
+        for _ in range(MAX_STREAMS * 3):
             stream = s.ListAndWatch(pb2.Empty())
             assert len((await stream.read()).devices) == 2
             stream.cancel()
         assert (await s.Allocate(request, timeout=5)).container_responses[0].envs
-        open_streams = [s.ListAndWatch(pb2.Empty()) for _ in range(SERVER_THREADS - 1)]
+        open_streams = [s.ListAndWatch(pb2.Empty()) for _ in range(MAX_STREAMS)]
         for stream in open_streams:
-            assert len((await stream.read()).devices) == 2
+            assert len((await asyncio.wait_for(stream.read(), 5)).devices) == 2
         assert (await s.Allocate(request, timeout=5)).container_responses[0].envs
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(s.ListAndWatch(pb2.Empty()).read(), 5)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         await service.update(nvswitch_box(2), parse_plugin_config(
             "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"))
         for stream in open_streams:  # every open stream gets the new list
@@ -261,4 +265,4 @@ async def test_streams_do_not_starve_allocate(service: DevicePluginService) -> N
         await service.stop()
         for stream in open_streams:
             assert await asyncio.wait_for(stream.read(), 5) is grpc.aio.EOF or stream.done()
-    assert not [t for t in threading.enumerate() if t.name.startswith("device-plugin ")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("device plugin ")]

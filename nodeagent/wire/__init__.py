@@ -1,0 +1,1 @@
+"""Wire protocols the daemon speaks itself."""
