@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["STATIC_TABLE", "HpackDecoder", "HpackError", "huffman_decode"]
+__all__ = ["STATIC_TABLE", "HpackDecoder", "HpackError", "encode_integer", "encode_literal", "huffman_decode"]
 
 
 class HpackError(Exception):
@@ -333,15 +333,7 @@ class HpackDecoder:
                     index, pos = _integer(block, pos, index)
                 field = static[index] if 0 < index <= _STATIC_COUNT else self._lookup(index)
             elif octet & 0x40:  # literal with incremental indexing (section 6.2.1)
-                index = octet & 0x3F
-                if index == 0x3F:
-                    index, pos = _integer(block, pos, index)
-                if index:
-                    name = self._lookup(index)[0]
-                else:
-                    name, pos = self._string(block, pos)
-                value, pos = self._string(block, pos)
-                field = (name, value)
+                field, pos = self._literal(block, pos, octet & 0x3F, 0x3F)
                 self._insert(field)
             elif octet & 0x20:  # dynamic table size update (section 6.3)
                 if headers:
@@ -357,20 +349,24 @@ class HpackDecoder:
                 self._evict(size)
                 continue
             else:  # literal without indexing (0000xxxx) or never indexed (0001xxxx), section 6.2.2/6.2.3
-                index = octet & 0x0F
-                if index == 0x0F:
-                    index, pos = _integer(block, pos, index)
-                if index:
-                    name = self._lookup(index)[0]
-                else:
-                    name, pos = self._string(block, pos)
-                value, pos = self._string(block, pos)
-                field = (name, value)
+                field, pos = self._literal(block, pos, octet & 0x0F, 0x0F)
             list_size += len(field[0]) + len(field[1]) + ENTRY_OVERHEAD
             if list_size > list_limit:
                 raise HpackError(f"header list is larger than {list_limit} octets")
             headers.append(field)
         return headers
+
+    def _literal(self, block: bytes, pos: int, index: int, prefix_max: int) -> tuple[tuple[bytes, bytes], int]:
+        """A literal field whose first octet carried ``index`` (``prefix_max``: the prefix is continued):
+        the name by index, or as a string when the index is 0, then the value."""
+        if index == prefix_max:
+            index, pos = _integer(block, pos, index)
+        if index:
+            name = self._lookup(index)[0]
+        else:
+            name, pos = self._string(block, pos)
+        value, pos = self._string(block, pos)
+        return (name, value), pos
 
     def _lookup(self, index: int) -> tuple[bytes, bytes]:
         if 0 < index <= _STATIC_COUNT:
@@ -432,3 +428,23 @@ class HpackDecoder:
         if drop:
             del dynamic[:drop]
             self._size = size
+
+
+def encode_integer(value: int, prefix_bits: int, flags: int = 0) -> bytes:
+    """An integer in HPACK's prefix form (section 5.1); ``flags`` are the bits above the prefix."""
+    top = (1 << prefix_bits) - 1
+    if value < top:
+        return bytes((flags | value,))
+    out = bytearray((flags | top,))
+    value -= top
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_literal(name: bytes, value: bytes) -> bytes:
+    """One header field as a literal without indexing, with a new name and no Huffman coding (section
+    6.2.2): what the server's answers use, so the peer's decoder state never depends on them."""
+    return b"\x00" + encode_integer(len(name), 7) + name + encode_integer(len(value), 7) + value

@@ -31,10 +31,11 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from nodeagent.wire.hpack import HpackDecoder, HpackError
+from nodeagent.wire.hpack import HpackDecoder, HpackError, encode_literal
 
 log = logging.getLogger(__name__)
 
@@ -138,24 +139,6 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return _FRAME_HEAD.pack(n >> 8, n & 0xFF, kind, flags, stream_id) + payload
 
 
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """A header field as a literal without indexing, with a new name, no Huffman coding."""
-    return b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
-
-
 def _percent_encode(message: str) -> bytes:
     """gRPC's grpc-message encoding: bytes outside printable ASCII, and '%', as %XX."""
     raw = message.encode("utf-8", "replace")[:MAX_STATUS_MESSAGE]
@@ -164,9 +147,9 @@ def _percent_encode(message: str) -> bytes:
 
 def _trailers(code: int, message: str, *, with_headers: bool) -> bytes:
     block = _RESPONSE_HEADERS if with_headers else b""
-    block += _literal(b"grpc-status", str(code).encode())
+    block += encode_literal(b"grpc-status", str(code).encode())
     if message:
-        block += _literal(b"grpc-message", _percent_encode(message))
+        block += encode_literal(b"grpc-message", _percent_encode(message))
     return block
 
 
@@ -673,6 +656,7 @@ class UnixGrpcServer:
         self.max_streaming_calls = max_streaming_calls
         self.closing = False
         self._lock = threading.Lock()
+        self._calls_ended = threading.Condition(self._lock)
         self._connections: set[_Connection] = set()
         self._streaming_calls = 0
         self._accepted = 0
@@ -733,6 +717,7 @@ class UnixGrpcServer:
     def close_stream(self) -> None:
         with self._lock:
             self._streaming_calls -= 1
+            self._calls_ended.notify_all()
 
     def forget(self, conn: _Connection) -> None:
         with self._lock:
@@ -744,8 +729,8 @@ class UnixGrpcServer:
             return len(self._connections)
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stop taking connections and calls, end every stream, close every connection (blocking, at most about
-        ``grace_s`` per thread)."""
+        """Stop taking connections and calls (GOAWAY), give the streaming calls running up to ``grace_s`` to end
+        on their own (the owner tells them first), then end the rest and close every connection."""
         with self._lock:
             self.closing = True
             conns = list(self._connections)
@@ -759,6 +744,11 @@ class UnixGrpcServer:
             self._acceptor = None
         for c in conns:
             c.goaway()
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            while self._streaming_calls and self._calls_ended.wait(max(0.0, deadline - time.monotonic())):
+                pass
+        for c in conns:
             c.close("server stopping")
         for c in conns:
             c.join(grace_s)

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from nodeagent.wire.hpack import _HUFFMAN_CODES as HUFFMAN_CODES
-from nodeagent.wire.hpack import STATIC_TABLE, HpackDecoder, HpackError, huffman_decode
+from nodeagent.wire.hpack import STATIC_TABLE, HpackDecoder, HpackError, encode_integer, huffman_decode
 
 Field = tuple[bytes, bytes]
 
@@ -30,18 +30,7 @@ def table(decoder: HpackDecoder) -> list[tuple[str, str]]:
 # -- a tiny encoder for hand-built blocks ------------------------------------------------------------------
 
 
-def integer(value: int, prefix_bits: int, flags: int = 0) -> bytes:
-    """RFC 7541 section 5.1, ``flags`` being the bits above the prefix."""
-    top = (1 << prefix_bits) - 1
-    if value < top:
-        return bytes((flags | value,))
-    out = bytearray((flags | top,))
-    value -= top
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+integer = encode_integer  # the encoding half of section 5.1 (also what the server uses)
 
 
 def huffman_encode(data: bytes) -> bytes:

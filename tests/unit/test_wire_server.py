@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from nodeagent.wire import server as wire
-from nodeagent.wire.hpack import HpackDecoder
+from nodeagent.wire.hpack import HpackDecoder, encode_literal
 from nodeagent.wire.server import RpcError, ServerStream, UnixGrpcServer
 
 PATH_ECHO = "/test.Svc/Echo"
@@ -26,27 +26,11 @@ PATH_CRASH = "/test.Svc/Crash"
 PATH_WATCH = "/test.Svc/Watch"
 
 
-def _int(value: int, bits: int, first: int = 0) -> bytes:
-    limit = (1 << bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def headers_block(path: str, *, content_type: str = "application/grpc", extra: tuple[tuple[str, str], ...] = ()) -> bytes:
     """A request header block as literals without indexing (no Huffman)."""
     fields = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
               ("content-type", content_type), ("te", "trailers"), *extra]
-    out = b""
-    for name, value in fields:
-        out += b"\x00" + _int(len(name), 7) + name.encode() + _int(len(value), 7) + value.encode()
-    return out
+    return b"".join(encode_literal(name.encode(), value.encode()) for name, value in fields)
 
 
 def frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
@@ -443,3 +427,33 @@ def test_random_frames_never_take_the_server_down(served: UnixGrpcServer) -> Non
     good = Raw(served.path)
     assert good.call(1, PATH_ECHO, b"alive")[1] == b"evila"
     good.close()
+
+
+def test_stop_lets_a_stream_end_with_its_status_first(tmp_path: Path) -> None:
+    """The owner tells its streams to end, then stops the server: the client gets the stream's OK trailers
+    before the connection goes (a graceful end, as the kubelet sees when a plugin stops)."""
+    closing = threading.Event()
+
+    def until_closing(request: bytes, stream: ServerStream) -> Iterator[bytes]:
+        yield request
+        closing.wait(5)
+
+    server = UnixGrpcServer(tmp_path / "g.sock", {}, {PATH_WATCH: until_closing}, name="graceful")
+    server.start()
+    c = Raw(server.path)
+    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
+           + frame(wire.DATA, wire.END_STREAM, 1, message(b"g")))
+    assert c.until(wire.DATA)[3] == message(b"g")
+    closing.set()
+    t = time.monotonic()
+    server.stop(5)
+    assert time.monotonic() - t < 4
+    frames = []
+    while (f := c.frame()) is not None:
+        frames.append(f)
+    goaways = [struct.unpack(">II", p[:8]) for kind, _, _, p in frames if kind == wire.GOAWAY]
+    assert goaways == [(1, wire.NO_ERROR)]  # stream 1 may finish: it is at or below the last stream
+    trailers = [c.decoder.decode(p) for kind, flags, sid, p in frames
+                if kind == wire.HEADERS and sid == 1 and flags & wire.END_STREAM]
+    assert trailers == [[(b"grpc-status", b"0")]]
+    c.close()
