@@ -62,6 +62,7 @@ FRAME_SIZE = 16_384  # what this server accepts (the protocol's default; it neve
 MAX_HEADER_LIST = 16_384
 MAX_STREAMS = 100  # concurrent streams per connection
 MAX_MESSAGE = 4 * 1024 * 1024  # one request message (gRPC's default limit)
+MAX_BUFFERED = 8 * 1024 * 1024  # request bytes held at once by one connection, all its streams together
 FRAME_TIMEOUT_S = 10.0  # the preface, and the rest of any frame begun, must arrive within this
 SEND_TIMEOUT_S = 30.0  # a peer that reads nothing for this long loses its connection
 RECV_CHUNK = 65_536
@@ -275,19 +276,22 @@ class _Connection:
             if pos:
                 del buf[:pos]
             self._flush()
-            if buf:  # a frame begun: the rest must come in time
-                ready, _, _ = select.select([sock], [], [], FRAME_TIMEOUT_S)
-                if not ready:
-                    raise ProtocolFault(PROTOCOL_ERROR, f"a frame left incomplete for {FRAME_TIMEOUT_S:g} s")
+            if buf and not self._readable(FRAME_TIMEOUT_S):  # a frame begun: the rest must come in time
+                raise ProtocolFault(PROTOCOL_ERROR, f"a frame left incomplete for {FRAME_TIMEOUT_S:g} s")
             chunk = sock.recv(RECV_CHUNK)
             if not chunk:
                 raise EOFError("closed by the client")
             buf += chunk
 
+    def _readable(self, timeout_s: float) -> bool:
+        """Whether the socket has bytes (or its end) within ``timeout_s`` (poll: any descriptor number)."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(timeout_s * 1000))
+
     def _read_exactly(self, buf: bytearray, n: int, what: str) -> None:
         while len(buf) < n:
-            ready, _, _ = select.select([self.sock], [], [], FRAME_TIMEOUT_S)
-            if not ready:
+            if not self._readable(FRAME_TIMEOUT_S):
                 raise ProtocolFault(PROTOCOL_ERROR, f"{what} did not arrive within {FRAME_TIMEOUT_S:g} s")
             chunk = self.sock.recv(RECV_CHUNK)
             if not chunk:
@@ -472,6 +476,10 @@ class _Connection:
         st.body += self._unpad(flags, payload)
         if len(st.body) > MAX_MESSAGE + 5:
             self._finish(sid, RESOURCE_EXHAUSTED, f"a request message over {MAX_MESSAGE} bytes",
+                         headers_sent=False)
+            return
+        if len(self._streams) > 1 and sum(len(s.body) for s in self._streams.values()) > MAX_BUFFERED:
+            self._finish(sid, RESOURCE_EXHAUSTED, f"requests over {MAX_BUFFERED} bytes held on one connection",
                          headers_sent=False)
             return
         if flags & END_STREAM:

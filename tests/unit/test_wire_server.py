@@ -457,3 +457,21 @@ def test_stop_lets_a_stream_end_with_its_status_first(tmp_path: Path) -> None:
                 if kind == wire.HEADERS and sid == 1 and flags & wire.END_STREAM]
     assert trailers == [[(b"grpc-status", b"0")]]
     c.close()
+
+
+def test_requests_held_at_once_are_bounded_per_connection(
+    served: UnixGrpcServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unfinished requests on many streams cannot together hold more than MAX_BUFFERED bytes."""
+    monkeypatch.setattr(wire, "MAX_BUFFERED", 3500)
+    c = Raw(served.path)
+    for sid in (1, 3):
+        c.send(frame(wire.HEADERS, wire.END_HEADERS, sid, headers_block(PATH_ECHO))
+               + frame(wire.DATA, 0, sid, b"\0\0\0\x07\xd0" + b"x" * 1000))  # 2000 announced, 1000 sent
+    c.send(frame(wire.HEADERS, wire.END_HEADERS, 5, headers_block(PATH_ECHO))
+           + frame(wire.DATA, 0, 5, b"y" * 1500))
+    fields, _ = c.answer(5)
+    assert fields[b"grpc-status"] == str(wire.RESOURCE_EXHAUSTED).encode()
+    c.send(frame(wire.DATA, wire.END_STREAM, 1, b"x" * 1000))  # the others go on
+    assert c.answer(1)[1] == b"x" * 2000
+    c.close()
