@@ -197,7 +197,8 @@ class DraComponent:
         await self._refresh()
 
     async def _refresh(self) -> None:
-        bad = unhealthy_devices(self.devices, self._unhealthy)
+        live = self.preparer.live_instances() if self.preparer is not None else {}
+        bad = unhealthy_devices(self.devices, self._unhealthy, live)
         await self.feed.update([d.name for d in self.devices], bad)
         kept = [d for d in self.devices if d.gpu_index not in self._withdrawn]
         counters = build_counter_sets(kept, self._inventory) if self._inventory is not None else []

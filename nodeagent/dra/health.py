@@ -2,7 +2,8 @@
 
 The source of truth stays ``nodeagent.gpu.health.HealthMonitor`` (XID events and polls); its
 ``unhealthy()`` map, keyed ``(gpu index, GPU-instance id or None)``, is mapped onto the pool's device
-names here. A whole-GPU fault makes every device of that GPU unhealthy.
+names here. A whole-GPU fault makes every device of that GPU unhealthy; a fault on one GPU instance makes
+the device of that instance unhealthy: a static MIG device, or a dynamic one while a claim holds it.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ HEALTHY = 1
 UNHEALTHY = 2
 
 
-def unhealthy_devices(devices: Iterable[DraDevice], unhealthy: Mapping[HealthKey, str]) -> dict[str, str]:
-    """Device name → reason for every device hit by a fault in ``unhealthy``."""
+def unhealthy_devices(
+    devices: Iterable[DraDevice], unhealthy: Mapping[HealthKey, str], live: Mapping[str, int] | None = None
+) -> dict[str, str]:
+    """Device name → reason for every device hit by a fault in ``unhealthy``. ``live``: device name → GPU
+    instance id of each dynamic MIG device whose instance exists now (a prepared claim's), so a fault NVML
+    reports on that instance hits that device, and only it."""
     out: dict[str, str] = {}
     for d in devices:
         reason = unhealthy.get((d.gpu_index, None))
-        if reason is None and d.gi_id is not None:
-            reason = unhealthy.get((d.gpu_index, d.gi_id))
+        gi_id = d.gi_id if d.gi_id is not None else (live or {}).get(d.name)
+        if reason is None and gi_id is not None:
+            reason = unhealthy.get((d.gpu_index, gi_id))
         if reason is not None:
             out[d.name] = reason
     return out

@@ -119,6 +119,12 @@ class ClaimPreparer:
                     out.setdefault(d.mig.gpu_index, set()).add((d.mig.profile, d.mig.start))
         return out
 
+    def live_instances(self) -> dict[str, int]:
+        """Device name → GPU instance id of every dynamic MIG device a claim record holds with its instance
+        created (what a fault NVML reports on that instance is about)."""
+        return {d.device: d.mig.gi_id for rec in self.checkpoint.claims.values() for d in rec.devices
+                if d.mig is not None and d.mig.gi_id is not None}
+
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         """GPU index → every claim the checkpoint records on it (prepared, or in the middle of prepare or
         unprepare: its devices are in use or about to be), sorted; GPUs no claim uses are absent."""

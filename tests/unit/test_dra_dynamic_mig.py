@@ -350,3 +350,27 @@ async def test_unprepare_waits_for_a_busy_instance_and_copes_with_a_vanished_one
     adapter.destroy_mig_device(0, m2.gi_id)
     assert await p.unprepare([ClaimRef("ns", "u2", "two")]) == {"u2": ""}
     assert p.checkpoint.claims == {} and p.specs.claim_uids() == set()
+
+
+async def test_a_fault_on_a_created_instance_hits_its_device_only(tmp_path: Path) -> None:
+    """NVML ties an XID to the GPU instance it hit: while a claim holds a dynamic MIG device, a fault on its
+    instance makes that device unhealthy and no other placement of the GPU; a whole-GPU fault hits them all;
+    once unprepared, the placement is no longer tied to that instance id."""
+    from nodeagent.dra.health import unhealthy_devices
+
+    adapter = sim_with_mig("dgx-h100", tmp_path / "sim.json")
+    claims = Claims(claim("u1", "one", ["gpu-0-mig-3g-40gb-at-4"]), claim("u2", "two", ["gpu-0-mig-1g-10gb-at-0"]))
+    p = preparer(tmp_path, adapter, claims)
+    out = await p.prepare([ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u2", "two")])
+    assert out["u1"].error == "" and out["u2"].error == ""
+    live = p.live_instances()
+    assert set(live) == {"gpu-0-mig-3g-40gb-at-4", "gpu-0-mig-1g-10gb-at-0"}
+    gi = live["gpu-0-mig-3g-40gb-at-4"]
+    assert gi == next(m.gi_id for m in adapter.discover().gpu(0).mig_devices if m.placement_start == 4)
+    devices = list(p.devices.values())
+    assert unhealthy_devices(devices, {(0, gi): "XID 48"}, live) == {"gpu-0-mig-3g-40gb-at-4": "XID 48"}
+    assert unhealthy_devices(devices, {(0, gi): "XID 48"}) == {}  # without the live map: not tied to any device
+    whole = unhealthy_devices(devices, {(0, None): "XID 79"}, live)
+    assert set(whole) == {d.name for d in devices if d.gpu_index == 0} and len(whole) > 2
+    assert await p.unprepare([ClaimRef("ns", "u1", "one")]) == {"u1": ""}
+    assert unhealthy_devices(devices, {(0, gi): "XID 48"}, p.live_instances()) == {}
