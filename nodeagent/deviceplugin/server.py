@@ -47,7 +47,7 @@ MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 ALLOCATION_CACHE_SIZE = 1024
 SERVICE = "v1beta1.DevicePlugin"
 # ListAndWatch streams open at once on one server (each holds a thread; the kubelet keeps one).
-MAX_STREAMS = 8
+MAX_LIST_AND_WATCH = 8
 
 
 def socket_name(resource_name: str) -> str:
@@ -349,7 +349,7 @@ class ResourceServer:
         self._publish()
         unary, streaming = _Servicer(self).methods()
         server = UnixGrpcServer(path, unary, streaming, name=f"device plugin {self.name}",
-                                max_streaming_calls=MAX_STREAMS)
+                                max_streaming_calls=MAX_LIST_AND_WATCH)
         try:
             server.start()
         except OSError as e:

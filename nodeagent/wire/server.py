@@ -209,15 +209,20 @@ class _Connection:
 
     # -- writing --------------------------------------------------------------------------------------------
 
-    def _write(self, data: bytes) -> bool:
-        with self._wlock:
+    def _write(self, data: bytes, wait_s: float = -1) -> bool:
+        """Send ``data`` whole (False when the connection is closed, or its writer stays busy past ``wait_s``
+        when that is given)."""
+        if not self._wlock.acquire(timeout=wait_s):
+            return False
+        try:
             if not self._open:
                 return False
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                self._open = False
-                return False
+            self.sock.sendall(data)
+        except OSError:
+            self._open = False
+            return False
+        finally:
+            self._wlock.release()
         return True
 
     def _flush(self) -> None:
@@ -250,7 +255,8 @@ class _Connection:
             log.exception("%s: reader failed", self.name)
         finally:
             self.close(reason)
-            self.sock.close()  # no write can follow: close() marked the connection closed under the write lock
+            with self._wlock:  # a write still under way has failed on the shut-down socket by now
+                self.sock.close()
             self.server.forget(self)
 
     def _read_loop(self) -> None:
@@ -615,12 +621,14 @@ class _Connection:
     # -- the end ------------------------------------------------------------------------------------------
 
     def goaway(self) -> None:
-        """Tell the client no new calls will be taken (server stopping)."""
-        self._write(_frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(NO_ERROR)))
+        """Tell the client no new calls will be taken (server stopping); skipped when a write is stuck on a
+        client that reads nothing (the close that follows ends it)."""
+        self._write(_frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(NO_ERROR)), wait_s=0.2)
 
     def close(self, reason: str = "") -> None:
-        with self._wlock:
-            was_open, self._open = self._open, False
+        # Not under the write lock: a writer blocked on a client that reads nothing holds it, and the
+        # shutdown below is what frees that writer.
+        was_open, self._open = self._open, False
         if was_open:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)

@@ -239,19 +239,19 @@ async def test_streams_do_not_starve_allocate(service: DevicePluginService) -> N
     them all."""
     import threading
 
-    from nodeagent.deviceplugin.server import MAX_STREAMS
+    from nodeagent.deviceplugin.server import MAX_LIST_AND_WATCH
 
     await service.start(nvswitch_box(2))
     gpu0 = service.served_resources()["nvidia.com/gpu"][0]
     request = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[gpu0])])
     ch, s = stub(service.plugin_dir / "nvidia-gpu.sock")
     async with ch:
-        for _ in range(MAX_STREAMS * 3):
+        for _ in range(MAX_LIST_AND_WATCH * 3):
             stream = s.ListAndWatch(pb2.Empty())
             assert len((await stream.read()).devices) == 2
             stream.cancel()
         assert (await s.Allocate(request, timeout=5)).container_responses[0].envs
-        open_streams = [s.ListAndWatch(pb2.Empty()) for _ in range(MAX_STREAMS)]
+        open_streams = [s.ListAndWatch(pb2.Empty()) for _ in range(MAX_LIST_AND_WATCH)]
         for stream in open_streams:
             assert len((await asyncio.wait_for(stream.read(), 5)).devices) == 2
         assert (await s.Allocate(request, timeout=5)).container_responses[0].envs

@@ -475,3 +475,29 @@ def test_requests_held_at_once_are_bounded_per_connection(
     c.send(frame(wire.DATA, wire.END_STREAM, 1, b"x" * 1000))  # the others go on
     assert c.answer(1)[1] == b"x" * 2000
     c.close()
+
+
+def test_a_client_that_reads_nothing_does_not_hold_up_stop(tmp_path: Path) -> None:
+    """A stream writing to a client that never reads blocks in the socket; stop still ends it at once (the
+    shutdown frees the blocked writer), and the other connections were served meanwhile."""
+
+    def flood(request: bytes, stream: ServerStream) -> Iterator[bytes]:
+        while stream.is_active():
+            yield b"f" * 1_000_000
+
+    server = UnixGrpcServer(tmp_path / "f.sock", {PATH_ECHO: lambda r: r}, {PATH_WATCH: flood}, name="flooded")
+    server.start()
+    big = struct.pack(">HI", wire.S_INITIAL_WINDOW_SIZE, 2**31 - 1) + struct.pack(">HI", wire.S_MAX_FRAME_SIZE, 2**24 - 1)
+    c = Raw(server.path, settings=big)
+    c.send(frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65_535))
+           + frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
+           + frame(wire.DATA, wire.END_STREAM, 1, message(b"")))
+    time.sleep(0.5)  # the stream fills the socket's buffers and blocks in sendall
+    other = Raw(server.path)
+    assert other.call(1, PATH_ECHO, b"meanwhile")[1] == b"meanwhile"
+    other.close()
+    t = time.monotonic()
+    server.stop(1)
+    assert time.monotonic() - t < 5
+    assert not threads_named("flooded ")
+    c.close()
