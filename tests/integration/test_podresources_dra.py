@@ -77,6 +77,14 @@ def raw_list(socket: Path) -> pb.ListPodResourcesResponse:
         return resp
 
 
+def raw_get(socket: Path, namespace: str, name: str) -> pb.GetPodResourcesResponse:
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        stub = pb_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
+        resp: pb.GetPodResourcesResponse = stub.Get(
+            pb.GetPodResourcesRequest(pod_namespace=namespace, pod_name=name), timeout=5)
+        return resp
+
+
 def claim_uses(client: PodResourcesClient) -> list[ClaimAssignment]:
     """The claims nodeagent's client reads from List (``claim_assignments_from_response``), by pod."""
     return sorted(client.list_with_claims()[1], key=lambda a: (a.pod, a.container))
@@ -140,6 +148,11 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
             assert all(not c.devices and not c.cpu_ids and not c.memory
                        for p in resp.pod_resources for c in p.containers)
             assert (await asyncio.to_thread(client.list_with_claims))[0] == []  # no device-plugin devices
+            assert await asyncio.to_thread(client.allocatable) == {}
+            # Get finds one pod by name (the pod provider's lookup) with the same claims
+            got = (await asyncio.to_thread(raw_get, socket, "default", "infer")).pod_resources
+            assert [(r.claim_name, [c.device_name for c in r.claim_resources])
+                    for r in got.containers[0].dynamic_resources] == [(claim_i, ["gpu-0-mig-1-0"])]
 
             no_record = Shared().dra  # no DRA plane attached: its record holds no claim
             holders = GpuHolderSources(client, lambda g: {}, no_record, pool=node_name, driver=DRIVER_NAME)
@@ -164,6 +177,8 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
                 0: (ClaimHolder(f"default/{claim_i}", ("default/infer",)),)}
             await asyncio.to_thread(h.unprepare, infer)
             assert (await asyncio.to_thread(raw_list, socket)).pod_resources == []
+            with pytest.raises(grpc.RpcError, match="pod infer in namespace default not found"):
+                await asyncio.to_thread(raw_get, socket, "default", "infer")
             assert await holders(frozenset(range(3))) == {}
     finally:
         client.close()
