@@ -3,7 +3,9 @@
 holding device-plugin devices while no device plugin is attached (restoring an interrupted apply at start).
 
 GPUs are the NVML simulator; the Node, its labels, Events and ResourceSlices live in a real kube-apiserver;
-pods and their devices are the kubelet's own device manager in the harness, read over PodResources.
+pods and their devices are the kubelet's own device manager in the harness, read over PodResources. The
+last test's PodResources answer is hand-written (cases the real peers cannot produce together); claims
+reported by the kubelet's own PodResources server are tested in test_podresources_dra.py.
 """
 
 from __future__ import annotations
@@ -169,8 +171,10 @@ async def test_restoring_an_interrupted_apply_waits_for_pods_before_the_plugin_a
 
 
 class ClaimReportingKubelet(pb_grpc.PodResourcesListerServicer):
-    """A PodResources v1 server answering List with dynamic resources, as a kubelet with
-    KubeletPodResourcesDynamicResources does (the harness's kubelet reports none)."""
+    """A PodResources v1 server answering List with a fixed response. The kubelet's own server with real
+    claims is tested in test_podresources_dra.py; this one answers what those peers cannot produce together:
+    device-plugin devices beside claims, another driver's and another pool's devices, one claim used by
+    two pods."""
 
     def __init__(self, response: pb.ListPodResourcesResponse) -> None:
         self.response = response
@@ -180,6 +184,9 @@ class ClaimReportingKubelet(pb_grpc.PodResourcesListerServicer):
 
 
 async def test_holders_merge_pods_the_dra_record_and_claims_podresources_reports(short_tmp: Path) -> None:
+    """The merge in ``GpuHolderSources`` over a hand-written List answer: a device-plugin pod, a claim the
+    DRA record knows (PodResources adds its pod), a claim only PodResources reports (shared by two pods),
+    and a claim whose devices belong to another driver or another pool (not a holder)."""
     import grpc
 
     def claim(ns: str, pod: str, name: str, *devices: tuple[str, str, str]) -> pb.PodResources:

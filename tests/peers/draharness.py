@@ -48,6 +48,7 @@ class DraHarness:
     registry_dir: Path
     state_dir: Path
     workdir: Path
+    pod_resources_socket: Path | None
     _proc: subprocess.Popen[str] = field(repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -89,29 +90,35 @@ class DraHarness:
 
 
 def start_dra_harness(workdir: Path, kubeconfig: Path, registry_dir: Path, node_name: str,
-                      verbosity: int = 0, binary: Path | None = None, host_root: Path | None = None) -> DraHarness:
+                      verbosity: int = 0, binary: Path | None = None, host_root: Path | None = None,
+                      pod_resources_socket: Path | None = None) -> DraHarness:
     """``binary`` is another build of the harness (default: NODEAGENT_DRA_HARNESS, the peers' release).
     ``host_root``: the kubelet's host filesystem is this directory, so a plugin's registered endpoint (a
-    host path) is dialled under it (default: the real filesystem)."""
+    host path) is dialled under it (default: the real filesystem). ``pod_resources_socket``: the harness
+    also serves the kubelet's PodResources v1 API there (the socket exists once the harness answers its
+    first command): List reports the pods prepared and not yet unprepared, each container with the claims
+    the DRA manager holds for it; no devices, CPUs or memory (no such managers run)."""
     binary = binary or peer_binary("NODEAGENT_DRA_HARNESS", "nodeagent_peers_dra_harness", "kubelet DRA harness")
     state_dir = workdir / "dra-state"
     with (workdir / "dra-harness.log").open("wb") as log:
         proc = subprocess.Popen(
             [str(binary), f"--kubeconfig={kubeconfig}", f"--registry-dir={registry_dir}",
              f"--state-dir={state_dir}", f"--node-name={node_name}", f"--v={verbosity}",
-             *([f"--host-root={host_root}"] if host_root is not None else [])],
+             *([f"--host-root={host_root}"] if host_root is not None else []),
+             *([f"--pod-resources-socket={pod_resources_socket}"] if pod_resources_socket is not None else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1,
         )
-    return DraHarness(registry_dir, state_dir, workdir, proc)
+    return DraHarness(registry_dir, state_dir, workdir, pod_resources_socket, proc)
 
 
 @contextmanager
 def running_dra_harness(kubeconfig: Path, registry_dir: Path, node_name: str,
-                        binary: Path | None = None, host_root: Path | None = None) -> Iterator[DraHarness]:
+                        binary: Path | None = None, host_root: Path | None = None,
+                        pod_resources_socket: Path | None = None) -> Iterator[DraHarness]:
     wd = Path(tempfile.mkdtemp(prefix="nodeagent-dra-kubelet-"))
     try:
         harness = start_dra_harness(wd, kubeconfig, registry_dir, node_name, verbosity=4, binary=binary,
-                                    host_root=host_root)
+                                    host_root=host_root, pod_resources_socket=pod_resources_socket)
         try:
             yield harness
         finally:

@@ -5,6 +5,10 @@
 // checkpoint and consumes the driver's NodeWatchResources health stream (the ResourceHealthStatus
 // feature gate is switched on here).
 //
+// With --pod-resources-socket S the harness also serves the kubelet's PodResources v1 API on S
+// (podresources.go): List reports the pods prepared and not yet unprepared, with the claims the DRA manager
+// holds for each container.
+//
 // With --host-root R the harness stands for a kubelet whose host filesystem is R: the endpoint a plugin
 // registers (an absolute path on that host) is dialled at R+endpoint. The plugin watcher's handler is
 // wrapped to rewrite the endpoint; the kubelet code itself is unchanged.
@@ -86,6 +90,7 @@ func main() {
 	nodeName := flag.String("node-name", "dra-node", "the node this kubelet stands for")
 	verbosity := flag.String("v", "0", "klog verbosity of the kubelet code (logs go to stderr)")
 	hostRoot := flag.String("host-root", "", "the host filesystem of this kubelet: registered endpoints are dialled under it")
+	podResourcesSocket := flag.String("pod-resources-socket", "", "serve the kubelet's PodResources v1 API on this Unix socket")
 	flag.Parse()
 	if *kubeconfig == "" || *registry == "" || *stateDir == "" {
 		fatal("--kubeconfig, --registry-dir and --state-dir are required")
@@ -94,7 +99,7 @@ func main() {
 	klog.InitFlags(klogFlags)
 	_ = klogFlags.Set("v", *verbosity)
 	_ = klogFlags.Set("logtostderr", "true")
-	if err := utilfeature.DefaultMutableFeatureGate.Set("ResourceHealthStatus=true"); err != nil {
+	if err := utilfeature.DefaultMutableFeatureGate.Set("ResourceHealthStatus=true," + podResourcesGates); err != nil {
 		fatal("feature gate: " + err.Error())
 	}
 
@@ -125,6 +130,11 @@ func main() {
 	ready := config.NewSourcesReady(func(_ sets.Set[string]) bool { return true })
 	if err := startManager(ctx, manager, h.activePods, node, ready); err != nil {
 		fatal("starting the DRA manager: " + err.Error())
+	}
+	if *podResourcesSocket != "" {
+		if err := servePodResources(ctx, h, *podResourcesSocket); err != nil {
+			fatal("PodResources server: " + err.Error())
+		}
 	}
 	plugins := pluginmanager.NewPluginManager(*registry, &record.FakeRecorder{})
 	handler := manager.GetWatcherHandler()
