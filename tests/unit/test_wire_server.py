@@ -88,10 +88,14 @@ class Raw:
             if f[0] == kind:
                 return f
 
+    def request(self, sid: int, path: str, data: bytes, *, end: bool = True) -> None:
+        """HEADERS for ``path`` on ``sid`` and one DATA frame of ``data`` (raw: message framing is the caller's)."""
+        self.send(frame(wire.HEADERS, wire.END_HEADERS, sid, headers_block(path))
+                  + frame(wire.DATA, wire.END_STREAM if end else 0, sid, data))
+
     def call(self, sid: int, path: str, body: bytes) -> tuple[dict[bytes, bytes], bytes]:
         """One unary call: the trailers (headers merged) and the answer's body."""
-        self.send(frame(wire.HEADERS, wire.END_HEADERS, sid, headers_block(path))
-                  + frame(wire.DATA, wire.END_STREAM, sid, message(body)))
+        self.request(sid, path, message(body))
         return self.answer(sid)
 
     def answer(self, sid: int) -> tuple[dict[bytes, bytes], bytes]:
@@ -229,12 +233,10 @@ def test_raw_unary_and_malformed_messages(served: UnixGrpcServer) -> None:
     fields, body = c.call(1, PATH_ECHO, b"hello")
     assert fields[b":status"] == b"200" and fields[b"content-type"] == b"application/grpc"
     assert fields[b"grpc-status"] == b"0" and body == b"olleh"
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 3, headers_block(PATH_ECHO))
-           + frame(wire.DATA, wire.END_STREAM, 3, message(b"z", compressed=True)))
+    c.request(3, PATH_ECHO, message(b"z", compressed=True))
     fields, _ = c.answer(3)
     assert fields[b"grpc-status"] == b"12" and b"compressed" in fields[b"grpc-message"]
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 5, headers_block(PATH_ECHO))
-           + frame(wire.DATA, wire.END_STREAM, 5, message(b"a") + message(b"b")))
+    c.request(5, PATH_ECHO, message(b"a") + message(b"b"))
     assert c.answer(5)[0][b"grpc-status"] == b"12"
     c.send(frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 7, headers_block(PATH_ECHO)))
     assert c.answer(7)[0][b"grpc-status"] == b"12"
@@ -255,16 +257,25 @@ def test_raw_unary_and_malformed_messages(served: UnixGrpcServer) -> None:
     c.close()
 
 
-def test_an_oversized_request_is_refused_and_the_connection_goes_on(
+def test_request_sizes_are_bounded_and_the_connection_goes_on(
     served: UnixGrpcServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One message over MAX_MESSAGE, or unfinished requests on several streams holding more than
+    MAX_BUFFERED together, end that stream with RESOURCE_EXHAUSTED; the connection and its other streams
+    go on."""
     monkeypatch.setattr(wire, "MAX_MESSAGE", 1000)
+    monkeypatch.setattr(wire, "MAX_BUFFERED", 1500)
+    exhausted = str(wire.RESOURCE_EXHAUSTED).encode()
     c = Raw(served.path)
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_ECHO))
-           + frame(wire.DATA, wire.END_STREAM, 1, message(b"x" * 2000)))
-    fields, _ = c.answer(1)
-    assert fields[b"grpc-status"] == str(wire.RESOURCE_EXHAUSTED).encode()
+    c.request(1, PATH_ECHO, message(b"x" * 2000))
+    assert c.answer(1)[0][b"grpc-status"] == exhausted
     assert c.call(3, PATH_ECHO, b"ok")[1] == b"ko"
+    for sid in (5, 7):
+        c.request(sid, PATH_ECHO, b"\0\0\0\x01\xf4" + b"x" * 400, end=False)  # 500 announced, 400 sent
+    c.request(9, PATH_ECHO, b"y" * 800, end=False)
+    assert c.answer(9)[0][b"grpc-status"] == exhausted
+    c.send(frame(wire.DATA, wire.END_STREAM, 5, b"x" * 100))  # the others go on
+    assert c.answer(5)[1] == b"x" * 500
     c.close()
 
 
@@ -318,8 +329,7 @@ def test_flow_control_is_followed(served: UnixGrpcServer, watch: Watch) -> None:
     """A peer with a 1000-byte stream window gets 1000 bytes, then more only as it opens the window; the
     connection's own window (65535) holds a large answer back the same way."""
     c = Raw(served.path, settings=struct.pack(">HI", wire.S_INITIAL_WINDOW_SIZE, 1000))
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
-           + frame(wire.DATA, wire.END_STREAM, 1, message(b"r" * 3000)))
+    c.request(1, PATH_WATCH, message(b"r" * 3000))
     got = 0
     while got < 1000:
         got += len(c.until(wire.DATA)[3])
@@ -354,8 +364,7 @@ def test_flow_control_is_followed(served: UnixGrpcServer, watch: Watch) -> None:
 
 def test_a_large_unary_answer_waits_for_the_window(served: UnixGrpcServer) -> None:
     c = Raw(served.path, settings=struct.pack(">HI", wire.S_INITIAL_WINDOW_SIZE, 100))
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_ECHO))
-           + frame(wire.DATA, wire.END_STREAM, 1, message(b"q" * 500)))
+    c.request(1, PATH_ECHO, message(b"q" * 500))
     assert len(c.until(wire.DATA)[3]) == 100
     c.send(frame(wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 1000)))
     fields, body = c.answer(1)
@@ -396,8 +405,7 @@ def test_stop_ends_streams_and_connections(tmp_path: Path, watch: Watch) -> None
     server = UnixGrpcServer(tmp_path / "s.sock", {PATH_ECHO: lambda r: r}, {PATH_WATCH: watch}, name="stopping")
     server.start()
     c = Raw(server.path)
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
-           + frame(wire.DATA, wire.END_STREAM, 1, message(b"s")))
+    c.request(1, PATH_WATCH, message(b"s"))
     c.until(wire.DATA)
     server.stop(2)
     assert c.goaway() == wire.NO_ERROR
@@ -441,8 +449,7 @@ def test_stop_lets_a_stream_end_with_its_status_first(tmp_path: Path) -> None:
     server = UnixGrpcServer(tmp_path / "g.sock", {}, {PATH_WATCH: until_closing}, name="graceful")
     server.start()
     c = Raw(server.path)
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
-           + frame(wire.DATA, wire.END_STREAM, 1, message(b"g")))
+    c.request(1, PATH_WATCH, message(b"g"))
     assert c.until(wire.DATA)[3] == message(b"g")
     closing.set()
     t = time.monotonic()
@@ -458,23 +465,6 @@ def test_stop_lets_a_stream_end_with_its_status_first(tmp_path: Path) -> None:
     assert trailers == [[(b"grpc-status", b"0")]]
     c.close()
 
-
-def test_requests_held_at_once_are_bounded_per_connection(
-    served: UnixGrpcServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Unfinished requests on many streams cannot together hold more than MAX_BUFFERED bytes."""
-    monkeypatch.setattr(wire, "MAX_BUFFERED", 3500)
-    c = Raw(served.path)
-    for sid in (1, 3):
-        c.send(frame(wire.HEADERS, wire.END_HEADERS, sid, headers_block(PATH_ECHO))
-               + frame(wire.DATA, 0, sid, b"\0\0\0\x07\xd0" + b"x" * 1000))  # 2000 announced, 1000 sent
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 5, headers_block(PATH_ECHO))
-           + frame(wire.DATA, 0, 5, b"y" * 1500))
-    fields, _ = c.answer(5)
-    assert fields[b"grpc-status"] == str(wire.RESOURCE_EXHAUSTED).encode()
-    c.send(frame(wire.DATA, wire.END_STREAM, 1, b"x" * 1000))  # the others go on
-    assert c.answer(1)[1] == b"x" * 2000
-    c.close()
 
 
 def test_a_client_that_reads_nothing_does_not_hold_up_stop(tmp_path: Path) -> None:
