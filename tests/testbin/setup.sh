@@ -71,15 +71,46 @@ build_go_binary() {
     _peers_log "cannot build $name: the Go toolchain is not installed (need go >= 1.24 on PATH)"
     return 1
   fi
-  version=${version:-dev}
-  local hash dest bindir logdir
+  local hash
   hash=$( (_go_sources_hash "$moddir" "$pkg" "$modfile" && echo "$ldflags" &&
     if [ -n "$modfile$tags" ]; then echo "modfile=$modfile tags=$tags"; fi) | sha256sum | cut -c1-12) || {
     _peers_log "cannot hash $moddir"
     return 1
   }
-  bindir=$NODEAGENT_CACHE/bin
-  logdir=$NODEAGENT_CACHE/logs
+  _build_into_cache "$name" "${version:-dev}" "$hash" "" _go_build_plain "$moddir" "$pkg" "$ldflags" "$modfile" "$tags"
+}
+
+# _go_build_plain OUT MODDIR PKG LDFLAGS MODFILE TAGS: a static (CGO_ENABLED=0) build of PKG into OUT.
+_go_build_plain() {
+  local out=$1 moddir=$2 pkg=$3 ldflags=$4 modfile=$5 tags=$6
+  cd "$moddir" &&
+    CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
+      nice -n 10 go build ${modfile:+-modfile="$modfile"} ${tags:+-tags="$tags"} -trimpath \
+      -ldflags="-s -w $ldflags" -o "$out" "$pkg"
+}
+
+# _go_build_cgo OUT MODDIR PKG: a cgo (gcc) build of PKG into OUT, with a private temp dir.
+_go_build_cgo() {
+  local out=$1 moddir=$2 pkg=$3 tmp rc=0
+  tmp=$(mktemp -d "${NODEAGENT_CACHE}/cgo-tmp.XXXXXX") || return 1
+  (
+    cd "$moddir" &&
+      TMPDIR=$tmp GOTMPDIR=$tmp CGO_ENABLED=1 CGO_CFLAGS="-O2 -w" \
+        GOFLAGS="-mod=mod -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
+        nice -n 10 go build -trimpath -ldflags="-s -w" -o "$out" "$pkg"
+  ) || rc=$?
+  rm -rf "$tmp"
+  return "$rc"
+}
+
+# _build_into_cache NAME VERSION HASH LABEL BUILDER ARGS...: unless the cache holds NAME-VERSION-HASH, runs
+# "BUILDER OUT ARGS..." in a subshell (its output in the cache's logs/) and moves OUT into place, so the
+# binary appears atomically; concurrent callers wait on a lock instead of building twice. Other builds of
+# the peer (older sources or versions) go once nobody has touched them for a week. Sets NODEAGENT_GO_BINARY.
+_build_into_cache() {
+  local name=$1 version=$2 hash=$3 label=$4 builder=$5
+  shift 5
+  local bindir=$NODEAGENT_CACHE/bin logdir=$NODEAGENT_CACHE/logs dest
   dest=$bindir/$name-$version-$hash
   mkdir -p "$bindir" "$logdir" || return 1
   if [ ! -x "$dest" ]; then
@@ -90,14 +121,9 @@ build_go_binary() {
       flock "$_peers_lock_fd" || return 1
     fi
     if [ ! -x "$dest" ]; then
-      _peers_log "building $name $version (not in the cache; log: $log)"
+      _peers_log "building $name $version${label:+ $label} (not in the cache; log: $log)"
       local start=$SECONDS rc=0
-      (
-        cd "$moddir" &&
-          CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
-            nice -n 10 go build ${modfile:+-modfile="$modfile"} ${tags:+-tags="$tags"} -trimpath \
-            -ldflags="-s -w $ldflags" -o "$dest.tmp.$$" "$pkg"
-      ) >"$log" 2>&1 || rc=$?
+      ("$builder" "$dest.tmp.$$" "$@") >"$log" 2>&1 || rc=$?
       if [ "$rc" -ne 0 ]; then
         rm -f "$dest.tmp.$$"
         exec {_peers_lock_fd}>&-
@@ -109,7 +135,6 @@ build_go_binary() {
       _peers_log "built $name in $((SECONDS - start))s -> $dest"
     fi
     exec {_peers_lock_fd}>&-
-    # Other builds of this peer (older sources or versions) go once nobody has touched them for a week.
     find "$bindir" -maxdepth 1 -type f -name "$name-*" ! -name "${dest##*/}" -mtime +7 -delete 2>/dev/null || true
   fi
   NODEAGENT_GO_BINARY=$dest
@@ -309,38 +334,9 @@ _abi_python() {
 
 # build_cgo_binary NAME MODDIR PKG VERSION: like build_go_binary, with cgo (gcc) and a private temp dir.
 build_cgo_binary() {
-  local name=$1 moddir=$2 pkg=$3 version=${4:-dev}
-  local hash dest bindir=$NODEAGENT_CACHE/bin logdir=$NODEAGENT_CACHE/logs
+  local name=$1 moddir=$2 pkg=$3 version=${4:-dev} hash
   hash=$( (_go_sources_hash "$moddir" "$pkg" && echo cgo) | sha256sum | cut -c1-12) || return 1
-  dest=$bindir/$name-$version-$hash
-  mkdir -p "$bindir" "$logdir" || return 1
-  if [ ! -x "$dest" ]; then
-    local lock=$bindir/.$name.lock log=$logdir/build-$name-$version-$hash.log tmp rc=0 start=$SECONDS
-    exec {_abi_lock_fd}>"$lock" || return 1
-    flock "$_abi_lock_fd" || return 1
-    if [ ! -x "$dest" ]; then
-      _peers_log "building $name $version with cgo (not in the cache; log: $log)"
-      tmp=$(mktemp -d "${NODEAGENT_CACHE}/cgo-tmp.XXXXXX") || return 1
-      (
-        cd "$moddir" &&
-          TMPDIR=$tmp GOTMPDIR=$tmp CGO_ENABLED=1 CGO_CFLAGS="-O2 -w" \
-            GOFLAGS="-mod=mod -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
-            nice -n 10 go build -trimpath -ldflags="-s -w" -o "$dest.tmp.$$" "$pkg"
-      ) >"$log" 2>&1 || rc=$?
-      rm -rf "$tmp"
-      if [ "$rc" -ne 0 ]; then
-        rm -f "$dest.tmp.$$"
-        exec {_abi_lock_fd}>&-
-        _peers_log "building $name failed (exit $rc); last lines of $log:"
-        tail -n 20 "$log" >&2
-        return 1
-      fi
-      mv -f "$dest.tmp.$$" "$dest"
-      _peers_log "built $name in $((SECONDS - start))s -> $dest"
-    fi
-    exec {_abi_lock_fd}>&-
-  fi
-  NODEAGENT_GO_BINARY=$dest
+  _build_into_cache "$name" "$version" "$hash" "with cgo" _go_build_cgo "$moddir" "$pkg"
 }
 
 nodeagent_peers_nvml_abi() {
