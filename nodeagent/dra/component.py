@@ -141,7 +141,8 @@ class DraComponent:
         if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
             await self._set_inventory(await asyncio.to_thread(self.mig.discover))
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
-                                on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir)
+                                on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir,
+                                on_claims_changed=self._claims_changed)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
         if self.health_source is not None:
@@ -195,6 +196,12 @@ class DraComponent:
         """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""
         self._unhealthy = dict(unhealthy)
         await self._refresh()
+
+    async def _claims_changed(self) -> None:
+        """A claim was prepared or unprepared: a fault on one GPU instance follows the devices holding
+        instances now (a placement whose instance is gone is no longer hit by it)."""
+        if any(gi is not None for _, gi in self._unhealthy):
+            await self._refresh()
 
     async def _refresh(self) -> None:
         live = self.preparer.live_instances() if self.preparer is not None else {}

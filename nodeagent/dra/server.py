@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,11 @@ def dra_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
 class _DraServicer:
     """One implementation for both DRAPlugin versions: ``pb2`` picks the message module."""
 
-    def __init__(self, preparer: ClaimPreparer, pb2: Any) -> None:
+    def __init__(self, preparer: ClaimPreparer, pb2: Any,
+                 on_claims_changed: Callable[[], Awaitable[None]] | None = None) -> None:
         self.preparer = preparer
         self.pb2 = pb2
+        self.on_claims_changed = on_claims_changed
 
     @staticmethod
     def _refs(request: Any) -> list[ClaimRef]:
@@ -64,6 +66,8 @@ class _DraServicer:
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
         results = await self.preparer.prepare(self._refs(request))
+        if self.on_claims_changed is not None:
+            await self.on_claims_changed()
         resp = self.pb2.NodePrepareResourcesResponse()
         for uid, r in results.items():
             one = resp.claims[uid]
@@ -77,6 +81,8 @@ class _DraServicer:
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         results = await self.preparer.unprepare(self._refs(request))
+        if self.on_claims_changed is not None:
+            await self.on_claims_changed()
         resp = self.pb2.NodeUnprepareResourcesResponse()
         for uid, err in results.items():
             resp.claims[uid].error = err
@@ -142,9 +148,11 @@ async def _serve(path: Path, add: list[Any]) -> grpc.aio.Server:
 class DraServer:
     def __init__(self, kubelet_dir: Path, preparer: ClaimPreparer, feed: HealthFeed, *,
                  driver: str = DRIVER_NAME, on_registered: Callable[[], None] | None = None,
-                 kubelet_host_dir: Path | None = None) -> None:
+                 kubelet_host_dir: Path | None = None,
+                 on_claims_changed: Callable[[], Awaitable[None]] | None = None) -> None:
         self.driver = driver
         self.on_registered = on_registered  # called on every successful (re-)registration
+        self.on_claims_changed = on_claims_changed  # awaited after every prepare and unprepare
         self.reg_path = registration_socket(kubelet_dir, driver)
         self.dra_path = dra_socket(kubelet_dir, driver)
         # what the kubelet dials: the socket's path on the host (``kubelet_dir`` may be the host's directory
@@ -161,8 +169,10 @@ class DraServer:
     async def start(self) -> None:
         pool = self.preparer.pool
         self._dra = await _serve(self.dra_path, [
-            (v1_pb2_grpc.add_DRAPluginServicer_to_server, _DraServicer(self.preparer, v1_pb2)),
-            (v1beta1_pb2_grpc.add_DRAPluginServicer_to_server, _DraServicer(self.preparer, v1beta1_pb2)),
+            (v1_pb2_grpc.add_DRAPluginServicer_to_server,
+             _DraServicer(self.preparer, v1_pb2, self.on_claims_changed)),
+            (v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
+             _DraServicer(self.preparer, v1beta1_pb2, self.on_claims_changed)),
             (health_pb2_grpc.add_DRAResourceHealthServicer_to_server, _HealthServicer(self.feed, pool)),
         ])
         try:

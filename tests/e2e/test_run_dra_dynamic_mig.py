@@ -21,16 +21,24 @@ from tests.peers.apiserver import KubeApiServer
 pytestmark = pytest.mark.peers
 
 
-def pool(server: KubeApiServer, node: str) -> tuple[set[str], list[str]] | None:
-    """(device names, counter set names) of the node's complete pool; None while it is absent or partial."""
+def complete_slices(server: KubeApiServer, node: str) -> list[dict[str, Any]] | None:
+    """The node's ResourceSlices once every slice of one pool generation is there; None while the pool is
+    absent or partial (it is written slice by slice)."""
     status, body = server.get(f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3D{node}")
     assert status == 200, body
     items: list[dict[str, Any]] = json.loads(body)["items"]
     if not items:
         return None
-    # the pool is written slice by slice: read it only once every slice of one generation is there
     gens = {s["spec"]["pool"]["generation"] for s in items}
     if len(gens) != 1 or len(items) != items[0]["spec"]["pool"]["resourceSliceCount"]:
+        return None
+    return items
+
+
+def pool(server: KubeApiServer, node: str) -> tuple[set[str], list[str]] | None:
+    """(device names, counter set names) of the node's complete pool; None while it is absent or partial."""
+    items = complete_slices(server, node)
+    if items is None:
         return None
     names = {d["name"] for s in items for d in s["spec"].get("devices") or []}
     sets = sorted(cs["name"] for s in items for cs in s["spec"].get("sharedCounters") or [])

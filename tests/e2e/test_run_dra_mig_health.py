@@ -1,12 +1,15 @@
 """``nodeagent run`` with dynamic MIG, prepared by the kubelet's own DRA manager: an XID that NVML ties to
 one created GPU instance marks that placement's device unhealthy (ResourceSlice taint, the kubelet's
-allocatedResourcesStatus) and no other device of the GPU; recovery clears it."""
+allocatedResourcesStatus) and no other device of the GPU; unpreparing the claim clears it at once (the
+placement no longer holds that instance), and without an unprepare the health window's end clears it."""
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +21,7 @@ from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import eventually, node_root, running_agent
 from tests.e2e.test_run_dra import DRIVER, dra_node, remove_node, slice_devices
+from tests.e2e.test_run_dra_dynamic_mig import complete_slices
 from tests.integration.test_dra_kubelet import CLAIMS, create_allocated_claim, resource_health
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.draharness import Pod, running_dra_harness
@@ -25,6 +29,13 @@ from tests.peers.draharness import Pod, running_dra_harness
 pytestmark = pytest.mark.peers
 
 BIG, SMALL = "gpu-0-mig-3g-40gb-at-4", "gpu-0-mig-1g-10gb-at-0"
+WINDOW = 12.0
+
+
+def complete_pool(server: KubeApiServer, node: str) -> dict[str, dict[str, Any]] | None:
+    """Device name → device of the node's complete pool, else None."""
+    items = complete_slices(server, node)
+    return None if items is None else {d["name"]: d for s in items for d in s["spec"].get("devices") or []}
 
 
 def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, kube_apiserver: KubeApiServer) -> None:
@@ -32,9 +43,9 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, k
     adapter = adapter_for_sim(open_sim("dgx-h100", tmp_path / "sim.json"))
     if adapter.set_mig_mode(0, True):
         adapter.reset_gpu(0)
-    # health: a quick recovery window so the test sees the taint go
+    # a health window (WINDOW s without a new XID until healthy) long enough to tell an unprepare from it
     _, args = dra_node(tmp_path, kube_apiserver, node, "dra",
-                       "dynamic_mig = true\n[health]\nwindow = 2.0\npoll_interval = 0.5\n")
+                       f"dynamic_mig = true\n[health]\nwindow = {WINDOW}\npoll_interval = 0.5\n")
     kube = KubeClient(connect(kube_apiserver.kubeconfig))
     claim_names: list[str] = []
     try:
@@ -57,28 +68,48 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, k
                     gi = record[big_uid]["devices"][0]["mig"]["gi_id"]
                     assert isinstance(gi, int) and record[small_uid]["devices"][0]["mig"]["gi_id"] != gi
 
-                    inject_xid(SimStore.open("dgx-h100", tmp_path / "sim.json"), 0, 48, gi_id=gi)
+                    store = SimStore.open("dgx-h100", tmp_path / "sim.json")
+                    small_gi = record[small_uid]["devices"][0]["mig"]["gi_id"]
 
-                    def tainted() -> dict[str, bool] | None:
-                        devs = slice_devices(kube_apiserver, node) or {}
-                        if BIG not in devs or not devs[BIG].get("taints"):
+                    def taints() -> dict[str, bool] | None:
+                        """GPU 0's placement devices → tainted, read from a complete pool only (the pool
+                        is rewritten slice by slice: a partial read would miss devices)."""
+                        got = complete_pool(kube_apiserver, node)
+                        if got is None:
                             return None
-                        return {n: bool(d.get("taints")) for n, d in devs.items() if n.startswith("gpu-0-")}
+                        return {n: bool(d.get("taints")) for n, d in got.items() if n.startswith("gpu-0-")}
 
-                    marks = eventually(tainted, 20, f"a taint on {BIG}")
-                    now = slice_devices(kube_apiserver, node) or {}
+                    def only_tainted(name: str) -> dict[str, bool] | None:
+                        marks = taints()
+                        return marks if marks and marks.get(name) else None
+
+                    def untainted() -> bool | None:
+                        marks = taints()
+                        return (marks is not None and BIG in marks and not any(marks.values())) or None
+
+                    inject_xid(store, 0, 48, gi_id=gi)
+                    marks = eventually(lambda: only_tainted(BIG), 20, f"a taint on {BIG}")
+                    hit = time.monotonic()
+                    now = eventually(lambda: complete_pool(kube_apiserver, node), 20, "the pool")
                     assert [t["key"] for t in now[BIG]["taints"]] == [UNHEALTHY_TAINT_KEY]
                     assert [n for n, bad in marks.items() if bad] == [BIG], marks
                     eventually(lambda: resource_health(h, big) == {big_ids[0]: "Unhealthy"} or None, 20,
                                "the big claim Unhealthy at the kubelet")
                     assert resource_health(h, small) == {small_ids[0]: "Healthy"}
 
-                    # no new XID for the recovery window: healthy again, the taint gone
-                    eventually(lambda: not (slice_devices(kube_apiserver, node) or {}).get(BIG, {}).get("taints")
-                               or None, 30, "the taint removed")
-                    eventually(lambda: resource_health(h, big) == {big_ids[0]: "Healthy"} or None, 20,
-                               "the big claim Healthy again")
+                    # unprepared: the instance is gone, the placement is free and untainted long before the
+                    # health window ends
                     h.unprepare(big)
+                    eventually(untainted, 20, f"the taint on {BIG} removed")
+                    assert time.monotonic() - hit < WINDOW - 2
+
+                    # still prepared: the taint goes when the window passes without a new XID
+                    inject_xid(store, 0, 48, gi_id=small_gi)
+                    marks = eventually(lambda: only_tainted(SMALL), 20, f"a taint on {SMALL}")
+                    assert [n for n, bad in marks.items() if bad] == [SMALL], marks
+                    eventually(untainted, WINDOW + 20, "the taint gone after the window")
+                    eventually(lambda: resource_health(h, small) == {small_ids[0]: "Healthy"} or None, 20,
+                               "the small claim Healthy again")
                     h.unprepare(small)
                 code, _ = agent.stop()
                 assert code == 0, agent.log()
