@@ -53,7 +53,7 @@ S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_S
 S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 5, 6
 
 # gRPC status codes
-OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, RESOURCE_EXHAUSTED = 0, 1, 2, 3, 8
+OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED = 0, 1, 2, 3, 4, 8
 UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 12, 13, 14
 
 DEFAULT_WINDOW = 65_535
@@ -738,6 +738,11 @@ class UnixGrpcServer:
     def forget(self, conn: _Connection) -> None:
         with self._lock:
             self._connections.discard(conn)
+
+    @property
+    def streaming_calls(self) -> int:
+        with self._lock:
+            return self._streaming_calls
 
     @property
     def connections(self) -> int:

@@ -89,9 +89,9 @@ server.stop()
 # The same constant answer from grpcio's threaded server (raw bytes): what the device-plugin servers were
 # built on before nodeagent.wire.server.
 GRPCIO = r"""
-import sys
+import os, sys
 from concurrent.futures import ThreadPoolExecutor
-import nodeagent  # before grpc: nodeagent's gRPC settings
+os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_listener")  # grpcio at its fastest (own listener)
 import grpc
 from nodeagent.deviceplugin.api import pb2
 

@@ -46,18 +46,3 @@ def test_two_resources_on_one_socket_are_refused_with_one_line() -> None:
     msg = str(err.value)
     assert "\n" not in msg
     assert "nvidia.com/gpu-x and nvidia.com/gpu+x would both be served on socket nvidia-gpu-x.sock" in msg
-
-
-def test_grpc_listener_setting_set_before_grpc_loads_and_operator_value_kept() -> None:
-    import os
-    import subprocess
-    import sys
-
-    probe = "import nodeagent, grpc, os; print(os.environ.get('GRPC_EXPERIMENTS'))"
-    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "-event_engine_listener"
-    env["GRPC_EXPERIMENTS"] = "-event_engine_client"
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "-event_engine_client"
-    assert os.environ.get("GRPC_EXPERIMENTS") == "-event_engine_listener"  # this suite runs with it too

@@ -230,6 +230,50 @@ async def test_grpc_registration_prepare_and_health(served: tuple[DraServer, Cla
     assert not server.reg_path.exists() and not server.dra_path.exists()
 
 
+async def test_sockets_refuse_bad_input_time_out_and_end_cancelled_watches(
+    served: tuple[DraServer, Claims], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DRA sockets on nodeagent.wire: a malformed request is INVALID_ARGUMENT naming the message, a call
+    the loop does not answer in time is DEADLINE_EXCEEDED (the loop stays free), and a cancelled health
+    watch ends its generator on the loop and frees its slot."""
+    import nodeagent.dra.server as dra_server
+
+    server, _ = served
+    async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
+        raw = ch.unary_unary("/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await raw(b"\xff\xff", timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (e.value.details() or "").startswith("malformed NodePrepareResourcesRequest (2 bytes)")
+
+        monkeypatch.setattr(dra_server, "CALL_TIMEOUT_S", 0.3)
+        release = asyncio.Event()
+        real_prepare = server.preparer.prepare
+
+        async def stuck(refs: Any) -> Any:
+            await release.wait()
+            return await real_prepare(refs)
+
+        monkeypatch.setattr(server.preparer, "prepare", stuck)
+        req = v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")])
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await v1_pb2_grpc.DRAPluginStub(ch).NodePrepareResources(req, timeout=5)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        release.set()
+
+        for _ in range(3):  # more watches than one server runs at once would be refused if slots leaked
+            for _ in range(4):
+                stream = health_pb2_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
+                    health_pb2.NodeWatchResourcesRequest())
+                assert (await asyncio.wait_for(stream.read(), 5)).devices
+                stream.cancel()
+        for _ in range(100):
+            if server._dra is not None and server._dra.streaming_calls == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server._dra is not None and server._dra.streaming_calls == 0
+
+
 KILLED_CHILD = """
 import asyncio, os, signal, sys
 sys.path.insert(0, {repo!r})
