@@ -34,6 +34,7 @@ from nodeagent.wire.server import (
     StreamMethod,
     UnaryMethod,
     UnixGrpcServer,
+    parse_request,
 )
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ def _to_proto(alloc: ContainerAllocation) -> Any:
             for m in alloc.mounts
         ],
         devices=[
-            api_pb2.DeviceSpec(container_path=d.container_path, host_path=d.host_path, permissions=d.permissions)
+            api_pb2.DeviceSpec(
+                container_path=d.container_path, host_path=d.host_path, permissions=d.permissions
+            )
             for d in alloc.devices
         ],
         cdi_devices=[api_pb2.CDIDevice(name=n) for n in alloc.cdi_devices],
@@ -146,17 +149,10 @@ def preferred(
     return spread_pick(avail, must, size, group, used, policy)
 
 
-def _parse(message: Any, request: bytes) -> Any:
-    try:
-        return message.FromString(request)
-    except DecodeError as e:
-        raise RpcError(INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name} ({len(request)} bytes): {e}") from e
-
-
 class _Servicer:
-    """The DevicePlugin methods, bytes in and out. They run on the socket server's threads, never on the daemon's
-    event loop: they read only the server's current ``_Served`` (replaced whole on a change) and its prebuilt
-    device list."""
+    """The DevicePlugin methods, bytes in and out. They run on the socket server's threads, never on the
+    daemon's event loop: they read only the server's current ``_Served`` (replaced whole on a change) and its
+    prebuilt device list."""
 
     _OPTIONS: bytes = api_pb2.DevicePluginOptions(
         pre_start_required=False, get_preferred_allocation_available=True).SerializeToString()
@@ -166,11 +162,11 @@ class _Servicer:
         self._owner = owner
 
     def GetDevicePluginOptions(self, request: bytes) -> bytes:
-        _parse(api_pb2.Empty, request)
+        parse_request(api_pb2.Empty, request)
         return self._OPTIONS
 
     def ListAndWatch(self, request: bytes, stream: ServerStream) -> Iterator[bytes]:
-        _parse(api_pb2.Empty, request)
+        parse_request(api_pb2.Empty, request)
         owner = self._owner
         changed = owner.changed
         stream.add_callback(owner.wake)  # a cancelled stream stops waiting at once
@@ -186,7 +182,7 @@ class _Servicer:
             yield message
 
     def GetPreferredAllocation(self, request: bytes) -> bytes:
-        parsed = _parse(api_pb2.PreferredAllocationRequest, request)
+        parsed = parse_request(api_pb2.PreferredAllocationRequest, request)
         served = self._owner.served
         responses = []
         for creq in parsed.container_requests:
@@ -216,7 +212,7 @@ class _Servicer:
             raise RpcError(INVALID_ARGUMENT, str(e)) from e
 
     def PreStartContainer(self, request: bytes) -> bytes:
-        _parse(api_pb2.PreStartContainerRequest, request)
+        parse_request(api_pb2.PreStartContainerRequest, request)
         return self._PRE_START
 
     def methods(self) -> tuple[dict[str, UnaryMethod], dict[str, StreamMethod]]:
@@ -331,8 +327,8 @@ class ResourceServer:
         path = self.socket_path
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise InputError(
-                f"device-plugin socket path {path} is {len(os.fsencode(path))} bytes, more than a Unix socket "
-                f"allows ({MAX_SOCKET_PATH}); use a shorter --root or --kubelet-dir",
+                f"device-plugin socket path {path} is {len(os.fsencode(path))} bytes, more than a Unix "
+                f"socket allows ({MAX_SOCKET_PATH}); use a shorter --root or --kubelet-dir",
                 subject=str(path),
             )
         if path.is_dir() and not path.is_symlink():
@@ -353,7 +349,8 @@ class ResourceServer:
         try:
             server.start()
         except OSError as e:
-            raise KubeletError(f"cannot serve {self.name} on {path}: {e.strerror or e}", subject=str(path)) from e
+            raise KubeletError(f"cannot serve {self.name} on {path}: {e.strerror or e}",
+                               subject=str(path)) from e
         self._server = server
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
 

@@ -10,7 +10,8 @@ Health: with ``nvml=`` the component runs its own ``HealthMonitor`` (only when n
 the same NVML source: a source serves one monitor); otherwise pass the device plugin's monitor changes
 to ``set_health``. ``gpu_filter`` limits the pool to some GPUs, so two planes on one node never hand
 out the same GPU; ``pumps`` is the NVML event-pump registry of whoever outlives the component (the
-daemon's, so a rebuild hands over what its monitor held). ``reverify()`` (e.g. from the daemon's periodic resync) compares the pool with the API.
+daemon's, so a rebuild hands over what its monitor held). ``reverify()`` (e.g. from the daemon's periodic
+resync) compares the pool with the API.
 
 Dynamic MIG (``dynamic_mig=True`` with ``mig=`` the MIG port): a GPU in MIG mode whose GPU instances are
 all ones this driver created for claims (none at first) publishes its placements and counters
@@ -93,7 +94,8 @@ class DraComponent:
         self.node_name = node_name
         self.driver = driver
         self.kubelet_dir = kubelet_dir or paths("/var/lib/kubelet")
-        self.kubelet_host_dir = kubelet_host_dir  # the kubelet's directory as the kubelet sees it (default: the same)
+        # the kubelet's directory as the kubelet sees it (default: the same)
+        self.kubelet_host_dir = kubelet_host_dir
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
@@ -136,7 +138,7 @@ class DraComponent:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
-                                      driver=self.driver, mig=self.mig)  # MIG claims unprepare even with the knob off
+                                      driver=self.driver, mig=self.mig)  # MIG claims unprepare with the knob off
         await self._set_inventory(inventory)
         if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
             await self._set_inventory(await asyncio.to_thread(self.mig.discover))
@@ -238,7 +240,8 @@ class DraComponent:
                 await asyncio.to_thread(self.publisher.sync, wanted)
             except NodeAgentError as e:
                 self.last_error = str(e)
-                log.warning("DRA ResourceSlices of %s not written (retry in %.1fs): %s", self.node_name, delay, e)
+                log.warning("DRA ResourceSlices of %s not written (retry in %.1fs): %s",
+                            self.node_name, delay, e)
                 self.publisher.invalidate()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX_S)

@@ -22,21 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.api import health_pb2, reg_pb2, v1_pb2, v1beta1_pb2
 from nodeagent.dra.health import HealthFeed
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
-from nodeagent.wire.server import (
-    DEADLINE_EXCEEDED,
-    INVALID_ARGUMENT,
-    RpcError,
-    ServerStream,
-    StreamMethod,
-    UnaryMethod,
-    UnixGrpcServer,
-)
+from nodeagent.wire import server as wire
 
 log = logging.getLogger(__name__)
 
@@ -62,32 +52,25 @@ def _path(pb2: Any, service: str, method: str) -> str:
     return f"/{pb2.DESCRIPTOR.services_by_name[service].full_name}/{method}"
 
 
-def _parse(message: Any, request: bytes) -> Any:
-    try:
-        return message.FromString(request)
-    except DecodeError as e:
-        raise RpcError(INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name} ({len(request)} bytes): {e}") from e
-
-
 class _OnLoop:
     """Turns the coroutine methods into what the socket server calls from its threads."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
 
-    def unary(self, method: Callable[[bytes], Awaitable[bytes]]) -> UnaryMethod:
+    def unary(self, method: Callable[[bytes], Awaitable[bytes]]) -> wire.UnaryMethod:
         def call(request: bytes) -> bytes:
             fut = asyncio.run_coroutine_threadsafe(_awaited(method(request)), self.loop)
             try:
                 return fut.result(CALL_TIMEOUT_S)
             except concurrent.futures.TimeoutError as e:
                 fut.cancel()
-                raise RpcError(DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s") from e
+                raise wire.RpcError(wire.DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s") from e
 
         return call
 
-    def stream(self, method: Callable[[bytes], AsyncIterator[bytes]]) -> StreamMethod:
-        def call(request: bytes, stream: ServerStream) -> Iterator[bytes]:
+    def stream(self, method: Callable[[bytes], AsyncIterator[bytes]]) -> wire.StreamMethod:
+        def call(request: bytes, stream: wire.ServerStream) -> Iterator[bytes]:
             items = method(request)
             waiting: list[concurrent.futures.Future[bytes]] = []
 
@@ -130,8 +113,12 @@ async def _aclose(items: AsyncIterator[bytes]) -> None:
 class _DraServicer:
     """One implementation for both DRAPlugin versions: ``pb2`` picks the message module."""
 
-    def __init__(self, preparer: ClaimPreparer, pb2: Any,
-                 on_claims_changed: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        preparer: ClaimPreparer,
+        pb2: Any,
+        on_claims_changed: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.preparer = preparer
         self.pb2 = pb2
         self.on_claims_changed = on_claims_changed
@@ -141,7 +128,9 @@ class _DraServicer:
         return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
 
     async def NodePrepareResources(self, request: bytes) -> bytes:
-        results = await self.preparer.prepare(self._refs(_parse(self.pb2.NodePrepareResourcesRequest, request)))
+        results = await self.preparer.prepare(
+            self._refs(wire.parse_request(self.pb2.NodePrepareResourcesRequest, request))
+        )
         if self.on_claims_changed is not None:
             await self.on_claims_changed()
         resp = self.pb2.NodePrepareResourcesResponse()
@@ -151,13 +140,21 @@ class _DraServicer:
                 one.error = r.error
                 continue
             for d in r.devices:
-                one.devices.append(self.pb2.Device(request_names=list(d.request_names), pool_name=d.pool,
-                                                   device_name=d.device, cdi_device_ids=list(d.cdi_device_ids)))
+                one.devices.append(
+                    self.pb2.Device(
+                        request_names=list(d.request_names),
+                        pool_name=d.pool,
+                        device_name=d.device,
+                        cdi_device_ids=list(d.cdi_device_ids),
+                    )
+                )
         answer: bytes = resp.SerializeToString()
         return answer
 
     async def NodeUnprepareResources(self, request: bytes) -> bytes:
-        results = await self.preparer.unprepare(self._refs(_parse(self.pb2.NodeUnprepareResourcesRequest, request)))
+        results = await self.preparer.unprepare(
+            self._refs(wire.parse_request(self.pb2.NodeUnprepareResourcesRequest, request))
+        )
         if self.on_claims_changed is not None:
             await self.on_claims_changed()
         resp = self.pb2.NodeUnprepareResourcesResponse()
@@ -166,9 +163,13 @@ class _DraServicer:
         answer: bytes = resp.SerializeToString()
         return answer
 
-    def methods(self, on_loop: _OnLoop) -> dict[str, UnaryMethod]:
-        return {_path(self.pb2, "DRAPlugin", "NodePrepareResources"): on_loop.unary(self.NodePrepareResources),
-                _path(self.pb2, "DRAPlugin", "NodeUnprepareResources"): on_loop.unary(self.NodeUnprepareResources)}
+    def methods(self, on_loop: _OnLoop) -> dict[str, wire.UnaryMethod]:
+        return {
+            _path(self.pb2, "DRAPlugin", "NodePrepareResources"): on_loop.unary(self.NodePrepareResources),
+            _path(self.pb2, "DRAPlugin", "NodeUnprepareResources"): on_loop.unary(
+                self.NodeUnprepareResources
+            ),
+        }
 
 
 class _HealthServicer:
@@ -177,15 +178,18 @@ class _HealthServicer:
         self.pool = pool
 
     async def NodeWatchResources(self, request: bytes) -> AsyncIterator[bytes]:
-        _parse(health_pb2.NodeWatchResourcesRequest, request)
+        wire.parse_request(health_pb2.NodeWatchResourcesRequest, request)
         async for snap in self.feed.watch():
-            answer: bytes = health_pb2.NodeWatchResourcesResponse(devices=[
-                health_pb2.DeviceHealth(
-                    device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
-                    health=s.health, last_updated_time=s.since,
-                )
-                for s in snap
-            ]).SerializeToString()
+            answer: bytes = health_pb2.NodeWatchResourcesResponse(
+                devices=[
+                    health_pb2.DeviceHealth(
+                        device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
+                        health=s.health,
+                        last_updated_time=s.since,
+                    )
+                    for s in snap
+                ]
+            ).SerializeToString()
             yield answer
 
 
@@ -194,14 +198,17 @@ class _RegistrationServicer:
         self.owner = owner
 
     async def GetInfo(self, request: bytes) -> bytes:
-        _parse(reg_pb2.InfoRequest, request)
-        answer: bytes = reg_pb2.PluginInfo(type=PLUGIN_TYPE, name=self.owner.driver,
-                                           endpoint=str(self.owner.endpoint),
-                                           supported_versions=list(SERVICES)).SerializeToString()
+        wire.parse_request(reg_pb2.InfoRequest, request)
+        answer: bytes = reg_pb2.PluginInfo(
+            type=PLUGIN_TYPE,
+            name=self.owner.driver,
+            endpoint=str(self.owner.endpoint),
+            supported_versions=list(SERVICES),
+        ).SerializeToString()
         return answer
 
     async def NotifyRegistrationStatus(self, request: bytes) -> bytes:
-        status = _parse(reg_pb2.RegistrationStatus, request)
+        status = wire.parse_request(reg_pb2.RegistrationStatus, request)
         self.owner.registered = bool(status.plugin_registered)
         self.owner.registration_error = str(status.error)
         if status.plugin_registered:
@@ -220,21 +227,30 @@ def _check_socket_path(path: Path) -> None:
         raise ValueError(f"socket path too long for a Unix socket ({len(os.fsencode(path))} bytes): {path}")
 
 
-def _serve(path: Path, unary: dict[str, UnaryMethod], streaming: dict[str, StreamMethod], name: str) -> UnixGrpcServer:
+def _serve(
+    path: Path, unary: dict[str, wire.UnaryMethod], streaming: dict[str, wire.StreamMethod], name: str
+) -> wire.UnixGrpcServer:
     _check_socket_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # a socket left by a previous process
-    server = UnixGrpcServer(path, unary, streaming, name=name)
+    server = wire.UnixGrpcServer(path, unary, streaming, name=name)
     server.start()
     return server
 
 
 class DraServer:
-    def __init__(self, kubelet_dir: Path, preparer: ClaimPreparer, feed: HealthFeed, *,
-                 driver: str = DRIVER_NAME, on_registered: Callable[[], None] | None = None,
-                 kubelet_host_dir: Path | None = None,
-                 on_claims_changed: Callable[[], Awaitable[None]] | None = None) -> None:
+    def __init__(
+        self,
+        kubelet_dir: Path,
+        preparer: ClaimPreparer,
+        feed: HealthFeed,
+        *,
+        driver: str = DRIVER_NAME,
+        on_registered: Callable[[], None] | None = None,
+        kubelet_host_dir: Path | None = None,
+        on_claims_changed: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.driver = driver
         self.on_registered = on_registered  # called on every successful (re-)registration
         self.on_claims_changed = on_claims_changed  # awaited after every prepare and unprepare
@@ -242,27 +258,35 @@ class DraServer:
         self.dra_path = dra_socket(kubelet_dir, driver)
         # what the kubelet dials: the socket's path on the host (``kubelet_dir`` may be the host's directory
         # seen from a container, under --root)
-        self.endpoint = dra_socket(kubelet_host_dir, driver) if kubelet_host_dir is not None else self.dra_path
+        self.endpoint = (
+            dra_socket(kubelet_host_dir, driver) if kubelet_host_dir is not None else self.dra_path
+        )
         self.preparer = preparer
         self.feed = feed
         self.registered = False
         self.registration_error = ""
         self.registration_changed = asyncio.Event()
-        self._dra: UnixGrpcServer | None = None
-        self._reg: UnixGrpcServer | None = None
+        self._dra: wire.UnixGrpcServer | None = None
+        self._reg: wire.UnixGrpcServer | None = None
 
     async def start(self) -> None:
         on_loop = _OnLoop(asyncio.get_running_loop())
-        unary: dict[str, UnaryMethod] = {}
+        unary: dict[str, wire.UnaryMethod] = {}
         for pb2 in (v1_pb2, v1beta1_pb2):
             unary.update(_DraServicer(self.preparer, pb2, self.on_claims_changed).methods(on_loop))
         health = _HealthServicer(self.feed, self.preparer.pool)
-        streaming = {_path(health_pb2, "DRAResourceHealth", "NodeWatchResources"):
-                     on_loop.stream(health.NodeWatchResources)}
+        streaming = {
+            _path(health_pb2, "DRAResourceHealth", "NodeWatchResources"): on_loop.stream(
+                health.NodeWatchResources
+            )
+        }
         reg = _RegistrationServicer(self)
-        reg_unary = {_path(reg_pb2, "Registration", "GetInfo"): on_loop.unary(reg.GetInfo),
-                     _path(reg_pb2, "Registration", "NotifyRegistrationStatus"):
-                         on_loop.unary(reg.NotifyRegistrationStatus)}
+        reg_unary = {
+            _path(reg_pb2, "Registration", "GetInfo"): on_loop.unary(reg.GetInfo),
+            _path(reg_pb2, "Registration", "NotifyRegistrationStatus"): on_loop.unary(
+                reg.NotifyRegistrationStatus
+            ),
+        }
         self._dra = _serve(self.dra_path, unary, streaming, f"DRA {self.driver}")
         try:
             self._reg = _serve(self.reg_path, reg_unary, {}, f"DRA {self.driver} registration")
@@ -273,7 +297,7 @@ class DraServer:
         log.info("DRA driver %s serving on %s (registration %s)", self.driver, self.dra_path, self.reg_path)
 
     @staticmethod
-    async def _stop_one(server: UnixGrpcServer | None, path: Path) -> None:
+    async def _stop_one(server: wire.UnixGrpcServer | None, path: Path) -> None:
         if server is not None:
             await asyncio.to_thread(server.stop, STOP_GRACE_S)
         with contextlib.suppress(FileNotFoundError):

@@ -143,7 +143,8 @@ class ClaimPreparer:
         for ref, gpus in list(self._inflight.values()):
             for gpu in gpus & gpu_indices:
                 out.setdefault(gpu, set()).add(ref)
-        return {g: tuple(sorted(refs, key=lambda r: (r.namespace, r.name, r.uid))) for g, refs in sorted(out.items())}
+        return {g: tuple(sorted(refs, key=lambda r: (r.namespace, r.name, r.uid)))
+                for g, refs in sorted(out.items())}
 
     # -- start-up ------------------------------------------------------------------------------------
     def recover(self, inventory: Inventory | None = None) -> list[str]:
@@ -162,7 +163,8 @@ class ClaimPreparer:
                 self._destroy_instances(rec, inventory)
                 self.checkpoint.drop(uid)
                 self.specs.remove(uid)
-                what = "undid the interrupted prepare" if rec.state == PREPARING else "finished the interrupted unprepare"
+                what = ("undid the interrupted prepare" if rec.state == PREPARING
+                        else "finished the interrupted unprepare")
                 done.append(f"{what} of {label}")
                 continue
             migs = [d.mig for d in rec.devices if d.mig is not None]
@@ -182,7 +184,8 @@ class ClaimPreparer:
                     self.specs.write(uid, wanted)
                     done.append(f"rewrote the CDI spec of {label}")
             elif not self.specs.path(uid).exists():
-                log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten", rec.namespace, rec.name, uid)
+                log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten",
+                            rec.namespace, rec.name, uid)
         for uid in sorted(self.specs.claim_uids() - set(self.checkpoint.claims)):
             self.specs.remove(uid)
             done.append(f"removed the orphaned CDI spec of claim {uid}")
@@ -227,7 +230,8 @@ class ClaimPreparer:
                 if any(dev.dynamic for dev, _ in wanted):
                     prepared = await asyncio.to_thread(self._write, ref, wanted)
                 else:
-                    # a small spec (no fsync) and the fsynced checkpoint, about 1 ms: done in the loop, no thread hop
+                    # a small spec (no fsync) and the fsynced checkpoint, about 1 ms: done in the loop, no
+                    # thread hop
                     prepared = self._write(ref, wanted)
             except (OSError, ValueError, NodeAgentError) as e:
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
@@ -263,7 +267,9 @@ class ClaimPreparer:
                         dev.placement.size if dev.placement else 0, 0, d.mig.uuid)
         return with_instance(dev, mig)
 
-    def _write(self, ref: ClaimRef, wanted: list[tuple[DraDevice, tuple[str, ...]]]) -> tuple[PreparedDevice, ...]:
+    def _write(
+        self, ref: ClaimRef, wanted: list[tuple[DraDevice, tuple[str, ...]]]
+    ) -> tuple[PreparedDevice, ...]:
         def prepared_device(dev: DraDevice, reqs: tuple[str, ...], mig: MigInstance | None) -> PreparedDevice:
             return PreparedDevice(reqs, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name),), mig)
 
@@ -304,8 +310,8 @@ class ClaimPreparer:
                 try:
                     self.mig.destroy_mig_device(inst.gpu_index, inst.gi_id)
                 except NodeAgentError as e:
-                    log.error("claim %s/%s: cannot destroy GPU instance %d on GPU %d again: %s", ref.namespace,
-                              ref.name, inst.gi_id, inst.gpu_index, e)
+                    log.error("claim %s/%s: cannot destroy GPU instance %d on GPU %d again: %s",
+                              ref.namespace, ref.name, inst.gi_id, inst.gpu_index, e)
             self.specs.remove(ref.uid)
             self.checkpoint.drop(ref.uid)
             raise

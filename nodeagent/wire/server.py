@@ -34,6 +34,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from nodeagent.wire.hpack import HpackDecoder, HpackError, encode_literal
 
@@ -42,7 +45,9 @@ log = logging.getLogger(__name__)
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # Frame types (RFC 9113 §6)
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
 # Flags
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # Error codes (RFC 9113 §7)
@@ -169,6 +174,17 @@ def _grpc_message(body: bytes | bytearray) -> bytes:
     return bytes(body[5:])
 
 
+def parse_request(message: Any, request: bytes) -> Any:
+    """``request`` parsed as ``message`` (a generated protobuf class); INVALID_ARGUMENT naming the message
+    when the bytes are not one."""
+    try:
+        return message.FromString(request)
+    except DecodeError as e:
+        raise RpcError(
+            INVALID_ARGUMENT, f"malformed {message.DESCRIPTOR.name} ({len(request)} bytes): {e}"
+        ) from e
+
+
 def _message_frame_payload(message: bytes) -> bytes:
     return b"\x00" + _U32.pack(len(message)) + message
 
@@ -207,7 +223,7 @@ class _Connection:
         self._stream_threads: dict[int, threading.Thread] = {}
         self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
 
-    # -- writing --------------------------------------------------------------------------------------------
+    # -- writing ---------------------------------------------------------------------------------------------
 
     def _write(self, data: bytes, wait_s: float = -1) -> bool:
         """Send ``data`` whole (False when the connection is closed, or its writer stays busy past ``wait_s``
@@ -231,23 +247,35 @@ class _Connection:
             self._out.clear()
             self._write(data)
 
-    # -- the reader --------------------------------------------------------------------------------------------
+    # -- the reader ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         reason = ""
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0))
-            self._write(_frame(SETTINGS, 0, 0, b"".join([
-                _SETTING.pack(S_MAX_CONCURRENT_STREAMS, MAX_STREAMS),
-                _SETTING.pack(S_ENABLE_PUSH, 0),
-                _SETTING.pack(S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
-            ])))
+            self.sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0)
+            )
+            self._write(
+                _frame(
+                    SETTINGS,
+                    0,
+                    0,
+                    b"".join(
+                        [
+                            _SETTING.pack(S_MAX_CONCURRENT_STREAMS, MAX_STREAMS),
+                            _SETTING.pack(S_ENABLE_PUSH, 0),
+                            _SETTING.pack(S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
+                        ]
+                    ),
+                )
+            )
             self._read_loop()
         except ProtocolFault as e:
             reason = str(e)
             log.warning("%s: closed: %s", self.name, e)
-            self._write(_frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(e.code)
-                               + str(e).encode()[:256]))
+            self._write(
+                _frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(e.code) + str(e).encode()[:256])
+            )
         except (OSError, EOFError) as e:
             reason = str(e) or type(e).__name__
         except Exception:
@@ -263,7 +291,9 @@ class _Connection:
         buf = bytearray()
         self._read_exactly(buf, len(PREFACE), "the client preface")
         if bytes(buf[: len(PREFACE)]) != PREFACE:
-            raise ProtocolFault(PROTOCOL_ERROR, "the connection does not begin with the HTTP/2 client preface")
+            raise ProtocolFault(
+                PROTOCOL_ERROR, "the connection does not begin with the HTTP/2 client preface"
+            )
         del buf[: len(PREFACE)]
         sock = self.sock
         while True:
@@ -304,7 +334,7 @@ class _Connection:
                 raise EOFError("closed by the client")
             buf += chunk
 
-    # -- frames ------------------------------------------------------------------------------------------------
+    # -- frames ----------------------------------------------------------------------------------------------
 
     def _on_frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
         if self._continuing is not None and kind != CONTINUATION:
@@ -330,7 +360,9 @@ class _Connection:
             self._on_window_update(sid, payload)
         elif kind == PING:
             if len(payload) != 8 or sid != 0:
-                raise ProtocolFault(FRAME_SIZE_ERROR if len(payload) != 8 else PROTOCOL_ERROR, "a malformed PING")
+                raise ProtocolFault(
+                    FRAME_SIZE_ERROR if len(payload) != 8 else PROTOCOL_ERROR, "a malformed PING"
+                )
             if not flags & ACK:
                 self._out.append(_frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
@@ -455,11 +487,17 @@ class _Connection:
             st = _Stream(path, self._peer_initial_window)
             self._streams[sid] = st
         if method != "POST" or not content_type.startswith("application/grpc"):
-            self._finish(sid, UNIMPLEMENTED, f"not a gRPC request (method {method!r}, content-type "
-                         f"{content_type!r})", headers_sent=False)
+            self._finish(
+                sid,
+                UNIMPLEMENTED,
+                f"not a gRPC request (method {method!r}, content-type {content_type!r})",
+                headers_sent=False,
+            )
             return
         if encoding not in ("", "identity"):
-            self._finish(sid, UNIMPLEMENTED, f"message encoding {encoding!r} is not supported", headers_sent=False)
+            self._finish(
+                sid, UNIMPLEMENTED, f"message encoding {encoding!r} is not supported", headers_sent=False
+            )
             return
         if path not in self.server.unary and path not in self.server.streaming:
             self._finish(sid, UNIMPLEMENTED, f"unknown method {path}", headers_sent=False)
@@ -481,19 +519,24 @@ class _Connection:
             return
         st.body += self._unpad(flags, payload)
         if len(st.body) > MAX_MESSAGE + 5:
-            self._finish(sid, RESOURCE_EXHAUSTED, f"a request message over {MAX_MESSAGE} bytes",
-                         headers_sent=False)
+            self._finish(
+                sid, RESOURCE_EXHAUSTED, f"a request message over {MAX_MESSAGE} bytes", headers_sent=False
+            )
             return
         if len(self._streams) > 1 and sum(len(s.body) for s in self._streams.values()) > MAX_BUFFERED:
-            self._finish(sid, RESOURCE_EXHAUSTED, f"requests over {MAX_BUFFERED} bytes held on one connection",
-                         headers_sent=False)
+            self._finish(
+                sid,
+                RESOURCE_EXHAUSTED,
+                f"requests over {MAX_BUFFERED} bytes held on one connection",
+                headers_sent=False,
+            )
             return
         if flags & END_STREAM:
             self._request_complete(sid, st)
         elif payload:
             self._out.append(_frame(WINDOW_UPDATE, 0, sid, _U32.pack(len(payload))))
 
-    # -- calls -------------------------------------------------------------------------------------------------
+    # -- calls -----------------------------------------------------------------------------------------------
 
     def _request_complete(self, sid: int, st: _Stream) -> None:
         st.sending = True
@@ -520,12 +563,20 @@ class _Connection:
         method = server.streaming[st.path]
         handle = server.open_stream()
         if handle is None:
-            self._finish(sid, RESOURCE_EXHAUSTED, f"more than {server.max_streaming_calls} streaming calls",
-                         headers_sent=False)
+            self._finish(
+                sid,
+                RESOURCE_EXHAUSTED,
+                f"more than {server.max_streaming_calls} streaming calls",
+                headers_sent=False,
+            )
             return
         st.handle = handle
-        thread = threading.Thread(target=self._run_stream, args=(sid, st, method, request, handle),
-                                  name=f"{self.name} stream {sid}", daemon=True)
+        thread = threading.Thread(
+            target=self._run_stream,
+            args=(sid, st, method, request, handle),
+            name=f"{self.name} stream {sid}",
+            daemon=True,
+        )
         self._stream_threads[sid] = thread
         self._flush()  # what this pass owes the peer (a SETTINGS acknowledgement above all) goes first
         thread.start()
@@ -542,19 +593,25 @@ class _Connection:
                 st.send_window -= n
                 del self._streams[sid]
         if fits:
-            self._out.append(_frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS)
-                             + _frame(DATA, 0, sid, payload)
-                             + _frame(HEADERS, END_HEADERS | END_STREAM, sid, _OK_TRAILERS))
+            self._out.append(
+                _frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS)
+                + _frame(DATA, 0, sid, payload)
+                + _frame(HEADERS, END_HEADERS | END_STREAM, sid, _OK_TRAILERS)
+            )
             return
         self._flush()
 
         def send() -> None:
-            if self._write(_frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS)) and self._send_message(sid, payload):
+            if self._write(_frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS)) and self._send_message(
+                sid, payload
+            ):
                 self._close_stream(sid, _OK_TRAILERS)
 
         threading.Thread(target=send, name=f"{self.name} answer {sid}", daemon=True).start()
 
-    def _run_stream(self, sid: int, st: _Stream, method: StreamMethod, request: bytes, handle: ServerStream) -> None:
+    def _run_stream(
+        self, sid: int, st: _Stream, method: StreamMethod, request: bytes, handle: ServerStream
+    ) -> None:
         code, message = OK, ""
         try:
             if self._write(_frame(HEADERS, END_HEADERS, sid, _RESPONSE_HEADERS)):
@@ -597,8 +654,14 @@ class _Connection:
         """End a call with an error status (trailers only when no answer headers were sent)."""
         with self._flow:
             self._streams.pop(sid, None)
-        self._out.append(_frame(HEADERS, END_HEADERS | END_STREAM, sid,
-                                _trailers(code, message, with_headers=not headers_sent)))
+        self._out.append(
+            _frame(
+                HEADERS,
+                END_HEADERS | END_STREAM,
+                sid,
+                _trailers(code, message, with_headers=not headers_sent),
+            )
+        )
 
     def _close_stream(self, sid: int, trailers: bytes) -> None:
         with self._flow:
@@ -618,7 +681,7 @@ class _Connection:
         if st is not None and st.handle is not None:
             st.handle.end()
 
-    # -- the end ------------------------------------------------------------------------------------------
+    # -- the end ---------------------------------------------------------------------------------------------
 
     def goaway(self) -> None:
         """Tell the client no new calls will be taken (server stopping); skipped when a write is stuck on a
@@ -698,8 +761,9 @@ class UnixGrpcServer:
             raise
         self.closing = False
         self._listener = sock
-        self._acceptor = threading.Thread(target=self._accept_loop, args=(sock,), name=f"{self.name} accept",
-                                          daemon=True)
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, args=(sock,), name=f"{self.name} accept", daemon=True
+        )
         self._acceptor.start()
 
     def _accept_loop(self, listener: socket.socket) -> None:
@@ -713,7 +777,9 @@ class UnixGrpcServer:
                     conn.close()
                     return
                 if len(self._connections) >= self.max_connections:
-                    log.warning("%s: refused a connection: %d are open already", self.name, len(self._connections))
+                    log.warning(
+                        "%s: refused a connection: %d are open already", self.name, len(self._connections)
+                    )
                     conn.close()
                     continue
                 self._accepted += 1
@@ -750,8 +816,8 @@ class UnixGrpcServer:
             return len(self._connections)
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stop taking connections and calls (GOAWAY), give the streaming calls running up to ``grace_s`` to end
-        on their own (the owner tells them first), then end the rest and close every connection."""
+        """Stop taking connections and calls (GOAWAY), give the streaming calls running up to ``grace_s`` to
+        end on their own (the owner tells them first), then end the rest and close every connection."""
         with self._lock:
             self.closing = True
             conns = list(self._connections)

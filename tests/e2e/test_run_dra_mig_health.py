@@ -38,14 +38,21 @@ def complete_pool(server: KubeApiServer, node: str) -> dict[str, dict[str, Any]]
     return None if items is None else {d["name"]: d for s in items for d in s["spec"].get("devices") or []}
 
 
-def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, kube_apiserver: KubeApiServer) -> None:
+def test_an_xid_on_a_created_instance_marks_only_its_placement(
+    tmp_path: Path, kube_apiserver: KubeApiServer
+) -> None:
     node = "e2e-dra-mig-health"
     adapter = adapter_for_sim(open_sim("dgx-h100", tmp_path / "sim.json"))
     if adapter.set_mig_mode(0, True):
         adapter.reset_gpu(0)
     # a health window (WINDOW s without a new XID until healthy) long enough to tell an unprepare from it
-    _, args = dra_node(tmp_path, kube_apiserver, node, "dra",
-                       f"dynamic_mig = true\n[health]\nwindow = {WINDOW}\npoll_interval = 0.5\n")
+    _, args = dra_node(
+        tmp_path,
+        kube_apiserver,
+        node,
+        "dra",
+        f"dynamic_mig = true\n[health]\nwindow = {WINDOW}\npoll_interval = 0.5\n",
+    )
     kube = KubeClient(connect(kube_apiserver.kubeconfig))
     claim_names: list[str] = []
     try:
@@ -53,7 +60,9 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, k
             registry = root / "var/lib/kubelet/plugins_registry"
             with running_agent(tmp_path, root, args) as agent:
                 agent.wait_notify("READY=1", timeout=20)
-                devices = eventually(lambda: slice_devices(kube_apiserver, node), 20, "ResourceSlices of the node")
+                devices = eventually(
+                    lambda: slice_devices(kube_apiserver, node), 20, "ResourceSlices of the node"
+                )
                 assert {BIG, SMALL} <= set(devices), sorted(devices)
                 with running_dra_harness(kube_apiserver.kubeconfig, registry, node, host_root=root) as h:
                     h.wait_registered(DRIVER, timeout=20)
@@ -93,8 +102,11 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, k
                     now = eventually(lambda: complete_pool(kube_apiserver, node), 20, "the pool")
                     assert [t["key"] for t in now[BIG]["taints"]] == [UNHEALTHY_TAINT_KEY]
                     assert [n for n, bad in marks.items() if bad] == [BIG], marks
-                    eventually(lambda: resource_health(h, big) == {big_ids[0]: "Unhealthy"} or None, 20,
-                               "the big claim Unhealthy at the kubelet")
+                    eventually(
+                        lambda: resource_health(h, big) == {big_ids[0]: "Unhealthy"} or None,
+                        20,
+                        "the big claim Unhealthy at the kubelet",
+                    )
                     assert resource_health(h, small) == {small_ids[0]: "Healthy"}
 
                     # unprepared: the instance is gone, the placement is free and untainted long before the
@@ -108,8 +120,11 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(tmp_path: Path, k
                     marks = eventually(lambda: only_tainted(SMALL), 20, f"a taint on {SMALL}")
                     assert [n for n, bad in marks.items() if bad] == [SMALL], marks
                     eventually(untainted, WINDOW + 20, "the taint gone after the window")
-                    eventually(lambda: resource_health(h, small) == {small_ids[0]: "Healthy"} or None, 20,
-                               "the small claim Healthy again")
+                    eventually(
+                        lambda: resource_health(h, small) == {small_ids[0]: "Healthy"} or None,
+                        20,
+                        "the small claim Healthy again",
+                    )
                     h.unprepare(small)
                 code, _ = agent.stop()
                 assert code == 0, agent.log()

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.peers
 kube_apiserver = release_apiserver
 
 
-async def test_component_resyncs_slices_after_an_api_outage(kube_apiserver: KubeApiServer, kube: KubeClient,
-                                                             node_name: str, tmp_path: Path) -> None:
+async def test_component_resyncs_slices_after_an_api_outage(
+    kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, tmp_path: Path
+) -> None:
     """The agent reaches the API only through a forwarder that is cut while the inventory changes."""
     import asyncio
     import shutil
@@ -59,7 +60,10 @@ async def test_component_resyncs_slices_after_an_api_outage(kube_apiserver: Kube
             await asyncio.sleep(0.05)
         assert dra.last_error
         assert sorted(d["name"] for s in slices_of(kube, node_name) for d in s["spec"]["devices"]) == [
-            "gpu-0", "gpu-1", "gpu-2"]
+            "gpu-0",
+            "gpu-1",
+            "gpu-2",
+        ]
         outage.restore()
         cut = False
         assert await dra.wait_published(timeout=30) == 2

@@ -52,8 +52,9 @@ def kube_apiserver(kube_apiserver: KubeApiServer, release: KubeRelease) -> Itera
     if kube_apiserver.version == release.version:
         yield kube_apiserver
         return
-    server = start_apiserver(binary=release.apiserver(), feature_gates=release.feature_gates,
-                             extra_args=release.apiserver_args)
+    server = start_apiserver(
+        binary=release.apiserver(), feature_gates=release.feature_gates, extra_args=release.apiserver_args
+    )
     try:
         assert server.version == release.version, (server.version, release.version)
         yield server
@@ -81,7 +82,8 @@ def raw_get(socket: Path, namespace: str, name: str) -> pb.GetPodResourcesRespon
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = pb_grpc.PodResourcesListerStub(channel)  # type: ignore[no-untyped-call]
         resp: pb.GetPodResourcesResponse = stub.Get(
-            pb.GetPodResourcesRequest(pod_namespace=namespace, pod_name=name), timeout=5)
+            pb.GetPodResourcesRequest(pod_namespace=namespace, pod_name=name), timeout=5
+        )
         return resp
 
 
@@ -91,7 +93,8 @@ def claim_uses(client: PodResourcesClient) -> list[ClaimAssignment]:
 
 
 async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find_them(
-        kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, root: Path, release: KubeRelease) -> None:
+    kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, root: Path, release: KubeRelease
+) -> None:
     """Three pods with claims on devices of our driver (whole GPU 2; a MIG device of GPU 0; GPU 1 and the
     other MIG device of GPU 0 in one claim): once the kubelet code prepared them, ``List`` names pod,
     container, claim and (driver, pool, device), and ``GpuHolderSources`` reports each claim as a holder of
@@ -103,56 +106,87 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
     socket = root / "var/lib/kubelet/pod-resources/kubelet.sock"
     client = PodResourcesClient(socket)
     try:
-        with running_dra_harness(kube_apiserver.kubeconfig, root / "var/lib/kubelet/plugins_registry", node_name,
-                                 binary=release.dra_harness(), pod_resources_socket=socket) as h:
+        with running_dra_harness(
+            kube_apiserver.kubeconfig,
+            root / "var/lib/kubelet/plugins_registry",
+            node_name,
+            binary=release.dra_harness(),
+            pod_resources_socket=socket,
+        ) as h:
             await asyncio.to_thread(h.wait_registered, DRIVER_NAME)
             assert socket.stat().st_mode & 0o777 == 0o600
-            await poll(lambda: sorted(slice_devices(kube, node_name)) == ["gpu-0-mig-1-0", "gpu-0-mig-2-0",
-                                                                            "gpu-1", "gpu-2"])
+            await poll(
+                lambda: (
+                    sorted(slice_devices(kube, node_name))
+                    == ["gpu-0-mig-1-0", "gpu-0-mig-2-0", "gpu-1", "gpu-2"]
+                )
+            )
             assert (await asyncio.to_thread(raw_list, socket)).pod_resources == []
 
             train = Pod("default", "train", str(uuid.uuid4()), {}, {"main": ["gpu"], "sidecar": []})
             infer = Pod("default", "infer", str(uuid.uuid4()), {}, {"main": ["gpu"]})
-            uid_t = await asyncio.to_thread(create_allocated_claim, kube, node_name, [("gpu", "gpu-2")], train)
-            uid_i = await asyncio.to_thread(create_allocated_claim, kube, node_name,
-                                            [("gpu", "gpu-0-mig-1-0")], infer)
+            uid_t = await asyncio.to_thread(
+                create_allocated_claim, kube, node_name, [("gpu", "gpu-2")], train
+            )
+            uid_i = await asyncio.to_thread(
+                create_allocated_claim, kube, node_name, [("gpu", "gpu-0-mig-1-0")], infer
+            )
             both = Pod("default", "both", str(uuid.uuid4()), {}, {"main": ["gpu"]})
-            await asyncio.to_thread(create_allocated_claim, kube, node_name,
-                                    [("whole", "gpu-1"), ("part", "gpu-0-mig-2-0")], both)
+            await asyncio.to_thread(
+                create_allocated_claim, kube, node_name, [("whole", "gpu-1"), ("part", "gpu-0-mig-2-0")], both
+            )
             [claim_t], [claim_i], [claim_b] = list(train.claims), list(infer.claims), list(both.claims)
             assert await asyncio.to_thread(h.prepare, train) == {
-                "main": [f"gpu.nodeagent.io/claim={uid_t}-gpu-2"], "sidecar": []}
+                "main": [f"gpu.nodeagent.io/claim={uid_t}-gpu-2"],
+                "sidecar": [],
+            }
             assert await asyncio.to_thread(h.prepare, infer) == {
-                "main": [f"gpu.nodeagent.io/claim={uid_i}-gpu-0-mig-1-0"]}
+                "main": [f"gpu.nodeagent.io/claim={uid_i}-gpu-0-mig-1-0"]
+            }
             assert len((await asyncio.to_thread(h.prepare, both))["main"]) == 2
 
             uses = await asyncio.to_thread(claim_uses, client)
             [use_b] = [u for u in uses if u.pod == "both"]
             assert (use_b.container, use_b.claim) == ("main", f"default/{claim_b}")
-            assert sorted(use_b.devices) == [(DRIVER_NAME, node_name, "gpu-0-mig-2-0"),
-                                             (DRIVER_NAME, node_name, "gpu-1")]
+            assert sorted(use_b.devices) == [
+                (DRIVER_NAME, node_name, "gpu-0-mig-2-0"),
+                (DRIVER_NAME, node_name, "gpu-1"),
+            ]
             assert [u for u in uses if u.pod != "both"] == [
-                ClaimAssignment("default", "infer", "main", "default", claim_i,
-                                ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),)),
-                ClaimAssignment("default", "train", "main", "default", claim_t,
-                                ((DRIVER_NAME, node_name, "gpu-2"),)),
+                ClaimAssignment(
+                    "default",
+                    "infer",
+                    "main",
+                    "default",
+                    claim_i,
+                    ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),),
+                ),
+                ClaimAssignment(
+                    "default", "train", "main", "default", claim_t, ((DRIVER_NAME, node_name, "gpu-2"),)
+                ),
             ]
             resp = await asyncio.to_thread(raw_list, socket)
             pods = {p.name: p for p in resp.pod_resources}
             assert sorted(pods) == ["both", "infer", "train"]
             assert [c.name for c in pods["train"].containers] == ["main", "sidecar"]
             assert list(pods["train"].containers[1].dynamic_resources) == []
-            assert [r.device_name for r in pods["train"].containers[0].dynamic_resources[0].claim_resources] == [
-                "gpu-2"]
+            assert [
+                r.device_name for r in pods["train"].containers[0].dynamic_resources[0].claim_resources
+            ] == ["gpu-2"]
             # no device, CPU or memory manager behind this kubelet
-            assert all(not c.devices and not c.cpu_ids and not c.memory
-                       for p in resp.pod_resources for c in p.containers)
+            assert all(
+                not c.devices and not c.cpu_ids and not c.memory
+                for p in resp.pod_resources
+                for c in p.containers
+            )
             assert (await asyncio.to_thread(client.list_with_claims))[0] == []  # no device-plugin devices
             assert await asyncio.to_thread(client.allocatable) == {}
             # Get finds one pod by name (the pod provider's lookup) with the same claims
             got = (await asyncio.to_thread(raw_get, socket, "default", "infer")).pod_resources
-            assert [(r.claim_name, [c.device_name for c in r.claim_resources])
-                    for r in got.containers[0].dynamic_resources] == [(claim_i, ["gpu-0-mig-1-0"])]
+            assert [
+                (r.claim_name, [c.device_name for c in r.claim_resources])
+                for r in got.containers[0].dynamic_resources
+            ] == [(claim_i, ["gpu-0-mig-1-0"])]
 
             no_record = Shared().dra  # no DRA plane attached: its record holds no claim
             holders = GpuHolderSources(client, lambda g: {}, no_record, pool=node_name, driver=DRIVER_NAME)
@@ -162,19 +196,31 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
                 1: (ClaimHolder(f"default/{claim_b}", ("default/both",)),),
                 2: (ClaimHolder(f"default/{claim_t}", ("default/train",)),),
             }
-            assert await holders(frozenset({1})) == {1: (ClaimHolder(f"default/{claim_b}", ("default/both",)),)}
+            assert await holders(frozenset({1})) == {
+                1: (ClaimHolder(f"default/{claim_b}", ("default/both",)),)
+            }
             assert await holders(frozenset({3})) == {}
             # a claim counts only for this driver's devices of this node's pool
-            elsewhere = GpuHolderSources(client, lambda g: {}, no_record, pool="another-node", driver=DRIVER_NAME)
+            elsewhere = GpuHolderSources(
+                client, lambda g: {}, no_record, pool="another-node", driver=DRIVER_NAME
+            )
             assert await elsewhere(frozenset(range(3))) == {}
 
             await asyncio.to_thread(h.unprepare, train)
             await asyncio.to_thread(h.unprepare, both)
             assert await asyncio.to_thread(claim_uses, client) == [
-                ClaimAssignment("default", "infer", "main", "default", claim_i,
-                                ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),))]
+                ClaimAssignment(
+                    "default",
+                    "infer",
+                    "main",
+                    "default",
+                    claim_i,
+                    ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),),
+                )
+            ]
             assert await holders(frozenset(range(3))) == {
-                0: (ClaimHolder(f"default/{claim_i}", ("default/infer",)),)}
+                0: (ClaimHolder(f"default/{claim_i}", ("default/infer",)),)
+            }
             await asyncio.to_thread(h.unprepare, infer)
             assert (await asyncio.to_thread(raw_list, socket)).pod_resources == []
             with pytest.raises(grpc.RpcError, match="pod infer in namespace default not found"):

@@ -66,7 +66,9 @@ def make_preparer(tmp_path: Path, claims: Claims) -> ClaimPreparer:
     return p
 
 
-async def test_a_withdrawn_gpu_takes_no_new_claim_and_a_claim_in_flight_counts_as_holder(tmp_path: Path) -> None:
+async def test_a_withdrawn_gpu_takes_no_new_claim_and_a_claim_in_flight_counts_as_holder(
+    tmp_path: Path,
+) -> None:
     claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]), claim("u2", "two", [("gpu", "gpu-2")]),
                     claim("u3", "three", [("gpu", "gpu-1")]))
     p = make_preparer(tmp_path, claims)
@@ -132,7 +134,8 @@ async def test_prepare_is_per_claim_idempotent_and_persisted(tmp_path: Path) -> 
     assert (await p2.prepare([ClaimRef("ns", "u2", "two")]))["u2"] == out["u2"]
     assert claims.reads == reads
 
-    un = await p2.unprepare([ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u9", "x")])
+    un = await p2.unprepare(
+        [ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u9", "x")])
     assert un == {"u1": "", "u9": ""}
     assert p2.specs.claim_uids() == {"u2"}
     assert sorted(Checkpoint.load(p2.checkpoint.path).claims) == ["u2"]
@@ -187,7 +190,9 @@ async def served(short_dir: Path) -> AsyncIterator[tuple[DraServer, Claims]]:
         await server.stop()
 
 
-async def test_grpc_registration_prepare_and_health(served: tuple[DraServer, Claims], short_dir: Path) -> None:
+async def test_grpc_registration_prepare_and_health(
+    served: tuple[DraServer, Claims], short_dir: Path
+) -> None:
     server, _ = served
     for sock in (server.reg_path, server.dra_path):
         assert stat.S_ISSOCK(sock.stat().st_mode) and sock.stat().st_mode & 0o777 == 0o600
@@ -196,7 +201,8 @@ async def test_grpc_registration_prepare_and_health(served: tuple[DraServer, Cla
     async with grpc.aio.insecure_channel(f"unix://{server.reg_path}") as ch:
         info = await reg_pb2_grpc.RegistrationStub(ch).GetInfo(reg_pb2.InfoRequest())
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(server.dra_path))
-        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+        assert list(info.supported_versions) == [
+            "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
         await reg_pb2_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
             reg_pb2.RegistrationStatus(plugin_registered=True))
         assert server.registered

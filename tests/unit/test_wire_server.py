@@ -26,10 +26,19 @@ PATH_CRASH = "/test.Svc/Crash"
 PATH_WATCH = "/test.Svc/Watch"
 
 
-def headers_block(path: str, *, content_type: str = "application/grpc", extra: tuple[tuple[str, str], ...] = ()) -> bytes:
+def headers_block(
+    path: str, *, content_type: str = "application/grpc", extra: tuple[tuple[str, str], ...] = ()
+) -> bytes:
     """A request header block as literals without indexing (no Huffman)."""
-    fields = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "localhost"),
-              ("content-type", content_type), ("te", "trailers"), *extra]
+    fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", "localhost"),
+        ("content-type", content_type),
+        ("te", "trailers"),
+        *extra,
+    ]
     return b"".join(encode_literal(name.encode(), value.encode()) for name, value in fields)
 
 
@@ -89,9 +98,12 @@ class Raw:
                 return f
 
     def request(self, sid: int, path: str, data: bytes, *, end: bool = True) -> None:
-        """HEADERS for ``path`` on ``sid`` and one DATA frame of ``data`` (raw: message framing is the caller's)."""
-        self.send(frame(wire.HEADERS, wire.END_HEADERS, sid, headers_block(path))
-                  + frame(wire.DATA, wire.END_STREAM if end else 0, sid, data))
+        """HEADERS for ``path`` on ``sid`` and one DATA frame of ``data`` (raw: the message framing is the
+        caller's)."""
+        self.send(
+            frame(wire.HEADERS, wire.END_HEADERS, sid, headers_block(path))
+            + frame(wire.DATA, wire.END_STREAM if end else 0, sid, data)
+        )
 
     def call(self, sid: int, path: str, body: bytes) -> tuple[dict[bytes, bytes], bytes]:
         """One unary call: the trailers (headers merged) and the answer's body."""
@@ -176,8 +188,14 @@ def watch() -> Watch:
 
 @pytest.fixture()
 def served(tmp_path: Path, watch: Watch) -> Iterator[UnixGrpcServer]:
-    server = UnixGrpcServer(tmp_path / "t.sock", {PATH_ECHO: lambda r: r[::-1], PATH_FAIL: fail, PATH_CRASH: crash},
-                            {PATH_WATCH: watch}, name="test", max_connections=4, max_streaming_calls=3)
+    server = UnixGrpcServer(
+        tmp_path / "t.sock",
+        {PATH_ECHO: lambda r: r[::-1], PATH_FAIL: fail, PATH_CRASH: crash},
+        {PATH_WATCH: watch},
+        name="test",
+        max_connections=4,
+        max_streaming_calls=3,
+    )
     server.start()
     yield server
     server.stop(2)
@@ -240,16 +258,25 @@ def test_raw_unary_and_malformed_messages(served: UnixGrpcServer) -> None:
     assert c.answer(5)[0][b"grpc-status"] == b"12"
     c.send(frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 7, headers_block(PATH_ECHO)))
     assert c.answer(7)[0][b"grpc-status"] == b"12"
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 9, headers_block(PATH_ECHO, content_type="text/plain"))
-           + frame(wire.DATA, wire.END_STREAM, 9, message(b"a")))
+    c.send(
+        frame(wire.HEADERS, wire.END_HEADERS, 9, headers_block(PATH_ECHO, content_type="text/plain"))
+        + frame(wire.DATA, wire.END_STREAM, 9, message(b"a"))
+    )
     assert c.answer(9)[0][b"grpc-status"] == b"12"
-    c.send(frame(wire.HEADERS, wire.END_HEADERS, 11, headers_block(PATH_ECHO, extra=(("grpc-encoding", "gzip"),)))
-           + frame(wire.DATA, wire.END_STREAM, 11, message(b"a")))
+    c.send(
+        frame(
+            wire.HEADERS, wire.END_HEADERS, 11, headers_block(PATH_ECHO, extra=(("grpc-encoding", "gzip"),))
+        )
+        + frame(wire.DATA, wire.END_STREAM, 11, message(b"a"))
+    )
     assert b"gzip" in c.answer(11)[0][b"grpc-message"]
     # headers split over HEADERS + CONTINUATION, a PING answered, the connection still good
     block = headers_block(PATH_ECHO)
-    c.send(frame(wire.HEADERS, 0, 13, block[:10]) + frame(wire.CONTINUATION, wire.END_HEADERS, 13, block[10:])
-           + frame(wire.DATA, wire.END_STREAM, 13, message(b"ab")))
+    c.send(
+        frame(wire.HEADERS, 0, 13, block[:10])
+        + frame(wire.CONTINUATION, wire.END_HEADERS, 13, block[10:])
+        + frame(wire.DATA, wire.END_STREAM, 13, message(b"ab"))
+    )
     assert c.answer(13)[1] == b"ba"
     c.send(frame(wire.PING, 0, 0, b"12345678"))
     _, flags, _, payload = c.until(wire.PING)
@@ -284,15 +311,25 @@ def test_request_sizes_are_bounded_and_the_connection_goes_on(
     [
         ("not HTTP/2", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 10, wire.PROTOCOL_ERROR),
         ("frame over 16 KiB", struct.pack(">HBBBI", 0x41, 0, wire.DATA, 0, 1), wire.FRAME_SIZE_ERROR),
-        ("even stream", frame(wire.HEADERS, wire.END_HEADERS, 2, headers_block(PATH_ECHO)), wire.PROTOCOL_ERROR),
+        (
+            "even stream",
+            frame(wire.HEADERS, wire.END_HEADERS, 2, headers_block(PATH_ECHO)),
+            wire.PROTOCOL_ERROR,
+        ),
         ("undecodable headers", frame(wire.HEADERS, wire.END_HEADERS, 1, b"\x80"), wire.COMPRESSION_ERROR),
-        ("interrupted header block", frame(wire.HEADERS, 0, 1, b"\x82") + frame(wire.PING, 0, 0, b"8bytes!!"),
-         wire.PROTOCOL_ERROR),
+        (
+            "interrupted header block",
+            frame(wire.HEADERS, 0, 1, b"\x82") + frame(wire.PING, 0, 0, b"8bytes!!"),
+            wire.PROTOCOL_ERROR,
+        ),
         ("DATA on an idle stream", frame(wire.DATA, 0, 9, b"abc"), wire.PROTOCOL_ERROR),
         ("short PING", frame(wire.PING, 0, 0, b"1234"), wire.FRAME_SIZE_ERROR),
         ("PUSH_PROMISE", frame(wire.PUSH_PROMISE, wire.END_HEADERS, 1, b"\0\0\0\2"), wire.PROTOCOL_ERROR),
-        ("window over 2^31-1", frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)),
-         wire.FLOW_CONTROL_ERROR),
+        (
+            "window over 2^31-1",
+            frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)),
+            wire.FLOW_CONTROL_ERROR,
+        ),
         ("bad SETTINGS", frame(wire.SETTINGS, 0, 0, b"\0\5\0\0\0\1"), wire.PROTOCOL_ERROR),
     ],
 )
@@ -312,7 +349,9 @@ def test_protocol_faults_close_only_their_connection(
     good.close()
 
 
-def test_stalled_preface_and_frame_are_dropped(served: UnixGrpcServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stalled_preface_and_frame_are_dropped(
+    served: UnixGrpcServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(wire, "FRAME_TIMEOUT_S", 0.3)
     silent = Raw(served.path, preface=b"")
     half = Raw(served.path)
@@ -368,7 +407,9 @@ def test_a_large_unary_answer_waits_for_the_window(served: UnixGrpcServer) -> No
     assert len(c.until(wire.DATA)[3]) == 100
     c.send(frame(wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 1000)))
     fields, body = c.answer(1)
-    assert fields[b"grpc-status"] == b"0" and len(body) == 500 - 100 + 5 - 5  # the first 100 bytes came before
+    assert (
+        fields[b"grpc-status"] == b"0" and len(body) == 500 - 100 + 5 - 5
+    )  # the first 100 bytes came before
     c.close()
 
 
@@ -402,7 +443,9 @@ def test_limits_on_streams_calls_and_connections(served: UnixGrpcServer, watch: 
 
 
 def test_stop_ends_streams_and_connections(tmp_path: Path, watch: Watch) -> None:
-    server = UnixGrpcServer(tmp_path / "s.sock", {PATH_ECHO: lambda r: r}, {PATH_WATCH: watch}, name="stopping")
+    server = UnixGrpcServer(
+        tmp_path / "s.sock", {PATH_ECHO: lambda r: r}, {PATH_WATCH: watch}, name="stopping"
+    )
     server.start()
     c = Raw(server.path)
     c.request(1, PATH_WATCH, message(b"s"))
@@ -460,11 +503,13 @@ def test_stop_lets_a_stream_end_with_its_status_first(tmp_path: Path) -> None:
         frames.append(f)
     goaways = [struct.unpack(">II", p[:8]) for kind, _, _, p in frames if kind == wire.GOAWAY]
     assert goaways == [(1, wire.NO_ERROR)]  # stream 1 may finish: it is at or below the last stream
-    trailers = [c.decoder.decode(p) for kind, flags, sid, p in frames
-                if kind == wire.HEADERS and sid == 1 and flags & wire.END_STREAM]
+    trailers = [
+        c.decoder.decode(p)
+        for kind, flags, sid, p in frames
+        if kind == wire.HEADERS and sid == 1 and flags & wire.END_STREAM
+    ]
     assert trailers == [[(b"grpc-status", b"0")]]
     c.close()
-
 
 
 def test_a_client_that_reads_nothing_does_not_hold_up_stop(tmp_path: Path) -> None:
@@ -475,13 +520,19 @@ def test_a_client_that_reads_nothing_does_not_hold_up_stop(tmp_path: Path) -> No
         while stream.is_active():
             yield b"f" * 1_000_000
 
-    server = UnixGrpcServer(tmp_path / "f.sock", {PATH_ECHO: lambda r: r}, {PATH_WATCH: flood}, name="flooded")
+    server = UnixGrpcServer(
+        tmp_path / "f.sock", {PATH_ECHO: lambda r: r}, {PATH_WATCH: flood}, name="flooded"
+    )
     server.start()
-    big = struct.pack(">HI", wire.S_INITIAL_WINDOW_SIZE, 2**31 - 1) + struct.pack(">HI", wire.S_MAX_FRAME_SIZE, 2**24 - 1)
+    big = struct.pack(">HI", wire.S_INITIAL_WINDOW_SIZE, 2**31 - 1) + struct.pack(
+        ">HI", wire.S_MAX_FRAME_SIZE, 2**24 - 1
+    )
     c = Raw(server.path, settings=big)
-    c.send(frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65_535))
-           + frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
-           + frame(wire.DATA, wire.END_STREAM, 1, message(b"")))
+    c.send(
+        frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65_535))
+        + frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_WATCH))
+        + frame(wire.DATA, wire.END_STREAM, 1, message(b""))
+    )
     time.sleep(0.5)  # the stream fills the socket's buffers and blocks in sendall
     other = Raw(server.path)
     assert other.call(1, PATH_ECHO, b"meanwhile")[1] == b"meanwhile"
