@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ class _OnLoop:
 
         return call
 
-    def stream(self, method: Callable[[bytes], AsyncIterator[bytes]]) -> wire.StreamMethod:
+    def stream(self, method: Callable[[bytes], AsyncGenerator[bytes, None]]) -> wire.StreamMethod:
         def call(request: bytes, stream: wire.ServerStream) -> Iterator[bytes]:
             items = method(request)
             waiting: list[concurrent.futures.Future[bytes]] = []
@@ -100,14 +100,12 @@ async def _awaited(result: Awaitable[bytes]) -> bytes:
     return await result
 
 
-async def _next(items: AsyncIterator[bytes]) -> bytes:
+async def _next(items: AsyncGenerator[bytes, None]) -> bytes:
     return await anext(items)
 
 
-async def _aclose(items: AsyncIterator[bytes]) -> None:
-    aclose = getattr(items, "aclose", None)
-    if aclose is not None:
-        await aclose()
+async def _aclose(items: AsyncGenerator[bytes, None]) -> None:
+    await items.aclose()
 
 
 class _DraServicer:
@@ -177,7 +175,7 @@ class _HealthServicer:
         self.feed = feed
         self.pool = pool
 
-    async def NodeWatchResources(self, request: bytes) -> AsyncIterator[bytes]:
+    async def NodeWatchResources(self, request: bytes) -> AsyncGenerator[bytes, None]:
         wire.parse_request(health_pb2.NodeWatchResourcesRequest, request)
         async for snap in self.feed.watch():
             answer: bytes = health_pb2.NodeWatchResourcesResponse(
