@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import select
 import socket
@@ -174,6 +175,39 @@ def _grpc_message(body: bytes | bytearray) -> bytes:
     return bytes(body[5:])
 
 
+_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
+_CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
+_BAD_NAME = re.compile(rb"[^a-z0-9!#$%&'*+\-.^_`|~]")  # a field name is a lowercase token (RFC 9113 8.2.1)
+_BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
+
+
+def malformed(fields: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a request's header list is malformed (RFC 9113 8.2 and 8.3), or None: names lowercase tokens,
+    values without NUL/CR/LF or edge whitespace, the request pseudo-headers once each and first,
+    :method/:scheme/:path present, no connection-specific field, TE only "trailers"."""
+    seen: set[bytes] = set()
+    regular = False
+    for name, value in fields:
+        if name[:1] == b":":
+            if regular:
+                return f"pseudo-header {name.decode('latin-1')} after a regular field"
+            if name not in _PSEUDO or name in seen:
+                return f"pseudo-header {name.decode('latin-1')} unknown or repeated"
+            seen.add(name)
+        else:
+            regular = True
+            if not name or _BAD_NAME.search(name):
+                return f"field name {name.decode('latin-1')!r} is not a lowercase token"
+            if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+                return f"connection-specific field {name.decode('latin-1')}"
+        if _BAD_VALUE.search(value):
+            return f"field {name.decode('latin-1')} has a value with NUL, CR, LF or edge whitespace"
+    missing = sorted(n.decode() for n in (b":method", b":scheme", b":path") if n not in seen)
+    if missing:
+        return f"request without {', '.join(missing)}"
+    return None
+
+
 def parse_request(message: Any, request: bytes) -> Any:
     """``request`` parsed as ``message`` (a generated protobuf class); INVALID_ARGUMENT naming the message
     when the bytes are not one."""
@@ -190,13 +224,14 @@ def _message_frame_payload(message: bytes) -> bytes:
 
 
 class _Stream:
-    __slots__ = ("body", "handle", "path", "send_window", "sending")
+    __slots__ = ("body", "content_length", "handle", "path", "send_window", "sending")
 
     def __init__(self, path: str, send_window: int) -> None:
         self.path = path
         self.body = bytearray()
         self.send_window = send_window
         self.handle: ServerStream | None = None  # set for a running server-streaming call
+        self.content_length = -1  # the request's content-length, -1 without one
         self.sending = False
 
 
@@ -218,6 +253,7 @@ class _Connection:
         self._open = True
         self._going_away = False
         self._decoder = HpackDecoder(max_header_list_size=MAX_HEADER_LIST)
+        self._valid_headers: set[tuple[tuple[bytes, bytes], ...]] = set()
         self._continuing: tuple[int, int, bytearray] | None = None  # stream, flags, header block so far
         self._out: list[bytes] = []  # written at the end of the reader's pass
         self._stream_threads: dict[int, threading.Thread] = {}
@@ -473,7 +509,18 @@ class _Connection:
         if len(self._streams) >= MAX_STREAMS:
             self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
+        key = tuple(fields)
+        if key not in self._valid_headers:  # the same few header lists come again and again
+            reason = malformed(fields)
+            if reason is not None:
+                log.warning("%s: stream %d refused: malformed request: %s", self.name, sid, reason)
+                self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                return
+            if len(self._valid_headers) >= 64:
+                self._valid_headers.clear()
+            self._valid_headers.add(key)
         method = path = content_type = encoding = ""
+        length = -1
         for name, value in fields:
             if name == b":path":
                 path = value.decode("latin-1")
@@ -483,8 +530,14 @@ class _Connection:
                 content_type = value.decode("latin-1")
             elif name == b"grpc-encoding":
                 encoding = value.decode("latin-1")
+            elif name == b"content-length":
+                length = int(value) if value.isdigit() and len(value) <= 12 else -2
+        if length == -2:
+            self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+            return
         with self._flow:
             st = _Stream(path, self._peer_initial_window)
+            st.content_length = length
             self._streams[sid] = st
         if method != "POST" or not content_type.startswith("application/grpc"):
             self._finish(
@@ -540,6 +593,11 @@ class _Connection:
 
     def _request_complete(self, sid: int, st: _Stream) -> None:
         st.sending = True
+        if st.content_length >= 0 and st.content_length != len(st.body):  # malformed (RFC 9113 8.1.1)
+            log.warning("%s: stream %d refused: content-length %d, %d bytes sent", self.name, sid,
+                        st.content_length, len(st.body))
+            self._reset(sid, PROTOCOL_ERROR)
+            return
         server = self.server
         unary = server.unary.get(st.path)
         try:

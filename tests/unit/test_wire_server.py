@@ -542,3 +542,55 @@ def test_a_client_that_reads_nothing_does_not_hold_up_stop(tmp_path: Path) -> No
     assert time.monotonic() - t < 5
     assert not threads_named("flooded ")
     c.close()
+
+
+GOOD = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PATH_ECHO.encode()),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ([*GOOD, (b"Content-Type", b"x")], "not a lowercase token"),
+        ([*GOOD, (b"bad name", b"x")], "not a lowercase token"),
+        ([*GOOD, (b"", b"x")], "not a lowercase token"),
+        ([*GOOD, (b":status", b"200")], "after a regular field"),
+        ([(b":status", b"200"), *GOOD], "unknown or repeated"),
+        ([(b":path", b"/a"), *GOOD], "unknown or repeated"),
+        ([*GOOD, (b"connection", b"close")], "connection-specific field connection"),
+        ([*GOOD, (b"transfer-encoding", b"chunked")], "connection-specific"),
+        ([*GOOD[:5], (b"te", b"gzip")], "connection-specific field te"),
+        ([*GOOD, (b"x-a", b"a\r\nb")], "NUL, CR, LF"),
+        ([*GOOD, (b"x-a", b" padded")], "edge whitespace"),
+        ([GOOD[0], GOOD[2], *GOOD[4:]], "without :scheme"),
+        (GOOD[3:], "without :method, :path, :scheme"),
+    ],
+)
+def test_malformed_header_lists_are_named(fields: list[tuple[bytes, bytes]], reason: str) -> None:
+    assert wire.malformed(GOOD) is None
+    got = wire.malformed(fields)
+    assert got is not None and reason in got, got
+
+
+def test_a_malformed_request_is_reset_and_the_connection_goes_on(served: UnixGrpcServer) -> None:
+    """RFC 9113 8.1.1: a malformed request is a stream error (RST_STREAM PROTOCOL_ERROR); the method never
+    runs and the connection serves the next request."""
+    c = Raw(served.path)
+    c.send(frame(wire.HEADERS, wire.END_HEADERS, 1, headers_block(PATH_ECHO, extra=(("Upper", "x"),)))
+           + frame(wire.DATA, wire.END_STREAM, 1, message(b"no")))
+    _, _, sid, payload = c.until(wire.RST_STREAM)
+    assert sid == 1 and struct.unpack(">I", payload)[0] == wire.PROTOCOL_ERROR
+    # content-length that does not match the body
+    c.send(frame(wire.HEADERS, wire.END_HEADERS, 3, headers_block(PATH_ECHO, extra=(("content-length", "99"),)))
+           + frame(wire.DATA, wire.END_STREAM, 3, message(b"short")))
+    resets = [c.until(wire.RST_STREAM)[2:] for _ in range(2)]  # stream 1's DATA came after its reset
+    assert (1, struct.pack(">I", wire.STREAM_CLOSED)) in resets
+    assert (3, struct.pack(">I", wire.PROTOCOL_ERROR)) in resets
+    # a matching content-length is fine
+    body = message(b"fine")
+    c.send(frame(wire.HEADERS, wire.END_HEADERS, 5,
+                 headers_block(PATH_ECHO, extra=(("content-length", str(len(body))),)))
+           + frame(wire.DATA, wire.END_STREAM, 5, body))
+    assert c.answer(5)[1] == b"enif"
+    assert c.call(7, PATH_ECHO, b"next")[1] == b"txen"
+    c.close()
