@@ -152,15 +152,10 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
                 (DRIVER_NAME, node_name, "gpu-0-mig-2-0"),
                 (DRIVER_NAME, node_name, "gpu-1"),
             ]
+            infer_use = ClaimAssignment("default", "infer", "main", "default", claim_i,
+                                        ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),))
             assert [u for u in uses if u.pod != "both"] == [
-                ClaimAssignment(
-                    "default",
-                    "infer",
-                    "main",
-                    "default",
-                    claim_i,
-                    ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),),
-                ),
+                infer_use,
                 ClaimAssignment(
                     "default", "train", "main", "default", claim_t, ((DRIVER_NAME, node_name, "gpu-2"),)
                 ),
@@ -209,14 +204,7 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
             await asyncio.to_thread(h.unprepare, train)
             await asyncio.to_thread(h.unprepare, both)
             assert await asyncio.to_thread(claim_uses, client) == [
-                ClaimAssignment(
-                    "default",
-                    "infer",
-                    "main",
-                    "default",
-                    claim_i,
-                    ((DRIVER_NAME, node_name, "gpu-0-mig-1-0"),),
-                )
+                infer_use
             ]
             assert await holders(frozenset(range(3))) == {
                 0: (ClaimHolder(f"default/{claim_i}", ("default/infer",)),)
