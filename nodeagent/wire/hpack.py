@@ -96,266 +96,64 @@ ENTRY_OVERHEAD: Final = 32  # RFC 7541 section 4.1: an entry's size is name + va
 _MAX_INT_CONTINUATIONS: Final = 5
 _MAX_INT: Final = 2**32 - 1
 
-# Huffman codes of RFC 7541 Appendix B as (code, length in bits), symbols 0..255 and EOS (256).
+# Huffman codes of RFC 7541 Appendix B as (code, length in bits), symbols 0..255 and EOS (256), five to a
+# line, each line labelled with the symbol it starts at.
+# fmt: off
 _HUFFMAN_CODES: Final[tuple[tuple[int, int], ...]] = (
-    (0x1FF8, 13),
-    (0x7FFFD8, 23),
-    (0xFFFFFE2, 28),
-    (0xFFFFFE3, 28),
-    (0xFFFFFE4, 28),  # 0
-    (0xFFFFFE5, 28),
-    (0xFFFFFE6, 28),
-    (0xFFFFFE7, 28),
-    (0xFFFFFE8, 28),
-    (0xFFFFEA, 24),  # 5
-    (0x3FFFFFFC, 30),
-    (0xFFFFFE9, 28),
-    (0xFFFFFEA, 28),
-    (0x3FFFFFFD, 30),
-    (0xFFFFFEB, 28),  # 10
-    (0xFFFFFEC, 28),
-    (0xFFFFFED, 28),
-    (0xFFFFFEE, 28),
-    (0xFFFFFEF, 28),
-    (0xFFFFFF0, 28),  # 15
-    (0xFFFFFF1, 28),
-    (0xFFFFFF2, 28),
-    (0x3FFFFFFE, 30),
-    (0xFFFFFF3, 28),
-    (0xFFFFFF4, 28),  # 20
-    (0xFFFFFF5, 28),
-    (0xFFFFFF6, 28),
-    (0xFFFFFF7, 28),
-    (0xFFFFFF8, 28),
-    (0xFFFFFF9, 28),  # 25
-    (0xFFFFFFA, 28),
-    (0xFFFFFFB, 28),
-    (0x14, 6),
-    (0x3F8, 10),
-    (0x3F9, 10),  # 30
-    (0xFFA, 12),
-    (0x1FF9, 13),
-    (0x15, 6),
-    (0xF8, 8),
-    (0x7FA, 11),  # 35
-    (0x3FA, 10),
-    (0x3FB, 10),
-    (0xF9, 8),
-    (0x7FB, 11),
-    (0xFA, 8),  # 40
-    (0x16, 6),
-    (0x17, 6),
-    (0x18, 6),
-    (0x0, 5),
-    (0x1, 5),  # 45
-    (0x2, 5),
-    (0x19, 6),
-    (0x1A, 6),
-    (0x1B, 6),
-    (0x1C, 6),  # 50
-    (0x1D, 6),
-    (0x1E, 6),
-    (0x1F, 6),
-    (0x5C, 7),
-    (0xFB, 8),  # 55
-    (0x7FFC, 15),
-    (0x20, 6),
-    (0xFFB, 12),
-    (0x3FC, 10),
-    (0x1FFA, 13),  # 60
-    (0x21, 6),
-    (0x5D, 7),
-    (0x5E, 7),
-    (0x5F, 7),
-    (0x60, 7),  # 65
-    (0x61, 7),
-    (0x62, 7),
-    (0x63, 7),
-    (0x64, 7),
-    (0x65, 7),  # 70
-    (0x66, 7),
-    (0x67, 7),
-    (0x68, 7),
-    (0x69, 7),
-    (0x6A, 7),  # 75
-    (0x6B, 7),
-    (0x6C, 7),
-    (0x6D, 7),
-    (0x6E, 7),
-    (0x6F, 7),  # 80
-    (0x70, 7),
-    (0x71, 7),
-    (0x72, 7),
-    (0xFC, 8),
-    (0x73, 7),  # 85
-    (0xFD, 8),
-    (0x1FFB, 13),
-    (0x7FFF0, 19),
-    (0x1FFC, 13),
-    (0x3FFC, 14),  # 90
-    (0x22, 6),
-    (0x7FFD, 15),
-    (0x3, 5),
-    (0x23, 6),
-    (0x4, 5),  # 95
-    (0x24, 6),
-    (0x5, 5),
-    (0x25, 6),
-    (0x26, 6),
-    (0x27, 6),  # 100
-    (0x6, 5),
-    (0x74, 7),
-    (0x75, 7),
-    (0x28, 6),
-    (0x29, 6),  # 105
-    (0x2A, 6),
-    (0x7, 5),
-    (0x2B, 6),
-    (0x76, 7),
-    (0x2C, 6),  # 110
-    (0x8, 5),
-    (0x9, 5),
-    (0x2D, 6),
-    (0x77, 7),
-    (0x78, 7),  # 115
-    (0x79, 7),
-    (0x7A, 7),
-    (0x7B, 7),
-    (0x7FFE, 15),
-    (0x7FC, 11),  # 120
-    (0x3FFD, 14),
-    (0x1FFD, 13),
-    (0xFFFFFFC, 28),
-    (0xFFFE6, 20),
-    (0x3FFFD2, 22),  # 125
-    (0xFFFE7, 20),
-    (0xFFFE8, 20),
-    (0x3FFFD3, 22),
-    (0x3FFFD4, 22),
-    (0x3FFFD5, 22),  # 130
-    (0x7FFFD9, 23),
-    (0x3FFFD6, 22),
-    (0x7FFFDA, 23),
-    (0x7FFFDB, 23),
-    (0x7FFFDC, 23),  # 135
-    (0x7FFFDD, 23),
-    (0x7FFFDE, 23),
-    (0xFFFFEB, 24),
-    (0x7FFFDF, 23),
-    (0xFFFFEC, 24),  # 140
-    (0xFFFFED, 24),
-    (0x3FFFD7, 22),
-    (0x7FFFE0, 23),
-    (0xFFFFEE, 24),
-    (0x7FFFE1, 23),  # 145
-    (0x7FFFE2, 23),
-    (0x7FFFE3, 23),
-    (0x7FFFE4, 23),
-    (0x1FFFDC, 21),
-    (0x3FFFD8, 22),  # 150
-    (0x7FFFE5, 23),
-    (0x3FFFD9, 22),
-    (0x7FFFE6, 23),
-    (0x7FFFE7, 23),
-    (0xFFFFEF, 24),  # 155
-    (0x3FFFDA, 22),
-    (0x1FFFDD, 21),
-    (0xFFFE9, 20),
-    (0x3FFFDB, 22),
-    (0x3FFFDC, 22),  # 160
-    (0x7FFFE8, 23),
-    (0x7FFFE9, 23),
-    (0x1FFFDE, 21),
-    (0x7FFFEA, 23),
-    (0x3FFFDD, 22),  # 165
-    (0x3FFFDE, 22),
-    (0xFFFFF0, 24),
-    (0x1FFFDF, 21),
-    (0x3FFFDF, 22),
-    (0x7FFFEB, 23),  # 170
-    (0x7FFFEC, 23),
-    (0x1FFFE0, 21),
-    (0x1FFFE1, 21),
-    (0x3FFFE0, 22),
-    (0x1FFFE2, 21),  # 175
-    (0x7FFFED, 23),
-    (0x3FFFE1, 22),
-    (0x7FFFEE, 23),
-    (0x7FFFEF, 23),
-    (0xFFFEA, 20),  # 180
-    (0x3FFFE2, 22),
-    (0x3FFFE3, 22),
-    (0x3FFFE4, 22),
-    (0x7FFFF0, 23),
-    (0x3FFFE5, 22),  # 185
-    (0x3FFFE6, 22),
-    (0x7FFFF1, 23),
-    (0x3FFFFE0, 26),
-    (0x3FFFFE1, 26),
-    (0xFFFEB, 20),  # 190
-    (0x7FFF1, 19),
-    (0x3FFFE7, 22),
-    (0x7FFFF2, 23),
-    (0x3FFFE8, 22),
-    (0x1FFFFEC, 25),  # 195
-    (0x3FFFFE2, 26),
-    (0x3FFFFE3, 26),
-    (0x3FFFFE4, 26),
-    (0x7FFFFDE, 27),
-    (0x7FFFFDF, 27),  # 200
-    (0x3FFFFE5, 26),
-    (0xFFFFF1, 24),
-    (0x1FFFFED, 25),
-    (0x7FFF2, 19),
-    (0x1FFFE3, 21),  # 205
-    (0x3FFFFE6, 26),
-    (0x7FFFFE0, 27),
-    (0x7FFFFE1, 27),
-    (0x3FFFFE7, 26),
-    (0x7FFFFE2, 27),  # 210
-    (0xFFFFF2, 24),
-    (0x1FFFE4, 21),
-    (0x1FFFE5, 21),
-    (0x3FFFFE8, 26),
-    (0x3FFFFE9, 26),  # 215
-    (0xFFFFFFD, 28),
-    (0x7FFFFE3, 27),
-    (0x7FFFFE4, 27),
-    (0x7FFFFE5, 27),
-    (0xFFFEC, 20),  # 220
-    (0xFFFFF3, 24),
-    (0xFFFED, 20),
-    (0x1FFFE6, 21),
-    (0x3FFFE9, 22),
-    (0x1FFFE7, 21),  # 225
-    (0x1FFFE8, 21),
-    (0x7FFFF3, 23),
-    (0x3FFFEA, 22),
-    (0x3FFFEB, 22),
-    (0x1FFFFEE, 25),  # 230
-    (0x1FFFFEF, 25),
-    (0xFFFFF4, 24),
-    (0xFFFFF5, 24),
-    (0x3FFFFEA, 26),
-    (0x7FFFF4, 23),  # 235
-    (0x3FFFFEB, 26),
-    (0x7FFFFE6, 27),
-    (0x3FFFFEC, 26),
-    (0x3FFFFED, 26),
-    (0x7FFFFE7, 27),  # 240
-    (0x7FFFFE8, 27),
-    (0x7FFFFE9, 27),
-    (0x7FFFFEA, 27),
-    (0x7FFFFEB, 27),
-    (0xFFFFFFE, 28),  # 245
-    (0x7FFFFEC, 27),
-    (0x7FFFFED, 27),
-    (0x7FFFFEE, 27),
-    (0x7FFFFEF, 27),
-    (0x7FFFFF0, 27),  # 250
-    (0x3FFFFEE, 26),
-    (0x3FFFFFFF, 30),  # 255
+    (0x1ff8, 13), (0x7fffd8, 23), (0xfffffe2, 28), (0xfffffe3, 28), (0xfffffe4, 28),  # 0
+    (0xfffffe5, 28), (0xfffffe6, 28), (0xfffffe7, 28), (0xfffffe8, 28), (0xffffea, 24),  # 5
+    (0x3ffffffc, 30), (0xfffffe9, 28), (0xfffffea, 28), (0x3ffffffd, 30), (0xfffffeb, 28),  # 10
+    (0xfffffec, 28), (0xfffffed, 28), (0xfffffee, 28), (0xfffffef, 28), (0xffffff0, 28),  # 15
+    (0xffffff1, 28), (0xffffff2, 28), (0x3ffffffe, 30), (0xffffff3, 28), (0xffffff4, 28),  # 20
+    (0xffffff5, 28), (0xffffff6, 28), (0xffffff7, 28), (0xffffff8, 28), (0xffffff9, 28),  # 25
+    (0xffffffa, 28), (0xffffffb, 28), (0x14, 6), (0x3f8, 10), (0x3f9, 10),  # 30
+    (0xffa, 12), (0x1ff9, 13), (0x15, 6), (0xf8, 8), (0x7fa, 11),  # 35
+    (0x3fa, 10), (0x3fb, 10), (0xf9, 8), (0x7fb, 11), (0xfa, 8),  # 40
+    (0x16, 6), (0x17, 6), (0x18, 6), (0x0, 5), (0x1, 5),  # 45
+    (0x2, 5), (0x19, 6), (0x1a, 6), (0x1b, 6), (0x1c, 6),  # 50
+    (0x1d, 6), (0x1e, 6), (0x1f, 6), (0x5c, 7), (0xfb, 8),  # 55
+    (0x7ffc, 15), (0x20, 6), (0xffb, 12), (0x3fc, 10), (0x1ffa, 13),  # 60
+    (0x21, 6), (0x5d, 7), (0x5e, 7), (0x5f, 7), (0x60, 7),  # 65
+    (0x61, 7), (0x62, 7), (0x63, 7), (0x64, 7), (0x65, 7),  # 70
+    (0x66, 7), (0x67, 7), (0x68, 7), (0x69, 7), (0x6a, 7),  # 75
+    (0x6b, 7), (0x6c, 7), (0x6d, 7), (0x6e, 7), (0x6f, 7),  # 80
+    (0x70, 7), (0x71, 7), (0x72, 7), (0xfc, 8), (0x73, 7),  # 85
+    (0xfd, 8), (0x1ffb, 13), (0x7fff0, 19), (0x1ffc, 13), (0x3ffc, 14),  # 90
+    (0x22, 6), (0x7ffd, 15), (0x3, 5), (0x23, 6), (0x4, 5),  # 95
+    (0x24, 6), (0x5, 5), (0x25, 6), (0x26, 6), (0x27, 6),  # 100
+    (0x6, 5), (0x74, 7), (0x75, 7), (0x28, 6), (0x29, 6),  # 105
+    (0x2a, 6), (0x7, 5), (0x2b, 6), (0x76, 7), (0x2c, 6),  # 110
+    (0x8, 5), (0x9, 5), (0x2d, 6), (0x77, 7), (0x78, 7),  # 115
+    (0x79, 7), (0x7a, 7), (0x7b, 7), (0x7ffe, 15), (0x7fc, 11),  # 120
+    (0x3ffd, 14), (0x1ffd, 13), (0xffffffc, 28), (0xfffe6, 20), (0x3fffd2, 22),  # 125
+    (0xfffe7, 20), (0xfffe8, 20), (0x3fffd3, 22), (0x3fffd4, 22), (0x3fffd5, 22),  # 130
+    (0x7fffd9, 23), (0x3fffd6, 22), (0x7fffda, 23), (0x7fffdb, 23), (0x7fffdc, 23),  # 135
+    (0x7fffdd, 23), (0x7fffde, 23), (0xffffeb, 24), (0x7fffdf, 23), (0xffffec, 24),  # 140
+    (0xffffed, 24), (0x3fffd7, 22), (0x7fffe0, 23), (0xffffee, 24), (0x7fffe1, 23),  # 145
+    (0x7fffe2, 23), (0x7fffe3, 23), (0x7fffe4, 23), (0x1fffdc, 21), (0x3fffd8, 22),  # 150
+    (0x7fffe5, 23), (0x3fffd9, 22), (0x7fffe6, 23), (0x7fffe7, 23), (0xffffef, 24),  # 155
+    (0x3fffda, 22), (0x1fffdd, 21), (0xfffe9, 20), (0x3fffdb, 22), (0x3fffdc, 22),  # 160
+    (0x7fffe8, 23), (0x7fffe9, 23), (0x1fffde, 21), (0x7fffea, 23), (0x3fffdd, 22),  # 165
+    (0x3fffde, 22), (0xfffff0, 24), (0x1fffdf, 21), (0x3fffdf, 22), (0x7fffeb, 23),  # 170
+    (0x7fffec, 23), (0x1fffe0, 21), (0x1fffe1, 21), (0x3fffe0, 22), (0x1fffe2, 21),  # 175
+    (0x7fffed, 23), (0x3fffe1, 22), (0x7fffee, 23), (0x7fffef, 23), (0xfffea, 20),  # 180
+    (0x3fffe2, 22), (0x3fffe3, 22), (0x3fffe4, 22), (0x7ffff0, 23), (0x3fffe5, 22),  # 185
+    (0x3fffe6, 22), (0x7ffff1, 23), (0x3ffffe0, 26), (0x3ffffe1, 26), (0xfffeb, 20),  # 190
+    (0x7fff1, 19), (0x3fffe7, 22), (0x7ffff2, 23), (0x3fffe8, 22), (0x1ffffec, 25),  # 195
+    (0x3ffffe2, 26), (0x3ffffe3, 26), (0x3ffffe4, 26), (0x7ffffde, 27), (0x7ffffdf, 27),  # 200
+    (0x3ffffe5, 26), (0xfffff1, 24), (0x1ffffed, 25), (0x7fff2, 19), (0x1fffe3, 21),  # 205
+    (0x3ffffe6, 26), (0x7ffffe0, 27), (0x7ffffe1, 27), (0x3ffffe7, 26), (0x7ffffe2, 27),  # 210
+    (0xfffff2, 24), (0x1fffe4, 21), (0x1fffe5, 21), (0x3ffffe8, 26), (0x3ffffe9, 26),  # 215
+    (0xffffffd, 28), (0x7ffffe3, 27), (0x7ffffe4, 27), (0x7ffffe5, 27), (0xfffec, 20),  # 220
+    (0xfffff3, 24), (0xfffed, 20), (0x1fffe6, 21), (0x3fffe9, 22), (0x1fffe7, 21),  # 225
+    (0x1fffe8, 21), (0x7ffff3, 23), (0x3fffea, 22), (0x3fffeb, 22), (0x1ffffee, 25),  # 230
+    (0x1ffffef, 25), (0xfffff4, 24), (0xfffff5, 24), (0x3ffffea, 26), (0x7ffff4, 23),  # 235
+    (0x3ffffeb, 26), (0x7ffffe6, 27), (0x3ffffec, 26), (0x3ffffed, 26), (0x7ffffe7, 27),  # 240
+    (0x7ffffe8, 27), (0x7ffffe9, 27), (0x7ffffea, 27), (0x7ffffeb, 27), (0xffffffe, 28),  # 245
+    (0x7ffffec, 27), (0x7ffffed, 27), (0x7ffffee, 27), (0x7ffffef, 27), (0x7fffff0, 27),  # 250
+    (0x3ffffee, 26), (0x3fffffff, 30),  # 255
 )
+# fmt: on
 _EOS: Final = 256
 _MAX_PADDING_BITS: Final = 7
 
