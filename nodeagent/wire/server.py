@@ -1,7 +1,8 @@
-"""A gRPC server on one Unix socket, speaking HTTP/2 itself: the transport of the device-plugin servers.
+"""A gRPC server on one Unix socket, speaking HTTP/2 itself: the transport of every socket nodeagent serves
+to the kubelet (the device-plugin servers, the DRA driver and its registration).
 
 The kubelet opens one connection per plugin socket and calls small unary methods (Allocate above all) and
-one server-streaming method (ListAndWatch). This server answers a unary call on the connection's reader
+server-streaming ones (ListAndWatch, the DRA health watch). This server answers a unary call on the connection's reader
 thread, in the same pass that read the request: one ``recv`` and one ``sendall`` per call, no hand-off
 between threads. (grpcio's server passes every call through its completion-queue thread and a worker
 thread and back, which costs more than the Allocate itself; benchmark: tests/bench/bench_deviceplugin.py.)
@@ -163,6 +164,14 @@ def _trailers(code: int, message: str, *, with_headers: bool) -> bytes:
 _OK_TRAILERS = _trailers(OK, "", with_headers=False)
 
 
+# What this server announces on every new connection.
+_SERVER_SETTINGS = _frame(SETTINGS, 0, 0, b"".join((
+    _SETTING.pack(S_MAX_CONCURRENT_STREAMS, MAX_STREAMS),
+    _SETTING.pack(S_ENABLE_PUSH, 0),
+    _SETTING.pack(S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
+)))
+
+
 def _grpc_message(body: bytes | bytearray) -> bytes:
     """The one message of a unary request body; ``RpcError`` for anything else."""
     if len(body) < 5:
@@ -184,7 +193,8 @@ _BAD_VALUE = re.compile(rb"[\x00\r\n]|^[ \t]|[ \t]$")
 def malformed(fields: list[tuple[bytes, bytes]]) -> str | None:
     """Why a request's header list is malformed (RFC 9113 8.2 and 8.3), or None: names lowercase tokens,
     values without NUL/CR/LF or edge whitespace, the request pseudo-headers once each and first,
-    :method/:scheme/:path present, no connection-specific field, TE only "trailers"."""
+    :method/:scheme/:path present, no connection-specific field, TE only "trailers", a content-length that
+    is a number."""
     seen: set[bytes] = set()
     regular = False
     for name, value in fields:
@@ -202,6 +212,8 @@ def malformed(fields: list[tuple[bytes, bytes]]) -> str | None:
                 return f"connection-specific field {name.decode('latin-1')}"
         if _BAD_VALUE.search(value):
             return f"field {name.decode('latin-1')} has a value with NUL, CR, LF or edge whitespace"
+        if name == b"content-length" and not (value.isdigit() and len(value) <= 12):
+            return f"content-length {value.decode('latin-1')!r} is not a length"
     missing = sorted(n.decode() for n in (b":method", b":scheme", b":path") if n not in seen)
     if missing:
         return f"request without {', '.join(missing)}"
@@ -226,12 +238,12 @@ def _message_frame_payload(message: bytes) -> bytes:
 class _Stream:
     __slots__ = ("body", "content_length", "handle", "path", "send_window", "sending")
 
-    def __init__(self, path: str, send_window: int) -> None:
+    def __init__(self, path: str, send_window: int, content_length: int) -> None:
         self.path = path
         self.body = bytearray()
         self.send_window = send_window
         self.handle: ServerStream | None = None  # set for a running server-streaming call
-        self.content_length = -1  # the request's content-length, -1 without one
+        self.content_length = content_length  # the request's content-length, -1 without one
         self.sending = False
 
 
@@ -291,20 +303,7 @@ class _Connection:
             self.sock.setsockopt(
                 socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT_S), 0)
             )
-            self._write(
-                _frame(
-                    SETTINGS,
-                    0,
-                    0,
-                    b"".join(
-                        [
-                            _SETTING.pack(S_MAX_CONCURRENT_STREAMS, MAX_STREAMS),
-                            _SETTING.pack(S_ENABLE_PUSH, 0),
-                            _SETTING.pack(S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
-                        ]
-                    ),
-                )
-            )
+            self._write(_SERVER_SETTINGS)
             self._read_loop()
         except ProtocolFault as e:
             reason = str(e)
@@ -325,13 +324,13 @@ class _Connection:
 
     def _read_loop(self) -> None:
         buf = bytearray()
-        self._read_exactly(buf, len(PREFACE), "the client preface")
+        while len(buf) < len(PREFACE):
+            self._receive(buf, "the client preface")
         if bytes(buf[: len(PREFACE)]) != PREFACE:
             raise ProtocolFault(
                 PROTOCOL_ERROR, "the connection does not begin with the HTTP/2 client preface"
             )
         del buf[: len(PREFACE)]
-        sock = self.sock
         while True:
             pos = 0
             end = len(buf)
@@ -348,27 +347,21 @@ class _Connection:
             if pos:
                 del buf[:pos]
             self._flush()
-            if buf and not self._readable(FRAME_TIMEOUT_S):  # a frame begun: the rest must come in time
-                raise ProtocolFault(PROTOCOL_ERROR, f"a frame left incomplete for {FRAME_TIMEOUT_S:g} s")
-            chunk = sock.recv(RECV_CHUNK)
-            if not chunk:
-                raise EOFError("closed by the client")
-            buf += chunk
+            # between frames the client may stay silent; a frame begun must be finished in time
+            self._receive(buf, "the rest of a frame" if buf else None)
 
-    def _readable(self, timeout_s: float) -> bool:
-        """Whether the socket has bytes (or its end) within ``timeout_s`` (poll: any descriptor number)."""
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        return bool(poller.poll(timeout_s * 1000))
-
-    def _read_exactly(self, buf: bytearray, n: int, what: str) -> None:
-        while len(buf) < n:
-            if not self._readable(FRAME_TIMEOUT_S):
-                raise ProtocolFault(PROTOCOL_ERROR, f"{what} did not arrive within {FRAME_TIMEOUT_S:g} s")
-            chunk = self.sock.recv(RECV_CHUNK)
-            if not chunk:
-                raise EOFError("closed by the client")
-            buf += chunk
+    def _receive(self, buf: bytearray, awaited: str | None) -> None:
+        """Append what the socket has next to ``buf``. With ``awaited`` (what is expected) it must come
+        within FRAME_TIMEOUT_S (poll: any descriptor number), else the connection ends naming it."""
+        if awaited is not None:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            if not poller.poll(FRAME_TIMEOUT_S * 1000):
+                raise ProtocolFault(PROTOCOL_ERROR, f"{awaited} did not arrive within {FRAME_TIMEOUT_S:g} s")
+        chunk = self.sock.recv(RECV_CHUNK)
+        if not chunk:
+            raise EOFError("closed by the client")
+        buf += chunk
 
     # -- frames ----------------------------------------------------------------------------------------------
 
@@ -504,17 +497,17 @@ class _Connection:
             raise ProtocolFault(PROTOCOL_ERROR, f"a new stream {sid} (client streams are odd and increase)")
         self._last_stream = sid
         if self._going_away or self.server.closing:
-            self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            self._reset(sid, REFUSED_STREAM)
             return
         if len(self._streams) >= MAX_STREAMS:
-            self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            self._reset(sid, REFUSED_STREAM)
             return
         key = tuple(fields)
         if key not in self._valid_headers:  # the same few header lists come again and again
             reason = malformed(fields)
             if reason is not None:
                 log.warning("%s: stream %d refused: malformed request: %s", self.name, sid, reason)
-                self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                self._reset(sid, PROTOCOL_ERROR)
                 return
             if len(self._valid_headers) >= 64:
                 self._valid_headers.clear()
@@ -531,13 +524,9 @@ class _Connection:
             elif name == b"grpc-encoding":
                 encoding = value.decode("latin-1")
             elif name == b"content-length":
-                length = int(value) if value.isdigit() and len(value) <= 12 else -2
-        if length == -2:
-            self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
-            return
+                length = int(value)  # checked by malformed()
         with self._flow:
-            st = _Stream(path, self._peer_initial_window)
-            st.content_length = length
+            st = _Stream(path, self._peer_initial_window, length)
             self._streams[sid] = st
         if method != "POST" or not content_type.startswith("application/grpc"):
             self._finish(
@@ -568,7 +557,7 @@ class _Connection:
             if sid > self._last_stream:
                 raise ProtocolFault(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             if st is None:
-                self._out.append(_frame(RST_STREAM, 0, sid, _U32.pack(STREAM_CLOSED)))
+                self._reset(sid, STREAM_CLOSED)
             return
         st.body += self._unpad(flags, payload)
         if len(st.body) > MAX_MESSAGE + 5:
