@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.errors import InputError, KubeletError
@@ -98,11 +96,9 @@ class _Served:
 
     def answer(self, request: bytes) -> bytes:
         """The serialized AllocateResponse to a serialized AllocateRequest, validated in full; kept for the
-        same bytes again. Raises ``AllocationError`` (never kept) for anything this resource cannot give."""
-        try:
-            parsed = api_pb2.AllocateRequest.FromString(request)
-        except DecodeError as e:
-            raise AllocationError(f"malformed AllocateRequest ({len(request)} bytes): {e}") from e
+        same bytes again. Raises ``RpcError`` for bytes that are no AllocateRequest and ``AllocationError``
+        for anything this resource cannot give (neither is kept)."""
+        parsed = parse_request(api_pb2.AllocateRequest, request)
         allocs = allocate(self.resource, self.flags, [list(c.devices_ids) for c in parsed.container_requests])
         response = api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
         answer: bytes = response.SerializeToString()
@@ -207,7 +203,7 @@ class _Servicer:
             return answer
         try:
             return served.answer(request)
-        except AllocationError as e:
+        except (AllocationError, RpcError) as e:
             log.warning("allocate refused: %s", e)
             raise RpcError(INVALID_ARGUMENT, str(e)) from e
 
