@@ -139,6 +139,7 @@ class DraComponent:
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig)  # MIG claims unprepare with the knob off
+        self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
         await self._set_inventory(inventory)
         if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
             await self._set_inventory(await asyncio.to_thread(self.mig.discover))
@@ -176,9 +177,7 @@ class DraComponent:
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:
             self.monitor.set_gpus(g.index for g in inventory.gpus)
-        self._withdrawn = frozenset()
-        if self.preparer is not None:
-            self.preparer.withdrawn = frozenset()
+        self._set_withdrawn(frozenset())
         await self._set_inventory(inventory)
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
@@ -189,10 +188,14 @@ class DraComponent:
         """Leave these GPUs' devices out of the ResourceSlices (a MIG change on them) until the next
         ``on_inventory``; claims already prepared on them stay answered, new ones are refused (the kubelet
         retries) so that the MIG change's wait for its GPUs cannot be overtaken."""
-        self._withdrawn = self._withdrawn | frozenset(gpu_indices)
-        if self.preparer is not None:
-            self.preparer.withdrawn = self._withdrawn  # and no new claim is prepared on them meanwhile
+        self._set_withdrawn(self._withdrawn | frozenset(gpu_indices))
         await self._refresh()
+
+    def _set_withdrawn(self, gpu_indices: frozenset[int]) -> None:
+        """The withdrawn GPUs: left out of the slices, and no new claim prepared on them meanwhile."""
+        self._withdrawn = gpu_indices
+        if self.preparer is not None:
+            self.preparer.withdrawn = gpu_indices
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
         """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""
