@@ -19,9 +19,16 @@ def peer_binary(env_var: str, setup_function: str, what: str) -> Path:
     """Path of a peer binary.
 
     Uses ``$env_var`` when set (tests/run.sh sources setup.sh, which exports it); otherwise runs the
-    named setup.sh function, which builds into the cache only when the binary is not there yet.
+    named setup.sh function, which builds into the cache only when the binary is not there yet. After
+    setup.sh's whole setup ran (``NODEAGENT_PEERS_READY=1``), an unset variable is a fault of the setup,
+    not a reason to build inside a timed test: it fails at once.
     """
     value = os.environ.get(env_var)
+    if not value and os.environ.get("NODEAGENT_PEERS_READY") == "1":
+        raise PeerMissingError(
+            f"{what}: {env_var} is not set although tests/testbin/setup.sh finished its setup; "
+            f"the step that exports it belongs in NODEAGENT_PEERS_STEPS ({SETUP_SH})"
+        )
     if not value:
         script = (
             f"NODEAGENT_PEERS_LIB_ONLY=1; source {SETUP_SH}; set -euo pipefail; "

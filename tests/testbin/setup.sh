@@ -2,20 +2,27 @@
 # Sets up the real test peers. SOURCED by tests/run.sh (under `set -euo pipefail`), so everything here
 # lives in functions that `return` non-zero with a message instead of exiting.
 #
-# What it does:
-#   * installs Debian `containerd` and `runc` when missing (apt-get; needs root);
+# What it does (nodeagent_peers_setup, at the end: the steps in NODEAGENT_PEERS_STEPS, in order):
+#   * installs Debian `containerd`, `runc` and the system tools the tests run when missing (apt-get; root);
 #   * builds the Go peers into a cache outside the repo, keyed by version and a hash of the module files
 #     and sources, so a warm run builds nothing:
 #       ${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}/bin/<name>-<version>-<hash>
-#   * exports the paths the pytest fixtures (tests/peers/) read:
-#       NODEAGENT_KUBE_APISERVER, NODEAGENT_ETCD, NODEAGENT_KUBELET_HARNESS,
-#       NODEAGENT_CONTAINERD, NODEAGENT_RUNC, NODEAGENT_CONTAINERD2, NODEAGENT_CRI_STATUS
-#   * on demand (the tests that need them call these functions through tests/peers/_resolve.py):
+#     Every peer the suite uses is built here, before pytest starts; no test waits for a build.
+#   * exports the paths the pytest fixtures (tests/peers/) read, each set by one function:
+#       nodeagent_peers_containerd -> NODEAGENT_CONTAINERD, NODEAGENT_RUNC
+#       nodeagent_peers_containerd2 -> NODEAGENT_CONTAINERD2, NODEAGENT_CRI_STATUS
+#       nodeagent_peers_harness -> NODEAGENT_KUBELET_HARNESS
+#       nodeagent_peers_apiserver -> NODEAGENT_KUBE_APISERVER, NODEAGENT_ETCD
 #       nodeagent_peers_kube_control_plane -> NODEAGENT_KUBE_SCHEDULER, NODEAGENT_KUBE_CONTROLLER_MANAGER
 #       nodeagent_peers_dra_harness -> NODEAGENT_DRA_HARNESS
 #       nodeagent_peers_k8s137 -> NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
 #                                 NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37, NODEAGENT_DRA_HARNESS_1_37
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
+#       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
+#     and NODEAGENT_PEERS_READY=1 once all are set. pytest run without this setup (a developer's
+#     `pytest tests/unit/...`) still builds a missing peer on first use through tests/peers/_resolve.py.
+#   * resolves files it needs from Go modules (nvml.h) by downloading the module, never by assuming a
+#     module cache a previous run left behind.
 # KUBEBUILDER_ASSETS, when set to a directory holding kube-apiserver and etcd, is used instead of building
 # those two.
 #
@@ -112,6 +119,11 @@ _build_into_cache() {
   shift 5
   local bindir=$NODEAGENT_CACHE/bin logdir=$NODEAGENT_CACHE/logs dest
   dest=$bindir/$name-$version-$hash
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    if [ -x "$dest" ]; then _peers_log "plan: $name $version cached"; else _peers_log "plan: $name $version to build"; fi
+    NODEAGENT_GO_BINARY=$dest
+    return 0
+  fi
   mkdir -p "$bindir" "$logdir" || return 1
   if [ ! -x "$dest" ]; then
     local lock=$bindir/.$name-$version.lock log=$logdir/build-$name-$version-$hash.log
@@ -148,6 +160,10 @@ _peers_install_debian() {
     [ "$st" = "install ok installed" ] || missing+=("$p")
   done
   [ "${#missing[@]}" -eq 0 ] && return 0
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_log "plan: Debian packages to install: ${missing[*]}"
+    return 0
+  fi
   if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
     _peers_log "missing Debian packages: ${missing[*]} (install them: apt-get install ${missing[*]})"
     return 1
@@ -163,11 +179,32 @@ _peers_install_debian() {
   }
 }
 
+# Debian's containerd and runc, and the system tools the tests run (openssl for the apiserver's
+# certificates, strace, systemd-analyze, unshare, dpkg-deb, kubectl's README lines are run with the
+# machine's kubectl when present).
 nodeagent_peers_containerd() {
-  _peers_install_debian containerd runc || return 1
+  _peers_install_debian containerd runc openssl strace systemd util-linux dpkg || return 1
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ] && ! command -v containerd >/dev/null 2>&1; then
+    return 0
+  fi
   NODEAGENT_CONTAINERD=$(command -v containerd) || { _peers_log "containerd not on PATH"; return 1; }
   NODEAGENT_RUNC=$(command -v runc) || { _peers_log "runc not on PATH"; return 1; }
   export NODEAGENT_CONTAINERD NODEAGENT_RUNC
+}
+
+# _go_module_dir MODDIR MODULE: the directory of MODULE (at the version MODDIR/go.mod requires) in the Go
+# module cache, downloaded from the module proxy when the cache does not hold it (`go list -m` would print
+# an empty directory instead). One line naming the module and the proxy when the download fails.
+_go_module_dir() {
+  local moddir=$1 module=$2 out dir err
+  out=$(cd "$moddir" && GOFLAGS=-mod=mod go mod download -json "$module" 2>&1) || true
+  dir=$(printf '%s\n' "$out" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p' | head -n 1)
+  if [ -z "$dir" ] || [ ! -d "$dir" ]; then
+    err=$(printf '%s\n' "$out" | sed -n 's/^[[:space:]]*"Error": "\(.*\)",\{0,1\}$/\1/p' | head -n 1)
+    _peers_log "cannot download Go module $module (for $moddir) from $(go env GOPROXY): ${err:-$(printf '%s' "$out" | tail -n 1)}"
+    return 1
+  fi
+  printf '%s\n' "$dir"
 }
 
 nodeagent_peers_apiserver() {
@@ -229,8 +266,7 @@ nodeagent_peers_sample_device_plugin() {
 }
 
 # kube-scheduler and kube-controller-manager from the peers module (same release as kube-apiserver), for
-# the DRA scheduling tests (tests/peers/scheduler.py, tests/peers/controllermanager.py). Not called by
-# nodeagent_peers_setup: the DRA tests build them on first use through tests/peers/_resolve.py.
+# the DRA scheduling tests (tests/peers/controlplane.py).
 nodeagent_peers_kube_control_plane() {
   local peers_mod=$NODEAGENT_TESTBIN/peers kube_version
   kube_version=$(_go_mod_version "$peers_mod" k8s.io/kubernetes)
@@ -246,8 +282,7 @@ nodeagent_peers_kube_control_plane() {
 # (tests/testbin/peers) and the dra-harness built from the same sources against k8s.io/kubernetes v1.37.2
 # (go-1.37.mod / go-1.37.sum beside each go.mod; the harness needs build tag k8s137 for the kubelet API
 # changes). Exports NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
-# NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37 and NODEAGENT_DRA_HARNESS_1_37. Not called by
-# nodeagent_peers_setup: the DRA scheduling tests build them on first use (tests/peers/_resolve.py).
+# NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37 and NODEAGENT_DRA_HARNESS_1_37.
 nodeagent_peers_k8s137() {
   local peers_mod=$NODEAGENT_TESTBIN/peers harness_mod=$NODEAGENT_TESTBIN/dra-harness mf=go-1.37.mod v ld
   v=$(_go_mod_version "$peers_mod" k8s.io/kubernetes "$mf")
@@ -264,39 +299,16 @@ nodeagent_peers_k8s137() {
 }
 
 # The kubelet's DRA manager and plugin watcher (tests/testbin/dra-harness, same Kubernetes release as
-# the peers module). Not called by nodeagent_peers_setup: the DRA tests build it on first use through
-# tests/peers/_resolve.py, which sources this file with NODEAGENT_PEERS_LIB_ONLY=1.
+# the peers module).
 nodeagent_peers_dra_harness() {
   local mod=$NODEAGENT_TESTBIN/dra-harness
   build_go_binary dra-harness "$mod" ./cmd/dra-harness "$(_go_mod_version "$mod" k8s.io/kubernetes)" || return 1
   export NODEAGENT_DRA_HARNESS=$NODEAGENT_GO_BINARY
 }
 
-# nodeagent_peers_setup: everything above; the one entry point tests/run.sh relies on.
-nodeagent_peers_setup() {
-  local start=$SECONDS
-  nodeagent_peers_containerd || return 1
-  nodeagent_peers_containerd2 || return 1
-  nodeagent_peers_harness || return 1
-  nodeagent_peers_apiserver || return 1
-  _peers_log "ready in $((SECONDS - start))s"
-}
-
-if [ -n "${NODEAGENT_PEERS_LIB_ONLY:-}" ]; then
-  : # only define the functions (for scripts that build one peer)
-elif [ "${BASH_SOURCE[0]}" = "$0" ]; then
-  # Executed rather than sourced.
-  set -euo pipefail
-  nodeagent_peers_setup
-  env | grep '^NODEAGENT_' | sort
-else
-  nodeagent_peers_setup || return 1
-fi
-
 # cdi-check: drives the CDI reference library (tags.cncf.io/container-device-interface/pkg/cdi, version
 # pinned in tests/testbin/cdi-check/go.mod) for the CDI tests; the same module has cri-cdi (creates a
 # container through CRI with CDI devices and prints the OCI spec) and pause (the test image's process).
-# Not part of nodeagent_peers_setup: the tests build them on first use (tests/peers/cdicheck.py).
 nodeagent_peers_cdi_check() {
   local mod=$NODEAGENT_TESTBIN/cdi-check version
   version=$(_go_mod_version "$mod" tags.cncf.io/container-device-interface)
@@ -341,16 +353,19 @@ build_cgo_binary() {
 
 nodeagent_peers_nvml_abi() {
   local view_mod=$NODEAGENT_TESTBIN/nvml-view ctk_mod=$NODEAGENT_TESTBIN/nvidia-ctk py nvml_dir nvml_h hash
-  command -v gcc >/dev/null 2>&1 || _peers_install_debian gcc libc6-dev || return 1
+  _peers_install_debian gcc libc6-dev || return 1
   py=$(_abi_python)
-  nvml_dir=$(cd "$view_mod" && GOFLAGS=-mod=mod go list -m -f '{{.Dir}}' github.com/NVIDIA/go-nvml) || {
-    _peers_log "cannot download github.com/NVIDIA/go-nvml (for nvml.h)"
-    return 1
-  }
+  nvml_dir=$(_go_module_dir "$view_mod" github.com/NVIDIA/go-nvml) || return 1
   nvml_h=$nvml_dir/pkg/nvml/nvml.h
+  if [ ! -f "$nvml_h" ]; then
+    _peers_log "github.com/NVIDIA/go-nvml in $nvml_dir has no pkg/nvml/nvml.h"
+    return 1
+  fi
   hash=$(cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.gpu.abi.build --nvml-h "$nvml_h" --hash) || return 1
   local libdir=$NODEAGENT_CACHE/lib/nvml-abi-$hash
-  if [ ! -f "$libdir/libnvidia-ml.so.1" ]; then
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_log "plan: stand-in libnvidia-ml.so.1 $([ -f "$libdir/libnvidia-ml.so.1" ] && echo cached || echo to build)"
+  elif [ ! -f "$libdir/libnvidia-ml.so.1" ]; then
     _peers_log "building the stand-in libnvidia-ml.so.1 ($libdir)"
     (cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.gpu.abi.build --nvml-h "$nvml_h" --out "$libdir") >/dev/null ||
       return 1
@@ -363,11 +378,44 @@ nodeagent_peers_nvml_abi() {
   export NODEAGENT_NVIDIA_CTK=$NODEAGENT_GO_BINARY
 }
 
+# nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
+# starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
+# a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
+# NODEAGENT_* variable the suite reads is set, so a missing one is an error there, never a build.
+# With NODEAGENT_PEERS_PLAN=1 nothing is built or installed: each step resolves its inputs (module files,
+# headers downloaded from the module proxy) and says whether its peer is cached or would be built.
+NODEAGENT_PEERS_STEPS=(
+  "containerd+runc (Debian):nodeagent_peers_containerd"
+  "containerd 2:nodeagent_peers_containerd2"
+  "kubelet device-manager harness:nodeagent_peers_harness"
+  "etcd + kube-apiserver v1.34:nodeagent_peers_apiserver"
+  "kube-scheduler + kube-controller-manager v1.34:nodeagent_peers_kube_control_plane"
+  "kubelet DRA harness v1.34:nodeagent_peers_dra_harness"
+  "Kubernetes v1.37 peers:nodeagent_peers_k8s137"
+  "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
+  "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
+)
+
+nodeagent_peers_setup() {
+  local start=$SECONDS step n=0 t
+  for step in "${NODEAGENT_PEERS_STEPS[@]}"; do
+    n=$((n + 1))
+    t=$SECONDS
+    _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}"
+    "${step##*:}" || { _peers_log "step '${step%%:*}' failed"; return 1; }
+    _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}: $((SECONDS - t))s"
+  done
+  [ -n "${NODEAGENT_PEERS_PLAN:-}" ] || export NODEAGENT_PEERS_READY=1
+  _peers_log "ready in $((SECONDS - start))s"
+}
+
 if [ -n "${NODEAGENT_PEERS_LIB_ONLY:-}" ]; then
-  :
+  : # only define the functions (for scripts that build one peer)
 elif [ "${BASH_SOURCE[0]}" = "$0" ]; then
-  nodeagent_peers_nvml_abi
-  env | grep '^NODEAGENT_NVML\|^NODEAGENT_NVIDIA' | sort
+  # Executed rather than sourced.
+  set -euo pipefail
+  nodeagent_peers_setup
+  env | grep '^NODEAGENT_' | sort
 else
-  nodeagent_peers_nvml_abi || return 1
+  nodeagent_peers_setup || return 1
 fi

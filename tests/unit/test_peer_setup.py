@@ -1,0 +1,131 @@
+"""tests/testbin/setup.sh on a fresh machine: every input of every peer resolves from EMPTY caches.
+
+The guard against a setup that only works because an earlier run left something behind (a Go module in
+the module cache, a binary in the nodeagent cache). It runs setup.sh's own steps in plan mode
+(NODEAGENT_PEERS_PLAN=1: nothing is built or installed) with GOMODCACHE and NODEAGENT_CACHE pointed at
+empty temporary directories, so it costs seconds (small module downloads), never a Kubernetes build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.peers._resolve import SETUP_SH, PeerMissingError, peer_binary
+
+# Every variable the test fixtures read a peer from (tests/peers/, tests/abi/_abi.py, tests/integration/).
+SUITE_PEERS = {
+    "NODEAGENT_CONTAINERD2",
+    "NODEAGENT_CRI_STATUS",
+    "NODEAGENT_KUBELET_HARNESS",
+    "NODEAGENT_ETCD",
+    "NODEAGENT_KUBE_APISERVER",
+    "NODEAGENT_KUBE_SCHEDULER",
+    "NODEAGENT_KUBE_CONTROLLER_MANAGER",
+    "NODEAGENT_DRA_HARNESS",
+    "NODEAGENT_KUBE_APISERVER_1_37",
+    "NODEAGENT_KUBE_SCHEDULER_1_37",
+    "NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37",
+    "NODEAGENT_DRA_HARNESS_1_37",
+    "NODEAGENT_CDI_CHECK",
+    "NODEAGENT_CRI_CDI",
+    "NODEAGENT_CDI_PAUSE",
+    "NODEAGENT_CONTAINERD2_SHIM",
+    "NODEAGENT_NVML_LIBRARY",
+    "NODEAGENT_NVML_VIEW",
+    "NODEAGENT_NVIDIA_CTK",
+}
+
+
+@pytest.fixture
+def empty_caches(tmp_path: Path) -> Iterator[dict[str, str]]:
+    if shutil.which("go") is None:
+        pytest.fail("the Go toolchain is not on PATH (setup.sh needs it)", pytrace=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODEAGENT_") and k != "GOFLAGS"}
+    env.update(
+        GOMODCACHE=str(tmp_path / "gomod"),
+        GOCACHE=str(tmp_path / "gocache"),
+        NODEAGENT_CACHE=str(tmp_path / "nodeagent-cache"),
+        VENV=str(Path(sys.executable).parent.parent),
+    )
+    yield env
+    # The module cache is written read-only by the go command.
+    subprocess.run(["chmod", "-R", "u+w", str(tmp_path)], check=False)
+
+
+def _setup(env: dict[str, str], script: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "-c", f"NODEAGENT_PEERS_LIB_ONLY=1; source {SETUP_SH}; set -euo pipefail; {script}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_nvml_header_comes_from_a_download_not_a_warm_module_cache(empty_caches: dict[str, str]) -> None:
+    """The step that once read nvml.h from wherever `go list -m` said (an empty path on a fresh machine)."""
+    proc = _setup(
+        dict(empty_caches, NODEAGENT_PEERS_PLAN="1"),
+        'nodeagent_peers_nvml_abi; printf "%s\\n" "$NODEAGENT_NVML_LIBRARY"',
+    )
+    assert proc.returncode == 0, proc.stderr
+    gomod = Path(empty_caches["GOMODCACHE"])
+    headers = list(gomod.glob("github.com/!n!v!i!d!i!a/go-nvml@*/pkg/nvml/nvml.h"))
+    assert len(headers) == 1, sorted(str(p) for p in gomod.rglob("nvml.h"))
+    # The library's path is keyed by the header's hash, under the (empty) nodeagent cache: nothing built.
+    lib = Path(proc.stdout.strip())
+    assert lib.parent.parent == Path(empty_caches["NODEAGENT_CACHE"]) / "lib", lib
+    assert not lib.exists()
+    assert "plan: stand-in libnvidia-ml.so.1 to build" in proc.stderr
+
+
+def test_whole_setup_resolves_every_peer_from_empty_caches(empty_caches: dict[str, str]) -> None:
+    """Every step of nodeagent_peers_setup, in plan mode: each peer the suite reads is named, nothing is
+    built, and the setup does not claim to be ready (so the fixtures would not trust a plan)."""
+    proc = _setup(
+        dict(empty_caches, NODEAGENT_PEERS_PLAN="1"), "nodeagent_peers_setup; env | grep '^NODEAGENT_' | sort"
+    )
+    assert proc.returncode == 0, proc.stderr
+    exported = dict(line.split("=", 1) for line in proc.stdout.splitlines())
+    assert set(exported) >= SUITE_PEERS, sorted(SUITE_PEERS - set(exported))
+    assert "NODEAGENT_PEERS_READY" not in exported
+    cache = Path(empty_caches["NODEAGENT_CACHE"])
+    assert not any(cache.rglob("*")), sorted(str(p) for p in cache.rglob("*"))
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("peers: [")]
+    assert len(steps) == 2 * len(_steps(empty_caches)), proc.stderr  # a start line and a time line each
+    for name in SUITE_PEERS - {"NODEAGENT_CONTAINERD", "NODEAGENT_RUNC", "NODEAGENT_NVML_LIBRARY"}:
+        path = Path(exported[name])
+        assert path.parent == cache / "bin", (name, path)
+
+
+def _steps(env: dict[str, str]) -> list[str]:
+    proc = _setup(env, 'printf "%s\\n" "${NODEAGENT_PEERS_STEPS[@]}"', timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_unreachable_module_proxy_is_one_line_naming_the_module(empty_caches: dict[str, str]) -> None:
+    env = dict(empty_caches, NODEAGENT_PEERS_PLAN="1", GOPROXY="http://127.0.0.1:9", GOFLAGS="-mod=mod")
+    proc = _setup(env, "nodeagent_peers_nvml_abi", timeout=60)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "go-nvml" in line]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("peers: cannot download Go module github.com/NVIDIA/go-nvml"), lines
+    assert "http://127.0.0.1:9" in lines[0]
+
+
+def test_fixtures_never_build_once_the_setup_said_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the whole setup (NODEAGENT_PEERS_READY=1), a peer variable missing is an error at once: the
+    fixture must not fall back to a build inside a timed test."""
+    monkeypatch.setenv("NODEAGENT_PEERS_READY", "1")
+    monkeypatch.delenv("NODEAGENT_TEST_ONLY_PEER", raising=False)
+    with pytest.raises(PeerMissingError, match="NODEAGENT_PEERS_STEPS"):
+        peer_binary("NODEAGENT_TEST_ONLY_PEER", "false", "a test peer")
