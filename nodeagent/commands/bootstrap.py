@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from nodeagent.cli import Settings
+from nodeagent.cli import settings_of, simulation_label
 from nodeagent.config import load_config
 
 
@@ -47,7 +47,10 @@ def bootstrap(
     """
     from nodeagent import bootstrap as bs
 
-    settings: Settings = ctx.obj
+    settings = settings_of(ctx)
+    label = simulation_label(simulate, sim_state)
+    if label is not None:
+        settings.simulate(label)
     config = load_config(
         settings.paths,
         config_file,
@@ -60,7 +63,8 @@ def bootstrap(
             "mig.with_reboot": with_reboot,
         },
     )
-    under_root = settings.paths.root.resolve() != Path("/")
+    settings.simulated_by_config(config.simulate.machine, config.simulate.state)
+    under_root = settings.paths.root != Path("/")
     options = bs.Options(mig_config=mig_config, restart_containerd=not (no_restart or under_root),
                          kube=not no_kube)
     report = bs.bootstrap(config, settings.paths, options, bs.default_parts())

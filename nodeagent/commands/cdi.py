@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from nodeagent.cli import settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 from nodeagent.errors import InputError, OperationError
 from nodeagent.hostpaths import HostPaths
@@ -19,8 +20,7 @@ _DRIVER_ROOT_HELP = "Where the driver's libraries and tools are (under --root), 
 
 
 def _paths(ctx: click.Context) -> HostPaths:
-    paths = getattr(ctx.find_root().obj, "paths", None)
-    return paths if isinstance(paths, HostPaths) else HostPaths()
+    return settings_of(ctx).paths
 
 
 def _driver_root(value: str) -> str:

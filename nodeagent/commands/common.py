@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from nodeagent.cli import settings_of, simulation_label
+
 if TYPE_CHECKING:
     from nodeagent.gpu.nvml import NvmlAdapter
 
@@ -27,6 +29,9 @@ def _store(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     opts: GpuOptions = ctx.meta.get(_META_KEY, GpuOptions())
     opts = GpuOptions(value, opts.sim_state) if param.name == "simulate" else GpuOptions(opts.simulate, value)
     ctx.meta[_META_KEY] = opts
+    label = simulation_label(opts.simulate, opts.sim_state)
+    if label is not None:
+        settings_of(ctx).simulate(label)
     return value
 
 
@@ -63,5 +68,4 @@ def open_adapter(ctx: click.Context) -> NvmlAdapter:
     from nodeagent.gpu import open_nvml
 
     opts = gpu_opts(ctx)
-    paths = getattr(ctx.find_root().obj, "paths", None)
-    return open_nvml(opts.simulate, opts.sim_state, paths)
+    return open_nvml(opts.simulate, opts.sim_state, settings_of(ctx).paths)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
+from nodeagent.cli import settings_of
 from nodeagent.commands.common import gpu_options, open_adapter
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.mig.apply import MigAdapter, MigStateFile
@@ -44,8 +45,6 @@ def _plan(adapter: MigAdapter, sources: MigSources, selected: str | None) -> tup
     return MigPipeline(adapter, sources).plan(selected)
 
 
-def _settings_paths(ctx: click.Context) -> Any:
-    return getattr(ctx.find_root().obj, "paths", None)
 
 
 @click.group("mig")
@@ -79,12 +78,11 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
     A MIG apply interrupted earlier (an agent or command killed midway) is resolved first: every GPU it
     left half-changed is put back to its previous layout, then the plan is made from what is there.
     """
-    paths = _settings_paths(ctx)
-    state = MigStateFile(paths.mig_state_dir) if paths is not None else None
+    paths = settings_of(ctx).paths
+    state = MigStateFile(paths.mig_state_dir)
     sources = load_sources(config_file, hooks_file)  # a missing or broken file stops here: nothing changed
     with _adapter(ctx) as adapter:
-        pipeline = MigPipeline(adapter, sources, state=state,
-                               proc_root=paths.proc if paths is not None else Path("/proc"))
+        pipeline = MigPipeline(adapter, sources, state=state, proc_root=paths.proc)
         prepared = pipeline.prepare(selected)
         if prepared.recovery is not None:
             click.echo(prepared.recovery.describe())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from nodeagent.cli import Settings
+from nodeagent.cli import settings_of, simulation_label
 from nodeagent.config import AgentConfig, flag_path, load_config
 from nodeagent.logs import setup_logging
 
@@ -52,7 +52,10 @@ def run(
     """Run the agent until SIGTERM/SIGINT; SIGHUP reloads the config."""
     from nodeagent.daemon import build_daemon, run_daemon
 
-    settings: Settings = ctx.obj
+    settings = settings_of(ctx)
+    label = simulation_label(simulate, sim_state)
+    if label is not None:
+        settings.simulate(label)
     paths = settings.paths
     overrides: dict[str, object] = {
         "simulate.machine": simulate,
@@ -78,6 +81,7 @@ def run(
         return load_config(settings.paths, config_file, overrides)
 
     config = reload()
+    settings.simulated_by_config(config.simulate.machine, config.simulate.state)
     setup_logging(config.log_format, config.log_level)
     daemon = build_daemon(config, settings.paths, reload_config=reload)
     return run_daemon(daemon)

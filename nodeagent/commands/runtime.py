@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nodeagent.cli import Settings
+from nodeagent.cli import Settings, settings_of
 from nodeagent.errors import RestartError
 from nodeagent.runtime import configure as rc
 from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_DROPIN
@@ -19,10 +19,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _settings(ctx: click.Context) -> Settings:
-    obj = ctx.find_object(Settings)
-    if obj is None:  # invoked without the top-level group (tests calling the command directly)
-        obj = Settings(Path("/"), "text", "info")
-    return obj
+    return settings_of(ctx)
 
 
 def _echo_result(result: rc.Result, as_json: bool, extra: dict[str, Any]) -> None:
@@ -45,6 +42,20 @@ def _echo_result(result: rc.Result, as_json: bool, extra: dict[str, Any]) -> Non
         click.echo(note)
     for warning in result.warnings:
         click.echo(f"warning: {warning}", err=True)
+
+
+def _restart_mode(settings: Settings, given: RestartMode | None) -> RestartMode:
+    """``--restart`` as given; by default ``systemd`` on the host and ``none`` under another ``--root``
+    (a root is a sandbox or an image: nothing outside it is restarted unless asked). ``systemd`` under a
+    root is refused: ``systemctl`` would restart this host's containerd, not the root's."""
+    under_root = settings.paths.root != Path("/")
+    if given is None:
+        return "none" if under_root else "systemd"
+    if given == "systemd" and under_root:
+        raise click.UsageError(
+            f"--restart systemd restarts this host's containerd, not the one of --root {settings.paths.root}; "
+            "use --restart signal (signals the process serving the root's containerd socket) or none")
+    return given
 
 
 def _restart(settings: Settings, result: rc.Result, mode: RestartMode, socket: str, timeout: float) -> dict[str, Any]:
@@ -77,9 +88,9 @@ _restart_option = click.option(
     "--restart",
     "restart_mode",
     type=click.Choice(RESTART_MODES),
-    default="systemd",
-    show_default=True,
-    help="How to restart containerd when its config changed.",
+    default=None,
+    help="How to restart containerd when its config changed [default: systemd; none under --root "
+         "other than /, where systemd is refused].",
 )
 _socket_option = click.option(
     "--socket", default=DEFAULT_SOCKET, show_default=True, callback=_host_path, help="containerd's socket (host path)."
@@ -131,7 +142,7 @@ def configure_cmd(
     runtime_name: str,
     binary_path: str,
     kubeconfig: Path | None,
-    restart_mode: RestartMode,
+    restart_mode: RestartMode | None,
     socket: str,
     restart_timeout: float,
     dry_run: bool,
@@ -141,6 +152,7 @@ def configure_cmd(
     if dropin is not None and in_place:
         raise click.UsageError("--drop-in and --in-place exclude each other")
     settings = _settings(ctx)
+    mode = _restart_mode(settings, restart_mode)
     opts = rc.Options(
         containerd_config=containerd_config,
         mode="in-place" if in_place else "drop-in" if dropin is not None else "auto",
@@ -159,7 +171,7 @@ def configure_cmd(
         kube = KubeClient(connect(kubeconfig))
     try:
         result = rc.configure(settings.paths, opts)
-        extra = _restart(settings, result, restart_mode, socket, restart_timeout)
+        extra = _restart(settings, result, mode, socket, restart_timeout)
         if kube is not None:
             from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
 
@@ -175,13 +187,14 @@ def configure_cmd(
 @_change_options
 @click.pass_context
 def unconfigure_cmd(
-    ctx: click.Context, restart_mode: RestartMode, socket: str, restart_timeout: float, dry_run: bool,
+    ctx: click.Context, restart_mode: RestartMode | None, socket: str, restart_timeout: float, dry_run: bool,
     as_json: bool,
 ) -> None:
     """Put back the files `runtime configure` changed (exact previous bytes when untouched since)."""
     settings = _settings(ctx)
+    mode = _restart_mode(settings, restart_mode)
     result = rc.unconfigure(settings.paths, dry_run=dry_run)
-    extra = _restart(settings, result, restart_mode, socket, restart_timeout)
+    extra = _restart(settings, result, mode, socket, restart_timeout)
     _echo_result(result, as_json, extra)
 
 

@@ -315,10 +315,11 @@ class Daemon:
 
     async def _start(self) -> None:
         log.info(
-            "starting nodeagent on node %s (config %s%s)",
+            "starting nodeagent on node %s (config %s%s%s)",
             self.node_name,
             self.config.source or "defaults",
             f", simulating {self.config.simulate.machine}" if self.config.simulate.machine else "",
+            f", host paths under {self.paths.root}" if self.paths.root != Path("/") else "",
         )
         self.notifier.status("discovering GPUs")
         await self._discover()

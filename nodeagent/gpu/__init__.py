@@ -24,6 +24,11 @@ def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPa
     if simulate is not None or sim_state is not None:
         from nodeagent.gpu.sim import open_sim
 
+        if paths is not None and paths.root == Path("/"):
+            # the simulator lays out stand-in host files (/dev/nvidia*, /proc/devices, the CDI spec)
+            raise InputError("the NVML simulator never acts on the real host: give it a sandbox root "
+                             "(--root DIR), not /")
+
         if sim_state is not None and not sim_state.absolute().parent.is_dir():
             raise InputError(f"sim-state file {sim_state}: directory {sim_state.absolute().parent} does not exist",
                              subject=str(sim_state))

@@ -205,15 +205,13 @@ def _save_state(paths: HostPaths, state: dict[str, Any]) -> None:
 
 
 def _check_not_template(paths: HostPaths, config: str) -> None:
-    real = paths(config)
-    tmpl = real.with_name(real.name + ".tmpl")
-    if config.endswith(".tmpl"):
-        tmpl_host, tmpl_text = config, (_decode(_read(paths, config), config) or "")
-    elif tmpl.is_file():
-        tmpl_host = config + ".tmpl"
-        tmpl_text = _decode(fileio.read_regular(tmpl, max_bytes=ctd.MAX_CONFIG_BYTES), tmpl_host) or ""
-    else:
+    # The template beside the config is looked up through the root like every host path (a link there
+    # is followed inside the root, never out of it).
+    tmpl_host = config if config.endswith(".tmpl") else config + ".tmpl"
+    data = _read(paths, tmpl_host)
+    if data is None:
         return
+    tmpl_text = _decode(data, tmpl_host) or ""
     found = ctd.detect_template(tmpl_text, tmpl_host) or (ctd.detect_template("{{", tmpl_host))
     assert found is not None
     tmpl_kind = found[0]
@@ -530,7 +528,8 @@ def _resolve_imports(paths: HostPaths, root_host: str, imports: tuple[str, ...])
             return out, entry
         matches = sorted(glob.glob(str(paths(posixpath.normpath(pattern)))))
         for m in matches:
-            hp = paths.to_host(Path(m))
+            # the match's own name under the root; a link there is followed inside the root when read
+            hp = "/" + str(Path(m).relative_to(paths.root)) if paths.root != Path("/") else m
             if hp != root_host and hp not in out:
                 out.append(hp)
     return out, None

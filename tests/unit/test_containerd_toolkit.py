@@ -24,7 +24,9 @@ def test_leak_guard_adds_keys_and_keeps_everything_else() -> None:
         "accept-nvidia-visible-devices-as-volume-mounts = true",
     ]
     # the keys are top-level: before the first table
-    assert new.index("accept-nvidia-visible-devices-as-volume-mounts = true") < new.index("[nvidia-container-cli]")
+    assert new.index("accept-nvidia-visible-devices-as-volume-mounts = true") < new.index(
+        "[nvidia-container-cli]"
+    )
 
 
 def test_leak_guard_flips_existing_values_in_place() -> None:
@@ -55,16 +57,79 @@ def test_systemd_cgroup_detection(tmp_path: Path) -> None:
     assert host.cgroup_v2(paths) is False
 
 
-def test_containerd_version_from_binary_under_root(tmp_path: Path) -> None:
+def test_containerd_version_under_root_never_runs_the_roots_binary(tmp_path: Path) -> None:
+    """A root (an image, another disk) is read, never executed: a containerd there that would run leaves
+    no trace; the version comes from the root's dpkg database or the binary's Go build information."""
     paths = HostPaths(tmp_path)
     assert host.containerd_version(paths) is None
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    wrapper = tmp_path / "usr/bin/containerd"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(
+        f"#!/bin/sh\ntouch {marker}\necho 'containerd github.com/containerd/containerd 1.7.0'\n"
+    )
+    wrapper.chmod(0o755)
+    assert host.containerd_version(paths) is None
+    assert not marker.exists()
+    status = tmp_path / "var/lib/dpkg/status"
+    status.parent.mkdir(parents=True)
+    status.write_text(
+        "Package: containerd\nStatus: deinstall ok config-files\nVersion: 1.4.1-1\n\n"
+        "Package: runc\nStatus: install ok installed\nVersion: 1.1.5+ds1-1\n\n"
+        "Package: containerd.io\nStatus: install ok installed\nVersion: 1:1.7.25-1\n"
+    )
+    assert host.containerd_version(paths) == (1, 7, 25)
+    assert not marker.exists()
+
+
+def _buildinfo(mod_lines: list[str]) -> bytes:
+    def uvarint_string(text: str) -> bytes:
+        data, n, out = text.encode(), len(text), b""
+        while True:
+            out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+            n >>= 7
+            if not n:
+                return out + data
+
+    header = b"\xff Go buildinf:" + bytes([8, 2]) + bytes(16)
+    return (
+        b"\x7fELF" + bytes(200) + header + uvarint_string("go1.26.8") + uvarint_string("\n".join(mod_lines))
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "want"),
+    [
+        (
+            [
+                "path\tnodeagent.test/containerd2/cmd/containerd",
+                "mod\tnodeagent.test/containerd2\t(devel)\t",
+                "dep\tgithub.com/containerd/containerd/v2\tv2.4.2\th1:x=",
+                "build\tCGO_ENABLED=0",
+            ],
+            (2, 4, 2),
+        ),
+        (
+            [
+                "path\tgithub.com/containerd/containerd/cmd/containerd",
+                "mod\tgithub.com/containerd/containerd\tv1.7.27-0.20250101000000-abcdef123456\t",
+            ],
+            (1, 7, 27),
+        ),
+        (["path\tgithub.com/containerd/containerd/cmd/containerd", "build\t-compiler=gc"], None),
+    ],
+)
+def test_containerd_version_from_go_build_information(
+    tmp_path: Path, lines: list[str], want: tuple[int, int, int] | None
+) -> None:
+    binary = tmp_path / "usr/local/bin/containerd"
+    binary.parent.mkdir(parents=True)
+    binary.write_bytes(_buildinfo(lines) + bytes(64))
+    assert host.containerd_version(HostPaths(tmp_path)) == want
+
+
+def test_containerd_version_on_the_host_asks_the_binary() -> None:
     real = Path("/usr/bin/containerd")
     assert real.exists(), "install Debian's containerd: apt-get install -y containerd runc"
-    (tmp_path / "usr/bin").mkdir(parents=True)
-    # A link to the host's binary would point outside the root (HostPaths follows it inside the root, where
-    # it loops); a wrapper script inside the root runs the real one.
-    wrapper = tmp_path / "usr/bin/containerd"
-    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@"\n')
-    wrapper.chmod(0o755)
-    found = host.containerd_version(paths)
+    found = host.containerd_version(HostPaths(Path("/")))
     assert found is not None and found[0] >= 1

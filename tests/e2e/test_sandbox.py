@@ -1,0 +1,388 @@
+"""A sandbox is a sandbox: every command run with the simulator or with ``--root`` is traced with strace
+(file system calls and execve, all threads and children) and nothing may be written, executed, or (under
+``--root``) looked up outside the sandbox.
+
+"Outside" is judged by path: a write is any open with O_WRONLY/O_RDWR/O_CREAT/O_TRUNC or any call that
+makes, removes, renames, links or changes a file; Python's own byte-code cache (``__pycache__``) and the
+terminal/null devices are the only allowed writes outside. Reads of the interpreter's own files are fine;
+reads of the host places nodeagent works on (containerd, the kubelet, CDI, NVIDIA devices, /sys, /run...)
+outside the sandbox are not.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.e2e._agent import REPO
+
+NODEAGENT = [sys.executable, "-m", "nodeagent"]
+
+WRITE_CALLS = {
+    "mkdir",
+    "mkdirat",
+    "unlink",
+    "unlinkat",
+    "rmdir",
+    "rename",
+    "renameat",
+    "renameat2",
+    "link",
+    "linkat",
+    "symlink",
+    "symlinkat",
+    "chmod",
+    "fchmodat",
+    "fchmodat2",
+    "chown",
+    "lchown",
+    "fchownat",
+    "truncate",
+    "utime",
+    "utimes",
+    "utimensat",
+    "futimesat",
+    "mknod",
+    "mknodat",
+    "setxattr",
+    "lsetxattr",
+    "removexattr",
+}
+OPEN_CALLS = {"open", "openat", "openat2", "creat"}
+WRITE_FLAGS = re.compile(r"\bO_(WRONLY|RDWR|CREAT|TRUNC)\b")
+# Host places nodeagent reads or writes on a real node: none may be touched outside the sandbox.
+HOST_AREAS = (
+    "/etc/containerd",
+    "/etc/nvidia-container-runtime",
+    "/etc/nodeagent",
+    "/etc/cdi",
+    "/var/run/cdi",
+    "/run/cdi",
+    "/var/lib/kubelet",
+    "/var/lib/nodeagent",
+    "/run/nodeagent",
+    "/var/run/nodeagent",
+    "/run/containerd",
+    "/var/run/containerd",
+    "/sys/bus/pci",
+    "/sys/fs/cgroup",
+    "/sys/module/nvidia",
+    "/dev/nvidia",
+    "/proc/devices",
+    "/proc/driver/nvidia",
+    "/usr/bin/containerd",
+    "/usr/local/bin/containerd",
+    "/usr/sbin/containerd",
+    "/run/systemd",
+    "/usr/bin/nvidia",
+    "/usr/lib/x86_64-linux-gnu/libnvidia",
+    "/var/lib/dpkg",
+)
+ALLOWED_WRITES = ("/dev/null", "/dev/tty", "/dev/pts/")
+LINE = re.compile(r"^(?:\[pid\s+)?(\d+)\]?\s+(\w+)\((.*)\)\s+=\s+(-?\d+|\?)")
+PATH_ARG = re.compile(r'(?:(\d+|AT_FDCWD)<([^>]*)>|AT_FDCWD),\s+"((?:[^"\\]|\\.)*)"|^"((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Access:
+    call: str
+    path: str
+    write: bool
+    line: str
+
+
+def _accesses(log: Path, cwd: Path) -> Iterator[Access]:
+    for raw in log.read_text(errors="replace").splitlines():
+        m = LINE.match(raw)
+        if m is None:
+            continue
+        call, args = m.group(2), m.group(3)
+        p = PATH_ARG.search(args)
+        if p is None:
+            continue
+        base = p.group(2) if p.group(2) is not None else str(cwd)
+        name = p.group(3) if p.group(3) is not None else p.group(4)
+        path = os.path.normpath(os.path.join(base, name)) if name else base
+        write = call in WRITE_CALLS or (call in OPEN_CALLS and bool(WRITE_FLAGS.search(args)))
+        yield Access(call, path, write, raw)
+        if call in {"rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat"}:
+            rest = args[p.end() :]
+            second = PATH_ARG.search(rest.lstrip(", "))
+            if second is not None:
+                b2 = second.group(2) if second.group(2) is not None else str(cwd)
+                n2 = second.group(3) if second.group(3) is not None else second.group(4)
+                if n2:
+                    yield Access(call, os.path.normpath(os.path.join(b2, n2)), True, raw)
+
+
+def _inside(path: str, roots: tuple[Path, ...]) -> bool:
+    return any(path == str(r) or path.startswith(str(r) + "/") for r in roots)
+
+
+@pytest.fixture(scope="module")
+def strace() -> str:
+    found = shutil.which("strace")
+    if found is None:
+        pytest.fail(
+            "strace is missing: apt-get install strace (tests/testbin/setup.sh installs it)", pytrace=False
+        )
+    return found
+
+
+@dataclass
+class Sandbox:
+    tmp: Path  # the test's directory (the cwd): sandboxes, state files and the user's home are below it
+    env: dict[str, str]
+    strace: str
+
+    def traced(
+        self,
+        *args: str,
+        long_running: str | None = None,
+        expect: int | None = 0,
+        program: tuple[str, ...] = tuple(NODEAGENT),
+    ) -> list[Access]:
+        """Run ``nodeagent ARGS`` under strace; ``long_running``: a path (relative to the cwd) whose
+        appearance means the daemon is up, then it is stopped with SIGINT."""
+        log = self.tmp / "strace.log"
+        cmd = [
+            self.strace,
+            "-f",
+            "-qq",
+            "-y",
+            "-s",
+            "4096",
+            "-e",
+            "trace=%file,execve",
+            "-o",
+            str(log),
+            *program,
+            *args,
+        ]
+        if long_running is None:
+            proc = subprocess.run(
+                cmd, cwd=self.tmp, env=self.env, capture_output=True, text=True, timeout=120, check=False
+            )
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        else:
+            popen = subprocess.Popen(
+                cmd, cwd=self.tmp, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            deadline = time.monotonic() + 60
+            while not (self.tmp / long_running).exists() and time.monotonic() < deadline:
+                if popen.poll() is not None:
+                    break
+                time.sleep(0.2)
+            up = (self.tmp / long_running).exists()
+            for child in psutil.Process(popen.pid).children():  # the agent, not strace (which would detach)
+                child.send_signal(signal.SIGINT)
+            out, err = popen.communicate(timeout=60)
+            rc = popen.returncode
+            assert up, f"{args}: {long_running} never appeared\n{err[-3000:]}"
+        if expect is not None:
+            assert rc == expect, f"nodeagent {' '.join(args)} exited {rc}\n{out[-2000:]}\n{err[-3000:]}"
+        assert "Traceback" not in err, err[-3000:]
+        return list(_accesses(log, self.tmp))
+
+    def check(self, accesses: list[Access], sandbox: Path, *, active: bool = True) -> None:
+        allowed = (sandbox.resolve(), self.tmp.resolve())
+        bad: list[str] = []
+        execs = [a for a in accesses if a.call == "execve"]
+        # the interpreter started by strace (and nothing else: no systemctl, no containerd, no shell)
+        for a in execs:
+            if not (a.path == sys.executable or a.path == os.path.realpath(sys.executable)):
+                bad.append(f"executed: {a.line}")
+        for a in accesses:
+            if a.call == "execve":
+                continue
+            if (
+                a.write
+                and not _inside(a.path, allowed)
+                and "/__pycache__/" not in a.path
+                and not a.path.startswith(ALLOWED_WRITES)
+            ):
+                bad.append(f"wrote outside: {a.line}")
+            elif not _inside(a.path, allowed) and any(
+                a.path == h or a.path.startswith(h + "/") or (a.path.startswith(h) and h.endswith("nvidia"))
+                for h in HOST_AREAS
+            ):
+                bad.append(f"touched a host path: {a.line}")
+        assert not bad, "\n".join(bad[:40])
+        if active:
+            assert any(_inside(a.path, (sandbox.resolve(),)) for a in accesses), (
+                "nothing happened in the sandbox"
+            )
+
+
+@pytest.fixture
+def box(strace: str) -> Iterator[Sandbox]:
+    # short: the sandboxes hold Unix sockets (107 bytes at most for their paths)
+    tmp_path = Path(tempfile.mkdtemp(prefix="nasb-", dir="/tmp"))
+    try:
+        yield _box(tmp_path, strace)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _box(tmp_path: Path, strace: str) -> Sandbox:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NODEAGENT_", "KUBERNETES_", "XDG_"))}
+    env.update(
+        HOME=str(home), XDG_RUNTIME_DIR=str(tmp_path / "xdg"), PYTHONPATH=str(REPO), KUBECONFIG="/nonexistent"
+    )
+    (tmp_path / "xdg").mkdir(mode=0o700)
+    return Sandbox(tmp_path, env, strace)
+
+
+def _default_sandbox(box: Sandbox, machine: str) -> Path:
+    return box.tmp / "xdg" / "nodeagent-sim" / machine
+
+
+def test_readme_quick_start_commands_stay_in_their_sandboxes(box: Sandbox) -> None:
+    demo = box.tmp / "demo"
+    box.check(
+        box.traced(
+            "--root",
+            "./demo",
+            "run",
+            "--simulate",
+            "dgx-h100",
+            "--no-kube",
+            "--metrics-address",
+            "",
+            long_running="demo/var/lib/kubelet/device-plugins/nvidia-gpu.sock",
+        ),
+        demo,
+    )
+    box.check(
+        box.traced("discover", "--simulate", "dgx-h100", "--topology"), _default_sandbox(box, "dgx-h100")
+    )
+    box.check(box.traced("--root", "./demo", "bootstrap", "--simulate", "dgx-h100", "--no-kube"), demo)
+    box.check(
+        box.traced("mig", "plan", "--simulate", "dgx-a100-80gb", "-c", "all-balanced"),
+        _default_sandbox(box, "dgx-a100-80gb"),
+    )
+
+
+def test_simulator_without_root_gets_a_default_sandbox(box: Sandbox) -> None:
+    sandbox = _default_sandbox(box, "dgx-h100")
+    box.check(
+        box.traced(
+            "run",
+            "--simulate",
+            "dgx-h100",
+            "--no-kube",
+            "--metrics-address",
+            "",
+            long_running=str(sandbox / "var/lib/kubelet/device-plugins/nvidia-gpu.sock"),
+        ),
+        sandbox,
+    )
+    box.check(box.traced("cdi", "generate", "--simulate", "dgx-h100", "--sim-host-files"), sandbox)
+    assert (sandbox / "var/run/cdi/nvidia.yaml").is_file()
+    box.check(box.traced("cdi", "show", "--simulate", "dgx-h100", "--check"), sandbox)
+    box.check(box.traced("cdi", "generate", "--simulate", "dgx-h100", "--stdout"), sandbox)
+    a100 = _default_sandbox(box, "dgx-a100-80gb")
+    for args in (
+        ("mig", "apply", "-c", "all-1g.10gb"),
+        ("mig", "assert", "-c", "all-1g.10gb"),
+        ("mig", "plan", "-c", "all-disabled"),
+    ):
+        box.check(
+            box.traced(*args, "--simulate", "dgx-a100-80gb", "--sim-state", "a100.json", expect=None), a100
+        )
+    assert (a100 / "var/lib/nodeagent/mig/mig-state.json").exists() or not (box.tmp / "var").exists()
+    box.check(box.traced("bootstrap", "--simulate", "dgx-h100", "--no-kube"), sandbox)
+
+
+def test_sim_subcommands_touch_only_their_state_file(box: Sandbox) -> None:
+    box.check(box.traced("sim", "machines"), box.tmp, active=False)
+    for args in (
+        ("sim", "show", "--simulate", "dgx-h100", "--sim-state", "s.json"),
+        ("sim", "inject", "xid", "--sim-state", "s.json", "--gpu", "0", "--code", "79"),
+        ("sim", "reboot", "--sim-state", "s.json"),
+    ):
+        box.check(box.traced(*args), box.tmp)
+    assert (box.tmp / "s.json").is_file()
+    assert not (box.tmp / "xdg" / "nodeagent-sim").exists()  # no host path was needed: no sandbox made
+
+
+def test_root_never_acts_on_the_host(box: Sandbox) -> None:
+    """``--root R`` other than /: no restart, no exec of R's binaries, nothing read outside R."""
+    root = box.tmp / "r"
+    (root / "etc/containerd").mkdir(parents=True)
+    (root / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n')
+    marker = box.tmp / "ran"
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/containerd").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (root / "usr/bin/containerd").chmod(0o755)
+    outside = box.tmp / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("{{ .NotForYou }}\n")
+    (root / "etc/containerd/config.toml.tmpl").symlink_to(outside / "secret")
+    for args in (
+        ("runtime", "configure", "--dry-run"),
+        ("runtime", "show"),
+        ("runtime", "configure"),
+        ("runtime", "show", "--json"),
+        ("runtime", "unconfigure"),
+    ):
+        box.check(box.traced("--root", "r", *args), root)
+    assert not marker.exists()
+    r = subprocess.run(
+        [*NODEAGENT, "--root", "r", "runtime", "configure", "--restart", "systemd"],
+        cwd=box.tmp,
+        env=box.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2 and "--restart systemd restarts this host's containerd" in r.stderr, r.stderr
+
+
+def test_root_slash_with_the_simulator_is_refused(box: Sandbox) -> None:
+    for args in (
+        ("--root", "/", "run", "--simulate", "dgx-h100", "--no-kube"),
+        ("--root", "/", "cdi", "generate", "--simulate", "dgx-h100"),
+        ("mig", "apply", "--root", "/", "--simulate", "dgx-a100-80gb", "-c", "all-1g.10gb"),
+    ):
+        accesses = box.traced(*args, expect=2)
+        assert not [
+            a
+            for a in accesses
+            if a.write and not a.path.startswith(ALLOWED_WRITES) and "/__pycache__/" not in a.path
+        ], args
+
+
+def test_the_trace_sees_what_leaves_a_sandbox(box: Sandbox) -> None:
+    """The checker itself: a write outside, an exec and a look at a host path are each reported."""
+    outside = Path(tempfile.mkdtemp(prefix="nasb-out-", dir="/tmp"))
+    try:
+        snippet = (
+            f"open({str(outside / 'w')!r}, 'w').close(); import os, subprocess; "
+            "os.path.exists('/etc/containerd/config.toml'); subprocess.run(['/bin/true']); "
+            "os.makedirs('inside/x', exist_ok=True)"
+        )
+        accesses = box.traced("-c", snippet, program=(sys.executable,))
+        with pytest.raises(AssertionError) as failed:
+            box.check(accesses, box.tmp / "inside")
+        text = str(failed.value)
+        assert "wrote outside: " in text and str(outside / "w") in text, text
+        assert "executed: " in text and "/bin/true" in text, text
+        assert "touched a host path: " in text and "/etc/containerd/config.toml" in text, text
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
