@@ -155,18 +155,33 @@ class AgentConfig:
         }
 
 
-def flag_path(paths: HostPaths, value: Path | None, flag: str) -> str | None:
-    """A path typed on the command line (a real path) as the host path the config holds.
+def flag_path(paths: HostPaths, value: Path | str | None, flag: str) -> str | None:
+    """A path typed on the command line as the host path the config holds.
 
-    Under ``--root DIR`` the path must lie inside DIR; with the root ``/`` it is just made absolute.
+    One convention for every path flag: the value is a path as the shell sees it (relative to the
+    working directory), and under ``--root DIR`` it must lie inside DIR (``--root ./demo --kubelet-dir
+    ./demo/var/lib/kubelet``). A host-style path that is not inside DIR is refused, naming the path under
+    DIR it may have meant; with the root ``/`` a path is just made absolute.
     """
     if value is None:
         return None
-    real = value.absolute()
-    try:
-        return paths.to_host(real)
-    except ValueError as e:
-        raise ConfigError(f"{flag} {value} is not inside --root {paths.root}", subject=flag) from e
+    text = str(value)
+    if "\0" in text:
+        raise ConfigError(f"{flag}: the path contains a NUL byte", subject=flag)
+    plain = Path(os.path.abspath(text))
+    # the root is symlink-resolved; the path's directory may be spelt through a link to it
+    candidates = (plain, Path(os.path.realpath(plain.parent)) / plain.name)
+    for candidate in candidates:
+        try:
+            rel = candidate.relative_to(paths.root)
+        except ValueError:
+            continue
+        return "/" + str(rel) if str(rel) != "." else "/"
+    hint = ""
+    if text.startswith("/"):
+        hint = (f" (path flags are paths as your shell sees them: did you mean "
+                f"{_quoted(str(paths.root / os.path.normpath(text).lstrip('/')), 200)}?)")
+    raise ConfigError(f"{flag} {_quoted(text, 200)} is not inside --root {paths.root}{hint}", subject=flag)
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -62,6 +63,12 @@ class HostPaths:
         """The host path for a path under the root (inverse of ``__call__``)."""
         rel = Path(os.path.realpath(path)).relative_to(self.root)
         return "/" + str(rel) if str(rel) != "." else "/"
+
+    def command(self, subcommand: str) -> str:
+        """A ``nodeagent`` command line for a hint, with ``--root`` when the root is not ``/`` (a hint run
+        literally must act where the one who printed it acts, never on the host instead of a sandbox)."""
+        root = "" if str(self.root) == "/" else f" --root {shlex.quote(str(self.root))}"
+        return f"nodeagent{root} {subcommand}"
 
     # Well-known locations -------------------------------------------------------------------
     @property

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import click
@@ -125,7 +126,10 @@ def show(ctx: click.Context, check: bool, driver_root: str, as_json: bool) -> No
             for name in out["devices"]:
                 click.echo(f"  {name}")
         if check:
+            opts = gpu_opts(ctx)
+            flags = (f" --simulate {shlex.quote(opts.simulate)}" if opts.simulate else "") + (
+                f" --sim-state {shlex.quote(str(opts.sim_state))}" if opts.sim_state else "")
             click.echo("current: matches the GPUs" if out["current"] else
-                       "STALE: differs from the GPUs now; run `nodeagent cdi generate`")
+                       f"STALE: differs from the GPUs now; run `{paths.command('cdi generate' + flags)}`")
     if check and not out["current"]:
         ctx.exit(1)

@@ -10,9 +10,10 @@ from typing import Any, TypeVar
 import click
 
 from nodeagent.cli import Settings, settings_of
+from nodeagent.config import flag_path
 from nodeagent.errors import RestartError
 from nodeagent.runtime import configure as rc
-from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_DROPIN
+from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_CONFIG, DEFAULT_DROPIN
 from nodeagent.runtime.restart import DEFAULT_SOCKET, RESTART_MODES, RestartMode, restart_containerd
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -72,11 +73,10 @@ def _restart(settings: Settings, result: rc.Result, mode: RestartMode, socket: s
     return {"restart": f"containerd answered after {took:.1f}s" if took is not None else "skipped"}
 
 
-def _host_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """Host paths are absolute (``--root`` is put in front of them)."""
-    if value is not None and not value.startswith("/"):
-        raise click.BadParameter(f"{value!r} is not an absolute host path", ctx=ctx, param=param)
-    return value
+def _host_flag(settings: Settings, value: str | None, default: str, flag: str) -> str:
+    """A path flag (a path as the shell sees it, inside ``--root``) as the host path nodeagent uses;
+    ``default`` (a host path) when the flag was not given."""
+    return default if value is None else (flag_path(settings.paths, value, flag) or default)
 
 
 @click.group()
@@ -93,7 +93,7 @@ _restart_option = click.option(
          "other than /, where systemd is refused].",
 )
 _socket_option = click.option(
-    "--socket", default=DEFAULT_SOCKET, show_default=True, callback=_host_path, help="containerd's socket (host path)."
+    "--socket", default=None, help=f"containerd's socket [default: {DEFAULT_SOCKET} under --root]."
 )
 _timeout_option = click.option(
     "--restart-timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for containerd."
@@ -114,11 +114,11 @@ def _change_options(command: F) -> F:
 
 
 @runtime.command("configure")
-@click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True,
-              callback=_host_path, help="containerd's root config (host path).")
-@click.option("--drop-in", "dropin", default=None, callback=_host_path,
-              help=f"Write a drop-in at this host path and import it [default mode for version >= 2; "
-                   f"{DEFAULT_DROPIN}].")
+@click.option("--containerd-config", default=None,
+              help=f"containerd's root config [default: {DEFAULT_CONFIG} under --root].")
+@click.option("--drop-in", "dropin", default=None,
+              help=f"Write a drop-in here and import it [default mode for version >= 2; "
+                   f"{DEFAULT_DROPIN} under --root].")
 @click.option("--in-place", is_flag=True, help="Edit the root config itself instead of writing a drop-in.")
 @click.option("--set-as-default", is_flag=True, help="Make the nvidia runtime containerd's default runtime.")
 @click.option("--cdi", is_flag=True, help="Enable CDI in containerd and add the nvidia-cdi runtime.")
@@ -133,7 +133,7 @@ def _change_options(command: F) -> F:
 @click.pass_context
 def configure_cmd(
     ctx: click.Context,
-    containerd_config: str,
+    containerd_config: str | None,
     dropin: str | None,
     in_place: bool,
     set_as_default: bool,
@@ -143,7 +143,7 @@ def configure_cmd(
     binary_path: str,
     kubeconfig: Path | None,
     restart_mode: RestartMode | None,
-    socket: str,
+    socket: str | None,
     restart_timeout: float,
     dry_run: bool,
     as_json: bool,
@@ -154,9 +154,9 @@ def configure_cmd(
     settings = _settings(ctx)
     mode = _restart_mode(settings, restart_mode)
     opts = rc.Options(
-        containerd_config=containerd_config,
+        containerd_config=_host_flag(settings, containerd_config, DEFAULT_CONFIG, "--containerd-config"),
         mode="in-place" if in_place else "drop-in" if dropin is not None else "auto",
-        dropin=dropin or DEFAULT_DROPIN,
+        dropin=_host_flag(settings, dropin, DEFAULT_DROPIN, "--drop-in"),
         runtime_name=runtime_name,
         binary_path=binary_path,
         set_as_default=set_as_default,
@@ -171,7 +171,8 @@ def configure_cmd(
         kube = KubeClient(connect(kubeconfig))
     try:
         result = rc.configure(settings.paths, opts)
-        extra = _restart(settings, result, mode, socket, restart_timeout)
+        extra = _restart(settings, result, mode, _host_flag(settings, socket, DEFAULT_SOCKET, "--socket"),
+                         restart_timeout)
         if kube is not None:
             from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
 
@@ -187,24 +188,28 @@ def configure_cmd(
 @_change_options
 @click.pass_context
 def unconfigure_cmd(
-    ctx: click.Context, restart_mode: RestartMode | None, socket: str, restart_timeout: float, dry_run: bool,
-    as_json: bool,
+    ctx: click.Context, restart_mode: RestartMode | None, socket: str | None, restart_timeout: float,
+    dry_run: bool, as_json: bool,
 ) -> None:
     """Put back the files `runtime configure` changed (exact previous bytes when untouched since)."""
     settings = _settings(ctx)
     mode = _restart_mode(settings, restart_mode)
     result = rc.unconfigure(settings.paths, dry_run=dry_run)
-    extra = _restart(settings, result, mode, socket, restart_timeout)
+    extra = _restart(settings, result, mode, _host_flag(settings, socket, DEFAULT_SOCKET, "--socket"),
+                     restart_timeout)
     _echo_result(result, as_json, extra)
 
 
 @runtime.command("show")
-@click.option("--containerd-config", default="/etc/containerd/config.toml", show_default=True, callback=_host_path)
+@click.option("--containerd-config", default=None,
+              help=f"containerd's root config [default: {DEFAULT_CONFIG} under --root].")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.pass_context
-def show_cmd(ctx: click.Context, containerd_config: str, as_json: bool) -> None:
+def show_cmd(ctx: click.Context, containerd_config: str | None, as_json: bool) -> None:
     """What containerd will load: runtimes, the default runtime, and the files they come from."""
-    info = rc.show(_settings(ctx).paths, containerd_config)
+    settings = _settings(ctx)
+    info = rc.show(settings.paths,
+                   _host_flag(settings, containerd_config, DEFAULT_CONFIG, "--containerd-config"))
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return

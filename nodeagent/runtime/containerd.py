@@ -34,6 +34,7 @@ from nodeagent.errors import ConfigError, RuntimeConfigError
 RUNC_V2 = "io.containerd.runc.v2"
 DEFAULT_BINARY = "/usr/bin/nvidia-container-runtime"
 DEFAULT_CDI_BINARY = "/usr/bin/nvidia-container-runtime.cdi"
+DEFAULT_CONFIG = "/etc/containerd/config.toml"
 DEFAULT_DROPIN = "/etc/containerd/conf.d/99-nvidia.toml"
 DROPIN_HEADER = (
     "# Written by nodeagent (`nodeagent runtime configure`); `nodeagent runtime unconfigure` removes it.\n"

@@ -146,6 +146,7 @@ class Sandbox:
     tmp: Path  # the test's directory (the cwd): sandboxes, state files and the user's home are below it
     env: dict[str, str]
     strace: str
+    output: str = ""  # standard output and error of the last traced command
 
     def traced(
         self,
@@ -176,6 +177,7 @@ class Sandbox:
                 cmd, cwd=self.tmp, env=self.env, capture_output=True, text=True, timeout=120, check=False
             )
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
+            self.output = out + err
         else:
             popen = subprocess.Popen(
                 cmd, cwd=self.tmp, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -190,6 +192,7 @@ class Sandbox:
                 child.send_signal(signal.SIGINT)
             out, err = popen.communicate(timeout=60)
             rc = popen.returncode
+            self.output = out + err
             assert up, f"{args}: {long_running} never appeared\n{err[-3000:]}"
         if expect is not None:
             assert rc == expect, f"nodeagent {' '.join(args)} exited {rc}\n{out[-2000:]}\n{err[-3000:]}"
@@ -386,3 +389,24 @@ def test_the_trace_sees_what_leaves_a_sandbox(box: Sandbox) -> None:
         assert "touched a host path: " in text and "/etc/containerd/config.toml" in text, text
     finally:
         shutil.rmtree(outside, ignore_errors=True)
+
+
+def test_hints_carry_the_root_and_the_simulator(box: Sandbox) -> None:
+    """A hint run literally acts where the command that printed it acted: never on the host instead."""
+    demo = (box.tmp / "demo").resolve()
+    box.traced(
+        "--root",
+        "./demo",
+        "run",
+        "--simulate",
+        "dgx-h100",
+        "--no-kube",
+        "--metrics-address",
+        "",
+        long_running="demo/var/lib/kubelet/device-plugins/nvidia-gpu.sock",
+    )
+    assert f"run `nodeagent --root {demo} bootstrap --simulate dgx-h100`" in box.output, box.output[-3000:]
+    (demo / "var/run/cdi").mkdir(parents=True, exist_ok=True)
+    (demo / "var/run/cdi/nvidia.yaml").write_text("cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices: []\n")
+    box.traced("--root", "./demo", "cdi", "show", "--simulate", "dgx-h100", "--check", expect=1)
+    assert f"run `nodeagent --root {demo} cdi generate --simulate dgx-h100`" in box.output, box.output

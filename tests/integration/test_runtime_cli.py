@@ -73,11 +73,15 @@ def test_more_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path) ->
     shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
     before = _files(tmp_path)
     cases = [
-        (("configure", "--containerd-config", "etc/containerd/config.toml"), "is not an absolute host path"),
-        (("configure", "--drop-in", "conf.d/x.toml"), "is not an absolute host path"),
+        # path flags are paths as the shell sees them (here relative to a cwd outside the root)
+        (("configure", "--containerd-config", "etc/containerd/config.toml"), "is not inside --root"),
+        (("configure", "--drop-in", "conf.d/x.toml"), "is not inside --root"),
+        # a host-style path under another root is ambiguous: refused, naming the path it may have meant
+        (("configure", "--containerd-config", "/etc/containerd/config.toml"),
+         f"did you mean '{tmp_path.resolve()}/etc/containerd/config.toml'?"),
         (("configure", "--restart", "bogus"), "'bogus' is not one of"),
         (("configure", "--kubeconfig", str(tmp_path / "nope.yaml"), "--restart", "none"), "nope.yaml' does not exist"),
-        (("show", "--containerd-config", "config.toml"), "is not an absolute host path"),
+        (("show", "--containerd-config", "config.toml"), "is not inside --root"),
     ]
     for args, message in cases:
         r = _run(tmp_path, *args)
@@ -108,3 +112,19 @@ def test_failed_restart_is_exit_1_and_says_what_was_written(tmp_path: Path) -> N
     assert r.stderr.startswith("error: no process is serving ") and r.stderr.count("\n") == 1
     assert "(written: /etc/containerd/config.toml, /etc/containerd/conf.d/99-nvidia.toml" in r.stderr
     assert "containerd loads it at its next start)" in r.stderr
+
+
+def test_path_flags_are_paths_as_the_shell_sees_them(tmp_path: Path) -> None:
+    """--containerd-config and --drop-in name the files under --root as typed (the same convention as
+    --kubelet-dir); the drop-in is imported by its host path."""
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
+    shown = _run(tmp_path, "show", "--containerd-config", str(cfg), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["sources"] == ["/etc/containerd/config.toml"]
+    dropin = tmp_path / "etc/containerd/conf.d/50-gpu.toml"
+    done = _run(tmp_path, "configure", "--containerd-config", str(cfg), "--drop-in", str(dropin), "--json")
+    assert done.returncode == 0, done.stderr
+    assert dropin.is_file()
+    assert "/etc/containerd/conf.d/50-gpu.toml" in cfg.read_text()

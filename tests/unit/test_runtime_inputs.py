@@ -118,7 +118,8 @@ def test_dotdot_flag_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
     r = _cli("--root", str(root), "runtime", "configure", "--containerd-config", "/../../x/config.toml",
              "--restart", "none")
     assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and "climbs above the root" in r.stderr
+    assert r.stderr.count("\n") == 1 and "is not inside --root" in r.stderr, r.stderr
+    assert f"did you mean '{root.resolve()}/x/config.toml'?" in r.stderr, r.stderr
     assert _tree(tmp_path) == before
 
 

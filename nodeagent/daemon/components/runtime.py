@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shlex
 
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.errors import NodeAgentError
@@ -66,8 +67,11 @@ class RuntimeCheckComponent(Component):
         if drift != self.drift:
             if drift:
                 files = ", ".join(f.path for f in result.files if f.action != "unchanged")
-                log.warning("containerd is not wired for the NVIDIA runtime (%s); run `nodeagent bootstrap`",
-                            files)
+                sim = self._ctx.config.simulate
+                flags = (f" --simulate {shlex.quote(sim.machine)}" if sim.machine else "") + (
+                    f" --sim-state {shlex.quote(sim.state)}" if sim.state else "")
+                log.warning("containerd is not wired for the NVIDIA runtime (%s); run `%s`", files,
+                            self._ctx.paths.command("bootstrap" + flags))
             else:
                 log.info("containerd carries the NVIDIA runtime")
         self.drift = drift
