@@ -362,8 +362,8 @@ class Daemon:
             self._slot_failed(slot, f"cannot build: {e}")
             return
         except Exception as e:
-            log.exception("component %s could not be built", slot.spec.name)
-            self._slot_failed(slot, f"cannot build: {e}")
+            log.debug("component %s could not be built", slot.spec.name, exc_info=True)
+            self._slot_failed(slot, f"cannot build: {_one_line(e)}")
             return
         if slot.component is None:
             self._status.pop(slot.spec.name, None)
@@ -373,9 +373,8 @@ class Daemon:
             if self.inventory is not None:
                 await slot.component.on_inventory(self.inventory)
         except Exception as e:
-            if not isinstance(e, NodeAgentError):
-                log.exception("component %s failed to start", slot.spec.name)
-            self._slot_failed(slot, f"failed to start: {e}")
+            log.debug("component %s failed to start", slot.spec.name, exc_info=True)
+            self._slot_failed(slot, f"failed to start: {_one_line(e)}")
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(slot.component.stop(), STOP_TIMEOUT)
             slot.component = None
@@ -398,8 +397,9 @@ class Daemon:
             await asyncio.wait_for(comp.stop(), timeout)
         except TimeoutError:
             log.warning("component %s did not stop within %.1fs", slot.spec.name, timeout)
-        except Exception:
-            log.exception("component %s failed while stopping", slot.spec.name)
+        except Exception as e:
+            log.debug("component %s failed while stopping", slot.spec.name, exc_info=True)
+            log.error("component %s failed while stopping: %s", slot.spec.name, _one_line(e))
 
     async def _shutdown(self) -> None:
         log.info("stopping")
@@ -456,11 +456,9 @@ class Daemon:
                         await slot.component.on_inventory(self.inventory)
                     await slot.component.resync()
                 except Exception as e:
-                    if not isinstance(e, NodeAgentError):
-                        log.exception("component %s resync failed", slot.spec.name)
-                    else:
-                        log.warning("component %s resync failed: %s", slot.spec.name, e)
-                    self.set_status(slot.spec.name, f"resync failed: {e}")
+                    log.debug("component %s resync failed", slot.spec.name, exc_info=True)
+                    log.warning("component %s resync failed: %s", slot.spec.name, _one_line(e))
+                    self.set_status(slot.spec.name, f"resync failed: {_one_line(e)}")
 
     async def _discover(self) -> bool:
         """Rediscover; True when the Inventory differs from the previous one."""
@@ -662,3 +660,11 @@ def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = T
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as one bounded line for the log (its traceback goes to the debug level): nodeagent's
+    own errors as their message, anything else with its type (``OSError: [Errno 5] ...``)."""
+    text = str(e) if isinstance(e, NodeAgentError) else f"{type(e).__name__}: {e}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -12,6 +12,7 @@ of every content type) and ``KubeClient.stream`` opens a watch stream; both coun
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -46,19 +47,47 @@ Query = Mapping[str, str | int | bool]
 
 
 def connect(kubeconfig: Path | None = None) -> k8s.ApiClient:
-    """An API client from ``kubeconfig``, else from the in-cluster service account."""
+    """An API client from ``kubeconfig``; without one, as kubectl finds credentials: the in-cluster service
+    account, else ``$KUBECONFIG`` (its first file), else ``~/.kube/config``. One error naming every place
+    tried when none holds credentials."""
+    if kubeconfig is not None:
+        return _from_kubeconfig(kubeconfig)
+    tried: list[str] = []
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        try:
+            cfg = k8s.Configuration()
+            k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+            return k8s.ApiClient(cfg)
+        except (k8s_config.ConfigException, OSError) as e:
+            tried.append(f"in-cluster service account ({e})")
+    else:
+        tried.append("in-cluster service account (KUBERNETES_SERVICE_HOST is not set: not in a pod)")
+    env = os.environ.get("KUBECONFIG", "")
+    first = next((p for p in env.split(os.pathsep) if p), "")
+    if first:
+        if Path(first).is_file():
+            return _from_kubeconfig(Path(first))
+        tried.append(f"$KUBECONFIG {first} (not found)")
+    else:
+        tried.append("$KUBECONFIG (not set)")
+    home = Path.home() / ".kube" / "config"
+    if home.is_file():
+        return _from_kubeconfig(home)
+    tried.append(f"{home} (not found)")
+    raise KubeError("no Kubernetes credentials; tried " + "; ".join(tried)
+                    + ". Give --kubeconfig FILE, or --no-kube to run without the API", subject="kubeconfig")
+
+
+def _from_kubeconfig(path: Path) -> k8s.ApiClient:
+    if not path.is_file():
+        raise KubeError(f"kubeconfig {path}: not found", subject=str(path))
     try:
-        if kubeconfig is not None:
-            api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
-                config_file=str(kubeconfig)
-            )
-            return api
-        cfg = k8s.Configuration()
-        k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        return k8s.ApiClient(cfg)
-    except (k8s_config.ConfigException, OSError) as e:
-        where = str(kubeconfig) if kubeconfig else "in-cluster service account"
-        raise KubeError(f"cannot load Kubernetes credentials from {where}: {e}", subject=where) from e
+        api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
+            config_file=str(path)
+        )
+        return api
+    except (k8s_config.ConfigException, OSError, ValueError) as e:
+        raise KubeError(f"cannot load Kubernetes credentials from {path}: {e}", subject=str(path)) from e
 
 
 def is_transient(e: ApiException) -> bool:

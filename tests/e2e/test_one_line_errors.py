@@ -1,0 +1,142 @@
+"""Failures a newcomer meets are one line each, never a traceback: a component that cannot start, missing
+Kubernetes credentials, a kubeconfig that is not there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._agent import REPO
+
+NODEAGENT = [sys.executable, "-m", "nodeagent"]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory: the sandboxes below it hold Unix sockets (107 bytes at most for their paths)."""
+    with tempfile.TemporaryDirectory(prefix="na1l-", dir="/tmp") as d:
+        yield Path(d)
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("NODEAGENT_", "KUBERNETES_", "KUBECONFIG"))
+    }
+    env.update(HOME=str(tmp / "home"), XDG_RUNTIME_DIR=str(tmp / "xdg"), PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def _run_until(tmp: Path, args: list[str], line: str, env: dict[str, str], timeout: float = 60) -> str:
+    """Start ``nodeagent ARGS``, wait for ``line`` in its log, stop it with SIGINT; the whole log."""
+    log = tmp / "agent.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*NODEAGENT, *args], cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + timeout
+            while line not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)
+    return log.read_text()
+
+
+def test_component_failing_to_start_is_one_line(short_tmp: Path) -> None:
+    root = short_tmp / "demo"
+    root.mkdir()
+    (root / "proc").write_text("a file where the simulator lays out its /proc\n")
+    text = _run_until(
+        short_tmp,
+        ["--root", str(root), "run", "--simulate", "dgx-h100", "--no-kube", "--metrics-address", ""],
+        "component cdi failed to start",
+        _env(short_tmp),
+    )
+    lines = [ln for ln in text.splitlines() if "component cdi failed to start" in ln]
+    assert len(lines) == 1, text
+    assert "Error" in lines[0] and "(retried on the next resync)" in lines[0], lines
+    assert "Traceback" not in text, text
+    assert "component device-plugin started" in text, text  # the rest of the agent goes on
+
+
+def test_no_credentials_names_every_place_tried(short_tmp: Path) -> None:
+    (short_tmp / "home").mkdir()
+    r = subprocess.run(
+        [*NODEAGENT, "--root", str(short_tmp / "demo"), "bootstrap", "--simulate", "t4x1"],
+        cwd=short_tmp,
+        env=_env(short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    out = r.stdout + r.stderr
+    assert (
+        "no Kubernetes credentials; tried in-cluster service account (KUBERNETES_SERVICE_HOST is not set"
+        in out
+    )
+    assert "$KUBECONFIG (not set)" in out and f"{short_tmp}/home/.kube/config (not found)" in out, out
+
+
+def test_kubeconfig_from_the_environment_and_home_like_kubectl(short_tmp: Path) -> None:
+    """Outside a pod the agent looks where kubectl does: $KUBECONFIG, then ~/.kube/config."""
+    from nodeagent.errors import KubeError
+    from nodeagent.kube.client import connect
+
+    cfg = short_tmp / "kc.yaml"
+    cfg.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\nusers: [{name: u, user: {token: t}}]\n"
+    )
+    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "HOME")}
+    try:
+        os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+        os.environ["KUBECONFIG"] = f"{cfg}{os.pathsep}/elsewhere"
+        assert connect().configuration.host == "https://127.0.0.1:1"
+        os.environ.pop("KUBECONFIG")
+        os.environ["HOME"] = str(short_tmp)
+        (short_tmp / ".kube").mkdir()
+        (short_tmp / ".kube/config").write_text(cfg.read_text())
+        assert connect().configuration.host == "https://127.0.0.1:1"
+        with pytest.raises(KubeError, match=r"^kubeconfig /nonexistent/kc: not found$"):
+            connect(Path("/nonexistent/kc"))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_missing_kubeconfig_flag_says_not_found(short_tmp: Path) -> None:
+    r = subprocess.run(
+        [
+            *NODEAGENT,
+            "--root",
+            str(short_tmp / "demo"),
+            "run",
+            "--simulate",
+            "t4x1",
+            "--kubeconfig",
+            "/nonexistent/kc",
+            "--metrics-address",
+            "",
+        ],
+        cwd=short_tmp,
+        env=_env(short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode != 0 and r.stderr == "error: kubeconfig /nonexistent/kc: not found\n", r.stderr
