@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
 from nodeagent.errors import KubeletError
+from nodeagent.grpcadapter.client import Failure, acall, open_aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +35,28 @@ async def register(
     """Register one resource; raises KubeletError (retryable) naming the cause."""
     sock = plugin_dir / KUBELET_SOCKET
     if not sock.exists():
-        raise KubeletError(f"{sock} does not exist (kubelet not running?)", subject=resource_name, retryable=True)
+        raise KubeletError(
+            f"{sock} does not exist (kubelet not running?)", subject=resource_name, retryable=True
+        )
     request = api_pb2.RegisterRequest(
         version=API_VERSION,
         endpoint=endpoint,
         resource_name=resource_name,
-        options=api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
+        options=api_pb2.DevicePluginOptions(
+            pre_start_required=False, get_preferred_allocation_available=True
+        ),
     )
-    async with grpc.aio.insecure_channel(f"unix://{sock.absolute()}") as channel:
+
+    def refused(failure: Failure) -> KubeletError:
+        return KubeletError(
+            f"kubelet refused {resource_name}: {failure.code}: {failure.details}",
+            subject=resource_name,
+            retryable=True,
+        )
+
+    async with open_aio_channel(sock) as channel:
         stub = api_pb2_grpc.RegistrationStub(channel)
-        try:
-            await stub.Register(request, timeout=timeout, wait_for_ready=True)
-        except grpc.aio.AioRpcError as e:
-            raise KubeletError(
-                f"kubelet refused {resource_name}: {e.code().name}: {e.details()}",
-                subject=resource_name,
-                retryable=True,
-            ) from e
+        await acall(stub.Register, request, timeout=timeout, error=refused, wait_for_ready=True)
 
 
 class _Handler(FileSystemEventHandler):

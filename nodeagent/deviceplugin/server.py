@@ -1,9 +1,9 @@
-"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on its own threads
-(the transport is ``nodeagent.wire.server``).
+"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on a small pool of
+its own threads (grpcio's server, set up by ``nodeagent.grpcadapter.server``).
 
 The server holds the current ``Resource`` and per-device health; every change bumps a version and
-every open ListAndWatch stream re-sends the full list at once. Allocate answers are kept as bytes per
-request bytes until the next change.
+every open ListAndWatch stream re-sends the full list at once. Allocate answers are kept per requested
+device sets until the next change.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from typing import Any
 
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
+from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
 from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
+from nodeagent.grpcadapter.server import (
+    INVALID_ARGUMENT,
+    RefusalLog,
+    ServicerContext,
+    StreamSlots,
+    ThreadedServer,
+    refuse,
+)
 from nodeagent.sharing.devices import AdvertisedDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
-from nodeagent.wire.server import (
-    INVALID_ARGUMENT,
-    RpcError,
-    ServerStream,
-    StreamMethod,
-    UnaryMethod,
-    UnixGrpcServer,
-    parse_request,
-)
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,10 @@ MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 # Allocate answers are a pure function of the device list and settings: the answers given since the last
 # change are kept (the kubelet asks for the same few sets again and again), up to this many.
 ALLOCATION_CACHE_SIZE = 1024
-SERVICE = "v1beta1.DevicePlugin"
 # ListAndWatch streams open at once on one server (each holds a thread; the kubelet keeps one).
 MAX_LIST_AND_WATCH = 8
+# Threads of one server: the streams' and as many again for the unary calls (started only when needed).
+SERVER_THREADS = 2 * MAX_LIST_AND_WATCH
 
 
 def socket_name(resource_name: str) -> str:
@@ -79,6 +80,9 @@ def _to_proto(alloc: ContainerAllocation) -> Any:
     )
 
 
+DeviceSets = tuple[tuple[str, ...], ...]  # the device IDs of each container of an AllocateRequest
+
+
 class _Served:
     """What a server answers from: one resource and its settings, never changed in place (a change brings a
     new one, so the answers kept for the old device list go with it)."""
@@ -92,19 +96,16 @@ class _Served:
         self.flags = flags
         self.scores = scores
         self.policy = policy
-        self.answers: dict[bytes, bytes] = {}  # serialized AllocateRequest → serialized AllocateResponse
+        self.answers: dict[DeviceSets, Any] = {}  # requested device sets → AllocateResponse (never changed)
 
-    def answer(self, request: bytes) -> bytes:
-        """The serialized AllocateResponse to a serialized AllocateRequest, validated in full; kept for the
-        same bytes again. Raises ``RpcError`` for bytes that are no AllocateRequest and ``AllocationError``
-        for anything this resource cannot give (neither is kept)."""
-        parsed = parse_request(api_pb2.AllocateRequest, request)
-        allocs = allocate(self.resource, self.flags, [list(c.devices_ids) for c in parsed.container_requests])
+    def answer(self, sets: DeviceSets) -> Any:
+        """The AllocateResponse for the requested device sets, validated in full; kept for the same sets
+        again. Raises ``AllocationError`` (never kept) for anything this resource cannot give."""
+        allocs = allocate(self.resource, self.flags, [list(c) for c in sets])
         response = api_pb2.AllocateResponse(container_responses=[_to_proto(a) for a in allocs])
-        answer: bytes = response.SerializeToString()
         if len(self.answers) < ALLOCATION_CACHE_SIZE:
-            self.answers[request] = answer
-        return answer
+            self.answers[sets] = response
+        return response
 
 
 def preferred(
@@ -146,42 +147,40 @@ def preferred(
 
 
 class _Servicer:
-    """The DevicePlugin methods, bytes in and out. They run on the socket server's threads, never on the
-    daemon's event loop: they read only the server's current ``_Served`` (replaced whole on a change) and its
-    prebuilt device list."""
+    """The DevicePlugin methods (registered with the generated ``add_DevicePluginServicer_to_server``). They
+    run on the server's own threads, never on the daemon's event loop: they read only the server's current
+    ``_Served`` (replaced whole on a change) and its prebuilt device list. Requests arrive parsed: bytes that
+    are no such message were refused before (INVALID_ARGUMENT naming it)."""
 
-    _OPTIONS: bytes = api_pb2.DevicePluginOptions(
-        pre_start_required=False, get_preferred_allocation_available=True).SerializeToString()
-    _PRE_START: bytes = api_pb2.PreStartContainerResponse().SerializeToString()
+    _OPTIONS = api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+    _PRE_START = api_pb2.PreStartContainerResponse()
 
     def __init__(self, owner: ResourceServer) -> None:
         self._owner = owner
 
-    def GetDevicePluginOptions(self, request: bytes) -> bytes:
-        parse_request(api_pb2.Empty, request)
+    def GetDevicePluginOptions(self, request: Any, context: ServicerContext) -> Any:
         return self._OPTIONS
 
-    def ListAndWatch(self, request: bytes, stream: ServerStream) -> Iterator[bytes]:
-        parse_request(api_pb2.Empty, request)
+    def ListAndWatch(self, request: Any, context: ServicerContext) -> Iterator[Any]:
         owner = self._owner
+        owner.watches.hold(context)  # RESOURCE_EXHAUSTED past MAX_LIST_AND_WATCH
         changed = owner.changed
-        stream.add_callback(owner.wake)  # a cancelled stream stops waiting at once
+        context.add_callback(owner.wake)  # a cancelled stream stops waiting at once
         sent = -1
         while True:
             with changed:
-                while owner.version == sent and not owner.closing and stream.is_active():
+                while owner.version == sent and not owner.closing and context.is_active():
                     changed.wait()
-                if owner.closing or not stream.is_active():
+                if owner.closing or not context.is_active():
                     return
                 sent, message = owner.version, owner.device_list
             owner.list_sent_at = time.monotonic()
             yield message
 
-    def GetPreferredAllocation(self, request: bytes) -> bytes:
-        parsed = parse_request(api_pb2.PreferredAllocationRequest, request)
+    def GetPreferredAllocation(self, request: Any, context: ServicerContext) -> Any:
         served = self._owner.served
         responses = []
-        for creq in parsed.container_requests:
+        for creq in request.container_requests:
             ids = preferred(
                 served.resource,
                 list(creq.available_deviceIDs),
@@ -191,44 +190,32 @@ class _Servicer:
                 served.policy,
             )
             responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
-        answer: bytes = api_pb2.PreferredAllocationResponse(container_responses=responses).SerializeToString()
-        return answer
+        return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
-    def Allocate(self, request: bytes) -> bytes:
-        """A request already answered since the last change gets the kept bytes again; any other is parsed,
+    def Allocate(self, request: Any, context: ServicerContext) -> Any:
+        """Device sets already answered since the last change get the kept answer again; any others are
         validated and answered."""
         served = self._owner.served
-        answer = served.answers.get(request)
+        sets: DeviceSets = tuple(tuple(c.devices_ids) for c in request.container_requests)
+        answer = served.answers.get(sets)
         if answer is not None:
             return answer
         try:
-            return served.answer(request)
-        except (AllocationError, RpcError) as e:
-            log.warning("allocate refused: %s", e)
-            raise RpcError(INVALID_ARGUMENT, str(e)) from e
+            return served.answer(sets)
+        except AllocationError as e:
+            self._owner.refusals.refused("allocate", str(e))
+            refuse(context, INVALID_ARGUMENT, str(e))
 
-    def PreStartContainer(self, request: bytes) -> bytes:
-        parse_request(api_pb2.PreStartContainerRequest, request)
+    def PreStartContainer(self, request: Any, context: ServicerContext) -> Any:
         return self._PRE_START
-
-    def methods(self) -> tuple[dict[str, UnaryMethod], dict[str, StreamMethod]]:
-        """The unary and the server-streaming methods, by path."""
-        prefix = f"/{SERVICE}/"
-        unary: dict[str, UnaryMethod] = {
-            prefix + "GetDevicePluginOptions": self.GetDevicePluginOptions,
-            prefix + "GetPreferredAllocation": self.GetPreferredAllocation,
-            prefix + "Allocate": self.Allocate,
-            prefix + "PreStartContainer": self.PreStartContainer,
-        }
-        return unary, {prefix + "ListAndWatch": self.ListAndWatch}
 
 
 class ResourceServer:
     """The DevicePlugin server of one resource.
 
-    The methods run on the socket server's own threads (a unary call on its connection's reader thread, each
-    ListAndWatch on a thread of its own), so an Allocate neither waits for the daemon's other coroutines nor
-    hops through the event loop. The daemon's loop changes what is served (``set_resource``,
+    Its gRPC server is grpcio's threaded one: the methods run on a small pool of the server's own threads, so
+    an Allocate neither waits for the daemon's other coroutines nor hops through the event loop (measured:
+    tests/bench/bench_deviceplugin.py). The daemon's loop changes what is served (``set_resource``,
     ``health_changed``); the threads read it.
     """
 
@@ -248,9 +235,11 @@ class ResourceServer:
         self.version = 0
         self.closing = False
         self.changed = threading.Condition()  # guards version, device_list and closing
-        self._server: UnixGrpcServer | None = None
+        self.watches = StreamSlots(MAX_LIST_AND_WATCH, "ListAndWatch")
+        self.refusals = RefusalLog(log)
+        self._server: ThreadedServer | None = None
         self._published = self._visible()  # what device_list shows
-        self.device_list: bytes = self._build_list(self._published)  # a serialized ListAndWatchResponse
+        self.device_list: Any = self._build_list(self._published)  # a ListAndWatchResponse, never changed
         self.list_sent_at: float = 0.0
 
     @property
@@ -280,13 +269,12 @@ class ResourceServer:
         )
 
     @staticmethod
-    def _build_list(visible: tuple[tuple[str, str, int | None], ...]) -> bytes:
+    def _build_list(visible: tuple[tuple[str, str, int | None], ...]) -> Any:
         devices = []
         for dev_id, health, numa in visible:
             topo = api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
             devices.append(api_pb2.Device(ID=dev_id, health=health, topology=topo))
-        data: bytes = api_pb2.ListAndWatchResponse(devices=devices).SerializeToString()
-        return data
+        return api_pb2.ListAndWatchResponse(devices=devices)
 
     def wake(self) -> None:
         """Wake every waiting ListAndWatch stream (each then checks whether it still runs)."""
@@ -334,19 +322,25 @@ class ResourceServer:
         try:
             path.unlink(missing_ok=True)
         except OSError as e:
-            raise KubeletError(f"cannot serve {self.name}: cannot remove {path}: {e.strerror}",
-                               subject=str(path)) from e
+            raise KubeletError(
+                f"cannot serve {self.name}: cannot remove {path}: {e.strerror}", subject=str(path)
+            ) from e
         with self.changed:
             self.closing = False
         self._publish()
-        unary, streaming = _Servicer(self).methods()
-        server = UnixGrpcServer(path, unary, streaming, name=f"device plugin {self.name}",
-                                max_streaming_calls=MAX_LIST_AND_WATCH)
+        server = ThreadedServer(
+            path,
+            [(api_pb2_grpc.add_DevicePluginServicer_to_server, _Servicer(self))],
+            name=f"device plugin {self.name}",
+            workers=SERVER_THREADS,
+            refusals=self.refusals,
+        )
         try:
             server.start()
         except OSError as e:
-            raise KubeletError(f"cannot serve {self.name} on {path}: {e.strerror or e}",
-                               subject=str(path)) from e
+            raise KubeletError(
+                f"cannot serve {self.name} on {path}: {e.strerror or e}", subject=str(path)
+            ) from e
         self._server = server
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nodeagent.dra.devices import DraDevice
@@ -83,7 +83,7 @@ class HealthFeed:
             self._changed.notify_all()
         return True
 
-    async def watch(self) -> AsyncIterator[list[DeviceState]]:
+    async def watch(self) -> AsyncGenerator[list[DeviceState], None]:
         seen = -1
         while True:
             async with self._changed:

@@ -1,4 +1,5 @@
-"""The kubelet-facing sockets of the DRA driver (Unix sockets, mode 0600, served by ``nodeagent.wire``).
+"""The kubelet-facing sockets of the DRA driver (Unix sockets, mode 0600, served by grpc.aio on the daemon's
+event loop, set up by ``nodeagent.grpcadapter.server``).
 
 - ``<kubelet>/plugins/<driver>/dra.sock``: ``v1.DRAPlugin``, ``v1beta1.DRAPlugin`` and
   ``v1alpha1.DRAResourceHealth``;
@@ -6,29 +7,47 @@
   watcher finds; ``GetInfo`` names the DRA socket, ``NotifyRegistrationStatus`` tells the outcome.
 
 The methods are coroutines on the daemon's event loop (they share the preparer, the health feed and the
-component's state with it); the socket server's threads hand each call to the loop and wait for its answer.
-The DRA socket starts first so the kubelet can dial it as soon as it learns about it; stopping removes
-the registration socket first (the kubelet then deregisters the driver) and both sockets at the end.
+component's state with it), which is where grpc.aio runs them. The DRA socket starts first so the kubelet
+can dial it as soon as it learns about it; stopping removes the registration socket first (the kubelet then
+deregisters the driver) and both sockets at the end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nodeagent.dra import DRIVER_NAME
-from nodeagent.dra.api import health_pb2, reg_pb2, v1_pb2, v1beta1_pb2
+from nodeagent.dra.api import (
+    health_pb2,
+    health_pb2_grpc,
+    reg_pb2,
+    reg_pb2_grpc,
+    v1_pb2,
+    v1_pb2_grpc,
+    v1beta1_pb2,
+    v1beta1_pb2_grpc,
+)
 from nodeagent.dra.health import HealthFeed
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
-from nodeagent.wire import server as wire
+from nodeagent.grpcadapter.server import (
+    DEADLINE_EXCEEDED,
+    AioServer,
+    AioServicerContext,
+    RefusalLog,
+    Servicers,
+    StreamSlots,
+    arefuse,
+)
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PLUGIN_TYPE = "DRAPlugin"
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
@@ -37,6 +56,8 @@ MAX_SOCKET_PATH = 107
 # The longest a call may take on the loop (a prepare reads the claim from the API, writes the CDI spec and
 # the fsynced checkpoint, and for dynamic MIG creates the instance: milliseconds when all is well).
 CALL_TIMEOUT_S = 60.0
+# Health watches open at once on the DRA socket (the kubelet keeps one).
+MAX_WATCHES = 8
 
 
 def registration_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
@@ -47,65 +68,12 @@ def dra_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
     return kubelet_dir / "plugins" / driver / "dra.sock"
 
 
-def _path(pb2: Any, service: str, method: str) -> str:
-    """The HTTP/2 path of a method: ``/<proto package>.<service>/<method>``, from the generated module."""
-    return f"/{pb2.DESCRIPTOR.services_by_name[service].full_name}/{method}"
-
-
-class _OnLoop:
-    """Turns the coroutine methods into what the socket server calls from its threads."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def unary(self, method: Callable[[bytes], Awaitable[bytes]]) -> wire.UnaryMethod:
-        def call(request: bytes) -> bytes:
-            fut = asyncio.run_coroutine_threadsafe(_awaited(method(request)), self.loop)
-            try:
-                return fut.result(CALL_TIMEOUT_S)
-            except concurrent.futures.TimeoutError as e:
-                fut.cancel()
-                raise wire.RpcError(wire.DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s") from e
-
-        return call
-
-    def stream(self, method: Callable[[bytes], AsyncGenerator[bytes, None]]) -> wire.StreamMethod:
-        def call(request: bytes, stream: wire.ServerStream) -> Iterator[bytes]:
-            items = method(request)
-            waiting: list[concurrent.futures.Future[bytes]] = []
-
-            def stop_waiting() -> None:  # the call ended (cancelled, connection gone, server stopping)
-                for f in waiting:
-                    f.cancel()
-
-            stream.add_callback(stop_waiting)
-            try:
-                while stream.is_active():
-                    fut = asyncio.run_coroutine_threadsafe(_next(items), self.loop)
-                    waiting[:] = [fut]
-                    if not stream.is_active():
-                        fut.cancel()
-                    try:
-                        yield fut.result()
-                    except (concurrent.futures.CancelledError, StopAsyncIteration):
-                        return
-            finally:  # the generator is closed on its loop (unless the loop itself is gone by now)
-                with contextlib.suppress(Exception):
-                    asyncio.run_coroutine_threadsafe(_aclose(items), self.loop).result(5)
-
-        return call
-
-
-async def _awaited(result: Awaitable[bytes]) -> bytes:
-    return await result
-
-
-async def _next(items: AsyncGenerator[bytes, None]) -> bytes:
-    return await anext(items)
-
-
-async def _aclose(items: AsyncGenerator[bytes, None]) -> None:
-    await items.aclose()
+async def _in_time(work: Awaitable[T], context: AioServicerContext) -> T:
+    """``work`` awaited for at most ``CALL_TIMEOUT_S``; past it, cancelled and the call DEADLINE_EXCEEDED."""
+    try:
+        return await asyncio.wait_for(work, CALL_TIMEOUT_S)
+    except TimeoutError:
+        await arefuse(context, DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s")
 
 
 class _DraServicer:
@@ -125,10 +93,11 @@ class _DraServicer:
     def _refs(request: Any) -> list[ClaimRef]:
         return [ClaimRef(c.namespace, c.uid, c.name) for c in request.claims]
 
-    async def NodePrepareResources(self, request: bytes) -> bytes:
-        results = await self.preparer.prepare(
-            self._refs(wire.parse_request(self.pb2.NodePrepareResourcesRequest, request))
-        )
+    async def NodePrepareResources(self, request: Any, context: AioServicerContext) -> Any:
+        return await _in_time(self._prepare(request), context)
+
+    async def _prepare(self, request: Any) -> Any:
+        results = await self.preparer.prepare(self._refs(request))
         if self.on_claims_changed is not None:
             await self.on_claims_changed()
         resp = self.pb2.NodePrepareResourcesResponse()
@@ -146,78 +115,66 @@ class _DraServicer:
                         cdi_device_ids=list(d.cdi_device_ids),
                     )
                 )
-        answer: bytes = resp.SerializeToString()
-        return answer
+        return resp
 
-    async def NodeUnprepareResources(self, request: bytes) -> bytes:
-        results = await self.preparer.unprepare(
-            self._refs(wire.parse_request(self.pb2.NodeUnprepareResourcesRequest, request))
-        )
+    async def NodeUnprepareResources(self, request: Any, context: AioServicerContext) -> Any:
+        return await _in_time(self._unprepare(request), context)
+
+    async def _unprepare(self, request: Any) -> Any:
+        results = await self.preparer.unprepare(self._refs(request))
         if self.on_claims_changed is not None:
             await self.on_claims_changed()
         resp = self.pb2.NodeUnprepareResourcesResponse()
         for uid, err in results.items():
             resp.claims[uid].error = err
-        answer: bytes = resp.SerializeToString()
-        return answer
-
-    def methods(self, on_loop: _OnLoop) -> dict[str, wire.UnaryMethod]:
-        return {
-            _path(self.pb2, "DRAPlugin", "NodePrepareResources"): on_loop.unary(self.NodePrepareResources),
-            _path(self.pb2, "DRAPlugin", "NodeUnprepareResources"): on_loop.unary(
-                self.NodeUnprepareResources
-            ),
-        }
+        return resp
 
 
 class _HealthServicer:
-    def __init__(self, feed: HealthFeed, pool: str) -> None:
+    def __init__(self, feed: HealthFeed, pool: str, watches: StreamSlots) -> None:
         self.feed = feed
         self.pool = pool
+        self.watches = watches
 
-    async def NodeWatchResources(self, request: bytes) -> AsyncGenerator[bytes, None]:
-        wire.parse_request(health_pb2.NodeWatchResourcesRequest, request)
-        async for snap in self.feed.watch():
-            answer: bytes = health_pb2.NodeWatchResourcesResponse(
-                devices=[
-                    health_pb2.DeviceHealth(
-                        device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
-                        health=s.health,
-                        last_updated_time=s.since,
-                    )
-                    for s in snap
-                ]
-            ).SerializeToString()
-            yield answer
+    async def NodeWatchResources(self, request: Any, context: AioServicerContext) -> AsyncIterator[Any]:
+        await self.watches.ahold(context)  # RESOURCE_EXHAUSTED past MAX_WATCHES
+        async with contextlib.aclosing(self.feed.watch()) as snaps:  # closed on the loop when the call ends
+            async for snap in snaps:
+                yield health_pb2.NodeWatchResourcesResponse(
+                    devices=[
+                        health_pb2.DeviceHealth(
+                            device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
+                            health=s.health,
+                            last_updated_time=s.since,
+                        )
+                        for s in snap
+                    ]
+                )
 
 
 class _RegistrationServicer:
     def __init__(self, owner: DraServer) -> None:
         self.owner = owner
 
-    async def GetInfo(self, request: bytes) -> bytes:
-        wire.parse_request(reg_pb2.InfoRequest, request)
-        answer: bytes = reg_pb2.PluginInfo(
+    async def GetInfo(self, request: Any, context: AioServicerContext) -> Any:
+        return reg_pb2.PluginInfo(
             type=PLUGIN_TYPE,
             name=self.owner.driver,
             endpoint=str(self.owner.endpoint),
             supported_versions=list(SERVICES),
-        ).SerializeToString()
-        return answer
+        )
 
-    async def NotifyRegistrationStatus(self, request: bytes) -> bytes:
-        status = wire.parse_request(reg_pb2.RegistrationStatus, request)
-        self.owner.registered = bool(status.plugin_registered)
-        self.owner.registration_error = str(status.error)
-        if status.plugin_registered:
+    async def NotifyRegistrationStatus(self, request: Any, context: AioServicerContext) -> Any:
+        self.owner.registered = bool(request.plugin_registered)
+        self.owner.registration_error = str(request.error)
+        if request.plugin_registered:
             log.info("kubelet registered DRA driver %s", self.owner.driver)
         else:
-            log.error("kubelet refused DRA driver %s: %s", self.owner.driver, status.error)
+            log.error("kubelet refused DRA driver %s: %s", self.owner.driver, request.error)
         self.owner.registration_changed.set()
-        if status.plugin_registered and self.owner.on_registered is not None:
+        if request.plugin_registered and self.owner.on_registered is not None:
             self.owner.on_registered()
-        answer: bytes = reg_pb2.RegistrationStatusResponse().SerializeToString()
-        return answer
+        return reg_pb2.RegistrationStatusResponse()
 
 
 def _check_socket_path(path: Path) -> None:
@@ -225,15 +182,13 @@ def _check_socket_path(path: Path) -> None:
         raise ValueError(f"socket path too long for a Unix socket ({len(os.fsencode(path))} bytes): {path}")
 
 
-def _serve(
-    path: Path, unary: dict[str, wire.UnaryMethod], streaming: dict[str, wire.StreamMethod], name: str
-) -> wire.UnixGrpcServer:
+async def _serve(path: Path, servicers: Servicers, refusals: RefusalLog) -> AioServer:
     _check_socket_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # a socket left by a previous process
-    server = wire.UnixGrpcServer(path, unary, streaming, name=name)
-    server.start()
+    server = AioServer(path, servicers, refusals=refusals)
+    await server.start()
     return server
 
 
@@ -264,30 +219,30 @@ class DraServer:
         self.registered = False
         self.registration_error = ""
         self.registration_changed = asyncio.Event()
-        self._dra: wire.UnixGrpcServer | None = None
-        self._reg: wire.UnixGrpcServer | None = None
+        self.watches = StreamSlots(MAX_WATCHES, "NodeWatchResources")
+        self.refusals = RefusalLog(log)
+        self._dra: AioServer | None = None
+        self._reg: AioServer | None = None
 
     async def start(self) -> None:
-        on_loop = _OnLoop(asyncio.get_running_loop())
-        unary: dict[str, wire.UnaryMethod] = {}
-        for pb2 in (v1_pb2, v1beta1_pb2):
-            unary.update(_DraServicer(self.preparer, pb2, self.on_claims_changed).methods(on_loop))
-        health = _HealthServicer(self.feed, self.preparer.pool)
-        streaming = {
-            _path(health_pb2, "DRAResourceHealth", "NodeWatchResources"): on_loop.stream(
-                health.NodeWatchResources
-            )
-        }
-        reg = _RegistrationServicer(self)
-        reg_unary = {
-            _path(reg_pb2, "Registration", "GetInfo"): on_loop.unary(reg.GetInfo),
-            _path(reg_pb2, "Registration", "NotifyRegistrationStatus"): on_loop.unary(
-                reg.NotifyRegistrationStatus
+        dra: Servicers = [
+            (
+                v1_pb2_grpc.add_DRAPluginServicer_to_server,
+                _DraServicer(self.preparer, v1_pb2, self.on_claims_changed),
             ),
-        }
-        self._dra = _serve(self.dra_path, unary, streaming, f"DRA {self.driver}")
+            (
+                v1beta1_pb2_grpc.add_DRAPluginServicer_to_server,
+                _DraServicer(self.preparer, v1beta1_pb2, self.on_claims_changed),
+            ),
+            (
+                health_pb2_grpc.add_DRAResourceHealthServicer_to_server,
+                _HealthServicer(self.feed, self.preparer.pool, self.watches),
+            ),
+        ]
+        reg: Servicers = [(reg_pb2_grpc.add_RegistrationServicer_to_server, _RegistrationServicer(self))]
+        self._dra = await _serve(self.dra_path, dra, self.refusals)
         try:
-            self._reg = _serve(self.reg_path, reg_unary, {}, f"DRA {self.driver} registration")
+            self._reg = await _serve(self.reg_path, reg, self.refusals)
         except BaseException:
             await self._stop_one(self._dra, self.dra_path)
             self._dra = None
@@ -295,9 +250,9 @@ class DraServer:
         log.info("DRA driver %s serving on %s (registration %s)", self.driver, self.dra_path, self.reg_path)
 
     @staticmethod
-    async def _stop_one(server: wire.UnixGrpcServer | None, path: Path) -> None:
+    async def _stop_one(server: AioServer | None, path: Path) -> None:
         if server is not None:
-            await asyncio.to_thread(server.stop, STOP_GRACE_S)
+            await server.stop(STOP_GRACE_S)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 

@@ -6,13 +6,12 @@ run it in a thread. Answers are converted into plain frozen dataclasses at this 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from nodeagent.errors import KubeletError
+from nodeagent.grpcadapter.client import Channel, Failure, call, open_channel
 from nodeagent.kube.podresources_api import podresources_pb2 as pb
 from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
 
@@ -63,8 +62,16 @@ def claim_assignments_from_response(resp: pb.ListPodResourcesResponse) -> list[C
         for c in pod.containers:
             for r in c.dynamic_resources:
                 devices = tuple((d.driver_name, d.pool_name, d.device_name) for d in r.claim_resources)
-                out.append(ClaimAssignment(pod.namespace, pod.name, c.name, r.claim_namespace or pod.namespace,
-                                           r.claim_name, devices))
+                out.append(
+                    ClaimAssignment(
+                        pod.namespace,
+                        pod.name,
+                        c.name,
+                        r.claim_namespace or pod.namespace,
+                        r.claim_name,
+                        devices,
+                    )
+                )
     return out
 
 
@@ -77,8 +84,9 @@ def by_device(assignments: Iterable[Assignment]) -> dict[str, list[Assignment]]:
     return out
 
 
-def holders_by_gpu(assignments: Iterable[Assignment],
-                   device_gpus: Mapping[tuple[str, str], int]) -> dict[int, tuple[str, ...]]:
+def holders_by_gpu(
+    assignments: Iterable[Assignment], device_gpus: Mapping[tuple[str, str], int]
+) -> dict[int, tuple[str, ...]]:
     """GPU index → sorted ``namespace/name`` of the pods holding one of its devices, given (resource,
     device ID) → GPU index (pure). GPUs no pod holds are absent."""
     out: dict[int, set[str]] = {}
@@ -96,30 +104,32 @@ class PodResourcesClient:
     def __init__(self, socket_path: Path, *, timeout: float = 5.0) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
-        self._channel: grpc.Channel | None = None
+        self._channel: Channel | None = None
         self._stub: pb_grpc.PodResourcesListerStub | None = None
 
     def _lister(self) -> pb_grpc.PodResourcesListerStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(f"unix://{self.socket_path}")
+            self._channel = open_channel(self.socket_path)
             self._stub = pb_grpc.PodResourcesListerStub(self._channel)  # type: ignore[no-untyped-call]
         return self._stub
 
-    def _fail(self, what: str, e: grpc.RpcError) -> KubeletError:
-        code = e.code() if hasattr(e, "code") else None
-        name = code.name if code is not None else "UNKNOWN"
-        return KubeletError(
-            f"PodResources {what} on {self.socket_path} failed: {name}",
-            subject=str(self.socket_path),
-            retryable=True,
-        )
+    def _failed(self, what: str) -> Callable[[Failure], KubeletError]:
+        def error(failure: Failure) -> KubeletError:
+            return KubeletError(
+                f"PodResources {what} on {self.socket_path} failed: {failure.code}",
+                subject=str(self.socket_path),
+                retryable=True,
+            )
+
+        return error
 
     def _list(self) -> pb.ListPodResourcesResponse:
-        try:
-            resp: pb.ListPodResourcesResponse = self._lister().List(pb.ListPodResourcesRequest(),
-                                                                    timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise self._fail("List", e) from e
+        resp: pb.ListPodResourcesResponse = call(
+            self._lister().List,
+            pb.ListPodResourcesRequest(),
+            timeout=self.timeout,
+            error=self._failed("List"),
+        )
         return resp
 
     def list(self) -> list[Assignment]:
@@ -134,12 +144,12 @@ class PodResourcesClient:
 
     def allocatable(self) -> dict[str, tuple[str, ...]]:
         """Resource name → device IDs the kubelet can hand out."""
-        try:
-            resp = self._lister().GetAllocatableResources(
-                pb.AllocatableResourcesRequest(), timeout=self.timeout
-            )
-        except grpc.RpcError as e:
-            raise self._fail("GetAllocatableResources", e) from e
+        resp = call(
+            self._lister().GetAllocatableResources,
+            pb.AllocatableResourcesRequest(),
+            timeout=self.timeout,
+            error=self._failed("GetAllocatableResources"),
+        )
         out: dict[str, list[str]] = {}
         for d in resp.devices:
             out.setdefault(d.resource_name, []).extend(d.device_ids)

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-import grpc
 import psutil
 
 from nodeagent.errors import RestartError
+from nodeagent.grpcadapter.client import Failure, call, open_channel, raw_method
 
 RestartMode = Literal["systemd", "signal", "none"]
 RESTART_MODES: tuple[RestartMode, ...] = ("systemd", "signal", "none")
@@ -39,15 +39,16 @@ def answers(socket: Path, timeout: float = 2.0) -> bool:
     """Whether containerd answers its Version RPC on ``socket``."""
     if not socket.exists():
         return False
-    channel = grpc.insecure_channel(f"unix://{socket}")
-    try:
-        call = channel.unary_unary(_VERSION_METHOD)
-        call(b"", timeout=timeout)
-        return True
-    except grpc.RpcError:
-        return False
-    finally:
-        channel.close()
+
+    def not_answering(failure: Failure) -> RestartError:
+        return RestartError(f"containerd on {socket}: {failure.code}: {failure.details}", subject=str(socket))
+
+    with open_channel(socket) as channel:
+        try:
+            call(raw_method(channel, _VERSION_METHOD), b"", timeout=timeout, error=not_answering)
+        except RestartError:
+            return False
+    return True
 
 
 def serving_pid(socket: Path) -> int | None:
@@ -105,7 +106,9 @@ def restart_containerd(
         return wait_ready(socket, timeout)
     if mode == "signal":
         if old_pid is None:
-            raise RestartError(f"no process is serving {socket}; cannot signal containerd", subject=str(socket))
+            raise RestartError(
+                f"no process is serving {socket}; cannot signal containerd", subject=str(socket)
+            )
         with contextlib.suppress(ProcessLookupError):
             os.kill(old_pid, signal.SIGTERM)
         return wait_ready(socket, timeout, old_pid=old_pid)

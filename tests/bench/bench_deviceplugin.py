@@ -13,8 +13,9 @@ Measures, over real Unix sockets:
     load (a shared CI box drifts by more than the difference being measured), over several rounds, each
     round's ratio nodeagent/Go printed (compare ratios, not absolute figures from different moments).
     nodeagent runs with its default health settings (NVML events, a health poll each second), as on a node;
-  * the same for a server on nodeagent's stack (nodeagent.wire.server) that answers a constant: the floor of
-    that stack; and for grpcio's threaded server answering the same constant (the stack nodeagent used before);
+  * the same for servers that answer a constant through nodeagent's gRPC adapter (nodeagent.grpcadapter.server,
+    same options and request parsing): grpcio's threaded server (what the device-plugin sockets run on, so the
+    floor of that stack) and grpc.aio on an otherwise idle event loop (the alternative it was chosen over);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -66,48 +67,52 @@ asyncio.run(main(*sys.argv[1:4]))
 """
 
 
-# The least a server on nodeagent's stack (nodeagent.wire.server) can do per Allocate: answer constant bytes.
-# Measured beside nodeagent and the Go plugin, it shows how much of the time is nodeagent's own work.
-FLOOR = r"""
-import sys
+# The least a server on nodeagent's stack can do per Allocate: answer a constant, through the same adapter
+# (options, request parsing) as nodeagent's servers. Measured beside nodeagent and the Go plugin, it shows how
+# much of the time is nodeagent's own work. argv: socket path, "threaded" or "aio".
+CONSTANT = r"""
+import asyncio, sys
 from pathlib import Path
-from nodeagent.deviceplugin.api import pb2
-from nodeagent.wire.server import UnixGrpcServer
+from nodeagent.deviceplugin.api import pb2, pb2_grpc
+from nodeagent.grpcadapter.server import AioServer, RefusalLog, ThreadedServer, log
 
 ANSWER = pb2.AllocateResponse(container_responses=[
     pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})
-]).SerializeToString()
+])
 
-server = UnixGrpcServer(Path(sys.argv[1]), {"/v1beta1.DevicePlugin/Allocate": lambda request: ANSWER}, {},
-                        name="floor")
-server.start()
-print("ready", flush=True)
-sys.stdin.read()
-server.stop()
-"""
+class Constant:
+    def GetDevicePluginOptions(self, request, context): return pb2.DevicePluginOptions()
+    def ListAndWatch(self, request, context): return iter(())
+    def GetPreferredAllocation(self, request, context): return pb2.PreferredAllocationResponse()
+    def Allocate(self, request, context): return ANSWER
+    def PreStartContainer(self, request, context): return pb2.PreStartContainerResponse()
 
-# The same constant answer from grpcio's threaded server (raw bytes): what the device-plugin servers were
-# built on before nodeagent.wire.server.
-GRPCIO = r"""
-import os, sys
-from concurrent.futures import ThreadPoolExecutor
-os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_listener")  # grpcio at its fastest (own listener)
-import grpc
-from nodeagent.deviceplugin.api import pb2
+class AioConstant:
+    async def GetDevicePluginOptions(self, request, context): return pb2.DevicePluginOptions()
+    async def ListAndWatch(self, request, context):
+        return
+        yield
+    async def GetPreferredAllocation(self, request, context): return pb2.PreferredAllocationResponse()
+    async def Allocate(self, request, context): return ANSWER
+    async def PreStartContainer(self, request, context): return pb2.PreStartContainerResponse()
 
-ANSWER = pb2.AllocateResponse(container_responses=[
-    pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})
-]).SerializeToString()
-
-handlers = {"Allocate": grpc.unary_unary_rpc_method_handler(lambda request, context: ANSWER)}
-server = grpc.server(ThreadPoolExecutor(max_workers=8), options=[("grpc.so_reuseport", 0)])
-server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", handlers),))
-server.add_registered_method_handlers("v1beta1.DevicePlugin", handlers)
-server.add_insecure_port(f"unix://{sys.argv[1]}")
-server.start()
-print("ready", flush=True)
-sys.stdin.read()
-server.stop(0)
+path, kind = Path(sys.argv[1]), sys.argv[4]
+if kind == "threaded":
+    server = ThreadedServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, Constant())], name="constant",
+                            workers=16, refusals=RefusalLog(log))
+    server.start()
+    print("ready", flush=True)
+    sys.stdin.read()
+    server.stop(0)
+else:
+    async def main():
+        server = AioServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, AioConstant())],
+                           refusals=RefusalLog(log))
+        await server.start()
+        print("ready", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        await server.stop(0)
+    asyncio.run(main())
 """
 
 
@@ -117,8 +122,12 @@ def pct(values: list[float], p: float) -> float:
 
 
 def ms(values: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(pct(values, 50) * 1e3, 3), "p99_ms": round(pct(values, 99) * 1e3, 3),
-            "max_ms": round(max(values) * 1e3, 3), "n": len(values)}
+    return {
+        "p50_ms": round(pct(values, 50) * 1e3, 3),
+        "p99_ms": round(pct(values, 99) * 1e3, 3),
+        "max_ms": round(max(values) * 1e3, 3),
+        "n": len(values),
+    }
 
 
 def sim_state(tmp: Path, machine: str, layouts: dict[int, list[str]] | None = None) -> Path:
@@ -135,11 +144,15 @@ def sim_state(tmp: Path, machine: str, layouts: dict[int, list[str]] | None = No
 class Child:
     """nodeagent's DevicePluginService (or another ``script``) in its own Python process."""
 
-    def __init__(self, plugin_dir: Path, state: Path, config: str, script: str = SERVER) -> None:
+    def __init__(self, plugin_dir: Path, state: Path, config: str, script: str = SERVER, *extra: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", script, str(plugin_dir), str(state), config],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+            [sys.executable, "-c", script, str(plugin_dir), str(state), config, *extra],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -169,7 +182,9 @@ def timed(fn: Callable[[], Any], n: int, warmup: int = 50) -> list[float]:
     return out
 
 
-def bench_allocate_pair(servers: dict[str, tuple[Path, str]], n: int, block: int = 100) -> dict[str, dict[str, float]]:
+def bench_allocate_pair(
+    servers: dict[str, tuple[Path, str]], n: int, block: int = 100
+) -> dict[str, dict[str, float]]:
     """Allocate latencies of each server (name → socket, device ID), measured in alternating blocks; the
     servers are warmed up with 100 calls each first, then with 5 before every block."""
     channels = {name: grpc.insecure_channel(f"unix://{sock}") for name, (sock, _) in servers.items()}
@@ -197,9 +212,16 @@ def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
         stub = pb2_grpc.DevicePluginStub(ch)
         ids = [d.ID for d in next(iter(stub.ListAndWatch(pb2.Empty()))).devices]
         for size in range(1, 9):
-            req = pb2.PreferredAllocationRequest(container_requests=[pb2.ContainerPreferredAllocationRequest(
-                available_deviceIDs=ids, must_include_deviceIDs=ids[3:4], allocation_size=size)])
-            out[str(size)] = ms(timed(functools.partial(stub.GetPreferredAllocation, req, timeout=10), n, warmup=10))
+            req = pb2.PreferredAllocationRequest(
+                container_requests=[
+                    pb2.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=ids, must_include_deviceIDs=ids[3:4], allocation_size=size
+                    )
+                ]
+            )
+            out[str(size)] = ms(
+                timed(functools.partial(stub.GetPreferredAllocation, req, timeout=10), n, warmup=10)
+            )
     return out
 
 
@@ -208,8 +230,10 @@ def bench_list_896(tmp: Path, quick: bool) -> dict[str, Any]:
     from nodeagent.gpu.sim.state import SimStore
 
     state = sim_state(tmp, "dgx-h100", {g: ["1g.10gb"] * 7 for g in range(8)})
-    config = ("version: v1\nflags:\n  migStrategy: single\nsharing:\n  timeSlicing:\n    resources:\n"
-              "    - name: nvidia.com/gpu\n      replicas: 16\n")
+    config = (
+        "version: v1\nflags:\n  migStrategy: single\nsharing:\n  timeSlicing:\n    resources:\n"
+        "    - name: nvidia.com/gpu\n      replicas: 16\n"
+    )
     pdir = tmp / "dp896"
     child = Child(pdir, state, config)
     try:
@@ -259,8 +283,11 @@ async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
     xid: list[float] = []
     restart: list[float] = []
     with running_harness() as h:
-        svc = DevicePluginService(plugin_dir=h.plugin_dir, nvml=nvml,
-                                  health=HealthSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=50))
+        svc = DevicePluginService(
+            plugin_dir=h.plugin_dir,
+            nvml=nvml,
+            health=HealthSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=50),
+        )
         await svc.start(nvml.discover())
         try:
             await asyncio.to_thread(h.wait, "nvidia.com/gpu", total=8, healthy=8, registered=True)
@@ -296,8 +323,10 @@ async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
 def sample_plugin_binary() -> Path | None:
     value = os.environ.get("NODEAGENT_SAMPLE_DEVICE_PLUGIN")
     if not value:
-        script = (f"NODEAGENT_PEERS_LIB_ONLY=1; source {ROOT}/tests/testbin/setup.sh; "
-                  'nodeagent_peers_sample_device_plugin >&2 && printf %s "$NODEAGENT_SAMPLE_DEVICE_PLUGIN"')
+        script = (
+            f"NODEAGENT_PEERS_LIB_ONLY=1; source {ROOT}/tests/testbin/setup.sh; "
+            'nodeagent_peers_sample_device_plugin >&2 && printf %s "$NODEAGENT_SAMPLE_DEVICE_PLUGIN"'
+        )
         proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(f"sample device plugin unavailable: {proc.stderr.strip()[-500:]}", file=sys.stderr)
@@ -315,7 +344,9 @@ class SamplePlugin:
         # REGISTER_CONTROL_FILE: serve without registering (its kubelet path is fixed to /var/lib/kubelet).
         env = dict(os.environ, PLUGIN_SOCK_DIR=str(sdir), REGISTER_CONTROL_FILE=str(tmp / "ctl" / "register"))
         (tmp / "ctl").mkdir()
-        self.proc = subprocess.Popen([str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [str(binary)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 10
         socks: list[Path] = []
         while time.monotonic() < deadline and not socks:
@@ -337,7 +368,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--no-sample", action="store_true", help="skip the Go sample device plugin")
     ap.add_argument("--rounds", type=int, default=3, help="Allocate rounds (each measures every server)")
-    ap.add_argument("--abi", action="store_true", help="nodeagent on the real pynvml over the stand-in library")
+    ap.add_argument(
+        "--abi", action="store_true", help="nodeagent on the real pynvml over the stand-in library"
+    )
     args = ap.parse_args()
     n = 300 if args.quick else 3000
     result: dict[str, Any] = {"bench": "deviceplugin", "nvml": "abi" if args.abi else "python"}
@@ -351,15 +384,17 @@ def main() -> None:
         state = sim_state(tmp, "dgx-h100")
         pdir = tmp / "dp"
         child = Child(pdir, state, "version: v1\n")
-        floor = Child(tmp / "floor.sock", state, "", FLOOR)
-        grpcio = Child(tmp / "grpcio.sock", state, "", GRPCIO)
+        threaded = Child(tmp / "threaded.sock", state, "", CONSTANT, "threaded")
+        aio = Child(tmp / "aio.sock", state, "", CONSTANT, "aio")
         sample: SamplePlugin | None = None
         try:
             with grpc.insecure_channel(f"unix://{pdir / 'nvidia-gpu.sock'}") as ch:
                 first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
-            servers = {"allocate_nodeagent": (pdir / "nvidia-gpu.sock", first),
-                       "allocate_wire_floor": (tmp / "floor.sock", first),
-                       "allocate_grpcio_constant": (tmp / "grpcio.sock", first)}
+            servers = {
+                "allocate_nodeagent": (pdir / "nvidia-gpu.sock", first),
+                "allocate_threaded_constant": (tmp / "threaded.sock", first),
+                "allocate_aio_constant": (tmp / "aio.sock", first),
+            }
             binary = None if args.no_sample else sample_plugin_binary()
             if binary is not None:
                 sample = SamplePlugin(binary, tmp)
@@ -367,32 +402,40 @@ def main() -> None:
             rounds = [bench_allocate_pair(servers, n) for _ in range(max(1, args.rounds))]
             result["allocate_rounds"] = rounds
             result.update(rounds[-1])
-            result["preferred_dgx_h100"] = bench_preferred(pdir / "nvidia-gpu.sock", 50 if args.quick else 300)
+            result["preferred_dgx_h100"] = bench_preferred(
+                pdir / "nvidia-gpu.sock", 50 if args.quick else 300
+            )
         finally:
             if sample is not None:
                 sample.close()
-            floor.close()
-            grpcio.close()
+            threaded.close()
+            aio.close()
             child.close()
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
     for i, r in enumerate(result["allocate_rounds"]):
-        a, f, g = r["allocate_nodeagent"], r["allocate_wire_floor"], r["allocate_grpcio_constant"]
-        line = (f"Allocate round {i + 1} (n={a['n']} each): nodeagent p50 {a['p50_ms']} p99 {a['p99_ms']} ms; "
-                f"constant on the same stack p50 {f['p50_ms']} p99 {f['p99_ms']} ms; "
-                f"constant on grpcio p50 {g['p50_ms']} p99 {g['p99_ms']} ms")
+        a, f, g = r["allocate_nodeagent"], r["allocate_threaded_constant"], r["allocate_aio_constant"]
+        line = (
+            f"Allocate round {i + 1} (n={a['n']} each): nodeagent p50 {a['p50_ms']} p99 {a['p99_ms']} ms; "
+            f"constant on grpcio's threaded server p50 {f['p50_ms']} p99 {f['p99_ms']} ms; "
+            f"constant on grpc.aio p50 {g['p50_ms']} p99 {g['p99_ms']} ms"
+        )
         if "allocate_k8s_sample_go" in r:
             s = r["allocate_k8s_sample_go"]
-            line += (f"; Go sample p50 {s['p50_ms']} p99 {s['p99_ms']} ms; nodeagent/Go p50 "
-                     f"{a['p50_ms'] / s['p50_ms']:.2f} p99 {a['p99_ms'] / s['p99_ms']:.2f}")
+            line += (
+                f"; Go sample p50 {s['p50_ms']} p99 {s['p99_ms']} ms; nodeagent/Go p50 "
+                f"{a['p50_ms'] / s['p50_ms']:.2f} p99 {a['p99_ms'] / s['p99_ms']:.2f}"
+            )
         print(line)
     for size, r in result["preferred_dgx_h100"].items():
         print(f"GetPreferredAllocation size {size}:    p50 {r['p50_ms']} ms  p99 {r['p99_ms']} ms")
     lw = result["list_and_watch_896"]
-    print(f"ListAndWatch {lw['devices']} devices ({lw['bytes']} B): first list p50 {lw['first_list']['p50_ms']} ms "
-          f"p99 {lw['first_list']['p99_ms']} ms; XID re-send p50 {lw['xid_resend']['p50_ms']} ms "
-          f"max {lw['xid_resend']['max_ms']} ms")
+    print(
+        f"ListAndWatch {lw['devices']} devices ({lw['bytes']} B): first list p50 {lw['first_list']['p50_ms']} ms "
+        f"p99 {lw['first_list']['p99_ms']} ms; XID re-send p50 {lw['xid_resend']['p50_ms']} ms "
+        f"max {lw['xid_resend']['max_ms']} ms"
+    )
     x, r = result["xid_to_unhealthy"], result["restart_to_registered"]
     print(f"XID -> Unhealthy at kubelet:        p50 {x['p50_ms']} ms  max {x['max_ms']} ms")
     print(f"kubelet restart -> re-registered:   p50 {r['p50_ms']} ms  max {r['max_ms']} ms")

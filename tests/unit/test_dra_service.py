@@ -38,11 +38,14 @@ POOL = "node-a"
 DRIVER = "gpu.nodeagent.io"
 
 
-def claim(uid: str, name: str, devices: list[tuple[str, str]], *, pool: str = POOL,
-          driver: str = DRIVER) -> dict[str, Any]:
+def claim(
+    uid: str, name: str, devices: list[tuple[str, str]], *, pool: str = POOL, driver: str = DRIVER
+) -> dict[str, Any]:
     results = [{"request": r, "driver": driver, "pool": pool, "device": d} for r, d in devices]
-    return {"metadata": {"namespace": "ns", "name": name, "uid": uid},
-            "status": {"allocation": {"devices": {"results": results}}}}
+    return {
+        "metadata": {"namespace": "ns", "name": name, "uid": uid},
+        "status": {"allocation": {"devices": {"results": results}}},
+    }
 
 
 class Claims:
@@ -60,8 +63,12 @@ class Claims:
 
 
 def make_preparer(tmp_path: Path, claims: Claims) -> ClaimPreparer:
-    p = ClaimPreparer(Checkpoint.load(tmp_path / "state" / "dra-claims.json"), ClaimSpecs(tmp_path / "cdi"),
-                      claims.read, POOL)
+    p = ClaimPreparer(
+        Checkpoint.load(tmp_path / "state" / "dra-claims.json"),
+        ClaimSpecs(tmp_path / "cdi"),
+        claims.read,
+        POOL,
+    )
     p.set_devices(build_devices(mig_box(per_gpu=2, gpus_on=1, gpus_off=2)))
     return p
 
@@ -69,15 +76,19 @@ def make_preparer(tmp_path: Path, claims: Claims) -> ClaimPreparer:
 async def test_a_withdrawn_gpu_takes_no_new_claim_and_a_claim_in_flight_counts_as_holder(
     tmp_path: Path,
 ) -> None:
-    claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]), claim("u2", "two", [("gpu", "gpu-2")]),
-                    claim("u3", "three", [("gpu", "gpu-1")]))
+    claims = Claims(
+        claim("u1", "one", [("gpu", "gpu-1")]),
+        claim("u2", "two", [("gpu", "gpu-2")]),
+        claim("u3", "three", [("gpu", "gpu-1")]),
+    )
     p = make_preparer(tmp_path, claims)
     assert (await p.prepare([ClaimRef("ns", "u1", "one")]))["u1"].error == ""
     p.withdrawn = frozenset({1})  # a MIG change on GPU 1
     out = await p.prepare([ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u3", "three")])
     assert out["u1"].error == "" and out["u1"].devices  # already prepared: still answered
-    assert out["u3"].error == ("cannot prepare claim ns/three now: GPU 1 is being reconfigured (MIG change); "
-                               "the kubelet retries")
+    assert out["u3"].error == (
+        "cannot prepare claim ns/three now: GPU 1 is being reconfigured (MIG change); the kubelet retries"
+    )
     assert "u3" not in p.checkpoint.claims and p.specs.claim_uids() == {"u1"}
     # while a claim is being written it is a holder of its GPU even before its record exists
     seen: list[dict[int, tuple[ClaimRef, ...]]] = []
@@ -105,15 +116,24 @@ async def test_prepare_is_per_claim_idempotent_and_persisted(tmp_path: Path) -> 
         claim("u6x", "replaced", [("gpu", "gpu-1")]),
     )
     p = make_preparer(tmp_path, claims)
-    refs = [ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u2", "two"), ClaimRef("ns", "u3", "unalloc"),
-            ClaimRef("ns", "u4", "foreign"), ClaimRef("ns", "u5", "ghost"), ClaimRef("ns", "u6", "replaced"),
-            ClaimRef("ns", "u7", "missing")]
+    refs = [
+        ClaimRef("ns", "u1", "one"),
+        ClaimRef("ns", "u2", "two"),
+        ClaimRef("ns", "u3", "unalloc"),
+        ClaimRef("ns", "u4", "foreign"),
+        ClaimRef("ns", "u5", "ghost"),
+        ClaimRef("ns", "u6", "replaced"),
+        ClaimRef("ns", "u7", "missing"),
+    ]
     out = await p.prepare(refs)
     assert out["u1"].error == ""
     assert [(d.device, d.cdi_device_ids) for d in out["u1"].devices] == [
-        ("gpu-1", ("gpu.nodeagent.io/claim=u1-gpu-1",))]
+        ("gpu-1", ("gpu.nodeagent.io/claim=u1-gpu-1",))
+    ]
     assert [(d.request_names, d.device) for d in out["u2"].devices] == [
-        (("a", "b"), "gpu-0-mig-1-0"), (("c",), "gpu-2")]
+        (("a", "b"), "gpu-0-mig-1-0"),
+        (("c",), "gpu-2"),
+    ]
     assert "not allocated" in out["u3"].error
     assert "pool other-node" in out["u4"].error
     assert "gpu-9 does not exist" in out["u5"].error
@@ -135,7 +155,8 @@ async def test_prepare_is_per_claim_idempotent_and_persisted(tmp_path: Path) -> 
     assert claims.reads == reads
 
     un = await p2.unprepare(
-        [ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u9", "x")])
+        [ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u9", "x")]
+    )
     assert un == {"u1": "", "u9": ""}
     assert p2.specs.claim_uids() == {"u2"}
     assert sorted(Checkpoint.load(p2.checkpoint.path).claims) == ["u2"]
@@ -202,26 +223,37 @@ async def test_grpc_registration_prepare_and_health(
         info = await reg_pb2_grpc.RegistrationStub(ch).GetInfo(reg_pb2.InfoRequest())
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DRIVER, str(server.dra_path))
         assert list(info.supported_versions) == [
-            "v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+            "v1.DRAPlugin",
+            "v1beta1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth",
+        ]
         await reg_pb2_grpc.RegistrationStub(ch).NotifyRegistrationStatus(
-            reg_pb2.RegistrationStatus(plugin_registered=True))
+            reg_pb2.RegistrationStatus(plugin_registered=True)
+        )
         assert server.registered
     async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
         req = v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")])
         resp = await v1_pb2_grpc.DRAPluginStub(ch).NodePrepareResources(req)
         dev = resp.claims["u1"].devices[0]
         assert (list(dev.request_names), dev.pool_name, dev.device_name, list(dev.cdi_device_ids)) == (
-            ["gpu"], POOL, "gpu-1", ["gpu.nodeagent.io/claim=u1-gpu-1"])
+            ["gpu"],
+            POOL,
+            "gpu-1",
+            ["gpu.nodeagent.io/claim=u1-gpu-1"],
+        )
         beta = v1beta1_pb2.NodePrepareResourcesRequest(
-            claims=[v1beta1_pb2.Claim(namespace="ns", uid="u1", name="one")])
+            claims=[v1beta1_pb2.Claim(namespace="ns", uid="u1", name="one")]
+        )
         resp_b = await v1beta1_pb2_grpc.DRAPluginStub(ch).NodePrepareResources(beta)
         assert list(resp_b.claims["u1"].devices[0].cdi_device_ids) == ["gpu.nodeagent.io/claim=u1-gpu-1"]
         un = await v1_pb2_grpc.DRAPluginStub(ch).NodeUnprepareResources(
-            v1_pb2.NodeUnprepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")]))
+            v1_pb2.NodeUnprepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")])
+        )
         assert un.claims["u1"].error == ""
 
         stream = health_pb2_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
-            health_pb2.NodeWatchResourcesRequest())
+            health_pb2.NodeWatchResourcesRequest()
+        )
         first = await asyncio.wait_for(stream.read(), 5)
         assert {d.device.device_name: d.health for d in first.devices}["gpu-1"] == health_pb2.HEALTHY
         assert {d.device.pool_name for d in first.devices} == {POOL}
@@ -229,8 +261,12 @@ async def test_grpc_registration_prepare_and_health(
         await server.feed.update([d.name for d in devices], unhealthy_devices(devices, {(0, None): "XID 79"}))
         second = await asyncio.wait_for(stream.read(), 5)
         states = {d.device.device_name: d.health for d in second.devices}
-        assert states == {"gpu-0-mig-1-0": health_pb2.UNHEALTHY, "gpu-0-mig-2-0": health_pb2.UNHEALTHY,
-                          "gpu-1": health_pb2.HEALTHY, "gpu-2": health_pb2.HEALTHY}
+        assert states == {
+            "gpu-0-mig-1-0": health_pb2.UNHEALTHY,
+            "gpu-0-mig-2-0": health_pb2.UNHEALTHY,
+            "gpu-1": health_pb2.HEALTHY,
+            "gpu-2": health_pb2.HEALTHY,
+        }
         stream.cancel()
     await server.stop()
     assert not server.reg_path.exists() and not server.dra_path.exists()
@@ -239,9 +275,9 @@ async def test_grpc_registration_prepare_and_health(
 async def test_sockets_refuse_bad_input_time_out_and_end_cancelled_watches(
     served: tuple[DraServer, Claims], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The DRA sockets on nodeagent.wire: a malformed request is INVALID_ARGUMENT naming the message, a call
-    the loop does not answer in time is DEADLINE_EXCEEDED (the loop stays free), and a cancelled health
-    watch ends its generator on the loop and frees its slot."""
+    """The DRA sockets on grpc.aio: a malformed request is INVALID_ARGUMENT naming the message, a call the
+    loop does not answer in time is DEADLINE_EXCEEDED (the loop stays free), a cancelled health watch ends
+    its generator on the loop and frees its slot, and one watch more than MAX_WATCHES is RESOURCE_EXHAUSTED."""
     import nodeagent.dra.server as dra_server
 
     server, _ = served
@@ -270,14 +306,27 @@ async def test_sockets_refuse_bad_input_time_out_and_end_cancelled_watches(
         for _ in range(3):  # more watches than one server runs at once would be refused if slots leaked
             for _ in range(4):
                 stream = health_pb2_grpc.DRAResourceHealthStub(ch).NodeWatchResources(
-                    health_pb2.NodeWatchResourcesRequest())
+                    health_pb2.NodeWatchResourcesRequest()
+                )
                 assert (await asyncio.wait_for(stream.read(), 5)).devices
                 stream.cancel()
         for _ in range(100):
-            if server._dra is not None and server._dra.streaming_calls == 0:
+            if server.watches.in_use == 0:
                 break
             await asyncio.sleep(0.02)
-        assert server._dra is not None and server._dra.streaming_calls == 0
+        assert server.watches.in_use == 0
+
+        watch = health_pb2_grpc.DRAResourceHealthStub(ch).NodeWatchResources
+        held = [watch(health_pb2.NodeWatchResourcesRequest()) for _ in range(dra_server.MAX_WATCHES)]
+        for stream in held:
+            assert (await asyncio.wait_for(stream.read(), 5)).devices
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(watch(health_pb2.NodeWatchResourcesRequest()).read(), 5)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "more than 8 NodeWatchResources streams" in (e.value.details() or "")
+        assert server.watches.in_use == dra_server.MAX_WATCHES
+        for stream in held:
+            stream.cancel()
 
 
 KILLED_CHILD = """
@@ -302,8 +351,11 @@ async def test_kill_9_during_prepare_is_undone_and_retried_once(tmp_path: Path) 
     import sys
 
     repo = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run([sys.executable, "-c", KILLED_CHILD.format(repo=repo, root=str(tmp_path))],
-                          capture_output=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_CHILD.format(repo=repo, root=str(tmp_path))],
+        capture_output=True,
+        check=False,
+    )
     assert proc.returncode == -9, proc.stderr.decode()
     specs = ClaimSpecs(tmp_path / "cdi")
     assert specs.claim_uids() == {"u1"}  # the spec made it, the record did not

@@ -1,0 +1,414 @@
+"""grpcio servers on Unix sockets for the kubelet: every bound set through grpcio's own options, the socket
+never reachable with a mode wider than 0600, malformed requests refused by name, refusals logged within
+bounds, and a cap on the long-lived streams.
+
+Two kinds, one set of bounds:
+  * ``ThreadedServer``: grpcio's server on a bounded thread pool of its own (the methods are plain functions
+    that never touch the caller's event loop: the device-plugin servers);
+  * ``AioServer``: grpc.aio on the running event loop (the methods are coroutines sharing the loop's state:
+    the DRA driver's sockets).
+
+The socket: grpcio binds a ``unix:`` path itself, so the server binds inside a fresh directory of mode 0700
+next to the wanted path, the socket is set to 0600 there, and once the server runs it is renamed into place
+(the listening socket keeps its inode: clients dialling the final name reach it). No other user can reach
+the socket before its mode is 0600, and the final name appears only when calls are taken.
+
+Requests: the generated ``add_*Servicer_to_server`` functions register the services; an interceptor parses
+each request itself, so bytes that are no such message end the call with INVALID_ARGUMENT naming the
+message (grpcio alone would answer INTERNAL "Exception deserializing request!") and the method never sees
+them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import inspect
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf.message import DecodeError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 4 * 1024 * 1024  # one message, either way (gRPC's default receive limit, set explicitly)
+MAX_METADATA = 16 * 1024  # one call's header list
+MAX_STREAMS = 100  # concurrent streams on one connection
+MAX_CALLS = 64  # calls running or queued on one server; beyond: RESOURCE_EXHAUSTED
+MAX_CONNECTIONS = 64  # connections open at once on one server; beyond: dropped at accept
+HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must send the HTTP/2 preface and settings within this
+MIN_PING_INTERVAL_MS = 10_000  # pings closer than this are strikes
+MAX_PING_STRIKES = 2  # strikes before the connection gets GOAWAY (too_many_pings)
+MAX_CONNECTION_IDLE_MS = 5 * 60_000  # a connection without calls this long gets GOAWAY
+MAX_CONNECTION_AGE_MS = 60 * 60_000  # any connection this old gets GOAWAY (no new calls on it) ...
+MAX_CONNECTION_AGE_GRACE_MS = 2**31 - 1  # ... but its calls run on: a kubelet's watch stream is never cut
+MAX_DETAILS = 1024  # characters of a status message
+MAX_LOGGED = 512  # characters of a reason in a refusal log line
+PRIVATE_DIR_TRIES = 16
+MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
+
+
+def options() -> list[tuple[str, int]]:
+    """grpcio's options for a kubelet-facing server: the bounds above."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.max_metadata_size", MAX_METADATA),
+        ("grpc.max_concurrent_streams", MAX_STREAMS),
+        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+        ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.keepalive_permit_without_calls", 0),  # a connection without calls may not ping at all
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+        ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+    ]
+
+
+# What servers use without importing grpc.
+ServicerContext = grpc.ServicerContext
+AioServicerContext = grpc.aio.ServicerContext
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
+# A generated ``add_<Service>Servicer_to_server`` and the servicer it registers.
+AddServicer = Callable[[Any, Any], None]
+Servicers = Sequence[tuple[AddServicer, object]]
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` of at most ``limit`` characters (the rest replaced by a count of what was left out)."""
+    if len(text) <= limit:
+        return text
+    tail = f"… ({len(text) - limit} more characters)"
+    return text[: max(0, limit - len(tail))] + tail
+
+
+def refuse(context: Any, code: Any, details: str) -> NoReturn:
+    """End a call of a threaded server with ``code`` (an error status) and ``details`` (cut to a bound)."""
+    context.abort(code, cut(details, MAX_DETAILS))
+    raise AssertionError("abort returned")  # grpcio's abort always raises
+
+
+async def arefuse(context: Any, code: Any, details: str) -> NoReturn:
+    """``refuse`` for a call of an asyncio server."""
+    await context.abort(code, cut(details, MAX_DETAILS))
+    raise AssertionError("abort returned")
+
+
+class RefusalLog:
+    """Warnings about refused requests (``<what> refused: <reason>``): each reason cut to ``MAX_LOGGED``
+    characters, at most ``burst`` lines in any ``window_s`` seconds; the next line logged after a quiet
+    stretch tells how many were left out. Safe from any thread."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        burst: int = 20,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._burst = burst
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window_start = -window_s
+        self._logged = 0
+        self.left_out = 0
+
+    def refused(self, what: str, reason: str) -> None:
+        with self._lock:
+            now = self._clock()
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._logged = now, 0
+            if self._logged >= self._burst:
+                self.left_out += 1
+                return
+            self._logged += 1
+            left_out, self.left_out = self.left_out, 0
+        text = cut(reason, MAX_LOGGED)
+        if left_out:
+            self._log.warning("%s refused: %s (%d refusals before it not logged)", what, text, left_out)
+        else:
+            self._log.warning("%s refused: %s", what, text)
+
+
+class StreamSlots:
+    """At most ``limit`` long-lived streams of one kind at once (each holds a thread or a watch); one more is
+    refused with RESOURCE_EXHAUSTED. A slot is given back when its call ends, however it ends."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit = limit
+        self.what = what
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self._held
+
+    def _take(self) -> bool:
+        with self._lock:
+            if self._held >= self.limit:
+                return False
+            self._held += 1
+            return True
+
+    def _give(self, *_: object) -> None:
+        with self._lock:
+            self._held -= 1
+
+    def _refusal(self) -> str:
+        return f"more than {self.limit} {self.what} streams at once on this socket"
+
+    def hold(self, context: Any) -> None:
+        """Take a slot for the call of ``context`` (a threaded server's) until it ends, or refuse the call."""
+        if not self._take():
+            refuse(context, RESOURCE_EXHAUSTED, self._refusal())
+        if not context.add_callback(self._give):  # the call has ended already
+            self._give()
+
+    async def ahold(self, context: Any) -> None:
+        """``hold`` for a call of an asyncio server."""
+        if not self._take():
+            await arefuse(context, RESOURCE_EXHAUSTED, self._refusal())
+        context.add_done_callback(self._give)
+
+
+class Malformed:
+    """What a request parses to when its bytes are no such message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def parse_request(message: Any, data: bytes) -> Any:
+    """``data`` parsed as ``message`` (a generated protobuf class), or ``Malformed`` naming the message."""
+    try:
+        return message.FromString(data)
+    except DecodeError as e:
+        return Malformed(f"malformed {message.DESCRIPTOR.name} ({len(data)} bytes): {e}")
+
+
+def _parser(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A request deserializer that gives ``Malformed`` instead of raising (the message class is the one the
+    generated code's ``FromString`` belongs to)."""
+    message = getattr(deserializer, "__self__", None)
+    if deserializer is None or getattr(message, "DESCRIPTOR", None) is None:
+        return deserializer
+    return lambda data: parse_request(message, data)
+
+
+def _what(method: str) -> str:
+    """``/v1beta1.DevicePlugin/ListAndWatch`` → ``list and watch`` (for log lines)."""
+    name = method.rpartition("/")[2]
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r" \1", name).lower()
+
+
+class _Interceptor:
+    """Wraps each method handler once (kept by method) so that its request is parsed by ``_parser``."""
+
+    def __init__(self, refusals: RefusalLog) -> None:
+        self.refusals = refusals
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    def wrapped(self, method: str, handler: Any) -> Any:
+        if handler is None or handler.request_streaming:  # no client-streaming methods are served
+            return handler
+        kept = self._wrapped.get(method)
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        wrapped = self.wrap(_what(method), handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def wrap(self, what: str, handler: Any) -> Any:
+        raise NotImplementedError
+
+
+class _ThreadedInterceptor(_Interceptor, grpc.ServerInterceptor):  # type: ignore[misc]
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        return self.wrapped(details.method, continuation(details))
+
+    def wrap(self, what: str, handler: Any) -> Any:
+        refusals = self.refusals
+        if handler.response_streaming:
+            kind, method = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+        else:
+            kind, method = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+
+        def behaviour(request: Any, context: Any) -> Any:
+            if isinstance(request, Malformed):
+                refusals.refused(what, request.reason)
+                refuse(context, INVALID_ARGUMENT, request.reason)
+            return method(request, context)
+
+        return kind(
+            behaviour,
+            request_deserializer=_parser(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+class _AioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        return self.wrapped(details.method, await continuation(details))
+
+    def wrap(self, what: str, handler: Any) -> Any:
+        refusals = self.refusals
+        parser = _parser(handler.request_deserializer)
+        if handler.response_streaming:
+            items = handler.unary_stream
+            if not inspect.isasyncgenfunction(items):
+                raise TypeError(f"{what}: an asyncio server's streaming method must be an async generator")
+
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                if isinstance(request, Malformed):
+                    refusals.refused(what, request.reason)
+                    await arefuse(context, INVALID_ARGUMENT, request.reason)
+                async with contextlib.aclosing(items(request, context)) as answers:
+                    async for answer in answers:
+                        yield answer
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=parser, response_serializer=handler.response_serializer
+            )
+        method = handler.unary_unary
+        if not inspect.iscoroutinefunction(method):
+            raise TypeError(f"{what}: an asyncio server's method must be a coroutine function")
+
+        async def unary(request: Any, context: Any) -> Any:
+            if isinstance(request, Malformed):
+                refusals.refused(what, request.reason)
+                await arefuse(context, INVALID_ARGUMENT, request.reason)
+            return await method(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=parser, response_serializer=handler.response_serializer
+        )
+
+
+class _PrivateSocket:
+    """The socket bound in a fresh 0700 directory beside ``path``, restricted to 0600 there, and renamed onto
+    ``path`` by ``publish``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._dir: Path | None = None
+        for _ in range(PRIVATE_DIR_TRIES):
+            candidate = path.parent / f".{secrets.token_hex(2)}"
+            try:
+                candidate.mkdir(mode=0o700)
+            except FileExistsError:
+                continue
+            self._dir = candidate
+            break
+        if self._dir is None:
+            raise OSError(errno.EEXIST, f"no free private directory name beside {path}")
+        self.bound = self._dir / "s"
+        if len(os.fsencode(self.bound)) > MAX_SOCKET_PATH:
+            self.discard()
+            raise OSError(errno.ENAMETOOLONG, f"socket path {self.bound} is too long for a Unix socket")
+
+    def bind(self, server: Any) -> None:
+        try:
+            server.add_insecure_port(f"unix:{self.bound}")
+        except RuntimeError as e:  # grpcio's way of saying the bind failed
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {self.path}: {e}") from e
+        os.chmod(self.bound, 0o600)
+
+    def publish(self) -> None:
+        os.rename(self.bound, self.path)
+        self.discard()
+
+    def discard(self) -> None:
+        """Remove the private directory (and the socket, when it was not published)."""
+        if self._dir is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.bound.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self._dir.rmdir()
+        self._dir = None
+
+
+def _add(server: Any, servicers: Servicers) -> None:
+    for add, servicer in servicers:
+        add(servicer, server)
+
+
+class ThreadedServer:
+    """grpcio's server on ``path`` with ``workers`` threads named ``<name> N`` (started as calls need them);
+    a stream holds its thread while it runs, so callers cap their streams below ``workers``."""
+
+    def __init__(
+        self, path: Path, servicers: Servicers, *, name: str, workers: int, refusals: RefusalLog
+    ) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._server = grpc.server(
+            self._pool,
+            interceptors=(_ThreadedInterceptor(refusals),),
+            options=options(),
+            maximum_concurrent_rpcs=MAX_CALLS,
+        )
+        _add(self._server, servicers)
+
+    def start(self) -> None:
+        """Bind, start and put the socket in place (raises ``OSError``, nothing left behind)."""
+        sock = _PrivateSocket(self.path)
+        try:
+            sock.bind(self._server)
+            self._server.start()
+            sock.publish()
+        except BaseException:
+            self._server.stop(None)
+            self._pool.shutdown(wait=False)
+            sock.discard()
+            raise
+
+    def stop(self, grace_s: float) -> None:
+        """No new calls; calls still running after ``grace_s`` are cancelled; returns once every thread of
+        the pool has ended (blocking: run it in a thread)."""
+        self._server.stop(grace_s).wait()
+        self._pool.shutdown(wait=True)
+
+
+class AioServer:
+    """grpc.aio's server on ``path``, on the running event loop."""
+
+    def __init__(self, path: Path, servicers: Servicers, *, refusals: RefusalLog) -> None:
+        self.path = path
+        self._server = grpc.aio.server(
+            interceptors=(_AioInterceptor(refusals),), options=options(), maximum_concurrent_rpcs=MAX_CALLS
+        )
+        _add(self._server, servicers)
+
+    async def start(self) -> None:
+        sock = _PrivateSocket(self.path)
+        try:
+            sock.bind(self._server)
+            await self._server.start()
+            sock.publish()
+        except BaseException:
+            await self._server.stop(None)
+            sock.discard()
+            raise
+
+    async def stop(self, grace_s: float) -> None:
+        await self._server.stop(grace_s)

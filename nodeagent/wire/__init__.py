@@ -1,1 +1,0 @@
-"""Wire protocols the daemon speaks itself."""
