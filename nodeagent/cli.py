@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from nodeagent import __version__
-from nodeagent.errors import NodeAgentError
+from nodeagent.errors import NodeAgentError, RebootRequired
 from nodeagent.hostpaths import HostPaths
 
 # command name -> "module:attribute" of its click command
@@ -34,7 +34,30 @@ COMMANDS: dict[str, str] = {
 }
 
 
-class LazyGroup(click.Group):
+class Group(click.Group):
+    """A click group whose command list shows each command's whole first sentence (click cuts summaries
+    at the terminal width, mid-word)."""
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows: list[tuple[str, str]] = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is None or cmd.hidden:
+                continue
+            rows.append((name, cmd.short_help or summary(cmd.help or "")))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+def summary(text: str) -> str:
+    """The first sentence of a help text (its first paragraph when that has no full stop)."""
+    first = " ".join(text.strip().split("\n\n", 1)[0].split())
+    m = re.match(r"(.+?[.!?])(?:\s|$)", first)
+    return m.group(1) if m else first
+
+
+class LazyGroup(Group):
     """A click group that imports a subcommand's module only when that subcommand is used."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -208,6 +231,7 @@ def _accept_root(cmd: click.Command) -> None:
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
+    help="Least severe log lines shown.",
 )
 @click.pass_context
 def cli(ctx: click.Context, root: Path, log_format: str, log_level: str) -> None:
@@ -234,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2 if isinstance(e, click.UsageError | click.BadParameter) else e.exit_code)
     except NodeAgentError as e:
         logging.getLogger("nodeagent").debug("failure", exc_info=True)
-        click.echo(f"error: {e}", err=True)
+        # a change that waits for a reboot was accepted: said as what to do, not as an error
+        click.echo(f"{'' if isinstance(e, RebootRequired) else 'error: '}{e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

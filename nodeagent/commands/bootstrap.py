@@ -22,7 +22,8 @@ from nodeagent.config import load_config
 @click.option("--no-restart", is_flag=True, default=False,
               help="Never restart containerd (implied by --root other than /).")
 @click.option("--no-kube", is_flag=True, default=False, help="Skip RuntimeClass and labels.")
-@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kubeconfig file (default: in-cluster service account, $KUBECONFIG, ~/.kube/config).")
 @click.option("--node-name", default=None, help="Node to label (default: $NODE_NAME, else host name).")
 @click.option("--with-reboot", is_flag=True, default=None, help="Allow a reboot for MIG mode changes.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import settings_of
+from nodeagent.cli import Group, settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 from nodeagent.errors import InputError, OperationError
 from nodeagent.hostpaths import HostPaths
@@ -30,7 +30,22 @@ def _driver_root(value: str) -> str:
     return value
 
 
-@click.group()
+def _load_spec(writer: Any, text: str | None) -> Any:
+    """The CDI spec file's document (``None`` when there is no file); one error when it is not a spec."""
+    import yaml
+
+    if text is None:
+        return None
+    try:
+        spec = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise OperationError(f"{writer.file}: not valid YAML: {e}", subject=writer.file) from e
+    if not isinstance(spec, dict) or "kind" not in spec:
+        raise OperationError(f"{writer.file}: not a CDI spec (no kind)", subject=writer.file)
+    return spec
+
+
+@click.group(cls=Group)
 def cdi() -> None:
     """The node's CDI spec for nvidia.com/gpu (GPUs by index and UUID, MIG devices, all)."""
 
@@ -83,11 +98,10 @@ def generate(ctx: click.Context, driver_root: str, to_stdout: bool, sim_host_fil
 @gpu_options
 @click.option("--check", is_flag=True, help="Also compare with the GPUs now; exit 1 when the file is stale.")
 @click.option("--driver-root", default="/", show_default=True, help=_DRIVER_ROOT_HELP)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.pass_context
 def show(ctx: click.Context, check: bool, driver_root: str, as_json: bool) -> None:
     """Print the device names /var/run/cdi/nvidia.yaml resolves (and with --check whether it is current)."""
-    import yaml
 
     from nodeagent import fileio
     from nodeagent.cdi.spec import device_names
@@ -96,14 +110,7 @@ def show(ctx: click.Context, check: bool, driver_root: str, as_json: bool) -> No
     paths = _paths(ctx)
     writer = CdiWriter(paths, driver_root=_driver_root(driver_root))
     text = fileio.read_text(paths(writer.spec_path))
-    spec: Any = None
-    if text is not None:
-        try:
-            spec = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise OperationError(f"{writer.file}: not valid YAML: {e}", subject=writer.file) from e
-        if not isinstance(spec, dict) or "kind" not in spec:
-            raise OperationError(f"{writer.file}: not a CDI spec (no kind)", subject=writer.file)
+    spec = _load_spec(writer, text)
     out: dict[str, Any] = {
         "path": writer.file,
         "exists": text is not None,
@@ -133,3 +140,17 @@ def show(ctx: click.Context, check: bool, driver_root: str, as_json: bool) -> No
                        f"STALE: differs from the GPUs now; run `{paths.command('cdi generate' + flags)}`")
     if check and not out["current"]:
         ctx.exit(1)
+
+
+@cdi.command("list")
+@click.option("--driver-root", default="/", show_default=True, help=_DRIVER_ROOT_HELP)
+@click.pass_context
+def list_cmd(ctx: click.Context, driver_root: str) -> None:
+    """Print the device names the CDI spec on disk resolves, one a line (as nvidia-ctk cdi list)."""
+    from nodeagent import fileio
+    from nodeagent.cdi.spec import device_names
+    from nodeagent.cdi.writer import CdiWriter
+
+    paths = _paths(ctx)
+    writer = CdiWriter(paths, driver_root=_driver_root(driver_root))
+    click.echo("\n".join(device_names(_load_spec(writer, fileio.read_text(paths(writer.spec_path))))))

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from nodeagent.cli import settings_of
-from nodeagent.commands.common import gpu_options, open_adapter
+from nodeagent.cli import Group, settings_of
+from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
+from nodeagent.errors import RebootRequired
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.mig.apply import MigAdapter, MigStateFile
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources, unselected_mig_gpus
@@ -47,7 +49,7 @@ def _plan(adapter: MigAdapter, sources: MigSources, selected: str | None) -> tup
 
 
 
-@click.group("mig")
+@click.group("mig", cls=Group)
 def mig() -> None:
     """Shape MIG layouts with mig-parted config files, minimal disruption and exact rollback."""
 
@@ -75,6 +77,9 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
               hooks_file: Path | None) -> None:
     """Apply a config: only GPUs that differ change; on failure every touched GPU is restored.
 
+    Exit 3 when a MIG mode change waits for a reboot (a VM, a GPU that cannot be reset): reboot, then apply
+    again (`nodeagent run` and `bootstrap` reboot by themselves with --with-reboot).
+
     A MIG apply interrupted earlier (an agent or command killed midway) is resolved first: every GPU it
     left half-changed is put back to its previous layout, then the plan is made from what is there.
     """
@@ -91,9 +96,23 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
         if the_plan.applied:
             click.echo("nothing to do")
             return
-        result = pipeline.apply(the_plan, prepared.inventory)
+        try:
+            result = pipeline.apply(the_plan, prepared.inventory)
+        except RebootRequired as e:
+            raise RebootRequired(f"reboot required: {e}; {_after_reboot(ctx)}", subject=e.subject) from e
     resets = f"; reset GPU {', '.join(str(i) for i in result.resets)}" if result.resets else ""
     click.echo(f"applied {the_plan.config} to GPU {', '.join(str(i) for i in result.touched)}{resets}")
+
+
+def _after_reboot(ctx: click.Context) -> str:
+    """What to do when a MIG mode change waits for a reboot (exit 3)."""
+    opts = gpu_opts(ctx)
+    again = "then run the same `nodeagent mig apply` again to create the instances"
+    if opts.sim_state is not None:
+        return f"run `nodeagent sim reboot --sim-state {shlex.quote(str(opts.sim_state))}` (the simulated host), {again}"
+    if opts.simulate is not None:
+        return "the simulator keeps no state between commands without --sim-state FILE: give one to reboot it"
+    return f"reboot the host, {again}"
 
 
 @mig.command("assert")

@@ -11,6 +11,14 @@ from nodeagent.config import AgentConfig, flag_path, load_config
 from nodeagent.logs import setup_logging
 
 
+def _refuse_mig_strategy(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        raise click.BadParameter(
+            "nodeagent reads the MIG strategy from the device-plugin config file, as NVIDIA's device plugin "
+            f"does from its own: put `flags: {{migStrategy: {value}}}` in the file given with "
+            "--device-plugin-config FILE (or [device_plugin] config)", ctx=ctx, param=param)
+
+
 @click.command()
 @click.option("--config", "config_file", type=click.Path(path_type=Path), default=None,
               help="Config file (default: /etc/nodeagent/config.toml under --root; missing = defaults).")
@@ -33,6 +41,12 @@ from nodeagent.logs import setup_logging
               help="Serve Prometheus metrics here (default 127.0.0.1:9400; \"\" = no listener).")
 @click.option("--log-format", "run_log_format", type=click.Choice(["text", "json"]), default=None,
               help="Log lines for a terminal or JSON for collectors (same as the global option).")
+@click.option("--log-level", "run_log_level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default=None, help="Least severe log lines shown (same as the global option).")
+@click.option("--mig-strategy", "mig_strategy", default=None, hidden=True, expose_value=False,
+              callback=_refuse_mig_strategy,
+              help="NVIDIA's device-plugin flag: refused (the strategy is flags.migStrategy in the "
+                   "device-plugin config file).")
 @click.pass_context
 def run(
     ctx: click.Context,
@@ -48,6 +62,7 @@ def run(
     with_reboot: bool | None,
     metrics_address: str | None,
     run_log_format: str | None,
+    run_log_level: str | None,
 ) -> int:
     """Run the agent until SIGTERM/SIGINT; SIGHUP reloads the config."""
     from nodeagent.daemon import build_daemon, run_daemon
@@ -76,6 +91,8 @@ def run(
                 overrides[key] = getattr(settings, key)
     if run_log_format is not None:
         overrides["log_format"] = run_log_format
+    if run_log_level is not None:
+        overrides["log_level"] = run_log_level
 
     def reload() -> AgentConfig:
         return load_config(settings.paths, config_file, overrides)

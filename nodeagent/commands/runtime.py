@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nodeagent.cli import Settings, settings_of
+from nodeagent.cli import Group, Settings, settings_of
 from nodeagent.config import flag_path
 from nodeagent.errors import RestartError
 from nodeagent.runtime import configure as rc
@@ -79,9 +79,9 @@ def _host_flag(settings: Settings, value: str | None, default: str, flag: str) -
     return default if value is None else (flag_path(settings.paths, value, flag) or default)
 
 
-@click.group()
+@click.group(cls=Group)
 def runtime() -> None:
-    """containerd wiring for the nvidia runtime (see README "Container runtime")."""
+    """Wire the nvidia runtime into containerd, undo it, show what containerd loads."""
 
 
 _restart_option = click.option(
@@ -113,9 +113,26 @@ def _change_options(command: F) -> F:
     return command
 
 
+def _runtime_type(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """nvidia-ctk's ``--runtime`` (the container engine): containerd is the one nodeagent wires."""
+    if value is not None and value != "containerd":
+        raise click.BadParameter(
+            f"{value!r}: nodeagent wires containerd only (the name of the runtime table is --runtime-name)",
+            ctx=ctx, param=param)
+    return value
+
+
+_runtime_option = click.option(
+    "--runtime", "runtime_type", default=None, callback=_runtime_type, expose_value=False, metavar="containerd",
+    help="The container engine, as nvidia-ctk's flag: containerd (the only one nodeagent wires).")
+_config_option = click.option(
+    "--containerd-config", "--config", "containerd_config", default=None,
+    help=f"containerd's root config, as nvidia-ctk's --config [default: {DEFAULT_CONFIG} under --root].")
+
+
 @runtime.command("configure")
-@click.option("--containerd-config", default=None,
-              help=f"containerd's root config [default: {DEFAULT_CONFIG} under --root].")
+@_runtime_option
+@_config_option
 @click.option("--drop-in", "dropin", default=None,
               help=f"Write a drop-in here and import it [default mode for version >= 2; "
                    f"{DEFAULT_DROPIN} under --root].")
@@ -124,7 +141,8 @@ def _change_options(command: F) -> F:
 @click.option("--cdi", is_flag=True, help="Enable CDI in containerd and add the nvidia-cdi runtime.")
 @click.option("--leak-guard/--no-leak-guard", default=True, show_default=True,
               help="Stop unprivileged pods from getting GPUs through NVIDIA_VISIBLE_DEVICES.")
-@click.option("--runtime-name", default="nvidia", show_default=True)
+@click.option("--runtime-name", default="nvidia", show_default=True,
+              help="Name of the runtime table (and RuntimeClass handler) to write.")
 @click.option("--binary", "binary_path", default=DEFAULT_BINARY, show_default=True,
               help="The nvidia-container-runtime binary (BinaryName).")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -201,8 +219,8 @@ def unconfigure_cmd(
 
 
 @runtime.command("show")
-@click.option("--containerd-config", default=None,
-              help=f"containerd's root config [default: {DEFAULT_CONFIG} under --root].")
+@_runtime_option
+@_config_option
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @click.pass_context
 def show_cmd(ctx: click.Context, containerd_config: str | None, as_json: bool) -> None:

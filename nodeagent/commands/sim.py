@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from nodeagent.cli import Group
 from nodeagent.commands.common import gpu_options, gpu_opts
 from nodeagent.errors import InputError
 
@@ -40,13 +41,13 @@ def _error_code(value: str) -> int:
     return code
 
 
-@click.group()
+@click.group(cls=Group)
 def sim() -> None:
     """The NVML simulator: machines, MIG layouts, reboots and fault injection."""
 
 
 @sim.command("machines")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def machines(as_json: bool) -> None:
     """List the simulated machines."""
     from nodeagent.gpu.sim import load_machine, machine_names
@@ -92,10 +93,10 @@ def reboot(ctx: click.Context) -> None:
 @click.argument("profiles", nargs=-1)
 @click.pass_context
 def mig(ctx: click.Context, gpus: str, disable: bool, profiles: tuple[str, ...]) -> None:
-    """Write a MIG layout straight into the state, e.g. ``--gpu 0 3g.40gb 3g.40gb``.
+    """Write a MIG layout (PROFILES) straight into the state: --gpu 0 3g.40gb 3g.40gb.
 
     MIG is switched on as if already applied and reset; no PROFILES gives MIG on with no instances.
-    For tests and demos — ``nodeagent mig apply`` is the real way.
+    For tests and demos: `nodeagent mig apply` is the real way.
     """
     from nodeagent.gpu.sim import inject
     store = _store(ctx)
@@ -121,14 +122,14 @@ def mig(ctx: click.Context, gpus: str, disable: bool, profiles: tuple[str, ...])
     click.echo(f"MIG {'disabled' if disable else 'layout written'} on GPU(s) {', '.join(map(str, indices))}")
 
 
-@sim.group("inject")
+@sim.group("inject", cls=Group)
 def inject_group() -> None:
     """Inject faults into a simulator state file (a running daemon notices them)."""
 
 
 @inject_group.command("xid")
 @gpu_options
-@click.option("--gpu", type=int, required=True)
+@click.option("--gpu", type=int, required=True, help="GPU index (see `nodeagent discover`).")
 @click.option("--code", type=int, required=True, help="XID number, e.g. 48 (DBE), 79 (fallen off the bus).")
 @click.option("--gi", "gi_id", type=int, default=None, help="GPU instance the error is attributed to.")
 @click.pass_context
@@ -142,7 +143,7 @@ def inject_xid(ctx: click.Context, gpu: int, code: int, gi_id: int | None) -> No
 
 @inject_group.command("lost")
 @gpu_options
-@click.option("--gpu", type=int, required=True)
+@click.option("--gpu", type=int, required=True, help="GPU index (see `nodeagent discover`).")
 @click.pass_context
 def inject_lost(ctx: click.Context, gpu: int) -> None:
     """The GPU falls off the bus (NVML_ERROR_GPU_IS_LOST on every call, XID 79 event)."""
@@ -154,10 +155,10 @@ def inject_lost(ctx: click.Context, gpu: int) -> None:
 
 @inject_group.command("process")
 @gpu_options
-@click.option("--gpu", type=int, required=True)
-@click.option("--pid", type=int, required=True)
-@click.option("--name", default="python3", show_default=True)
-@click.option("--used-mib", type=int, default=1024, show_default=True)
+@click.option("--gpu", type=int, required=True, help="GPU index (see `nodeagent discover`).")
+@click.option("--pid", type=int, required=True, help="Process ID the GPU reports.")
+@click.option("--name", default="python3", show_default=True, help="Process name the GPU reports.")
+@click.option("--used-mib", type=int, default=1024, show_default=True, help="GPU memory it uses (MiB).")
 @click.option("--gi", "gi_id", type=int, default=None, help="Run inside this GPU instance.")
 @click.pass_context
 def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: int,
@@ -171,7 +172,7 @@ def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: 
 
 @inject_group.command("kill")
 @gpu_options
-@click.option("--gpu", type=int, required=True)
+@click.option("--gpu", type=int, required=True, help="GPU index (see `nodeagent discover`).")
 @click.option("--pid", type=int, default=None, help="Only this process (default: all on the GPU).")
 @click.pass_context
 def inject_kill(ctx: click.Context, gpu: int, pid: int | None) -> None:

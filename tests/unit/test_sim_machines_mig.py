@@ -53,7 +53,8 @@ def test_generated_configs_plan_apply_assert_export(machine: str, tmp_path: Path
         assert code == 0, (name, err)
         code, out, err = run(capsys, *base, "mig", "apply", *sim, "-c", name)
         if spec.passthrough and code == 3:  # a VM: a MIG mode change needs a reboot, then apply again
-            assert "needs a reboot" in err
+            assert "needs a reboot" in err and "error" not in err, err
+            assert f"run `nodeagent sim reboot --sim-state {tmp_path / 'sim.json'}`" in err, err
             assert run(capsys, *base, "sim", "reboot", *sim)[0] == 0
             code, out, err = run(capsys, *base, "mig", "apply", *sim, "-c", name)
         assert code == 0, (name, err)
