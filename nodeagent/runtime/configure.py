@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import difflib
 import glob
 import hashlib
@@ -404,6 +405,13 @@ def configure(paths: HostPaths, opts: Options, *, _after_write: Any = None) -> R
         entry["written_sha256"] = _sha(p.new)
         entry["kind"] = p.kind
         files[p.path] = entry
+    # Directories this configure creates (none existed before): an exact undo removes them again.
+    created: list[str] = list(state.get("created_dirs", []))
+    for p in changed:
+        for parent in _missing_parents(paths, p.path):
+            if parent not in created:
+                created.append(parent)
+    state["created_dirs"] = created
     state["mode"] = facts["mode"]
     state["root_config"] = facts["root_config"]
     if facts["added_import"] is not None or "added_import" not in state:
@@ -503,18 +511,49 @@ def unconfigure(paths: HostPaths, *, dry_run: bool = False, _after_write: Any = 
             fileio.check_writable(paths(host_path))
     fileio.check_writable(_state_path(paths))
     by_path = {f.path: f for f in result.files}
+    exact = True  # every file back to its original bytes (or gone, as before configure)
+    files = state.get("files", {})
     for host_path, old_b, new_b, _ in steps:
+        entry = files.get(host_path, {})
+        original = None if entry.get("original") is None else base64.b64decode(entry["original"])
+        if new_b != original:
+            exact = False
         if old_b == new_b:
             continue
         if new_b is None:
             fileio.remove(paths(host_path))
         else:
-            bak = fileio.atomic_write(paths(host_path), new_b)
+            # Back to the original: the copy of what configure wrote is worth nothing; a partial undo
+            # (the file was edited since) keeps the edited file as a backup and says where.
+            bak = fileio.atomic_write(paths(host_path), new_b, backup=new_b != original)
             by_path[host_path].backup = str(bak) if bak is not None else None
         if _after_write is not None:
             _after_write(host_path)
     fileio.remove(_state_path(paths))
+    if exact:
+        _remove_configure_leftovers(paths, [h for h, *_ in steps], state.get("created_dirs", []))
     return result
+
+
+def _missing_parents(paths: HostPaths, host_path: str) -> list[str]:
+    """The directories above ``host_path`` that do not exist yet, outermost first."""
+    missing: list[str] = []
+    parent = posixpath.dirname(host_path)
+    while parent not in ("/", "") and not paths(parent).exists():
+        missing.insert(0, parent)
+        parent = posixpath.dirname(parent)
+    return missing
+
+
+def _remove_configure_leftovers(paths: HostPaths, host_paths: list[str], created_dirs: list[str]) -> None:
+    """After an exact undo: configure's backups (copies of the originals now back in place) and the
+    directories configure created, when nothing else was put in them."""
+    for host_path in host_paths:
+        with contextlib.suppress(OSError):
+            fileio.remove(fileio.backup_path(paths(host_path)))
+    for d in sorted(created_dirs, key=len, reverse=True):
+        with contextlib.suppress(OSError):  # not empty (someone else's files) or gone: left alone
+            paths(d).rmdir()
 
 
 # ----------------------------------------------------------------------------------------------- show

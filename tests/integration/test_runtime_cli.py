@@ -128,3 +128,41 @@ def test_path_flags_are_paths_as_the_shell_sees_them(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert dropin.is_file()
     assert "/etc/containerd/conf.d/50-gpu.toml" in cfg.read_text()
+
+
+def test_exact_undo_leaves_the_tree_as_it_was(tmp_path: Path) -> None:
+    """configure then unconfigure with nothing edited in between: the same files, bytes and directories
+    as before (no backup of the original left beside it, no empty directory configure made)."""
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
+
+    def tree() -> dict[str, bytes | None]:
+        return {str(p.relative_to(tmp_path)): p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+
+    before = tree()
+    assert _run(tmp_path, "configure", "--json").returncode == 0
+    assert (tmp_path / "etc/nvidia-container-runtime/config.toml").is_file()
+    undo = _run(tmp_path, "unconfigure")
+    assert undo.returncode == 0, undo.stderr
+    assert "backup" not in undo.stdout, undo.stdout
+    after = tree()
+    # nodeagent's own state directory stays (empty): it is the agent's, not containerd's or NVIDIA's
+    assert not any((tmp_path / "var/lib/nodeagent").iterdir())
+    assert {k: v for k, v in after.items() if not k.startswith("var")} == before
+
+
+def test_undo_after_an_edit_keeps_the_edited_file_and_says_where(tmp_path: Path) -> None:
+    cfg = tmp_path / "etc/containerd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    shutil.copyfile(CORPUS / "containerd-1.7-systemd.toml", cfg)
+    assert _run(tmp_path, "configure", "--in-place").returncode == 0
+    edited = cfg.read_text() + "\n# an admin's note\n"
+    cfg.write_text(edited)
+    undo = _run(tmp_path, "unconfigure")
+    assert undo.returncode == 0, undo.stderr
+    backups = [line for line in undo.stdout.splitlines() if "(backup " in line]
+    assert len(backups) == 1 and backups[0].startswith("restore   /etc/containerd/config.toml"), undo.stdout
+    kept = Path(backups[0].split("(backup ", 1)[1].rstrip(")"))
+    assert kept.is_file() and "# an admin's note" in kept.read_text()
+    assert "# an admin's note" in cfg.read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from nodeagent.daemon.components import close_quietly
@@ -39,6 +40,7 @@ class MetricsComponent(Component):
         self._server: Any = None
         self._bind_error = ""
         self._kube: Any = None
+        self._seen_health: Any = None
 
     async def start(self, ctx: Context) -> None:
         self._bind()
@@ -48,7 +50,18 @@ class MetricsComponent(Component):
             self._kube = ctx.kube
         ctx.scheduler.add_job(self.sample, "interval", seconds=ctx.config.metrics.interval, id="metrics",
                               replace_existing=True, coalesce=True, max_instances=1)
+        # Health metrics follow a health change (an XID, a GPU lost or back) at once, not at the next tick.
+        self._seen_health = ctx.shared.conditions.health
+        ctx.shared.conditions.subscribe(self._on_conditions)
         await self.sample()
+
+    def _on_conditions(self) -> None:
+        health = self._ctx.shared.conditions.health
+        if health == self._seen_health:
+            return
+        self._seen_health = health
+        with contextlib.suppress(Exception):  # the job is gone while the component stops
+            self._ctx.scheduler.modify_job("metrics", next_run_time=datetime.now(UTC))
 
     def _bind(self) -> None:
         address = self._ctx.config.metrics.address
@@ -109,6 +122,7 @@ class MetricsComponent(Component):
                                  xids=self._ctx.shared.device_plugin.last_xids())
 
     async def stop(self) -> None:
+        self._ctx.shared.conditions.unsubscribe(self._on_conditions)
         self._ctx.shared.metrics.detach(self.metrics)
         with contextlib.suppress(Exception):
             self._ctx.scheduler.remove_job("metrics")
