@@ -129,10 +129,12 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
         except NodeAgentError as e:
             res, code = StepResult(Outcome.FAILED, str(e)), e.exit_code
         except Exception as e:  # a bug in a step must still produce a report
-            log.exception("step %s crashed", name)
-            res, code = StepResult(Outcome.FAILED, f"internal error: {e!r}"), 1
+            log.debug("step %s crashed", name, exc_info=True)
+            res, code = StepResult(Outcome.FAILED, f"internal error: {type(e).__name__}: {e}"), 1
         rep = StepReport(name, res.outcome, res.reason, time.monotonic() - t0, res.details, code)
-        log.info("%s: %s%s", name, rep.outcome.value, f" ({rep.reason})" if rep.reason else "")
+        level = {Outcome.FAILED: logging.ERROR, Outcome.REBOOT_REQUIRED: logging.WARNING}.get(rep.outcome,
+                                                                                           logging.INFO)
+        log.log(level, "%s: %s%s", name, rep.outcome.value, f" ({rep.reason})" if rep.reason else "")
         reports.append(rep)
         return rep
 

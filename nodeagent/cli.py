@@ -8,13 +8,14 @@ Exit codes for every command: 0 ok, 1 the operation failed and nothing was chang
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -244,23 +245,45 @@ def cli(ctx: click.Context, root: Path, log_format: str, log_level: str) -> None
     ctx.obj = Settings(root, log_format, log_level, root_given=given)
 
 
+def _json_requested(argv: list[str]) -> bool:
+    """``--log-format json`` (or ``--log-format=json``) anywhere on the command line: errors found before
+    logging is set up (usage, configuration) are JSON too."""
+    for i, arg in enumerate(argv):
+        if arg == "--log-format=json" or (arg == "--log-format" and argv[i + 1:i + 2] == ["json"]):
+            return True
+    return False
+
+
+def _fail(message: str, code: int, argv: list[str], *, prefix: str = "error: ",
+          usage: click.ClickException | None = None) -> NoReturn:
+    """Print a failure as one line (a JSON object with ``--log-format json``) and exit with ``code``."""
+    if _json_requested(argv):
+        level = "error" if prefix else "warning"
+        click.echo(json.dumps({"level": level, "logger": "nodeagent", "msg": message, "exit_code": code}),
+                   err=True)
+    elif usage is not None:
+        usage.show()
+    else:
+        click.echo(prefix + message, err=True)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the CLI and turn nodeagent errors into one line and an exit code."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        rv: Any = cli.main(args=argv, prog_name="nodeagent", standalone_mode=False)
+        rv: Any = cli.main(args=args, prog_name="nodeagent", standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(1)
+        _fail("aborted", 1, args, prefix="")
     except click.ClickException as e:
-        e.show()
-        sys.exit(2 if isinstance(e, click.UsageError | click.BadParameter) else e.exit_code)
+        code = 2 if isinstance(e, click.UsageError | click.BadParameter) else e.exit_code
+        _fail(e.format_message(), code, args, usage=e)
     except NodeAgentError as e:
         logging.getLogger("nodeagent").debug("failure", exc_info=True)
         # a change that waits for a reboot was accepted: said as what to do, not as an error
-        click.echo(f"{'' if isinstance(e, RebootRequired) else 'error: '}{e}", err=True)
-        sys.exit(e.exit_code)
+        _fail(str(e), e.exit_code, args, prefix="" if isinstance(e, RebootRequired) else "error: ")
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -3,6 +3,7 @@ Kubernetes credentials, a kubeconfig that is not there."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -140,3 +141,60 @@ def test_missing_kubeconfig_flag_says_not_found(short_tmp: Path) -> None:
         check=False,
     )
     assert r.returncode != 0 and r.stderr == "error: kubeconfig /nonexistent/kc: not found\n", r.stderr
+
+
+def test_start_up_errors_are_json_with_log_format_json(short_tmp: Path) -> None:
+    for args, code, text in (
+        (
+            [
+                "--log-format",
+                "json",
+                "--root",
+                str(short_tmp / "d"),
+                "run",
+                "--simulate",
+                "t4x1",
+                "--kubeconfig",
+                "/nonexistent/kc",
+            ],
+            1,
+            "kubeconfig /nonexistent/kc: not found",
+        ),
+        (["--log-format=json", "run", "--no-such-option"], 2, "No such option: --no-such-option"),
+    ):
+        r = subprocess.run(
+            [*NODEAGENT, *args],
+            cwd=short_tmp,
+            env=_env(short_tmp),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert r.returncode == code, r.stderr
+        (line,) = r.stderr.splitlines()
+        doc = json.loads(line)
+        assert doc["level"] == "error" and doc["exit_code"] == code, doc
+        assert text.replace(": --", " '--") in doc["msg"] or text in doc["msg"], doc
+
+
+def test_a_failed_bootstrap_step_is_logged_as_an_error(short_tmp: Path) -> None:
+    root = short_tmp / "demo"
+    (root / "etc/containerd").mkdir(parents=True)
+    (root / "etc/containerd/config.toml").write_text("version = 2\n[plugins\n")  # not TOML: the step fails
+    r = subprocess.run(
+        [*NODEAGENT, "--root", str(root), "bootstrap", "--simulate", "t4x1", "--no-kube"],
+        cwd=short_tmp,
+        env=_env(short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 2, r.stderr
+    failed = [line for line in r.stderr.splitlines() if " runtime: failed" in line]
+    assert len(failed) == 1 and " ERROR " in failed[0], r.stderr
+    report = json.loads(r.stdout)
+    # the steps that do not depend on the failed one still ran: the CDI spec is written
+    steps = {s["step"]: s["result"] for s in report["steps"]}
+    assert steps["runtime"] == "failed" and steps["cdi"] == "changed", steps
