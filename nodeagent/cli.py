@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "run": "nodeagent.commands.run:run",
     "bootstrap": "nodeagent.commands.bootstrap:bootstrap",
     "cdi": "nodeagent.commands.cdi:cdi",
+    "doctor": "nodeagent.commands.doctor:doctor",
 }
 
 

@@ -1,0 +1,63 @@
+"""``nodeagent doctor``: one read-only command that explains a GPU node (see nodeagent/doctor.py)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+
+from nodeagent.cli import settings_of
+from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
+
+
+@click.command()
+@gpu_options
+@click.option("--config", "config_file", type=click.Path(path_type=Path), default=None,
+              help="Agent config file (default: /etc/nodeagent/config.toml under --root; missing = defaults).")
+@click.option("--no-kube", is_flag=True, default=False, help="Leave the Kubernetes API out (no Node checks).")
+@click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="kubeconfig file (default: in-cluster service account, $KUBECONFIG, ~/.kube/config).")
+@click.option("--node-name", default=None, help="Node to check (default: $NODE_NAME, else host name).")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.pass_context
+def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconfig: Path | None,
+           node_name: str | None, as_json: bool) -> int:
+    """Explain this GPU node: driver, GPUs and MIG, health, containerd, CDI, kubelet, Node, the agent.
+
+    Read-only. Each finding is ok, warning or error on one line, with the command that fixes it.
+    Exit 0 all ok, 1 a warning, 2 an error.
+    """
+    from nodeagent.config import load_config
+    from nodeagent.doctor import Sources, diagnose
+
+    settings = settings_of(ctx)
+    opts = gpu_opts(ctx)
+    paths = settings.paths
+    config = load_config(paths, config_file, {
+        "kube": False if no_kube else None,
+        "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
+        "node_name": node_name,
+    })
+    simulated = opts.simulate is not None or opts.sim_state is not None
+    sim_fix = " ".join(
+        ([f"--simulate {shlex.quote(opts.simulate)}"] if opts.simulate else [])
+        + ([f"--sim-state {shlex.quote(str(opts.sim_state))}"] if opts.sim_state else []))
+
+    def discover() -> object:
+        with open_adapter(ctx) as nvml:
+            return nvml.discover()
+
+    def kube() -> object:
+        from nodeagent.kube.client import KubeClient, connect
+
+        return KubeClient(connect(Path(config.kubeconfig) if config.kubeconfig else None))
+
+    report = diagnose(Sources(
+        paths=paths, config=config, discover=discover,  # type: ignore[arg-type]
+        command=lambda sub: f"{settings.command_prefix()} {sub}",
+        kube=kube if config.kube else None, node_name=config.resolved_node_name(),
+        simulated=simulated, sim_fix=sim_fix,
+    ))
+    click.echo(report.to_json() if as_json else report.render())
+    return report.exit_code

@@ -1,0 +1,365 @@
+"""``nodeagent doctor``: what is true of this GPU node, in the order an operator checks it, and what to do.
+
+Read-only: nothing is written, restarted or registered. Each area reads its facts through the same
+adapters the agent uses (NVML or the simulator, the containerd planner in dry-run, the CDI renderer, the
+kubelet's device-plugin directory and checkpoint, the Kubernetes API), and turns them into findings:
+``ok``, ``warning`` or ``error``, one line each, with the exact command that fixes it when there is one.
+
+Areas: driver (NVML, versions), gpus (MIG mode current/pending, layout, processes), health (GPUs off the
+bus), containerd (wired? CRI on? default runtime, CDI, the config loads), cdi (the spec is there and
+current), kubelet (running? which resources are registered; sockets of other device plugins), node
+(labels, conditions, allocatable against what was discovered, taints; skipped without the API), agent
+(running? its last bootstrap). Exit code: 0 all ok, 1 a warning, 2 an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from nodeagent import fileio
+from nodeagent.config import AgentConfig
+from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.inventory import Inventory
+from nodeagent.hostpaths import HostPaths
+
+log = logging.getLogger(__name__)
+
+Level = Literal["ok", "warning", "error"]
+AREAS = ("driver", "gpus", "health", "containerd", "cdi", "kubelet", "node", "agent")
+BOOTSTRAP_REPORT = "/run/nodeagent/bootstrap.json"
+KUBELET_SOCKET = "kubelet.sock"
+CHECKPOINT = "kubelet_internal_checkpoint"
+MAX_SMALL_FILE = 4 << 20
+
+
+@dataclass(frozen=True)
+class Finding:
+    area: str
+    level: Level
+    text: str
+    fix: str = ""  # the command that fixes it (global options included), "" when there is none
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+
+    def add(self, area: str, level: Level, text: str, fix: str = "") -> None:
+        self.findings.append(Finding(area, level, " ".join(text.split()), fix))
+
+    @property
+    def exit_code(self) -> int:
+        levels = {f.level for f in self.findings}
+        return 2 if "error" in levels else 1 if "warning" in levels else 0
+
+    def to_json(self) -> str:
+        return json.dumps({"exit_code": self.exit_code, "findings": [asdict(f) for f in self.findings]}, indent=2)
+
+    def render(self) -> str:
+        lines = []
+        for f in self.findings:
+            lines.append(f"{f.level:<8}{f.area:<11}{f.text}")
+            if f.fix:
+                lines.append(f"{'':19}fix: {f.fix}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """How doctor reaches the node: each a callable, so tests and the CLI hand in the same adapters."""
+
+    paths: HostPaths
+    config: AgentConfig
+    discover: Callable[[], Inventory]  # raises NodeAgentError when NVML cannot be used
+    command: Callable[[str], str]  # a subcommand -> the whole command line with the options in use
+    kube: Callable[[], Any] | None = None  # a KubeClient, or None with --no-kube
+    node_name: str = ""
+    simulated: bool = False
+    sim_fix: str = ""  # the options that reach the same simulated machine ("--simulate X --sim-state F")
+
+    def gpu_command(self, subcommand: str) -> str:
+        """``command`` for a subcommand that opens the GPUs: on the same simulated machine, if any."""
+        return self.command(f"{subcommand} {self.sim_fix}".strip())
+
+
+def diagnose(src: Sources) -> Report:
+    report = Report()
+    inventory = _driver(src, report)
+    if inventory is not None:
+        _gpus(src, inventory, report)
+        _health(inventory, report)
+    _containerd(src, report)
+    if inventory is not None:
+        _cdi(src, inventory, report)
+    served = _kubelet(src, inventory, report)
+    _node(src, inventory, served, report)
+    _agent(src, report)
+    return report
+
+
+# -- driver and GPUs ---------------------------------------------------------------------------------------
+def _driver(src: Sources, report: Report) -> Inventory | None:
+    try:
+        inventory = src.discover()
+    except NodeAgentError as e:
+        report.add("driver", "error", f"NVML cannot be used: {e}",
+                   "" if src.simulated else "install or load the NVIDIA driver, or try "
+                   + src.command("doctor --simulate dgx-h100"))
+        return None
+    cuda = inventory.cuda_driver_version
+    report.add("driver", "ok", f"driver {inventory.driver_version}, CUDA {cuda // 1000}.{cuda % 1000 // 10}"
+               + (" (simulated)" if src.simulated else ""))
+    return inventory
+
+
+def _gpus(src: Sources, inventory: Inventory, report: Report) -> None:
+    if not inventory.gpus:
+        report.add("gpus", "warning", "no GPU found")
+        return
+    models = sorted({g.name for g in inventory.gpus})
+    report.add("gpus", "ok", f"{len(inventory.gpus)} GPU(s): {', '.join(models)}")
+    for g in inventory.gpus:
+        if g.mig_capable and g.mig_current != g.mig_pending:
+            fix = (src.gpu_command("sim reboot") if src.simulated
+                   else "reboot the host (or reset the GPU when nothing runs on it)")
+            report.add("gpus", "warning", f"GPU {g.index}: MIG mode {'on' if g.mig_pending else 'off'} is "
+                       f"pending (now {'on' if g.mig_current else 'off'}) until a reset or reboot", fix)
+        elif g.mig_current:
+            layout = ", ".join(f"{d.profile}@{d.placement_start}" for d in g.mig_devices) or "no instances"
+            report.add("gpus", "ok", f"GPU {g.index}: MIG on, {layout}")
+        if g.bare_gpu_instances:
+            report.add("gpus", "warning", f"GPU {g.index}: {len(g.bare_gpu_instances)} GPU instance(s) without a "
+                       "compute instance (a MIG change left half done?)",
+                       src.gpu_command("mig apply -c <your config>"))
+        if g.processes:
+            procs = ", ".join(f"{p.pid} ({p.name})" for p in g.processes[:5])
+            report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
+
+
+def _health(inventory: Inventory, report: Report) -> None:
+    lost = [g.index for g in inventory.gpus if g.lost]
+    for i in lost:
+        report.add("health", "error", f"GPU {i} has fallen off the bus (NVML: GPU is lost); the kubelet gets it "
+                   "as Unhealthy", "drain the node and reset the GPU or reboot (nvidia-smi -r -i "
+                   f"{i}; a reboot when that fails)")
+    if not lost:
+        report.add("health", "ok", "every GPU answers NVML")
+
+
+# -- containerd and CDI --------------------------------------------------------------------------------------
+def _containerd(src: Sources, report: Report) -> None:
+    from nodeagent.runtime import configure as rc
+
+    if not src.config.runtime.enabled:
+        report.add("containerd", "ok", "not managed ([runtime] enabled = false)")
+        return
+    try:
+        info = rc.show(src.paths)
+        planned = rc.configure(src.paths, rc.options_from_settings(src.config.runtime, dry_run=True,
+                                                                  kubelet_dir=src.config.kubelet.dir))
+    except NodeAgentError as e:
+        report.add("containerd", "error", f"containerd's config cannot be used: {e}",
+                   "fix the file by hand (nodeagent never rewrites a file it cannot read)")
+        return
+    for warning in info["warnings"]:
+        report.add("containerd", "error" if "CRI" in warning or "cri" in warning else "warning", warning)
+    if planned.changed:
+        files = ", ".join(f.path for f in planned.files if f.action != "unchanged")
+        report.add("containerd", "warning", f"not wired for the NVIDIA runtime ({files} differ)",
+                   src.command("runtime configure"))
+    else:
+        report.add("containerd", "ok", f"wired: runtimes {', '.join(info['runtimes']) or 'none'}; default "
+                   f"{info['default_runtime']}; CDI {'on' if info['enable_cdi'] else 'off'}; containerd "
+                   f"{info['containerd_version'] or 'version unknown'}")
+
+
+def _cdi(src: Sources, inventory: Inventory, report: Report) -> None:
+    from nodeagent.cdi.writer import CdiWriter
+
+    if not src.config.cdi.enabled:
+        report.add("cdi", "ok", "not managed ([cdi] enabled = false)")
+        return
+    writer = CdiWriter(src.paths, driver_root=src.config.cdi.driver_root)
+    fix = src.gpu_command("cdi generate")
+    try:
+        text = fileio.read_text(src.paths(writer.spec_path))
+        wanted = writer.render(inventory)
+    except (NodeAgentError, OSError) as e:
+        report.add("cdi", "error", f"the CDI spec cannot be read or made: {e}", fix)
+        return
+    if text is None:
+        report.add("cdi", "warning" if wanted is not None else "ok",
+                   f"no CDI spec at {writer.spec_path}" + ("" if wanted is not None else " (no GPU)"),
+                   fix if wanted is not None else "")
+    elif text != wanted:
+        report.add("cdi", "warning", f"{writer.spec_path} differs from the GPUs now (stale)", fix)
+    else:
+        report.add("cdi", "ok", f"{writer.spec_path} is current")
+
+
+# -- kubelet ---------------------------------------------------------------------------------------------------
+def _kubelet(src: Sources, inventory: Inventory | None, report: Report) -> dict[str, int]:
+    """Findings about the kubelet's device-plugin directory; the devices registered per resource name."""
+    from nodeagent.deviceplugin.server import socket_name
+
+    plugin_dir = src.config.kubelet.device_plugins
+    directory = src.paths(plugin_dir)
+    if not directory.is_dir():
+        report.add("kubelet", "warning", f"{plugin_dir} does not exist: no kubelet on this node yet")
+        return {}
+    names = sorted(p.name for p in directory.iterdir() if p.is_socket())
+    if KUBELET_SOCKET not in names:
+        report.add("kubelet", "warning", f"no {posixpath.join(plugin_dir, KUBELET_SOCKET)}: the kubelet is not "
+                   "running (nodeagent registers as soon as it is)")
+    registered = _registered(directory / CHECKPOINT)
+    ours = {socket_name(n) for n in _expected_resources(src, inventory)}
+    for name in names:
+        if name == KUBELET_SOCKET or name in ours:
+            continue
+        report.add("kubelet", "warning", f"{posixpath.join(plugin_dir, name)}: a device-plugin socket nodeagent "
+                   "does not serve (another device plugin on this node?)")
+    if registered:
+        listed = ", ".join(f"{k} ({v} devices)" for k, v in sorted(registered.items()))
+        report.add("kubelet", "ok", f"registered with the kubelet: {listed}")
+    elif KUBELET_SOCKET in names:
+        report.add("kubelet", "warning", "the kubelet has no GPU resource registered",
+                   src.gpu_command("run") + ("" if src.simulated else " (or start the nodeagent service)"))
+    return registered
+
+
+def _registered(checkpoint: Any) -> dict[str, int]:
+    try:
+        data = fileio.read_regular(checkpoint, max_bytes=MAX_SMALL_FILE)
+        doc = json.loads(data or b"{}")
+    except (NodeAgentError, ValueError):
+        return {}
+    devices = (doc.get("Data") or {}).get("RegisteredDevices") if isinstance(doc, dict) else None
+    if not isinstance(devices, dict):
+        return {}
+    return {str(k): len(v) for k, v in devices.items() if isinstance(v, list)}
+
+
+def _expected_resources(src: Sources, inventory: Inventory | None) -> list[str]:
+    """The resource names nodeagent would serve on this node (empty when that cannot be worked out)."""
+    if inventory is None or not src.config.device_plugin.enabled or src.config.device_plugin.plane == "dra":
+        return []
+    from nodeagent.sharing.devices import build_resources
+    from nodeagent.sharing.spec import PluginConfig, load_plugin_config
+
+    try:
+        path = src.config.device_plugin.config
+        plugin = load_plugin_config(src.paths(path)) if path else PluginConfig()
+        return list(build_resources(inventory, plugin))
+    except NodeAgentError:
+        return []
+
+
+# -- the Node ----------------------------------------------------------------------------------------------------
+def _node(src: Sources, inventory: Inventory | None, registered: dict[str, int], report: Report) -> None:
+    if src.kube is None:
+        report.add("node", "ok", "not checked (--no-kube)")
+        return
+    try:
+        kube = src.kube()
+    except NodeAgentError as e:
+        report.add("node", "warning", f"the Kubernetes API cannot be reached: {e}")
+        return
+    try:
+        node = kube.request("GET", f"/api/v1/nodes/{src.node_name}", timeout=10.0)
+    except NodeAgentError as e:
+        report.add("node", "error", f"Node {src.node_name} cannot be read: {e}")
+        return
+    finally:
+        close = getattr(kube, "close", None)
+        if callable(close):
+            close()
+    _node_findings(src, node, inventory, report)
+
+
+def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report: Report) -> None:
+    meta = node.get("metadata") or {}
+    status = node.get("status") or {}
+    labels = meta.get("labels") or {}
+    gpu_labels = {k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu.")}
+    if gpu_labels:
+        report.add("node", "ok", f"{len(gpu_labels)} nvidia.com/gpu.* labels (product "
+                   f"{labels.get('nvidia.com/gpu.product', '?')}, count {labels.get('nvidia.com/gpu.count', '?')})")
+    else:
+        report.add("node", "warning", f"Node {src.node_name} has no nvidia.com/gpu.* labels: is the agent running?",
+                   src.gpu_command("run"))
+    state = labels.get("nvidia.com/mig.config.state")
+    if state == "failed":
+        report.add("node", "error", f"nvidia.com/mig.config={labels.get('nvidia.com/mig.config', '')} failed "
+                   "(see the MigConfigFailed Event on the Node)")
+    for cond in status.get("conditions") or []:
+        kind = str(cond.get("type", ""))
+        if not kind.startswith("nodeagent.io/"):
+            continue
+        ok = cond.get("status") == "True"
+        report.add("node", "ok" if ok else "warning",
+                   f"{kind} {cond.get('status')}: {cond.get('reason', '')} {cond.get('message', '')}".strip())
+    allocatable = status.get("allocatable") or {}
+    if inventory is not None:
+        have = int(allocatable.get("nvidia.com/gpu", "0") or 0)
+        whole = sum(1 for g in inventory.gpus if not g.mig_current)
+        if "nvidia.com/gpu" in allocatable or whole:
+            if have < whole:
+                report.add("node", "warning", f"allocatable nvidia.com/gpu is {have}, {whole} GPU(s) discovered "
+                           "without MIG (unhealthy, withdrawn, shared, or not registered)")
+            else:
+                report.add("node", "ok", f"allocatable nvidia.com/gpu {have} ({whole} GPU(s) discovered)")
+    for taint in (node.get("spec") or {}).get("taints") or []:
+        if "gpu" in str(taint.get("key", "")).lower():
+            report.add("node", "warning", f"taint {taint.get('key')}={taint.get('value', '')}:"
+                       f"{taint.get('effect', '')}")
+
+
+# -- the agent itself ---------------------------------------------------------------------------------------------
+def _agent(src: Sources, report: Report) -> None:
+    if not src.paths.proc.is_dir():  # a root without /proc (an image, the DaemonSet's /host)
+        report.add("agent", "ok", f"not checked: no /proc under {src.paths.root}")
+        return
+    running = list(_agent_pids(src.paths))
+    if running:
+        report.add("agent", "ok", f"nodeagent run is running (pid {', '.join(map(str, running))})")
+    else:
+        report.add("agent", "warning", "nodeagent run is not running on this host",
+                   src.gpu_command("run") if src.simulated else
+                   "systemctl start nodeagent (bare metal), the DaemonSet's pod (Kubernetes), or "
+                   + src.command("run"))
+    try:
+        data = fileio.read_regular(src.paths(BOOTSTRAP_REPORT), max_bytes=MAX_SMALL_FILE)
+        last = json.loads(data) if data else None
+    except (NodeAgentError, ValueError):
+        last = None
+    if isinstance(last, dict):
+        code = last.get("exit_code")
+        failed = [s.get("step") for s in last.get("steps") or [] if isinstance(s, dict) and s.get("result") == "failed"]
+        report.add("agent", "ok" if code in (0, 3) else "warning", f"last bootstrap: exit {code}"
+                   + (f", failed: {', '.join(map(str, failed))}" if failed else ""),
+                   "" if code in (0, 3) else src.gpu_command("bootstrap"))
+
+
+def _agent_pids(paths: HostPaths) -> Iterable[int]:
+    """Processes under the root's /proc whose command line is ``... nodeagent ... run``."""
+    proc = paths.proc
+    try:
+        entries = [p for p in proc.iterdir() if p.name.isdigit()]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            data = fileio.read_regular(entry / "cmdline", max_bytes=1 << 16)
+        except NodeAgentError:
+            continue
+        if not data:
+            continue
+        args = [a.decode("utf-8", "replace") for a in data.split(b"\0") if a]
+        names = [posixpath.basename(a) for a in args[:3]]
+        if ("nodeagent" in names or (len(args) > 2 and args[1:3] == ["-m", "nodeagent"])) and "run" in args:
+            yield int(entry.name)
