@@ -124,6 +124,13 @@ class SimulateSettings:
 
 
 @dataclass(frozen=True)
+class AdoptSettings:
+    # Another device plugin serving at nodeagent's socket name (NVIDIA's uses the same one): False leaves
+    # it alone (nodeagent does not register that resource until it is gone); True replaces its socket.
+    take_over: bool = False
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     node_name: str = ""  # "" = $NODE_NAME, else the host name
     kube: bool = True  # False = no Kubernetes API at all (demos, kubelet-only nodes)
@@ -141,6 +148,7 @@ class AgentConfig:
     health: HealthSettings = field(default_factory=HealthSettings)
     cdi: CdiSettings = field(default_factory=CdiSettings)
     simulate: SimulateSettings = field(default_factory=SimulateSettings)
+    adopt: AdoptSettings = field(default_factory=AdoptSettings)
     source: str = field(default="", compare=False)  # where it was read from (for messages)
 
     def resolved_node_name(self) -> str:

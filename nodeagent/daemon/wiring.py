@@ -92,7 +92,8 @@ def default_specs() -> list[ComponentSpec]:
 
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
-        ComponentSpec("device-plugin", frozenset({"device_plugin", "dra", "kubelet", "health"}), device_plugin),
+        ComponentSpec("device-plugin", frozenset({"device_plugin", "dra", "kubelet", "health", "adopt"}),
+                      device_plugin),
         ComponentSpec("dra", frozenset({"device_plugin", "dra", "kubelet", "health"}), dra),
         ComponentSpec("mig", frozenset({"mig"}), mig),
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),

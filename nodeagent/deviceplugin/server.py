@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -48,6 +49,21 @@ ALLOCATION_CACHE_SIZE = 1024
 MAX_LIST_AND_WATCH = 8
 # Threads of one server: the streams' and as many again for the unary calls (started only when needed).
 SERVER_THREADS = 2 * MAX_LIST_AND_WATCH
+
+
+class ForeignPluginError(KubeletError):
+    """Our socket's name is held by a live socket of another process."""
+
+
+def someone_listens(path: Path, timeout_s: float = 1.0) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path`` (a stale file refuses them)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
 
 
 def socket_name(resource_name: str) -> str:
@@ -228,8 +244,11 @@ class ResourceServer:
         scores: Mapping[tuple[int, int], int],
         policy: str,
         health_of: Callable[[AdvertisedDevice], bool],
+        take_over: bool = False,
     ) -> None:
         self.plugin_dir = plugin_dir.absolute()
+        # a live socket of another process at our socket's name is replaced only when this is set
+        self.take_over = take_over
         self.served = _Served(resource, flags, scores, policy)
         self._health_of = health_of
         self.version = 0
@@ -318,6 +337,15 @@ class ResourceServer:
         if path.is_dir() and not path.is_symlink():
             raise KubeletError(
                 f"cannot serve {self.name}: {path} is a directory, not a socket; remove it", subject=str(path)
+            )
+        if path.is_socket() and not self.take_over and someone_listens(path):
+            # Another device plugin (NVIDIA's uses the same name) serves here: replacing its socket would
+            # make the kubelet flip between the two. Left alone until it is gone (or take_over is set).
+            raise ForeignPluginError(
+                f"{path} is served by another process (another device plugin?): nodeagent does not replace it "
+                f"and does not register {self.name} until it is gone; stop that plugin, or set "
+                "[adopt] take_over = true",
+                subject=str(path),
             )
         try:
             path.unlink(missing_ok=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
-from nodeagent.deviceplugin.server import ResourceServer, socket_name
+from nodeagent.deviceplugin.server import ForeignPluginError, ResourceServer, socket_name
 from nodeagent.errors import ConfigError, NodeAgentError
 from nodeagent.gpu.health import (
     EventPumps,
@@ -68,7 +68,9 @@ class DevicePluginService:
         exclude_gpus: Iterable[int] = (),
         register_timeout_s: float = 5.0,
         backoff_max_s: float = BACKOFF_MAX_S,
+        take_over: bool = False,
     ) -> None:
+        self.take_over = take_over  # replace another process's live socket at our socket's name
         self.plugin_dir = plugin_dir.absolute()  # a relative --root must still give unix:///abs/path
         self.config = plugin_config or DEFAULT_CONFIG
         self._register_timeout = register_timeout_s
@@ -205,9 +207,14 @@ class DevicePluginService:
             server = self._servers.get(name)
             if server is None:
                 server = ResourceServer(
-                    self.plugin_dir, resource, flags, scores=self._scores, policy=policy, health_of=self._healthy
+                    self.plugin_dir, resource, flags, scores=self._scores, policy=policy, health_of=self._healthy,
+                    take_over=self.take_over,
                 )
-                await server.start()
+                try:
+                    await server.start()
+                except ForeignPluginError as e:
+                    # not a failure of the component: the register loop serves once the other one is gone
+                    self.failures[name] = str(e)
                 self._servers[name] = server
                 self._start_registration(name)
             elif await server.set_resource(resource, flags, self._scores, policy):

@@ -47,6 +47,7 @@ class DevicePluginComponent(Component):
             pumps=ctx.pumps,  # the daemon's: an XID in flight while a reload rebuilds the plugin is not lost
             # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
             exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
+            take_over=cfg.adopt.take_over,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)
