@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "bootstrap": "nodeagent.commands.bootstrap:bootstrap",
     "cdi": "nodeagent.commands.cdi:cdi",
     "doctor": "nodeagent.commands.doctor:doctor",
+    "adopt": "nodeagent.commands.adopt:adopt",
 }
 
 

@@ -1,0 +1,119 @@
+"""Hand a node over from NVIDIA's GPU Operator to nodeagent, and back, through the operator's own switches.
+
+The GPU Operator deploys each operand on a node whose ``nvidia.com/gpu.deploy.<operand>`` label is
+``true``; ``false`` takes that operand off the node (its DaemonSet's node selector no longer matches). The
+operands nodeagent replaces are switched off, one Node patch for all of them; then nodeagent waits until
+their pods have left the node. The driver (and, unless asked, dcgm-exporter) stays NVIDIA's. ``release``
+puts ``true`` back on exactly the labels a hand-over set (recorded in an annotation on the Node), so the
+operator redeploys its operands.
+
+Running GPU pods are not touched: they keep the devices they were given (same UUIDs, resource names and CDI
+names under nodeagent).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from nodeagent.errors import KubeError, OperationError
+
+DEPLOY_PREFIX = "nvidia.com/gpu.deploy."
+# operand -> the pods it runs (their app label in the operator's DaemonSets)
+REPLACED: Mapping[str, str] = {
+    "device-plugin": "nvidia-device-plugin-daemonset",
+    "gpu-feature-discovery": "gpu-feature-discovery",
+    "mig-manager": "nvidia-mig-manager",
+    "container-toolkit": "nvidia-container-toolkit-daemonset",
+}
+OPTIONAL: Mapping[str, str] = {"dcgm-exporter": "nvidia-dcgm-exporter"}
+HANDED_OVER = "nodeagent.io/handed-over"  # annotation: the operand labels the hand-over switched off
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Result:
+    node: str
+    labels: dict[str, str | None]  # what was written (None: removed)
+    waited_s: float
+    pods_left: tuple[str, ...]  # operand pods still on the node when the wait ended
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "labels": self.labels, "waited_seconds": round(self.waited_s, 1),
+                "pods_left": list(self.pods_left)}
+
+
+def operands(with_dcgm_exporter: bool) -> dict[str, str]:
+    return {**REPLACED, **(OPTIONAL if with_dcgm_exporter else {})}
+
+
+def hand_over(kube: Any, node: str, *, with_dcgm_exporter: bool = False, timeout_s: float = 300.0,
+              poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> Result:
+    """Switch the replaced operands off on ``node`` and wait until their pods are gone."""
+    current = _node(kube, node)
+    labels = (current.get("metadata") or {}).get("labels") or {}
+    wanted = operands(with_dcgm_exporter)
+    switched = sorted(op for op in wanted if labels.get(DEPLOY_PREFIX + op) != "false")
+    earlier = _handed_over(current)
+    patch: dict[str, Any] = {"labels": {DEPLOY_PREFIX + op: "false" for op in switched}}
+    if switched:
+        patch["annotations"] = {HANDED_OVER: json.dumps(sorted(set(earlier) | set(switched)))}
+        kube.request("PATCH", f"/api/v1/nodes/{quote(node)}", body={"metadata": patch},
+                     content_type=MERGE_PATCH, action=f"hand over node {node}", subject=node)
+    start = clock()
+    apps = set(wanted.values())
+    left = _operand_pods(kube, node, apps)
+    while left and clock() - start < timeout_s:
+        sleep(poll_s)
+        left = _operand_pods(kube, node, apps)
+    waited = clock() - start
+    if left:
+        raise OperationError(
+            f"node {node}: the GPU Operator's pods {', '.join(left)} are still on the node after "
+            f"{timeout_s:g}s (labels set: {', '.join(DEPLOY_PREFIX + op for op in switched) or 'none'}); "
+            "check the operator, then run the command again", subject=node)
+    return Result(node, {DEPLOY_PREFIX + op: "false" for op in switched}, waited, ())
+
+
+def release(kube: Any, node: str) -> Result:
+    """Give the operands a hand-over switched off back to the GPU Operator (labels ``true`` again)."""
+    current = _node(kube, node)
+    earlier = _handed_over(current)
+    if not earlier:
+        return Result(node, {}, 0.0, ())
+    labels: dict[str, str | None] = {DEPLOY_PREFIX + op: "true" for op in earlier}
+    kube.request("PATCH", f"/api/v1/nodes/{quote(node)}",
+                 body={"metadata": {"labels": labels, "annotations": {HANDED_OVER: None}}},
+                 content_type=MERGE_PATCH, action=f"release node {node}", subject=node)
+    return Result(node, labels, 0.0, ())
+
+
+def _node(kube: Any, node: str) -> dict[str, Any]:
+    try:
+        found: dict[str, Any] = kube.request("GET", f"/api/v1/nodes/{quote(node)}", subject=node)
+    except KubeError as e:
+        raise OperationError(f"node {node} cannot be read: {e}", subject=node) from e
+    return found
+
+
+def _handed_over(node: Mapping[str, Any]) -> list[str]:
+    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(HANDED_OVER, "[]")
+    try:
+        names = json.loads(raw)
+    except ValueError:
+        return []
+    return [n for n in names if isinstance(n, str) and n in {**REPLACED, **OPTIONAL}] if isinstance(names, list) else []
+
+
+def _operand_pods(kube: Any, node: str, apps: Iterable[str]) -> list[str]:
+    """Names of the operator's operand pods still scheduled on ``node``."""
+    selector = "app in (" + ",".join(sorted(apps)) + ")"
+    found = kube.request("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}",
+                                                       "labelSelector": selector}, subject=node)
+    return sorted(f"{(p.get('metadata') or {}).get('namespace', '')}/{(p.get('metadata') or {}).get('name', '')}"
+                  for p in found.get("items") or [])
