@@ -148,7 +148,7 @@ def test_hand_over_and_release(kube_apiserver: KubeApiServer) -> None:
         assert back.returncode == 0, back.stderr
         labels = _labels(server, node)
         assert {k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu.deploy.")} == operator_labels
-        status, body = server.get(f"/api/v1/nodes/{node}")
+        body = _ok(server.get(f"/api/v1/nodes/{node}"), 200)
         assert "nodeagent.io/handed-over" not in (json.loads(body)["metadata"].get("annotations") or {})
     finally:
         for name in operand_pods:
