@@ -102,12 +102,11 @@ def test_hand_over_and_release(kube_apiserver: KubeApiServer) -> None:
         server.request(
             "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
         )
-        for sa_ns in (ns,):
-            server.request(
-                "POST",
-                f"/api/v1/namespaces/{sa_ns}/serviceaccounts",
-                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}},
-            )
+        server.request(
+            "POST",
+            f"/api/v1/namespaces/{ns}/serviceaccounts",
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}},
+        )
     operand_pods = {
         "nvidia-device-plugin-daemonset-x1": "nvidia-device-plugin-daemonset",
         "gpu-feature-discovery-x1": "gpu-feature-discovery",
