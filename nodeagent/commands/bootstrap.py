@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
 from nodeagent.cli import settings_of, simulation_label
-from nodeagent.config import load_config
+from nodeagent.config import RestartMode, load_config
 
 
 @click.command()
@@ -20,7 +21,11 @@ from nodeagent.config import load_config
 @click.option("--mig-config", metavar="NAME", default=None,
               help="Apply this named config from the MIG config file (default: leave MIG alone).")
 @click.option("--no-restart", is_flag=True, default=False,
-              help="Never restart containerd (implied by --root other than /).")
+              help="Never restart containerd (the default under --root other than /).")
+@click.option("--restart", "restart_mode", type=click.Choice(["systemd", "signal", "none"]), default=None,
+              help="How to restart containerd when its config changed [default: [runtime] restart; under "
+                   "--root other than /: none unless given, systemd refused]. The DaemonSet, whose --root "
+                   "/host is the node itself, gives signal.")
 @click.option("--no-kube", is_flag=True, default=False, help="Skip RuntimeClass and labels.")
 @click.option("--kubeconfig", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="kubeconfig file (default: in-cluster service account, $KUBECONFIG, ~/.kube/config).")
@@ -36,6 +41,7 @@ def bootstrap(
     sim_state: Path | None,
     mig_config: str | None,
     no_restart: bool,
+    restart_mode: RestartMode | None,
     no_kube: bool,
     kubeconfig: Path | None,
     node_name: str | None,
@@ -66,7 +72,14 @@ def bootstrap(
     )
     settings.simulated_by_config(config.simulate.machine, config.simulate.state)
     under_root = settings.paths.root != Path("/")
-    options = bs.Options(mig_config=mig_config, restart_containerd=not (no_restart or under_root),
+    if restart_mode == "systemd" and under_root:
+        raise click.UsageError(f"--restart systemd restarts this host's containerd, not the one of --root "
+                               f"{settings.paths.root}; use --restart signal or none")
+    if restart_mode is not None:
+        config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, restart=restart_mode))
+    # a root (an image, a sandbox) is never acted on from outside unless --restart says how
+    restart = not no_restart and (restart_mode is not None or not under_root)
+    options = bs.Options(mig_config=mig_config, restart_containerd=restart,
                          kube=not no_kube)
     report = bs.bootstrap(config, settings.paths, options, bs.default_parts())
     text = json.dumps(report.to_dict(), indent=2)

@@ -11,6 +11,7 @@ outside the sandbox are not.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -410,3 +411,48 @@ def test_hints_carry_the_root_and_the_simulator(box: Sandbox) -> None:
     (demo / "var/run/cdi/nvidia.yaml").write_text("cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices: []\n")
     box.traced("--root", "./demo", "cdi", "show", "--simulate", "dgx-h100", "--check", expect=1)
     assert f"run `nodeagent --root {demo} cdi generate --simulate dgx-h100`" in box.output, box.output
+
+
+def test_bootstrap_under_a_root_restarts_only_when_asked(box: Sandbox) -> None:
+    """Under --root, bootstrap leaves containerd alone unless --restart says how (the DaemonSet, whose root
+    is the node itself, gives signal); systemd under a root is refused."""
+    root = box.tmp / "r"
+    (root / "etc/containerd").mkdir(parents=True)
+    (root / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n')
+    args = ["--root", "r", "bootstrap", "--simulate", "t4x1", "--no-kube"]
+    quiet = subprocess.run(
+        [*NODEAGENT, *args],
+        cwd=box.tmp,
+        env=box.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    steps = {s["step"]: s for s in json.loads(quiet.stdout)["steps"]}
+    assert steps["runtime"]["result"] == "changed"
+    assert steps["containerd-restart"]["result"] == "skipped", steps["containerd-restart"]
+    (root / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n')
+    asked = subprocess.run(
+        [*NODEAGENT, *args, "--restart", "signal"],
+        cwd=box.tmp,
+        env=box.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    steps = {s["step"]: s for s in json.loads(asked.stdout)["steps"]}
+    assert steps["containerd-restart"]["result"] == "failed", steps  # tried: nothing serves r's socket
+    assert "no process is serving" in steps["containerd-restart"]["reason"], steps
+    refused = subprocess.run(
+        [*NODEAGENT, *args, "--restart", "systemd"],
+        cwd=box.tmp,
+        env=box.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2 and "--restart systemd restarts this host's containerd" in refused.stderr
