@@ -87,6 +87,8 @@ ln -s "$PREFIX/bin/nodeagent" "$STAGE/usr/bin/nodeagent"
 install -m 0644 "$SRC"/systemd/nodeagent.service "$SRC"/systemd/nodeagent-bootstrap.service "$STAGE/lib/systemd/system/"
 install -m 0644 "$SRC/configs/config.toml" "$STAGE/etc/nodeagent/config.toml"
 install -m 0644 "$SRC/README.md" "$STAGE/usr/share/doc/nodeagent/README.md"
+install -d -m 0755 "$STAGE/usr/share/doc/nodeagent/docs"
+install -m 0644 "$SRC"/docs/*.md "$STAGE/usr/share/doc/nodeagent/docs/"
 printf 'nodeagent\nLicense: Apache-2.0\n' > "$STAGE/usr/share/doc/nodeagent/copyright"
 for s in postinst prerm postrm; do install -m 0755 "$HERE/debian/$s" "$STAGE/DEBIAN/$s"; done
 echo /etc/nodeagent/config.toml > "$STAGE/DEBIAN/conffiles"

@@ -35,7 +35,7 @@ def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPa
 
         from nodeagent.gpu import abi
 
-        if abi.abi_mode_requested():  # the real pynvml over the stand-in libnvidia-ml.so.1 (README: ABI mode)
+        if abi.abi_mode_requested():  # the real pynvml over the stand-in libnvidia-ml.so.1 (docs/simulator.md: ABI mode)
             adapter = NvmlAdapter(abi.open_pynvml(simulate, sim_state), paths)
             if sim_state is not None:  # one simulated machine: the same fault domain as the Python path
                 adapter.fault_domain = f"sim:{sim_state.absolute()}"

@@ -19,7 +19,7 @@ NVIDIA = "nvidia.com/"
 DOMAIN = "nodeagent.io/"
 MANAGED_LABELS_ANNOTATION = DOMAIN + "managed-labels"
 
-# nodeagent's own keys (documented in README "Node publishing")
+# nodeagent's own keys (documented in docs/node-publishing.md)
 NET_FASTEST_NIC_SPEED = DOMAIN + "net.fastest-nic-speed-mbps"
 NET_RDMA_NICS = DOMAIN + "net.rdma-nics"
 NET_RDMA_CAPABLE = DOMAIN + "net.rdma-capable"

@@ -10,7 +10,7 @@ Each tool runs the way it is deployed: nvidia-ctk with its drop-in (``--drop-in-
 version-1 file, where containerd never reads imports, so nvidia-ctk's drop-in would be dead (that is one of
 the named differences below) and it is run in place instead; nodeagent with its default mode (``auto``:
 drop-in for a version 2+ file, in place otherwise). Each deliberate difference is one named test
-(``test_difference_*``), listed in the README. Both write into the test's temp directory only.
+(``test_difference_*``), listed in docs/simulator.md. Both write into the test's temp directory only.
 """
 
 from __future__ import annotations

@@ -216,14 +216,14 @@ def test_condition_transitions_one_write_each_none_idle(
 
 
 def readme_taint_script() -> str:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs/node-publishing.md").read_text()
     block = readme.split("## Node conditions", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
     assert block.startswith("# taint-gpu-not-ready"), block
     return block
 
 
 def test_readme_taint_rule_follows_gpu_ready(tmp_path: Path, kube_apiserver: KubeApiServer) -> None:
-    """The README's plain taint rule, run as written with kubectl: a node whose GPUReady is False gets the
+    """The documented plain taint rule (docs/node-publishing.md), run as written with kubectl: a node whose GPUReady is False gets the
     NoSchedule taint, loses it when GPUReady is True again; a node without the condition is left alone."""
     if shutil.which("kubectl") is None:
         pytest.fail("kubectl is not installed: the README's taint rule cannot be run")
