@@ -35,6 +35,13 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _na(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``nodeagent ARGS`` run to its end from ``tmp``."""
+    return subprocess.run(
+        [*NODEAGENT, *args], cwd=tmp, env=_env(tmp), capture_output=True, text=True, timeout=120, check=False
+    )
+
+
 def _run_until(tmp: Path, args: list[str], line: str, env: dict[str, str], timeout: float = 60) -> str:
     """Start ``nodeagent ARGS``, wait for ``line`` in its log, stop it with SIGINT; the whole log."""
     log = tmp / "agent.log"
@@ -70,15 +77,7 @@ def test_component_failing_to_start_is_one_line(short_tmp: Path) -> None:
 
 def test_no_credentials_names_every_place_tried(short_tmp: Path) -> None:
     (short_tmp / "home").mkdir()
-    r = subprocess.run(
-        [*NODEAGENT, "--root", str(short_tmp / "demo"), "bootstrap", "--simulate", "t4x1"],
-        cwd=short_tmp,
-        env=_env(short_tmp),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    r = _na(short_tmp, "--root", str(short_tmp / "demo"), "bootstrap", "--simulate", "t4x1")
     assert "Traceback" not in r.stderr + r.stdout, r.stderr
     out = r.stdout + r.stderr
     assert (
@@ -120,25 +119,17 @@ def test_kubeconfig_from_the_environment_and_home_like_kubectl(short_tmp: Path) 
 
 
 def test_missing_kubeconfig_flag_says_not_found(short_tmp: Path) -> None:
-    r = subprocess.run(
-        [
-            *NODEAGENT,
-            "--root",
-            str(short_tmp / "demo"),
-            "run",
-            "--simulate",
-            "t4x1",
-            "--kubeconfig",
-            "/nonexistent/kc",
-            "--metrics-address",
-            "",
-        ],
-        cwd=short_tmp,
-        env=_env(short_tmp),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    r = _na(
+        short_tmp,
+        "--root",
+        str(short_tmp / "demo"),
+        "run",
+        "--simulate",
+        "t4x1",
+        "--kubeconfig",
+        "/nonexistent/kc",
+        "--metrics-address",
+        "",
     )
     assert r.returncode != 0 and r.stderr == "error: kubeconfig /nonexistent/kc: not found\n", r.stderr
 
@@ -162,15 +153,7 @@ def test_start_up_errors_are_json_with_log_format_json(short_tmp: Path) -> None:
         ),
         (["--log-format=json", "run", "--no-such-option"], 2, "No such option: --no-such-option"),
     ):
-        r = subprocess.run(
-            [*NODEAGENT, *args],
-            cwd=short_tmp,
-            env=_env(short_tmp),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        r = _na(short_tmp, *args)
         assert r.returncode == code, r.stderr
         (line,) = r.stderr.splitlines()
         doc = json.loads(line)
@@ -182,15 +165,7 @@ def test_a_failed_bootstrap_step_is_logged_as_an_error(short_tmp: Path) -> None:
     root = short_tmp / "demo"
     (root / "etc/containerd").mkdir(parents=True)
     (root / "etc/containerd/config.toml").write_text("version = 2\n[plugins\n")  # not TOML: the step fails
-    r = subprocess.run(
-        [*NODEAGENT, "--root", str(root), "bootstrap", "--simulate", "t4x1", "--no-kube"],
-        cwd=short_tmp,
-        env=_env(short_tmp),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    r = _na(short_tmp, "--root", str(root), "bootstrap", "--simulate", "t4x1", "--no-kube")
     assert r.returncode == 2, r.stderr
     failed = [line for line in r.stderr.splitlines() if " runtime: failed" in line]
     assert len(failed) == 1 and " ERROR " in failed[0], r.stderr

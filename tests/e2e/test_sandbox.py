@@ -251,6 +251,11 @@ def _box(tmp_path: Path, strace: str) -> Sandbox:
     return Sandbox(tmp_path, env, strace)
 
 
+# the README's quick start, without the metrics listener (tests run in parallel with other agents)
+DEMO_RUN = ("--root", "./demo", "run", "--simulate", "dgx-h100", "--no-kube", "--metrics-address", "")
+DEMO_SOCKET = "demo/var/lib/kubelet/device-plugins/nvidia-gpu.sock"
+
+
 def _default_sandbox(box: Sandbox, machine: str) -> Path:
     return box.tmp / "xdg" / "nodeagent-sim" / machine
 
@@ -258,17 +263,7 @@ def _default_sandbox(box: Sandbox, machine: str) -> Path:
 def test_readme_quick_start_commands_stay_in_their_sandboxes(box: Sandbox) -> None:
     demo = box.tmp / "demo"
     box.check(
-        box.traced(
-            "--root",
-            "./demo",
-            "run",
-            "--simulate",
-            "dgx-h100",
-            "--no-kube",
-            "--metrics-address",
-            "",
-            long_running="demo/var/lib/kubelet/device-plugins/nvidia-gpu.sock",
-        ),
+        box.traced(*DEMO_RUN, long_running=DEMO_SOCKET),
         demo,
     )
     box.check(
@@ -395,17 +390,7 @@ def test_the_trace_sees_what_leaves_a_sandbox(box: Sandbox) -> None:
 def test_hints_carry_the_root_and_the_simulator(box: Sandbox) -> None:
     """A hint run literally acts where the command that printed it acted: never on the host instead."""
     demo = (box.tmp / "demo").resolve()
-    box.traced(
-        "--root",
-        "./demo",
-        "run",
-        "--simulate",
-        "dgx-h100",
-        "--no-kube",
-        "--metrics-address",
-        "",
-        long_running="demo/var/lib/kubelet/device-plugins/nvidia-gpu.sock",
-    )
+    box.traced(*DEMO_RUN, long_running=DEMO_SOCKET)
     assert f"run `nodeagent --root {demo} bootstrap --simulate dgx-h100`" in box.output, box.output[-3000:]
     (demo / "var/run/cdi").mkdir(parents=True, exist_ok=True)
     (demo / "var/run/cdi/nvidia.yaml").write_text("cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices: []\n")
