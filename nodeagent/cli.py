@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2 if isinstance(e, click.UsageError | click.BadParameter) else e.exit_code)
     except NodeAgentError as e:
         logging.getLogger("nodeagent").debug("failure", exc_info=True)
-        click.echo(f"error: {e}", err=True)
+        from nodeagent.logs import one_line
+
+        click.echo(f"error: {one_line(str(e))}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
