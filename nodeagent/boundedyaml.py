@@ -15,6 +15,7 @@ import yaml
 MAX_DOCUMENT_BYTES = 1 << 20  # 1 MiB: the largest real config is a few KiB
 MAX_DEPTH = 32
 MAX_SHOWN = 60  # characters of a bad value quoted in an error line
+MAX_INT_CHARS = 64  # characters of one integer (a count, an index, a PCI ID)
 
 
 class BoundedYamlError(ValueError):
@@ -41,6 +42,19 @@ class _NoAliasLoader(yaml.SafeLoader):
             self._depth = depth
 
 
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    # Python refuses to convert more than 4300 digits (a ValueError deep in the constructor); no config
+    # number needs more than a few digits
+    if len(node.value) > MAX_INT_CHARS:
+        mark = node.start_mark
+        raise BoundedYamlError(f"an integer of {len(node.value)} characters at line {mark.line + 1}, column "
+                               f"{mark.column + 1}; at most {MAX_INT_CHARS} are accepted")
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_NoAliasLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def load(text: str) -> Any:
     """``yaml.safe_load`` without aliases, with size and depth caps.
 
@@ -60,8 +74,18 @@ def shown(value: Any) -> str:
     """``repr(value)`` cut to ``MAX_SHOWN`` characters, so an error line never echoes an unbounded input."""
     if isinstance(value, list | dict | tuple | set) and len(value) > MAX_SHOWN:
         return f"<{type(value).__name__} of {len(value)} items>"
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+    if isinstance(value, str | bytes) and len(value) > MAX_SHOWN:
+        value = value[:MAX_SHOWN]  # repr of the head only: a 3 MB value is never copied whole
+        cut = True
+    else:
+        cut = False
+    try:
+        text = repr(value)
+    except ValueError:  # an integer beyond Python's digit limit for int -> str
+        return f"<integer of {value.bit_length()} bits>" if isinstance(value, int) else f"<{type(value).__name__}>"
+    if cut or len(text) > MAX_SHOWN:
+        return text[: MAX_SHOWN - 3] + "..."
+    return text
 
 
 def plain(value: Any) -> str:

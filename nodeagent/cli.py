@@ -284,8 +284,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e.format_message(), code, args, usage=e)
     except NodeAgentError as e:
         logging.getLogger("nodeagent").debug("failure", exc_info=True)
+        from nodeagent.logs import one_line
+
         # a change that waits for a reboot was accepted: said as what to do, not as an error
-        _fail(str(e), e.exit_code, args, prefix="" if isinstance(e, RebootRequired) else "error: ")
+        _fail(one_line(str(e)), e.exit_code, args, prefix="" if isinstance(e, RebootRequired) else "error: ")
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from nodeagent.boundedyaml import shown
 from nodeagent.errors import ConfigError
 from nodeagent.hostpaths import HostPaths
 
@@ -192,14 +193,36 @@ def flag_path(paths: HostPaths, value: Path | str | None, flag: str) -> str | No
     raise ConfigError(f"{flag} {_quoted(text, 200)} is not inside --root {paths.root}{hint}", subject=flag)
 
 
+MAX_PATH = 4095  # PATH_MAX less the terminating NUL
+MAX_PATH_COMPONENT = 255
+
+
+def path_problem(path: str) -> str:
+    """Why a host path the config names is refused ("" when it is not): relative, NUL, ``..``, too long."""
+    if not path.startswith("/"):
+        return "must be an absolute path"
+    if "\0" in path:
+        return "must not contain a NUL byte"
+    if len(path) > MAX_PATH:
+        return f"is longer than {MAX_PATH} characters ({len(path)})"
+    parts = path.split("/")
+    if ".." in parts:
+        return "must not contain '..' (name the directory itself)"
+    if any(len(p.encode("utf-8", errors="surrogateescape")) > MAX_PATH_COMPONENT for p in parts):
+        return f"has a name longer than {MAX_PATH_COMPONENT} bytes"
+    if not path.isprintable():
+        return "must not contain control characters"
+    return ""
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` → (host, port); raises ValueError."""
     host, sep, port_s = address.rpartition(":")
-    if not sep or not host or not port_s.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    port = int(port_s)
+    if not sep or not host or not port_s.isdigit() or not port_s.isascii():
+        raise ValueError(f"expected HOST:PORT, got {shown(address)}")
+    port = int(port_s) if len(port_s) <= 5 else 0
     if not 0 < port < 65536:
-        raise ValueError(f"port out of range in {address!r}")
+        raise ValueError(f"port out of range in {shown(address)}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, port
@@ -234,7 +257,7 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
     """Value of ``value`` for a field of type ``tp``, or ConfigError naming key and source."""
 
     def bad(expected: str) -> ConfigError:
-        return ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}", subject=key)
+        return ConfigError(f"{where}: key '{key}' must be {expected}, got {shown(value)}", subject=key)
 
     origin = get_origin(tp)
     if origin is Literal:
@@ -249,9 +272,13 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad("a number")
-        if not math.isfinite(value):  # TOML has nan and inf; no setting means either
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            raise bad("a finite number") from None
+        if not math.isfinite(number):  # TOML has nan and inf; no setting means either
             raise bad("a finite number")
-        return float(value)
+        return number
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad("an integer")
@@ -269,14 +296,16 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
 
 def _semantic_checks(key: str, value: Any, where: str) -> None:
     if key in _POSITIVE and value <= 0:
-        raise ConfigError(f"{where}: key '{key}' must be greater than 0, got {value!r}", subject=key)
+        raise ConfigError(f"{where}: key '{key}' must be greater than 0, got {shown(value)}", subject=key)
     if key in _NON_NEGATIVE and value < 0:
-        raise ConfigError(f"{where}: key '{key}' must not be negative, got {value!r}", subject=key)
+        raise ConfigError(f"{where}: key '{key}' must not be negative, got {shown(value)}", subject=key)
     if key in _POSITIVE | _NON_NEGATIVE and value > MAX_SECONDS:
-        raise ConfigError(f"{where}: key '{key}' must be at most {MAX_SECONDS:.0f} seconds, got {value!r}",
+        raise ConfigError(f"{where}: key '{key}' must be at most {MAX_SECONDS:.0f} seconds, got {shown(value)}",
                           subject=key)
-    if key in _ABSOLUTE_PATHS and value and not value.startswith("/"):
-        raise ConfigError(f"{where}: key '{key}' must be an absolute path, got {value!r}", subject=key)
+    if key in _ABSOLUTE_PATHS and value:
+        problem = path_problem(value)
+        if problem:
+            raise ConfigError(f"{where}: key '{key}' {problem}, got {shown(value)}", subject=key)
     if key == "metrics.address" and value:
         try:
             parse_address(value)
@@ -284,11 +313,15 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
             raise ConfigError(f"{where}: key '{key}': {e}", subject=key) from e
     if key == "dra.gpus":
         if any(v < 0 for v in value):
-            raise ConfigError(f"{where}: key '{key}' lists a negative GPU index: {list(value)!r}", subject=key)
+            raise ConfigError(f"{where}: key '{key}' lists a negative GPU index: {shown(list(value))}",
+                              subject=key)
         if len(set(value)) != len(value):
-            raise ConfigError(f"{where}: key '{key}' lists a GPU twice: {list(value)!r}", subject=key)
-    if key == "node_name" and value and (len(value) > 253 or any(c.isspace() for c in value)):
-        raise ConfigError(f"{where}: key '{key}' is not a valid node name: {value!r}", subject=key)
+            twice = sorted({v for v in value if value.count(v) > 1}) if len(value) <= 4096 else []
+            which = f" (GPU {shown(twice[0])})" if twice else ""
+            raise ConfigError(f"{where}: key '{key}' lists a GPU twice{which}: {shown(list(value))}", subject=key)
+    if key == "node_name" and value and (len(value) > 253 or not value.isprintable() or
+                                         any(c.isspace() for c in value)):
+        raise ConfigError(f"{where}: key '{key}' is not a valid node name: {shown(value)}", subject=key)
 
 
 def _quoted(text: str, limit: int = 60) -> str:
@@ -323,6 +356,8 @@ def parse_config(text: str, where: str) -> AgentConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{where}: not valid TOML: {e}", subject=where) from e
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"{where}: not valid TOML: {str(e).partition(':')[0]}", subject=where) from e
     except RecursionError as e:  # tomllib parses nested arrays and inline tables recursively
         raise ConfigError(f"{where}: not valid TOML: arrays or tables nested too deeply", subject=where) from e
     cfg: AgentConfig = _build(AgentConfig, data, "", where)

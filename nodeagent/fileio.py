@@ -24,6 +24,7 @@ import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from nodeagent.errors import ConfigError
 
@@ -92,6 +93,17 @@ def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES) -> bytes 
         os.close(fd)
 
 
+def read_stream(stream: BinaryIO, name: str, *, max_bytes: int = MAX_READ_BYTES) -> bytes:
+    """At most ``max_bytes`` of a stream (standard input), like a file: more is ``UnreadableFileError``."""
+    data = bytearray()
+    while len(data) <= max_bytes:
+        chunk = stream.read(min(_CHUNK, max_bytes + 1 - len(data)))
+        if not chunk:
+            return bytes(data)
+        data += chunk
+    raise UnreadableFileError(f"{name}: more than the {max_bytes} bytes nodeagent reads", subject=name)
+
+
 def check_writable(path: Path | str) -> None:
     """Raise ``UnreadableFileError`` unless ``atomic_write``/``remove`` could replace ``path`` now: the
     existing file opens for writing (not immutable, not on a read-only mount) and its directory (or the
@@ -127,18 +139,23 @@ def backup_path(path: Path) -> Path:
     return path.with_name(path.name + BACKUP_SUFFIX)
 
 
-def read_bytes(path: Path) -> bytes | None:
-    """The file's bytes, or ``None`` when it does not exist."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
+def read_bytes(path: Path, *, max_bytes: int = MAX_READ_BYTES) -> bytes | None:
+    """The bytes of a regular file (``read_regular``: never blocks, bounded), ``None`` when it does not
+    exist."""
+    return read_regular(path, max_bytes=max_bytes)
+
+
+def read_text(path: Path, *, max_bytes: int = MAX_READ_BYTES) -> str | None:
+    """The file's text (UTF-8, newlines untouched), or ``None`` when it does not exist; a file that is not
+    UTF-8 is ``UnreadableFileError`` too."""
+    data = read_bytes(path, max_bytes=max_bytes)
+    if data is None:
         return None
-
-
-def read_text(path: Path) -> str | None:
-    """The file's text (UTF-8, newlines untouched), or ``None`` when it does not exist."""
-    data = read_bytes(path)
-    return None if data is None else data.decode("utf-8")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UnreadableFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})",
+                                  subject=str(path)) from e
 
 
 def fsync_dir(directory: Path) -> None:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from nodeagent import fileio
 from nodeagent.errors import OperationError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
@@ -262,13 +263,24 @@ def collect_driver(paths: HostPaths, driver_version: str, driver_root: str = "/"
     return DriverFacts(tuple(libraries), tuple(binaries), tuple(firmware), tuple(sockets), hook)
 
 
+def _read(path: Path) -> str:
+    """A /proc file's text; bounded and never blocking; a missing file is ``FileNotFoundError``."""
+    try:
+        text = fileio.read_text(path)
+    except fileio.UnreadableFileError as e:
+        raise CdiError(str(e), subject=str(path)) from e
+    if text is None:
+        raise FileNotFoundError(str(path))
+    return text
+
+
 def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/",
             driver: DriverFacts | None = None) -> HostFacts:
     """Read the host facts the spec for ``inventory`` needs, under ``paths``; ``driver``: the driver
     root's facts when the caller already has them current (see ``driver_key``)."""
     majors: dict[str, int] = {}
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        majors = parse_proc_devices(paths(PROC_DEVICES).read_text())
+        majors = parse_proc_devices(_read(paths(PROC_DEVICES)))
     dirs = _Dirs(paths)
     nodes: dict[str, NodeFact] = {}
     for path, (major_name, minor) in CONTROL_NODES.items():
@@ -285,7 +297,7 @@ def collect(paths: HostPaths, inventory: Inventory, driver_root: str = "/",
     mig_minors: dict[tuple[int, int, int | None], int] = {}
     if any(g.mig_devices for g in inventory.gpus):
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            mig_minors = parse_mig_minors(minors_file.read_text(), str(minors_file))
+            mig_minors = parse_mig_minors(_read(minors_file), str(minors_file))
     for gpu in inventory.gpus:
         for mig in gpu.mig_devices:
             keys: tuple[tuple[int, int, int | None], ...] = (

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from nodeagent import fileio
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 
@@ -60,7 +61,7 @@ def mig_minors_text(gpu_minors: list[int]) -> str:
 
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.read_text() != text:
+    if fileio.read_text(path) != text:
         path.write_text(text)
     os.chmod(path, mode)
 

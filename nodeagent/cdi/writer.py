@@ -111,7 +111,9 @@ class CdiWriter:
             materialise(self.paths, inventory)
         facts = collect(self.paths, inventory, self.driver_root, self._driver_facts(inventory.driver_version))
         try:
-            old = fileio.read_bytes(target)
+            old = fileio.read_bytes(target)  # a FIFO or device in its place is refused, never waited on
+        except fileio.UnreadableFileError as e:
+            raise CdiError(str(e), subject=str(target)) from e
         except OSError as e:
             raise CdiError(f"cannot read {target}: {e}", subject=str(target)) from e
         current = self._current

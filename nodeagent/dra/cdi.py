@@ -104,8 +104,8 @@ class ClaimSpecs:
     def current(self, claim_uid: str) -> str | None:
         """The claim's spec file as it is on disk (None when missing or unreadable)."""
         try:
-            return self.path(claim_uid).read_text()
-        except (OSError, UnicodeDecodeError):
+            return fileio.read_text(self.path(claim_uid))
+        except (OSError, fileio.UnreadableFileError):
             return None
 
     def remove(self, claim_uid: str) -> bool:

@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 
 ReadClaim = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) → ResourceClaim JSON (blocking)
 
+# The kubelet calls with the claims of one pod (a pod names at most 32 ResourceClaims); a call with more is
+# answered for the first MAX_CLAIMS_PER_CALL and refused for the rest without an API read or a log line each.
+MAX_CLAIMS_PER_CALL = 128
+MAX_CONCURRENT_READS = 8  # ResourceClaim GETs in flight at once, over all calls
+
 
 @dataclass(frozen=True)
 class ClaimRef:
@@ -106,6 +111,7 @@ class ClaimPreparer:
         # claims between the withdrawn check and their checkpoint record (the record may be written in a
         # thread): counted by ``claims_on`` so a MIG change waiting for its GPUs cannot miss them
         self._inflight: dict[str, tuple[ClaimRef, frozenset[int]]] = {}
+        self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
@@ -195,8 +201,17 @@ class ClaimPreparer:
 
     # -- prepare ---------------------------------------------------------------------------------------
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
-        results = await asyncio.gather(*(self._prepare_one(c) for c in claims))
-        return {c.uid: r for c, r in zip(claims, results, strict=True)}
+        served, refused = claims[:MAX_CLAIMS_PER_CALL], claims[MAX_CLAIMS_PER_CALL:]
+        out: dict[str, PrepareResult] = {}
+        if refused:
+            msg = (f"NodePrepareResources names {len(claims)} claims, more than the {MAX_CLAIMS_PER_CALL} one "
+                   "call may name; this claim was not prepared")
+            log.warning("NodePrepareResources: %d claims in one call, the %d beyond %d refused", len(claims),
+                        len(refused), MAX_CLAIMS_PER_CALL)
+            out = {c.uid: PrepareResult(error=msg) for c in refused}
+        results = await asyncio.gather(*(self._prepare_one(c) for c in served))
+        out.update({c.uid: r for c, r in zip(served, results, strict=True)})
+        return out
 
     async def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         rec = self.checkpoint.claims.get(ref.uid)
@@ -209,7 +224,8 @@ class ClaimPreparer:
             return PrepareResult(error=msg)
         try:
             self.specs.path(ref.uid)  # rejects a UID unusable in a file or CDI name before anything else
-            claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
+            async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
+                claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
             wanted = self._resolve(claim, ref)
         except (ClaimError, NodeAgentError, ValueError) as e:
             log.warning("NodePrepareResources %s/%s (%s): %s", ref.namespace, ref.name, ref.uid, e)
@@ -341,6 +357,12 @@ class ClaimPreparer:
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """Claim UID → error ("" when done or never prepared)."""
         out: dict[str, str] = {}
+        if len(claims) > MAX_CLAIMS_PER_CALL:
+            log.warning("NodeUnprepareResources: %d claims in one call, the %d beyond %d refused", len(claims),
+                        len(claims) - MAX_CLAIMS_PER_CALL, MAX_CLAIMS_PER_CALL)
+            msg = f"NodeUnprepareResources names more than the {MAX_CLAIMS_PER_CALL} claims one call may name"
+            out = {ref.uid: msg for ref in claims[MAX_CLAIMS_PER_CALL:]}
+            claims = claims[:MAX_CLAIMS_PER_CALL]
         async with self._lock:
             for ref in claims:
                 try:

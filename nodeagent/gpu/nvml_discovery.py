@@ -13,6 +13,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from nodeagent import fileio
 from nodeagent.errors import GpuLostError, NvmlPermissionError
 from nodeagent.gpu.inventory import Gpu as GpuInfo
 from nodeagent.gpu.inventory import GpuProcess, Inventory, Link, LinkKind, MigDevice, MigProfile
@@ -146,9 +147,9 @@ class NvmlDiscovery(NvmlSession):
         # sysfs names devices "0000:07:00.0" (4-digit domain, lower case); NVML says "00000000:07:00.0"
         sysfs = self.paths.sys_pci_devices / bus_id[-12:].lower() / "numa_node"
         try:
-            value = int(sysfs.read_text().strip())
+            value = int((fileio.read_text(sysfs, max_bytes=64) or "").strip())
             return value if value >= 0 else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, fileio.UnreadableFileError):
             pass
         node = self._try("nvmlDeviceGetNumaNodeId", self._handle(index), gpu=index)
         return int(node) if node is not None and int(node) >= 0 else None
@@ -333,7 +334,7 @@ class NvmlDiscovery(NvmlSession):
 
     def _process_name(self, pid: int) -> str:
         try:
-            return (self.paths.proc / str(pid) / "comm").read_text().strip()
-        except OSError:
+            return (fileio.read_text(self.paths.proc / str(pid) / "comm", max_bytes=4096) or "").strip()
+        except (OSError, fileio.UnreadableFileError):
             return ""
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nodeagent import fileio
 from nodeagent.errors import KubeletError
 from nodeagent.kube.podresources import Assignment
 
@@ -99,8 +100,8 @@ class PodNameLookup:
 
     def _refresh(self) -> dict[str, str]:
         try:
-            entries = parse_checkpoint(self.checkpoint.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as e:
+            entries = parse_checkpoint(fileio.read_text(self.checkpoint) or "")
+        except (OSError, fileio.UnreadableFileError) as e:
             log.debug("no kubelet device checkpoint at %s: %s", self.checkpoint, e)
             return {}
         if not entries:

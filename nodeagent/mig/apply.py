@@ -45,7 +45,7 @@ from nodeagent.errors import (
     RebootRequired,
     ResetRequiredError,
 )
-from nodeagent.fileio import atomic_write
+from nodeagent.fileio import UnreadableFileError, atomic_write, read_bytes, read_text
 from nodeagent.gpu.inventory import Gpu, GpuProcess, Inventory, MigDevice
 from nodeagent.mig.hooks import HookRunner
 from nodeagent.mig.planner import GpuPlan, Plan
@@ -152,10 +152,13 @@ class MigStateFile:
 
     def load(self) -> dict[str, Any] | None:
         try:
-            doc = json.loads(self.path.read_text())
+            text = read_text(self.path)
+            if text is None:
+                return None
+            doc = json.loads(text)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, UnreadableFileError, RecursionError) as e:
             log.warning("ignoring unreadable MIG state file %s: %s", self.path, e)
             return None
         return doc if isinstance(doc, dict) else None
@@ -201,16 +204,16 @@ def describe_process(proc: GpuProcess, proc_root: Path, pod_name: Callable[[str]
     base = proc_root / str(proc.pid)
     command = proc.name
     try:
-        raw = (base / "cmdline").read_bytes()
+        raw = read_bytes(base / "cmdline") or b""
         argv = [a for a in raw.decode(errors="replace").split("\0") if a]
         if argv:
             command = " ".join(argv)
-    except OSError:
+    except (OSError, UnreadableFileError):
         pass
     where = ""
     try:
-        uid = pod_uid_from_cgroup((base / "cgroup").read_text())
-    except OSError:
+        uid = pod_uid_from_cgroup(read_text(base / "cgroup") or "")
+    except (OSError, UnreadableFileError):
         uid = None
     if uid:
         name = pod_name(uid) if pod_name else None

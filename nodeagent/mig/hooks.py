@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from nodeagent.boundedyaml import BoundedYamlError, load, shown
 from nodeagent.errors import ConfigError, OperationError
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,14 @@ class Hooks:
 
 def parse_hooks(text: str, source: str = "<hooks>") -> Hooks:
     try:
-        doc = yaml.safe_load(text)
+        doc = load(text)  # no aliases (an alias bomb in envs), bounded depth and size
+    except BoundedYamlError as e:
+        raise ConfigError(f"{source}: {e}", subject=source) from e
     except yaml.YAMLError as e:
-        problem = getattr(e, "problem", None) or e
-        raise ConfigError(f"{source}: not valid YAML: {problem}", subject=source) from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{source}: not valid YAML{where}: {shown(problem)}", subject=source) from e
     return load_hooks(doc, source)
 
 
@@ -68,16 +73,16 @@ def load_hooks(doc: Any, source: str = "<hooks>") -> Hooks:
         raise ConfigError(f"{source}: expected a mapping with 'version' and 'hooks'", subject=source)
     for key in doc:
         if key not in ("version", "hooks"):
-            raise ConfigError(f"{source}: unknown top-level key {key!r}", subject=source)
+            raise ConfigError(f"{source}: unknown top-level key {shown(key)}", subject=source)
     if doc.get("version") != "v1":
-        raise ConfigError(f"{source}: 'version' must be v1, not {doc.get('version')!r}", subject=source)
+        raise ConfigError(f"{source}: 'version' must be v1, not {shown(doc.get('version'))}", subject=source)
     raw = doc.get("hooks") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: 'hooks' must be a mapping of hook name → list", subject=source)
     out: dict[str, tuple[Hook, ...]] = {}
     for name, items in raw.items():
         if name not in HOOK_NAMES:
-            raise ConfigError(f"{source}: unknown hook {name!r} (known: {', '.join(HOOK_NAMES)})",
+            raise ConfigError(f"{source}: unknown hook {shown(name)} (known: {', '.join(HOOK_NAMES)})",
                               subject=source)
         if items is None:
             items = []
@@ -92,7 +97,7 @@ def _hook(raw: Any, here: str) -> Hook:
         raise ConfigError(f"{here}: must be a mapping with 'command'", subject=here)
     for key in raw:
         if key not in _HOOK_KEYS:
-            raise ConfigError(f"{here}: unknown key {key!r}", subject=here)
+            raise ConfigError(f"{here}: unknown key {shown(key)}", subject=here)
     command = raw.get("command")
     if not isinstance(command, str) or not command:
         raise ConfigError(f"{here}: 'command' must be a non-empty string", subject=here)

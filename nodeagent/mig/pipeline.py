@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nodeagent.config import MigSettings, read_named_file, require_named_file
 from nodeagent.errors import ConfigError
+from nodeagent.fileio import MAX_READ_BYTES, read_stream
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.mig.apply import Applier, ApplyResult, MigAdapter, MigStateFile, Recovery, recover_interrupted
@@ -60,7 +61,7 @@ def load_sources(
     configs: MigConfigFile | None = None
     text = ""
     if config_path == STDIN:
-        text = sys.stdin.read()
+        text = _read_stdin()
         configs = parse_config(text, "<stdin>")
     elif config_path is not None:
         path = Path(config_path)
@@ -83,6 +84,21 @@ def load_sources(
         hooks_file=str(hooks_path or ""),
         digest=digest,
     )
+
+
+def _read_stdin() -> str:
+    """Standard input, bounded like a file (`yes | nodeagent mig plan -f -` never ends)."""
+    binary = getattr(sys.stdin, "buffer", None)
+    if binary is None:  # a text stream without bytes below (an embedding caller's)
+        text = sys.stdin.read(MAX_READ_BYTES + 1)
+        if len(text) > MAX_READ_BYTES:
+            raise ConfigError(f"<stdin>: more than the {MAX_READ_BYTES} bytes nodeagent reads", subject="<stdin>")
+        return text
+    raw = read_stream(binary, "<stdin>")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"<stdin>: not UTF-8 text ({e.reason} at byte {e.start})", subject="<stdin>") from e
 
 
 def load_configured_sources(settings: MigSettings, paths: HostPaths) -> MigSources:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nodeagent import fileio
 from nodeagent.hostpaths import HostPaths
 from nodeagent.lazyimport import lean_import
 
@@ -150,9 +151,10 @@ def sysfs_links(paths: HostPaths) -> list[Link]:
 
 def _read(p: Path) -> str | None:
     try:
-        return p.read_text().strip()
-    except OSError:  # EINVAL for the speed of a down link, ENOENT for virtual ones
+        text = fileio.read_text(p, max_bytes=4096)
+    except (OSError, fileio.UnreadableFileError):  # EINVAL for the speed of a down link
         return None
+    return None if text is None else text.strip()  # None: ENOENT for virtual ones
 
 
 def rdma_devices(paths: HostPaths) -> dict[str, tuple[str, ...]]:

@@ -29,6 +29,7 @@ from tomlkit.exceptions import ParseError, TOMLKitError
 from tomlkit.items import AoT, InlineTable, Item, Table
 from tomlkit.toml_document import TOMLDocument
 
+from nodeagent.boundedyaml import shown
 from nodeagent.errors import ConfigError, RuntimeConfigError
 
 RUNC_V2 = "io.containerd.runc.v2"
@@ -240,9 +241,92 @@ def parse(text: str, source: str = "config.toml") -> TOMLDocument:
     if too_deep:
         raise ConfigError(f"{source}: tables or arrays nested more than {MAX_KEY_DEPTH} levels deep; "
                           "nothing was written", subject=source)
+    check_types(doc.unwrap(), source)
     if doc.as_string() != text:
         _repair_indents(doc, text)
     return doc
+
+
+# Keys containerd decodes into typed fields: a value of another type makes containerd refuse the whole file
+# ("Can't convert 5(int64) to string"), so nodeagent refuses it too, before writing anything.
+_TOP_TYPES: dict[str, str] = {
+    "version": "integer", "root": "string", "state": "string", "temp": "string", "oom_score": "integer",
+    "imports": "list of strings", "required_plugins": "list of strings", "disabled_plugins": "list of strings",
+    "plugins": "table of tables", "grpc": "table", "ttrpc": "table", "debug": "table", "metrics": "table",
+    "cgroup": "table", "timeouts": "table", "proxy_plugins": "table of tables", "stream_processors": "table",
+}
+_CRI_TYPES: dict[str, str] = {"containerd": "table"}
+_CRI_CONTAINERD_TYPES: dict[str, str] = {
+    "default_runtime_name": "string", "snapshotter": "string", "runtimes": "table of tables",
+}
+_RUNTIME_TYPES: dict[str, str] = {
+    "runtime_type": "string", "runtime_path": "string", "options": "table", "snapshotter": "string",
+    "privileged_without_host_devices": "boolean", "base_runtime_spec": "string", "cni_conf_dir": "string",
+    "pod_annotations": "list of strings", "container_annotations": "list of strings",
+}
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "list of strings":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if kind == "table of tables":
+        return isinstance(value, Mapping) and all(isinstance(v, Mapping) for v in value.values())
+    return isinstance(value, Mapping)
+
+
+def _check_keys(table: Mapping[str, Any], types: Mapping[str, str], prefix: tuple[str, ...], source: str) -> None:
+    for key, kind in types.items():
+        if key not in table or _is(table[key], kind):
+            continue
+        path, value = (*prefix, key), table[key]
+        if kind == "table of tables" and isinstance(value, Mapping):  # name the entry that is no table
+            child = next(k for k, v in value.items() if not isinstance(v, Mapping))
+            path, value, kind = (*path, child), value[child], "table"
+        dotted = ".".join(_toml_key(k) for k in path)
+        raise ConfigError(f"{source}: {dotted} must be a {kind}, not {shown(value)} (containerd refuses such a "
+                          "file); nothing was written", subject=source)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else '"' + key.replace('"', '\\"') + '"'
+
+
+def check_types(plain: Mapping[str, Any], source: str = "config.toml") -> None:
+    """``ConfigError`` naming the first key containerd would refuse for its type (``imports = [1, 2]``,
+    ``default_runtime_name = 5``, ``plugins = [1, 2]``, a runtime that is not a table, ...)."""
+    _check_keys(plain, _TOP_TYPES, (), source)
+    raw = plain.get("version", 1)
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= 4:
+        return  # config_version names it
+    keys = cri_path(raw)
+    cri = _plain_at(plain, keys)
+    if not isinstance(cri, Mapping):
+        if cri is not None:
+            raise ConfigError(f"{source}: {'.'.join(_toml_key(k) for k in keys)} must be a table, not "
+                              f"{shown(cri)}; nothing was written", subject=source)
+        return
+    _check_keys(cri, _CRI_TYPES, keys, source)
+    inner = cri.get("containerd")
+    if not isinstance(inner, Mapping):
+        return
+    _check_keys(inner, _CRI_CONTAINERD_TYPES, (*keys, "containerd"), source)
+    for name, runtime in (inner.get("runtimes") or {}).items():
+        _check_keys(runtime, _RUNTIME_TYPES, (*keys, "containerd", "runtimes", name), source)
+
+
+def _plain_at(plain: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    node: Any = plain
+    for k in keys:
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(k)
+    return node
 
 
 def _tables(c: Container) -> Iterator[Table]:
@@ -278,7 +362,8 @@ def _parse_reason(e: ParseError) -> str:
 def config_version(doc: Mapping[str, Any], source: str = "config.toml") -> int:
     raw = doc.get("version", 1)
     if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1 or raw > 4:
-        raise ConfigError(f"{source}: unsupported containerd config version {raw!r} (1-4 known)", subject=source)
+        raise ConfigError(f"{source}: unsupported containerd config version {shown(raw)} (1-4 known)",
+                          subject=source)
     return int(raw)
 
 

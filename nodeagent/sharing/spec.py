@@ -439,8 +439,7 @@ def parse_plugin_config(
 
 def load_plugin_config(path: Path, *, allocation_policy: str = "distributed") -> PluginConfig:
     """Read and parse a plugin config file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read device-plugin config: {e.strerror}", subject=str(path)) from e
+    from nodeagent.config import require_named_file  # a FIFO or device in its place never blocks
+
+    text = require_named_file(path, "device-plugin config", "device_plugin.config")
     return parse_plugin_config(text, source=str(path), allocation_policy=allocation_policy)

@@ -252,7 +252,7 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
     status, body = kube_apiserver.request("PATCH", f"/api/v1/nodes/{other}", {"spec": {"taints": [
         {"key": "dedicated", "value": "gpu", "effect": "NoSchedule"}]}}, content_type="application/merge-patch+json")
     assert status == 200, body
-    for rc, handler in (("gvisor", "runsc"), ("nvidia", "nvidia")):
+    for rc, handler in (("gvisor", "runsc"), ("nvidia", "wrong")):  # nvidia's handler is replaced below
         kube_apiserver.request("DELETE", f"/apis/node.k8s.io/v1/runtimeclasses/{rc}")
         status, body = kube_apiserver.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", {
             "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": rc}, "handler": handler})
@@ -279,7 +279,8 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
         ("PATCH", f"/api/v1/nodes/{own}/status", gpus_status, "application/json-patch+json"),
         ("PATCH", f"/api/v1/nodes/{own}/status", gpu_ready, strategic),  # the GPU Node conditions
         ("POST", "/api/v1/namespaces/default/events", event(own), "application/json"),
-        ("PATCH", "/apis/node.k8s.io/v1/runtimeclasses/nvidia", {"metadata": {"labels": {"a": "b"}}}, None),
+        ("PATCH", "/apis/node.k8s.io/v1/runtimeclasses/nvidia",
+         {"metadata": {"labels": {"app.kubernetes.io/managed-by": "nodeagent"}}}, None),
         ("POST", "/apis/nodeagent.io/v1alpha1/gpus", gpu_obj(own), "application/json"),
         ("PATCH", f"/apis/nodeagent.io/v1alpha1/gpus/{own}-gpu0", {"metadata": {"labels": {"x": "y"}}}, None),
         ("DELETE", f"/apis/nodeagent.io/v1alpha1/gpus/{own}-gpu0", None, None),

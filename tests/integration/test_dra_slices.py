@@ -130,14 +130,17 @@ def test_unhealthy_device_taint_round_trip(kube: KubeClient, node_name: str) -> 
     pub.remove()
 
 
-@pytest.fixture(scope="module")
-def sa_kube(kube_apiserver: KubeApiServer) -> Iterator[KubeClient]:
-    """A client acting as the agent's ServiceAccount, bound only by rbac-dra.yaml's ClusterRole here."""
+@pytest.fixture
+def sa_kube(kube_apiserver: KubeApiServer, node_name: str) -> Iterator[KubeClient]:
+    """A client acting as the agent's ServiceAccount on ``node_name`` (the node-name claim of the token the
+    kubelet projects, which admission-policy.yaml compares with), bound only by rbac-dra.yaml's ClusterRole."""
     for doc in yaml.safe_load_all((MANIFESTS / "rbac-dra.yaml").read_text()):
         status, body = apply(kube_apiserver, doc)
         assert status in (200, 201), body
     api = connect(kube_apiserver.kubeconfig)
     api.set_default_header("Impersonate-User", SA_USER)  # type: ignore[no-untyped-call]
+    api.set_default_header(  # type: ignore[no-untyped-call]
+        "Impersonate-Extra-authentication.kubernetes.io%2fnode-name", node_name)
     k = KubeClient(api)
     yield k
     k.close()

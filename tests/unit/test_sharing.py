@@ -73,7 +73,7 @@ def test_load_from_file(tmp_path: Path) -> None:
     p = tmp_path / "dp.yaml"
     p.write_text(NVIDIA_EXAMPLE)
     assert load_plugin_config(p).source == str(p)
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="not found"):
         load_plugin_config(tmp_path / "missing.yaml")
 
 

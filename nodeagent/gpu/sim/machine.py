@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from nodeagent.boundedyaml import shown
 from nodeagent.errors import InputError
 from nodeagent.gpu.profiles import PRODUCTS, MigProduct
 
@@ -94,7 +95,7 @@ def load_machine(name: str) -> SimMachine:
     """Load a bundled machine by name; unknown names are an InputError listing the known ones."""
     if name not in machine_names():
         raise InputError(
-            f"unknown simulated machine {name!r}; known: {', '.join(machine_names())}", subject=name
+            f"unknown simulated machine {shown(name)}; known: {', '.join(machine_names())}", subject=name
         )
     text = (resources.files("nodeagent.gpu.sim") / "machines" / f"{name}.yaml").read_text()
     return parse_machine(name, yaml.safe_load(text))

@@ -26,8 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nodeagent.boundedyaml import shown
 from nodeagent.errors import InputError
-from nodeagent.fileio import atomic_write
+from nodeagent.fileio import UnreadableFileError, atomic_write, read_regular
 from nodeagent.gpu.sim.machine import SimMachine, load_machine
 from nodeagent.gpu.sim.watch import FileWatch
 
@@ -38,6 +39,88 @@ MAX_EVENTS = 256
 FALLBACK_POLL_S = 0.25  # re-read interval of a waiter when the file cannot be watched with inotify
 
 State = dict[str, Any]
+MAX_STATE_BYTES = 16 << 20  # far above a busy simulated machine's state (a few hundred KiB)
+_INT_MAX = 1 << 63
+
+# key -> (type, required) of each object in a state document
+_Shape = dict[str, tuple[str, bool]]
+_TOP: _Shape = {"version": ("int", True), "machine": ("str", True), "boot": ("int", True),
+                "serial": ("int", True), "event_seq": ("int", True), "events": ("list", True),
+                "fail_next": ("list", True), "gpus": ("list", True)}
+_GPU: _Shape = {"mig_current": ("bool", True), "mig_pending": ("bool", True), "lost": ("bool", True),
+                "gis": ("list", True), "processes": ("list", True), "clients": ("list", False)}
+_GI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "start": ("int", True), "size": ("int", True),
+               "serial": ("int", False), "cis": ("list", True)}
+_CI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "slices": ("int", True), "start": ("int", True),
+               "serial": ("int", False)}
+_PROCESS: _Shape = {"pid": ("int", True), "name": ("str", True), "used_mib": ("int", True),
+                    "gi_id": ("int?", False)}
+_EVENT: _Shape = {"seq": ("int", True), "gpu": ("int", True), "type": ("int", True), "data": ("int", True),
+                  "gi_id": ("int?", False), "ci_id": ("int?", False)}
+_FAIL: _Shape = {"function": ("str", True), "code": ("int", True), "count": ("int", True), "after": ("int", False)}
+
+
+def _check(obj: Any, shape: _Shape, where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where} must be an object, not {shown(obj)}")
+    for key, (kind, required) in shape.items():
+        if key not in obj:
+            if required:
+                raise ValueError(f"{where} lacks {key!r}")
+            continue
+        value = obj[key]
+        if kind in ("int", "int?"):
+            ok = (value is None and kind == "int?") or (
+                isinstance(value, int) and not isinstance(value, bool) and -_INT_MAX <= value < _INT_MAX)
+        else:
+            ok = isinstance(value, {"str": str, "bool": bool, "list": list}[kind])
+        if not ok:
+            raise ValueError(f"{where}.{key} must be {'an integer' if kind.startswith('int') else 'a ' + kind}, "
+                             f"not {shown(value)}")
+
+
+def check_state(doc: Any, machine: SimMachine | None) -> None:
+    """Raise ``ValueError`` (one line) unless ``doc`` is a state document of this simulator (and, with
+    ``machine``, of that machine): every key the simulator reads is there with its type."""
+    _check(doc, _TOP, "the state")
+    if doc["version"] != STATE_VERSION:
+        raise ValueError(f"unknown format version {shown(doc['version'])}")
+    if machine is not None and doc["machine"] != machine.name:
+        raise ValueError(f"it belongs to machine {shown(doc['machine'])}, not {machine.name!r}")
+    if machine is not None and len(doc["gpus"]) != len(machine.gpus):
+        raise ValueError(f"it has {len(doc['gpus'])} GPUs, machine {machine.name!r} has {len(machine.gpus)}")
+    for i, gs in enumerate(doc["gpus"]):
+        _check(gs, _GPU, f"gpus[{i}]")
+        for j, gi in enumerate(gs["gis"]):
+            _check(gi, _GI, f"gpus[{i}].gis[{j}]")
+            for k, ci in enumerate(gi["cis"]):
+                _check(ci, _CI, f"gpus[{i}].gis[{j}].cis[{k}]")
+        for j, proc in enumerate(gs["processes"]):
+            _check(proc, _PROCESS, f"gpus[{i}].processes[{j}]")
+    for i, ev in enumerate(doc["events"]):
+        _check(ev, _EVENT, f"events[{i}]")
+    for i, f in enumerate(doc["fail_next"]):
+        _check(f, _FAIL, f"fail_next[{i}]")
+
+
+def _parse(path: Path, raw: bytes, machine: SimMachine | None) -> State:
+    """The checked state document in ``raw``; ``InputError`` in one line naming the file otherwise."""
+    try:
+        doc = json.loads(raw)
+        check_state(doc, machine)
+    except RecursionError:
+        raise InputError(f"sim-state file {path} is unreadable: nested too deeply", subject=str(path)) from None
+    except ValueError as e:  # JSON syntax, an integer beyond the digit limit, a wrong type
+        raise InputError(f"sim-state file {path} is unreadable: {str(e)[:200]}", subject=str(path)) from None
+    state: State = doc
+    return state
+
+
+def _read_file(path: Path) -> bytes | None:
+    try:
+        return read_regular(path, max_bytes=MAX_STATE_BYTES)  # a FIFO or /dev/zero is refused, never read
+    except UnreadableFileError as e:
+        raise InputError(f"sim-state file {e}", subject=str(path)) from None
 
 
 def initial_state(machine: SimMachine) -> State:
@@ -59,15 +142,10 @@ def initial_state(machine: SimMachine) -> State:
 
 def read_state_machine_name(path: Path) -> str | None:
     """The machine recorded in an existing sim-state file, or None if the file does not exist."""
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
+    raw = _read_file(path)
+    if raw is None:
         return None
-    except (OSError, ValueError) as e:
-        raise InputError(f"sim-state file {path} is unreadable: {e}", subject=str(path)) from e
-    name = doc.get("machine") if isinstance(doc, dict) else None
-    if not isinstance(name, str):
-        raise InputError(f"sim-state file {path} names no machine", subject=str(path))
+    name: str = _parse(path, raw, None)["machine"]
     return name
 
 
@@ -87,8 +165,16 @@ class SimStore:
         self._watch_failed = False
         self._polling = False  # one waiter at a time blocks on the watch, the others on _changed
         if path is not None:
-            with self.transaction():
-                pass  # creates the file on first use, validates an existing one
+            lock = self._lock_path()
+            had_lock = lock.exists()
+            try:
+                with self.transaction():
+                    pass  # creates the file on first use, validates an existing one
+            except BaseException:
+                if not had_lock:  # a refused file leaves nothing behind
+                    with contextlib.suppress(OSError):
+                        lock.unlink()
+                raise
 
     @classmethod
     def open(cls, machine_name: str | None, path: Path | None) -> SimStore:
@@ -104,7 +190,7 @@ class SimStore:
             machine_name = recorded
         elif recorded is not None and recorded != machine_name:
             raise InputError(
-                f"sim-state file {path} belongs to machine {recorded!r}, not {machine_name!r}",
+                f"sim-state file {path} belongs to machine {shown(recorded)}, not {shown(machine_name)}",
                 subject=str(path),
             )
         return cls(load_machine(machine_name), path)
@@ -131,30 +217,27 @@ class SimStore:
         # (a rediscovery right after a MIG change makes hundreds of calls while the file is that young).
         if stamp == self._stamp and time.time_ns() - stamp[2] > 1_000_000_000:
             return
-        try:
-            raw = self.path.read_bytes()
-            if stamp == self._stamp and raw == self._raw:
-                return
-            doc = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise InputError(f"sim-state file {self.path} is unreadable: {e}", subject=str(self.path)) from e
-        if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-            raise InputError(f"sim-state file {self.path} has an unknown format", subject=str(self.path))
-        if doc.get("machine") != self.machine.name or len(doc.get("gpus", ())) != len(self.machine.gpus):
-            raise InputError(
-                f"sim-state file {self.path} belongs to machine {doc.get('machine')!r}, "
-                f"not {self.machine.name!r}",
-                subject=str(self.path),
-            )
+        raw_or_none = _read_file(self.path)
+        if raw_or_none is None:
+            self._state = initial_state(self.machine)
+            self._stamp = None
+            self._raw = b""
+            return
+        raw = raw_or_none
+        if stamp == self._stamp and raw == self._raw:
+            return
+        doc = _parse(self.path, raw, self.machine)
         self._state = doc
         self._stamp = stamp
         self._raw = raw
 
+    def _lock_path(self) -> Path:
+        assert self.path is not None
+        return self.path.with_name(self.path.name + ".lock")
+
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
-        assert self.path is not None
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self._lock_path(), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

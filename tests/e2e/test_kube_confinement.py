@@ -1,0 +1,498 @@
+"""The admission policy and the ClusterRoles judged by the real kube-apiserver with the bound tokens of TWO nodes:
+each node's agent may write its own node's ResourceSlices, GPU objects and Node metadata and the RuntimeClasses
+in the one shape nodeagent writes them, and nothing of the other node. docs/security.md lists
+every case of ``CASES`` in the same words (``test_readme_lists_every_case``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.e2e._agent import REPO
+from tests.e2e.test_kube_manifests import apply_rbac, as_agent, bound_token, token_request
+from tests.peers.apiserver import KubeApiServer
+
+pytestmark = pytest.mark.peers
+
+A, B = "conf-a", "conf-b"
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
+RCS = "/apis/node.k8s.io/v1/runtimeclasses"
+GPUS = "/apis/nodeagent.io/v1alpha1/gpus"
+NODES = "/api/v1/nodes"
+JSON, MERGE = "application/json", "application/merge-patch+json"
+DRIVER = "gpu.nodeagent.io"
+TENANT = "conf-tenant"
+
+Body = Callable[[KubeApiServer], Any]
+
+
+def slice_obj(name: str, node: str | None = A, driver: str = DRIVER, **placement: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "driver": driver,
+        "pool": {"name": node or "shared", "generation": 1, "resourceSliceCount": 1},
+        "devices": [{"name": "gpu-0"}],
+        **placement,
+    }
+    if node is not None:
+        spec["nodeName"] = node
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def rc_obj(name: str, handler: str, *, labels: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if labels is not None:
+        meta["labels"] = labels
+    return {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": meta,
+        "handler": handler,
+        **extra,
+    }
+
+
+def gpu_obj(name: str, label: str, node: str, owner: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": {"nodeagent.io/node": label}}
+    if owner is not None:
+        meta["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Node", "name": owner, "uid": "00000000-0000-0000-0000-000000000001"}
+        ]
+    return {
+        "apiVersion": "nodeagent.io/v1alpha1",
+        "kind": "GPU",
+        "metadata": meta,
+        "spec": {"index": 0, "uuid": f"GPU-{name}", "nodeName": node},
+    }
+
+
+def stored_slice_with_two_devices(name: str) -> Body:
+    """The slice as stored, with one more device: what a replace (PUT) of the publisher sends."""
+
+    def body(server: KubeApiServer) -> Any:
+        status, raw = server.get(f"{SLICES}/{name}")
+        assert status == 200, raw
+        obj = json.loads(raw)
+        obj["spec"]["devices"] = [{"name": "gpu-0"}, {"name": "gpu-1"}]
+        return obj
+
+    return body
+
+
+MANAGED = {"app.kubernetes.io/managed-by": "nodeagent"}
+SELECTOR_A = {
+    "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [A]}]}]
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    what: str
+    token: str  # A, B or "unbound" (a nodeagent token without a node claim)
+    method: str
+    path: str
+    body: Any = None
+    ctype: str = JSON
+    want: int = 403
+
+
+# Run in this order, each on what the ones before left (the setup is in ``cluster``).
+CASES: tuple[Case, ...] = (
+    # ResourceSlices
+    Case("create a ResourceSlice of its node and driver", A, "POST", SLICES, slice_obj(f"{A}-new"), want=201),
+    Case("create a ResourceSlice for another node", A, "POST", SLICES, slice_obj("x1", B)),
+    Case(
+        "create a ResourceSlice of another driver (gpu.nvidia.com) for its node",
+        A,
+        "POST",
+        SLICES,
+        slice_obj("x2", A, "gpu.nvidia.com"),
+    ),
+    Case(
+        "create a ResourceSlice with allNodes: true", A, "POST", SLICES, slice_obj("x3", None, allNodes=True)
+    ),
+    Case(
+        "create a ResourceSlice with a nodeSelector naming its node",
+        A,
+        "POST",
+        SLICES,
+        slice_obj("x4", None, nodeSelector=SELECTOR_A),
+    ),
+    Case(
+        "replace (update) its own ResourceSlice",
+        A,
+        "PUT",
+        f"{SLICES}/{A}-new",
+        stored_slice_with_two_devices(f"{A}-new"),
+        want=200,
+    ),
+    Case(
+        "replace (update) another node's ResourceSlice",
+        A,
+        "PUT",
+        f"{SLICES}/{B}-gpu",
+        stored_slice_with_two_devices(f"{B}-gpu"),
+    ),
+    Case("delete another driver's ResourceSlice of its node", A, "DELETE", f"{SLICES}/{A}-nvidia"),
+    Case("delete another node's ResourceSlice", A, "DELETE", f"{SLICES}/{B}-gpu"),
+    Case("delete its own ResourceSlice", B, "DELETE", f"{SLICES}/{B}-gpu", want=200),
+    Case(
+        "create a ResourceSlice with a token without node claim",
+        "unbound",
+        "POST",
+        SLICES,
+        slice_obj("x5", A),
+    ),
+    Case("delete its own ResourceSlice", A, "DELETE", f"{SLICES}/{A}-new", want=200),
+    # ResourceClaims: read one by name (RBAC cannot narrow a get to a node's pods), never list or watch
+    Case(
+        "read a ResourceClaim by name, in any namespace (what remains)",
+        A,
+        "GET",
+        f"{CLAIMS.format(ns=TENANT)}/tenant-claim",
+        want=200,
+    ),
+    Case("list ResourceClaims", A, "GET", CLAIMS.format(ns=TENANT)),
+    Case("list ResourceClaims of all namespaces", A, "GET", "/apis/resource.k8s.io/v1/resourceclaims"),
+    Case("watch ResourceClaims", A, "GET", f"{CLAIMS.format(ns=TENANT)}?watch=true"),
+    # RuntimeClasses (nvidia exists with handler nvidia, unlabelled; nvidia-cdi with the wrong handler runc)
+    Case(
+        "add nodeagent's label to RuntimeClass nvidia",
+        A,
+        "PATCH",
+        f"{RCS}/nvidia",
+        {"metadata": {"labels": MANAGED}},
+        MERGE,
+        200,
+    ),
+    Case(
+        "add another label to RuntimeClass nvidia",
+        A,
+        "PATCH",
+        f"{RCS}/nvidia",
+        {"metadata": {"labels": {"team": "x"}}},
+        MERGE,
+    ),
+    Case(
+        "set scheduling.nodeSelector of RuntimeClass nvidia",
+        B,
+        "PATCH",
+        f"{RCS}/nvidia",
+        {"scheduling": {"nodeSelector": {"kubernetes.io/hostname": B}}},
+        MERGE,
+    ),
+    Case(
+        "set scheduling.tolerations of RuntimeClass nvidia",
+        B,
+        "PATCH",
+        f"{RCS}/nvidia",
+        {"scheduling": {"tolerations": [{"operator": "Exists"}]}},
+        MERGE,
+    ),
+    Case(
+        "set overhead of RuntimeClass nvidia",
+        B,
+        "PATCH",
+        f"{RCS}/nvidia",
+        {"overhead": {"podFixed": {"memory": "64Gi"}}},
+        MERGE,
+    ),
+    Case(
+        "annotate RuntimeClass nvidia",
+        B,
+        "PATCH",
+        f"{RCS}/nvidia",
+        {"metadata": {"annotations": {"a": "b"}}},
+        MERGE,
+    ),
+    Case("delete RuntimeClass nvidia whose handler is right", A, "DELETE", f"{RCS}/nvidia"),
+    Case("delete RuntimeClass nvidia-cdi whose handler is wrong", A, "DELETE", f"{RCS}/nvidia-cdi", want=200),
+    Case(
+        "create RuntimeClass nvidia-cdi with handler runc",
+        B,
+        "POST",
+        RCS,
+        rc_obj("nvidia-cdi", "runc", labels=MANAGED),
+    ),
+    Case(
+        "create RuntimeClass nvidia-cdi with a scheduling.nodeSelector",
+        B,
+        "POST",
+        RCS,
+        rc_obj("nvidia-cdi", "nvidia-cdi", labels=MANAGED, scheduling={"nodeSelector": {"x": "y"}}),
+    ),
+    Case(
+        "create RuntimeClass nvidia-cdi as nodeagent does (its handler, its label)",
+        B,
+        "POST",
+        RCS,
+        rc_obj("nvidia-cdi", "nvidia-cdi", labels=MANAGED),
+        want=201,
+    ),
+    Case("create a RuntimeClass of another name", A, "POST", RCS, rc_obj("gvisor2", "runsc")),
+    Case("delete a RuntimeClass of another name", A, "DELETE", f"{RCS}/gvisor"),
+    # Nodes
+    Case(
+        "label its own Node (nvidia.com/gpu.count)",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"labels": {"nvidia.com/gpu.count": "8"}}},
+        MERGE,
+        200,
+    ),
+    Case(
+        "label its own Node (nvidia.com/gpu.count)",
+        B,
+        "PATCH",
+        f"{NODES}/{B}",
+        {"metadata": {"labels": {"nvidia.com/gpu.count": "4"}}},
+        MERGE,
+        200,
+    ),
+    Case(
+        "label the other Node",
+        A,
+        "PATCH",
+        f"{NODES}/{B}",
+        {"metadata": {"labels": {"nvidia.com/gpu.count": "0"}}},
+        MERGE,
+    ),
+    Case(
+        "label the other Node",
+        B,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"labels": {"nvidia.com/gpu.count": "0"}}},
+        MERGE,
+    ),
+    Case(
+        "label its own Node node-role.kubernetes.io/control-plane",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}}},
+        MERGE,
+    ),
+    Case(
+        "label its own Node node-restriction.kubernetes.io/gpu",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"labels": {"node-restriction.kubernetes.io/gpu": "true"}}},
+        MERGE,
+    ),
+    Case(
+        "label its own Node example.node-restriction.kubernetes.io/tier",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"labels": {"example.node-restriction.kubernetes.io/tier": "gold"}}},
+        MERGE,
+    ),
+    Case(
+        "remove kubernetes.io/hostname from its own Node",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"labels": {"kubernetes.io/hostname": None}}},
+        MERGE,
+    ),
+    Case(
+        "add a finalizer to its own Node",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {"metadata": {"finalizers": ["x.io/hold"]}},
+        MERGE,
+    ),
+    Case(
+        "add an ownerReference to its own Node",
+        A,
+        "PATCH",
+        f"{NODES}/{A}",
+        {
+            "metadata": {
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Node",
+                        "name": B,
+                        "uid": "00000000-0000-0000-0000-000000000002",
+                    }
+                ]
+            }
+        },
+        MERGE,
+    ),
+    # GPU objects (conf-mixed is labelled conf-a but its spec.nodeName is conf-b)
+    Case(
+        "create a GPU object labelled with its node for another spec.nodeName",
+        A,
+        "POST",
+        GPUS,
+        gpu_obj("x6", A, B),
+    ),
+    Case(
+        "change a GPU object labelled with its node whose spec.nodeName is another",
+        A,
+        "PATCH",
+        f"{GPUS}/conf-mixed",
+        {"metadata": {"labels": {"x": "y"}}},
+        MERGE,
+    ),
+    Case(
+        "delete a GPU object labelled with its node whose spec.nodeName is another",
+        A,
+        "DELETE",
+        f"{GPUS}/conf-mixed",
+    ),
+    Case("create its own GPU object owned by another Node", A, "POST", GPUS, gpu_obj("x7", A, A, owner=B)),
+    Case(
+        "create its own GPU object owned by its Node",
+        A,
+        "POST",
+        GPUS,
+        gpu_obj(f"{A}-gpu1", A, A, owner=A),
+        want=201,
+    ),
+    Case(
+        "change the other node's GPU object",
+        B,
+        "PATCH",
+        f"{GPUS}/{A}-gpu0",
+        {"metadata": {"labels": {"x": "y"}}},
+        MERGE,
+    ),
+    Case(
+        "change its own GPU object",
+        B,
+        "PATCH",
+        f"{GPUS}/{B}-gpu0",
+        {"metadata": {"labels": {"x": "y"}}},
+        MERGE,
+        200,
+    ),
+)
+
+
+def admin(
+    server: KubeApiServer, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201)
+) -> None:
+    status, raw = server.request(method, path, body, content_type=MERGE if method == "PATCH" else JSON)
+    assert status in ok, (method, path, status, raw[:300])
+
+
+def cluster(server: KubeApiServer) -> dict[str, str]:
+    """Both nodes, their slices and GPU objects, the RuntimeClasses and a tenant's claim; the two nodes' tokens."""
+    from tests.e2e.test_run_cluster import make_node
+
+    apply_rbac(server, crd=True)
+    for n in (A, B):
+        make_node(server, n)
+        admin(server, "PATCH", f"{NODES}/{n}", {"metadata": {"labels": {"kubernetes.io/hostname": n}}})
+    for name in (f"{A}-new", f"{A}-nvidia", f"{B}-gpu", "x1", "x2", "x3", "x4", "x5"):
+        server.request("DELETE", f"{SLICES}/{name}")
+    admin(server, "POST", SLICES, slice_obj(f"{B}-gpu", B))
+    admin(server, "POST", SLICES, slice_obj(f"{A}-nvidia", A, "gpu.nvidia.com"))
+    for rc in ("nvidia", "nvidia-cdi", "gvisor", "gvisor2"):
+        server.request("DELETE", f"{RCS}/{rc}")
+    admin(server, "POST", RCS, rc_obj("nvidia", "nvidia"))
+    admin(server, "POST", RCS, rc_obj("nvidia-cdi", "runc"))
+    admin(server, "POST", RCS, rc_obj("gvisor", "runsc"))
+    for name in ("conf-mixed", f"{A}-gpu0", f"{A}-gpu1", f"{B}-gpu0", "x6", "x7"):
+        server.request("DELETE", f"{GPUS}/{name}")
+    crd = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io"
+    deadline = time.monotonic() + 20
+    while not any(
+        c["type"] == "Established" and c["status"] == "True"
+        for c in json.loads(server.get(crd)[1]).get("status", {}).get("conditions", [])
+    ):
+        assert time.monotonic() < deadline, "GPU CRD never established"
+        time.sleep(0.2)
+    for obj in (gpu_obj("conf-mixed", A, B), gpu_obj(f"{A}-gpu0", A, A), gpu_obj(f"{B}-gpu0", B, B)):
+        deadline = time.monotonic() + 20
+        while (status := server.request("POST", GPUS, obj)[0]) == 429 and time.monotonic() < deadline:
+            time.sleep(0.2)  # a freshly served CRD may answer 429 for a moment
+        assert status == 201, status
+    server.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TENANT}}
+    )
+    server.request("DELETE", f"{CLAIMS.format(ns=TENANT)}/tenant-claim")
+    admin(
+        server,
+        "POST",
+        CLAIMS.format(ns=TENANT),
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "tenant-claim"},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
+        },
+    )
+    tokens = {A: bound_token(server, A), B: bound_token(server, B), "unbound": token_request(server)}
+    # the policy as this file has it takes effect once the API server has loaded it: probe with a refusal
+    # the policy's earlier versions did not make
+    probe = {"metadata": {"labels": {"node-role.kubernetes.io/probe": ""}}}
+    deadline = time.monotonic() + 30
+    while as_agent(server, tokens[A], "PATCH", f"{NODES}/{A}", probe)[0] != 403:
+        assert time.monotonic() < deadline, "the admission policy never refused a node-role label"
+        time.sleep(0.2)
+        admin(
+            server, "PATCH", f"{NODES}/{A}", {"metadata": {"labels": {"node-role.kubernetes.io/probe": None}}}
+        )
+    return tokens
+
+
+def test_two_nodes_each_confined_to_its_own(kube_apiserver: KubeApiServer) -> None:
+    tokens = cluster(kube_apiserver)
+    wrong: list[str] = []
+    for case in CASES:
+        body = case.body(kube_apiserver) if callable(case.body) else case.body
+        status, msg = as_agent(kube_apiserver, tokens[case.token], case.method, case.path, body, case.ctype)
+        if status != case.want or "evaluat" in msg:  # a refusal by a failing expression proves nothing
+            wrong.append(f"{case.what} ({case.token}): {status}, wanted {case.want}: {msg[:200]}")
+    assert not wrong, "\n".join(wrong)
+    assert len(CASES) >= 45
+    # what the refusals left as it was
+    assert kube_apiserver.get(f"{SLICES}/{A}-nvidia")[0] == 200
+    for name in ("x1", "x2", "x3", "x4", "x5"):
+        assert kube_apiserver.get(f"{SLICES}/{name}")[0] == 404
+    rc = json.loads(kube_apiserver.get(f"{RCS}/nvidia")[1])
+    assert rc["handler"] == "nvidia" and "scheduling" not in rc and "overhead" not in rc
+    assert rc["metadata"]["labels"] == MANAGED
+    assert json.loads(kube_apiserver.get(f"{RCS}/nvidia-cdi")[1])["handler"] == "nvidia-cdi"
+    node = json.loads(kube_apiserver.get(f"{NODES}/{A}")[1])
+    assert not node["metadata"].get("finalizers") and not node["metadata"].get("ownerReferences")
+    assert not any(
+        k.startswith(("node-role.", "node-restriction.")) or ".node-restriction." in k
+        for k in node["metadata"]["labels"]
+    )
+    assert node["metadata"]["labels"]["kubernetes.io/hostname"] == A
+    assert (
+        json.loads(kube_apiserver.get(f"{NODES}/{B}")[1])["metadata"]["labels"]["nvidia.com/gpu.count"] == "4"
+    )
+    assert kube_apiserver.get(f"{GPUS}/conf-mixed")[0] == 200
+    assert kube_apiserver.get(f"{GPUS}/x6")[0] == 404 and kube_apiserver.get(f"{GPUS}/x7")[0] == 404
+
+
+def readme_row(case: Case) -> str:
+    who = {A: "node-a", B: "node-b", "unbound": "none"}[case.token]
+    verdict = "allowed" if case.want < 300 else "refused"
+    return f"| {case.what} | {who} | {case.want} {verdict} |"
+
+
+def test_docs_list_every_case() -> None:
+    security = (REPO / "docs/security.md").read_text()
+    missing = [readme_row(c) for c in CASES if readme_row(c) not in security]
+    assert not missing, "docs/security.md lacks:\n" + "\n".join(missing)
