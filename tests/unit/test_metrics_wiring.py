@@ -52,7 +52,7 @@ def test_run_flag_sets_the_socket(tmp_path: Path) -> None:
     sock = tmp_path / "pr.sock"
     res = CliRunner().invoke(cli, ["--root", str(tmp_path), "run", "--pod-resources-socket", "/elsewhere/x.sock"])
     assert isinstance(res.exception, ConfigError)  # bad input: nothing starts (exit code 2 via main)
-    assert "--pod-resources-socket /elsewhere/x.sock is not inside --root" in str(res.exception)
+    assert "--pod-resources-socket '/elsewhere/x.sock' is not inside --root" in str(res.exception)
     help_text = CliRunner().invoke(cli, ["run", "--help"]).output
     assert "--pod-resources-socket" in help_text
     assert not sock.exists()
