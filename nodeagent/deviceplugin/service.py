@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.backoff import Backoff
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
 from nodeagent.deviceplugin.server import ResourceServer, socket_name
 from nodeagent.errors import ConfigError, NodeAgentError
@@ -239,7 +240,7 @@ class DevicePluginService:
     async def _register_loop(self, name: str) -> None:
         """Serve (when the server is down, e.g. after a kubelet restart) and register, retrying with backoff;
         every new cause is logged once and kept in ``failures`` until the resource is registered."""
-        delay = BACKOFF_START_S
+        backoff = Backoff(BACKOFF_START_S, self._backoff_max, jitter=False)
         while True:
             server = self._servers.get(name)
             if server is None:
@@ -257,8 +258,7 @@ class DevicePluginService:
                         log.warning("registering %s failed, retrying with backoff: %s", name, message)
                     else:
                         log.error("%s is not served (retrying with backoff): %s", name, message)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._backoff_max)
+                await asyncio.sleep(backoff.next())
                 continue
             self._last_cause.pop(name, None)
             self.failures.pop(name, None)

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
@@ -229,7 +230,7 @@ class DraComponent:
             await self.set_health(unhealthy)
 
     async def _publish_loop(self) -> None:
-        delay = RETRY_MIN_S
+        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S, jitter=False)
         while True:
             try:
                 await asyncio.wait_for(self._dirty.wait(), self.verify_interval_s)
@@ -243,14 +244,14 @@ class DraComponent:
                 await asyncio.to_thread(self.publisher.sync, wanted)
             except NodeAgentError as e:
                 self.last_error = str(e)
+                delay = backoff.next()
                 log.warning("DRA ResourceSlices of %s not written (retry in %.1fs): %s",
                             self.node_name, delay, e)
                 self.publisher.invalidate()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
                 self._dirty.set()
                 continue
-            delay = RETRY_MIN_S
+            backoff.reset()
             self.last_error = ""
             async with self._synced:
                 self._published = wanted

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nodeagent.backoff import Backoff
 from nodeagent.errors import KubeError
 from nodeagent.kube.node import NodeClient
 
@@ -140,7 +141,8 @@ class EventRecorder:
             self._retrier.start()
 
     def _retry_loop(self) -> None:
-        delay = self.retry_start_s
+        backoff = Backoff(self.retry_start_s, self.retry_max_s, jitter=False)
+        delay = backoff.next()
         while not self._closed:
             self._wake.wait(delay)
             self._wake.clear()
@@ -149,12 +151,13 @@ class EventRecorder:
             if head is None or self._closed:
                 return
             if self._send(head, first=False):
-                delay = self.retry_start_s
+                backoff.reset()
+                delay = backoff.next()
                 continue  # the next one at once
             with self._lock:
                 still_failing = bool(self._pending) and self._pending[0] is head
             if still_failing:
-                delay = min(delay * 2, self.retry_max_s)
+                delay = backoff.next()
 
     def retry_now(self) -> None:
         """Try the queued events at once (e.g. when the caller knows the API answers again)."""

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from nodeagent.backoff import Backoff
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
 GENERATION_ANNOTATION = "nodeagent.io/mig.config.generation"
+# a label write or event the API refused is tried again after 0.2 s, 0.4 s, ... at most 5 s apart
+KUBE_RETRY_START_S = 0.2
+KUBE_RETRY_MAX_S = 5.0
 
 PENDING, REBOOTING, SUCCESS, FAILED = "pending", "rebooting", "success", "failed"
 
@@ -401,7 +405,7 @@ class MigReconciler:
                          attempts=2)
 
     async def _kube(self, call: Callable[[], Awaitable[Any]], what: str, attempts: int = 5) -> None:
-        delay = 0.2
+        backoff = Backoff(KUBE_RETRY_START_S, KUBE_RETRY_MAX_S, jitter=False)
         for attempt in range(attempts):
             try:
                 await asyncio.wait_for(call(), self.options.kube_timeout_s)
@@ -410,8 +414,7 @@ class MigReconciler:
                 if attempt == attempts - 1:
                     log.error("mig: could not %s: %s", what, e)
                     return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
 
 def _describe_holders(held: Mapping[int, tuple[Holder, ...]]) -> str:
