@@ -23,7 +23,8 @@ Slice writes run in a background task: a failed write (API server down) is retri
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
 deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
 checked (one LIST, no write when intact) every ``verify_interval_s`` and whenever the kubelet registers the
-driver again; missing or foreign-changed slices are written anew with the next generation.
+driver again; missing or foreign-changed slices are written anew with the next generation. The periodic
+check is a job on ``scheduler`` (the daemon's apscheduler); without one the component runs its own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
@@ -58,6 +60,9 @@ from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
+
+if TYPE_CHECKING:
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,7 @@ class DraComponent:
         mig: MigAdministration | None = None,
         dynamic_mig: bool = False,
         slice_layout: str | None = None,
+        scheduler: AsyncIOScheduler | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -101,6 +107,9 @@ class DraComponent:
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
         self.verify_interval_s = verify_interval_s
+        self.scheduler = scheduler
+        self._own_scheduler: AsyncIOScheduler | None = None
+        self._verify_job: str | None = None
         self.gpu_filter = gpu_filter
         self.mig = mig
         self.dynamic_mig = dynamic_mig and mig is not None
@@ -149,6 +158,7 @@ class DraComponent:
                                 on_claims_changed=self._claims_changed)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
+        self._schedule_verify()
         if self.health_source is not None:
             self._tasks.append(asyncio.create_task(self._follow_health(), name="dra-health"))
         if self.monitor is not None:
@@ -224,6 +234,33 @@ class DraComponent:
         self.publisher.invalidate()
         self._dirty.set()
 
+    def _schedule_verify(self) -> None:
+        """The periodic comparison with the API as a scheduler job (on the loop: it touches asyncio objects)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+            scheduler = self._own_scheduler = AsyncIOScheduler()
+            scheduler.start()
+        job = scheduler.add_job(self._verify, "interval", seconds=self.verify_interval_s,
+                                id=f"dra-verify-{self.driver}", replace_existing=True, coalesce=True,
+                                max_instances=1)
+        self._verify_job = job.id
+
+    async def _verify(self) -> None:
+        self.reverify()
+
+    def _unschedule_verify(self) -> None:
+        scheduler = self._own_scheduler or self.scheduler
+        if scheduler is not None and self._verify_job is not None:
+            with contextlib.suppress(Exception):  # gone already (the daemon's scheduler shut down first)
+                scheduler.remove_job(self._verify_job)
+        self._verify_job = None
+        if self._own_scheduler is not None:
+            if self._own_scheduler.running:
+                self._own_scheduler.shutdown(wait=False)
+            self._own_scheduler = None
+
     async def _follow_health(self) -> None:
         assert self.health_source is not None
         async for unhealthy in self.health_source():
@@ -232,10 +269,7 @@ class DraComponent:
     async def _publish_loop(self) -> None:
         backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S, jitter=False)
         while True:
-            try:
-                await asyncio.wait_for(self._dirty.wait(), self.verify_interval_s)
-            except TimeoutError:
-                self.publisher.invalidate()
+            await self._dirty.wait()
             self._dirty.clear()
             wanted = self._wanted
             if wanted is None:
@@ -268,6 +302,7 @@ class DraComponent:
         recorded: their containers keep running and a later start answers for them again."""
         if self.monitor is not None:
             await self.monitor.stop()
+        self._unschedule_verify()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
