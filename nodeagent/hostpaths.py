@@ -24,6 +24,10 @@ from pathlib import Path, PurePosixPath
 
 from nodeagent.errors import ConfigError
 
+# The kubelet's root directory on a host (``[kubelet] dir`` may name another): device-plugins/,
+# plugins_registry/, plugins/ and pod-resources/ live below it.
+KUBELET_DIR = "/var/lib/kubelet"
+
 # Like the kernel's MAXSYMLINKS: more links than this on one path is treated as a loop.
 MAX_SYMLINKS = 40
 
@@ -73,11 +77,11 @@ class HostPaths:
     # Well-known locations -------------------------------------------------------------------
     @property
     def kubelet_device_plugins(self) -> Path:
-        return self("/var/lib/kubelet/device-plugins")
+        return self(KUBELET_DIR + "/device-plugins")
 
     @property
     def pod_resources_socket(self) -> Path:
-        return self("/var/lib/kubelet/pod-resources/kubelet.sock")
+        return self(KUBELET_DIR + "/pod-resources/kubelet.sock")
 
     @property
     def sys_pci_devices(self) -> Path:

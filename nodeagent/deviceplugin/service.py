@@ -23,7 +23,7 @@ from nodeagent.errors import ConfigError, NodeAgentError
 from nodeagent.gpu.health import (
     EventPumps,
     HealthMonitor,
-    HealthSettings,
+    HealthMonitorSettings,
     HealthSource,
     shared_pumps,
     to_xid_event,
@@ -64,7 +64,7 @@ class DevicePluginService:
         plugin_dir: Path,
         plugin_config: PluginConfig | None = None,
         nvml: HealthSource | None = None,
-        health: HealthSettings | None = None,
+        health: HealthMonitorSettings | None = None,
         pumps: EventPumps | None = None,
         exclude_gpus: Iterable[int] = (),
         register_timeout_s: float = 5.0,
@@ -92,7 +92,7 @@ class DevicePluginService:
         self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
             self.monitor = XidTrackingMonitor(
-                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed,
+                source=nvml, settings=health or HealthMonitorSettings.from_env(), on_change=self._health_changed,
                 pumps=pumps if pumps is not None else shared_pumps(),
             )
 

@@ -48,17 +48,16 @@ from nodeagent.dra.devices import (
     dynamic_mig_gpu,
     read_pcie_roots,
 )
-from nodeagent.dra.health import HealthFeed, HealthKey, HealthSource, unhealthy_devices
+from nodeagent.dra.health import HealthFeed, HealthKey, HealthUpdates, unhealthy_devices
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
-from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings, shared_pumps
-from nodeagent.gpu.health import HealthSource as NvmlHealthSource
+from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
-from nodeagent.hostpaths import HostPaths
+from nodeagent.hostpaths import KUBELET_DIR, HostPaths
 from nodeagent.kube.client import KubeClient
 
 if TYPE_CHECKING:
@@ -83,11 +82,11 @@ class DraComponent:
         kubelet_dir: Path | None = None,
         cdi_dir: Path | None = None,
         checkpoint_path: Path | None = None,
-        health_source: HealthSource | None = None,
+        health_source: HealthUpdates | None = None,
         max_devices_per_slice: int = MAX_DEVICES,
         verify_interval_s: float = VERIFY_INTERVAL_S,
-        nvml: NvmlHealthSource | None = None,
-        health_settings: HealthSettings | None = None,
+        nvml: HealthSource | None = None,
+        health_settings: HealthMonitorSettings | None = None,
         gpu_filter: Callable[[Gpu], bool] | None = None,
         pumps: EventPumps | None = None,
         kubelet_host_dir: Path | None = None,
@@ -100,7 +99,7 @@ class DraComponent:
         self.kube = kube
         self.node_name = node_name
         self.driver = driver
-        self.kubelet_dir = kubelet_dir or paths("/var/lib/kubelet")
+        self.kubelet_dir = kubelet_dir or paths(KUBELET_DIR)
         # the kubelet's directory as the kubelet sees it (default: the same)
         self.kubelet_host_dir = kubelet_host_dir
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
@@ -133,7 +132,7 @@ class DraComponent:
         # ``set_health`` from its on_change instead.
         self.monitor: HealthMonitor | None = None
         if nvml is not None:
-            self.monitor = HealthMonitor(nvml, health_settings or HealthSettings.from_env(),
+            self.monitor = HealthMonitor(nvml, health_settings or HealthMonitorSettings.from_env(),
                                          on_change=self._monitor_changed,
                                          pumps=pumps if pumps is not None else shared_pumps())
 

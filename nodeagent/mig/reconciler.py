@@ -45,7 +45,8 @@ from nodeagent.backoff import Backoff
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import MigAdapter, MigStateFile, Recovery, describe_process
+from nodeagent.gpu.ports import MigAdministration
+from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
 from nodeagent.mig.planner import Plan
 
@@ -151,7 +152,7 @@ class MigReconciler:
     def __init__(
         self,
         node: NodeApi,
-        adapter: MigAdapter,
+        adapter: MigAdministration,
         state_dir: Path,
         *,
         publisher: ResourcePublisher | None = None,
