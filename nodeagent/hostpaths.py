@@ -76,10 +76,6 @@ class HostPaths:
 
     # Well-known locations -------------------------------------------------------------------
     @property
-    def kubelet_device_plugins(self) -> Path:
-        return self(KUBELET_DIR + "/device-plugins")
-
-    @property
     def pod_resources_socket(self) -> Path:
         return self(KUBELET_DIR + "/pod-resources/kubelet.sock")
 
@@ -92,18 +88,6 @@ class HostPaths:
         return self("/etc/containerd/config.toml")
 
     @property
-    def containerd_dropin_dir(self) -> Path:
-        return self("/etc/containerd/conf.d")
-
-    @property
-    def nvidia_runtime_config(self) -> Path:
-        return self("/etc/nvidia-container-runtime/config.toml")
-
-    @property
-    def agent_config(self) -> Path:
-        return self("/etc/nodeagent/config.toml")
-
-    @property
     def state_dir(self) -> Path:
         return self("/var/lib/nodeagent")
 
@@ -111,10 +95,6 @@ class HostPaths:
     def mig_state_dir(self) -> Path:
         """MIG state (``mig-state.json``): shared by ``nodeagent run``, ``bootstrap`` and ``mig apply``."""
         return self("/var/lib/nodeagent/mig")
-
-    @property
-    def run_dir(self) -> Path:
-        return self("/run/nodeagent")
 
     @property
     def proc(self) -> Path:

@@ -167,10 +167,6 @@ class DevicePluginService:
         """GPU index → the last XID it reported (GPUs without one are absent)."""
         return dict(self.monitor.last_xid) if self.monitor is not None else {}
 
-    def device_health(self) -> dict[str, dict[str, bool]]:
-        """Resource → device ID → healthy."""
-        return {n: {d.id: self._healthy(d) for d in s.resource.devices} for n, s in self._servers.items()}
-
     async def stop(self) -> None:
         """Stop every server, watcher, health task and registration attempt."""
         async with self._lock:

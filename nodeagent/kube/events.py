@@ -8,7 +8,6 @@ An event refused for good (403, 422, ...) is logged and dropped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -29,7 +28,6 @@ RUNTIME_CONFIGURED = "RuntimeConfigured"
 RUNTIME_CONFIGURE_FAILED = "RuntimeConfigureFailed"
 GPU_HEALTHY = "GpuHealthy"
 GPU_UNHEALTHY = "GpuUnhealthy"
-INPUT_REFUSED = "InputRefused"
 RESOURCE_REFUSED = "ExtendedResourceRefused"
 
 
@@ -159,10 +157,6 @@ class EventRecorder:
             if still_failing:
                 delay = backoff.next()
 
-    def retry_now(self) -> None:
-        """Try the queued events at once (e.g. when the caller knows the API answers again)."""
-        self._wake.set()
-
     def close(self, timeout: float = 2.0) -> None:
         """Stop retrying; events still queued are logged as lost."""
         self._closed = True
@@ -174,9 +168,6 @@ class EventRecorder:
         for ev in lost:
             log.warning("event %s on node %s not recorded: the API did not answer before shutdown", ev.reason,
                         self.node.name)
-
-    async def arecord(self, reason: str, message: str, type: str = "Normal", action: str | None = None) -> bool:
-        return await asyncio.to_thread(self.record, reason, message, type, action)
 
     # the situations the agent reports -----------------------------------------------------------
     def reconfigured(self, component: str, message: str, *, ok: bool = True) -> bool:
@@ -192,6 +183,3 @@ class EventRecorder:
         msg = f"GPU {gpu} is {'healthy' if healthy else 'unhealthy'}" + (f": {detail}" if detail else "")
         return self.record(GPU_HEALTHY if healthy else GPU_UNHEALTHY, msg, "Normal" if healthy else "Warning",
                            action="HealthCheck")
-
-    def refused_input(self, what: str, message: str) -> bool:
-        return self.record(INPUT_REFUSED, f"{what}: {message}", "Warning", action="Validate")
