@@ -18,43 +18,57 @@ to watchdog's polling observer itself.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
-from watchdog.events import (
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileMovedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.utils import UnsupportedLibcError
-
-# the event kinds that may change what the file holds (their inotify mask leaves IN_MODIFY out)
-WATCHED_EVENTS: list[type[FileSystemEvent]] = [
-    FileClosedEvent,
-    FileMovedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-]
 JOIN_TIMEOUT_S = 2.0
 
 
-class _NameChanged(FileSystemEventHandler):
-    """Sets ``changed`` for every event that names ``name`` as its source or destination."""
+class _Changed:
+    """Set for every event that names ``name`` as its source or destination."""
 
     def __init__(self, name: str) -> None:
-        super().__init__()
         self.name = name
-        self.changed = threading.Event()
+        self.event = threading.Event()
 
-    def on_any_event(self, event: FileSystemEvent) -> None:
+    def see(self, event: Any) -> None:
         for path in (event.src_path, event.dest_path):
             if path and os.path.basename(os.fsdecode(path)) == self.name:
-                self.changed.set()
+                self.event.set()
                 return
+
+
+@functools.cache
+def _watchdog() -> tuple[Any, Any, list[Any]]:
+    """watchdog's inotify observer, a handler class feeding ``_Changed``, and the event kinds that may
+    change what a file holds (their inotify mask leaves IN_MODIFY out). Imported on the first watch: a
+    command that never waits (``discover --simulate``) does not load watchdog."""
+    from watchdog.events import (
+        FileClosedEvent,
+        FileCreatedEvent,
+        FileDeletedEvent,
+        FileMovedEvent,
+        FileSystemEvent,
+        FileSystemEventHandler,
+    )
+    from watchdog.utils import UnsupportedLibcError
+
+    class Handler(FileSystemEventHandler):
+        def __init__(self, changed: _Changed) -> None:
+            super().__init__()
+            self.changed = changed
+
+        def on_any_event(self, event: FileSystemEvent) -> None:
+            self.changed.see(event)
+
+    try:
+        from watchdog.observers.inotify import InotifyObserver
+    except UnsupportedLibcError as e:  # not Linux, or a C library without inotify
+        raise OSError(errno.ENOSYS, f"inotify unavailable: {e}") from e
+    return InotifyObserver, Handler, [FileClosedEvent, FileMovedEvent, FileCreatedEvent, FileDeletedEvent]
 
 
 class FileWatch:
@@ -62,20 +76,19 @@ class FileWatch:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._handler = _NameChanged(path.name)
-        try:
-            from watchdog.observers.inotify import InotifyObserver
-        except UnsupportedLibcError as e:  # not Linux, or a C library without inotify
-            raise OSError(errno.ENOSYS, f"inotify unavailable: {e}", str(path)) from e
-        self._observer = InotifyObserver()
-        self._observer.schedule(self._handler, str(path.parent), recursive=False, event_filter=WATCHED_EVENTS)
+        self._changed = _Changed(path.name)
+        observer_type, handler_type, kinds = _watchdog()
+        self._observer = observer_type()
+        self._observer.schedule(
+            handler_type(self._changed), str(path.parent), recursive=False, event_filter=kinds
+        )
         self._observer.start()  # adds the inotify watch before it returns (OSError at a limit)
 
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s``; True as soon as the file changed since the watch (or the last wait)."""
-        if not self._handler.changed.wait(max(0.0, timeout_s)):
+        if not self._changed.event.wait(max(0.0, timeout_s)):
             return False
-        self._handler.changed.clear()  # the caller reads the file after this: a change meanwhile is seen
+        self._changed.event.clear()  # the caller reads the file after this: a change meanwhile is seen
         return True
 
     def close(self) -> None:
