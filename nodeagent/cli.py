@@ -36,6 +36,21 @@ COMMANDS: dict[str, str] = {
     "adopt": "nodeagent.commands.adopt:adopt",
 }
 
+# command name -> the first paragraph of its help: all that ``nodeagent --help`` lists of it, so the listing
+# imports no command module (a test keeps these equal to the commands' own help)
+SUMMARIES: dict[str, str] = {
+    "discover": "Show the node's GPUs (real, or simulated with --simulate), MIG devices and topology.",
+    "sim": "The NVML simulator: machines, MIG layouts, reboots and fault injection.",
+    "mig": "Shape MIG layouts with mig-parted config files, minimal disruption and exact rollback.",
+    "runtime": "Wire the nvidia runtime into containerd, undo it, show what containerd loads.",
+    "run": "Run the agent until SIGTERM/SIGINT; SIGHUP reloads the config.",
+    "bootstrap": "Discover, shape MIG, wire containerd, publish RuntimeClass and labels; print a JSON report.",
+    "cdi": "The node's CDI spec for nvidia.com/gpu (GPUs by index and UUID, MIG devices, all).",
+    "doctor": "Explain this GPU node: driver, GPUs and MIG, health, containerd, CDI, kubelet, Node, the agent.",
+    "adopt": "Take a node over from the GPU Operator through its nvidia.com/gpu.deploy.* labels.",
+}
+_LISTING = "nodeagent.cli.listing"  # ctx.meta key: the group's help is listing its commands
+
 
 class Group(click.Group):
     """A click group whose command list shows each command's whole first sentence (click cuts summaries
@@ -61,12 +76,22 @@ def summary(text: str) -> str:
 
 
 class LazyGroup(Group):
-    """A click group that imports a subcommand's module only when that subcommand is used."""
+    """A click group that imports a subcommand's module only when that subcommand is used (its help
+    listing shows the summaries of ``SUMMARIES`` instead)."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(COMMANDS))
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        ctx.meta[_LISTING] = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            ctx.meta.pop(_LISTING, None)
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if ctx.meta.get(_LISTING) and cmd_name in SUMMARIES:
+            return click.Command(cmd_name, help=SUMMARIES[cmd_name])
         if cmd_name in COMMANDS:
             module_name, attr = COMMANDS[cmd_name].split(":")
             try:

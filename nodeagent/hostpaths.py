@@ -24,6 +24,10 @@ from pathlib import Path, PurePosixPath
 
 from nodeagent.errors import ConfigError
 
+# The kubelet's root directory on a host (``[kubelet] dir`` may name another): device-plugins/,
+# plugins_registry/, plugins/ and pod-resources/ live below it.
+KUBELET_DIR = "/var/lib/kubelet"
+
 # Like the kernel's MAXSYMLINKS: more links than this on one path is treated as a loop.
 MAX_SYMLINKS = 40
 
@@ -72,12 +76,8 @@ class HostPaths:
 
     # Well-known locations -------------------------------------------------------------------
     @property
-    def kubelet_device_plugins(self) -> Path:
-        return self("/var/lib/kubelet/device-plugins")
-
-    @property
     def pod_resources_socket(self) -> Path:
-        return self("/var/lib/kubelet/pod-resources/kubelet.sock")
+        return self(KUBELET_DIR + "/pod-resources/kubelet.sock")
 
     @property
     def sys_pci_devices(self) -> Path:
@@ -88,18 +88,6 @@ class HostPaths:
         return self("/etc/containerd/config.toml")
 
     @property
-    def containerd_dropin_dir(self) -> Path:
-        return self("/etc/containerd/conf.d")
-
-    @property
-    def nvidia_runtime_config(self) -> Path:
-        return self("/etc/nvidia-container-runtime/config.toml")
-
-    @property
-    def agent_config(self) -> Path:
-        return self("/etc/nodeagent/config.toml")
-
-    @property
     def state_dir(self) -> Path:
         return self("/var/lib/nodeagent")
 
@@ -107,10 +95,6 @@ class HostPaths:
     def mig_state_dir(self) -> Path:
         """MIG state (``mig-state.json``): shared by ``nodeagent run``, ``bootstrap`` and ``mig apply``."""
         return self("/var/lib/nodeagent/mig")
-
-    @property
-    def run_dir(self) -> Path:
-        return self("/run/nodeagent")
 
     @property
     def proc(self) -> Path:

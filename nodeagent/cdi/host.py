@@ -81,9 +81,13 @@ class NodeFact:
 
 
 @dataclass(frozen=True)
-class MountFact:
+class Mount:
+    """A host path bind-mounted at ``container_path`` (the CDI spec's library, binary, firmware and socket
+    mounts; the device plugin's volume-mounts device list)."""
+
     container_path: str
     host_path: str
+    read_only: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,10 +96,10 @@ class HostFacts:
 
     nodes: dict[str, NodeFact] = field(default_factory=dict)  # container path -> fact, existing nodes only
     mig_minors: dict[tuple[int, int, int | None], int] = field(default_factory=dict)  # (gpu, gi, ci|None)
-    libraries: tuple[MountFact, ...] = ()
-    binaries: tuple[MountFact, ...] = ()
-    firmware: tuple[MountFact, ...] = ()
-    sockets: tuple[MountFact, ...] = ()
+    libraries: tuple[Mount, ...] = ()
+    binaries: tuple[Mount, ...] = ()
+    firmware: tuple[Mount, ...] = ()
+    sockets: tuple[Mount, ...] = ()
     hook: str | None = None  # host path of nvidia-cdi-hook
     mig_minors_source: str = MIG_MINORS
 
@@ -182,8 +186,8 @@ def _node(dirs: _Dirs, path: str, major_name: str, minor: int, majors: dict[str,
 
 
 def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] | None,
-               names: tuple[str, ...], version: str) -> list[MountFact]:
-    out: list[MountFact] = []
+               names: tuple[str, ...], version: str) -> list[Mount]:
+    out: list[Mount] = []
     seen: set[str] = set()
     for d in directories:
         host_dir = base.joinpath(*PurePosixPath(d).parts[1:])
@@ -205,7 +209,7 @@ def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] |
             if e.name in seen:  # the first directory that has a file wins, as on the loader path
                 continue
             seen.add(e.name)
-            out.append(MountFact(f"{d}/{e.name}", os.path.abspath(e.path)))
+            out.append(Mount(f"{d}/{e.name}", os.path.abspath(e.path)))
     return out
 
 
@@ -213,10 +217,10 @@ def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] |
 class DriverFacts:
     """What the driver root holds for one driver version: libraries, tools, firmware, IPC sockets, hook."""
 
-    libraries: tuple[MountFact, ...] = ()
-    binaries: tuple[MountFact, ...] = ()
-    firmware: tuple[MountFact, ...] = ()
-    sockets: tuple[MountFact, ...] = ()
+    libraries: tuple[Mount, ...] = ()
+    binaries: tuple[Mount, ...] = ()
+    firmware: tuple[Mount, ...] = ()
+    sockets: tuple[Mount, ...] = ()
     hook: str | None = None
 
 
@@ -251,12 +255,12 @@ def collect_driver(paths: HostPaths, driver_version: str, driver_root: str = "/"
     root = paths(driver_root)
     libraries = _mounts_in(root, LIBRARY_DIRS, _LIBRARY, (), driver_version)
     binaries = _mounts_in(root, BINARY_DIRS, None, BINARIES, driver_version)
-    firmware: list[MountFact] = []
+    firmware: list[Mount] = []
     fw_dir = f"/lib/firmware/nvidia/{driver_version}"
     host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
     if host_fw.is_dir():
-        firmware = [MountFact(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
-    sockets = [MountFact(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
+        firmware = [Mount(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
+    sockets = [Mount(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
     hook = next(
         (os.path.abspath(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
     )

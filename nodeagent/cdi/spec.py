@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from nodeagent.cdi.host import CdiError, HostFacts, MountFact, NodeFact
+from nodeagent.cdi.host import CdiError, HostFacts, Mount, NodeFact
 from nodeagent.cdi.names import ALL_DEVICES, CDI_KIND, gpu_names, mig_names, ordered_mig_devices
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
 
@@ -37,7 +37,7 @@ def node_entry(fact: NodeFact) -> dict[str, Any]:
     return entry
 
 
-def _mount_entry(m: MountFact) -> dict[str, Any]:
+def _mount_entry(m: Mount) -> dict[str, Any]:
     return {"hostPath": m.host_path, "containerPath": m.container_path, "options": list(MOUNT_OPTIONS)}
 
 
@@ -74,7 +74,7 @@ def _device(name: str, nodes: list[NodeFact]) -> dict[str, Any]:
     return {"name": name, "containerEdits": {"deviceNodes": [node_entry(n) for n in nodes]}}
 
 
-def _hooks(hook: str, libraries: tuple[MountFact, ...]) -> list[dict[str, Any]]:
+def _hooks(hook: str, libraries: tuple[Mount, ...]) -> list[dict[str, Any]]:
     hooks: list[dict[str, Any]] = []
     cuda = next((m for m in libraries if m.container_path.rsplit("/", 1)[-1].startswith("libcuda.so.")), None)
     if cuda is not None:

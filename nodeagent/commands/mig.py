@@ -21,7 +21,8 @@ from nodeagent.cli import Group, settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 from nodeagent.errors import RebootRequired
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import MigAdapter, MigStateFile
+from nodeagent.gpu.ports import MigAdministration
+from nodeagent.mig.apply import MigStateFile
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources, unselected_mig_gpus
 from nodeagent.mig.planner import Plan
 from nodeagent.mig.spec import dump, export_config
@@ -38,12 +39,12 @@ def _config_options(f: F) -> F:
 
 
 @contextlib.contextmanager
-def _adapter(ctx: click.Context) -> Iterator[MigAdapter]:
+def _adapter(ctx: click.Context) -> Iterator[MigAdministration]:
     with open_adapter(ctx) as nvml:
         yield nvml
 
 
-def _plan(adapter: MigAdapter, sources: MigSources, selected: str | None) -> tuple[Inventory, Plan]:
+def _plan(adapter: MigAdministration, sources: MigSources, selected: str | None) -> tuple[Inventory, Plan]:
     return MigPipeline(adapter, sources).plan(selected)
 
 

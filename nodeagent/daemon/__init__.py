@@ -2,9 +2,11 @@
 
     supervisor   Daemon, Context, Component, ComponentSpec: start, resync, reload (SIGHUP), READY, stop
     files        ConfigFiles, read_config_files: the files the config names, validated with it
-    shared       the typed links between components (device plugin, metrics, health), owned by the daemon
+    shared       the typed links between components (device plugin, DRA, CDI, metrics, health, the Node
+                 conditions and status), owned by the daemon
     wiring       open_gpu, open_kube, default_specs, build_daemon: the real parts
-    components/  one module per component: deviceplugin, dra, mig, publisher, metrics, runtime
+    components/  one module per component: cdi, deviceplugin, dra, mig, publisher, metrics, runtime,
+                 conditions
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from nodeagent.sdnotify import Notifier
 
 if TYPE_CHECKING:
     from nodeagent.kube.node import NodeWatchHub
+    from nodeagent.kube.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,13 @@ class Context:
 
     def host_path(self, host_path: str) -> Path:
         return self._daemon.paths(host_path)
+
+    def pod_resources_client(self) -> PodResourcesClient:
+        """A client of the kubelet's PodResources socket (``[kubelet]``'s, under the root); its channel opens
+        at the first call. The caller closes it (``close_quietly``)."""
+        from nodeagent.kube.podresources import PodResourcesClient
+
+        return PodResourcesClient(self.host_path(self.config.kubelet.pod_resources()))
 
     def request_resync(self) -> None:
         """Ask for a rediscovery pass soon (after a MIG apply, a health change, ...)."""
@@ -415,7 +423,7 @@ class Daemon:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=1.0)
-        _close(self.gpu)
+        close_quietly(self.gpu)
         if self.kube is not None:
             with contextlib.suppress(Exception):
                 self.kube.close()
@@ -580,16 +588,16 @@ class Daemon:
         try:
             kube = self._kube_factory(config) if self._kube_factory and config.kube else None
         except BaseException:
-            _close(gpu)
+            close_quietly(gpu)
             raise
         return gpu, kube
 
     async def _rebuild_all(self, gpu: GpuSource, kube: Any) -> None:
         for slot in reversed(self._slots):
             await self._stop_slot(slot)
-        _close(self.gpu)
+        close_quietly(self.gpu)
         if self.kube is not None:
-            _close(self.kube)
+            close_quietly(self.kube)
         self.node_name = self.config.resolved_node_name()
         self.gpu, self.kube = gpu, kube
         self.inventory = None
@@ -609,14 +617,15 @@ class Daemon:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
 
 
-class _Closable(Protocol):
+class Closable(Protocol):
     def close(self) -> None: ...
 
 
-def _close(source: _Closable) -> None:
-    """Close a GPU source or API client that is being replaced; a failure there changes nothing anymore."""
+def close_quietly(obj: Closable) -> None:
+    """Close a client on the way out (a GPU source or API client being replaced, a component's channel);
+    a failure there changes nothing anymore."""
     with contextlib.suppress(Exception):
-        source.close()
+        obj.close()
 
 
 TRIM_AFTER_READY_S = 5.0  # start-up publishing has settled by then

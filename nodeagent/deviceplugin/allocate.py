@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from nodeagent.cdi.host import Mount
 from nodeagent.cdi.names import qualified_name
 from nodeagent.errors import InputError
 from nodeagent.sharing.devices import PhysicalDevice, Resource
@@ -30,13 +31,6 @@ _CAPS_PER_GPU = 15 * _CAPS_PER_GI
 
 class AllocationError(InputError):
     """The kubelet asked for something this resource cannot give (gRPC INVALID_ARGUMENT)."""
-
-
-@dataclass(frozen=True)
-class Mount:
-    container_path: str
-    host_path: str
-    read_only: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent.backoff import Backoff
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
 from nodeagent.deviceplugin.server import ForeignPluginError, ResourceServer, socket_name
 from nodeagent.errors import ConfigError, NodeAgentError
 from nodeagent.gpu.health import (
     EventPumps,
     HealthMonitor,
-    HealthSettings,
+    HealthMonitorSettings,
     HealthSource,
     shared_pumps,
     to_xid_event,
@@ -63,7 +64,7 @@ class DevicePluginService:
         plugin_dir: Path,
         plugin_config: PluginConfig | None = None,
         nvml: HealthSource | None = None,
-        health: HealthSettings | None = None,
+        health: HealthMonitorSettings | None = None,
         pumps: EventPumps | None = None,
         exclude_gpus: Iterable[int] = (),
         register_timeout_s: float = 5.0,
@@ -93,7 +94,7 @@ class DevicePluginService:
         self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
             self.monitor = XidTrackingMonitor(
-                source=nvml, settings=health or HealthSettings.from_env(), on_change=self._health_changed,
+                source=nvml, settings=health or HealthMonitorSettings.from_env(), on_change=self._health_changed,
                 pumps=pumps if pumps is not None else shared_pumps(),
             )
 
@@ -167,10 +168,6 @@ class DevicePluginService:
     def last_xids(self) -> dict[int, int]:
         """GPU index → the last XID it reported (GPUs without one are absent)."""
         return dict(self.monitor.last_xid) if self.monitor is not None else {}
-
-    def device_health(self) -> dict[str, dict[str, bool]]:
-        """Resource → device ID → healthy."""
-        return {n: {d.id: self._healthy(d) for d in s.resource.devices} for n, s in self._servers.items()}
 
     async def stop(self) -> None:
         """Stop every server, watcher, health task and registration attempt."""
@@ -246,7 +243,7 @@ class DevicePluginService:
     async def _register_loop(self, name: str) -> None:
         """Serve (when the server is down, e.g. after a kubelet restart) and register, retrying with backoff;
         every new cause is logged once and kept in ``failures`` until the resource is registered."""
-        delay = BACKOFF_START_S
+        backoff = Backoff(BACKOFF_START_S, self._backoff_max, jitter=False)
         while True:
             server = self._servers.get(name)
             if server is None:
@@ -264,8 +261,7 @@ class DevicePluginService:
                         log.warning("registering %s failed, retrying with backoff: %s", name, message)
                     else:
                         log.error("%s is not served (retrying with backoff): %s", name, message)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self._backoff_max)
+                await asyncio.sleep(backoff.next())
                 continue
             self._last_cause.pop(name, None)
             self.failures.pop(name, None)

@@ -23,7 +23,8 @@ Slice writes run in a background task: a failed write (API server down) is retri
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
 deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
 checked (one LIST, no write when intact) every ``verify_interval_s`` and whenever the kubelet registers the
-driver again; missing or foreign-changed slices are written anew with the next generation.
+driver again; missing or foreign-changed slices are written anew with the next generation. The periodic
+check is a job on ``scheduler`` (the daemon's apscheduler); without one the component runs its own.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
@@ -45,18 +48,20 @@ from nodeagent.dra.devices import (
     dynamic_mig_gpu,
     read_pcie_roots,
 )
-from nodeagent.dra.health import HealthFeed, HealthKey, HealthSource, unhealthy_devices
+from nodeagent.dra.health import HealthFeed, HealthKey, HealthUpdates, unhealthy_devices
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.errors import NodeAgentError
-from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings, shared_pumps
-from nodeagent.gpu.health import HealthSource as NvmlHealthSource
+from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
-from nodeagent.hostpaths import HostPaths
+from nodeagent.hostpaths import KUBELET_DIR, HostPaths
 from nodeagent.kube.client import KubeClient
+
+if TYPE_CHECKING:
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 log = logging.getLogger(__name__)
 
@@ -77,29 +82,33 @@ class DraComponent:
         kubelet_dir: Path | None = None,
         cdi_dir: Path | None = None,
         checkpoint_path: Path | None = None,
-        health_source: HealthSource | None = None,
+        health_source: HealthUpdates | None = None,
         max_devices_per_slice: int = MAX_DEVICES,
         verify_interval_s: float = VERIFY_INTERVAL_S,
-        nvml: NvmlHealthSource | None = None,
-        health_settings: HealthSettings | None = None,
+        nvml: HealthSource | None = None,
+        health_settings: HealthMonitorSettings | None = None,
         gpu_filter: Callable[[Gpu], bool] | None = None,
         pumps: EventPumps | None = None,
         kubelet_host_dir: Path | None = None,
         mig: MigAdministration | None = None,
         dynamic_mig: bool = False,
         slice_layout: str | None = None,
+        scheduler: AsyncIOScheduler | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
         self.node_name = node_name
         self.driver = driver
-        self.kubelet_dir = kubelet_dir or paths("/var/lib/kubelet")
+        self.kubelet_dir = kubelet_dir or paths(KUBELET_DIR)
         # the kubelet's directory as the kubelet sees it (default: the same)
         self.kubelet_host_dir = kubelet_host_dir
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
         self.verify_interval_s = verify_interval_s
+        self.scheduler = scheduler
+        self._own_scheduler: AsyncIOScheduler | None = None
+        self._verify_job: str | None = None
         self.gpu_filter = gpu_filter
         self.mig = mig
         self.dynamic_mig = dynamic_mig and mig is not None
@@ -123,7 +132,7 @@ class DraComponent:
         # ``set_health`` from its on_change instead.
         self.monitor: HealthMonitor | None = None
         if nvml is not None:
-            self.monitor = HealthMonitor(nvml, health_settings or HealthSettings.from_env(),
+            self.monitor = HealthMonitor(nvml, health_settings or HealthMonitorSettings.from_env(),
                                          on_change=self._monitor_changed,
                                          pumps=pumps if pumps is not None else shared_pumps())
 
@@ -148,6 +157,7 @@ class DraComponent:
                                 on_claims_changed=self._claims_changed)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
+        self._schedule_verify()
         if self.health_source is not None:
             self._tasks.append(asyncio.create_task(self._follow_health(), name="dra-health"))
         if self.monitor is not None:
@@ -223,18 +233,42 @@ class DraComponent:
         self.publisher.invalidate()
         self._dirty.set()
 
+    def _schedule_verify(self) -> None:
+        """The periodic comparison with the API as a scheduler job (on the loop: it touches asyncio objects)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+            scheduler = self._own_scheduler = AsyncIOScheduler()
+            scheduler.start()
+        job = scheduler.add_job(self._verify, "interval", seconds=self.verify_interval_s,
+                                id=f"dra-verify-{self.driver}", replace_existing=True, coalesce=True,
+                                max_instances=1)
+        self._verify_job = job.id
+
+    async def _verify(self) -> None:
+        self.reverify()
+
+    def _unschedule_verify(self) -> None:
+        scheduler = self._own_scheduler or self.scheduler
+        if scheduler is not None and self._verify_job is not None:
+            with contextlib.suppress(Exception):  # gone already (the daemon's scheduler shut down first)
+                scheduler.remove_job(self._verify_job)
+        self._verify_job = None
+        if self._own_scheduler is not None:
+            if self._own_scheduler.running:
+                self._own_scheduler.shutdown(wait=False)
+            self._own_scheduler = None
+
     async def _follow_health(self) -> None:
         assert self.health_source is not None
         async for unhealthy in self.health_source():
             await self.set_health(unhealthy)
 
     async def _publish_loop(self) -> None:
-        delay = RETRY_MIN_S
+        backoff = Backoff(RETRY_MIN_S, RETRY_MAX_S, jitter=False)
         while True:
-            try:
-                await asyncio.wait_for(self._dirty.wait(), self.verify_interval_s)
-            except TimeoutError:
-                self.publisher.invalidate()
+            await self._dirty.wait()
             self._dirty.clear()
             wanted = self._wanted
             if wanted is None:
@@ -243,14 +277,14 @@ class DraComponent:
                 await asyncio.to_thread(self.publisher.sync, wanted)
             except NodeAgentError as e:
                 self.last_error = str(e)
+                delay = backoff.next()
                 log.warning("DRA ResourceSlices of %s not written (retry in %.1fs): %s",
                             self.node_name, delay, e)
                 self.publisher.invalidate()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
                 self._dirty.set()
                 continue
-            delay = RETRY_MIN_S
+            backoff.reset()
             self.last_error = ""
             async with self._synced:
                 self._published = wanted
@@ -267,6 +301,7 @@ class DraComponent:
         recorded: their containers keep running and a later start answers for them again."""
         if self.monitor is not None:
             await self.monitor.stop()
+        self._unschedule_verify()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -77,10 +77,6 @@ class DraDevice:
     def dynamic(self) -> bool:
         return self.placement is not None
 
-    @property
-    def health_key(self) -> tuple[int, int | None]:
-        """The key ``nodeagent.gpu.health`` uses for this device."""
-        return (self.gpu_index, self.gi_id)
 
 
 def gpu_device_name(index: int) -> str:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from nodeagent.dra.devices import DraDevice
 
 HealthKey = tuple[int, int | None]
-# A health source: called once, yields the current unhealthy map on every change.
-HealthSource = Callable[[], AsyncIterator[Mapping[HealthKey, str]]]
+# Called once, yields the current unhealthy map on every change.
+HealthUpdates = Callable[[], AsyncIterator[Mapping[HealthKey, str]]]
 
 UNKNOWN = 0
 HEALTHY = 1

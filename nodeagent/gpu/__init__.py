@@ -1,6 +1,9 @@
-"""GPU layer: the Inventory model, the NVML adapter, the simulator, topology and health.
+"""GPU layer: the Inventory model, the NVML adapter, the simulator and the ABI stand-in, topology and health.
 
-Only ``gpu/nvml.py`` (and the simulator it may be handed) touches NVML; nothing here talks to Kubernetes.
+NVML is called only by the adapter (``gpu/nvml.py`` and its ``nvml_*.py`` parts), on the module it is
+handed: the real ``pynvml`` (``open_nvml`` imports it for that), the simulator (``gpu/sim/``, built from
+pynvml's own constants, structs and error classes) or pynvml bound to the stand-in library (``gpu/abi/``).
+Nothing here talks to Kubernetes.
 """
 
 from __future__ import annotations

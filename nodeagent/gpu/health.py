@@ -70,7 +70,7 @@ class HealthSource(Protocol):
 
 
 @dataclass(frozen=True)
-class HealthSettings:
+class HealthMonitorSettings:
     """Which XIDs are critical, and how a device recovers."""
 
     enabled: bool = True  # False: DP_DISABLE_HEALTHCHECKS=all — every device stays Healthy
@@ -94,7 +94,7 @@ class HealthSettings:
         return xid not in self.skipped_xids
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> HealthSettings:
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> HealthMonitorSettings:
         """Settings from NVIDIA's variables; ``overrides`` set the remaining fields."""
         env = os.environ if environ is None else environ
         disabled = _tokens(env.get(ENV_DISABLE, ""), ENV_DISABLE)
@@ -386,7 +386,7 @@ class HealthMonitor:
     """Tracks unhealthy GPUs / MIG instances and calls ``on_change`` whenever the set changes."""
 
     source: HealthSource
-    settings: HealthSettings
+    settings: HealthMonitorSettings
     on_change: Callable[[], Awaitable[None]]
     clock: Callable[[], float] = time.monotonic
     pumps: EventPumps = field(default_factory=shared_pumps)

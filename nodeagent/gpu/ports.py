@@ -78,6 +78,11 @@ class GpuDiscovery(Protocol):
 class MigAdministration(Protocol):
     def discover(self) -> Inventory: ...
 
+    @property
+    def restricted_facts(self) -> tuple[str, ...]:
+        """Facts the last discovery could not read without root (a MIG apply refuses to act without them)."""
+        ...
+
     def mig_mode(self, index: int) -> tuple[bool, bool]: ...
 
     def set_mig_mode(self, index: int, enabled: bool) -> bool:

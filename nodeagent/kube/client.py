@@ -245,10 +245,6 @@ class KubeClient:
     def custom(self) -> k8s.CustomObjectsApi:
         return k8s.CustomObjectsApi(self.api)
 
-    @cached_property
-    def apiext(self) -> k8s.ApiextensionsV1Api:
-        return k8s.ApiextensionsV1Api(self.api)
-
     def close(self) -> None:
         self.api.close()  # type: ignore[no-untyped-call]
 

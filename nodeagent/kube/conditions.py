@@ -265,12 +265,14 @@ class StatusStage:
 
     ``stage`` replaces what waits (the staging side computes the whole difference each pass) and wakes the
     listeners; the writer sends it with its conditions and ``clear``s it once written. ``expect``/``passes``
-    let the writer wait, once at start, for the staging side's first pass so that both go out together."""
+    let the writer wait, once at start, for the staging side's first pass so that both go out together
+    (``subscribe_passes`` wakes it when a pass is done)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fields: StatusFields = {}
         self._listeners: list[Callable[[], None]] = []
+        self._pass_listeners: list[Callable[[], None]] = []
         self.expected = False  # a publisher stages here (the writer waits for its first pass at start)
         self.passes = 0  # publish passes done since (staged or not)
         self._written: NodeView | None = None  # the Node as the writer's last patch returned it
@@ -280,10 +282,17 @@ class StatusStage:
         with self._lock:
             self._listeners.append(listener)
 
-    def unsubscribe(self, listener: Callable[[], None]) -> None:
+    def subscribe_passes(self, listener: Callable[[], None]) -> None:
+        """``listener`` is called (from any thread) whenever the staging side has done a pass."""
         with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
+            self._pass_listeners.append(listener)
+
+    def unsubscribe(self, listener: Callable[[], None]) -> None:
+        """Stop calling ``listener`` (for staged fields and for passes alike)."""
+        with self._lock:
+            for listeners in (self._listeners, self._pass_listeners):
+                if listener in listeners:
+                    listeners.remove(listener)
 
     def stage(self, fields: Mapping[str, Mapping[str, str | None]]) -> None:
         with self._lock:
@@ -299,6 +308,9 @@ class StatusStage:
     def pass_done(self) -> None:
         with self._lock:
             self.passes += 1
+            listeners = list(self._pass_listeners)
+        for listener in listeners:
+            listener()
 
     def peek(self) -> StatusFields:
         with self._lock:

@@ -8,7 +8,6 @@ An event refused for good (403, 422, ...) is logged and dropped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -16,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nodeagent.backoff import Backoff
 from nodeagent.errors import KubeError
 from nodeagent.kube.node import NodeClient
 
@@ -28,7 +28,6 @@ RUNTIME_CONFIGURED = "RuntimeConfigured"
 RUNTIME_CONFIGURE_FAILED = "RuntimeConfigureFailed"
 GPU_HEALTHY = "GpuHealthy"
 GPU_UNHEALTHY = "GpuUnhealthy"
-INPUT_REFUSED = "InputRefused"
 RESOURCE_REFUSED = "ExtendedResourceRefused"
 
 
@@ -140,7 +139,8 @@ class EventRecorder:
             self._retrier.start()
 
     def _retry_loop(self) -> None:
-        delay = self.retry_start_s
+        backoff = Backoff(self.retry_start_s, self.retry_max_s, jitter=False)
+        delay = backoff.next()
         while not self._closed:
             self._wake.wait(delay)
             self._wake.clear()
@@ -149,16 +149,13 @@ class EventRecorder:
             if head is None or self._closed:
                 return
             if self._send(head, first=False):
-                delay = self.retry_start_s
+                backoff.reset()
+                delay = backoff.next()
                 continue  # the next one at once
             with self._lock:
                 still_failing = bool(self._pending) and self._pending[0] is head
             if still_failing:
-                delay = min(delay * 2, self.retry_max_s)
-
-    def retry_now(self) -> None:
-        """Try the queued events at once (e.g. when the caller knows the API answers again)."""
-        self._wake.set()
+                delay = backoff.next()
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop retrying; events still queued are logged as lost."""
@@ -171,9 +168,6 @@ class EventRecorder:
         for ev in lost:
             log.warning("event %s on node %s not recorded: the API did not answer before shutdown", ev.reason,
                         self.node.name)
-
-    async def arecord(self, reason: str, message: str, type: str = "Normal", action: str | None = None) -> bool:
-        return await asyncio.to_thread(self.record, reason, message, type, action)
 
     # the situations the agent reports -----------------------------------------------------------
     def reconfigured(self, component: str, message: str, *, ok: bool = True) -> bool:
@@ -189,6 +183,3 @@ class EventRecorder:
         msg = f"GPU {gpu} is {'healthy' if healthy else 'unhealthy'}" + (f": {detail}" if detail else "")
         return self.record(GPU_HEALTHY if healthy else GPU_UNHEALTHY, msg, "Normal" if healthy else "Warning",
                            action="HealthCheck")
-
-    def refused_input(self, what: str, message: str) -> bool:
-        return self.record(INPUT_REFUSED, f"{what}: {message}", "Warning", action="Validate")

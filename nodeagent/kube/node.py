@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from nodeagent.backoff import Backoff
 from nodeagent.errors import KubeError
 from nodeagent.kube.client import JSON_PATCH, MERGE_PATCH, KubeClient, WatchStream
 
@@ -310,26 +310,6 @@ class _Newest:
             await self._ready.wait()
         view, self._view = self._view, None
         return view
-
-
-class Backoff:
-    """Exponential back-off with equal jitter: half the step fixed, half random."""
-
-    def __init__(
-        self, initial: float = 0.5, maximum: float = 30.0, rng: random.Random | None = None
-    ) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self.rng = rng or random.Random()
-        self.attempt = 0
-
-    def next(self) -> float:
-        step = min(self.maximum, self.initial * (2**self.attempt))
-        self.attempt = min(self.attempt + 1, 32)
-        return float(step / 2 + self.rng.uniform(0, step / 2))
-
-    def reset(self) -> None:
-        self.attempt = 0
 
 
 class NodeWatch:

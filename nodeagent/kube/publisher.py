@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from nodeagent.config import PublishSettings
 from nodeagent.errors import KubeError, KubeletError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
@@ -37,7 +38,6 @@ from nodeagent.kube.labels import (
 from nodeagent.kube.node import NodeClient, NodeSubscription, NodeView, NodeWatchHub
 from nodeagent.kube.podresources import Assignment, PodResourcesClient
 from nodeagent.kube.resources import (
-    GPU_MEMORY,
     MANAGED_RESOURCES_ANNOTATION,
     ResourceSettings,
     desired_resources,
@@ -77,22 +77,11 @@ class PublisherConfig:
     resources: ResourceSettings = field(default_factory=ResourceSettings)
 
     @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> PublisherConfig:
-        """From the agent config's ``[publish]`` section (attributes labels/extended_resources/...)."""
-        kw: dict[str, Any] = {}
-        for name in ("labels", "extended_resources", "gpu_objects", "events", "network_labels"):
-            v = getattr(settings, name, None)
-            if isinstance(v, bool):
-                kw[name] = v
-        gm = getattr(settings, "gpu_memory_resource", None)
-        gs = getattr(settings, "gpushare_resource", None)
-        if isinstance(gm, str) or isinstance(gs, str):
-            kw["resources"] = ResourceSettings(
-                gpu_memory=(gm or None) if isinstance(gm, str) else GPU_MEMORY,
-                gpushare_memory=(gs or None) if isinstance(gs, str) else None,
-            )
-        kw.update(overrides)
-        return cls(**kw)
+    def from_settings(cls, settings: PublishSettings) -> PublisherConfig:
+        """From the agent config's ``[publish]`` section; network labels and the extended resources' names
+        keep their defaults (the config has no setting for them)."""
+        return cls(labels=settings.labels, extended_resources=settings.extended_resources,
+                   gpu_objects=settings.gpu_objects, events=settings.events)
 
 
 @dataclass

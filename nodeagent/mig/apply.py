@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from nodeagent.errors import (
     GpuBusyError,
@@ -46,34 +46,12 @@ from nodeagent.errors import (
     ResetRequiredError,
 )
 from nodeagent.fileio import UnreadableFileError, atomic_write, read_bytes, read_text
-from nodeagent.gpu.inventory import Gpu, GpuProcess, Inventory, MigDevice
+from nodeagent.gpu.inventory import Gpu, GpuProcess, Inventory
+from nodeagent.gpu.ports import MigAdministration
 from nodeagent.mig.hooks import HookRunner
 from nodeagent.mig.planner import GpuPlan, Plan
 
 log = logging.getLogger(__name__)
-
-class MigAdapter(Protocol):
-    """The part of the GPU layer's ``MigAdministration`` port (``nodeagent.gpu.ports``) applying a plan
-    needs."""
-
-    def discover(self) -> Inventory: ...
-
-    @property
-    def restricted_facts(self) -> tuple[str, ...]: ...
-
-    def set_mig_mode(self, index: int, enabled: bool) -> bool:
-        """True when the mode is pending until ``reset_gpu``; ``ResetRequiredError`` when only a reboot
-        can make it effective."""
-        ...
-
-    def reset_gpu(self, index: int) -> None: ...
-
-    def create_mig_device(self, index: int, profile_name: str, placement_start: int | None) -> MigDevice: ...
-
-    def destroy_mig_device(self, index: int, gi_id: int) -> None: ...
-
-    def processes(self, index: int) -> tuple[GpuProcess, ...]: ...
-
 
 # --------------------------------------------------------------------------------------------------
 # Checkpoints and the persisted progress
@@ -237,7 +215,7 @@ class Applier:
 
     def __init__(
         self,
-        adapter: MigAdapter,
+        adapter: MigAdministration,
         *,
         hooks: HookRunner | None = None,
         state: MigStateFile | None = None,
@@ -496,7 +474,7 @@ class Recovery:
 
 
 def recover_interrupted(
-    adapter: MigAdapter, state: MigStateFile, *, on_step: Callable[[str], None] | None = None
+    adapter: MigAdministration, state: MigStateFile, *, on_step: Callable[[str], None] | None = None
 ) -> Recovery | None:
     """Undo what an agent that died mid-apply left behind (see the module doc); None when no apply was
     interrupted. Raises ``OperationError`` naming the GPUs that could not be restored; the in-flight record

@@ -23,8 +23,9 @@ from nodeagent.config import MigSettings, read_named_file, require_named_file
 from nodeagent.errors import ConfigError
 from nodeagent.fileio import MAX_READ_BYTES, read_stream
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.ports import MigAdministration
 from nodeagent.hostpaths import HostPaths
-from nodeagent.mig.apply import Applier, ApplyResult, MigAdapter, MigStateFile, Recovery, recover_interrupted
+from nodeagent.mig.apply import Applier, ApplyResult, MigStateFile, Recovery, recover_interrupted
 from nodeagent.mig.hooks import HookRunner, Hooks, parse_hooks
 from nodeagent.mig.planner import Plan, plan
 from nodeagent.mig.spec import MigConfigFile, generate_standard, parse_config, resolve
@@ -142,7 +143,7 @@ class MigPipeline:
 
     def __init__(
         self,
-        adapter: MigAdapter,
+        adapter: MigAdministration,
         sources: MigSources,
         *,
         state: MigStateFile | None = None,

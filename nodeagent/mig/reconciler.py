@@ -41,10 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from nodeagent.backoff import Backoff
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.mig.apply import MigAdapter, MigStateFile, Recovery, describe_process
+from nodeagent.gpu.ports import MigAdministration
+from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
 from nodeagent.mig.planner import Plan
 
@@ -53,6 +55,9 @@ log = logging.getLogger(__name__)
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
 GENERATION_ANNOTATION = "nodeagent.io/mig.config.generation"
+# a label write or event the API refused is tried again after 0.2 s, 0.4 s, ... at most 5 s apart
+KUBE_RETRY_START_S = 0.2
+KUBE_RETRY_MAX_S = 5.0
 
 PENDING, REBOOTING, SUCCESS, FAILED = "pending", "rebooting", "success", "failed"
 
@@ -147,7 +152,7 @@ class MigReconciler:
     def __init__(
         self,
         node: NodeApi,
-        adapter: MigAdapter,
+        adapter: MigAdministration,
         state_dir: Path,
         *,
         publisher: ResourcePublisher | None = None,
@@ -401,7 +406,7 @@ class MigReconciler:
                          attempts=2)
 
     async def _kube(self, call: Callable[[], Awaitable[Any]], what: str, attempts: int = 5) -> None:
-        delay = 0.2
+        backoff = Backoff(KUBE_RETRY_START_S, KUBE_RETRY_MAX_S, jitter=False)
         for attempt in range(attempts):
             try:
                 await asyncio.wait_for(call(), self.options.kube_timeout_s)
@@ -410,8 +415,7 @@ class MigReconciler:
                 if attempt == attempts - 1:
                     log.error("mig: could not %s: %s", what, e)
                     return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
 
 def _describe_holders(held: Mapping[int, tuple[Holder, ...]]) -> str:

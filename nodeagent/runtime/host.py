@@ -16,11 +16,11 @@ from pathlib import Path
 
 from nodeagent import fileio
 from nodeagent.errors import ConfigError
+from nodeagent.hostpaths import KUBELET_DIR as KUBELET_DIR  # the default of runtime's kubelet_dir
 from nodeagent.hostpaths import HostPaths
 from nodeagent.runtime.containerd import Version, parse_containerd_version
 
 CONTAINERD_BINARIES = ("/usr/bin/containerd", "/usr/local/bin/containerd", "/usr/sbin/containerd")
-KUBELET_DIR = "/var/lib/kubelet"
 KUBELET_CONFIG_NAME = "config.yaml"
 # The kubelet config is read only for its cgroupDriver; real ones are a few KiB.
 MAX_KUBELET_CONFIG_BYTES = 1 << 20

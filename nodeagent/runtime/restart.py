@@ -16,12 +16,12 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
-
-import psutil
+from typing import TYPE_CHECKING, Literal
 
 from nodeagent.errors import RestartError
-from nodeagent.grpcadapter.client import Failure, call, open_channel, raw_method
+
+if TYPE_CHECKING:
+    from nodeagent.grpcadapter.client import Failure
 
 RestartMode = Literal["systemd", "signal", "none"]
 RESTART_MODES: tuple[RestartMode, ...] = ("systemd", "signal", "none")
@@ -39,6 +39,8 @@ def answers(socket: Path, timeout: float = 2.0) -> bool:
     """Whether containerd answers its Version RPC on ``socket``."""
     if not socket.exists():
         return False
+    # gRPC only when there is a socket to ask: `runtime configure/show` under a --root pay nothing for it
+    from nodeagent.grpcadapter.client import call, open_channel, raw_method
 
     def not_answering(failure: Failure) -> RestartError:
         return RestartError(f"containerd on {socket}: {failure.code}: {failure.details}", subject=str(socket))
@@ -53,6 +55,8 @@ def answers(socket: Path, timeout: float = 2.0) -> bool:
 
 def serving_pid(socket: Path) -> int | None:
     """The pid of the process listening on the unix ``socket``, if any."""
+    import psutil
+
     want = str(socket)
     for conn in psutil.net_connections(kind="unix"):
         if str(conn.laddr) == want and conn.pid is not None and conn.status in ("NONE", psutil.CONN_LISTEN):

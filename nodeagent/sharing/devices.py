@@ -71,10 +71,6 @@ class Resource:
     sharing: str = "none"  # none | time-slicing | mps
     fail_requests_greater_than_one: bool = False
 
-    @property
-    def replicated(self) -> bool:
-        return any(d.replica is not None for d in self.devices)
-
     def device(self, device_id: str) -> AdvertisedDevice | None:
         for d in self.devices:
             if d.id == device_id:

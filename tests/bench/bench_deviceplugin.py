@@ -49,13 +49,13 @@ import asyncio, sys
 from pathlib import Path
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.gpu import open_nvml
-from nodeagent.gpu.health import HealthSettings
+from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.sharing.spec import parse_plugin_config
 
 async def main(plugin_dir, state, config):
     nvml = open_nvml(None, Path(state))
     svc = DevicePluginService(plugin_dir=Path(plugin_dir), plugin_config=parse_plugin_config(config), nvml=nvml,
-                              health=HealthSettings(recovery_window_s=None),
+                              health=HealthMonitorSettings(recovery_window_s=None),
                               backoff_max_s=60)
     await svc.start(nvml.discover())
     print("ready", flush=True)
@@ -272,7 +272,7 @@ def bench_list_896(tmp: Path, quick: bool) -> dict[str, Any]:
 async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
     from nodeagent.deviceplugin.service import DevicePluginService
     from nodeagent.gpu import open_nvml
-    from nodeagent.gpu.health import HealthSettings
+    from nodeagent.gpu.health import HealthMonitorSettings
     from nodeagent.gpu.sim.inject import inject_xid
     from nodeagent.gpu.sim.state import SimStore
     from tests.peers.harness import running_harness
@@ -286,7 +286,7 @@ async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
         svc = DevicePluginService(
             plugin_dir=h.plugin_dir,
             nvml=nvml,
-            health=HealthSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=50),
+            health=HealthMonitorSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=50),
         )
         await svc.start(nvml.discover())
         try:

@@ -12,13 +12,13 @@ import pytest
 
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.gpu import open_nvml
-from nodeagent.gpu.health import HealthSettings
+from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.gpu.nvml import NvmlAdapter
 from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers
 
-HEALTH = HealthSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=100)
+HEALTH = HealthMonitorSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=100)
 
 
 def _service(harness: KubeletHarness, nvml: NvmlAdapter, *, take_over: bool = False) -> DevicePluginService:

@@ -18,7 +18,7 @@ import pytest
 from nodeagent.deviceplugin.api import pb2, pb2_grpc
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.errors import ConfigError, InputError
-from nodeagent.gpu.health import HealthSettings
+from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.sharing.spec import parse_plugin_config
 from tests.unit._dp_inventories import mig_box, nvswitch_box
 
@@ -143,7 +143,7 @@ async def test_lost_gpu_turns_unhealthy_then_recovers(tmp_path: Path) -> None:
     src = Quiet()
     svc = DevicePluginService(
         plugin_dir=tmp_path / "dp", nvml=src,
-        health=HealthSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=20),
+        health=HealthMonitorSettings(recovery_window_s=0.3, poll_interval_s=0.05, event_wait_ms=20),
     )
     await svc.start(nvswitch_box(2))
     try:

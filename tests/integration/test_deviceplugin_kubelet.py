@@ -19,7 +19,7 @@ import pytest
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.errors import ConfigError
 from nodeagent.gpu import open_nvml
-from nodeagent.gpu.health import HealthSettings
+from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim.inject import inject_lost, inject_xid, recover, write_mig_layout
 from nodeagent.gpu.sim.state import SimStore
@@ -66,7 +66,7 @@ async def node_factory(
         plugin_config: PluginConfig | None = None,
         *,
         layouts: dict[int, list[str]] | None = None,
-        health: HealthSettings | None = None,
+        health: HealthMonitorSettings | None = None,
     ) -> Node:
         state = tmp_path / f"{machine}.json"
         store = SimStore.open(machine, state)
@@ -77,7 +77,7 @@ async def node_factory(
             plugin_dir=kubelet_harness.plugin_dir,
             plugin_config=plugin_config,
             nvml=nvml,
-            health=health or HealthSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=100),
+            health=health or HealthMonitorSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=100),
         )
         node = Node(kubelet_harness, service, nvml, store)
         made.append(node)
@@ -222,7 +222,7 @@ async def test_preferred_allocation_picks_nvlink_sets(node_factory: Any) -> None
 
 async def test_xid_unhealthy_at_kubelet_then_healthy(node_factory: Any) -> None:
     node = await node_factory(
-        "dgx-h100", health=HealthSettings(recovery_window_s=0.6, poll_interval_s=0.1, event_wait_ms=100)
+        "dgx-h100", health=HealthMonitorSettings(recovery_window_s=0.6, poll_interval_s=0.1, event_wait_ms=100)
     )
     await node.wait("nvidia.com/gpu", total=8, healthy=8, registered=True)
     gpu3 = node.nvml.discover().gpus[3].uuid
@@ -243,7 +243,7 @@ async def test_xid_unhealthy_at_kubelet_then_healthy(node_factory: Any) -> None:
 
 
 async def test_nvidia_never_recovers_mode_and_disabled_checks(node_factory: Any) -> None:
-    node = await node_factory("l4x2", health=HealthSettings.from_env({"DP_DISABLE_HEALTHCHECKS": "48"},
+    node = await node_factory("l4x2", health=HealthMonitorSettings.from_env({"DP_DISABLE_HEALTHCHECKS": "48"},
                                                                    recovery_window_s=None, poll_interval_s=0.1))
     await node.wait("nvidia.com/gpu", total=2, healthy=2, registered=True)
     ids = node.service.served_resources()["nvidia.com/gpu"]
@@ -329,7 +329,7 @@ async def test_invalid_config_and_bad_requests(node_factory: Any) -> None:
 async def test_mig_instance_xid_only_hits_that_device(node_factory: Any) -> None:
     node = await node_factory(
         "dgx-a100-80gb", config("flags:\n  migStrategy: mixed\n"), layouts={0: ["1g.10gb"] * 3},
-        health=HealthSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=50),
+        health=HealthMonitorSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=50),
     )
     await node.wait("nvidia.com/mig-1g.10gb", total=3, healthy=3, registered=True)
     migs = node.nvml.discover().gpus[0].mig_devices
@@ -380,7 +380,7 @@ async def test_xids_reach_the_dcgm_xid_metric(node_factory: Any) -> None:
 
     from nodeagent.metrics import Metrics
 
-    node = await node_factory("l4x2", health=HealthSettings(recovery_window_s=None, poll_interval_s=0.1,
+    node = await node_factory("l4x2", health=HealthMonitorSettings(recovery_window_s=None, poll_interval_s=0.1,
                                                            event_wait_ms=50))
     await node.wait("nvidia.com/gpu", total=2, healthy=2, registered=True)
     inject_xid(node.store, 1, 13)  # not critical: health unchanged, still the last XID

@@ -178,14 +178,14 @@ async def test_own_health_monitor_xid_taints_the_device_and_recovery_clears_it(
 ) -> None:
     """Plane "dra" alone: the component runs the GPU health monitor on the (simulated) NVML itself."""
     from nodeagent.gpu import open_nvml
-    from nodeagent.gpu.health import HealthSettings
+    from nodeagent.gpu.health import HealthMonitorSettings
     from nodeagent.gpu.sim import SimStore, inject, load_machine
 
     state = root / "sim.json"
     nvml = open_nvml("dgx-h100", state, HostPaths(root))
     try:
         inv = nvml.discover()
-        settings = HealthSettings.from_env({}, recovery_window_s=1.0, poll_interval_s=0.1)
+        settings = HealthMonitorSettings.from_env({}, recovery_window_s=1.0, poll_interval_s=0.1)
         dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, nvml=nvml,
                            health_settings=settings, verify_interval_s=60)
         await dra.start(inv)

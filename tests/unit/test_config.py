@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import AgentConfig, apply_overrides, load_config, parse_config
+from nodeagent.config import AgentConfig, KubeletSettings, apply_overrides, load_config, parse_config
 from nodeagent.errors import ConfigError
-from nodeagent.hostpaths import HostPaths
+from nodeagent.hostpaths import KUBELET_DIR, HostPaths
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "config.toml"
 
@@ -126,3 +126,8 @@ def test_node_name_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODE_NAME", "from-env")
     assert AgentConfig().resolved_node_name() == "from-env"
     assert AgentConfig(node_name="set").resolved_node_name() == "set"
+
+
+def test_kubelet_dir_default_is_the_one_host_constant() -> None:
+    """Every default kubelet directory (config, runtime options, the DRA plane) is ``KUBELET_DIR``."""
+    assert KubeletSettings().dir == KUBELET_DIR

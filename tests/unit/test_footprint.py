@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from nodeagent.gpu.health import HealthMonitor, HealthSettings
+from nodeagent.gpu.health import HealthMonitor, HealthMonitorSettings
 from nodeagent.hostpaths import HostPaths
 from nodeagent.lazyimport import lean_import, package_on_demand
 from nodeagent.net import nics
@@ -263,7 +263,7 @@ async def test_event_thread_delivers_and_does_not_spin() -> None:
         changes.append(1)
 
     source = _Source([[{"kind": "xid", "gpu_index": 1, "xid": 79}]])
-    monitor = HealthMonitor(source, HealthSettings(event_wait_ms=100, poll_interval_s=60), on_change)
+    monitor = HealthMonitor(source, HealthMonitorSettings(event_wait_ms=100, poll_interval_s=60), on_change)
     await monitor.start([0, 1])
     try:
         for _ in range(100):

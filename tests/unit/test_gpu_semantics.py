@@ -196,7 +196,7 @@ async def test_health_monitor_on_the_adapter_follows_the_recovery_action(tmp_pat
     import asyncio
 
     from nodeagent.gpu import open_nvml
-    from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthSettings
+    from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings
 
     changes: list[int] = []
 
@@ -205,7 +205,7 @@ async def test_health_monitor_on_the_adapter_follows_the_recovery_action(tmp_pat
 
     with open_nvml("dgx-h100", tmp_path / "s.json") as nvml:
         assert nvml.wait_events(0) == []  # the event set exists before the fault, as in the daemon
-        monitor = HealthMonitor(nvml, HealthSettings(recovery_window_s=0.2, poll_interval_s=3600,
+        monitor = HealthMonitor(nvml, HealthMonitorSettings(recovery_window_s=0.2, poll_interval_s=3600,
                                                      event_wait_ms=50), changed, pumps=EventPumps())
         await monitor.start(range(8))
         try:

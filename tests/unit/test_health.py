@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from nodeagent.errors import ConfigError
-from nodeagent.gpu.health import DEFAULT_SKIPPED_XIDS, HealthMonitor, HealthSettings, XidEvent, to_xid_event
+from nodeagent.gpu.health import (
+    DEFAULT_SKIPPED_XIDS,
+    HealthMonitor,
+    HealthMonitorSettings,
+    XidEvent,
+    to_xid_event,
+)
 
 
 class Source:
@@ -34,7 +40,7 @@ class Source:
 
 
 def test_default_skip_list() -> None:
-    s = HealthSettings.from_env({})
+    s = HealthMonitorSettings.from_env({})
     assert {13, 31, 43, 45, 68, 109} == DEFAULT_SKIPPED_XIDS
     assert not any(s.is_critical(x) for x in DEFAULT_SKIPPED_XIDS)
     assert s.is_critical(79) and s.is_critical(48)
@@ -52,7 +58,7 @@ def test_default_skip_list() -> None:
     ],
 )
 def test_env_variables(env: dict[str, str], critical: list[int], not_critical: list[int], enabled: bool) -> None:
-    s = HealthSettings.from_env(env)
+    s = HealthMonitorSettings.from_env(env)
     assert s.enabled is enabled
     assert all(s.is_critical(x) for x in critical)
     assert not any(s.is_critical(x) for x in not_critical)
@@ -60,7 +66,7 @@ def test_env_variables(env: dict[str, str], critical: list[int], not_critical: l
 
 def test_bad_env_value_named() -> None:
     with pytest.raises(ConfigError, match="DP_DISABLE_HEALTHCHECKS: 'sometimes'"):
-        HealthSettings.from_env({"DP_DISABLE_HEALTHCHECKS": "sometimes"})
+        HealthMonitorSettings.from_env({"DP_DISABLE_HEALTHCHECKS": "sometimes"})
 
 
 def test_event_normalisation() -> None:
@@ -85,7 +91,7 @@ async def _noop() -> None:
 def monitor(window: float | None = 10.0) -> tuple[HealthMonitor, Source, Clock]:
     src, clock = Source(), Clock()
     m = HealthMonitor(
-        source=src, settings=HealthSettings(recovery_window_s=window), on_change=_noop, clock=clock,
+        source=src, settings=HealthMonitorSettings(recovery_window_s=window), on_change=_noop, clock=clock,
         gpu_indices=frozenset({0, 1}),
     )
     return m, src, clock
@@ -184,18 +190,18 @@ async def test_event_pumps_are_owned_by_their_creator() -> None:
     pumps = EventPumps()
     src = Source()
     before = len(shared_pumps())
-    m1 = HealthMonitor(source=src, settings=HealthSettings(event_wait_ms=20), on_change=_noop, pumps=pumps)
+    m1 = HealthMonitor(source=src, settings=HealthMonitorSettings(event_wait_ms=20), on_change=_noop, pumps=pumps)
     await m1.start([0, 1])
     await m1.handle_events([{"gpu_index": 1, "xid": 48}])
     await m1.stop()
     assert len(pumps) == 1 and len(shared_pumps()) == before
-    m2 = HealthMonitor(source=src, settings=HealthSettings(event_wait_ms=20), on_change=_noop, pumps=pumps)
+    m2 = HealthMonitor(source=src, settings=HealthMonitorSettings(event_wait_ms=20), on_change=_noop, pumps=pumps)
     await m2.start([0, 1])
     try:
         assert not m2.is_healthy(1) and m2.is_healthy(0)
     finally:
         await m2.stop()
-    m3 = HealthMonitor(source=src, settings=HealthSettings(event_wait_ms=20), on_change=_noop,
+    m3 = HealthMonitor(source=src, settings=HealthMonitorSettings(event_wait_ms=20), on_change=_noop,
                        pumps=EventPumps())
     await m3.start([0, 1])
     try:

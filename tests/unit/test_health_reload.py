@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from nodeagent.gpu import open_nvml
-from nodeagent.gpu.health import HealthMonitor, HealthSettings, HealthSource
+from nodeagent.gpu.health import HealthMonitor, HealthMonitorSettings, HealthSource
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim import inject
 from nodeagent.hostpaths import HostPaths
@@ -64,7 +64,7 @@ class Changes:
 
 
 def new_monitor(source: HealthSource, changes: Changes | None = None) -> HealthMonitor:
-    return HealthMonitor(source=source, settings=HealthSettings(poll_interval_s=0.05), on_change=changes or Changes())
+    return HealthMonitor(source=source, settings=HealthMonitorSettings(poll_interval_s=0.05), on_change=changes or Changes())
 
 
 async def wait_for(cond: Any, timeout: float = 3.0) -> bool:

@@ -10,8 +10,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from nodeagent.backoff import Backoff
 from nodeagent.errors import KubeError
-from nodeagent.kube.node import Backoff, NodeClient, NodeView, NodeWatch, NodeWatchHub
+from nodeagent.kube.node import NodeClient, NodeView, NodeWatch, NodeWatchHub
 
 
 class ScriptedStream:

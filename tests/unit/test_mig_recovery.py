@@ -19,7 +19,7 @@ import pytest
 
 from nodeagent.errors import NvmlError, OperationError
 from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.inventory import GpuProcess, Inventory, MigDevice
+from nodeagent.gpu.inventory import GpuProcess, Inventory, MigDevice, MigProfile
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.sim import inject, open_sim
 from nodeagent.gpu.sim.state import SimStore
@@ -67,6 +67,12 @@ class DyingAdapter:
     def processes(self, index: int) -> tuple[GpuProcess, ...]:
         return self.inner.processes(index)
 
+    def mig_mode(self, index: int) -> tuple[bool, bool]:
+        return self.inner.mig_mode(index)
+
+    def offered_profile(self, index: int, profile_name: str) -> MigProfile:
+        return self.inner.offered_profile(index, profile_name)
+
     def set_mig_mode(self, index: int, enabled: bool) -> bool:
         result: bool = self._call("set_mig_mode", lambda: self.inner.set_mig_mode(index, enabled))
         return result
@@ -74,7 +80,7 @@ class DyingAdapter:
     def reset_gpu(self, index: int) -> None:
         self._call("reset_gpu", lambda: self.inner.reset_gpu(index))
 
-    def create_mig_device(self, index: int, profile_name: str, placement_start: int | None) -> MigDevice:
+    def create_mig_device(self, index: int, profile_name: str, placement_start: int | None = None) -> MigDevice:
         dev: MigDevice = self._call("create", lambda: self.inner.create_mig_device(index, profile_name,
                                                                                      placement_start))
         return dev

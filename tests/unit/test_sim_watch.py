@@ -1,10 +1,10 @@
-"""The simulator's event wait sleeps until the state changes (inotify), instead of polling the file."""
+"""The simulator's event wait sleeps until the state changes (inotify through watchdog), instead of polling
+the file."""
 
 from __future__ import annotations
 
 import math
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -18,7 +18,7 @@ from nodeagent.fileio import atomic_write
 from nodeagent.gpu import open_nvml
 from nodeagent.gpu.sim import SimStore, inject, load_machine
 from nodeagent.gpu.sim import state as sim_state
-from nodeagent.gpu.sim.watch import IN_CLOSE_WRITE, IN_MOVED_TO, IN_Q_OVERFLOW, FileWatch, names_changed
+from nodeagent.gpu.sim.watch import FileWatch
 from nodeagent.hostpaths import HostPaths
 
 
@@ -30,19 +30,6 @@ def _later(delay: float, fn: object) -> threading.Thread:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
-
-
-def _record(name: bytes, mask: int) -> bytes:
-    padded = name + b"\0" * (16 - len(name) % 16) if name else b""
-    return struct.pack("iIII", 1, mask, 0, len(padded)) + padded
-
-
-def test_names_changed_parses_records() -> None:
-    buf = _record(b"other.json", IN_CLOSE_WRITE) + _record(b"state.json", IN_MOVED_TO)
-    assert names_changed(buf, b"state.json")
-    assert not names_changed(_record(b"other.json", IN_CLOSE_WRITE), b"state.json")
-    assert names_changed(_record(b"", IN_Q_OVERFLOW), b"state.json")  # overflow: assume a change
-    assert not names_changed(b"", b"state.json")
 
 
 def test_file_watch_wakes_on_atomic_replace_only_for_its_file(tmp_path: Path) -> None:

@@ -80,14 +80,17 @@ class ConditionsComponent(Component):
         self.writer = ConditionWriter(NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
                                       stage=ctx.shared.node_status)
         self._ctx = ctx
-        self._wanted = asyncio.Event()
+        self._wanted = asyncio.Event()  # a write pass is due
+        self._changed = asyncio.Event()  # an input changed (the waits inside a pass look again)
         self._task: asyncio.Task[Any] | None = None
         self._watch: Any = None
         self._staged: Callable[[], None] | None = None
+        self._passed: Callable[[], None] | None = None
         self.last_error = ""
 
     def _wake(self) -> None:
         self._wanted.set()
+        self._changed.set()
 
     async def start(self, ctx: Context) -> None:
         ctx.shared.conditions.subscribe(self._wake)
@@ -95,10 +98,15 @@ class ConditionsComponent(Component):
 
         def staged() -> None:  # called from the publisher's worker thread
             with contextlib.suppress(RuntimeError):  # the loop is gone while the daemon stops
-                loop.call_soon_threadsafe(self._wanted.set)
+                loop.call_soon_threadsafe(self._wake)
 
-        self._staged = staged
+        def passed() -> None:  # the publisher finished a pass (staged or not)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._changed.set)
+
+        self._staged, self._passed = staged, passed
         ctx.shared.node_status.subscribe(staged)
+        ctx.shared.node_status.subscribe_passes(passed)
         self._task = ctx.spawn(self._worker(), "conditions")
         self._wanted.set()
         # the one shared watch of the own Node: conditions somebody changed or removed are written again
@@ -133,15 +141,8 @@ class ConditionsComponent(Component):
         while True:
             await self._wanted.wait()
             await asyncio.sleep(SETTLE_S)  # reports arriving together (start, a MIG apply) make one write
-            for _ in range(int(PENDING_S / 0.1)):
-                if self._ctx.shared.conditions.mig.state != "pending":
-                    break
-                await asyncio.sleep(0.1)
-            stage = self._ctx.shared.node_status
-            for _ in range(int(FIRST_PASS_WAIT_S / 0.1)):
-                if not stage.expected or stage.passes:
-                    break
-                await asyncio.sleep(0.1)  # start: the publisher's values go out in this same write
+            await self._until(self._mig_not_pending, PENDING_S)
+            await self._until(self._publisher_passed, FIRST_PASS_WAIT_S)  # start: its values in this write
             self._wanted.clear()
             carried = self.writer.fields_written
             try:
@@ -160,11 +161,33 @@ class ConditionsComponent(Component):
             self.last_error = ""
             self._ctx.set_status(self.name, f"{self.writer.writes} write(s)")
 
+    def _mig_not_pending(self) -> bool:
+        return self._ctx.shared.conditions.mig.state != "pending"
+
+    def _publisher_passed(self) -> bool:
+        stage = self._ctx.shared.node_status
+        return not stage.expected or stage.passes > 0
+
+    async def _until(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Return once ``ready()`` holds, or after ``timeout`` seconds; looked at again whenever an input
+        changes (a report, a staged value, a publisher pass)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not ready():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
+
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._wake)
-        if self._staged is not None:
-            self._ctx.shared.node_status.unsubscribe(self._staged)
-            self._staged = None
+        for listener in (self._staged, self._passed):
+            if listener is not None:
+                self._ctx.shared.node_status.unsubscribe(listener)
+        self._staged = self._passed = None
         if self._watch is not None:
             await asyncio.to_thread(self._watch.stop)
             self._watch = None

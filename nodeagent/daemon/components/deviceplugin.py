@@ -32,11 +32,11 @@ class DevicePluginComponent(Component):
     def __init__(self, ctx: Context) -> None:
         super().__init__()
         from nodeagent.deviceplugin.service import DevicePluginService
-        from nodeagent.gpu.health import HealthSettings as GpuHealthSettings
+        from nodeagent.gpu.health import HealthMonitorSettings
 
         cfg = ctx.config
         self._plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
-        health = GpuHealthSettings.from_env(
+        health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
         self.service = DevicePluginService(

@@ -34,7 +34,7 @@ class DraPlaneComponent(Component):
     def __init__(self, ctx: Context) -> None:
         super().__init__()
         from nodeagent.dra.component import DraComponent
-        from nodeagent.gpu.health import HealthSettings as GpuHealthSettings
+        from nodeagent.gpu.health import HealthMonitorSettings
 
         cfg = ctx.config
         self._ctx = ctx
@@ -56,12 +56,13 @@ class DraPlaneComponent(Component):
             verify_interval_s=cfg.dra.verify_interval,
             gpu_filter=None if alone else beside_the_device_plugin,
             nvml=ctx.gpu if alone else None,
-            health_settings=GpuHealthSettings.from_env(
+            health_settings=HealthMonitorSettings.from_env(
                 recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
             ) if alone else None,
             pumps=ctx.pumps,
             mig=ctx.gpu,
             dynamic_mig=cfg.dra.dynamic_mig,
+            scheduler=ctx.scheduler,
         )
         self._started = False
 

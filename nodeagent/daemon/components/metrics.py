@@ -8,8 +8,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
-from nodeagent.daemon.components import close_quietly
-from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.errors import NodeAgentError
 
 log = logging.getLogger(__name__)
@@ -29,11 +28,10 @@ class MetricsComponent(Component):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__()
-        from nodeagent.kube.podresources import PodResourcesClient
         from nodeagent.metrics import Metrics
 
         self.metrics = Metrics(ctx.node_name)
-        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        self.pod_resources = ctx.pod_resources_client()
         self._assignments: list[Any] = []
         self._pod_resources_error = ""
         self._ctx = ctx

@@ -8,9 +8,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.daemon.components import close_quietly
 from nodeagent.daemon.shared import DevicePluginLink, DraLink, PreparedClaims
-from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
@@ -132,7 +131,6 @@ class MigComponent(Component):
         super().__init__()
         from nodeagent.kube.node import NodeClient
         from nodeagent.kube.podnames import CHECKPOINT_NAME, PodNameLookup
-        from nodeagent.kube.podresources import PodResourcesClient
         from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions, read_boot_id
 
         cfg = ctx.config.mig
@@ -142,7 +140,7 @@ class MigComponent(Component):
         proc = ctx.paths.proc
         # A busy-GPU refusal names namespace/pod: the kubelet's device checkpoint maps the process's pod UID
         # to devices, PodResources those devices to the pod (the channel opens only when a refusal asks).
-        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        self.pod_resources = ctx.pod_resources_client()
         checkpoint = ctx.host_path(ctx.config.kubelet.device_plugins) / CHECKPOINT_NAME
         from nodeagent.dra import DRIVER_NAME
 

@@ -7,8 +7,7 @@ import contextlib
 import logging
 from typing import Any
 
-from nodeagent.daemon.components import close_quietly
-from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 
@@ -27,10 +26,9 @@ class PublisherComponent(Component):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__()
-        from nodeagent.kube.podresources import PodResourcesClient
         from nodeagent.kube.publisher import NodePublisher, PublisherConfig
 
-        self.pod_resources = PodResourcesClient(ctx.host_path(ctx.config.kubelet.pod_resources()))
+        self.pod_resources = ctx.pod_resources_client()
         self.publisher = NodePublisher(
             ctx.kube,
             ctx.node_name,
