@@ -289,7 +289,8 @@ def _check_keys(table: Mapping[str, Any], types: Mapping[str, str], prefix: tupl
             child = next(k for k, v in value.items() if not isinstance(v, Mapping))
             path, value, kind = (*path, child), value[child], "table"
         dotted = ".".join(_toml_key(k) for k in path)
-        raise ConfigError(f"{source}: {dotted} must be a {kind}, not {shown(value)} (containerd refuses such a "
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise ConfigError(f"{source}: {dotted} must be {article} {kind}, not {shown(value)} (containerd refuses such a "
                           "file); nothing was written", subject=source)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import pytest
 
-from nodeagent.cli import COMMANDS, SUMMARIES, cli
+from nodeagent.cli import COMMANDS, SUMMARIES, Group, cli
 
 HEAVY = ("kubernetes", "grpc", "apscheduler", "prometheus_client", "pyroute2", "watchdog")
 
@@ -82,6 +82,6 @@ def test_the_listed_summaries_are_the_commands_own() -> None:
         cli.format_commands(ctx, formatter)
         listed = formatter.getvalue()
         formatter = ctx.make_formatter()
-        eager = click.Group(commands=real)
+        eager = Group(commands=real)
         eager.format_commands(ctx, formatter)
         assert listed == formatter.getvalue()
