@@ -168,6 +168,11 @@ class DevicePluginService:
         """GPU index → the last XID it reported (GPUs without one are absent)."""
         return dict(self.monitor.last_xid) if self.monitor is not None else {}
 
+    def registered(self) -> dict[str, bool]:
+        """Resource served → whether its last registration with the kubelet succeeded and none is under way
+        (after a kubelet restart, until the kubelet has accepted the new one)."""
+        return {n: n in self.registrations and n not in self._registering for n in self._servers}
+
     def device_health(self) -> dict[str, dict[str, bool]]:
         """Resource → device ID → healthy."""
         return {n: {d.id: self._healthy(d) for d in s.resource.devices} for n, s in self._servers.items()}

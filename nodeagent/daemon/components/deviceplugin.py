@@ -122,6 +122,9 @@ class DevicePluginComponent(Component):
     def last_xids(self) -> dict[int, int]:
         return self.service.last_xids()
 
+    def registered(self) -> dict[str, bool]:
+        return self.service.registered()
+
     async def stop(self) -> None:
         self._ctx.shared.device_plugin.detach(self)
         await self.service.stop()
