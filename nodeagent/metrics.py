@@ -17,7 +17,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nodeagent.gpu.inventory import Inventory
@@ -143,11 +143,15 @@ CONDITION_STATUSES = ("True", "False", "Unknown")
 MIG_STATES = ("pending", "rebooting", "success", "failed")
 
 
-def state_families(snapshot: ConditionSnapshot, registered: Mapping[str, bool]) -> list[Metric]:
+def state_families(
+    snapshot: ConditionSnapshot,
+    registered: Mapping[str, bool],
+    allocations: Mapping[tuple[str, str], int] | None = None,
+) -> list[Metric]:
     """The agent's state as gauges (pure): the GPU Node conditions and the MIG config state as state sets
     (one series per possible value, 1 on the current one, as kube-state-metrics shows Node conditions), each
     GPU fault with its last XID and the driver's recovery action, the kubelet registration of every
-    device-plugin resource, and whether containerd is wired."""
+    device-plugin resource and its Allocate calls, and whether containerd is wired."""
     cond = GaugeMetricFamily(
         "nodeagent_node_condition",
         "The agent's Node conditions (nodeagent.io/GPUReady, ...): 1 on the current status, 0 on the others.",
@@ -191,12 +195,47 @@ def state_families(snapshot: ConditionSnapshot, registered: Mapping[str, bool]) 
     )
     if snapshot.runtime.check_enabled and snapshot.runtime.containerd_wired is not None:
         wired.add_metric([], 1 if snapshot.runtime.containerd_wired else 0)
-    return [cond, mig, faults, reg, wired]
+    allocate = CounterMetricFamily(
+        "nodeagent_allocate_requests",
+        "The kubelet's Allocate calls, by resource and result (answered, refused).",
+        labels=("resource", "result"),
+    )
+    for (resource, result), n in sorted((allocations or {}).items()):
+        allocate.add_metric([resource, result], n)
+    return [cond, mig, faults, reg, wired, allocate]
 
 
-class _StateCollector(Collector):
-    def __init__(self) -> None:
-        self._families: list[Metric] = state_families(ConditionSnapshot(), {})
+def mig_families(inv: Inventory) -> list[Metric]:
+    """Each MIG-capable GPU's MIG mode and the MIG devices it carries, by profile (pure)."""
+    mode = GaugeMetricFamily(
+        "nodeagent_gpu_mig_enabled",
+        "MIG mode of each MIG-capable GPU: 1 enabled, 0 disabled; pending=\"true\" while a mode change waits "
+        "for a GPU reset.",
+        labels=("gpu", "UUID", "pending"),
+    )
+    devices = GaugeMetricFamily(
+        "nodeagent_mig_devices",
+        "MIG devices of each GPU, by GPU-instance profile.",
+        labels=("gpu", "UUID", "GPU_I_PROFILE"),
+    )
+    for g in sorted(inv.gpus, key=lambda x: x.index):
+        if not g.mig_capable:
+            continue
+        pending = g.mig_pending != g.mig_current
+        mode.add_metric([str(g.index), g.uuid, "true" if pending else "false"], 1 if g.mig_current else 0)
+        counts: dict[str, int] = {}
+        for d in g.mig_devices:
+            counts[d.profile] = counts.get(d.profile, 0) + 1
+        for profile, n in sorted(counts.items()):
+            devices.add_metric([str(g.index), g.uuid, profile], n)
+    return [mode, devices]
+
+
+class _Families(Collector):
+    """Families computed when the state changes, shown as they are at every scrape."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
         self._lock = threading.Lock()
 
     def set(self, families: list[Metric]) -> None:
@@ -217,8 +256,10 @@ class Metrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._gpus = _GpuCollector()
         self.registry.register(self._gpus)
-        self._state = _StateCollector()
+        self._state = _Families(state_families(ConditionSnapshot(), {}))
         self.registry.register(self._state)
+        self._mig = _Families([])
+        self.registry.register(self._mig)
         r = self.registry
         self.reconciles = Counter(
             "nodeagent_reconciles", "Reconcile passes by component and result.", ["component", "result"], registry=r
@@ -261,13 +302,20 @@ class Metrics:
             conv = {i: s if s.last_xid is not None else replace(s, last_xid=float(xids.get(i, 0)))
                     for i, s in conv.items()}
         self._gpus.set(gpu_series(inv, conv, assignments, self.hostname))
+        self._mig.set(mig_families(inv))
         for g in inv.gpus:
             ok = True if health is None else health.get(g.index, True)
             self.device_healthy.labels(gpu=str(g.index), UUID=g.uuid).set(1 if ok else 0)
 
-    def update_state(self, snapshot: ConditionSnapshot, registered: Mapping[str, bool]) -> None:
-        """Replace the Node conditions, MIG state, GPU faults and registrations shown at the next scrape."""
-        self._state.set(state_families(snapshot, registered))
+    def update_state(
+        self,
+        snapshot: ConditionSnapshot,
+        registered: Mapping[str, bool],
+        allocations: Mapping[tuple[str, str], int] | None = None,
+    ) -> None:
+        """Replace the Node conditions, MIG state, GPU faults, registrations and Allocate counts shown at the
+        next scrape."""
+        self._state.set(state_families(snapshot, registered, allocations))
 
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
         """One finished reconcile (e.g. ``MigReconciler(on_result=...)``: result is the state written)."""

@@ -46,6 +46,10 @@ class ServedDevices(Protocol):
         """Resource name → whether the kubelet holds its registration now."""
         ...
 
+    def allocations(self) -> dict[tuple[str, str], int]:
+        """(resource, "answered" | "refused") → the kubelet's Allocate calls since the start."""
+        ...
+
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
     async def update(self, inventory: Inventory) -> None: ...
@@ -106,6 +110,9 @@ class DevicePluginLink(_Slot[ServedDevices]):
 
     def registered(self) -> dict[str, bool]:
         return self._held.registered() if self._held is not None else {}
+
+    def allocations(self) -> dict[tuple[str, str], int]:
+        return self._held.allocations() if self._held is not None else {}
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._held is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
 from nodeagent.kube.conditions import ConditionSnapshot, GpuFault, GpuHealthInput, MigInput, RuntimeInput
 from nodeagent.metrics import Metrics
 
@@ -120,3 +121,61 @@ def test_switched_off_parts_show_no_series() -> None:
     )
     assert not samples(m, "nodeagent_mig_config_state")
     assert not samples(m, "nodeagent_containerd_wired")
+
+
+def _gpu(
+    index: int, *, capable: bool, current: bool = False, pending: bool = False, profiles: tuple[str, ...] = ()
+) -> Gpu:
+    devices = tuple(
+        MigDevice(index, gi, 0, p, gi, 1, 5952, f"MIG-{index}-{gi}") for gi, p in enumerate(profiles)
+    )
+    return Gpu(
+        index,
+        f"GPU-{index}",
+        "NVIDIA A30",
+        f"00000000:0{index}:00.0",
+        0x20B710DE,
+        24576,
+        0,
+        8,
+        0,
+        index,
+        "ampere",
+        mig_capable=capable,
+        mig_current=current,
+        mig_pending=pending,
+        mig_devices=devices,
+    )
+
+
+def test_mig_mode_and_devices_per_gpu() -> None:
+    m = Metrics("node-1")
+    inv = Inventory(
+        "550.54.15",
+        12040,
+        (
+            _gpu(0, capable=True, current=True, pending=True, profiles=("1g.6gb", "1g.6gb", "2g.12gb")),
+            _gpu(1, capable=True, current=False, pending=True),  # enabling waits for a GPU reset
+            _gpu(2, capable=False),  # no MIG: no series
+        ),
+    )
+    m.update_gpus(inv, {})
+    assert samples(m, "nodeagent_gpu_mig_enabled") == {
+        ("nodeagent_gpu_mig_enabled", (("UUID", "GPU-0"), ("gpu", "0"), ("pending", "false")), 1.0),
+        ("nodeagent_gpu_mig_enabled", (("UUID", "GPU-1"), ("gpu", "1"), ("pending", "true")), 0.0),
+    }
+    assert samples(m, "nodeagent_mig_devices") == {
+        ("nodeagent_mig_devices", (("GPU_I_PROFILE", "1g.6gb"), ("UUID", "GPU-0"), ("gpu", "0")), 2.0),
+        ("nodeagent_mig_devices", (("GPU_I_PROFILE", "2g.12gb"), ("UUID", "GPU-0"), ("gpu", "0")), 1.0),
+    }
+
+
+def test_allocate_counts() -> None:
+    m = Metrics("node-1")
+    m.update_state(
+        ConditionSnapshot(), {}, {("nvidia.com/gpu", "answered"): 4, ("nvidia.com/gpu", "refused"): 1}
+    )
+    assert samples(m, "nodeagent_allocate_requests_total") == {
+        ("nodeagent_allocate_requests_total", (("resource", "nvidia.com/gpu"), ("result", "answered")), 4.0),
+        ("nodeagent_allocate_requests_total", (("resource", "nvidia.com/gpu"), ("result", "refused")), 1.0),
+    }

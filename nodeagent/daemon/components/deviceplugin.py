@@ -125,6 +125,9 @@ class DevicePluginComponent(Component):
     def registered(self) -> dict[str, bool]:
         return self.service.registered()
 
+    def allocations(self) -> dict[tuple[str, str], int]:
+        return self.service.allocations()
+
     async def stop(self) -> None:
         self._ctx.shared.device_plugin.detach(self)
         await self.service.stop()

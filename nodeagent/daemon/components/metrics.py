@@ -122,7 +122,8 @@ class MetricsComponent(Component):
         samples, assignments = await asyncio.to_thread(collect)
         self.metrics.update_gpus(inv, samples, assignments, self._health(),
                                  xids=self._ctx.shared.device_plugin.last_xids())
-        self.metrics.update_state(condition_snapshot(self._ctx), self._ctx.shared.device_plugin.registered())
+        plugin = self._ctx.shared.device_plugin
+        self.metrics.update_state(condition_snapshot(self._ctx), plugin.registered(), plugin.allocations())
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._on_conditions)
