@@ -376,3 +376,58 @@ def test_values_the_chart_cannot_merge_are_refused(helm: Path) -> None:
     assert "config.agent.metrics.labels: a string, boolean, number or list is expected" in proc.stderr, (
         proc.stderr
     )
+
+
+def test_install_upgrade_uninstall(helm: Path, kube_apiserver: KubeApiServer, tmp_path: Path) -> None:
+    """`helm install` / `upgrade` / `uninstall` on the real apiserver (no kubelet: the pods stay unscheduled).
+    Another release name and namespace than the other tests' objects: every name follows the release."""
+    home = {
+        "HELM_CACHE_HOME": str(tmp_path / "cache"),
+        "HELM_CONFIG_HOME": str(tmp_path / "config"),
+        "HELM_DATA_HOME": str(tmp_path / "data"),
+        "PATH": "/usr/bin:/bin",
+    }
+
+    def run(*args: str) -> str:
+        proc = subprocess.run(
+            [str(helm), *args, "--kubeconfig", str(kube_apiserver.kubeconfig)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=home,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    def get(path: str) -> tuple[int, Doc]:
+        status, body = kube_apiserver.get(path)
+        return status, json.loads(body or b"{}")
+
+    ds = "/apis/apps/v1/namespaces/gpu-system/daemonsets/gpu-agent"
+    cm = "/api/v1/namespaces/gpu-system/configmaps/gpu-agent-config"
+    dc = "/apis/resource.k8s.io/v1/deviceclasses/gpu.nodeagent.io"
+    policy = "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/gpu-agent-own-node"
+    run("uninstall", "gpu-agent", "--namespace", "gpu-system", "--ignore-not-found")
+    out = run("install", "gpu-agent", str(CHART), "--namespace", "gpu-system", "--create-namespace")
+    assert "STATUS: deployed" in out, out
+    status, daemonset = get(ds)
+    assert status == 200 and daemonset["metadata"]["annotations"]["meta.helm.sh/release-name"] == "gpu-agent"
+    assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == "gpu-agent"
+    status, vap = get(policy)
+    assert status == 200
+    assert "'system:serviceaccount:gpu-system:gpu-agent'" in vap["spec"]["matchConditions"][0]["expression"]
+    assert get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io")[0] == 200
+    assert get(dc)[0] == 404
+    # upgrade to the DRA plane: the DeviceClasses appear, the agent's config follows
+    out = run("upgrade", "gpu-agent", str(CHART), "--namespace", "gpu-system", "--set", "plane=dra")
+    assert "REVISION: 2" in out, out
+    assert get(dc)[0] == 200
+    assert 'plane = "dra"' in get(cm)[1]["data"]["config.toml"]
+    history = json.loads(run("history", "gpu-agent", "--namespace", "gpu-system", "--output", "json"))
+    assert [h["revision"] for h in history] == [1, 2]
+    run("uninstall", "gpu-agent", "--namespace", "gpu-system", "--wait")
+    for path in (ds, cm, dc, policy):
+        assert get(path)[0] == 404, path
+    # helm never deletes a CRD it installed: the GPU objects of every node outlive the release
+    assert get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io")[0] == 200

@@ -77,6 +77,29 @@ def scrape_text(tmp_path_factory: pytest.TempPathFactory) -> str:
     cfg.write_text("resync_interval = 300.0\n[runtime]\ncheck_interval = 0.0\n[metrics]\ninterval = 60.0\n")
     port = free_port()
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--no-kube"]
+    # GPU 0 in MIG mode with two 2g.12gb devices, from the start
+    layout = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nodeagent",
+            "sim",
+            "mig",
+            "--simulate",
+            "a30x4",
+            "--sim-state",
+            str(sim_state),
+            "--gpu",
+            "0",
+            "2g.12gb",
+            "2g.12gb",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert layout.returncode == 0, layout.stderr
     with node_root() as root, running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
         eventually(lambda: _get(port, "nodeagent_device_healthy"), 30, "the agent's metrics")
         set_recovery_action(SimStore.open(None, sim_state), int(SICK_GPU), 1)
@@ -134,7 +157,11 @@ def cluster_families(hostname: str, mig_state: str, mig_config: str) -> str:
         SimpleNamespace(metadata_writes=1, status_writes=1, gpu_objects=SimpleNamespace(writes=4))
     )
     m.observe_reconcile("mig", mig_state, 2.5)
-    m.update_state(ConditionSnapshot(mig=MigInput(state=mig_state, config=mig_config)), {})
+    m.update_state(
+        ConditionSnapshot(mig=MigInput(state=mig_state, config=mig_config)),
+        {"nvidia.com/gpu": True},
+        {("nvidia.com/gpu", "answered"): 7, ("nvidia.com/gpu", "refused"): 1},
+    )
     return generate_latest(m.registry).decode()
 
 
@@ -183,6 +210,17 @@ def test_the_scrape_is_what_the_rules_read(scrape_text: str) -> None:
     registered = values_of(scrape_text, "nodeagent_device_plugin_registered")
     assert registered and {s.value for s in registered} == {0.0}, registered
     assert [s.value for s in values_of(scrape_text, "nodeagent_containerd_wired")] == [0.0]
+    # the MIG layout made before the start, per GPU
+    mig = {
+        (s.labels["gpu"], s.labels["pending"]): s.value
+        for s in values_of(scrape_text, "nodeagent_gpu_mig_enabled")
+    }
+    assert mig == {("0", "false"): 1.0, ("1", "false"): 0.0, ("2", "false"): 0.0, ("3", "false"): 0.0}, mig
+    devices = [
+        (s.labels["gpu"], s.labels["GPU_I_PROFILE"], s.value)
+        for s in values_of(scrape_text, "nodeagent_mig_devices")
+    ]
+    assert devices == [("0", "2g.12gb", 2.0)], devices
 
 
 def check_metrics(promtool: Path, text: str) -> subprocess.CompletedProcess[str]:
