@@ -53,6 +53,7 @@ def helm() -> Path:
 def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
     # a private home: no repositories, plugins or cache of the machine's user take part
     env = {
+        "HOME": "/nonexistent",
         "HELM_CACHE_HOME": "/nonexistent/cache",
         "HELM_CONFIG_HOME": "/nonexistent/config",
         "HELM_DATA_HOME": "/nonexistent/data",
@@ -382,6 +383,7 @@ def test_install_upgrade_uninstall(helm: Path, kube_apiserver: KubeApiServer, tm
     """`helm install` / `upgrade` / `uninstall` on the real apiserver (no kubelet: the pods stay unscheduled).
     Another release name and namespace than the other tests' objects: every name follows the release."""
     home = {
+        "HOME": str(tmp_path),  # the Kubernetes client's discovery cache goes under $HOME/.kube
         "HELM_CACHE_HOME": str(tmp_path / "cache"),
         "HELM_CONFIG_HOME": str(tmp_path / "config"),
         "HELM_DATA_HOME": str(tmp_path / "data"),
@@ -429,5 +431,6 @@ def test_install_upgrade_uninstall(helm: Path, kube_apiserver: KubeApiServer, tm
     run("uninstall", "gpu-agent", "--namespace", "gpu-system", "--wait")
     for path in (ds, cm, dc, policy):
         assert get(path)[0] == 404, path
+    assert not (REPO / ".kube").exists()  # nothing of the client's cache in the checkout
     # helm never deletes a CRD it installed: the GPU objects of every node outlive the release
     assert get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io")[0] == 200
