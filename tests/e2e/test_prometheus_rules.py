@@ -1,15 +1,17 @@
 """packaging/prometheus/nodeagent-rules.yaml and packaging/grafana/nodeagent.json judged by Prometheus' own
-promtool (Debian's prometheus package): the agent's real /metrics output passes `promtool check metrics`, the
-rules pass `promtool check rules`, every alert fires (and only then) in `promtool test rules` on series taken
-from a scrape of a running agent, and every dashboard query parses and returns data on those series.
+promtool (Debian's prometheus package): the agent's real /metrics output passes `promtool check metrics` (but
+for dcgm-exporter's own camelCase label modelName), the rules pass `promtool check rules`, every alert fires
+(and only then) in `promtool test rules` on series taken from a scrape of a running agent, and every dashboard
+query parses and returns data on those series.
 
-The agent here runs without Kubernetes (``--no-kube``), so the families only a cluster fills (API requests,
-publish writes, MIG applies) come from the agent's own ``Metrics`` class fed through the methods the daemon
-calls: the same code renders them, with the same names and labels."""
+The agent here runs without Kubernetes and without a kubelet (``--no-kube``), so the families only a cluster
+fills (API requests, publish writes, MIG applies, Allocate calls) come from the agent's own ``Metrics`` class fed
+through the methods the daemon calls: the same code renders them, with the same names and labels."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,7 +63,9 @@ def parse(text: str) -> list[Series]:
 
 @pytest.fixture(scope="module")
 def promtool() -> Path:
-    return system_binary("promtool", "prometheus")
+    """Debian's promtool: NODEAGENT_PROMTOOL from tests/testbin/setup.sh, else the one on PATH."""
+    exported = os.environ.get("NODEAGENT_PROMTOOL")
+    return Path(exported) if exported else system_binary("promtool", "prometheus")
 
 
 @pytest.fixture(scope="module")
