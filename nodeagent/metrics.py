@@ -20,10 +20,11 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.kube.conditions import ConditionSnapshot, build_conditions
 from nodeagent.kube.gpuobjects import gpu_of_device
 from nodeagent.kube.podresources import Assignment
 
@@ -142,6 +143,115 @@ class _GpuCollector(Collector):
             yield fam
 
 
+CONDITION_STATUSES = ("True", "False", "Unknown")
+MIG_STATES = ("pending", "rebooting", "success", "failed")
+
+
+def state_families(
+    snapshot: ConditionSnapshot,
+    registered: Mapping[str, bool],
+    allocations: Mapping[tuple[str, str], int] | None = None,
+) -> list[Metric]:
+    """The agent's state as gauges (pure): the GPU Node conditions and the MIG config state as state sets
+    (one series per possible value, 1 on the current one, as kube-state-metrics shows Node conditions), each
+    GPU fault with its last XID and the driver's recovery action, the kubelet registration of every
+    device-plugin resource and its Allocate calls, and whether containerd is wired."""
+    cond = GaugeMetricFamily(
+        "nodeagent_node_condition",
+        "The agent's Node conditions (nodeagent.io/GPUReady, ...): 1 on the current status, 0 on the others.",
+        labels=("condition", "status"),
+    )
+    for c in build_conditions(snapshot):
+        for status in CONDITION_STATUSES:
+            cond.add_metric([c.type, status.lower()], 1 if c.status == status else 0)
+    mig = GaugeMetricFamily(
+        "nodeagent_mig_config_state",
+        "State of the last nvidia.com/mig.config apply: 1 on the current state, 0 on the others "
+        "(no series before the first apply).",
+        labels=("config", "state"),
+    )
+    if snapshot.mig.enabled and snapshot.mig.state is not None:
+        for state in MIG_STATES:
+            mig.add_metric([snapshot.mig.config, state], 1 if snapshot.mig.state == state else 0)
+    faults = GaugeMetricFamily(
+        "nodeagent_gpu_fault",
+        "1 for each unhealthy GPU (or GPU instance), with its last XID and the recovery action the driver "
+        "asks for (\"\" when none).",
+        labels=("gpu", "UUID", "GPU_I_ID", "xid", "recovery_action", "lost"),
+    )
+    seen: set[tuple[str, ...]] = set()
+    for f in snapshot.health.faults if snapshot.health is not None else ():
+        labels = (str(f.index), f.uuid, "" if f.gi_id is None else str(f.gi_id),
+                  "" if f.xid is None else str(f.xid), f.recovery or "", "true" if f.lost else "false")
+        if labels not in seen:
+            seen.add(labels)
+            faults.add_metric(list(labels), 1)
+    reg = GaugeMetricFamily(
+        "nodeagent_device_plugin_registered",
+        "1 when the kubelet accepted the device-plugin registration of the resource, 0 while it has not.",
+        labels=("resource",),
+    )
+    for resource, ok in sorted(registered.items()):
+        reg.add_metric([resource], 1 if ok else 0)
+    wired = GaugeMetricFamily(
+        "nodeagent_containerd_wired",
+        "1 when containerd's config carries the NVIDIA runtime, 0 when not (no series while unchecked).",
+    )
+    if snapshot.runtime.check_enabled and snapshot.runtime.containerd_wired is not None:
+        wired.add_metric([], 1 if snapshot.runtime.containerd_wired else 0)
+    allocate = CounterMetricFamily(
+        "nodeagent_allocate_requests",
+        "The kubelet's Allocate calls, by resource and result (answered, refused).",
+        labels=("resource", "result"),
+    )
+    for (resource, result), n in sorted((allocations or {}).items()):
+        allocate.add_metric([resource, result], n)
+    return [cond, mig, faults, reg, wired, allocate]
+
+
+def mig_families(inv: Inventory) -> list[Metric]:
+    """Each MIG-capable GPU's MIG mode and the MIG devices it carries, by profile (pure)."""
+    mode = GaugeMetricFamily(
+        "nodeagent_gpu_mig_enabled",
+        "MIG mode of each MIG-capable GPU: 1 enabled, 0 disabled; pending=\"true\" while a mode change waits "
+        "for a GPU reset.",
+        labels=("gpu", "UUID", "pending"),
+    )
+    devices = GaugeMetricFamily(
+        "nodeagent_mig_devices",
+        "MIG devices of each GPU, by GPU-instance profile.",
+        labels=("gpu", "UUID", "GPU_I_PROFILE"),
+    )
+    for g in sorted(inv.gpus, key=lambda x: x.index):
+        if not g.mig_capable:
+            continue
+        pending = g.mig_pending != g.mig_current
+        mode.add_metric([str(g.index), g.uuid, "true" if pending else "false"], 1 if g.mig_current else 0)
+        counts: dict[str, int] = {}
+        for d in g.mig_devices:
+            counts[d.profile] = counts.get(d.profile, 0) + 1
+        for profile, n in sorted(counts.items()):
+            devices.add_metric([str(g.index), g.uuid, profile], n)
+    return [mode, devices]
+
+
+class _Families(Collector):
+    """Families computed when the state changes, shown as they are at every scrape."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+        self._lock = threading.Lock()
+
+    def set(self, families: list[Metric]) -> None:
+        with self._lock:
+            self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            families = self._families
+        yield from families
+
+
 class Metrics:
     """The agent's registry: GPU metrics in dcgm-exporter form and nodeagent's own counters."""
 
@@ -150,6 +260,10 @@ class Metrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._gpus = _GpuCollector()
         self.registry.register(self._gpus)
+        self._state = _Families(state_families(ConditionSnapshot(), {}))
+        self.registry.register(self._state)
+        self._mig = _Families([])
+        self.registry.register(self._mig)
         r = self.registry
         self.reconciles = Counter(
             "nodeagent_reconciles", "Reconcile passes by component and result.", ["component", "result"], registry=r
@@ -192,9 +306,20 @@ class Metrics:
             conv = {i: s if s.last_xid is not None else replace(s, last_xid=float(xids.get(i, 0)))
                     for i, s in conv.items()}
         self._gpus.set(gpu_series(inv, conv, assignments, self.hostname))
+        self._mig.set(mig_families(inv))
         for g in inv.gpus:
             ok = True if health is None else health.get(g.index, True)
             self.device_healthy.labels(gpu=str(g.index), UUID=g.uuid).set(1 if ok else 0)
+
+    def update_state(
+        self,
+        snapshot: ConditionSnapshot,
+        registered: Mapping[str, bool],
+        allocations: Mapping[tuple[str, str], int] | None = None,
+    ) -> None:
+        """Replace the Node conditions, MIG state, GPU faults, registrations and Allocate counts shown at the
+        next scrape."""
+        self._state.set(state_families(snapshot, registered, allocations))
 
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
         """One finished reconcile (e.g. ``MigReconciler(on_result=...)``: result is the state written)."""

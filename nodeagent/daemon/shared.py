@@ -42,6 +42,14 @@ class ServedDevices(Protocol):
         """GPU index → the last XID it reported (critical or not), for DCGM_FI_DEV_XID_ERRORS."""
         ...
 
+    def registered(self) -> dict[str, bool]:
+        """Resource name → whether the kubelet holds its registration now."""
+        ...
+
+    def allocations(self) -> dict[tuple[str, str], int]:
+        """(resource, "answered" | "refused") → the kubelet's Allocate calls since the start."""
+        ...
+
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
     async def update(self, inventory: Inventory) -> None: ...
@@ -99,6 +107,12 @@ class DevicePluginLink(_Slot[ServedDevices]):
 
     def last_xids(self) -> dict[int, int]:
         return self._held.last_xids() if self._held is not None else {}
+
+    def registered(self) -> dict[str, bool]:
+        return self._held.registered() if self._held is not None else {}
+
+    def allocations(self) -> dict[tuple[str, str], int]:
+        return self._held.allocations() if self._held is not None else {}
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._held is not None:

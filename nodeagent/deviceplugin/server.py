@@ -215,12 +215,16 @@ class _Servicer:
         sets: DeviceSets = tuple(tuple(c.devices_ids) for c in request.container_requests)
         answer = served.answers.get(sets)
         if answer is not None:
+            self._owner.count_allocate(True)
             return answer
         try:
-            return served.answer(sets)
+            answer = served.answer(sets)
         except AllocationError as e:
+            self._owner.count_allocate(False)
             self._owner.refusals.refused("allocate", str(e))
             refuse(context, INVALID_ARGUMENT, str(e))
+        self._owner.count_allocate(True)
+        return answer
 
     def PreStartContainer(self, request: Any, context: ServicerContext) -> Any:
         return self._PRE_START
@@ -245,8 +249,11 @@ class ResourceServer:
         policy: str,
         health_of: Callable[[AdvertisedDevice], bool],
         take_over: bool = False,
+        on_allocate: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir.absolute()
+        # told of every Allocate answered (resource, True) or refused (resource, False), from the server's threads
+        self._on_allocate = on_allocate
         # a live socket of another process at our socket's name is replaced only when this is set
         self.take_over = take_over
         self.served = _Served(resource, flags, scores, policy)
@@ -260,6 +267,10 @@ class ResourceServer:
         self._published = self._visible()  # what device_list shows
         self.device_list: Any = self._build_list(self._published)  # a ListAndWatchResponse, never changed
         self.list_sent_at: float = 0.0
+
+    def count_allocate(self, ok: bool) -> None:
+        if self._on_allocate is not None:
+            self._on_allocate(self.served.resource.name, ok)
 
     @property
     def resource(self) -> Resource:

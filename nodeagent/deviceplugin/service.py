@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,9 @@ class DevicePluginService:
         self._started = False
         self.registrations: dict[str, int] = {}  # successful Register calls per resource
         self.failures: dict[str, str] = {}  # resource → why it is neither served nor registered right now
+        # (resource, "answered" | "refused") → Allocate calls since the start, across server restarts
+        self._allocations: dict[tuple[str, str], int] = {}
+        self._allocations_lock = threading.Lock()
         self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
             self.monitor = XidTrackingMonitor(
@@ -169,6 +173,21 @@ class DevicePluginService:
         """GPU index → the last XID it reported (GPUs without one are absent)."""
         return dict(self.monitor.last_xid) if self.monitor is not None else {}
 
+    def _count_allocate(self, resource: str, ok: bool) -> None:
+        key = (resource, "answered" if ok else "refused")
+        with self._allocations_lock:
+            self._allocations[key] = self._allocations.get(key, 0) + 1
+
+    def allocations(self) -> dict[tuple[str, str], int]:
+        """(resource, "answered" | "refused") → Allocate calls of the kubelet since the start."""
+        with self._allocations_lock:
+            return dict(self._allocations)
+
+    def registered(self) -> dict[str, bool]:
+        """Resource served → whether its last registration with the kubelet succeeded and none is under way
+        (after a kubelet restart, until the kubelet has accepted the new one)."""
+        return {n: n in self.registrations and n not in self._registering for n in self._servers}
+
     async def stop(self) -> None:
         """Stop every server, watcher, health task and registration attempt."""
         async with self._lock:
@@ -205,7 +224,7 @@ class DevicePluginService:
             if server is None:
                 server = ResourceServer(
                     self.plugin_dir, resource, flags, scores=self._scores, policy=policy, health_of=self._healthy,
-                    take_over=self.take_over,
+                    take_over=self.take_over, on_allocate=self._count_allocate,
                 )
                 try:
                     await server.start()

@@ -137,6 +137,10 @@ async def test_allocate_errors_are_invalid_argument(service: DevicePluginService
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await s.Allocate(pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=bad)]))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and msg in (e.value.details() or "")
+        # the kept answer for the same devices counts as answered too
+        await s.Allocate(pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=ids[:1])]))
+    # what nodeagent_allocate_requests_total shows
+    assert service.allocations() == {("nvidia.com/gpu.shared", "answered"): 2, ("nvidia.com/gpu.shared", "refused"): 2}
 
 
 async def test_lost_gpu_turns_unhealthy_then_recovers(tmp_path: Path) -> None:

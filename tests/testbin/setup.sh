@@ -18,6 +18,7 @@
 #       nodeagent_peers_k8s137 -> NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
 #                                 NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37, NODEAGENT_DRA_HARNESS_1_37
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
+#       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
 #     and NODEAGENT_PEERS_READY=1 once all are set. pytest run without this setup (a developer's
 #     `pytest tests/unit/...`) still builds a missing peer on first use through tests/peers/_resolve.py.
@@ -378,6 +379,33 @@ nodeagent_peers_nvml_abi() {
   export NODEAGENT_NVIDIA_CTK=$NODEAGENT_GO_BINARY
 }
 
+# helm (helm.sh/helm/v3/cmd/helm, release pinned in tests/testbin/helm/go.mod), the judge of the chart in
+# packaging/helm/nodeagent (lint, template, install), and Debian's prometheus package for promtool, the judge of
+# packaging/prometheus/ and packaging/grafana/ (check rules, check metrics, test rules).
+nodeagent_peers_helm() {
+  local mod=$NODEAGENT_TESTBIN/helm version kube minor ld
+  version=$(_go_mod_version "$mod" helm.sh/helm/v3)
+  # as helm's Makefile: the Kubernetes version `helm template` and `helm lint` assume is the client-go's
+  # (v0.X.Y -> 1.X), not the 1.20 compiled in
+  kube=$(awk '$1 == "k8s.io/client-go" {print $2; exit}' "$mod/go.mod")
+  minor=${kube#v0.}
+  minor=${minor%%.*}
+  case $minor in
+    '' | *[!0-9]*) _peers_log "cannot read the k8s.io/client-go version from $mod/go.mod"; return 1 ;;
+  esac
+  ld="-X helm.sh/helm/v3/internal/version.version=$version -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+  ld="$ld -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
+  ld="$ld -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor"
+  build_go_binary helm "$mod" helm.sh/helm/v3/cmd/helm "$version" "$ld" || return 1
+  export NODEAGENT_HELM=$NODEAGENT_GO_BINARY
+  _peers_install_debian prometheus || return 1
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ] && [ ! -x /usr/bin/promtool ]; then
+    return 0
+  fi
+  [ -x /usr/bin/promtool ] || { _peers_log "Debian's prometheus package ships no /usr/bin/promtool"; return 1; }
+  export NODEAGENT_PROMTOOL=/usr/bin/promtool
+}
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -393,6 +421,7 @@ NODEAGENT_PEERS_STEPS=(
   "kubelet DRA harness v1.34:nodeagent_peers_dra_harness"
   "Kubernetes v1.37 peers:nodeagent_peers_k8s137"
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
+  "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
 )
 

@@ -41,6 +41,12 @@ class FakePlugin(Component):
     def last_xids(self) -> dict[int, int]:
         return {1: 79}
 
+    def registered(self) -> dict[str, bool]:
+        return {"nvidia.com/gpu": True}
+
+    def allocations(self) -> dict[tuple[str, str], int]:
+        return {("nvidia.com/gpu", "answered"): 3}
+
     async def withdraw(self, gpu_indices: set[int]) -> None:
         self.withdrawn.append(gpu_indices)
 
@@ -85,6 +91,8 @@ async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -
         assert (snap.served, snap.plugin_config, dict(snap.health)) == (("nvidia.com/a",), "config-a",
                                                                          {0: True, 1: False})
         assert link.last_xids() == {1: 79}
+        assert link.registered() == {"nvidia.com/gpu": True}
+        assert link.allocations() == {("nvidia.com/gpu", "answered"): 3}
         await link.withdraw({1})
         assert plugins[0].withdrawn == [{1}]
         # a reload rebuilds the device plugin: readers see the new one, the old one is unlinked
@@ -99,6 +107,7 @@ async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -
         d.request_stop()
         await asyncio.wait_for(task, 5)
     assert link.snapshot().served == () and link.health() == {} and link.last_xids() == {}
+    assert link.registered() == {} and link.allocations() == {}
 
 
 async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
@@ -132,6 +141,12 @@ async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertise
             return {}
 
         def last_xids(self) -> dict[int, int]:
+            return {}
+
+        def registered(self) -> dict[str, bool]:
+            return {}
+
+        def allocations(self) -> dict[tuple[str, str], int]:
             return {}
 
         async def withdraw(self, gpu_indices: set[int]) -> None:

@@ -56,6 +56,22 @@ async def report_gpu_health(ctx: Context, service: Any) -> None:
     ctx.shared.conditions.report_health(GpuHealthInput(len(inv.gpus), out))
 
 
+def condition_snapshot(ctx: Context) -> Any:
+    """The inputs reported into ``ctx.shared.conditions``, with what the config switches off marked as off
+    (a ``ConditionSnapshot``: what the Node conditions and the state metrics are built from)."""
+    cfg = ctx.config
+    s = ctx.shared.conditions.snapshot()
+    mig = s.mig if cfg.mig.enabled else dataclasses.replace(s.mig, enabled=False)
+    runtime = dataclasses.replace(s.runtime, check_enabled=cfg.runtime.enabled, cdi_enabled=cfg.cdi.enabled)
+    health = s.health
+    inv = ctx.inventory
+    if health is None and inv is not None and not cfg.device_plugin.enabled:
+        from nodeagent.kube.conditions import GpuHealthInput
+
+        health = GpuHealthInput(len(inv.gpus), (), monitored=False)
+    return dataclasses.replace(s, health=health, mig=mig, runtime=runtime)
+
+
 @dataclasses.dataclass(frozen=True)
 class _PublisherStatusWrite:
     """The publisher's status values written by this component: counted as the publisher's status write
@@ -125,17 +141,7 @@ class ConditionsComponent(Component):
 
     def snapshot(self) -> Any:
         """The reported inputs, with what the config switches off marked as off."""
-        cfg = self._ctx.config
-        s = self._ctx.shared.conditions.snapshot()
-        mig = s.mig if cfg.mig.enabled else dataclasses.replace(s.mig, enabled=False)
-        runtime = dataclasses.replace(s.runtime, check_enabled=cfg.runtime.enabled, cdi_enabled=cfg.cdi.enabled)
-        health = s.health
-        inv = self._ctx.inventory
-        if health is None and inv is not None and not cfg.device_plugin.enabled:
-            from nodeagent.kube.conditions import GpuHealthInput
-
-            health = GpuHealthInput(len(inv.gpus), (), monitored=False)
-        return dataclasses.replace(s, health=health, mig=mig, runtime=runtime)
+        return condition_snapshot(self._ctx)
 
     async def _worker(self) -> None:
         while True:

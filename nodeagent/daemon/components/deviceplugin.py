@@ -122,6 +122,12 @@ class DevicePluginComponent(Component):
     def last_xids(self) -> dict[int, int]:
         return self.service.last_xids()
 
+    def registered(self) -> dict[str, bool]:
+        return self.service.registered()
+
+    def allocations(self) -> dict[tuple[str, str], int]:
+        return self.service.allocations()
+
     async def stop(self) -> None:
         self._ctx.shared.device_plugin.detach(self)
         await self.service.stop()

@@ -8,6 +8,7 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from nodeagent.daemon.components.conditions import condition_snapshot
 from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.errors import NodeAgentError
 
@@ -38,7 +39,7 @@ class MetricsComponent(Component):
         self._server: Any = None
         self._bind_error = ""
         self._kube: Any = None
-        self._seen_health: Any = None
+        self._seen_inputs: Any = None
 
     async def start(self, ctx: Context) -> None:
         self._bind()
@@ -48,16 +49,17 @@ class MetricsComponent(Component):
             self._kube = ctx.kube
         ctx.scheduler.add_job(self.sample, "interval", seconds=ctx.config.metrics.interval, id="metrics",
                               replace_existing=True, coalesce=True, max_instances=1)
-        # Health metrics follow a health change (an XID, a GPU lost or back) at once, not at the next tick.
-        self._seen_health = ctx.shared.conditions.health
+        # Health and state metrics follow a change of the condition inputs (an XID, a GPU lost or back, a MIG
+        # apply, a containerd check) at once, not at the next tick.
+        self._seen_inputs = ctx.shared.conditions.snapshot()
         ctx.shared.conditions.subscribe(self._on_conditions)
         await self.sample()
 
     def _on_conditions(self) -> None:
-        health = self._ctx.shared.conditions.health
-        if health == self._seen_health:
+        inputs = self._ctx.shared.conditions.snapshot()
+        if inputs == self._seen_inputs:
             return
-        self._seen_health = health
+        self._seen_inputs = inputs
         with contextlib.suppress(Exception):  # the job is gone while the component stops
             self._ctx.scheduler.modify_job("metrics", next_run_time=datetime.now(UTC))
 
@@ -118,6 +120,8 @@ class MetricsComponent(Component):
         samples, assignments = await asyncio.to_thread(collect)
         self.metrics.update_gpus(inv, samples, assignments, self._health(),
                                  xids=self._ctx.shared.device_plugin.last_xids())
+        plugin = self._ctx.shared.device_plugin
+        self.metrics.update_state(condition_snapshot(self._ctx), plugin.registered(), plugin.allocations())
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._on_conditions)
