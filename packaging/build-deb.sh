@@ -55,8 +55,16 @@ fi
   cat "$WORK/wheel.log" >&2; exit 1; }
 OWN=$(ls "$WORK"/own/nodeagent-*.whl)
 
-# 2. The venv at its final path inside the staging tree, filled from the wheel cache.
-"$BASE_PY" -m venv --without-pip "$STAGE$PREFIX"
+# 2. The venv at its final path inside the staging tree, filled from the wheel cache. Made from the real
+# interpreter (/usr/bin/python3.11, which the package depends on), not the /usr/bin/python3 link: the venv's
+# python links to the path it was made with, and python3 (the link) is not in the dependencies.
+"$(readlink -f "$BASE_PY")" -m venv --without-pip "$STAGE$PREFIX"
+for f in "$STAGE$PREFIX"/bin/python*; do
+  case "$(readlink "$f")" in
+    /*) [ "$(readlink "$f")" = /usr/bin/python3.11 ] || {
+      echo "build-deb: $f links to $(readlink "$f"), not /usr/bin/python3.11 (Depends: python3.11)" >&2; exit 1; } ;;
+  esac
+done
 pip_install() {
   "$BUILD_PY" -m pip --python "$STAGE$PREFIX/bin/python" install -q --disable-pip-version-check \
     --no-compile --no-index --find-links "$WHEELS" "$OWN" "$@"

@@ -65,22 +65,34 @@ def connect(kubeconfig: Path | None = None) -> k8s.ApiClient:
     env = os.environ.get("KUBECONFIG", "")
     first = next((p for p in env.split(os.pathsep) if p), "")
     if first:
-        if Path(first).is_file():
+        found, why = _readable_file(Path(first))
+        if found:
             return _from_kubeconfig(Path(first))
-        tried.append(f"$KUBECONFIG {first} (not found)")
+        tried.append(f"$KUBECONFIG {first} ({why})")
     else:
         tried.append("$KUBECONFIG (not set)")
     home = Path.home() / ".kube" / "config"
-    if home.is_file():
+    found, why = _readable_file(home)
+    if found:
         return _from_kubeconfig(home)
-    tried.append(f"{home} (not found)")
+    tried.append(f"{home} ({why})")
     raise KubeError("no Kubernetes credentials; tried " + "; ".join(tried)
                     + ". Give --kubeconfig FILE, or --no-kube to run without the API", subject="kubeconfig")
 
 
+def _readable_file(path: Path) -> tuple[bool, str]:
+    """(True, "") when ``path`` is a file, else (False, why): "not found", or the error of looking (a home
+    directory a systemd unit hides with ProtectHome= answers EACCES)."""
+    try:
+        return (True, "") if path.is_file() else (False, "not found")
+    except OSError as e:
+        return False, f"cannot look: {e.strerror or e}"
+
+
 def _from_kubeconfig(path: Path) -> k8s.ApiClient:
-    if not path.is_file():
-        raise KubeError(f"kubeconfig {path}: not found", subject=str(path))
+    found, why = _readable_file(path)
+    if not found:
+        raise KubeError(f"kubeconfig {path}: {why}", subject=str(path))
     try:
         api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(path)

@@ -173,3 +173,26 @@ def test_a_failed_bootstrap_step_is_logged_as_an_error(short_tmp: Path) -> None:
     # the steps that do not depend on the failed one still ran: the CDI spec is written
     steps = {s["step"]: s["result"] for s in report["steps"]}
     assert steps["runtime"] == "failed" and steps["cdi"] == "changed", steps
+
+
+def test_home_hidden_by_the_unit_sandbox_is_named_in_the_credentials_error(short_tmp: Path) -> None:
+    """Under systemd, ProtectHome= makes the home directory unreadable: looking for ~/.kube/config answers
+    EACCES, not "no such file". One error naming it, as for a missing file (here: a caller that may not
+    enter the home directory)."""
+    home = short_tmp / "home"
+    home.mkdir(mode=0o700)
+    short_tmp.chmod(0o755)
+    code = "from nodeagent.kube.client import connect\nconnect()\n"
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        env=_env(short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("nodeagent.errors.KubeError: no Kubernetes credentials"), r.stderr
+    assert f"{home}/.kube/config (cannot look: Permission denied)" in lines[-1], r.stderr
+    assert "PermissionError" not in r.stderr, r.stderr

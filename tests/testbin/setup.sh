@@ -20,6 +20,7 @@
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 #       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
+#       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian directory tree systemd boots)
 #     and NODEAGENT_PEERS_READY=1 once all are set. pytest run without this setup (a developer's
 #     `pytest tests/unit/...`) still builds a missing peer on first use through tests/peers/_resolve.py.
 #   * resolves files it needs from Go modules (nvml.h) by downloading the module, never by assuming a
@@ -406,6 +407,71 @@ nodeagent_peers_helm() {
   export NODEAGENT_PROMTOOL=/usr/bin/promtool
 }
 
+# --- A Debian root booted by systemd (tests/e2e/test_systemd_boot.py) -------------------------------------
+# Debian bookworm made from Debian's packages with mmdebstrap: systemd as PID 1, dbus, Debian's containerd and
+# runc, and what the .deb depends on (python3.11, procps), so `apt-get install ./nodeagent_*.deb` needs no
+# network. Booted with systemd-nspawn (systemd-container); installing that package may upgrade the host's
+# systemd packages, which is why it happens here and not in a test. Cached as a directory
+# ${NODEAGENT_CACHE}/debian-root-<hash> (hash of suite, packages, mirror and this function), made in a
+# temporary directory beside it and renamed into place; the tests never write into it (they boot an overlay).
+# Exports NODEAGENT_DEBIAN_ROOT.
+NODEAGENT_DEBIAN_SUITE=${NODEAGENT_DEBIAN_SUITE:-bookworm}
+NODEAGENT_DEBIAN_MIRROR=${NODEAGENT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+NODEAGENT_DEBIAN_PACKAGES="systemd,systemd-sysv,dbus,libpam-systemd,containerd,runc,python3.11,libc6,procps"
+
+nodeagent_peers_debian_root() {
+  _peers_install_debian mmdebstrap systemd-container || return 1
+  local hash dest
+  hash=$( (echo "$NODEAGENT_DEBIAN_SUITE $NODEAGENT_DEBIAN_MIRROR $NODEAGENT_DEBIAN_PACKAGES" &&
+    declare -f nodeagent_peers_debian_root _debian_root_build) | sha256sum | cut -c1-12) || return 1
+  dest=$NODEAGENT_CACHE/debian-root-$hash
+  export NODEAGENT_DEBIAN_ROOT=$dest
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_log "plan: Debian $NODEAGENT_DEBIAN_SUITE root $([ -f "$dest/etc/os-release" ] && echo cached || echo to build)"
+    return 0
+  fi
+  [ -f "$dest/etc/os-release" ] && return 0
+  mkdir -p "$NODEAGENT_CACHE/logs" || return 1
+  local lock=$NODEAGENT_CACHE/.debian-root.lock log=$NODEAGENT_CACHE/logs/build-debian-root-$hash.log fd
+  exec {fd}>"$lock" || return 1
+  if ! flock -n "$fd"; then
+    _peers_log "waiting for another build of the Debian root (log: $log)"
+    flock "$fd" || return 1
+  fi
+  if [ ! -f "$dest/etc/os-release" ]; then
+    _peers_log "building a Debian $NODEAGENT_DEBIAN_SUITE root with systemd (not in the cache; log: $log)"
+    local start=$SECONDS rc=0 tmp=$dest.tmp.$$
+    rm -rf "$tmp"
+    _debian_root_build "$tmp" >"$log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      rm -rf "$tmp"
+      exec {fd}>&-
+      _peers_log "building the Debian root failed (exit $rc); last lines of $log:"
+      tail -n 20 "$log" >&2
+      return 1
+    fi
+    mv -T "$tmp" "$dest"
+    _peers_log "built the Debian root in $((SECONDS - start))s -> $dest"
+    # older roots (other inputs) go once nobody has used them for a week
+    find "$NODEAGENT_CACHE" -maxdepth 1 -type d -name 'debian-root-*' ! -name "${dest##*/}" -mtime +7 \
+      -exec rm -rf {} + 2>/dev/null || true
+  fi
+  exec {fd}>&-
+}
+
+# _debian_root_build DIR: mmdebstrap into DIR; no machine-id (systemd makes one at each boot of a copy), no
+# getty on the console (the tests read the journal, not a login prompt), apt lists kept so that
+# `apt-get install ./x.deb` can resolve dependencies offline.
+_debian_root_build() {
+  local dir=$1
+  nice -n 10 mmdebstrap --variant=minbase --mode=root --format=directory --skip=cleanup/apt/lists \
+    --include="$NODEAGENT_DEBIAN_PACKAGES" \
+    --customize-hook='rm -f "$1/etc/machine-id" "$1/var/lib/dbus/machine-id"; : > "$1/etc/machine-id"' \
+    --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/getty.target"' \
+    --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/console-getty.service"' \
+    "$NODEAGENT_DEBIAN_SUITE" "$dir" "$NODEAGENT_DEBIAN_MIRROR"
+}
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -423,6 +489,7 @@ NODEAGENT_PEERS_STEPS=(
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
+  "Debian root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"
 )
 
 nodeagent_peers_setup() {

@@ -7,7 +7,8 @@ layouts of ``nvml.h``) and return an ``nvmlReturn_t``. A name not served here ma
 -1, which the C side turns into NVML_ERROR_NOT_SUPPORTED. Nothing raised here reaches the caller.
 
 The machine and state are those of ``configure()`` (nodeagent's ABI mode) or else of the environment:
-``NODEAGENT_SIM_MACHINE`` (a simulated machine name) and ``NODEAGENT_SIM_STATE`` (the shared state file).
+``NODEAGENT_SIM_MACHINE`` (a simulated machine name) and ``NODEAGENT_SIM_STATE`` (the shared state file;
+``NODEAGENT_NVML_STATE`` when the stand-in is installed as a host's driver, see ``DRIVER_STATE_ENV``).
 ``NODEAGENT_NVML_TRACE=1`` prints each call's name and result on stderr; ``NODEAGENT_NVML_INIT_LOG=FILE``
 appends one line per nvmlInit to FILE.
 """
@@ -224,6 +225,11 @@ class _Machine:
 
 _M = _Machine()
 
+# The state file when the stand-in plays the driver of a host: nodeagent's own commands read
+# NODEAGENT_SIM_STATE as --sim-state (the sandboxed simulator, never on "/"), so a nodeagent that runs as on
+# a GPU node (the real pynvml, no --simulate) gets its simulated machine's state through this name instead.
+DRIVER_STATE_ENV = "NODEAGENT_NVML_STATE"
+
 
 def configure(machine: str | None, state: Path | None) -> None:
     """Serve ``machine`` / ``state`` from the next nvmlInit on (instead of the environment)."""
@@ -234,7 +240,8 @@ def configure(machine: str | None, state: Path | None) -> None:
 def _wanted() -> tuple[str | None, str | None]:
     if _M.configured is not None:
         return _M.configured
-    return os.environ.get("NODEAGENT_SIM_MACHINE") or None, os.environ.get("NODEAGENT_SIM_STATE") or None
+    state = os.environ.get("NODEAGENT_SIM_STATE") or os.environ.get(DRIVER_STATE_ENV) or None
+    return os.environ.get("NODEAGENT_SIM_MACHINE") or None, state
 
 
 def _sim() -> SimulatedNvml:
@@ -252,7 +259,7 @@ def _init() -> int:
             if machine is None and state is None:
                 print(
                     "libnvidia-ml (nodeagent stand-in): no simulated machine: set NODEAGENT_SIM_MACHINE "
-                    "and/or NODEAGENT_SIM_STATE",
+                    "and/or NODEAGENT_SIM_STATE (NODEAGENT_NVML_STATE)",
                     file=sys.stderr,
                 )
                 return DRIVER_NOT_LOADED
