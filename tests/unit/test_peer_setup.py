@@ -103,7 +103,12 @@ def test_whole_setup_resolves_every_peer_from_empty_caches(empty_caches: dict[st
     assert not any(cache.rglob("*")), sorted(str(p) for p in cache.rglob("*"))
     steps = [line for line in proc.stderr.splitlines() if line.startswith("peers: [")]
     assert len(steps) == 2 * len(_steps(empty_caches)), proc.stderr  # a start line and a time line each
-    for name in SUITE_PEERS - {"NODEAGENT_CONTAINERD", "NODEAGENT_RUNC", "NODEAGENT_NVML_LIBRARY", "NODEAGENT_DEBIAN_ROOT"}:
+    for name in SUITE_PEERS - {
+        "NODEAGENT_CONTAINERD",
+        "NODEAGENT_RUNC",
+        "NODEAGENT_NVML_LIBRARY",
+        "NODEAGENT_DEBIAN_ROOT",
+    }:
         path = Path(exported[name])
         assert path.parent == cache / "bin", (name, path)
     root = Path(exported["NODEAGENT_DEBIAN_ROOT"])
