@@ -177,8 +177,9 @@ def test_node_checks_against_the_api(root: Path, kube_apiserver: KubeApiServer) 
         },
     )
     assert status == 201, body
-    try:
-        r = _na(
+
+    def doctor(name: str) -> subprocess.CompletedProcess[str]:
+        return _na(
             root,
             "doctor",
             "--simulate",
@@ -186,26 +187,19 @@ def test_node_checks_against_the_api(root: Path, kube_apiserver: KubeApiServer) 
             "--kubeconfig",
             str(kube_apiserver.kubeconfig),
             "--node-name",
-            node,
+            name,
             "--json",
         )
+
+    try:
+        r = doctor(node)
         assert r.returncode == 2, r.stderr
         findings = json.loads(r.stdout)["findings"]
         _one(findings, "node", "ok", "2 nvidia.com/gpu.* labels (product Tesla-T4, count 1)")
         _one(findings, "node", "error", "nvidia.com/mig.config=all-1g.5gb failed")
         _one(findings, "node", "warning", "allocatable nvidia.com/gpu is 0, 1 GPU(s) discovered")
         _one(findings, "node", "warning", "taint nvidia.com/gpu=:NoSchedule")
-        missing = _na(
-            root,
-            "doctor",
-            "--simulate",
-            "t4x1",
-            "--kubeconfig",
-            str(kube_apiserver.kubeconfig),
-            "--node-name",
-            "no-such-node",
-            "--json",
-        )
+        missing = doctor("no-such-node")
         _one(json.loads(missing.stdout)["findings"], "node", "error", "Node no-such-node cannot be read")
     finally:
         kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")

@@ -200,6 +200,18 @@ class Sandbox:
         assert "Traceback" not in err, err[-3000:]
         return list(_accesses(log, self.tmp))
 
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """``nodeagent ARGS`` from the test's directory, not traced."""
+        return subprocess.run(
+            [*NODEAGENT, *args],
+            cwd=self.tmp,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
     def check(self, accesses: list[Access], sandbox: Path, *, active: bool = True) -> None:
         allowed = (sandbox.resolve(), self.tmp.resolve())
         bad: list[str] = []
@@ -341,15 +353,7 @@ def test_root_never_acts_on_the_host(box: Sandbox) -> None:
     ):
         box.check(box.traced("--root", "r", *args), root)
     assert not marker.exists()
-    r = subprocess.run(
-        [*NODEAGENT, "--root", "r", "runtime", "configure", "--restart", "systemd"],
-        cwd=box.tmp,
-        env=box.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    r = box.run("--root", "r", "runtime", "configure", "--restart", "systemd")
     assert r.returncode == 2 and "--restart systemd restarts this host's containerd" in r.stderr, r.stderr
 
 
@@ -405,39 +409,15 @@ def test_bootstrap_under_a_root_restarts_only_when_asked(box: Sandbox) -> None:
     (root / "etc/containerd").mkdir(parents=True)
     (root / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n')
     args = ["--root", "r", "bootstrap", "--simulate", "t4x1", "--no-kube"]
-    quiet = subprocess.run(
-        [*NODEAGENT, *args],
-        cwd=box.tmp,
-        env=box.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    quiet = box.run(*args)
     assert quiet.returncode == 0, quiet.stderr
     steps = {s["step"]: s for s in json.loads(quiet.stdout)["steps"]}
     assert steps["runtime"]["result"] == "changed"
     assert steps["containerd-restart"]["result"] == "skipped", steps["containerd-restart"]
     (root / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n')
-    asked = subprocess.run(
-        [*NODEAGENT, *args, "--restart", "signal"],
-        cwd=box.tmp,
-        env=box.env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    asked = box.run(*args, "--restart", "signal")
     steps = {s["step"]: s for s in json.loads(asked.stdout)["steps"]}
     assert steps["containerd-restart"]["result"] == "failed", steps  # tried: nothing serves r's socket
     assert "no process is serving" in steps["containerd-restart"]["reason"], steps
-    refused = subprocess.run(
-        [*NODEAGENT, *args, "--restart", "systemd"],
-        cwd=box.tmp,
-        env=box.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    refused = box.run(*args, "--restart", "systemd")
     assert refused.returncode == 2 and "--restart systemd restarts this host's containerd" in refused.stderr
