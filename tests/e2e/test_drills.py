@@ -81,7 +81,7 @@ def test_kill_during_runtime_configure(tmp_path: Path, containerd: Containerd, d
 # kill -9 during a MIG apply
 #
 # The kill lands at precise points of the apply, judged on the simulated hardware itself: the test takes
-# the simulator's state lock (every NVML change happens under an exclusive flock on ``<state>.lock``), so
+# the simulator's state lock (every NVML change happens under an exclusive flock on the state's directory), so
 # while it holds the lock the agent is frozen before its next change. Under the lock the test reads the
 # state and, when it shows the wanted point (e.g. a GPU instance whose compute instance does not exist
 # yet), kills the agent right there; otherwise it releases the lock and the agent makes one more change.
@@ -127,7 +127,7 @@ def kill_at(agent: Agent, sim_state: Path, point: Callable[[SimDoc], bool], time
     After looking, the lock is released only until the state file is replaced once (one change by the
     agent, which renames a new file under the lock), then taken again before the agent's next change.
     """
-    fd = os.open(sim_state.with_name(sim_state.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(sim_state.absolute().parent, os.O_RDONLY | os.O_DIRECTORY)  # the simulator's state lock
 
     def stamp() -> tuple[int, int]:
         st = os.stat(sim_state)

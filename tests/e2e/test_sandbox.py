@@ -328,6 +328,7 @@ def test_sim_subcommands_touch_only_their_state_file(box: Sandbox) -> None:
     ):
         box.check(box.traced(*args), box.tmp)
     assert (box.tmp / "s.json").is_file()
+    assert not list(box.tmp.glob("*.lock")), sorted(box.tmp.iterdir())  # the state's lock leaves no file
     assert not (box.tmp / "xdg" / "nodeagent-sim").exists()  # no host path was needed: no sandbox made
 
 

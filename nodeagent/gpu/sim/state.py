@@ -1,7 +1,8 @@
 """The simulator's mutable state: MIG modes, instances, processes, faults and events.
 
 The state is a JSON document. With a file it outlives processes like hardware state does: every change
-happens under an exclusive ``flock`` on ``<file>.lock``, re-reads the file first and replaces it
+happens under an exclusive ``flock`` on the file's directory (no lock file is left beside the state; the
+state files of one directory share that lock), re-reads the file first and replaces it
 atomically, so a test or ``nodeagent sim inject`` can change it under a running daemon. Readers notice
 such changes by the file's identity (inode, size, mtime). Without a file the state lives in memory.
 
@@ -165,16 +166,8 @@ class SimStore:
         self._watch_failed = False
         self._polling = False  # one waiter at a time blocks on the watch, the others on _changed
         if path is not None:
-            lock = self._lock_path()
-            had_lock = lock.exists()
-            try:
-                with self.transaction():
-                    pass  # creates the file on first use, validates an existing one
-            except BaseException:
-                if not had_lock:  # a refused file leaves nothing behind
-                    with contextlib.suppress(OSError):
-                        lock.unlink()
-                raise
+            with self.transaction():
+                pass  # creates the file on first use, validates an existing one
 
     @classmethod
     def open(cls, machine_name: str | None, path: Path | None) -> SimStore:
@@ -231,13 +224,10 @@ class SimStore:
         self._stamp = stamp
         self._raw = raw
 
-    def _lock_path(self) -> Path:
-        assert self.path is not None
-        return self.path.with_name(self.path.name + ".lock")
-
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
-        fd = os.open(self._lock_path(), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        assert self.path is not None
+        fd = os.open(self.path.absolute().parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
