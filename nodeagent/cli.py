@@ -313,6 +313,10 @@ def main(argv: list[str] | None = None) -> None:
 
         # a change that waits for a reboot was accepted: said as what to do, not as an error
         _fail(one_line(str(e)), e.exit_code, args, prefix="" if isinstance(e, RebootRequired) else "error: ")
+    except OSError as e:  # the file system said no (rights, space, a read-only mount): one line, not a traceback
+        logging.getLogger("nodeagent").debug("failure", exc_info=True)
+        where = f"{e.filename}: " if e.filename else ""
+        _fail(f"{where}{e.strerror or e} (nothing more was changed)", 1, args)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -196,3 +196,53 @@ def test_home_hidden_by_the_unit_sandbox_is_named_in_the_credentials_error(short
     assert lines and lines[-1].startswith("nodeagent.errors.KubeError: no Kubernetes credentials"), r.stderr
     assert f"{home}/.kube/config (cannot look: Permission denied)" in lines[-1], r.stderr
     assert "PermissionError" not in r.stderr, r.stderr
+
+
+def test_mig_apply_without_the_rights_to_its_state_is_one_line(short_tmp: Path) -> None:
+    """A user who may not write the MIG state directory: one error line naming it, exit 1, no GPU changed."""
+    root = short_tmp / "r"
+    state_dir = root / "var/lib/nodeagent/mig"
+    state_dir.mkdir(parents=True)
+    for d in (short_tmp, root, root / "var", root / "var/lib"):
+        d.chmod(0o755)
+    (root / "var/lib/nodeagent").chmod(0o700)  # root's, closed to the user below
+    sim = short_tmp / "sim.json"
+    args = [
+        "--root",
+        str(root),
+        "mig",
+        "apply",
+        "--simulate",
+        "dgx-a100-80gb",
+        "--sim-state",
+        str(sim),
+        "-c",
+        "all-1g.10gb",
+    ]
+    made = _na(short_tmp, "sim", "show", "--simulate", "dgx-a100-80gb", "--sim-state", str(sim))
+    assert made.returncode == 0, made.stderr  # the state, made by root
+    sim.chmod(0o666)
+    before = sim.read_bytes()
+    r = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-m",
+            "nodeagent",
+            *args,
+        ],
+        cwd=short_tmp,
+        env=_env(short_tmp),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {state_dir}: Permission denied (nothing more was changed)"], r.stderr
+    assert sim.read_bytes() == before  # no MIG change reached the (simulated) GPUs
