@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from nodeagent.cli import settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
+
+if TYPE_CHECKING:
+    from nodeagent.gpu.inventory import Inventory
 
 
 @click.command()
@@ -44,7 +48,7 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
         ([f"--simulate {shlex.quote(opts.simulate)}"] if opts.simulate else [])
         + ([f"--sim-state {shlex.quote(str(opts.sim_state))}"] if opts.sim_state else []))
 
-    def discover() -> object:
+    def discover() -> Inventory:
         with open_adapter(ctx) as nvml:
             return nvml.discover()
 
@@ -54,7 +58,7 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
         return KubeClient(connect(Path(config.kubeconfig) if config.kubeconfig else None))
 
     report = diagnose(Sources(
-        paths=paths, config=config, discover=discover,  # type: ignore[arg-type]
+        paths=paths, config=config, discover=discover,
         command=lambda sub: f"{settings.command_prefix()} {sub}",
         kube=kube if config.kube else None, node_name=config.resolved_node_name(),
         simulated=simulated, sim_fix=sim_fix,
