@@ -19,4 +19,8 @@ fi
 echo "== ruff"; "$VENV/bin/ruff" check nodeagent tests
 echo "== mypy"; "$VENV/bin/mypy"
 echo "== import layers"; "$VENV/bin/lint-imports"
-echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider "$@"
+# A short base for pytest's temporary directories: tests bind Unix sockets below them (at most 107 bytes of
+# path), which a long $TMPDIR would overflow.
+BASETEMP=$(mktemp -d /tmp/na-pt.XXXXXX)
+trap 'rm -rf "$BASETEMP"' EXIT
+echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider --basetemp "$BASETEMP" "$@"

@@ -35,6 +35,12 @@ def _env(tmp: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+# root without the capabilities that let it pass file permissions: a directory another user owns with mode
+# 0700 is closed to it (running as another user instead would need every path to the interpreter open)
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--inh-caps=-all"]
+NOBODY = 65534
+
+
 def _na(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``nodeagent ARGS`` run to its end from ``tmp``."""
     return subprocess.run(
@@ -181,10 +187,10 @@ def test_home_hidden_by_the_unit_sandbox_is_named_in_the_credentials_error(short
     enter the home directory)."""
     home = short_tmp / "home"
     home.mkdir(mode=0o700)
-    short_tmp.chmod(0o755)
+    os.chown(home, NOBODY, NOBODY)
     code = "from nodeagent.kube.client import connect\nconnect()\n"
     r = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+        [*NO_DAC, sys.executable, "-c", code],
         env=_env(short_tmp),
         capture_output=True,
         text=True,
@@ -199,13 +205,13 @@ def test_home_hidden_by_the_unit_sandbox_is_named_in_the_credentials_error(short
 
 
 def test_mig_apply_without_the_rights_to_its_state_is_one_line(short_tmp: Path) -> None:
-    """A user who may not write the MIG state directory: one error line naming it, exit 1, no GPU changed."""
+    """A command that may not enter the MIG state directory: one error line naming it, exit 1, no GPU
+    changed."""
     root = short_tmp / "r"
     state_dir = root / "var/lib/nodeagent/mig"
     state_dir.mkdir(parents=True)
-    for d in (short_tmp, root, root / "var", root / "var/lib"):
-        d.chmod(0o755)
-    (root / "var/lib/nodeagent").chmod(0o700)  # root's, closed to the user below
+    (root / "var/lib/nodeagent").chmod(0o700)
+    os.chown(root / "var/lib/nodeagent", NOBODY, NOBODY)  # another user's, closed to the command below
     sim = short_tmp / "sim.json"
     args = [
         "--root",
@@ -221,14 +227,10 @@ def test_mig_apply_without_the_rights_to_its_state_is_one_line(short_tmp: Path) 
     ]
     made = _na(short_tmp, "sim", "show", "--simulate", "dgx-a100-80gb", "--sim-state", str(sim))
     assert made.returncode == 0, made.stderr  # the state, made by root
-    sim.chmod(0o666)
     before = sim.read_bytes()
     r = subprocess.run(
         [
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
+            *NO_DAC,
             sys.executable,
             "-m",
             "nodeagent",

@@ -13,7 +13,11 @@ from nodeagent.deviceplugin.registrar import KUBELET_SOCKET, KubeletWatcher
 
 def _bind(path: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(str(path))
+    try:
+        s.bind(str(path))
+    except OSError:
+        s.close()  # never left for the garbage collector to report in another test
+        raise
     return s
 
 
