@@ -437,21 +437,14 @@ def load_config(
 def _read_text(path: Path, what: str, key: str) -> str | None:
     """UTF-8 text of a regular file of bounded size, None when it does not exist. Never blocks: a FIFO, a
     directory or a device in its place is a ``ConfigError`` naming the file, as is a file too big."""
-    from nodeagent.fileio import read_regular
+    from nodeagent.fileio import read_text
 
     named = f" ({key})" if key else ""
     try:
-        data = read_regular(path)
-    except ConfigError as e:
+        return read_text(path)
+    except ConfigError as e:  # fileio's own line, said as the configuration's
         reason = str(e).removeprefix(f"{path}: ").removeprefix("cannot read: ")
         raise ConfigError(f"{path}: cannot read the {what}{named}: {reason}", subject=str(path)) from e
-    if data is None:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: cannot read the {what}{named}: not UTF-8 text ({e.reason} at byte {e.start})",
-                          subject=str(path)) from e
 
 
 def read_named_file(path: Path, what: str, key: str) -> str | None:
