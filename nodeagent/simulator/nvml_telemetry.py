@@ -118,7 +118,7 @@ def board(spec: SimGpuSpec) -> Board:
 
 def gpm_supported(spec: SimGpuSpec) -> bool:
     """GPM exists on Hopper and later."""
-    return spec.arch_nvml >= pynvml.NVML_DEVICE_ARCH_HOPPER
+    return spec.arch_nvml >= int(pynvml.NVML_DEVICE_ARCH_HOPPER)
 
 
 @dataclass(frozen=True)
