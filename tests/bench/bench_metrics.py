@@ -40,8 +40,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     rounds = ap.parse_args().rounds
     sim = open_sim("dgx-h100")
-    for g in range(8):
-        write_mig_layout(sim.store, g, ["1g.10gb"] * 7)
+    for index in range(8):
+        write_mig_layout(sim.store, index, ["1g.10gb"] * 7)
     adapter = NvmlAdapter(sim)
     inv = adapter.discover()
     for g in inv.gpus:
