@@ -16,10 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nodeagent.gpu.nvml import NvmlAdapter
+from nodeagent.simulator.open import open_sim
+from tests._metrics import scrape_or_none
 from tests.e2e._agent import eventually, node_root, running_agent
 from tests.e2e.test_prometheus_rules import _get, check_metrics, input_series, parse
 from tests.peers._resolve import system_binary
 from tests.peers.apiserver import free_port
+from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers
 
@@ -90,9 +94,6 @@ def _series(text: str, name: str) -> dict[tuple[str, str], float]:
 
 
 def test_scraped_values_are_the_simulators(agent_scrape: tuple[str, Path, float]) -> None:
-    from nodeagent.gpu.nvml import NvmlAdapter
-    from nodeagent.simulator.open import open_sim
-
     text, state, when = agent_scrape
     nvml = NvmlAdapter(open_sim(MACHINE, state))
     try:
@@ -159,3 +160,42 @@ def test_dcgm_exporter_dashboard_queries_return_data(
                           timeout=120, check=False)
     assert proc.returncode == 0, "\n".join(
         [proc.stdout + proc.stderr] + [f"{title}: {q}" for title, q in queries.items() if q in proc.stdout])
+
+
+def test_pods_holding_a_gpu_and_a_mig_device_label_their_own_series(
+        tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    """PodResources (the kubelet's device manager, served by the harness): a pod holding a 1g.10gb MIG device
+    labels that GPU instance's series, a pod holding a whole GPU labels that GPU's; nothing else."""
+    state = tmp_path / "sim.json"
+    _sim("mig", "--simulate", MACHINE, "--sim-state", str(state), "--gpu", "0", "3g.40gb", "1g.10gb")
+    port = free_port()
+    with node_root(kubelet_harness) as root:
+        etc = root / "etc/nodeagent"
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "dp.yaml").write_text("version: v1\nflags:\n  migStrategy: mixed\n")
+        cfg = etc / "config.toml"
+        cfg.write_text('resync_interval = 1.0\n[device_plugin]\nconfig = "/etc/nodeagent/dp.yaml"\n'
+                       "[mig]\nenabled = false\n[runtime]\nenabled = false\n[metrics]\ninterval = 1.0\n"
+                       '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
+        args = ["run", "--config", str(cfg), "--simulate", MACHINE, "--sim-state", str(state), "--no-kube"]
+        with running_agent(tmp_path, root, args, metrics=f"127.0.0.1:{port}") as agent:
+            kubelet_harness.wait("nvidia.com/mig-1g.10gb", registered=True, total=1, timeout=30)
+            kubelet_harness.wait("nvidia.com/gpu", registered=True, total=7, timeout=30)
+            mig = kubelet_harness.allocate("nvidia.com/mig-1g.10gb", 1, pod="infer", namespace="ml", container="srv")
+            gpu = kubelet_harness.allocate("nvidia.com/gpu", 1, pod="train", namespace="ml", container="main")
+
+            def held() -> list[dict[str, str]]:
+                fams = scrape_or_none(port) or {}
+                return [lab for lab, _ in fams.get("DCGM_FI_DEV_FB_USED", []) if lab.get("pod")]
+
+            eventually(lambda: len(held()) == 2, 30, "both holders on the metrics")
+            by_pod = {lab["pod"]: lab for lab in held()}
+            infer, train = by_pod["infer"], by_pod["train"]
+            assert (infer["gpu"], infer["GPU_I_PROFILE"], infer["namespace"], infer["container"]) == (
+                "0", "1g.10gb", "ml", "srv")
+            assert train["GPU_I_ID"] == "" and train["UUID"] == gpu.device_ids[0]
+            (mig_uuid,) = mig.device_ids
+            with NvmlAdapter(open_sim(MACHINE, state)) as nvml:
+                (held_gi,) = [d.gi_id for d in nvml.discover().gpus[0].mig_devices if d.uuid == mig_uuid]
+            assert infer["GPU_I_ID"] == str(held_gi)
+            assert "Traceback" not in agent.log()
