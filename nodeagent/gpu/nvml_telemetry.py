@@ -13,6 +13,7 @@ metrics between it and the previous reading's sample, which it then frees; the f
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 from nodeagent.errors import NvmlError
@@ -23,6 +24,8 @@ MIB = 1024 * 1024
 FI_MEMORY_TEMP = 82  # NVML_FI_DEV_MEMORY_TEMP
 CLOCK_SM, CLOCK_MEM = 1, 2  # nvmlClockType_t
 GPM_METRICS_GET_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 class NvmlTelemetry(NvmlSession):
@@ -100,15 +103,19 @@ class NvmlTelemetry(NvmlSession):
             return {}
         if self._gpm_last is None:
             self._gpm_last = {}
-        sample = self._call("nvmlGpmSampleAlloc", gpu=index)
+        try:
+            sample = self._call("nvmlGpmSampleAlloc", gpu=index)
+        except NvmlError as e:
+            log.debug("%s: no GPM sample buffer: %s", self.label(index), e)
+            return {}
         try:
             if gi_id is None:
                 got = self._try("nvmlGpmSampleGet", h, sample, gpu=index)
             else:
                 got = self._try("nvmlGpmMigSampleGet", h, gi_id, sample, gpu=index)
-        except NvmlError:
-            self._gpm_free(sample)
-            raise
+        except NvmlError as e:  # GPM is extra: a GPM failure (e.g. no permission) leaves the rest of the reading
+            log.debug("%s: GPM sample failed: %s", self.label(index), e)
+            got = None
         if got is None:
             self._gpm_free(sample)
             return {}
@@ -128,7 +135,11 @@ class NvmlTelemetry(NvmlSession):
         request.sample1, request.sample2 = first, second
         for i, metric_id in enumerate(GPM_METRICS.values()):
             request.metrics[i].metricId = metric_id
-        if self._try("nvmlGpmMetricsGet", request, gpu=index) is None:
+        try:
+            if self._try("nvmlGpmMetricsGet", request, gpu=index) is None:
+                return {}
+        except NvmlError as e:
+            log.debug("%s: GPM metrics failed: %s", self.label(index), e)
             return {}
         return {name: float(request.metrics[i].value) for i, name in enumerate(GPM_METRICS)
                 if int(request.metrics[i].nvmlReturn) == 0}

@@ -87,3 +87,17 @@ def test_gpm_rules() -> None:
     ha = a100.nvmlDeviceGetHandleByIndex(0)
     assert a100.nvmlGpmQueryDeviceSupport(ha).isSupportedDevice == 0
     assert _code(a100.nvmlGpmSampleGet, ha, a100.nvmlGpmSampleAlloc()) == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_a_gpm_failure_leaves_the_rest_of_the_reading() -> None:
+    from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.simulator.inject import fail_next
+
+    sim = open_sim("dgx-h100")
+    with NvmlAdapter(sim) as adapter:
+        adapter.metrics(0)
+        fail_next(sim.store, "nvmlGpmSampleGet", pynvml.NVML_ERROR_NO_PERMISSION)
+        m = adapter.metrics(0)
+        assert m.gpm == {} and m.sm_clock_mhz == 345 and m.memory_free_mib > 0
+        time.sleep(0.05)
+        assert adapter.metrics(0).gpm["graphics_util"] == 0.0  # the next reading pairs with the last good sample
