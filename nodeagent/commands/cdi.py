@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import Group, settings_of
+from nodeagent.clicontext import Group, settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 from nodeagent.errors import InputError, OperationError
 from nodeagent.hostpaths import HostPaths
