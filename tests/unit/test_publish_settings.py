@@ -1,22 +1,25 @@
-"""``[publish]`` reaches the publisher as it is written: each switch, and defaults for what it cannot set."""
+"""``[publish]`` reaches the publisher as it is written: the config's settings type is the publisher's."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from nodeagent.config import PublishSettings
-from nodeagent.kube.publisher import PublisherConfig
+from nodeagent.kube.client import KubeClient
+from nodeagent.kube.publisher import NodePublisher
+from nodeagent.kube.resources import ResourceSettings
 
 
 def test_each_publish_switch_reaches_the_publisher() -> None:
+    kube = KubeClient.__new__(KubeClient)  # never called: the switches are read at construction
     for name in ("labels", "extended_resources", "gpu_objects", "events"):
-        cfg = PublisherConfig.from_settings(dataclasses.replace(PublishSettings(), **{name: False}))
-        assert getattr(cfg, name) is False
-        others = {f.name for f in dataclasses.fields(PublishSettings)} - {name}
-        assert all(getattr(cfg, other) is True for other in others)
+        settings = dataclasses.replace(PublishSettings(), **{name: False})
+        pub = NodePublisher(kube, "node-a", settings)
+        assert pub.settings is settings
+        assert getattr(pub.settings, name) is False
+    assert NodePublisher(kube, "node-a", PublishSettings(events=False)).events.enabled is False
 
 
 def test_what_the_config_cannot_set_keeps_the_publisher_defaults() -> None:
-    cfg = PublisherConfig.from_settings(PublishSettings())
-    assert cfg.network_labels == PublisherConfig().network_labels
-    assert cfg.resources == PublisherConfig().resources
+    pub = NodePublisher(KubeClient.__new__(KubeClient), "node-a", PublishSettings())
+    assert pub.resources == ResourceSettings()
