@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import kubernetes.client as k8s
+
 from nodeagent.config import PublishSettings
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.publisher import NodePublisher
@@ -11,15 +13,16 @@ from nodeagent.kube.resources import ResourceSettings
 
 
 def test_each_publish_switch_reaches_the_publisher() -> None:
-    kube = KubeClient.__new__(KubeClient)  # never called: the switches are read at construction
-    for name in ("labels", "extended_resources", "gpu_objects", "events"):
-        settings = dataclasses.replace(PublishSettings(), **{name: False})
-        pub = NodePublisher(kube, "node-a", settings)
-        assert pub.settings is settings
-        assert getattr(pub.settings, name) is False
-    assert NodePublisher(kube, "node-a", PublishSettings(events=False)).events.enabled is False
+    with k8s.ApiClient() as api:  # never called: the switches are read at construction
+        kube = KubeClient(api)
+        for name in ("labels", "extended_resources", "gpu_objects", "events"):
+            settings = dataclasses.replace(PublishSettings(), **{name: False})
+            pub = NodePublisher(kube, "node-a", settings)
+            assert pub.settings is settings
+            assert getattr(pub.settings, name) is False
+        assert NodePublisher(kube, "node-a", PublishSettings(events=False)).events.enabled is False
 
 
 def test_what_the_config_cannot_set_keeps_the_publisher_defaults() -> None:
-    pub = NodePublisher(KubeClient.__new__(KubeClient), "node-a", PublishSettings())
-    assert pub.resources == ResourceSettings()
+    with k8s.ApiClient() as api:
+        assert NodePublisher(KubeClient(api), "node-a", PublishSettings()).resources == ResourceSettings()
