@@ -415,11 +415,10 @@ class Metrics:
         self.reconciles.labels(component=component, result=result).inc()
         self.apply_seconds.labels(component=component).observe(seconds)
 
-    def count_publish(self, result: Any) -> None:
-        """The writes of one ``NodePublisher`` pass (a ``PublishResult``), by target."""
-        for target, n in (("labels", getattr(result, "metadata_writes", 0)),
-                          ("status", getattr(result, "status_writes", 0)),
-                          ("gpu_objects", getattr(getattr(result, "gpu_objects", None), "writes", 0))):
+    def count_publish(self, writes: Mapping[str, int]) -> None:
+        """The writes of one publisher pass by target (``PublishResult.by_target()``: labels, status,
+        gpu_objects)."""
+        for target, n in writes.items():
             if n:
                 self.publish_writes.labels(target=target).inc(n)
 

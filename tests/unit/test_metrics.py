@@ -156,8 +156,8 @@ def test_reconcile_and_publish_observers() -> None:
     m = Metrics("n")
     m.observe_reconcile("mig", "success", 0.2)
     m.observe_reconcile("mig", "failed", 0.01)
-    m.count_publish(PublishResult(metadata_writes=1, status_writes=1, gpu_objects=SyncResult(created=["a"])))
-    m.count_publish(PublishResult())
+    m.count_publish(PublishResult(metadata_writes=1, status_writes=1, gpu_objects=SyncResult(created=["a"])).by_target())
+    m.count_publish(PublishResult().by_target())
     fams = _families(m)
     rec = {(lab["component"], lab["result"]): v for lab, v in fams["nodeagent_reconciles"] if "result" in lab}
     assert rec == {("mig", "success"): 1.0, ("mig", "failed"): 1.0}
