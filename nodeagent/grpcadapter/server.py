@@ -1,26 +1,31 @@
 """grpcio servers on Unix sockets for the kubelet: every bound set through grpcio's own options, the socket
 never reachable with a mode wider than 0600, malformed requests refused by name, refusals logged within
-bounds, and a cap on the long-lived streams.
+bounds, a request that must arrive in time, and a cap on the long-lived streams.
 
-Two kinds, one set of bounds:
-  * ``ThreadedServer``: grpcio's server on a bounded thread pool of its own (the methods are plain functions
-    that never touch the caller's event loop: the device-plugin servers);
-  * ``AioServer``: grpc.aio on the running event loop (the methods are coroutines sharing the loop's state:
-    the DRA driver's sockets).
+Both kinds are grpc.aio servers, so a call that waits for its client (for its request, or for room in the
+client's flow-control window) holds no thread:
+  * ``AioServer``: on the running event loop (the methods are coroutines sharing the loop's state: the DRA
+    driver's sockets);
+  * ``LoopThreadServer``: on an event loop of its own, run by one thread (the methods never wait for the
+    caller's loop: the device-plugin servers).
 
 The socket: grpcio binds a ``unix:`` path itself, so the server binds inside a fresh directory of mode 0700
 next to the wanted path, the socket is set to 0600 there, and once the server runs it is renamed into place
 (the listening socket keeps its inode: clients dialling the final name reach it). No other user can reach
 the socket before its mode is 0600, and the final name appears only when calls are taken.
 
-Requests: the generated ``add_*Servicer_to_server`` functions register the services; an interceptor parses
-each request itself, so bytes that are no such message end the call with INVALID_ARGUMENT naming the
+Requests: the generated ``add_*Servicer_to_server`` functions register the services; an interceptor takes
+over reading each request: bytes that are no such message end the call with INVALID_ARGUMENT naming the
 message (grpcio alone would answer INTERNAL "Exception deserializing request!") and the method never sees
-them.
+them; a request that has not arrived ``REQUEST_TIMEOUT_S`` after the call began ends it with
+DEADLINE_EXCEEDED. No bound counts the calls of the whole server: a client that opens calls and never sends
+their requests would fill it and lock the kubelet out; a connection's calls are bounded by ``MAX_STREAMS``,
+the connections by ``MAX_CONNECTIONS``, and a call without its request lasts ``REQUEST_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import inspect
@@ -31,7 +36,6 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -42,13 +46,13 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 4 * 1024 * 1024  # one message, either way (gRPC's default receive limit, set explicitly)
 MAX_METADATA = 16 * 1024  # one call's header list
-MAX_STREAMS = 100  # concurrent streams on one connection
-MAX_CALLS = 64  # calls running or queued on one server; beyond: RESOURCE_EXHAUSTED
+MAX_STREAMS = 32  # concurrent calls on one connection (a client waits for a free one; the kubelet uses a few)
 MAX_CONNECTIONS = 64  # connections open at once on one server; beyond: dropped at accept
+REQUEST_TIMEOUT_S = 10.0  # a call's request must have arrived this long after the call began
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must send the HTTP/2 preface and settings within this
 MIN_PING_INTERVAL_MS = 10_000  # pings closer than this are strikes
 MAX_PING_STRIKES = 2  # strikes before the connection gets GOAWAY (too_many_pings)
-MAX_CONNECTION_IDLE_MS = 5 * 60_000  # a connection without calls this long gets GOAWAY
+MAX_CONNECTION_IDLE_MS = 60_000  # a connection without calls this long gets GOAWAY (a client dials again)
 MAX_CONNECTION_AGE_MS = 60 * 60_000  # any connection this old gets GOAWAY (no new calls on it) ...
 MAX_CONNECTION_AGE_GRACE_MS = 2**31 - 1  # ... but its calls run on: a kubelet's watch stream is never cut
 MAX_DETAILS = 1024  # characters of a status message
@@ -76,7 +80,6 @@ def options() -> list[tuple[str, int]]:
 
 
 # What servers use without importing grpc.
-ServicerContext = grpc.ServicerContext
 AioServicerContext = grpc.aio.ServicerContext
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -94,14 +97,8 @@ def cut(text: str, limit: int) -> str:
     return text[: max(0, limit - len(tail))] + tail
 
 
-def refuse(context: Any, code: Any, details: str) -> NoReturn:
-    """End a call of a threaded server with ``code`` (an error status) and ``details`` (cut to a bound)."""
-    context.abort(code, cut(details, MAX_DETAILS))
-    raise AssertionError("abort returned")  # grpcio's abort always raises
-
-
 async def arefuse(context: Any, code: Any, details: str) -> NoReturn:
-    """``refuse`` for a call of an asyncio server."""
+    """End a call with ``code`` (an error status) and ``details`` (cut to a bound)."""
     await context.abort(code, cut(details, MAX_DETAILS))
     raise AssertionError("abort returned")
 
@@ -174,15 +171,8 @@ class StreamSlots:
     def _refusal(self) -> str:
         return f"more than {self.limit} {self.what} streams at once on this socket"
 
-    def hold(self, context: Any) -> None:
-        """Take a slot for the call of ``context`` (a threaded server's) until it ends, or refuse the call."""
-        if not self._take():
-            refuse(context, RESOURCE_EXHAUSTED, self._refusal())
-        if not context.add_callback(self._give):  # the call has ended already
-            self._give()
-
     async def ahold(self, context: Any) -> None:
-        """``hold`` for a call of an asyncio server."""
+        """Take a slot for the call of ``context`` until it ends, or refuse the call."""
         if not self._take():
             await arefuse(context, RESOURCE_EXHAUSTED, self._refusal())
         context.add_done_callback(self._give)
@@ -220,12 +210,33 @@ def _what(method: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r" \1", name).lower()
 
 
-class _Interceptor:
-    """Wraps each method handler once (kept by method) so that its request is parsed by ``_parser``."""
+async def _request(what: str, requests: Any, context: Any, refusals: RefusalLog) -> Any:
+    """The one request of a call, read from ``requests`` (the call's request iterator) within
+    ``REQUEST_TIMEOUT_S``; a request that is no such message, comes too late or never ends the call."""
+    try:
+        request = await asyncio.wait_for(anext(requests), REQUEST_TIMEOUT_S)
+    except TimeoutError:
+        reason = f"no request within {REQUEST_TIMEOUT_S:g} s of the call"
+        refusals.refused(what, reason)
+        await arefuse(context, DEADLINE_EXCEEDED, reason)
+    except StopAsyncIteration:
+        await arefuse(context, INVALID_ARGUMENT, "the call ended without its request message")
+    if isinstance(request, Malformed):
+        refusals.refused(what, request.reason)
+        await arefuse(context, INVALID_ARGUMENT, request.reason)
+    return request
+
+
+class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Wraps each method handler once (kept by method): the wrapped one takes the request as a stream, so the
+    call runs from its start and ``_request`` reads the request with its bounds before the method sees it."""
 
     def __init__(self, refusals: RefusalLog) -> None:
         self.refusals = refusals
         self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        return self.wrapped(details.method, await continuation(details))
 
     def wrapped(self, method: str, handler: Any) -> Any:
         if handler is None or handler.request_streaming:  # no client-streaming methods are served
@@ -238,67 +249,30 @@ class _Interceptor:
         return wrapped
 
     def wrap(self, what: str, handler: Any) -> Any:
-        raise NotImplementedError
-
-
-class _ThreadedInterceptor(_Interceptor, grpc.ServerInterceptor):  # type: ignore[misc]
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        return self.wrapped(details.method, continuation(details))
-
-    def wrap(self, what: str, handler: Any) -> Any:
-        refusals = self.refusals
-        if handler.response_streaming:
-            kind, method = grpc.unary_stream_rpc_method_handler, handler.unary_stream
-        else:
-            kind, method = grpc.unary_unary_rpc_method_handler, handler.unary_unary
-
-        def behaviour(request: Any, context: Any) -> Any:
-            if isinstance(request, Malformed):
-                refusals.refused(what, request.reason)
-                refuse(context, INVALID_ARGUMENT, request.reason)
-            return method(request, context)
-
-        return kind(
-            behaviour,
-            request_deserializer=_parser(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
-
-
-class _AioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        return self.wrapped(details.method, await continuation(details))
-
-    def wrap(self, what: str, handler: Any) -> Any:
         refusals = self.refusals
         parser = _parser(handler.request_deserializer)
         if handler.response_streaming:
             items = handler.unary_stream
             if not inspect.isasyncgenfunction(items):
-                raise TypeError(f"{what}: an asyncio server's streaming method must be an async generator")
+                raise TypeError(f"{what}: a streaming method must be an async generator")
 
-            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                if isinstance(request, Malformed):
-                    refusals.refused(what, request.reason)
-                    await arefuse(context, INVALID_ARGUMENT, request.reason)
+            async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+                request = await _request(what, requests, context, refusals)
                 async with contextlib.aclosing(items(request, context)) as answers:
                     async for answer in answers:
                         yield answer
 
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 stream, request_deserializer=parser, response_serializer=handler.response_serializer
             )
         method = handler.unary_unary
         if not inspect.iscoroutinefunction(method):
-            raise TypeError(f"{what}: an asyncio server's method must be a coroutine function")
+            raise TypeError(f"{what}: a method must be a coroutine function")
 
-        async def unary(request: Any, context: Any) -> Any:
-            if isinstance(request, Malformed):
-                refusals.refused(what, request.reason)
-                await arefuse(context, INVALID_ARGUMENT, request.reason)
-            return await method(request, context)
+        async def unary(requests: Any, context: Any) -> Any:
+            return await method(await _request(what, requests, context, refusals), context)
 
-        return grpc.unary_unary_rpc_method_handler(
+        return grpc.stream_unary_rpc_method_handler(
             unary, request_deserializer=parser, response_serializer=handler.response_serializer
         )
 
@@ -352,54 +326,16 @@ def _add(server: Any, servicers: Servicers) -> None:
         add(servicer, server)
 
 
-class ThreadedServer:
-    """grpcio's server on ``path`` with ``workers`` threads named ``<name> N`` (started as calls need them);
-    a stream holds its thread while it runs, so callers cap their streams below ``workers``."""
-
-    def __init__(
-        self, path: Path, servicers: Servicers, *, name: str, workers: int, refusals: RefusalLog
-    ) -> None:
-        self.path = path
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-        self._server = grpc.server(
-            self._pool,
-            interceptors=(_ThreadedInterceptor(refusals),),
-            options=options(),
-            maximum_concurrent_rpcs=MAX_CALLS,
-        )
-        _add(self._server, servicers)
-
-    def start(self) -> None:
-        """Bind, start and put the socket in place (raises ``OSError``, nothing left behind)."""
-        sock = _PrivateSocket(self.path)
-        try:
-            sock.bind(self._server)
-            self._server.start()
-            sock.publish()
-        except BaseException:
-            self._server.stop(None)
-            self._pool.shutdown(wait=False)
-            sock.discard()
-            raise
-
-    def stop(self, grace_s: float) -> None:
-        """No new calls; calls still running after ``grace_s`` are cancelled; returns once every thread of
-        the pool has ended (blocking: run it in a thread)."""
-        self._server.stop(grace_s).wait()
-        self._pool.shutdown(wait=True)
-
-
 class AioServer:
     """grpc.aio's server on ``path``, on the running event loop."""
 
     def __init__(self, path: Path, servicers: Servicers, *, refusals: RefusalLog) -> None:
         self.path = path
-        self._server = grpc.aio.server(
-            interceptors=(_AioInterceptor(refusals),), options=options(), maximum_concurrent_rpcs=MAX_CALLS
-        )
+        self._server = grpc.aio.server(interceptors=(_Interceptor(refusals),), options=options())
         _add(self._server, servicers)
 
     async def start(self) -> None:
+        """Bind, start and put the socket in place (raises ``OSError``, nothing left behind)."""
         sock = _PrivateSocket(self.path)
         try:
             sock.bind(self._server)
@@ -411,4 +347,71 @@ class AioServer:
             raise
 
     async def stop(self, grace_s: float) -> None:
+        """No new calls; calls still running after ``grace_s`` are cancelled."""
         await self._server.stop(grace_s)
+
+
+class LoopThreadServer:
+    """An ``AioServer`` on an event loop of its own, run by one thread named ``name`` (started by ``start``,
+    ended by ``stop``): its methods are coroutines on that loop, never waiting for the caller's."""
+
+    def __init__(self, path: Path, servicers: Servicers, *, name: str, refusals: RefusalLog) -> None:
+        self.path = path
+        self._servicers = servicers
+        self._name = name
+        self._refusals = refusals
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: AioServer | None = None
+
+    def start(self) -> None:
+        """Start the loop's thread, then bind, start and put the socket in place there (blocking: run it in a
+        thread; raises ``OSError``, nothing left behind)."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
+        thread.start()
+
+        async def serve() -> AioServer:
+            server = AioServer(self.path, self._servicers, refusals=self._refusals)
+            await server.start()
+            return server
+
+        try:
+            self._server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
+        except BaseException:
+            self._end(loop, thread)
+            raise
+        self._loop, self._thread = loop, thread
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        """Run ``callback`` on the server's loop, from any thread (nothing once stopped)."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(callback)
+
+    def stop(self, grace_s: float) -> None:
+        """No new calls; calls still running after ``grace_s`` are cancelled; returns once the loop's thread
+        has ended (blocking: run it in a thread)."""
+        loop, thread, server = self._loop, self._thread, self._server
+        self._loop = self._thread = self._server = None
+        if loop is None or thread is None or server is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(server.stop(grace_s), loop).result()
+        finally:
+            self._end(loop, thread)
+
+    @staticmethod
+    def _end(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        async def settle() -> None:  # the tasks the cancelled calls leave end on their loop
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(settle(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
