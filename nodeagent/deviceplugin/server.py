@@ -219,11 +219,14 @@ class _Servicer:
         try:
             answer = served.answer(sets)
         except AllocationError as e:
-            self._owner.count_allocate(False)
-            self._owner.refusals.refused("allocate", str(e))
-            await arefuse(context, INVALID_ARGUMENT, str(e))
-        self._owner.count_allocate(True)
-        return answer
+            reason = str(e)
+        else:
+            self._owner.count_allocate(True)
+            return answer
+        del request, sets  # not kept with the refusal (grpc.aio holds an aborted call's error for a while)
+        self._owner.count_allocate(False)
+        self._owner.refusals.refused("allocate", reason)
+        await arefuse(context, INVALID_ARGUMENT, reason)
 
     async def PreStartContainer(self, request: Any, context: AioServicerContext) -> Any:
         return self._PRE_START

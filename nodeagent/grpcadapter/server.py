@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
+import gc
 import inspect
 import logging
 import os
@@ -35,6 +37,7 @@ import re
 import secrets
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -49,6 +52,8 @@ MAX_METADATA = 16 * 1024  # one call's header list
 MAX_STREAMS = 32  # concurrent calls on one connection (a client waits for a free one; the kubelet uses a few)
 MAX_CONNECTIONS = 64  # connections open at once on one server; beyond: dropped at accept
 REQUEST_TIMEOUT_S = 10.0  # a call's request must have arrived this long after the call began
+LARGE_REQUEST = 256 * 1024  # a request of this many bytes or more has the freed memory handed back after it
+TRIM_DELAY_S = 0.5
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must send the HTTP/2 preface and settings within this
 MIN_PING_INTERVAL_MS = 10_000  # pings closer than this are strikes
 MAX_PING_STRIKES = 2  # strikes before the connection gets GOAWAY (too_many_pings)
@@ -201,7 +206,52 @@ def _parser(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     message = getattr(deserializer, "__self__", None)
     if deserializer is None or getattr(message, "DESCRIPTOR", None) is None:
         return deserializer
-    return lambda data: parse_request(message, data)
+
+    def parse(data: bytes) -> Any:
+        if len(data) >= LARGE_REQUEST:
+            _trim_soon()
+        return parse_request(message, data)
+
+    return parse
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None where the C library has none, as musl)."""
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
+_large_since_trim: dict[asyncio.AbstractEventLoop, int] = {}  # loops with a trim scheduled: large requests
+
+
+def _trim_soon() -> None:
+    """Hand the memory taken by large requests back to the system ``TRIM_DELAY_S`` after the last of them
+    (again while more come). A finished call's objects form reference cycles (call, context, error) that
+    keep its buffers until Python's cycle collector runs, which an idle process may not do for long; and
+    grpcio takes a message in many small pieces, which, freed, leave the C library's heaps fragmented, which
+    it does not give back by itself. Without both, each burst of large requests raised the resident memory
+    for good."""
+    loop = asyncio.get_running_loop()
+    if _TRIM is None:
+        return
+    if loop in _large_since_trim:
+        _large_since_trim[loop] += 1
+        return
+    _large_since_trim[loop] = 0
+
+    def trim() -> None:
+        assert _TRIM is not None
+        gc.collect()  # a finished call's objects form cycles that hold its buffers
+        _TRIM(0)
+        if _large_since_trim.pop(loop, 0):
+            _large_since_trim[loop] = 0
+            loop.call_later(TRIM_DELAY_S, trim)
+
+    loop.call_later(TRIM_DELAY_S, trim)
 
 
 def _what(method: str) -> str:
@@ -225,6 +275,17 @@ async def _request(what: str, requests: Any, context: Any, refusals: RefusalLog)
         refusals.refused(what, request.reason)
         await arefuse(context, INVALID_ARGUMENT, request.reason)
     return request
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Drop the variables of the finished frames ``error`` passed through (the request, what was made of it):
+    grpc.aio keeps the error of an aborted call for a while, and with it whatever its frames held."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__context__
 
 
 class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -257,10 +318,14 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise TypeError(f"{what}: a streaming method must be an async generator")
 
             async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
-                request = await _request(what, requests, context, refusals)
-                async with contextlib.aclosing(items(request, context)) as answers:
-                    async for answer in answers:
-                        yield answer
+                try:
+                    request = await _request(what, requests, context, refusals)
+                    async with contextlib.aclosing(items(request, context)) as answers:
+                        async for answer in answers:
+                            yield answer
+                except BaseException as e:
+                    _forget_locals(e)
+                    raise
 
             return grpc.stream_stream_rpc_method_handler(
                 stream, request_deserializer=parser, response_serializer=handler.response_serializer
@@ -270,7 +335,11 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise TypeError(f"{what}: a method must be a coroutine function")
 
         async def unary(requests: Any, context: Any) -> Any:
-            return await method(await _request(what, requests, context, refusals), context)
+            try:
+                return await method(await _request(what, requests, context, refusals), context)
+            except BaseException as e:
+                _forget_locals(e)
+                raise
 
         return grpc.stream_unary_rpc_method_handler(
             unary, request_deserializer=parser, response_serializer=handler.response_serializer
