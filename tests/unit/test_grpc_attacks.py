@@ -35,7 +35,7 @@ import nodeagent.grpcadapter.server as grpc_server
 from nodeagent.deviceplugin.api import pb2, pb2_grpc
 from nodeagent.deviceplugin.server import STOP_GRACE_S
 from nodeagent.deviceplugin.service import DevicePluginService
-from nodeagent.dra.api import v1_pb2, v1_pb2_grpc
+from nodeagent.dra.api import reg_pb2, reg_pb2_grpc, v1_pb2, v1_pb2_grpc
 from nodeagent.dra.health import HealthFeed
 from nodeagent.dra.server import DraServer
 from nodeagent.sharing.spec import parse_plugin_config
@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
 PREPARE = "/v1.DRAPlugin/NodePrepareResources"
+GET_INFO = "/pluginregistration.Registration/GetInfo"
 
 
 def grpc_message(message: Any) -> bytes:
@@ -334,21 +335,25 @@ async def test_over_4_mib_is_resource_exhausted_on_the_dra_socket(short_dir: Pat
         await server.stop()
 
 
-async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_socket(short_dir: Path) -> None:
-    """The DRA socket (grpc.aio on the daemon's loop): 4 connections with 31 calls each left without their
-    request; the kubelet's NodePrepareResources is answered at once."""
+async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(short_dir: Path) -> None:
+    """The DRA driver's sockets (grpc.aio on the daemon's loop): 3 connections to each with 31 calls each left
+    without their request; the kubelet's GetInfo (its plugin watcher registering the driver; 64 such calls
+    locked it out) and NodePrepareResources are answered at once."""
     p = make_preparer(short_dir, Claims(claim("u1", "one", [("gpu", "gpu-1")])))
     feed = HealthFeed()
     await feed.update(sorted(p.devices), {})
     server = DraServer(short_dir / "kubelet", p, feed)
     await server.start()
-    clients = [H2(server.dra_path) for _ in range(4)]
+    clients = [H2(server.reg_path) for _ in range(3)] + [H2(server.dra_path) for _ in range(3)]
     try:
-        for c in clients:
+        for c, method in zip(clients, [GET_INFO] * 3 + [PREPARE] * 3, strict=True):
             for _ in range(grpc_server.MAX_STREAMS - 1):
-                c.open(PREPARE, None)
+                c.open(method, None)
         await asyncio.sleep(0.2)
         t0 = time.monotonic()
+        async with grpc.aio.insecure_channel(f"unix://{server.reg_path}") as ch:
+            info = await reg_pb2_grpc.RegistrationStub(ch).GetInfo(reg_pb2.InfoRequest(), timeout=5)
+        assert info.name == server.driver
         async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
             ok = await v1_pb2_grpc.DRAPluginStub(ch).NodePrepareResources(
                 v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")]),
