@@ -1,5 +1,5 @@
-"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on an event loop
-of its own in one thread (grpc.aio's server, set up by ``nodeagent.grpcadapter.server``).
+"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on the event loop of
+the gRPC servers' own thread (grpc.aio's server, set up by ``nodeagent.grpcadapter.server``).
 
 The server holds the current ``Resource`` and per-device health; every change bumps a version and
 every open ListAndWatch stream re-sends the full list at once. Allocate answers are kept per requested
@@ -179,7 +179,7 @@ class _Servicer:
     async def ListAndWatch(self, request: Any, context: AioServicerContext) -> AsyncIterator[Any]:
         """The device list now and after every change (a cancelled call ends the wait at once)."""
         owner = self._owner
-        await owner.watches.ahold(context)  # RESOURCE_EXHAUSTED past MAX_LIST_AND_WATCH
+        slot = await owner.watches.ahold(context)  # past MAX_LIST_AND_WATCH: a stuck stream's slot, or refused
         sent = -1
         while True:
             version, message, closing = owner.current()
@@ -190,7 +190,9 @@ class _Servicer:
                 continue
             sent = version
             owner.list_sent_at = time.monotonic()
+            slot.sending()
             yield message
+            slot.sent()
 
     async def GetPreferredAllocation(self, request: Any, context: AioServicerContext) -> Any:
         served = self._owner.served
@@ -235,7 +237,7 @@ class _Servicer:
 class ResourceServer:
     """The DevicePlugin server of one resource.
 
-    Its gRPC server is grpc.aio's on an event loop of its own, in one thread: an Allocate neither waits for
+    Its gRPC server is grpc.aio's on the loop of the gRPC servers' own thread: an Allocate neither waits for
     the daemon's other coroutines nor hops through the daemon's loop (measured: tests/bench/bench_deviceplugin.py),
     and a call waiting for its client holds no thread. The daemon's loop changes what is served
     (``set_resource``, ``health_changed``); the server's loop reads it.
@@ -264,8 +266,8 @@ class ResourceServer:
         self.closing = False
         self._lock = threading.Lock()  # guards version, device_list and closing
         self._wakeup: asyncio.Event | None = None  # on the server's loop: set (and dropped) at a change
-        self.watches = StreamSlots(MAX_LIST_AND_WATCH, "ListAndWatch")
         self.refusals = RefusalLog(log)
+        self.watches = StreamSlots(MAX_LIST_AND_WATCH, "ListAndWatch", self.refusals)
         self._server: LoopThreadServer | None = None
         self._published = self._visible()  # what device_list shows
         self.device_list: Any = self._build_list(self._published)  # a ListAndWatchResponse, never changed
@@ -390,7 +392,6 @@ class ResourceServer:
         server = LoopThreadServer(
             path,
             [(api_pb2_grpc.add_DevicePluginServicer_to_server, _Servicer(self))],
-            name=f"device plugin {self.name}",
             refusals=self.refusals,
         )
         try:

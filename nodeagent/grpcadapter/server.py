@@ -54,6 +54,7 @@ MAX_CONNECTIONS = 64  # connections open at once on one server; beyond: dropped 
 REQUEST_TIMEOUT_S = 10.0  # a call's request must have arrived this long after the call began
 LARGE_REQUEST = 256 * 1024  # a request of this many bytes or more has the freed memory handed back after it
 TRIM_DELAY_S = 0.5
+STUCK_STREAM_S = 1.0  # a long-lived stream whose client left an answer untaken this long may be ended
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection must send the HTTP/2 preface and settings within this
 MIN_PING_INTERVAL_MS = 10_000  # pings closer than this are strikes
 MAX_PING_STRIKES = 2  # strikes before the connection gets GOAWAY (too_many_pings)
@@ -131,6 +132,13 @@ class RefusalLog:
         self.left_out = 0
 
     def refused(self, what: str, reason: str) -> None:
+        self._warn(what, "refused", reason)
+
+    def ended(self, what: str, reason: str) -> None:
+        """A stream ended by the server (``<what> ended: <reason>``), within the same bounds."""
+        self._warn(what, "ended", reason)
+
+    def _warn(self, what: str, done: str, reason: str) -> None:
         with self._lock:
             now = self._clock()
             if now - self._window_start >= self._window_s:
@@ -142,45 +150,127 @@ class RefusalLog:
             left_out, self.left_out = self.left_out, 0
         text = cut(reason, MAX_LOGGED)
         if left_out:
-            self._log.warning("%s refused: %s (%d refusals before it not logged)", what, text, left_out)
+            self._log.warning("%s %s: %s (%d lines before it not logged)", what, done, text, left_out)
         else:
-            self._log.warning("%s refused: %s", what, text)
+            self._log.warning("%s %s: %s", what, done, text)
+
+
+GRPC_LOGGER = "grpc._cython.cygrpc"  # where grpc.aio logs a call that failed in its own code
+
+
+class GrpcLogBound(logging.Filter):
+    """grpcio's own log lines about calls (grpc.aio logs, with a traceback, each call whose send failed
+    because its client went away: a client could have one written for every stream it drops): at most
+    ``burst`` in any ``window_s`` seconds, each one line without the traceback, cut to ``MAX_LOGGED``; the
+    next line logged tells how many were left out."""
+
+    def __init__(self, *, burst: int = 5, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self._burst = burst
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window_start = -window_s
+        self._logged = 0
+        self.left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            now = self._clock()
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._logged = now, 0
+            if self._logged >= self._burst:
+                self.left_out += 1
+                return False
+            self._logged += 1
+            left_out, self.left_out = self.left_out, 0
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text = f"{text}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        text = cut(text, MAX_LOGGED)
+        if left_out:
+            text = f"{text} ({left_out} lines before it not logged)"
+        record.msg, record.args, record.exc_info, record.exc_text = text, None, None, None
+        return True
+
+
+_grpc_log_bound = GrpcLogBound()
+
+
+def bound_grpc_log() -> None:
+    """Put ``GrpcLogBound`` on grpcio's logger (once)."""
+    logger = logging.getLogger(GRPC_LOGGER)
+    if _grpc_log_bound not in logger.filters:
+        logger.addFilter(_grpc_log_bound)
+
+
+class StreamSlot:
+    """One long-lived stream holding a slot. Its method calls ``sending()`` before it hands an answer to
+    grpcio and ``sent()`` once grpcio took it (the client made room for it)."""
+
+    __slots__ = ("_task", "stuck_since")
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self._task = task
+        self.stuck_since: float | None = None
+
+    def sending(self) -> None:
+        self.stuck_since = time.monotonic()
+
+    def sent(self) -> None:
+        self.stuck_since = None
+
+    def end(self) -> None:
+        """Cancel the stream's call (on its server's loop)."""
+        if self._task is not None:
+            self._task.cancel()
 
 
 class StreamSlots:
-    """At most ``limit`` long-lived streams of one kind at once (each holds a thread or a watch); one more is
-    refused with RESOURCE_EXHAUSTED. A slot is given back when its call ends, however it ends."""
+    """At most ``limit`` long-lived streams of one kind at once (each is sent every change). One more takes
+    the slot of the stream whose client has left an answer untaken longest, ``STUCK_STREAM_S`` or more (a
+    client that reads nothing, or opens no flow-control window, cannot keep the kubelet's stream out); with
+    none such, it is refused with RESOURCE_EXHAUSTED. A slot is given back when its call ends, however it
+    ends. Used from its server's loop only."""
 
-    def __init__(self, limit: int, what: str) -> None:
+    def __init__(self, limit: int, what: str, refusals: RefusalLog | None = None) -> None:
         self.limit = limit
         self.what = what
-        self._lock = threading.Lock()
-        self._held = 0
+        self.refusals = refusals
+        self._held: list[StreamSlot] = []
+        self.ended = 0  # streams ended for a newer one
 
     @property
     def in_use(self) -> int:
-        with self._lock:
-            return self._held
+        return len(self._held)
 
-    def _take(self) -> bool:
-        with self._lock:
-            if self._held >= self.limit:
-                return False
-            self._held += 1
-            return True
+    def _give(self, slot: StreamSlot) -> None:
+        with contextlib.suppress(ValueError):  # already taken from it
+            self._held.remove(slot)
 
-    def _give(self, *_: object) -> None:
-        with self._lock:
-            self._held -= 1
-
-    def _refusal(self) -> str:
-        return f"more than {self.limit} {self.what} streams at once on this socket"
-
-    async def ahold(self, context: Any) -> None:
+    async def ahold(self, context: Any) -> StreamSlot:
         """Take a slot for the call of ``context`` until it ends, or refuse the call."""
-        if not self._take():
-            await arefuse(context, RESOURCE_EXHAUSTED, self._refusal())
-        context.add_done_callback(self._give)
+        if len(self._held) >= self.limit:
+            now = time.monotonic()
+            stuck = [s for s in self._held if s.stuck_since is not None and now - s.stuck_since >= STUCK_STREAM_S]
+            if not stuck:
+                await arefuse(
+                    context, RESOURCE_EXHAUSTED, f"more than {self.limit} {self.what} streams at once on this socket"
+                )
+            victim = min(stuck, key=lambda s: s.stuck_since or now)
+            self._held.remove(victim)
+            victim.end()
+            self.ended += 1
+            if self.refusals is not None:
+                self.refusals.ended(
+                    self.what,
+                    f"a stream whose client took no answer for {now - (victim.stuck_since or now):.1f} s, "
+                    f"for a new one (all {self.limit} streams held)",
+                )
+        slot = StreamSlot(asyncio.current_task())
+        self._held.append(slot)
+        context.add_done_callback(lambda _: self._give(slot))
+        return slot
 
 
 class Malformed:
@@ -400,6 +490,7 @@ class AioServer:
 
     def __init__(self, path: Path, servicers: Servicers, *, refusals: RefusalLog) -> None:
         self.path = path
+        bound_grpc_log()
         self._server = grpc.aio.server(interceptors=(_Interceptor(refusals),), options=options())
         _add(self._server, servicers)
 
@@ -420,67 +511,56 @@ class AioServer:
         await self._server.stop(grace_s)
 
 
-class LoopThreadServer:
-    """An ``AioServer`` on an event loop of its own, run by one thread named ``name`` (started by ``start``,
-    ended by ``stop``): its methods are coroutines on that loop, never waiting for the caller's."""
+SERVER_LOOP_THREAD = "grpc servers"
+_server_loop_lock = threading.Lock()
+_server_loop: asyncio.AbstractEventLoop | None = None
 
-    def __init__(self, path: Path, servicers: Servicers, *, name: str, refusals: RefusalLog) -> None:
+
+def server_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every ``LoopThreadServer`` runs on, in one thread started with the first server and
+    kept for the life of the process: grpcio hands a stopped server's last events (of calls whose client
+    went away later) to the loop of their call, which must then still run."""
+    global _server_loop
+    with _server_loop_lock:
+        if _server_loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name=SERVER_LOOP_THREAD, daemon=True).start()
+            _server_loop = loop
+        return _server_loop
+
+
+class LoopThreadServer:
+    """An ``AioServer`` on ``server_loop()``, the loop of the servers' own thread: its methods are coroutines
+    on that loop, never waiting for the caller's loop."""
+
+    def __init__(self, path: Path, servicers: Servicers, *, refusals: RefusalLog) -> None:
         self.path = path
         self._servicers = servicers
-        self._name = name
         self._refusals = refusals
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._server: AioServer | None = None
 
     def start(self) -> None:
-        """Start the loop's thread, then bind, start and put the socket in place there (blocking: run it in a
-        thread; raises ``OSError``, nothing left behind)."""
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
-        thread.start()
+        """Bind, start and put the socket in place, on the servers' loop (blocking: run it in a thread;
+        raises ``OSError``, nothing left behind)."""
+        loop = server_loop()
 
         async def serve() -> AioServer:
             server = AioServer(self.path, self._servicers, refusals=self._refusals)
             await server.start()
             return server
 
-        try:
-            self._server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
-        except BaseException:
-            self._end(loop, thread)
-            raise
-        self._loop, self._thread = loop, thread
+        self._server = asyncio.run_coroutine_threadsafe(serve(), loop).result()
+        self._loop = loop
 
     def call_soon(self, callback: Callable[[], object]) -> None:
         """Run ``callback`` on the server's loop, from any thread (nothing once stopped)."""
-        loop = self._loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(callback)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(callback)
 
     def stop(self, grace_s: float) -> None:
-        """No new calls; calls still running after ``grace_s`` are cancelled; returns once the loop's thread
-        has ended (blocking: run it in a thread)."""
-        loop, thread, server = self._loop, self._thread, self._server
-        self._loop = self._thread = self._server = None
-        if loop is None or thread is None or server is None:
-            return
-        try:
+        """No new calls; calls still running after ``grace_s`` are cancelled (blocking: run it in a thread)."""
+        loop, server = self._loop, self._server
+        self._loop = self._server = None
+        if loop is not None and server is not None:
             asyncio.run_coroutine_threadsafe(server.stop(grace_s), loop).result()
-        finally:
-            self._end(loop, thread)
-
-    @staticmethod
-    def _end(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-        async def settle() -> None:  # the tasks the cancelled calls leave end on their loop
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(settle(), loop).result(5)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()

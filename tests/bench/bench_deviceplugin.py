@@ -14,7 +14,7 @@ Measures, over real Unix sockets:
     round's ratio nodeagent/Go printed (compare ratios, not absolute figures from different moments).
     nodeagent runs with its default health settings (NVML events, a health poll each second), as on a node;
   * the same for servers that answer a constant through nodeagent's gRPC adapter (nodeagent.grpcadapter.server,
-    same options and request parsing): grpc.aio on an event loop of its own in one thread
+    same options and request parsing): grpc.aio on the event loop of a thread of its own
     (``LoopThreadServer``, what the device-plugin sockets run on, so the floor of that stack) and grpc.aio on
     the process's main event loop (``AioServer``, what the DRA sockets run on);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
@@ -93,7 +93,7 @@ class AioConstant:
 path, kind = Path(sys.argv[1]), sys.argv[4]
 if kind == "loop":
     server = LoopThreadServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, AioConstant())],
-                              name="constant", refusals=RefusalLog(log))
+                              refusals=RefusalLog(log))
     server.start()
     print("ready", flush=True)
     sys.stdin.read()

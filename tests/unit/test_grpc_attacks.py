@@ -220,6 +220,47 @@ async def test_a_zero_window_client_on_16_connections_holds_no_thread(service: D
     assert stop_took < STOP_GRACE_S + 2, stop_took
 
 
+async def test_the_kubelets_list_and_watch_gets_in_past_streams_that_take_nothing(
+    service: DevicePluginService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every ListAndWatch slot held by a client that opens no window (so the list sent to it is never taken):
+    the kubelet's ListAndWatch takes the slot of the one stuck longest, whose method is cancelled, and gets
+    the list; its slot comes back when its stream ends."""
+    caplog.set_level(logging.WARNING, logger="nodeagent.deviceplugin.server")
+    watches = service.server("nvidia.com/gpu").watches
+    stuck = [H2(sock_of(service), window=0) for _ in range(watches.limit)]
+    try:
+        for c in stuck:
+            c.open(LIST_AND_WATCH, grpc_message(pb2.Empty()))
+        for _ in range(50):
+            if watches.in_use == watches.limit:
+                break
+            await asyncio.sleep(0.02)
+        assert watches.in_use == watches.limit
+        await asyncio.sleep(grpc_server.STUCK_STREAM_S + 0.2)
+
+        def kubelet_watch() -> int:
+            with grpc.insecure_channel(f"unix://{sock_of(service)}") as ch:
+                first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty(), timeout=5))
+                return len(first.devices)
+
+        assert await asyncio.to_thread(kubelet_watch) == 2
+        assert watches.ended == 1
+        for _ in range(50):  # the kubelet's stream ended with its channel: its slot comes back
+            if watches.in_use == watches.limit - 1:
+                break
+            await asyncio.sleep(0.02)
+        assert watches.in_use == watches.limit - 1
+        assert await asyncio.to_thread(kubelet_watch) == 2
+        assert watches.ended == 1
+        assert await asyncio.to_thread(allocate_took, service) < 2.0
+    finally:
+        for c in stuck:
+            c.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("ListAndWatch ended: a stream whose client took no answer")
+
+
 async def test_calls_whose_request_never_comes_do_not_lock_the_kubelet_out(
     service: DevicePluginService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
