@@ -289,6 +289,29 @@ async def test_calls_whose_request_never_comes_do_not_lock_the_kubelet_out(
     assert len(lines) <= 20  # the refusal log's burst, not one line a call
 
 
+async def test_clients_that_drop_their_calls_mid_send_leave_a_few_lines(
+    service: DevicePluginService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Connections dropped while the answers of their calls wait for a window that never opens: grpc.aio logs
+    each such call with its traceback; at most ``GrpcLogBound``'s burst of one-line entries are written."""
+    caplog.set_level(logging.INFO)
+    body = grpc_message(allocate_request(service))
+    for _ in range(8):
+        clients = [H2(sock_of(service), window=0) for _ in range(4)]
+        for c in clients:
+            c.open(LIST_AND_WATCH, grpc_message(pb2.Empty()))
+            for _ in range(8):
+                c.open(ALLOCATE, body)
+        await asyncio.sleep(0.1)
+        for c in clients:
+            c.close()
+    await asyncio.sleep(0.5)
+    lines = [r for r in caplog.records if r.name.startswith("grpc")]
+    assert len(lines) <= 5, [r.getMessage() for r in lines]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() and len(r.getMessage()) < 600 for r in lines)
+    assert await asyncio.to_thread(allocate_took, service) < 2.0
+
+
 async def test_idle_connections_at_the_cap_time_out_and_the_kubelet_gets_in(
     short_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
