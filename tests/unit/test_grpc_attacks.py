@@ -208,6 +208,7 @@ async def test_a_zero_window_client_on_16_connections_holds_no_thread(service: D
             await asyncio.to_thread(c.read, 0.05)
         took = await asyncio.to_thread(allocate_took, service)
         grown = tasks() - before
+        print(f"zero window, 16 connections: {before} threads before, {grown:+d}; Allocate in {took * 1e3:.1f} ms")
         assert took < 2.0, took
         assert grown <= 4, f"{grown} more threads"
         assert not any(c.closed for c in clients)  # they were held, not merely dropped
@@ -273,7 +274,9 @@ async def test_calls_whose_request_never_comes_do_not_lock_the_kubelet_out(
     try:
         opened = {id(c): [c.open(ALLOCATE, None) for _ in range(grpc_server.MAX_STREAMS - 1)] for c in clients}
         await asyncio.sleep(0.2)
-        assert await asyncio.to_thread(allocate_took, service) < 2.0
+        took = await asyncio.to_thread(allocate_took, service)
+        print(f"{sum(map(len, opened.values()))} calls without their request: Allocate in {took * 1e3:.1f} ms")
+        assert took < 2.0
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(len(c.status) < len(opened[id(c)]) for c in clients):
             for c in clients:
@@ -333,6 +336,7 @@ async def test_idle_connections_at_the_cap_time_out_and_the_kubelet_gets_in(
                 if c.closed:
                     break
                 await asyncio.to_thread(c.read, 0.1)
+        print(f"16 idle connections at the cap: a new client answered after {waited:.2f} s")
         assert all(c.closed for c in idle)  # GOAWAY "connection idle", then closed
         assert took < 10.0 and waited < 5.0, (took, waited)
     finally:
@@ -369,6 +373,8 @@ async def test_a_flood_of_malformed_and_refused_requests_is_a_few_short_lines(
     took = time.monotonic() - t0
     assert codes == {"INVALID_ARGUMENT": 3200}
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    print(f"flood: 3,200 refused calls and 200 garbage connections in {took:.1f} s, {len(lines)} lines, "
+          f"the longest {max(map(len, lines))} characters")
     assert 1 <= len(lines) <= 21, len(lines)
     assert max(len(ln) for ln in lines) < 700
     assert await asyncio.to_thread(allocate_took, service) < 2.0
@@ -460,7 +466,7 @@ def rss_mib(pid: int) -> int:
 
 def test_memory_taken_by_large_bodies_comes_back(short_dir: Path) -> None:
     """Three bursts of 32 Allocates of 4 MB each (refused: no such device) and 32 of 5 MB (RESOURCE_EXHAUSTED)
-    at the device-plugin server: its resident memory rises while they are read and is back within 40 MiB of
+    at the device-plugin server: its resident memory rises while they are read and is back within 50 MiB of
     where it was 2 s after (it was +800 MB after one burst, and grew with every further one)."""
     plugin_dir = short_dir / "dp"
     proc = subprocess.Popen(
@@ -510,7 +516,7 @@ def test_memory_taken_by_large_bodies_comes_back(short_dir: Path) -> None:
         print(f"server RSS: {before} MiB before, {peak} MiB at the peak, {after} MiB 2 s after")
         assert codes == {"INVALID_ARGUMENT": 96, "RESOURCE_EXHAUSTED": 96}
         assert peak > before  # the bodies were taken in
-        assert after <= before + 40, (before, peak, after)
+        assert after <= before + 50, (before, peak, after)
     finally:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
