@@ -45,6 +45,8 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
+from nodeagent.deadline import within
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 4 * 1024 * 1024  # one message, either way (gRPC's default receive limit, set explicitly)
@@ -354,7 +356,7 @@ async def _request(what: str, requests: Any, context: Any, refusals: RefusalLog)
     """The one request of a call, read from ``requests`` (the call's request iterator) within
     ``REQUEST_TIMEOUT_S``; a request that is no such message, comes too late or never ends the call."""
     try:
-        request = await asyncio.wait_for(anext(requests), REQUEST_TIMEOUT_S)
+        request = await within(anext(requests), REQUEST_TIMEOUT_S)
     except TimeoutError:
         reason = f"no request within {REQUEST_TIMEOUT_S:g} s of the call"
         refusals.refused(what, reason)
