@@ -6,8 +6,8 @@ Both kinds are grpc.aio servers, so a call that waits for its client (for its re
 client's flow-control window) holds no thread:
   * ``AioServer``: on the running event loop (the methods are coroutines sharing the loop's state: the DRA
     driver's sockets);
-  * ``LoopThreadServer``: on an event loop of its own, run by one thread (the methods never wait for the
-    caller's loop: the device-plugin servers).
+  * ``LoopThreadServer``: on the event loop of the servers' own thread, one for all of them (the methods
+    never wait for the caller's loop: the device-plugin servers).
 
 The socket: grpcio binds a ``unix:`` path itself, so the server binds inside a fresh directory of mode 0700
 next to the wanted path, the socket is set to 0600 there, and once the server runs it is renamed into place
