@@ -278,10 +278,11 @@ class StreamSlots:
 class Malformed:
     """What a request parses to when its bytes are no such message."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "size")
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, size: int) -> None:
         self.reason = reason
+        self.size = size
 
 
 def parse_request(message: Any, data: bytes) -> Any:
@@ -289,7 +290,7 @@ def parse_request(message: Any, data: bytes) -> Any:
     try:
         return message.FromString(data)
     except DecodeError as e:
-        return Malformed(f"malformed {message.DESCRIPTOR.name} ({len(data)} bytes): {e}")
+        return Malformed(f"malformed {message.DESCRIPTOR.name} ({len(data)} bytes): {e}", len(data))
 
 
 def _parser(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -298,13 +299,7 @@ def _parser(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     message = getattr(deserializer, "__self__", None)
     if deserializer is None or getattr(message, "DESCRIPTOR", None) is None:
         return deserializer
-
-    def parse(data: bytes) -> Any:
-        if len(data) >= LARGE_REQUEST:
-            _trim_soon()
-        return parse_request(message, data)
-
-    return parse
+    return lambda data: parse_request(message, data)
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -322,7 +317,7 @@ _large_since_trim: dict[asyncio.AbstractEventLoop, int] = {}  # loops with a tri
 
 def _trim_soon() -> None:
     """Hand the memory taken by large requests back to the system ``TRIM_DELAY_S`` after the last of them
-    (again while more come). A finished call's objects form reference cycles (call, context, error) that
+    was answered or refused (again while more come). A finished call's objects form reference cycles (call, context, error) that
     keep its buffers until Python's cycle collector runs, which an idle process may not do for long; and
     grpcio takes a message in many small pieces, which, freed, leave the C library's heaps fragmented, which
     it does not give back by itself. Without both, each burst of large requests raised the resident memory
@@ -364,9 +359,17 @@ async def _request(what: str, requests: Any, context: Any, refusals: RefusalLog)
     except StopAsyncIteration:
         await arefuse(context, INVALID_ARGUMENT, "the call ended without its request message")
     if isinstance(request, Malformed):
+        if request.size >= LARGE_REQUEST:
+            _trim_soon()
         refusals.refused(what, request.reason)
         await arefuse(context, INVALID_ARGUMENT, request.reason)
     return request
+
+
+def _large(request: Any) -> bool:
+    """Whether ``request`` (a parsed message) took ``LARGE_REQUEST`` bytes or more."""
+    size = getattr(request, "ByteSize", None)
+    return size is not None and int(size()) >= LARGE_REQUEST
 
 
 def _forget_locals(error: BaseException) -> None:
@@ -412,6 +415,8 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
                 try:
                     request = await _request(what, requests, context, refusals)
+                    if _large(request):
+                        _trim_soon()
                     async with contextlib.aclosing(items(request, context)) as answers:
                         async for answer in answers:
                             yield answer
@@ -427,11 +432,17 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise TypeError(f"{what}: a method must be a coroutine function")
 
         async def unary(requests: Any, context: Any) -> Any:
+            large = False
             try:
-                return await method(await _request(what, requests, context, refusals), context)
+                request = await _request(what, requests, context, refusals)
+                large = _large(request)
+                return await method(request, context)
             except BaseException as e:
                 _forget_locals(e)
                 raise
+            finally:
+                if large:  # once the call's work is done (the trim waits on the loop for the answer's send)
+                    _trim_soon()
 
         return grpc.stream_unary_rpc_method_handler(
             unary, request_deserializer=parser, response_serializer=handler.response_serializer
