@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from nodeagent.cdi.host import Mount
 from nodeagent.cdi.names import qualified_name
 from nodeagent.errors import InputError
+from nodeagent.logs import cut
 from nodeagent.sharing.devices import PhysicalDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
 
@@ -57,6 +58,22 @@ def mig_cap_minors(gpu_minor: int, gi_id: int, ci_id: int) -> tuple[int, int]:
     return gi, gi + 1 + ci_id
 
 
+MAX_LISTED = 256  # characters of the requested IDs an error message quotes
+
+
+def _listed(ids: Sequence[str]) -> str:
+    """The IDs for an error message, at most ``MAX_LISTED`` characters of them (a request may hold megabytes)."""
+    shown: list[str] = []
+    length = 0
+    for i in ids:
+        if length > MAX_LISTED:
+            break
+        shown.append(cut(i, MAX_LISTED))
+        length += len(shown[-1]) + 2
+    text = cut(", ".join(shown), MAX_LISTED)
+    return text if len(shown) == len(ids) else f"{text} (and {len(ids) - len(shown)} more)"
+
+
 def physical_devices(resource: Resource, device_ids: Sequence[str]) -> list[PhysicalDevice]:
     """Validate requested IDs against what was advertised; distinct physical devices in request order."""
     if not device_ids:
@@ -65,12 +82,12 @@ def physical_devices(resource: Resource, device_ids: Sequence[str]) -> list[Phys
     unknown = [i for i in device_ids if i not in known]
     if unknown:
         raise AllocationError(
-            f"device(s) {', '.join(unknown)} were never advertised for {resource.name}", subject=resource.name
+            f"device(s) {_listed(unknown)} were never advertised for {resource.name}", subject=resource.name
         )
     if resource.fail_requests_greater_than_one and len(device_ids) > 1:
         raise AllocationError(
             f"request for {len(device_ids)} devices of shared resource {resource.name} "
-            f"({', '.join(device_ids)}): failRequestsGreaterThanOne allows 1 per container",
+            f"({_listed(device_ids)}): failRequestsGreaterThanOne allows 1 per container",
             subject=resource.name,
         )
     out: list[PhysicalDevice] = []
