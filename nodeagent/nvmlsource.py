@@ -56,3 +56,26 @@ def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlA
     path = sim.store.path
     adapter.fault_domain = None if path is None else f"sim:{path.absolute()}"
     return adapter
+
+
+def mps_control(paths: HostPaths, driver_root: str, simulate: str | None,
+                sim_state: Path | None) -> tuple[Path, dict[str, str]]:
+    """The ``nvidia-cuda-mps-control`` to run (under the driver root) and the environment it needs beyond
+    its own: on the simulator, the stand-in is installed there first and told which simulated state to use
+    (only a state file is shared with it; an in-memory machine shows no MPS server process)."""
+    from nodeagent.gpu.mps import CONTROL_BINARY
+
+    binary = paths(driver_root.rstrip("/") + CONTROL_BINARY)
+    if simulate is None and sim_state is None:
+        return binary, {}
+    if paths.root == Path("/"):
+        raise InputError("the NVML simulator never acts on the real host: give it a sandbox root (--root DIR), not /")
+    from nodeagent.simulator.mps_control import install
+
+    install(binary)
+    env: dict[str, str] = {}
+    if sim_state is not None:
+        env["NODEAGENT_SIM_STATE"] = str(sim_state.absolute())
+        if simulate:
+            env["NODEAGENT_SIM_MACHINE"] = simulate
+    return binary, env

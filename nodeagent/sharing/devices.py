@@ -63,6 +63,16 @@ class AdvertisedDevice:
 
 
 @dataclass(frozen=True)
+class MpsAccess:
+    """What a container of an MPS resource gets besides its devices: the daemon's pipe directory and the
+    host's shared memory, both mounted, and the pipe directory in its environment."""
+
+    pipe_dir: str  # the path as the host names it (the same path inside the container)
+    pipe_dir_on_host: str  # the path the kubelet mounts (under --root in a sandbox)
+    shm_on_host: str
+
+
+@dataclass(frozen=True)
 class Resource:
     """One extended resource and its devices, in advertising order."""
 
@@ -70,6 +80,7 @@ class Resource:
     devices: tuple[AdvertisedDevice, ...]
     sharing: str = "none"  # none | time-slicing | mps
     fail_requests_greater_than_one: bool = False
+    mps: MpsAccess | None = None  # how containers reach this resource's MPS control daemon (sharing "mps")
 
     def device(self, device_id: str) -> AdvertisedDevice | None:
         for d in self.devices:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from nodeagent.daemon.components.conditions import report_gpu_health
@@ -39,6 +40,11 @@ class DevicePluginComponent(Component):
         health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
+        from nodeagent.gpu.mps import MpsManager
+        from nodeagent.nvmlsource import mps_control
+
+        binary, mps_env = mps_control(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
+                                      Path(cfg.simulate.state) if cfg.simulate.state else None)
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
@@ -48,6 +54,8 @@ class DevicePluginComponent(Component):
             # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
             exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
             take_over=cfg.adopt.take_over,
+            mps=MpsManager(binary, extra_env=mps_env),
+            under_root=ctx.host_path,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)
