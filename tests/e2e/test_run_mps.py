@@ -63,7 +63,7 @@ def test_run_serves_mps_and_ties_the_daemon_to_the_agent(tmp_path: Path, kubelet
         dp.write_text(MPS)
         with running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
             agent.wait_notify("READY=1")
-            _, res = kubelet_harness.wait("nvidia.com/gpu", registered=True, total=16, healthy=16, timeout=20)
+            kubelet_harness.wait("nvidia.com/gpu", registered=True, total=16, healthy=16, timeout=20)
             pids = server_pids(state)
             assert len(pids) == 1, pids  # one daemon for the resource, its server on all 8 GPUs
             first = pids.pop()
