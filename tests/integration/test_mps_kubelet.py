@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.commands.discover import render_text
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.health import HealthMonitorSettings
@@ -118,6 +119,9 @@ async def test_four_replicas_to_four_containers_each_with_the_pipe_dir(mps_node:
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == ["25.0", "5757M", "5757M", str(pid)]
     assert sorted(mps_node.server_processes()) == [(0, pid), (1, pid)]
+    # discover shows the server on both GPUs, as NVML reports it
+    shown = render_text(await asyncio.to_thread(mps_node.nvml.discover), False)
+    assert sum(line.rstrip().endswith(f"server {pid}") for line in shown.splitlines()) == 2
     log = (mps_node.paths("/run/nodeagent/mps/nvidia.com_gpu/log") / "control.log").read_text()
     assert "set_default_active_thread_percentage 25" in log
 

@@ -93,3 +93,37 @@ def test_replicas_beyond_the_mps_client_limit_refused() -> None:
         build_resources(inv, parse_plugin_config(text.format(17), source="dp.yaml"))
     with pytest.raises(ConfigError, match=r"replicas 49 is more than the 48 clients"):
         build_resources(nvswitch_box(1), parse_plugin_config(text.format(49), source="dp.yaml"))
+
+
+def test_gfd_labels_for_mps() -> None:
+    from nodeagent.kube.labels import desired_labels, sharing_facts
+
+    labels = desired_labels(nvswitch_box(2), sharing_facts(parse_plugin_config(README_EXAMPLE)))
+    assert labels["nvidia.com/mps.capable"] == "true"
+    assert labels["nvidia.com/gpu.sharing-strategy"] == "mps"
+    assert labels["nvidia.com/gpu.replicas"] == "10"
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3-SHARED"
+
+
+def test_mps_metrics_show_daemon_state_and_limits() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.registry import Collector
+
+    from nodeagent.gpu.mps import MpsDaemonState
+    from nodeagent.metrics import mps_families
+
+    state = MpsDaemonState("nvidia.com/gpu", ("GPU-a", "GPU-b"), pid=7, ready=True, restarts=2,
+                           thread_percentage=25, pinned_limits=((0, "5757M"), (1, "5757M")))
+
+    class One(Collector):
+        def collect(self):  # type: ignore[no-untyped-def]
+            return iter(mps_families([state]))
+
+    reg = CollectorRegistry()
+    reg.register(One())
+    text = generate_latest(reg).decode()
+    assert 'nodeagent_mps_daemon_ready{resource="nvidia.com/gpu"} 1.0' in text
+    assert 'nodeagent_mps_daemon_restarts_total{resource="nvidia.com/gpu"} 2.0' in text
+    assert 'nodeagent_mps_active_thread_percentage{resource="nvidia.com/gpu"} 25.0' in text
+    assert 'nodeagent_mps_pinned_memory_limit_bytes{UUID="GPU-b",resource="nvidia.com/gpu"} 6.036652032e+09' in text
+    assert 5757 << 20 == 6036652032

@@ -121,6 +121,9 @@ class DevicePluginComponent(Component):
     def served(self) -> list[str]:
         return sorted(self.service.resources())
 
+    def mps(self) -> list[Any]:
+        return list(self.service.mps_states())
+
     def health(self) -> dict[int, bool]:
         monitor = self.service.monitor
         if monitor is None or self._ctx.inventory is None:
