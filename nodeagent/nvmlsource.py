@@ -13,6 +13,7 @@ from nodeagent.errors import InputError
 from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
+    from nodeagent.gpu.mps import MpsManager
     from nodeagent.gpu.nvml import NvmlAdapter
     from nodeagent.simulator.nvml import SimulatedNvml
 
@@ -58,24 +59,22 @@ def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlA
     return adapter
 
 
-def mps_control(paths: HostPaths, driver_root: str, simulate: str | None,
-                sim_state: Path | None) -> tuple[Path, dict[str, str]]:
-    """The ``nvidia-cuda-mps-control`` to run (under the driver root) and the environment it needs beyond
-    its own: on the simulator, the stand-in is installed there first and told which simulated state to use
-    (only a state file is shared with it; an in-memory machine shows no MPS server process)."""
-    from nodeagent.gpu.mps import CONTROL_BINARY
+def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_state: Path | None) -> MpsManager:
+    """The MPS daemons' manager: ``nvidia-cuda-mps-control`` under the driver root; on the simulator the
+    stand-in is installed there when the first daemon is wanted and told which simulated state to use (only
+    a state file is shared with it; an in-memory machine shows no MPS server process)."""
+    from nodeagent.gpu.mps import CONTROL_BINARY, MpsManager
 
     binary = paths(driver_root.rstrip("/") + CONTROL_BINARY)
     if simulate is None and sim_state is None:
-        return binary, {}
+        return MpsManager(binary)
     if paths.root == Path("/"):
         raise InputError("the NVML simulator never acts on the real host: give it a sandbox root (--root DIR), not /")
     from nodeagent.simulator.mps_control import install
 
-    install(binary)
     env: dict[str, str] = {}
     if sim_state is not None:
         env["NODEAGENT_SIM_STATE"] = str(sim_state.absolute())
         if simulate:
             env["NODEAGENT_SIM_MACHINE"] = simulate
-    return binary, env
+    return MpsManager(binary, extra_env=env, install=install)

@@ -132,7 +132,7 @@ class DevicePluginService:
             if self._mps is None:
                 raise ConfigError(f"{config.source}: sharing.mps is not available here (no MPS control daemon "
                                   "can be run by this process)", subject=config.source)
-            if not self._mps.binary.is_file():
+            if not self._mps.available():
                 raise ConfigError(
                     f"{config.source}: sharing.mps needs the MPS control daemon, but {self._mps.binary} does not "
                     "exist (install the NVIDIA driver's compute utilities)",

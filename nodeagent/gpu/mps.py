@@ -238,12 +238,16 @@ class MpsDaemon:
 
 
 class MpsManager:
-    """The set of daemons the current config asks for, started, swapped and stopped as it changes."""
+    """The set of daemons the current config asks for, started, swapped and stopped as it changes.
+
+    ``install`` (the simulator's) puts a stand-in binary in place the first time a daemon is wanted."""
 
     def __init__(self, binary: Path, *, extra_env: Mapping[str, str] | None = None,
                  on_change: Callable[[], Awaitable[None]] | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S,
+                 install: Callable[[Path], object] | None = None) -> None:
         self.binary = binary
+        self._install = install
         self._extra_env = dict(extra_env or {})
         self.on_change = on_change  # called when a daemon becomes ready or dies
         self._ready_timeout = ready_timeout_s
@@ -254,6 +258,8 @@ class MpsManager:
         their first answer (a daemon that does not answer stays supervised and not ready)."""
         for name in [n for n, d in self._daemons.items() if specs.get(n) != d.spec]:
             await self._daemons.pop(name).stop()
+        if specs and self._install is not None and not self.binary.is_file():
+            self._install(self.binary)
         started = []
         for name, spec in specs.items():
             if name not in self._daemons:
@@ -267,6 +273,10 @@ class MpsManager:
     async def _changed(self) -> None:
         if self.on_change is not None:
             await self.on_change()
+
+    def available(self) -> bool:
+        """Whether daemons can be run: the binary is there (or will be installed)."""
+        return self._install is not None or self.binary.is_file()
 
     def ready(self, name: str) -> bool:
         daemon = self._daemons.get(name)

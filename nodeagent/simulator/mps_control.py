@@ -159,7 +159,15 @@ class _Daemon:
                         f.flush()
 
 
-def _listen(pipe_dir: Path, log: _Log) -> socket.socket | None:
+def _say(ready_fd: int | None, message: str) -> None:
+    """An error at start: on stderr, or (``-d``) through the start pipe to the command the user ran."""
+    if ready_fd is None:
+        print(message, file=sys.stderr)
+    else:
+        os.write(ready_fd, b"0" + message.encode())
+
+
+def _listen(pipe_dir: Path, log: _Log, ready_fd: int | None) -> socket.socket | None:
     pipe_dir.mkdir(parents=True, exist_ok=True)
     path = pipe_dir / "control"
     if path.exists():
@@ -167,7 +175,7 @@ def _listen(pipe_dir: Path, log: _Log) -> socket.socket | None:
         try:
             probe.connect(str(path))
             log("An instance of this daemon is already running")
-            print("An instance of this daemon is already running", file=sys.stderr)
+            _say(ready_fd, "An instance of this daemon is already running")
             return None
         except OSError:
             path.unlink()  # left by a daemon that died
@@ -186,14 +194,14 @@ def run_daemon(ready_fd: int | None = None) -> int:
         gpus = _SimGpus()
     except (ValueError, OSError) as e:
         log(f"Startup failed: {e}")
-        print(f"nvidia-cuda-mps-control: {e}", file=sys.stderr)
+        _say(ready_fd, f"nvidia-cuda-mps-control: {e}")
         return 1
     refused = gpus.refused()
     if refused is not None:
         log(f"Startup failed: {refused}")
-        print(f"nvidia-cuda-mps-control: {refused}", file=sys.stderr)
+        _say(ready_fd, f"nvidia-cuda-mps-control: {refused}")
         return 1
-    listener = _listen(pipe_dir, log)
+    listener = _listen(pipe_dir, log, ready_fd)
     if listener is None:
         return 1
     daemon = _Daemon(pipe_dir, log, gpus)
@@ -227,12 +235,18 @@ def _background() -> int:
     if pid == 0:
         os.close(r)
         os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # a daemon keeps none of the caller's terminals or pipes
+            os.dup2(null, fd)
+        os.close(null)
         code = run_daemon(w)
         os._exit(code)
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        ok = f.read(1) == b"1"
-    if not ok:
+        answer = f.read()
+    if answer[:1] != b"1":
+        if answer[1:]:
+            print(answer[1:].decode(errors="replace"), file=sys.stderr)
         _, status = os.waitpid(pid, 0)
         return os.waitstatus_to_exitcode(status) or 1
     return 0

@@ -23,10 +23,9 @@ from nodeagent.commands.discover import render_text
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.health import HealthMonitorSettings
-from nodeagent.gpu.mps import MpsManager
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.hostpaths import HostPaths
-from nodeagent.nvmlsource import mps_control, open_nvml
+from nodeagent.nvmlsource import mps_manager, open_nvml
 from nodeagent.sharing.spec import PluginConfig, parse_plugin_config
 from nodeagent.simulator.inject import set_compute_mode
 from nodeagent.simulator.state import SimStore
@@ -88,12 +87,13 @@ async def mps_node(kubelet_harness: KubeletHarness, short_root: Path) -> AsyncIt
     state = short_root / "sim.json"
     store = SimStore.open(MACHINE, state)
     paths = HostPaths(short_root / "root")
-    binary, env = mps_control(paths, "/", MACHINE, state)
+    manager = mps_manager(paths, "/", MACHINE, state)
+    binary = manager.binary
     nvml = open_nvml(None, state)
     service = DevicePluginService(
         plugin_dir=kubelet_harness.plugin_dir, plugin_config=cfg(MPS4), nvml=nvml,
         health=HealthMonitorSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=100),
-        mps=MpsManager(binary, extra_env=env), under_root=paths,
+        mps=manager, under_root=paths,
     )
     node = MpsNode(kubelet_harness, service, nvml, store, paths, binary)
     try:

@@ -40,11 +40,10 @@ class DevicePluginComponent(Component):
         health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
-        from nodeagent.gpu.mps import MpsManager
-        from nodeagent.nvmlsource import mps_control
+        from nodeagent.nvmlsource import mps_manager
 
-        binary, mps_env = mps_control(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
-                                      Path(cfg.simulate.state) if cfg.simulate.state else None)
+        mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
+                          Path(cfg.simulate.state) if cfg.simulate.state else None)
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
@@ -54,7 +53,7 @@ class DevicePluginComponent(Component):
             # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
             exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
             take_over=cfg.adopt.take_over,
-            mps=MpsManager(binary, extra_env=mps_env),
+            mps=mps,
             under_root=ctx.host_path,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed

@@ -48,11 +48,10 @@ class DraPlaneComponent(Component):
             return gpu.index in served
 
         from nodeagent.dra.mps import ClaimMps
-        from nodeagent.gpu.mps import MpsManager
-        from nodeagent.nvmlsource import mps_control
+        from nodeagent.nvmlsource import mps_manager
 
-        binary, mps_env = mps_control(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
-                                      Path(cfg.simulate.state) if cfg.simulate.state else None)
+        mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
+                          Path(cfg.simulate.state) if cfg.simulate.state else None)
         self.dra = DraComponent(
             paths=ctx.paths,
             kube=ctx.kube,
@@ -69,7 +68,7 @@ class DraPlaneComponent(Component):
             mig=ctx.gpu,
             dynamic_mig=cfg.dra.dynamic_mig,
             scheduler=ctx.scheduler,
-            mps=ClaimMps(MpsManager(binary, extra_env=mps_env), ctx.host_path),
+            mps=ClaimMps(mps, ctx.host_path),
         )
         self._started = False
 
