@@ -109,3 +109,22 @@ def test_stand_in_daemon_mode(tmp_path: Path) -> None:
         raise AssertionError("the daemon did not quit")
     log = (d / "l/control.log").read_text()
     assert "Starting control daemon" in log and "Accepting command: quit" in log
+
+
+def test_sim_compute_mode_command(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    state = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "nodeagent", "sim", "inject", "compute-mode", "--simulate", "a10-x2",
+           "--sim-state", str(state), "--gpu", "1"]
+    ok = subprocess.run([*cmd, "PROHIBITED"], capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0 and ok.stdout.strip() == "GPU 1 compute mode PROHIBITED"
+    assert json.loads(state.read_text())["gpus"][1]["compute_mode"] == 2
+    from nodeagent.nvmlsource import open_nvml
+
+    nvml = open_nvml(None, state)
+    try:
+        assert nvml.nvml.nvmlDeviceGetComputeMode(nvml.nvml.nvmlDeviceGetHandleByIndex(1)) == 2
+    finally:
+        nvml.close()
