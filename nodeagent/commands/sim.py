@@ -189,7 +189,7 @@ def inject_kill(ctx: click.Context, gpu: int, pid: int | None) -> None:
 @click.argument("mode", type=click.Choice(["DEFAULT", "EXCLUSIVE_THREAD", "PROHIBITED", "EXCLUSIVE_PROCESS"]))
 @click.pass_context
 def inject_compute_mode(ctx: click.Context, gpu: int, mode: str) -> None:
-    """Set a GPU's compute mode as ``nvidia-smi -c`` does (the stand-in MPS daemon refuses PROHIBITED)."""
+    """Set a GPU's compute mode as nvidia-smi -c does (the stand-in MPS daemon refuses PROHIBITED)."""
     from nodeagent.simulator import inject
 
     inject.set_compute_mode(_store(ctx), gpu, mode)
