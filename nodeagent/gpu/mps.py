@@ -128,8 +128,21 @@ class MpsDaemon:
         return out.decode(errors="replace")
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        for d in (self.spec.pipe_dir, self.spec.log_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        try:
+            for d in (self.spec.pipe_dir, self.spec.log_dir):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MpsError(f"cannot create {e.filename}: {e.strerror}") from e
+        if (self.spec.pipe_dir / "control").exists():
+            # a daemon left by an agent that was killed: this pipe directory is ours, so it is told to quit
+            with contextlib.suppress(MpsError):
+                await self.command(["quit"])
+                log.warning("MPS daemon for %s: a daemon left on %s was told to quit", self.spec.name,
+                            self.spec.pipe_dir)
+                for _ in range(60):
+                    if not (self.spec.pipe_dir / "control").exists():
+                        break
+                    await asyncio.sleep(0.05)
         try:
             return await asyncio.create_subprocess_exec(
                 str(self.binary), "-f", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -162,6 +175,12 @@ class MpsDaemon:
             await self._on_change()
 
     async def _supervise(self) -> None:
+        try:
+            await self._supervise_loop()
+        finally:
+            self._first.set()  # whatever ended the loop, nobody waits for the first start for ever
+
+    async def _supervise_loop(self) -> None:
         backoff = Backoff(RESTART_START_S, RESTART_MAX_S, jitter=False)
         first = True
         while not self._stopping:

@@ -71,7 +71,7 @@ def test_dra_parameters() -> None:
 
 def test_stand_in_daemon_mode(tmp_path: Path) -> None:
     binary = install(tmp_path / "bin/nvidia-cuda-mps-control")
-    d = Path("/tmp") / f"mpsu{os.getpid()}"
+    d = tmp_path / "mps"
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(d / "p"), "CUDA_MPS_LOG_DIRECTORY": str(d / "l"), "PATH": "/usr/bin:/bin"}
 
     def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -128,3 +128,29 @@ def test_sim_compute_mode_command(tmp_path: Path) -> None:
         assert nvml.nvml.nvmlDeviceGetComputeMode(nvml.nvml.nvmlDeviceGetHandleByIndex(1)) == 2
     finally:
         nvml.close()
+
+
+async def test_a_daemon_left_by_a_killed_agent_is_replaced(tmp_path: Path) -> None:
+    from nodeagent.gpu.mps import MpsDaemonSpec, MpsManager
+
+    binary = install(tmp_path / "bin/nvidia-cuda-mps-control")
+    d = tmp_path / "mps"
+    spec = MpsDaemonSpec("nvidia.com/gpu", d / "p", d / "l", (), 50, ((0, "100M"),))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(spec.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(spec.log_dir)}
+    left = subprocess.run([str(binary), "-d"], env=env, capture_output=True, text=True, timeout=20, check=False)
+    assert left.returncode == 0
+    old = int(subprocess.run([str(binary)], input="get_server_list\n", env=env, capture_output=True, text=True,
+                             timeout=20, check=True).stdout)
+    manager = MpsManager(binary)
+    try:
+        await manager.apply({spec.name: spec})
+        assert manager.ready(spec.name)
+        state = manager.states()[0]
+        assert state.pid != old and not state.last_error
+        got = subprocess.run([str(binary)], input="get_default_active_thread_percentage\n", env=env,
+                             capture_output=True, text=True, timeout=20, check=True)
+        assert got.stdout.split() == ["50.0"]
+    finally:
+        await manager.stop()
+    assert not (spec.pipe_dir / "control").exists()
+    assert "An instance of this daemon is already running" not in (spec.log_dir / "control.log").read_text()
