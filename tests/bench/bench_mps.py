@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nodeagent.gpu.mps import MpsDaemonSpec  # noqa: E402
-from nodeagent.hostpaths import HostPaths  # noqa: E402
-from nodeagent.nvmlsource import mps_manager  # noqa: E402
-from nodeagent.simulator.state import SimStore  # noqa: E402
+from nodeagent.gpu.mps import MpsDaemonSpec
+from nodeagent.hostpaths import HostPaths
+from nodeagent.nvmlsource import mps_manager
+from nodeagent.simulator.state import SimStore
 
 ROUNDS = 5
 
