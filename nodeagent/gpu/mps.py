@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodeagent.backoff import Backoff
+from nodeagent.deadline import within
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class MpsDaemon:
         except OSError as e:
             raise MpsError(f"cannot run {self.binary}: {e.strerror or e}") from e
         try:
-            out, err = await asyncio.wait_for(proc.communicate("".join(f"{x}\n" for x in lines).encode()), timeout_s)
+            out, err = await within(proc.communicate("".join(f"{x}\n" for x in lines).encode()), timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -230,7 +231,7 @@ class MpsDaemon:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, sig)
             try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                await within(proc.wait(), STOP_GRACE_S)
                 return
             except TimeoutError:
                 continue
@@ -243,7 +244,7 @@ class MpsDaemon:
             with contextlib.suppress(MpsError):
                 await self.command(["quit"])
             try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                await within(proc.wait(), STOP_GRACE_S)
             except TimeoutError:
                 await self._end(proc)
         if self._task is not None:
