@@ -23,4 +23,10 @@ echo "== import layers"; "$VENV/bin/lint-imports"
 # path), which a long $TMPDIR would overflow.
 BASETEMP=$(mktemp -d /tmp/na-pt.XXXXXX)
 trap 'rm -rf "$BASETEMP"' EXIT
-echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider --basetemp "$BASETEMP" "$@"
+# Two workers (one per core of the reference machine; NODEAGENT_TEST_WORKERS=0 runs in this process): a test
+# file runs whole on one worker, so its module fixtures start once; tests that own host paths (the whole-node
+# cluster, the booted systemd) take a host-wide lock (tests/peers/hostlock.py) while they run.
+WORKERS=${NODEAGENT_TEST_WORKERS:-2}
+DIST=()
+[ "$WORKERS" = 0 ] || DIST=(-n "$WORKERS" --dist loadfile)
+echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider --basetemp "$BASETEMP" "${DIST[@]}" "$@"
