@@ -8,7 +8,9 @@ layouts of ``nvml.h``) and return an ``nvmlReturn_t``. A name not served here ma
 
 The machine and state are those of ``configure()`` (nodeagent's ABI mode) or else of the environment:
 ``NODEAGENT_SIM_MACHINE`` (a simulated machine name) and ``NODEAGENT_SIM_STATE`` (the shared state file;
-``NODEAGENT_NVML_STATE`` when the stand-in is installed as a host's driver, see ``DRIVER_STATE_ENV``).
+``NODEAGENT_NVML_STATE`` when the stand-in is installed as a host's driver, see ``DRIVER_STATE_ENV``), or,
+when the environment names neither, of the file ``nodeagent-sim.conf`` beside the library (``DRIVER_CONF``:
+a host's driver seen from a container that inherits none of the host's environment).
 ``NODEAGENT_NVML_TRACE=1`` prints each call's name and result on stderr; ``NODEAGENT_NVML_INIT_LOG=FILE``
 appends one line per nvmlInit to FILE.
 """
@@ -231,6 +233,54 @@ _M = _Machine()
 DRIVER_STATE_ENV = "NODEAGENT_NVML_STATE"
 
 
+# The stand-in installed as a host's driver library: ``machine = NAME`` and ``state = PATH`` lines in this file
+# of the directory the library was loaded from (symlinks resolved); a relative PATH is taken from that
+# directory, so a container that mounts the host's library directory and state directory under one prefix
+# (a DaemonSet's /host) finds the same state file as the host does.
+DRIVER_CONF = "nodeagent-sim.conf"
+_LIBRARY_NAME = "libnvidia-ml.so.1"
+
+
+def _library_dir() -> Path | None:
+    """The directory of the stand-in as this process mapped it (/proc/self/maps names the resolved file)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and path[0].rsplit("/", 1)[-1] == _LIBRARY_NAME:
+                    return Path(path[0]).parent
+    except OSError:
+        return None
+    return None
+
+
+def _driver_conf() -> tuple[str | None, str | None]:
+    """(machine, state) from ``DRIVER_CONF`` beside the library; (None, None) without one."""
+    libdir = _library_dir()
+    if libdir is None:
+        return None, None
+    conf = libdir / DRIVER_CONF
+    try:
+        text = conf.read_text(encoding="utf-8")
+    except OSError:
+        return None, None
+    values: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or key.strip() not in ("machine", "state"):
+            print(f"libnvidia-ml (nodeagent stand-in): {conf}: cannot read the line {raw!r} "
+                  "(expected 'machine = NAME' or 'state = PATH')", file=sys.stderr)
+            return None, None
+        values[key.strip()] = value.strip()
+    state = values.get("state") or None
+    if state is not None:
+        state = os.path.normpath(libdir / state)
+    return values.get("machine") or None, state
+
+
 def configure(machine: str | None, state: Path | None) -> None:
     """Serve ``machine`` / ``state`` from the next nvmlInit on (instead of the environment)."""
     with _M.lock:
@@ -241,7 +291,10 @@ def _wanted() -> tuple[str | None, str | None]:
     if _M.configured is not None:
         return _M.configured
     state = os.environ.get("NODEAGENT_SIM_STATE") or os.environ.get(DRIVER_STATE_ENV) or None
-    return os.environ.get("NODEAGENT_SIM_MACHINE") or None, state
+    machine = os.environ.get("NODEAGENT_SIM_MACHINE") or None
+    if machine is None and state is None:
+        return _driver_conf()
+    return machine, state
 
 
 def _sim() -> SimulatedNvml:
@@ -259,7 +312,7 @@ def _init() -> int:
             if machine is None and state is None:
                 print(
                     "libnvidia-ml (nodeagent stand-in): no simulated machine: set NODEAGENT_SIM_MACHINE "
-                    "and/or NODEAGENT_SIM_STATE (NODEAGENT_NVML_STATE)",
+                    f"and/or NODEAGENT_SIM_STATE (NODEAGENT_NVML_STATE), or write {DRIVER_CONF} beside the library",
                     file=sys.stderr,
                 )
                 return DRIVER_NOT_LOADED
