@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.peers.cluster import GPU_COUNT, Cluster
+from tests.peers.cluster import GPU_COUNT, MANIFESTS, Cluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -165,17 +165,157 @@ def run_probe(cluster: Cluster, pod: dict[str, Any]) -> tuple[dict[str, Any], st
     return obj, log, devices
 
 
-def test_pod_with_two_gpus_sees_exactly_its_devices(cluster: Cluster, agent: dict[str, Any]) -> None:
+def test_pod_with_two_gpus_gets_them_by_the_default_envvar_strategy(cluster: Cluster, agent: dict[str, Any]) -> None:
+    """The default ``deviceListStrategy: envvar`` names the GPUs in NVIDIA_VISIBLE_DEVICES for NVIDIA's
+    container runtime to inject; the agent adds no device node itself (this node has no NVIDIA runtime, so
+    the container has none: the cdi-cri test below gets them from containerd)."""
     obj, log, devices = run_probe(cluster, _gpu_pod("two-gpus", 2, PROBE))
     assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
     terminated = obj["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["exitCode"] == 0, terminated
     lines = log.splitlines()
-    nodes = lines[0].split()
-    assert len(nodes) == 2, log
     uuids = lines[1].removeprefix("env=").split(",")
     assert len(uuids) == 2 and all(u.startswith("GPU-") for u in uuids), log
-    # what the kubelet gave the pod (PodResources) is what the container got
+    # what the kubelet gave the pod (PodResources) is what the container was told
     assert sorted(uuids) == devices, (uuids, devices)
+    assert lines[0].split() == [], log  # no GPU device node without a runtime that injects them
+
+
+def _sleeper(name: str, count: int) -> dict[str, Any]:
+    return _gpu_pod(name, count, "sleep 3600", {"terminationGracePeriodSeconds": 0})
+
+
+def _wait_running(cluster: Cluster, name: str) -> dict[str, Any]:
+    def running() -> dict[str, Any] | None:
+        obj = cluster.get_json("pod", name)
+        return obj if obj["status"].get("phase") == "Running" else None
+
+    result: dict[str, Any] = cluster.wait_for(f"pod {name} Running", running, timeout=90)
+    return result
+
+
+def _visible(cluster: Cluster, name: str) -> list[str]:
+    out = cluster.kubectl("exec", name, "--", "sh", "-c", "echo $NVIDIA_VISIBLE_DEVICES; ls /dev").stdout
+    lines = out.splitlines()
+    return sorted(lines[0].split(",")) + sorted(n for n in lines[1:] if re.fullmatch(r"nvidia[0-9]+", n))
+
+
+def test_xid_makes_the_device_unhealthy_and_new_pods_avoid_it(cluster: Cluster, agent: dict[str, Any]) -> None:
+    from nodeagent.gpu.sim import inject
+    from nodeagent.gpu.sim.state import SimStore
+    from tests.peers.cluster import MACHINE, SIM_STATE
+
+    gpus = {g["spec"]["index"]: g["spec"]["uuid"] for g in cluster.get_json("gpus")["items"]}
+    store = SimStore.open(MACHINE, SIM_STATE)
+    inject.inject_xid(store, 3, 48, None)
+    cluster.wait_for("allocatable drops to 7 after XID 48 on GPU 3",
+                     lambda: allocatable(cluster) == GPU_COUNT - 1, timeout=60)
+    # a pod asking for every allocatable GPU gets all but the unhealthy one
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(_sleeper("seven-gpus", GPU_COUNT - 1)))
+    _wait_running(cluster, "seven-gpus")
+    got = pod_devices("seven-gpus")
+    assert len(got) == GPU_COUNT - 1 and gpus[3] not in got, (got, gpus[3])
+    cluster.kubectl("delete", "pod", "seven-gpus", "--wait=true")
+    inject.recover(SimStore.open(MACHINE, SIM_STATE), 3)
+    cluster.wait_for("allocatable back to 8 after recovery", lambda: allocatable(cluster) == GPU_COUNT, timeout=90)
+
+
+def test_agent_pod_deleted_comes_back_and_running_pods_keep_their_devices(
+        cluster: Cluster, agent: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(_sleeper("holder", 1)))
+    _wait_running(cluster, "holder")
+    before = _visible(cluster, "holder")
+    held = pod_devices("holder")
+    assert before == held and len(held) == 1, (before, held)
+    old = running_agent(cluster)
+    assert old is not None
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=false")
+    start = time.monotonic()
+    zero_since: float | None = None
+    longest_zero = 0.0
+
+    def back() -> dict[str, Any] | None:
+        nonlocal zero_since, longest_zero
+        now = time.monotonic()
+        if allocatable(cluster) == 0:
+            zero_since = now if zero_since is None else zero_since
+            longest_zero = max(longest_zero, now - zero_since)
+        else:
+            zero_since = None
+        pod = running_agent(cluster)
+        if pod is None or pod["metadata"]["name"] == old["metadata"]["name"]:
+            return None
+        return pod if allocatable(cluster) == GPU_COUNT else None
+
+    new = cluster.wait_for("a new agent pod with allocatable 8", back, timeout=180, poll=0.3)
+    restarted_in = time.monotonic() - start
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    # allocatable never stayed at 0 longer than the restart itself
+    assert longest_zero <= restarted_in, (longest_zero, restarted_in)
+    # the running pod still has its devices, the same ones
+    assert _wait_running(cluster, "holder")["status"]["phase"] == "Running"
+    assert _visible(cluster, "holder") == before
+    assert pod_devices("holder") == held
+    cluster.kubectl("delete", "pod", "holder", "--wait=true")
+
+
+def test_kubelet_restart_the_agent_registers_again(cluster: Cluster, agent: dict[str, Any]) -> None:
+    cluster.restart_kubelet()
+    cluster.wait_for("allocatable 8 after the kubelet restarted", lambda: allocatable(cluster) == GPU_COUNT
+                     and running_agent(cluster) is not None, timeout=120)
+    obj, log, devices = run_probe(cluster, _gpu_pod("after-restart", 1, PROBE))
+    assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+    assert len(devices) == 1 and log.splitlines()[1] == f"env={devices[0]}", (devices, log)
+
+
+DEVICE_PLUGIN_CONFIG = """version: v1
+flags:
+  deviceListStrategy: cdi-cri
+sharing:
+  timeSlicing:
+    resources:
+      - name: nvidia.com/gpu
+        replicas: 2
+"""
+
+
+def test_cdi_cri_with_time_slicing_containerd_injects_the_devices(cluster: Cluster, agent: dict[str, Any]) -> None:
+    """``deviceListStrategy: cdi-cri`` and two time-slicing replicas per GPU, through the ConfigMap: the kubelet
+    passes the CDI names, containerd injects the device nodes from nodeagent's spec, the pod sees exactly the
+    GPUs of its replicas."""
+    import yaml
+
+    configmap = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
+    configmap["data"]["config.toml"] += '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n'
+    configmap["data"]["device-plugin.yaml"] = DEVICE_PLUGIN_CONFIG
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    old = running_agent(cluster)
+    assert old is not None
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
+    cluster.wait_for("allocatable 16 (8 GPUs x 2 replicas)", lambda: allocatable(cluster) == 2 * GPU_COUNT
+                     and running_agent(cluster) is not None, timeout=180)
+    obj, log, devices = run_probe(cluster, _gpu_pod("cdi-two", 2, PROBE))
+    assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+    assert len(devices) == 2 and all("::" in d for d in devices), devices
     gpus = {g["spec"]["uuid"]: g["spec"]["path"] for g in cluster.get_json("gpus")["items"]}
-    assert sorted(gpus[u].rsplit("/", 1)[1] for u in uuids) == sorted(nodes), (gpus, log)
+    want = sorted({gpus[d.split("::")[0]].rsplit("/", 1)[1] for d in devices})
+    lines = log.splitlines()
+    assert lines[0].split() == want, (log, devices)
+    assert "cannot access" not in log, log  # /dev/nvidiactl injected too
+
+
+def test_kubectl_delete_leaves_the_node_clean(cluster: Cluster, agent: dict[str, Any]) -> None:
+    from tests.peers.cluster import CONTAINERD_CONFIG, KUBELET_DIR
+
+    apply = readme_manifest_commands()[0]
+    cluster.kubectl("delete", "--wait=true", *apply[2:], timeout=180)
+    cluster.wait_for("the agent pods gone", lambda: not agent_pods(cluster), timeout=120)
+    sockets = sorted(p.name for p in (KUBELET_DIR / "device-plugins").glob("*.sock"))
+    assert sockets == ["kubelet.sock"], sockets
+    dra = KUBELET_DIR / "plugins_registry"
+    assert not [p for p in dra.glob("*nodeagent*")], list(dra.iterdir())
+    cluster.wait_for("allocatable nvidia.com/gpu 0 once the plugin is gone", lambda: allocatable(cluster) == 0,
+                     timeout=60)
+    # the containerd wiring of the init container stays (docs/kubernetes.md: "Removing nodeagent")
+    assert 'nvidia' in CONTAINERD_CONFIG.read_text() or any(
+        p.name.endswith(".toml") for p in CONTAINERD_CONFIG.parent.glob("conf.d/*"))

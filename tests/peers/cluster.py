@@ -232,6 +232,13 @@ class Cluster:
             parts.append(f"--- {name} log tail:\n{self.log_tail(name, 25)}")
         pods = self.kubectl("get", "pods", "-A", "-o", "wide", check=False)
         parts.append(f"--- pods:\n{pods.stdout}{pods.stderr}")
+        for pod in self.kubectl("get", "pods", "-n", "nodeagent", "-o", "name", check=False).stdout.split():
+            for container in ("bootstrap", "nodeagent"):
+                for previous in ("--previous=false", "--previous=true"):
+                    out = self.kubectl("logs", "-n", "nodeagent", pod, "-c", container, previous, "--tail=200",
+                                       check=False)
+                    if out.stdout.strip():
+                        parts.append(f"--- {pod} {container} {previous}:\n{out.stdout}")
         return "\n".join(parts)
 
     def check_running(self) -> None:
