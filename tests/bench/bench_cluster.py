@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.cluster.test_whole_node import RESOURCE, _gpu_pod, allocatable, readme_manifest_commands
 from tests.peers.cluster import GPU_COUNT, Cluster, running_cluster

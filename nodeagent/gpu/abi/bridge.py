@@ -255,7 +255,8 @@ def _library_dir() -> Path | None:
 
 
 def _driver_conf() -> tuple[str | None, str | None]:
-    """(machine, state) from ``DRIVER_CONF`` beside the library; (None, None) without one."""
+    """(machine, state) from ``DRIVER_CONF`` beside the library; (None, None) without one; InputError for a
+    line that is not ``machine = NAME`` or ``state = PATH``."""
     libdir = _library_dir()
     if libdir is None:
         return None, None
@@ -271,9 +272,8 @@ def _driver_conf() -> tuple[str | None, str | None]:
             continue
         key, sep, value = line.partition("=")
         if not sep or key.strip() not in ("machine", "state"):
-            print(f"libnvidia-ml (nodeagent stand-in): {conf}: cannot read the line {raw!r} "
-                  "(expected 'machine = NAME' or 'state = PATH')", file=sys.stderr)
-            return None, None
+            raise InputError(f"{conf}: cannot read the line {raw!r} (expected 'machine = NAME' or 'state = PATH')",
+                             subject=str(conf))
         values[key.strip()] = value.strip()
     state = values.get("state") or None
     if state is not None:
@@ -306,7 +306,11 @@ def _sim() -> SimulatedNvml:
 
 def _init() -> int:
     with _M.lock:
-        key = _wanted()
+        try:
+            key = _wanted()
+        except InputError as e:
+            print(f"libnvidia-ml (nodeagent stand-in): {e}", file=sys.stderr)
+            return DRIVER_NOT_LOADED
         if _M.sim is None or (_M.inits == 0 and key != _M.key):
             machine, state = key
             if machine is None and state is None:
