@@ -156,6 +156,27 @@ class _HostChanges:
         return problems
 
 
+def _remove_cni_nat_rules() -> list[str]:
+    """The bridge plugin's masquerade rules of this cluster's network (POSTROUTING rules commented with its
+    name, each jumping to a CNI-* chain): pods killed with containerd never got their CNI DEL."""
+    problems: list[str] = []
+    rules = _run(["iptables", "-t", "nat", "-S", "POSTROUTING"], check=False).stdout.splitlines()
+    for rule in rules:
+        if '\\"nodeagent-test\\"' not in rule and '"nodeagent-test"' not in rule:
+            continue
+        parts = rule.split()
+        chain = parts[parts.index("-j") + 1] if "-j" in parts else ""
+        delete = subprocess.run(["sh", "-c", f"iptables -t nat {rule.replace('-A ', '-D ', 1)}"],
+                                capture_output=True, text=True, check=False)
+        if delete.returncode != 0:
+            problems.append(f"iptables: {rule}: {delete.stderr.strip()}")
+            continue
+        if chain.startswith("CNI-"):
+            _run(["iptables", "-t", "nat", "-F", chain], check=False)
+            _run(["iptables", "-t", "nat", "-X", chain], check=False)
+    return problems
+
+
 def _unmount_below(path: Path, keep: Path | None = None) -> None:
     """Unmount every mount at or below ``path`` (pods' volumes the kubelet left), deepest first; not ``keep``."""
     mounts = []
@@ -300,6 +321,7 @@ class Cluster:
         self._logs.clear()
         self.apiserver.stop()
         _run(["ip", "link", "delete", BRIDGE], check=False)
+        problems += _remove_cni_nat_rules()
         problems += self._host.undo()
         return problems
 
