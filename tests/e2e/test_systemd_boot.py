@@ -30,6 +30,7 @@ import pytest
 from nodeagent.cdi.simhost import SIM_CAPS_MAJOR, SIM_UVM_MAJOR, mig_minors_text
 from tests.e2e._agent import REPO
 from tests.e2e._nspawn import BootedRoot, JournalEntry
+from tests.peers.hostlock import host_owned
 
 AGENT = "nodeagent.service"
 BOOTSTRAP = "nodeagent-bootstrap.service"
@@ -148,40 +149,41 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootedRoot]:
     library = _peer("NODEAGENT_NVML_LIBRARY", "the NVML ABI stand-in")
     kubelet = _peer("NODEAGENT_KUBELET_HARNESS", "the kubelet device-manager harness")
     deb = _deb_build(tmp_path_factory.mktemp("deb"))
-    node = BootedRoot(lower, tmp_path_factory.mktemp("node"), f"na{os.getpid()}")
-    try:
-        root = node.merged
-        _driver_kernel_files(root / DRIVER_SIM.lstrip("/"))
-        shutil.copy(deb, root / "root" / deb.name)
-        shutil.copy(library, root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
-        shutil.copy(kubelet, root / "usr/local/bin/kubelet")
-        (root / "var/lib/gpu-sim").mkdir(parents=True, exist_ok=True)
-        _write(root, "/etc/systemd/system/kubelet.service", KUBELET_UNIT)
-        wants = root / "etc/systemd/system/multi-user.target.wants"
-        wants.mkdir(parents=True, exist_ok=True)
-        (wants / "kubelet.service").symlink_to("/etc/systemd/system/kubelet.service")
-        dropin = _readme_gpu_sim_dropin()
-        assert f"NODEAGENT_SIM_MACHINE={MACHINE} " in dropin and f"NODEAGENT_NVML_STATE={SIM_STATE}" in dropin
-        dropin += DRIVER_FILES_DROPIN
-        for unit in (AGENT, BOOTSTRAP):
-            _write(root, f"/etc/systemd/system/{unit}.d/gpu-sim.conf", dropin)
-        _write(root, f"/etc/systemd/system/{BOOTSTRAP}.d/mig.conf", BOOTSTRAP_MIG_DROPIN)
-        _write(root, "/etc/nodeagent/config.toml", AGENT_CONFIG)
-        node.boot()
-        node.run(["ldconfig"])
-        start = time.monotonic()
-        proc = node.run(
-            ["apt-get", "install", "-y", "-q", "-o", "Dpkg::Options::=--force-confold", f"/root/{deb.name}"],
-            env={"DEBIAN_FRONTEND": "noninteractive"},
-            timeout=180,
-            check=False,
-        )
-        node.install_output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
-        node.install_rc = proc.returncode  # type: ignore[attr-defined]
-        node.install_seconds = time.monotonic() - start  # type: ignore[attr-defined]
-        yield node
-    finally:
-        node.close()
+    with host_owned("the booted Debian root"):  # one host-owning test at a time
+        node = BootedRoot(lower, tmp_path_factory.mktemp("node"), f"na{os.getpid()}")
+        try:
+            root = node.merged
+            _driver_kernel_files(root / DRIVER_SIM.lstrip("/"))
+            shutil.copy(deb, root / "root" / deb.name)
+            shutil.copy(library, root / "usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
+            shutil.copy(kubelet, root / "usr/local/bin/kubelet")
+            (root / "var/lib/gpu-sim").mkdir(parents=True, exist_ok=True)
+            _write(root, "/etc/systemd/system/kubelet.service", KUBELET_UNIT)
+            wants = root / "etc/systemd/system/multi-user.target.wants"
+            wants.mkdir(parents=True, exist_ok=True)
+            (wants / "kubelet.service").symlink_to("/etc/systemd/system/kubelet.service")
+            dropin = _readme_gpu_sim_dropin()
+            assert f"NODEAGENT_SIM_MACHINE={MACHINE} " in dropin and f"NODEAGENT_NVML_STATE={SIM_STATE}" in dropin
+            dropin += DRIVER_FILES_DROPIN
+            for unit in (AGENT, BOOTSTRAP):
+                _write(root, f"/etc/systemd/system/{unit}.d/gpu-sim.conf", dropin)
+            _write(root, f"/etc/systemd/system/{BOOTSTRAP}.d/mig.conf", BOOTSTRAP_MIG_DROPIN)
+            _write(root, "/etc/nodeagent/config.toml", AGENT_CONFIG)
+            node.boot()
+            node.run(["ldconfig"])
+            start = time.monotonic()
+            proc = node.run(
+                ["apt-get", "install", "-y", "-q", "-o", "Dpkg::Options::=--force-confold", f"/root/{deb.name}"],
+                env={"DEBIAN_FRONTEND": "noninteractive"},
+                timeout=180,
+                check=False,
+            )
+            node.install_output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
+            node.install_rc = proc.returncode  # type: ignore[attr-defined]
+            node.install_seconds = time.monotonic() - start  # type: ignore[attr-defined]
+            yield node
+        finally:
+            node.close()
 
 
 @pytest.fixture(scope="module")

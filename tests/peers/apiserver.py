@@ -214,11 +214,16 @@ DEFAULT_FEATURE_GATES = "DRADeviceTaints=true,DRAPartitionableDevices=true"
 
 
 def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,
-                    feature_gates: str = DEFAULT_FEATURE_GATES, extra_args: Sequence[str] = ()) -> KubeApiServer:
+                    feature_gates: str = DEFAULT_FEATURE_GATES, extra_args: Sequence[str] = (),
+                    bind_address: str = "127.0.0.1", advertise_address: str = "127.0.0.1",
+                    service_accounts: bool = False) -> KubeApiServer:
     """Start etcd and kube-apiserver; returns once /readyz answers 200. Call ``stop()`` when done.
 
     ``binary`` is another kube-apiserver build (default: NODEAGENT_KUBE_APISERVER); ``feature_gates`` its
-    --feature-gates value ("" for the release's defaults); ``extra_args`` more flags (e.g. --runtime-config)."""
+    --feature-gates value ("" for the release's defaults); ``extra_args`` more flags (e.g. --runtime-config).
+    ``bind_address``/``advertise_address`` for pods to reach it (tests/peers/cluster.py); ``service_accounts``
+    keeps the ServiceAccount admission plugin on (pods get their projected token; needs the controller
+    manager's service-account controller)."""
     apiserver_bin = binary or peer_binary("NODEAGENT_KUBE_APISERVER", "nodeagent_peers_apiserver", "kube-apiserver")
     etcd_bin = peer_binary("NODEAGENT_ETCD", "nodeagent_peers_apiserver", "etcd")
     own_dir = workdir is None
@@ -250,7 +255,8 @@ def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,
         apiserver = subprocess.Popen(
             [str(apiserver_bin),
              f"--etcd-servers={etcd_url}",
-             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+             f"--bind-address={bind_address}", f"--advertise-address={advertise_address}",
+             f"--secure-port={api_port}",
              f"--cert-dir={wd / 'certs'}",
              f"--tls-cert-file={pki / 'server.crt'}", f"--tls-private-key-file={pki / 'server.key'}",
              f"--client-ca-file={pki / 'ca.crt'}",
@@ -260,7 +266,7 @@ def start_apiserver(workdir: Path | None = None, *, binary: Path | None = None,
              f"--service-account-signing-key-file={pki / 'sa.key'}",
              "--authorization-mode=RBAC",
              # No controller-manager runs, so nothing would create the default service accounts.
-             "--disable-admission-plugins=ServiceAccount",
+             *(() if service_accounts else ("--disable-admission-plugins=ServiceAccount",)),
              "--allow-privileged=true", "--profiling=false", "--v=1",
              # every write, at Metadata level, one JSON line each: tests count an agent's writes by name
              f"--audit-policy-file={policy}", f"--audit-log-path={server.audit_log}",

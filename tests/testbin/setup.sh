@@ -327,6 +327,18 @@ nodeagent_peers_cdi_check() {
   export NODEAGENT_CONTAINERD2_SHIM=$NODEAGENT_GO_BINARY
 }
 
+# The real kubelet and kubectl of the same release as the apiserver (tests/testbin/node: cmd/kubelet and
+# cmd/kubectl over the pinned k8s.io/kubernetes), for the single-node cluster of tests/cluster.
+nodeagent_peers_kubelet() {
+  local mod=$NODEAGENT_TESTBIN/node kube_version ld
+  kube_version=$(_go_mod_version "$mod" k8s.io/kubernetes)
+  ld=$(_kube_version_ldflags "$kube_version")
+  build_go_binary kubelet "$mod" ./cmd/kubelet "$kube_version" "$ld" || return 1
+  export NODEAGENT_KUBELET=$NODEAGENT_GO_BINARY
+  build_go_binary kubectl "$mod" ./cmd/kubectl "$kube_version" "$ld" || return 1
+  export NODEAGENT_KUBECTL=$NODEAGENT_GO_BINARY
+}
+
 # --- NVML ABI mode: the stand-in libnvidia-ml.so.1 and NVIDIA's Go tools on it (README: ABI mode) ---------
 # Builds, cached like the Go peers:
 #   ${NODEAGENT_CACHE}/lib/nvml-abi-<hash>/libnvidia-ml.so.1   (nodeagent/simulator/abi, gcc; nvml.h from go-nvml)
@@ -472,6 +484,148 @@ _debian_root_build() {
     "$NODEAGENT_DEBIAN_SUITE" "$dir" "$NODEAGENT_DEBIAN_MIRROR"
 }
 
+# --- The single-node cluster (tests/cluster): CNI plugins, images built with buildah -----------------------
+# Debian's containernetworking-plugins (bridge, host-local, loopback, portmap) give the node its pod network;
+# Debian's buildah builds the images from local inputs into ${NODEAGENT_CACHE}/images/<name>-<hash>.tar (OCI
+# archives that the cluster fixture imports into containerd's k8s.io namespace; no registry is ever asked):
+#   debian base   mmdebstrap of bookworm (minbase), named as the Containerfile's FROM names it
+#   pause         the sandbox image: cdi-pause (tests/testbin/cdi-check/cmd/pause) alone in a layer
+#   nodeagent     packaging/kubernetes/Containerfile on the repository, FROM the debian base above
+# buildah keeps its own storage under ${NODEAGENT_CACHE}/buildah (never the host's /var/lib/containers).
+NODEAGENT_BASE_IMAGE_REF=docker.io/library/debian:bookworm-slim
+NODEAGENT_PAUSE_IMAGE_REF=localhost/nodeagent-test/pause:1
+NODEAGENT_AGENT_IMAGE_REF=docker.io/library/nodeagent:0.1.0
+
+_buildah() {
+  nice -n 10 buildah --root "$NODEAGENT_CACHE/buildah/storage" --runroot "$NODEAGENT_CACHE/buildah/run" "$@"
+}
+
+# _image_into_cache NAME HASH BUILDER ARGS...: unless ${NODEAGENT_CACHE}/images/NAME-HASH.tar exists, runs
+# "BUILDER OUT ARGS..." (its output in the cache's logs/) and moves OUT into place; concurrent callers wait on a
+# lock. Archives of older inputs go once nobody has touched them for a week. Sets NODEAGENT_IMAGE_ARCHIVE.
+_image_into_cache() {
+  local name=$1 hash=$2 builder=$3
+  shift 3
+  local dir=$NODEAGENT_CACHE/images dest
+  dest=$dir/$name-$hash.tar
+  NODEAGENT_IMAGE_ARCHIVE=$dest
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    if [ -f "$dest" ]; then _peers_log "plan: image $name cached"; else _peers_log "plan: image $name to build"; fi
+    return 0
+  fi
+  [ -f "$dest" ] && return 0
+  mkdir -p "$dir" "$NODEAGENT_CACHE/logs" || return 1
+  local fd log=$NODEAGENT_CACHE/logs/build-image-$name-$hash.log
+  exec {fd}>"$dir/.$name.lock" || return 1
+  if ! flock -n "$fd"; then
+    _peers_log "waiting for another build of image $name (log: $log)"
+    flock "$fd" || return 1
+  fi
+  if [ ! -f "$dest" ]; then
+    _peers_log "building image $name (not in the cache; log: $log)"
+    local start=$SECONDS rc=0
+    ("$builder" "$dest.tmp.$$" "$@") >"$log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+      rm -f "$dest.tmp.$$"
+      exec {fd}>&-
+      _peers_log "building image $name failed (exit $rc); last lines of $log:"
+      tail -n 20 "$log" >&2
+      return 1
+    fi
+    mv -f "$dest.tmp.$$" "$dest"
+    _peers_log "built image $name in $((SECONDS - start))s ($(du -m "$dest" | cut -f1) MiB) -> $dest"
+    find "$dir" -maxdepth 1 -type f -name "$name-*.tar" ! -name "${dest##*/}" -mtime +7 -delete 2>/dev/null || true
+  fi
+  exec {fd}>&-
+}
+
+nodeagent_peers_cluster_tools() {
+  _peers_install_debian containernetworking-plugins buildah mmdebstrap iptables || return 1
+  export NODEAGENT_CNI_BIN_DIR=/usr/lib/cni
+}
+
+# _base_image_build OUT: mmdebstrap's tarball committed by buildah as NODEAGENT_BASE_IMAGE_REF, pushed to OUT.
+_base_image_build() {
+  local out=$1 tmp c mnt
+  tmp=$(mktemp -d "$NODEAGENT_CACHE/base-image.XXXXXX") || return 1
+  mmdebstrap --variant=minbase --mode=root --format=tar \
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
+    "$NODEAGENT_DEBIAN_SUITE" "$tmp/rootfs.tar" "$NODEAGENT_DEBIAN_MIRROR" || { rm -rf "$tmp"; return 1; }
+  c=$(_buildah from scratch) && mnt=$(_buildah mount "$c") && tar -xf "$tmp/rootfs.tar" -C "$mnt" &&
+    _buildah umount "$c" && _buildah config --cmd /bin/bash "$c" &&
+    _buildah commit --rm "$c" "$NODEAGENT_BASE_IMAGE_REF" &&
+    _buildah push "$NODEAGENT_BASE_IMAGE_REF" "oci-archive:$out:$NODEAGENT_BASE_IMAGE_REF" || { rm -rf "$tmp"; return 1; }
+  rm -rf "$tmp"
+}
+
+nodeagent_peers_base_image() {
+  local hash
+  hash=$( (echo "$NODEAGENT_DEBIAN_SUITE $NODEAGENT_DEBIAN_MIRROR $NODEAGENT_BASE_IMAGE_REF" &&
+    declare -f _base_image_build) | sha256sum | cut -c1-12) || return 1
+  _image_into_cache debian-base "$hash" _base_image_build || return 1
+  export NODEAGENT_BASE_IMAGE=$NODEAGENT_IMAGE_ARCHIVE NODEAGENT_BASE_IMAGE_REF
+  NODEAGENT_BASE_IMAGE_HASH=$hash
+}
+
+# _pause_image_build OUT PAUSE: PAUSE as /pause in an image of its own.
+_pause_image_build() {
+  local out=$1 pause=$2 c
+  c=$(_buildah from scratch) && _buildah copy --chmod 0755 "$c" "$pause" /pause &&
+    _buildah config --entrypoint '["/pause"]' --user 65535:65535 "$c" &&
+    _buildah commit --rm "$c" "$NODEAGENT_PAUSE_IMAGE_REF" &&
+    _buildah push "$NODEAGENT_PAUSE_IMAGE_REF" "oci-archive:$out:$NODEAGENT_PAUSE_IMAGE_REF"
+}
+
+nodeagent_peers_pause_image() {
+  local mod=$NODEAGENT_TESTBIN/cdi-check pause hash
+  build_go_binary cdi-pause "$mod" ./cmd/pause "$(_go_mod_version "$mod" tags.cncf.io/container-device-interface)" ||
+    return 1
+  pause=$NODEAGENT_GO_BINARY
+  hash=$( (echo "${pause##*/} $NODEAGENT_PAUSE_IMAGE_REF" && declare -f _pause_image_build) | sha256sum | cut -c1-12) ||
+    return 1
+  _image_into_cache pause "$hash" _pause_image_build "$pause" || return 1
+  export NODEAGENT_PAUSE_IMAGE=$NODEAGENT_IMAGE_ARCHIVE NODEAGENT_PAUSE_IMAGE_REF
+}
+
+# _agent_image_inputs REPO: the files the agent image is built from (as .containerignore lets them into the
+# build context), one path a line, sorted.
+_agent_image_inputs() {
+  (cd "$1" && find .containerignore pyproject.toml README.md configs nodeagent packaging/kubernetes -type f \
+    ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' ! -name '*.so.*' -print | LC_ALL=C sort)
+}
+
+# _agent_image_build OUT REPO: `buildah bud` of packaging/kubernetes/Containerfile (chroot isolation; the
+# host's network for apt), the base image loaded from its archive when buildah's storage lacks it. pip in the
+# build asks no index: the Python dependencies come from a wheelhouse filled here by the host's pip
+# (${NODEAGENT_CACHE}/wheels, shared with packaging/build-deb.sh), mounted read-only into the build.
+_agent_image_build() {
+  local out=$1 repo=$2 py wheels=$NODEAGENT_CACHE/wheels
+  py=$(_abi_python)
+  mkdir -p "$wheels" || return 1
+  "$py" -c 'import tomllib, sys; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
+    "$repo/pyproject.toml" >"$out.requirements" || return 1
+  "$py" -m pip wheel -q --disable-pip-version-check -w "$wheels" 'setuptools>=68' wheel -r "$out.requirements" ||
+    { rm -f "$out.requirements"; return 1; }
+  rm -f "$out.requirements"
+  _buildah inspect --type image "$NODEAGENT_BASE_IMAGE_REF" >/dev/null 2>&1 ||
+    _buildah pull "oci-archive:$NODEAGENT_BASE_IMAGE" || return 1
+  (cd "$repo" && _buildah bud --isolation chroot --pull-never --layers=false -v "$wheels:/wheels:ro" \
+    --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/wheels -f packaging/kubernetes/Containerfile \
+    -t "$NODEAGENT_AGENT_IMAGE_REF" .) || return 1
+  _buildah push "$NODEAGENT_AGENT_IMAGE_REF" "oci-archive:$out:$NODEAGENT_AGENT_IMAGE_REF" || return 1
+  _buildah rmi "$NODEAGENT_AGENT_IMAGE_REF" >/dev/null 2>&1 || true
+  _buildah rmi --prune >/dev/null 2>&1 || true
+}
+
+nodeagent_peers_agent_image() {
+  local repo hash
+  repo=$(cd "$NODEAGENT_TESTBIN/../.." && pwd)
+  hash=$( (echo "$NODEAGENT_BASE_IMAGE_HASH $NODEAGENT_AGENT_IMAGE_REF" && declare -f _agent_image_build &&
+    _agent_image_inputs "$repo" | (cd "$repo" && xargs -d '\n' sha256sum)) | sha256sum | cut -c1-12) || return 1
+  _image_into_cache nodeagent "$hash" _agent_image_build "$repo" || return 1
+  export NODEAGENT_AGENT_IMAGE=$NODEAGENT_IMAGE_ARCHIVE NODEAGENT_AGENT_IMAGE_REF
+}
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -490,6 +644,11 @@ NODEAGENT_PEERS_STEPS=(
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
   "Debian root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"
+  "kubelet + kubectl v1.34:nodeagent_peers_kubelet"
+  "CNI plugins + buildah (Debian):nodeagent_peers_cluster_tools"
+  "Debian base image (mmdebstrap, buildah):nodeagent_peers_base_image"
+  "pause image (buildah):nodeagent_peers_pause_image"
+  "nodeagent image (packaging/kubernetes/Containerfile, buildah):nodeagent_peers_agent_image"
 )
 
 nodeagent_peers_setup() {

@@ -42,7 +42,14 @@ SUITE_PEERS = {
     "NODEAGENT_NVIDIA_CTK",
     "NODEAGENT_HELM",
     "NODEAGENT_DEBIAN_ROOT",
+    "NODEAGENT_KUBELET",
+    "NODEAGENT_KUBECTL",
+    "NODEAGENT_CNI_BIN_DIR",
+    "NODEAGENT_BASE_IMAGE",
+    "NODEAGENT_PAUSE_IMAGE",
+    "NODEAGENT_AGENT_IMAGE",
 }
+IMAGES = {"NODEAGENT_BASE_IMAGE": "debian-base", "NODEAGENT_PAUSE_IMAGE": "pause", "NODEAGENT_AGENT_IMAGE": "nodeagent"}
 
 
 @pytest.fixture
@@ -108,9 +115,16 @@ def test_whole_setup_resolves_every_peer_from_empty_caches(empty_caches: dict[st
         "NODEAGENT_RUNC",
         "NODEAGENT_NVML_LIBRARY",
         "NODEAGENT_DEBIAN_ROOT",
+        "NODEAGENT_CNI_BIN_DIR",
+        *IMAGES,
     }:
         path = Path(exported[name])
         assert path.parent == cache / "bin", (name, path)
+    # the cluster's images: archives keyed by a hash of their inputs, all to build
+    for name, image in IMAGES.items():
+        path = Path(exported[name])
+        assert path.parent == cache / "images" and path.name.startswith(f"{image}-"), (name, path)
+        assert f"plan: image {image} to build" in proc.stderr, proc.stderr
     root = Path(exported["NODEAGENT_DEBIAN_ROOT"])
     assert root.parent == cache and root.name.startswith("debian-root-"), root
     assert "plan: Debian bookworm root to build" in proc.stderr, proc.stderr

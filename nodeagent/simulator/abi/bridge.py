@@ -10,7 +10,7 @@ Nothing raised here reaches the caller.
 The machine and state (``process.py``) are those of ``configure()`` (nodeagent's ABI mode) or else of the
 environment: ``NODEAGENT_SIM_MACHINE`` (a simulated machine name) and ``NODEAGENT_SIM_STATE`` (the shared
 state file; ``NODEAGENT_NVML_STATE`` when the stand-in is installed as a host's driver, see
-``DRIVER_STATE_ENV``).
+``DRIVER_STATE_ENV``), or the file ``nodeagent-sim.conf`` beside the library (``process.DRIVER_CONF``).
 ``NODEAGENT_NVML_TRACE=1`` prints each call's name and result on stderr; ``NODEAGENT_NVML_INIT_LOG=FILE``
 appends one line per nvmlInit to FILE.
 """

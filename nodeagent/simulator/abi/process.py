@@ -1,5 +1,6 @@
-"""The simulated machine the stand-in library serves in this process: chosen by ``configure()`` or the
-environment, opened at the first nvmlInit."""
+"""The simulated machine the stand-in library serves in this process: chosen by ``configure()``, the
+environment, or the file ``nodeagent-sim.conf`` beside the library (``DRIVER_CONF``: a host's driver seen
+from a container that inherits none of the host's environment); opened at the first nvmlInit."""
 
 from __future__ import annotations
 
@@ -32,6 +33,54 @@ _M = _Machine()
 DRIVER_STATE_ENV = "NODEAGENT_NVML_STATE"
 
 
+# The stand-in installed as a host's driver library: ``machine = NAME`` and ``state = PATH`` lines in this file
+# of the directory the library was loaded from (symlinks resolved); a relative PATH is taken from that
+# directory, so a container that mounts the host's library directory and state directory under one prefix
+# (a DaemonSet's /host) finds the same state file as the host does.
+DRIVER_CONF = "nodeagent-sim.conf"
+_LIBRARY_NAME = "libnvidia-ml.so.1"
+
+
+def _library_dir() -> Path | None:
+    """The directory of the stand-in as this process mapped it (/proc/self/maps names the resolved file)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and path[0].rsplit("/", 1)[-1] == _LIBRARY_NAME:
+                    return Path(path[0]).parent
+    except OSError:
+        return None
+    return None
+
+
+def _driver_conf() -> tuple[str | None, str | None]:
+    """(machine, state) from ``DRIVER_CONF`` beside the library; (None, None) without one; InputError for a
+    line that is not ``machine = NAME`` or ``state = PATH``."""
+    libdir = _library_dir()
+    if libdir is None:
+        return None, None
+    conf = libdir / DRIVER_CONF
+    try:
+        text = conf.read_text(encoding="utf-8")
+    except OSError:
+        return None, None
+    values: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or key.strip() not in ("machine", "state"):
+            raise InputError(f"{conf}: cannot read the line {raw[:60]!r} (expected 'machine = NAME' or 'state = PATH')",
+                             subject=str(conf))
+        values[key.strip()] = value.strip()
+    state = values.get("state") or None
+    if state is not None:
+        state = os.path.normpath(libdir / state)
+    return values.get("machine") or None, state
+
+
 def configure(machine: str | None, state: Path | None) -> None:
     """Serve ``machine`` / ``state`` from the next nvmlInit on (instead of the environment)."""
     with _M.lock:
@@ -42,7 +91,10 @@ def _wanted() -> tuple[str | None, str | None]:
     if _M.configured is not None:
         return _M.configured
     state = os.environ.get("NODEAGENT_SIM_STATE") or os.environ.get(DRIVER_STATE_ENV) or None
-    return os.environ.get("NODEAGENT_SIM_MACHINE") or None, state
+    machine = os.environ.get("NODEAGENT_SIM_MACHINE") or None
+    if machine is None and state is None:
+        return _driver_conf()
+    return machine, state
 
 
 def _sim() -> SimulatedNvml:
@@ -54,13 +106,17 @@ def _sim() -> SimulatedNvml:
 
 def _init() -> int:
     with _M.lock:
-        key = _wanted()
+        try:
+            key = _wanted()
+        except InputError as e:
+            print(f"libnvidia-ml (nodeagent stand-in): {e}", file=sys.stderr)
+            return DRIVER_NOT_LOADED
         if _M.sim is None or (_M.inits == 0 and key != _M.key):
             machine, state = key
             if machine is None and state is None:
                 print(
                     "libnvidia-ml (nodeagent stand-in): no simulated machine: set NODEAGENT_SIM_MACHINE "
-                    "and/or NODEAGENT_SIM_STATE (NODEAGENT_NVML_STATE)",
+                    f"and/or NODEAGENT_SIM_STATE (NODEAGENT_NVML_STATE), or write {DRIVER_CONF} beside the library",
                     file=sys.stderr,
                 )
                 return DRIVER_NOT_LOADED

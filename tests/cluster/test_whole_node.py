@@ -1,0 +1,336 @@
+"""The README's Kubernetes section, run as written on a real single-node cluster (tests/peers/cluster.py):
+the manifests applied with the release's kubectl, the agent from its own image (built from
+packaging/kubernetes/Containerfile), the real kubelet serving GPU pods through it.
+
+The tests run in file order on one installation of the agent (module fixture ``agent``) and one cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.peers.cluster import GPU_COUNT, MANIFESTS, Cluster
+
+pytestmark = pytest.mark.timeout(600)
+
+README_SECTION = "## Kubernetes"
+RESOURCE = "nvidia.com/gpu"
+
+
+def readme_manifest_commands() -> list[list[str]]:
+    """The shell lines of the README's "Without Helm" block (kubectl apply ..., kubectl label node ...)."""
+    from tests.peers.cluster import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text.split(README_SECTION, 1)[1]
+    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.S)
+    block = next(b for b in blocks if "kubectl apply -f packaging/kubernetes/" in b)
+    lines = block.replace("\\\n", " ").strip().splitlines()
+    return [shlex.split(line) for line in lines if line.strip()]
+
+
+def agent_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.get_json(
+        "pods", "-n", "nodeagent", "-l", "app.kubernetes.io/name=nodeagent")["items"]
+    return items
+
+
+def running_agent(cluster: Cluster) -> dict[str, Any] | None:
+    for pod in agent_pods(cluster):
+        statuses = pod.get("status", {}).get("containerStatuses", [])
+        if (pod["metadata"].get("deletionTimestamp") is None and statuses
+                and all(s.get("ready") for s in statuses)):
+            return pod
+    return None
+
+
+def allocatable(cluster: Cluster, resource: str = RESOURCE) -> int:
+    return int(cluster.node().get("status", {}).get("allocatable", {}).get(resource, "0"))
+
+
+@pytest.fixture(scope="module")
+def agent(cluster: Cluster) -> Iterator[dict[str, Any]]:
+    """The README's lines run verbatim (with the cluster's node name), the agent Running and ready."""
+    commands = readme_manifest_commands()
+    assert [c[:2] for c in commands] == [["kubectl", "apply"], ["kubectl", "label"]], commands
+    start = time.monotonic()
+    for command in commands:
+        args = [a.replace("<gpu-node>", cluster.node_name) for a in command[1:]]
+        cluster.kubectl(*args)
+    pod = cluster.wait_for("the agent pod Running and ready", lambda: running_agent(cluster), timeout=180)
+    cluster.wait_for(f"allocatable {RESOURCE}: {GPU_COUNT}", lambda: allocatable(cluster) == GPU_COUNT, timeout=60)
+    pod["readyAfter"] = time.monotonic() - start
+    yield pod
+
+
+def test_readme_manifests_make_the_node_gpu_ready(cluster: Cluster, agent: dict[str, Any]) -> None:
+    node = cluster.node()
+    assert node["status"]["allocatable"][RESOURCE] == str(GPU_COUNT)
+    assert node["status"]["capacity"][RESOURCE] == str(GPU_COUNT)
+    labels = node["metadata"]["labels"]
+    assert labels["nvidia.com/gpu.count"] == str(GPU_COUNT)
+    assert "H100" in labels["nvidia.com/gpu.product"], labels
+    assert labels["nodeagent.io/gpu"] == "true"
+    conditions = {c["type"]: c for c in node["status"]["conditions"]}
+    for kind in ("nodeagent.io/GPUReady", "nodeagent.io/GPUHealthy", "nodeagent.io/RuntimeReady"):
+        assert conditions[kind]["status"] == "True", conditions[kind]
+    # the init container (bootstrap) ran to completion before the agent started
+    init = agent["status"]["initContainerStatuses"]
+    assert [s["name"] for s in init] == ["bootstrap"]
+    assert init[0]["state"]["terminated"]["exitCode"] == 0, init
+    # one GPU object per card, written by the agent
+    gpus = cluster.get_json("gpus")["items"]
+    assert sorted(g["spec"]["index"] for g in gpus) == list(range(GPU_COUNT))
+
+
+def test_agent_writes_with_its_own_service_account_token(cluster: Cluster, agent: dict[str, Any]) -> None:
+    assert agent["spec"]["serviceAccountName"] == "nodeagent"
+    writes, _ = cluster.apiserver.audit_writes()
+    node_writes = [w for w in writes if w.resource == "nodes" and w.name == cluster.node_name
+                   and w.user == "system:serviceaccount:nodeagent:nodeagent"]
+    assert node_writes, "the agent never wrote its Node with its service account"
+    assert all(w.code < 300 for w in node_writes), node_writes
+    # the admission policy is in force: the same token may not touch another Node
+    policy = cluster.get_json("validatingadmissionpolicybinding", "nodeagent-own-node")
+    assert policy["spec"]["policyName"] == "nodeagent-own-node"
+
+
+def _gpu_pod(name: str, count: int, command: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "main", "image": "docker.io/library/debian:bookworm-slim", "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", command],
+    }
+    if count:
+        container["resources"] = {"limits": {RESOURCE: count}}
+    spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container], **(extra or {})}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+def run_pod(cluster: Cluster, pod: dict[str, Any], timeout: float = 90) -> tuple[dict[str, Any], str]:
+    """Create ``pod``, wait until it ends; (its final object, its log)."""
+    name = pod["metadata"]["name"]
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
+
+    def ended() -> dict[str, Any] | None:
+        obj = cluster.get_json("pod", name)
+        return obj if obj["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    obj = cluster.wait_for(f"pod {name} ended", ended, timeout=timeout)
+    log = cluster.kubectl("logs", name).stdout
+    return obj, log
+
+
+PROBE = ("ls /dev | grep -E '^nvidia[0-9]+$' | sort | tr '\\n' ' '; echo; "
+         "echo \"env=$NVIDIA_VISIBLE_DEVICES\"; ls /dev/nvidiactl 2>&1; "
+         # alive until the test has asked the kubelet's PodResources API, at most 60 s
+         "i=0; while [ ! -e /tmp/done ] && [ $i -lt 120 ]; do sleep 0.5; i=$((i+1)); done")
+
+
+def pod_devices(name: str, resource: str = RESOURCE) -> list[str]:
+    """The device IDs the kubelet's PodResources API says pod ``name`` (namespace default) holds."""
+    from nodeagent.kube.podresources import PodResourcesClient
+    from tests.peers.cluster import KUBELET_DIR
+
+    client = PodResourcesClient(KUBELET_DIR / "pod-resources" / "kubelet.sock")
+    try:
+        return sorted(d for a in client.list() if a.namespace == "default" and a.pod == name
+                      and a.resource == resource for d in a.device_ids)
+    finally:
+        client.close()
+
+
+def run_probe(cluster: Cluster, pod: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
+    """Start ``pod`` (running PROBE), read what the kubelet says it holds while it runs, let it end; (its
+    final object, its log, its device IDs)."""
+    name = pod["metadata"]["name"]
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
+    cluster.wait_for(f"pod {name} Running", lambda: cluster.get_json("pod", name)["status"].get("phase") in (
+        "Running", "Succeeded", "Failed"), timeout=90)
+    devices = pod_devices(name)
+    cluster.kubectl("exec", name, "--", "touch", "/tmp/done")
+
+    def ended() -> dict[str, Any] | None:
+        obj = cluster.get_json("pod", name)
+        return obj if obj["status"].get("phase") in ("Succeeded", "Failed") else None
+
+    obj = cluster.wait_for(f"pod {name} ended", ended, timeout=90)
+    log = cluster.kubectl("logs", name).stdout
+    cluster.kubectl("delete", "pod", name, "--wait=true")
+    return obj, log, devices
+
+
+def test_pod_with_two_gpus_gets_them_by_the_default_envvar_strategy(cluster: Cluster, agent: dict[str, Any]) -> None:
+    """The default ``deviceListStrategy: envvar`` names the GPUs in NVIDIA_VISIBLE_DEVICES for NVIDIA's
+    container runtime to inject; the agent adds no device node itself (this node has no NVIDIA runtime, so
+    the container has none: the cdi-cri test below gets them from containerd)."""
+    obj, log, devices = run_probe(cluster, _gpu_pod("two-gpus", 2, PROBE))
+    assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+    terminated = obj["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 0, terminated
+    lines = log.splitlines()
+    uuids = lines[1].removeprefix("env=").split(",")
+    assert len(uuids) == 2 and all(u.startswith("GPU-") for u in uuids), log
+    # what the kubelet gave the pod (PodResources) is what the container was told
+    assert sorted(uuids) == devices, (uuids, devices)
+    assert lines[0].split() == [], log  # no GPU device node without a runtime that injects them
+
+
+def _sleeper(name: str, count: int) -> dict[str, Any]:
+    return _gpu_pod(name, count, "sleep 3600", {"terminationGracePeriodSeconds": 0})
+
+
+def _wait_running(cluster: Cluster, name: str) -> dict[str, Any]:
+    def running() -> dict[str, Any] | None:
+        obj = cluster.get_json("pod", name)
+        return obj if obj["status"].get("phase") == "Running" else None
+
+    result: dict[str, Any] = cluster.wait_for(f"pod {name} Running", running, timeout=90)
+    return result
+
+
+def _visible(cluster: Cluster, name: str) -> list[str]:
+    out = cluster.kubectl("exec", name, "--", "sh", "-c", "echo $NVIDIA_VISIBLE_DEVICES; ls /dev").stdout
+    lines = out.splitlines()
+    return sorted(lines[0].split(",")) + sorted(n for n in lines[1:] if re.fullmatch(r"nvidia[0-9]+", n))
+
+
+def test_xid_makes_the_device_unhealthy_and_new_pods_avoid_it(cluster: Cluster, agent: dict[str, Any]) -> None:
+    from nodeagent.simulator import inject
+    from nodeagent.simulator.state import SimStore
+    from tests.peers.cluster import MACHINE, SIM_STATE
+
+    gpus = {g["spec"]["index"]: g["spec"]["uuid"] for g in cluster.get_json("gpus")["items"]}
+    store = SimStore.open(MACHINE, SIM_STATE)
+    inject.inject_xid(store, 3, 48, None)
+    cluster.wait_for("allocatable drops to 7 after XID 48 on GPU 3",
+                     lambda: allocatable(cluster) == GPU_COUNT - 1, timeout=60)
+    # a pod asking for every allocatable GPU gets all but the unhealthy one
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(_sleeper("seven-gpus", GPU_COUNT - 1)))
+    _wait_running(cluster, "seven-gpus")
+    got = pod_devices("seven-gpus")
+    assert len(got) == GPU_COUNT - 1 and gpus[3] not in got, (got, gpus[3])
+    cluster.kubectl("delete", "pod", "seven-gpus", "--wait=true")
+    inject.recover(SimStore.open(MACHINE, SIM_STATE), 3)
+    cluster.wait_for("allocatable back to 8 after recovery", lambda: allocatable(cluster) == GPU_COUNT, timeout=90)
+
+
+def test_agent_pod_deleted_comes_back_and_running_pods_keep_their_devices(
+        cluster: Cluster, agent: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(_sleeper("holder", 1)))
+    _wait_running(cluster, "holder")
+    before = _visible(cluster, "holder")
+    held = pod_devices("holder")
+    assert before == held and len(held) == 1, (before, held)
+    old = running_agent(cluster)
+    assert old is not None
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=false")
+    start = time.monotonic()
+    zero_since: float | None = None
+    longest_zero = 0.0
+
+    def back() -> dict[str, Any] | None:
+        nonlocal zero_since, longest_zero
+        now = time.monotonic()
+        if allocatable(cluster) == 0:
+            zero_since = now if zero_since is None else zero_since
+            longest_zero = max(longest_zero, now - zero_since)
+        else:
+            zero_since = None
+        pod = running_agent(cluster)
+        if pod is None or pod["metadata"]["name"] == old["metadata"]["name"]:
+            return None
+        return pod if allocatable(cluster) == GPU_COUNT else None
+
+    new = cluster.wait_for("a new agent pod with allocatable 8", back, timeout=180, poll=0.3)
+    restarted_in = time.monotonic() - start
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+    # allocatable never stayed at 0 longer than the restart itself
+    assert longest_zero <= restarted_in, (longest_zero, restarted_in)
+    # the running pod still has its devices, the same ones
+    assert _wait_running(cluster, "holder")["status"]["phase"] == "Running"
+    assert _visible(cluster, "holder") == before
+    assert pod_devices("holder") == held
+    cluster.kubectl("delete", "pod", "holder", "--wait=true")
+
+
+def test_kubelet_restart_the_agent_registers_again(cluster: Cluster, agent: dict[str, Any]) -> None:
+    cluster.restart_kubelet()
+    cluster.wait_for("allocatable 8 after the kubelet restarted", lambda: allocatable(cluster) == GPU_COUNT
+                     and running_agent(cluster) is not None, timeout=120)
+    obj, log, devices = run_probe(cluster, _gpu_pod("after-restart", 1, PROBE))
+    assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+    assert len(devices) == 1 and f"env={devices[0]}" in log.splitlines(), (devices, log)
+
+
+DEVICE_PLUGIN_CONFIG = """version: v1
+flags:
+  plugin:
+    deviceListStrategy: cdi-cri
+sharing:
+  timeSlicing:
+    resources:
+      - name: nvidia.com/gpu
+        replicas: 2
+"""
+
+
+def test_cdi_cri_with_time_slicing_containerd_injects_the_devices(cluster: Cluster, agent: dict[str, Any]) -> None:
+    """``deviceListStrategy: cdi-cri`` and two time-slicing replicas per GPU, through the ConfigMap: the kubelet
+    passes the CDI names, containerd injects the device nodes from nodeagent's spec, the pod sees exactly the
+    GPUs of its replicas."""
+    import yaml
+
+    configmap = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
+    configmap["data"]["config.toml"] += '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n'
+    configmap["data"]["device-plugin.yaml"] = DEVICE_PLUGIN_CONFIG
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    old = running_agent(cluster)
+    assert old is not None
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
+    cluster.wait_for("allocatable 16 (8 GPUs x 2 replicas)", lambda: allocatable(cluster) == 2 * GPU_COUNT
+                     and running_agent(cluster) is not None, timeout=180)
+    obj, log, devices = run_probe(cluster, _gpu_pod("cdi-two", 2, PROBE))
+    assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+    assert len(devices) == 2 and all("::" in d for d in devices), devices
+    gpus = {g["spec"]["uuid"]: g["spec"]["path"] for g in cluster.get_json("gpus")["items"]}
+    want = sorted({gpus[d.split("::")[0]].rsplit("/", 1)[1] for d in devices})
+    lines = log.splitlines()
+    assert lines[0].split() == want, (log, devices)
+    assert lines[1] == "env=void", log  # cdi-cri names no devices in the environment
+    CDI_RUN["log"] = log
+
+
+CDI_RUN: dict[str, str] = {}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap: the DaemonSet mounts no /dev under /host, so under --root /host the agent's CDI spec names "
+    "no /dev/nvidiactl, /dev/nvidia-uvm, and its hostPaths are /host/... (the pod's view, not the host's); "
+    "the GPU nodes still work only because the spec then carries their major/minor numbers"))
+def test_cdi_cri_pod_also_gets_the_control_devices(cluster: Cluster, agent: dict[str, Any]) -> None:
+    log = CDI_RUN.get("log", "")
+    assert log, "the cdi-cri test above did not run"
+    assert "cannot access '/dev/nvidiactl'" not in log, log
+
+
+def test_kubectl_delete_leaves_the_node_clean(cluster: Cluster, agent: dict[str, Any]) -> None:
+    from tests.peers.cluster import CONTAINERD_CONFIG, KUBELET_DIR
+
+    apply = readme_manifest_commands()[0]
+    cluster.kubectl("delete", "--wait=true", *apply[2:], timeout=180)
+    cluster.wait_for("the agent pods gone", lambda: not agent_pods(cluster), timeout=120)
+    sockets = sorted(p.name for p in (KUBELET_DIR / "device-plugins").glob("*.sock"))
+    assert sockets == ["kubelet.sock"], sockets
+    dra = KUBELET_DIR / "plugins_registry"
+    assert not [p for p in dra.glob("*nodeagent*")], list(dra.iterdir())
+    cluster.wait_for("allocatable nvidia.com/gpu 0 once the plugin is gone", lambda: allocatable(cluster) == 0,
+                     timeout=60)
+    # the containerd wiring of the init container stays (docs/kubernetes.md: "Removing nodeagent")
+    assert 'nvidia' in CONTAINERD_CONFIG.read_text() or any(
+        p.name.endswith(".toml") for p in CONTAINERD_CONFIG.parent.glob("conf.d/*"))
