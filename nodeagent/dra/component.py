@@ -19,6 +19,11 @@ all ones this driver created for claims (none at first) publishes its placements
 layout, e.g. from mig-parted or the MIG manager) keeps publishing its existing MIG devices and is never
 changed by this driver.
 
+Shared GPUs (``shared_gpus``, consumable capacity): those GPUs' whole device or static MIG devices allow
+multiple allocations, each consuming memory and a compute share (``nodeagent.dra.devices``); published so
+on an API server with the feature (Kubernetes 1.36 and later, or ``consumable=True``), as ordinary devices
+on older ones. Prepare writes each allocation's limits into the claim's CDI spec (``nodeagent.dra.cdi``).
+
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
 deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
@@ -94,6 +99,8 @@ class DraComponent:
         dynamic_mig: bool = False,
         slice_layout: str | None = None,
         scheduler: AsyncIOScheduler | None = None,
+        shared_gpus: Iterable[int] = (),
+        consumable: bool | None = None,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -112,8 +119,10 @@ class DraComponent:
         self.gpu_filter = gpu_filter
         self.mig = mig
         self.dynamic_mig = dynamic_mig and mig is not None
+        # GPUs whose whole device or static MIG devices allow multiple allocations (consumable capacity)
+        self.shared_gpus = frozenset(shared_gpus)
         self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice,
-                                        layout=slice_layout)
+                                        layout=slice_layout, consumable=consumable)
         self._inventory: Inventory | None = None
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
@@ -167,7 +176,8 @@ class DraComponent:
         roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
         self._inventory = inventory
         self.devices = build_devices(inventory, roots, self.gpu_filter,
-                                     self._dynamic if self.dynamic_mig else None)
+                                     self._dynamic if self.dynamic_mig else None,
+                                     self._shared if self.shared_gpus else None)
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -183,6 +193,9 @@ class DraComponent:
         """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""
         assert self.preparer is not None
         return dynamic_mig_gpu(gpu, self.preparer.owned_instances().get(gpu.index, set()))
+
+    def _shared(self, gpu: Gpu) -> bool:
+        return gpu.index in self.shared_gpus
 
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:

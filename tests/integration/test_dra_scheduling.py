@@ -42,11 +42,13 @@ pytestmark = pytest.mark.peers
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "packaging/kubernetes"
 NODE = "dra-sched-node"
+SHARED_GPU = 4
 NS = "default"
 T = TypeVar("T")
 
 # One GPU in MIG mode with two 1g.10gb devices (gpu-0-mig-1-0, gpu-0-mig-2-0), whole GPUs gpu-1..gpu-3,
-# and gpu-4, another product, for the productName selector.
+# and gpu-4, another product, for the productName selector, published as a shared GPU (consumable
+# capacity where the release serves it: several claims each take part of its 81559 MiB).
 INVENTORY = replace(mig_box(per_gpu=2, gpus_on=1, gpus_off=3),
                     gpus=(*mig_box(per_gpu=2, gpus_on=1, gpus_off=3).gpus,
                           gpu(4, numa=None, name="NVIDIA A100-SXM4-80GB")))
@@ -140,7 +142,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         agent_kube = KubeClient(connect(plane.apiserver.kubeconfig))
         root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))  # socket paths must stay under 108 bytes
         loop = LoopThread()
-        dra = DraComponent(paths=HostPaths(root), kube=agent_kube, node_name=NODE, verify_interval_s=0.5)
+        dra = DraComponent(paths=HostPaths(root), kube=agent_kube, node_name=NODE, verify_interval_s=0.5,
+                           shared_gpus=(SHARED_GPU,))
         try:
             apply_device_classes(kube)
             make_node(kube)
@@ -162,10 +165,13 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def claim_template(kube: KubeClient, name: str, device_class: str, cel: str | None = None) -> None:
+def claim_template(kube: KubeClient, name: str, device_class: str, cel: str | None = None,
+                   capacity: dict[str, str] | None = None) -> None:
     exactly: dict[str, Any] = {"deviceClassName": device_class}
     if cel:
         exactly["selectors"] = [{"cel": {"expression": cel}}]
+    if capacity:
+        exactly["capacity"] = {"requests": capacity}
     kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates", body={
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
         "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}})
@@ -222,7 +228,8 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         hpod = Pod(NS, name, uid, {claim_name: claim_name}, {"main": [claim_name]})
         cdi = c.harness.prepare(hpod)
         claim_uid = claim["metadata"]["uid"]
-        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}"]}, cdi
+        share = f"-{result['shareID']}" if result.get("shareID") else ""  # an allocation of a shared GPU
+        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}{share}"]}, cdi
         spec_file = c.cdi_dir / f"{DRIVER_NAME}-claim_{claim_uid}.json"
         assert spec_file.is_file()
         out = run_cdi_check([c.cdi_dir], [cdi["main"]])
@@ -326,6 +333,81 @@ def test_xid_marks_the_prepared_device_unhealthy_and_taints_it_until_recovery(cl
     got = schedule_and_prepare(cluster, create_pod(cluster.kube, "xid-gpu", template="xid-gpu"), from_template=True,
                                while_prepared=xid)
     assert got.device.startswith("gpu-") and "mig" not in got.device
+
+def claim_of(c: Cluster, pod_name: str) -> dict[str, Any]:
+    pod = c.get(f"/api/v1/namespaces/{NS}/pods/{pod_name}")
+    [entry] = pod["status"]["resourceClaimStatuses"]
+    return c.get(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims/{entry['resourceClaimName']}")
+
+
+def unschedulable(c: Cluster, pod_name: str) -> bool:
+    pod = c.get(f"/api/v1/namespaces/{NS}/pods/{pod_name}")
+    conds = {x["type"]: x for x in (pod.get("status") or {}).get("conditions") or []}
+    sched = conds.get("PodScheduled", {})
+    return not pod["spec"].get("nodeName") and sched.get("reason") == "Unschedulable"
+
+
+def test_a_shared_gpu_takes_claims_until_its_memory_is_used_up(cluster: Cluster) -> None:
+    """Consumable capacity with the release's scheduler: three claims of 30 GiB on a GPU of 81559 MiB, two
+    at a time; the third waits Unschedulable until one is released. Each prepared share gets its own CDI
+    device and its memory limit. A release without the feature gets the GPU as an ordinary device."""
+    from nodeagent.dra.slices import consumable_capacity_for
+
+    dev = slice_device(cluster, f"gpu-{SHARED_GPU}")
+    if not consumable_capacity_for(cluster.release.version):
+        assert "allowMultipleAllocations" not in dev and dev["capacity"] == {"memory": {"value": "81559Mi"}}, dev
+        return
+    assert dev["allowMultipleAllocations"] is True and "requestPolicy" in dev["capacity"]["memory"], dev
+    uuid = uuid_of(cluster, f"gpu-{SHARED_GPU}")
+    claim_template(cluster.kube, "share-30g", "gpu.nodeagent.io", f'device.attributes["{DRIVER_NAME}"].uuid == "{uuid}"',
+                   capacity={"memory": "30Gi"})
+    names = ["share-a", "share-b", "share-c"]
+    pods = {n: create_pod(cluster.kube, n, template="share-30g") for n in names}
+    prepared: dict[str, Pod] = {}
+    try:
+        def two_bound() -> list[str] | None:
+            bound = [n for n in names if cluster.get(f"/api/v1/namespaces/{NS}/pods/{n}")["spec"].get("nodeName")]
+            return bound if len(bound) == 2 else None
+
+        bound = wait_for(two_bound, 60, "two of three shared pods scheduled", cluster)
+        [waiting] = [n for n in names if n not in bound]
+        wait_for(lambda: unschedulable(cluster, waiting), 30, f"{waiting} Unschedulable", cluster)
+
+        def prepare(name: str) -> tuple[str, list[str]]:
+            claim = claim_of(cluster, name)
+            [result] = claim["status"]["allocation"]["devices"]["results"]
+            assert result["device"] == f"gpu-{SHARED_GPU}" and result["consumedCapacity"]["memory"] == "30Gi", result
+            cname, cuid = claim["metadata"]["name"], claim["metadata"]["uid"]
+            hpod = Pod(NS, name, pods[name]["metadata"]["uid"], {cname: cname}, {"main": [cname]})
+            cdi = cluster.harness.prepare(hpod)
+            prepared[name] = hpod
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-{SHARED_GPU}-{result['shareID']}"]}, cdi
+            out = run_cdi_check([cluster.cdi_dir], [cdi["main"]])
+            [inj] = out["injections"]
+            assert inj["unresolved"] == [] and not inj.get("error"), inj
+            return str(result["shareID"]), list(inj["spec"]["process"].get("env") or [])
+
+        shares = [prepare(n) for n in bound]
+        assert shares[0][0] != shares[1][0]  # two allocations of one device, told apart by their share IDs
+        for _, env in shares:
+            assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in env and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=30720M" in env, env
+
+        # release one: its claim is deallocated and the waiting pod is scheduled onto the same GPU
+        cluster.harness.unprepare(prepared.pop(bound[0]))
+        cluster.kube.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{bound[0]}?gracePeriodSeconds=0")
+        wait_for(lambda: cluster.get(f"/api/v1/namespaces/{NS}/pods/{waiting}")["spec"].get("nodeName"), 60,
+                 f"{waiting} scheduled once a share is released", cluster)
+        share_id, env = prepare(waiting)
+        assert share_id not in {s for s, _ in shares} and "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=30720M" in env
+    finally:
+        for hpod in prepared.values():
+            cluster.harness.unprepare(hpod)
+        for n in names:
+            cluster.plane.apiserver.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{n}?gracePeriodSeconds=0")
+        wait_for(lambda: not any(
+            (d.get("status") or {}).get("allocation")
+            for d in cluster.get(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims")["items"]),
+            30, "shared claims deallocated", cluster)
 
 
 AGENT_CHILD = """

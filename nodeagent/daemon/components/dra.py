@@ -62,6 +62,7 @@ class DraPlaneComponent(Component):
             pumps=ctx.pumps,
             mig=ctx.gpu,
             dynamic_mig=cfg.dra.dynamic_mig,
+            shared_gpus=cfg.dra.shared_gpus,
             scheduler=ctx.scheduler,
         )
         self._started = False
