@@ -40,6 +40,9 @@ from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice, MigProfile
 # Standard attribute names (resource.kubernetes.io): PCI address and PCIe root complex.
 PCI_BUS_ID_ATTR = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTR = "resource.kubernetes.io/pcieRoot"
+# The standard NUMA node attribute (KEP-6072, stable in 1.37), published beside the driver's own numaNode so
+# a claim can match GPUs and other drivers' devices (NICs) on one NUMA node with matchAttribute.
+NUMA_NODE_ATTR = "resource.kubernetes.io/numaNode"
 
 # Consumable capacity of a shared device.
 MEMORY_CAPACITY = "memory"
@@ -192,6 +195,7 @@ def _common(inv: Inventory, gpu: Gpu, roots: Mapping[str, str]) -> dict[str, Any
         attrs["driverVersion"] = {"version": drv}
     if gpu.numa_node is not None and gpu.numa_node >= 0:
         attrs["numaNode"] = {"int": gpu.numa_node}
+        attrs[NUMA_NODE_ATTR] = {"int": gpu.numa_node}
     root = roots.get(gpu.pci_bus_id)
     if root:
         attrs[PCIE_ROOT_ATTR] = _str(root)
