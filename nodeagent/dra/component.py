@@ -45,7 +45,7 @@ from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
-from nodeagent.dra.checkpoint import Checkpoint
+from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
 from nodeagent.dra.devices import (
     DraDevice,
     build_counter_sets,
@@ -58,6 +58,7 @@ from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
+from nodeagent.dra.status import ClaimStatusWriter, device_status
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
@@ -101,6 +102,7 @@ class DraComponent:
         scheduler: AsyncIOScheduler | None = None,
         shared_gpus: Iterable[int] = (),
         consumable: bool | None = None,
+        device_status: bool = True,
     ) -> None:
         self.paths = paths
         self.kube = kube
@@ -121,6 +123,9 @@ class DraComponent:
         self.dynamic_mig = dynamic_mig and mig is not None
         # GPUs whose whole device or static MIG devices allow multiple allocations (consumable capacity)
         self.shared_gpus = frozenset(shared_gpus)
+        # each newly prepared claim's status.devices (device, UUID, MIG placement), written in the background
+        self.status_writer = ClaimStatusWriter(kube, driver) if device_status else None
+        self._status_tasks: set[asyncio.Task[bool]] = set()
         self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice,
                                         layout=slice_layout, consumable=consumable)
         self._inventory: Inventory | None = None
@@ -149,6 +154,21 @@ class DraComponent:
         assert self.monitor is not None
         await self.set_health(self.monitor.unhealthy())
 
+    def _report_prepared(self, ref: ClaimRef, prepared: tuple[PreparedDevice, ...]) -> None:
+        """Write the claim's device status in the background (prepare has answered already)."""
+        if self.status_writer is None:
+            return
+        entries = device_status(self.driver, prepared, {d.name: d for d in self.devices})
+        task = asyncio.create_task(asyncio.to_thread(self.status_writer.write, ref.namespace, ref.name, ref.uid,
+                                                     entries), name=f"dra-status-{ref.uid}")
+        self._status_tasks.add(task)
+        task.add_done_callback(self._status_tasks.discard)
+
+    async def wait_status_written(self) -> None:
+        """Wait for the device status writes under way (tests, benchmarks)."""
+        while self._status_tasks:
+            await asyncio.gather(*list(self._status_tasks), return_exceptions=True)
+
     def _read_claim(self, namespace: str, name: str) -> dict[str, object]:
         return self.kube.get_resource_claim(namespace, name)
 
@@ -156,7 +176,8 @@ class DraComponent:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
-                                      driver=self.driver, mig=self.mig)  # MIG claims unprepare with the knob off
+                                      driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
+                                      on_prepared=self._report_prepared)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
         await self._set_inventory(inventory)
         if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
@@ -315,6 +336,7 @@ class DraComponent:
         if self.monitor is not None:
             await self.monitor.stop()
         self._unschedule_verify()
+        await self.wait_status_written()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -54,6 +54,8 @@ from nodeagent.gpu.ports import MigAdministration
 log = logging.getLogger(__name__)
 
 ReadClaim = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) → ResourceClaim JSON (blocking)
+# called (on the loop) after a claim was newly prepared, with what it was prepared with
+OnPrepared = Callable[["ClaimRef", "tuple[PreparedDevice, ...]"], None]
 
 # The kubelet calls with the claims of one pod (a pod names at most 32 ResourceClaims); a call with more is
 # answered for the first MAX_CLAIMS_PER_CALL and refused for the rest without an API read or a log line each.
@@ -170,13 +172,15 @@ def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
 
 class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
-                 *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None) -> None:
+                 *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None,
+                 on_prepared: OnPrepared | None = None) -> None:
         self.checkpoint = checkpoint
         self.specs = specs
         self.read_claim = read_claim
         self.pool = pool
         self.driver = driver
         self.mig = mig  # needed for dynamic MIG devices only
+        self.on_prepared = on_prepared
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
         # GPUs a MIG change has withdrawn: no new claim is prepared on them until the next inventory
@@ -333,6 +337,8 @@ class ClaimPreparer:
                 self._inflight.pop(ref.uid, None)
         log.info("prepared claim %s/%s (%s): %s", ref.namespace, ref.name, ref.uid,
                  ", ".join(d.device for d in prepared))
+        if self.on_prepared is not None:
+            self.on_prepared(ref, prepared)
         return PrepareResult(prepared)
 
     def _resolve(self, claim: Mapping[str, Any], ref: ClaimRef) -> list[Wanted]:

@@ -276,6 +276,12 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         [inj] = out["injections"]
         assert inj["unresolved"] == [] and not inj.get("error"), inj
         env = list(inj["spec"]["process"].get("env") or [])
+        # the driver wrote the claim's device status (KEP-4817): the device and its UUID
+        entry = wait_for(lambda: next((d for d in (c.get(claim_path).get("status") or {}).get("devices") or []
+                                       if (d["driver"], d["device"]) == (DRIVER_NAME, result["device"])), None),
+                         20, f"device status of claim {claim_name}", c)
+        assert entry["pool"] == NODE and entry.get("shareID") == result.get("shareID"), entry
+        assert entry["data"]["uuid"] == uuid_of(c, str(result["device"])), entry
         if while_prepared is not None:
             while_prepared(hpod, str(result["device"]), cdi["main"][0])
 
@@ -492,6 +498,66 @@ def test_an_admins_noexecute_device_taint_rule_evicts_the_pod_using_the_device(c
 
     got = schedule_and_prepare(cluster, pod, from_template=False, while_prepared=taint_while_prepared)
     assert got.device == "gpu-2"
+
+
+@every
+def test_rbac_dra_writes_device_status_and_from_1_36_only_for_claims_on_its_own_node(cluster: Cluster) -> None:
+    """The agent's role (rbac-dra.yaml) writes a claim's status.devices; from 1.36 the API server checks the
+    write per driver (resourceclaims/driver) and the role's associated-node verb refuses a token of another
+    node. Earlier releases do not check per driver: there any token with the role may write it."""
+    import json
+
+    from nodeagent.dra.status import ClaimStatusWriter
+    from tests.integration.test_dra_slices import SA_USER, apply
+
+    for doc in yaml.safe_load_all((MANIFESTS / "rbac-dra.yaml").read_text()):
+        status, body = apply(cluster.plane.apiserver, doc)
+        assert status in (200, 201), body
+
+    def as_agent_on(node: str) -> KubeClient:
+        api = connect(cluster.plane.apiserver.kubeconfig)
+        api.set_default_header("Impersonate-User", SA_USER)  # type: ignore[no-untyped-call]
+        api.set_default_header(  # type: ignore[no-untyped-call]
+            "Impersonate-Extra-authentication.kubernetes.io%2fnode-name", node)
+        return KubeClient(api)
+
+    name = "status-probe"
+    make_claim(cluster.kube, name, exactly("gpu.nodeagent.io"))
+    path = claim_path_of(name)
+    claim = cluster.get(path)
+    claim["status"] = {"allocation": {
+        "devices": {"results": [{"request": "gpu", "driver": DRIVER_NAME, "pool": NODE, "device": "gpu-1"}]},
+        "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}}}
+    cluster.kube.request("PUT", f"{path}/status", body=claim)  # allocated as the scheduler would
+    uid = claim["metadata"]["uid"]
+    entry = {"driver": DRIVER_NAME, "pool": NODE, "device": "gpu-1", "data": {"uuid": uuid_of(cluster, "gpu-1")}}
+    own, other = as_agent_on(NODE), as_agent_on("another-node")
+    try:
+        assert ClaimStatusWriter(own, DRIVER_NAME).write(NS, name, uid, [entry])
+        def devices() -> list[dict[str, Any]]:
+            return [{k: v for k, v in d.items() if v is not None} for d in cluster.get(path)["status"]["devices"]]
+
+        assert devices() == [entry]
+        changed = {**entry, "data": {"uuid": "GPU-from-another-node"}}
+        wrote = ClaimStatusWriter(other, DRIVER_NAME).write(NS, name, uid, [changed])
+        assert wrote is (cluster.release.minor < 36), cluster.release.version
+        assert devices() == [changed if wrote else entry]
+        # the role reads one claim and writes its status; it neither lists nor changes claims
+        code, body = cluster.plane.apiserver.request(
+            "POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", body={
+                "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
+                    "user": SA_USER, "resourceAttributes": {
+                        "group": "resource.k8s.io", "resource": "resourceclaims", "verb": "update",
+                        "namespace": NS, "name": name}}})
+        assert code == 201 and json.loads(body)["status"]["allowed"] is False, body
+    finally:
+        own.close()
+        other.close()
+        claim = cluster.get(path)
+        claim["status"] = {}
+        cluster.kube.request("PUT", f"{path}/status", body=claim)
+        cluster.kube.request("DELETE", path)
 
 
 def claim_path_of(name: str) -> str:
