@@ -544,13 +544,13 @@ def test_rbac_dra_writes_device_status_and_from_1_36_only_for_claims_on_its_own_
         assert wrote is (cluster.release.minor < 36), cluster.release.version
         assert devices() == [changed if wrote else entry]
         # the role reads one claim and writes its status; it neither lists nor changes claims
-        code, body = cluster.plane.apiserver.request(
+        code, review = cluster.plane.apiserver.request(
             "POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", body={
                 "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
                     "user": SA_USER, "resourceAttributes": {
                         "group": "resource.k8s.io", "resource": "resourceclaims", "verb": "update",
                         "namespace": NS, "name": name}}})
-        assert code == 201 and json.loads(body)["status"]["allowed"] is False, body
+        assert code == 201 and json.loads(review)["status"]["allowed"] is False, review
     finally:
         own.close()
         other.close()
