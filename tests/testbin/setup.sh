@@ -287,7 +287,7 @@ nodeagent_peers_kube_control_plane() {
 # beside each go.mod (go-1.<minor>.mod / go-1.<minor>.sum, go build -modfile) and one shared Go build cache.
 # _peers_k8s_release MINOR TAGS COMMANDS...: builds COMMANDS (kube-apiserver, kube-scheduler,
 # kube-controller-manager, dra-harness) of release 1.MINOR; TAGS are the dra-harness build tags (the kubelet
-# API of that release: k8s137 = the plugin manager, node getter and plugin handler take a context/logger).
+# API of that release: k8s135, k8s136, k8s137 pick the compat_k8s1NN.go of the dra-harness).
 # Exports NODEAGENT_<COMMAND>_1_<MINOR>, e.g. NODEAGENT_KUBE_APISERVER_1_37.
 _peers_k8s_release() {
   local minor=$1 tags=$2 peers_mod=$NODEAGENT_TESTBIN/peers harness_mod=$NODEAGENT_TESTBIN/dra-harness
@@ -315,11 +315,11 @@ nodeagent_peers_k8s137() {
 # v1.35.4 and v1.36.3: the commands their DRA subset uses (no controller manager: those tests create their
 # ResourceClaims themselves).
 nodeagent_peers_k8s135() {
-  _peers_k8s_release 35 "" kube-apiserver kube-scheduler dra-harness
+  _peers_k8s_release 35 k8s135 kube-apiserver kube-scheduler dra-harness
 }
 
 nodeagent_peers_k8s136() {
-  _peers_k8s_release 36 k8s137 kube-apiserver kube-scheduler dra-harness
+  _peers_k8s_release 36 k8s136 kube-apiserver kube-scheduler dra-harness
 }
 
 # The kubelet's DRA manager and plugin watcher (tests/testbin/dra-harness, same Kubernetes release as

@@ -169,3 +169,24 @@ async def test_admin_access_reaches_the_device_without_holding_its_gpu(tmp_path:
     assert [r.uid for r in p.claims_on(frozenset({2}))[2]] == ["u2"]
     reloaded = Checkpoint.load(tmp_path / "state" / "dra-claims.json")
     assert reloaded.claims["u1"].devices[0].admin and not reloaded.claims["u2"].devices[0].admin
+
+
+async def test_device_status_names_each_prepared_device_with_its_uuid_placement_and_share(tmp_path: Path) -> None:
+    from nodeagent.dra.status import device_status, merged
+
+    claims = Claims(claim_with_shares("u1", "a", [
+        {"request": "a", "device": "gpu-0-mig-1-0"},
+        {"request": "b", "device": "gpu-1", "shareID": SHARE_A, "consumedCapacity": {"memory": "30Gi"}}]))
+    p = preparer(tmp_path, claims)
+    got = await p.prepare([ClaimRef("ns", "u1", "a")])
+    entries = device_status("gpu.nodeagent.io", got["u1"].devices, p.devices)
+    mig, share = entries
+    assert (mig["device"], mig["pool"], "shareID" in mig) == ("gpu-0-mig-1-0", POOL, False)
+    assert mig["data"]["migProfile"] == "1g.10gb" and mig["data"]["gpuIndex"] == 0
+    assert mig["data"]["uuid"] == p.devices["gpu-0-mig-1-0"].uuid
+    assert share["shareID"] == SHARE_A and share["data"]["consumedCapacity"] == {"memory": "30Gi"}
+    # another driver's entry and an older entry of ours: ours replaced, the other kept
+    other = {"driver": "nic.example.com", "pool": POOL, "device": "nic-0", "data": {}, "conditions": None}
+    old = {**mig, "data": {"uuid": "stale"}}
+    assert merged([other, old], entries, "gpu.nodeagent.io", {("gpu.nodeagent.io", POOL, "gpu-0-mig-1-0", "")}) == [
+        {k: v for k, v in other.items() if v is not None}, *entries]
