@@ -186,7 +186,7 @@ async def test_device_status_names_each_prepared_device_with_its_uuid_placement_
     assert mig["data"]["uuid"] == p.devices["gpu-0-mig-1-0"].uuid
     assert share["shareID"] == SHARE_A and share["data"]["consumedCapacity"] == {"memory": "30Gi"}
     # another driver's entry and an older entry of ours: ours replaced, the other kept
-    other = {"driver": "nic.example.com", "pool": POOL, "device": "nic-0", "data": {}, "conditions": None}
+    other: dict[str, Any] = {"driver": "nic.example.com", "pool": POOL, "device": "nic-0", "data": {}, "conditions": None}
     old = {**mig, "data": {"uuid": "stale"}}
     assert merged([other, old], entries, "gpu.nodeagent.io", {("gpu.nodeagent.io", POOL, "gpu-0-mig-1-0", "")}) == [
         {k: v for k, v in other.items() if v is not None}, *entries]
