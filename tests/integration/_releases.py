@@ -36,18 +36,30 @@ def release_binary(release: str, component: str) -> Path:
         pytest.fail(str(e), pytrace=False)
 
 
-@pytest.fixture(scope="module", params=sorted(RELEASES))
-def release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
-    binary = release_binary(request.param, "kube-apiserver")
-    if request.param >= "v1.36":  # partitionable devices are on by default; no loopback endpoints
+def _apiserver(release: str) -> Iterator[KubeApiServer]:
+    binary = release_binary(release, "kube-apiserver")
+    if release >= "v1.36":  # partitionable devices are on by default; no loopback endpoints
         server = start_apiserver(binary=binary, feature_gates="", extra_args=["--endpoint-reconciler-type=none"])
-    elif RELEASES[request.param]:  # 1.35: the gates of 1.34 (alpha), no loopback endpoints
+    elif RELEASES[release]:  # 1.35: the gates of 1.34 (alpha), no loopback endpoints
         server = start_apiserver(binary=binary, extra_args=["--endpoint-reconciler-type=none"])
     else:
         server = start_apiserver(binary=binary)
-    assert server.version == request.param, server.version
+    assert server.version == release, server.version
     try:
         yield server
     finally:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
+    """The API server of every release."""
+    yield from _apiserver(request.param)
+
+
+@pytest.fixture(scope="module", params=["v1.34.4", "v1.37.2"])
+def full_release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
+    """The API server of the oldest and the newest release only (suites whose subject does not change
+    between releases, within the CI budget)."""
+    yield from _apiserver(request.param)
