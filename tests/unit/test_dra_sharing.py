@@ -190,3 +190,14 @@ async def test_device_status_names_each_prepared_device_with_its_uuid_placement_
     old = {**mig, "data": {"uuid": "stale"}}
     assert merged([other, old], entries, "gpu.nodeagent.io", {("gpu.nodeagent.io", POOL, "gpu-0-mig-1-0", "")}) == [
         {k: v for k, v in other.items() if v is not None}, *entries]
+
+
+def test_shared_gpus_config_key() -> None:
+    from nodeagent.config import parse_config
+    from nodeagent.errors import ConfigError
+
+    assert parse_config("[dra]\nshared_gpus = [0, 3]\n", "t.toml").dra.shared_gpus == (0, 3)
+    for bad, why in (("[-1]", "negative GPU index"), ("[1, 1]", "lists a GPU twice"), ('"0"', "list of integers")):
+        with pytest.raises(ConfigError, match=why) as e:
+            parse_config(f"[dra]\nshared_gpus = {bad}\n", "t.toml")
+        assert "dra.shared_gpus" in str(e.value) and "\n" not in str(e.value)
