@@ -255,7 +255,7 @@ def _runtime_event(reports: list[StepReport]) -> tuple[str, bool] | None:
 
 
 def _discover(config: AgentConfig, paths: HostPaths) -> Inventory:
-    from nodeagent.gpu import open_nvml
+    from nodeagent.nvmlsource import open_nvml
 
     state = Path(config.simulate.state) if config.simulate.state else None
     adapter = open_nvml(config.simulate.machine or None, state, paths)
@@ -280,9 +280,9 @@ def _connect(config: AgentConfig, paths: HostPaths) -> Any:
 
 
 def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name: str) -> StepResult:
-    from nodeagent.gpu import open_nvml
     from nodeagent.mig.apply import MigStateFile
     from nodeagent.mig.pipeline import MigPipeline, load_configured_sources
+    from nodeagent.nvmlsource import open_nvml
 
     # The files first: a missing or broken one is bad input (exit 2) and changes nothing.
     sources = load_configured_sources(config.mig, paths)
@@ -357,8 +357,9 @@ def _ensure_runtimeclass(kube: Any, config: AgentConfig) -> StepResult:
 
 
 def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory: Inventory) -> StepResult:
+    from nodeagent.config import PublishSettings
     from nodeagent.errors import KubeError
-    from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+    from nodeagent.kube.publisher import NodePublisher
     from nodeagent.sharing.spec import load_plugin_config
 
     node_name = config.resolved_node_name()
@@ -366,7 +367,7 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
     plugin_config = load_plugin_config(paths(dp_config)) if dp_config else None
     publisher = NodePublisher(
         kube, node_name,
-        PublisherConfig(labels=True, extended_resources=False, gpu_objects=False, events=False),
+        PublishSettings(labels=True, extended_resources=False, gpu_objects=False, events=False),
     )
     try:
         res = publisher.publish(inventory, (), plugin_config)

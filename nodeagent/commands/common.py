@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.cli import settings_of, simulation_label
+from nodeagent.clicontext import settings_of, simulation_label
 
 if TYPE_CHECKING:
     from nodeagent.gpu.nvml import NvmlAdapter
@@ -65,7 +65,7 @@ def gpu_opts(ctx: click.Context) -> GpuOptions:
 
 def open_adapter(ctx: click.Context) -> NvmlAdapter:
     """The NVML adapter for this command: simulator or driver, host paths from the global --root."""
-    from nodeagent.gpu import open_nvml
+    from nodeagent.nvmlsource import open_nvml
 
     opts = gpu_opts(ctx)
     return open_nvml(opts.simulate, opts.sim_state, settings_of(ctx).paths)

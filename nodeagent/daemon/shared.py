@@ -64,7 +64,7 @@ class MetricsSink(Protocol):
 
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None: ...
 
-    def count_publish(self, result: Any) -> None: ...
+    def count_publish(self, writes: Mapping[str, int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
     def allocations(self) -> dict[tuple[str, str], int]:
         return self._held.allocations() if self._held is not None else {}
 
+    def mps(self) -> list[Any]:
+        """The MPS control daemons the plugin runs (``gpu.mps.MpsDaemonState``; none from a plugin without them)."""
+        states = getattr(self._held, "mps", None)
+        return list(states()) if states is not None else []
+
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._held is not None:
             await self._held.withdraw(gpu_indices)
@@ -133,9 +138,9 @@ class MetricsLink(_Slot[MetricsSink]):
         if self._held is not None:
             self._held.observe_reconcile(component, result, seconds)
 
-    def count_publish(self, result: Any) -> None:
+    def count_publish(self, writes: Mapping[str, int]) -> None:
         if self._held is not None:
-            self._held.count_publish(result)
+            self._held.count_publish(writes)
 
 
 class CdiLink:

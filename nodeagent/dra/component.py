@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
+from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
@@ -54,6 +55,7 @@ from nodeagent.dra.devices import (
     read_pcie_roots,
 )
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthUpdates, unhealthy_devices
+from nodeagent.dra.mps import ClaimMps
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
@@ -103,8 +105,10 @@ class DraComponent:
         shared_gpus: Iterable[int] = (),
         consumable: bool | None = None,
         device_status: bool = True,
+        mps: ClaimMps | None = None,
     ) -> None:
         self.paths = paths
+        self.mps = mps  # MPS daemons for claims whose opaque config asks for MPS
         self.kube = kube
         self.node_name = node_name
         self.driver = driver
@@ -177,11 +181,15 @@ class DraComponent:
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
-                                      on_prepared=self._report_prepared)
+                                      mps=self.mps, on_prepared=self._report_prepared)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
         await self._set_inventory(inventory)
+        if self.mps is not None:  # the MPS edits of claims prepared before, so their specs stay as written
+            self.preparer.specs.extra_edits.update(self.mps.load(self.preparer.devices))
         if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
             await self._set_inventory(await asyncio.to_thread(self.mig.discover))
+        if self.mps is not None:
+            await self.mps.resume(set(self.preparer.checkpoint.claims))
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
                                 on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir,
                                 on_claims_changed=self._claims_changed)
@@ -327,7 +335,7 @@ class DraComponent:
     async def wait_published(self, timeout: float = 10.0) -> int:
         """Wait until the current content is in the API; the pool generation."""
         async with self._synced:
-            await asyncio.wait_for(self._synced.wait_for(lambda: self._published == self._wanted), timeout)
+            await within(self._synced.wait_for(lambda: self._published == self._wanted), timeout)
         return self.publisher.generation
 
     async def stop(self, *, withdraw_slices: bool = True) -> None:
@@ -346,6 +354,8 @@ class DraComponent:
         if self.server is not None:
             await self.server.stop()
             self.server = None
+        if self.mps is not None:  # the daemons end with the agent; a restart starts them again
+            await self.mps.stop()
         if withdraw_slices:
             try:
                 await asyncio.to_thread(self.publisher.remove)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.api import (
     health_pb2,
@@ -71,7 +72,7 @@ def dra_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
 async def _in_time(work: Awaitable[T], context: AioServicerContext) -> T:
     """``work`` awaited for at most ``CALL_TIMEOUT_S``; past it, cancelled and the call DEADLINE_EXCEEDED."""
     try:
-        return await asyncio.wait_for(work, CALL_TIMEOUT_S)
+        return await within(work, CALL_TIMEOUT_S)
     except TimeoutError:
         await arefuse(context, DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s")
 
@@ -138,10 +139,10 @@ class _HealthServicer:
         self.watches = watches
 
     async def NodeWatchResources(self, request: Any, context: AioServicerContext) -> AsyncIterator[Any]:
-        await self.watches.ahold(context)  # RESOURCE_EXHAUSTED past MAX_WATCHES
+        slot = await self.watches.ahold(context)  # past MAX_WATCHES: a stuck stream's slot, or refused
         async with contextlib.aclosing(self.feed.watch()) as snaps:  # closed on the loop when the call ends
             async for snap in snaps:
-                yield health_pb2.NodeWatchResourcesResponse(
+                answer = health_pb2.NodeWatchResourcesResponse(
                     devices=[
                         health_pb2.DeviceHealth(
                             device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
@@ -151,6 +152,9 @@ class _HealthServicer:
                         for s in snap
                     ]
                 )
+                slot.sending()
+                yield answer
+                slot.sent()
 
 
 class _RegistrationServicer:
@@ -220,8 +224,8 @@ class DraServer:
         self.registered = False
         self.registration_error = ""
         self.registration_changed = asyncio.Event()
-        self.watches = StreamSlots(MAX_WATCHES, "NodeWatchResources")
         self.refusals = RefusalLog(log)
+        self.watches = StreamSlots(MAX_WATCHES, "NodeWatchResources", self.refusals)
         self._dra: AioServer | None = None
         self._reg: AioServer | None = None
 

@@ -46,6 +46,7 @@ from nodeagent.dra.devices import (
     with_instance,
     with_share,
 )
+from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps
 from nodeagent.dra.quantity import quantity_int
 from nodeagent.errors import GpuBusyError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
@@ -173,8 +174,9 @@ def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
 class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
                  *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None,
-                 on_prepared: OnPrepared | None = None) -> None:
+                 mps: ClaimMps | None = None, on_prepared: OnPrepared | None = None) -> None:
         self.checkpoint = checkpoint
+        self.mps = mps  # MPS daemons of claims asking for MPS (none: such claims are refused)
         self.specs = specs
         self.read_claim = read_claim
         self.pool = pool
@@ -306,6 +308,7 @@ class ClaimPreparer:
             async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
                 claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
             wanted = self._resolve(claim, ref)
+            mps = parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}")
         except (ClaimError, NodeAgentError, ValueError) as e:
             log.warning("NodePrepareResources %s/%s (%s): %s", ref.namespace, ref.name, ref.uid, e)
             return PrepareResult(error=str(e))
@@ -323,6 +326,8 @@ class ClaimPreparer:
                 return PrepareResult(error=msg)
             self._inflight[ref.uid] = (ref, gpus)
             try:
+                if mps is not None:
+                    await self._start_mps(ref, [w.dev for w in wanted], mps)
                 if any(w.dev.dynamic for w in wanted):
                     prepared = await asyncio.to_thread(self._write, ref, wanted)
                 else:
@@ -330,6 +335,7 @@ class ClaimPreparer:
                     # thread hop
                     prepared = self._write(ref, wanted)
             except (OSError, ValueError, NodeAgentError) as e:
+                await self._stop_mps(ref.uid)
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
                 log.error("%s", msg)
                 return PrepareResult(error=msg)
@@ -340,6 +346,18 @@ class ClaimPreparer:
         if self.on_prepared is not None:
             self.on_prepared(ref, prepared)
         return PrepareResult(prepared)
+
+    async def _start_mps(self, ref: ClaimRef, devices: list[DraDevice], cfg: MpsClaimConfig) -> None:
+        if self.mps is None:
+            raise MpsConfigError(f"ResourceClaim {ref.namespace}/{ref.name} asks for MPS, which this driver "
+                                 "cannot run here")
+        label = f"ResourceClaim {ref.namespace}/{ref.name}"
+        self.specs.extra_edits[ref.uid] = await self.mps.prepare(ref.uid, devices, cfg, label)
+
+    async def _stop_mps(self, uid: str) -> None:
+        self.specs.extra_edits.pop(uid, None)
+        if self.mps is not None:
+            await self.mps.unprepare(uid)
 
     def _resolve(self, claim: Mapping[str, Any], ref: ClaimRef) -> list[Wanted]:
         """The devices to prepare: one per allocated device, or per share of a shared device; the requests
@@ -468,6 +486,7 @@ class ClaimPreparer:
             for ref in claims:
                 try:
                     await asyncio.to_thread(self._unprepare_one, ref)
+                    await self._stop_mps(ref.uid)
                     out[ref.uid] = ""
                 except (OSError, ValueError, NodeAgentError) as e:
                     out[ref.uid] = f"cannot unprepare claim {ref.namespace}/{ref.name}: {e}"

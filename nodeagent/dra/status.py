@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from nodeagent.dra.checkpoint import PreparedDevice
 from nodeagent.dra.devices import DraDevice
 from nodeagent.errors import KubeError
-from nodeagent.kube.client import KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +79,15 @@ def merged(current: Sequence[Mapping[str, Any]], ours: Sequence[dict[str, Any]],
     return keep + list(ours)
 
 
+class Api(Protocol):
+    """What the writer needs of ``nodeagent.kube.client.KubeClient`` (the component hands its client in)."""
+
+    def request(self, method: str, path: str, *, body: Any = None, action: str | None = None) -> dict[str, Any]:
+        ...
+
+
 class ClaimStatusWriter:
-    def __init__(self, kube: KubeClient, driver: str) -> None:
+    def __init__(self, kube: Api, driver: str) -> None:
         self.kube = kube
         self.driver = driver
         self.writes = 0

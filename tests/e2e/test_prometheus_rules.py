@@ -18,7 +18,6 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -72,8 +71,8 @@ def promtool() -> Path:
 def scrape_text(tmp_path_factory: pytest.TempPathFactory) -> str:
     """/metrics of a running agent (simulated A30 x4, no Kubernetes, no kubelet) after GPU 1 reported XID 48
     and the driver asks for a GPU reset."""
-    from nodeagent.gpu.sim.inject import set_recovery_action
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.inject import set_recovery_action
+    from nodeagent.simulator.state import SimStore
 
     work = tmp_path_factory.mktemp("agent")
     sim_state = work / "sim.json"
@@ -157,9 +156,7 @@ def cluster_families(hostname: str, mig_state: str, mig_config: str) -> str:
     m = Metrics(hostname)
     for method, status in (("GET", 200), ("PATCH", 200), ("PATCH", 409), ("POST", None)):
         m.record_request(method, status)
-    m.count_publish(
-        SimpleNamespace(metadata_writes=1, status_writes=1, gpu_objects=SimpleNamespace(writes=4))
-    )
+    m.count_publish({"labels": 1, "status": 1, "gpu_objects": 4})
     m.observe_reconcile("mig", mig_state, 2.5)
     m.update_state(
         ConditionSnapshot(mig=MigInput(state=mig_state, config=mig_config)),

@@ -11,9 +11,9 @@ import pynvml
 from nodeagent.errors import InputError
 from nodeagent.gpu.inventory import MigProfile
 from nodeagent.gpu.profiles import CI_PROFILE_FOR_SLICES, MigProduct, gpu_instance_id
-from nodeagent.gpu.sim.nvml import SimulatedNvml
-from nodeagent.gpu.sim.nvml_base import append_event, reboot_state
-from nodeagent.gpu.sim.state import SimStore
+from nodeagent.simulator.nvml import SimulatedNvml
+from nodeagent.simulator.nvml_base import append_event, reboot_state
+from nodeagent.simulator.state import SimStore
 
 XID_GPU_FALLEN_OFF_BUS = 79
 
@@ -82,6 +82,18 @@ def inject_process(
             raise InputError(f"GPU {gpu} has no GPU instance {gi_id}", subject=str(gi_id))
         gs["processes"] = [p for p in gs["processes"] if p["pid"] != pid]
         gs["processes"].append({"pid": pid, "name": name, "used_mib": used_mib, "gi_id": gi_id})
+
+
+COMPUTE_MODES = {"DEFAULT": 0, "EXCLUSIVE_THREAD": 1, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
+
+
+def set_compute_mode(store: SimStore, gpu: int, mode: str) -> None:
+    """``nvidia-smi -c MODE -i GPU``: the compute mode NVML reports (and the stand-in MPS daemon checks)."""
+    _check_gpu(store, gpu)
+    if mode not in COMPUTE_MODES:
+        raise InputError(f"unknown compute mode {mode}; known: {', '.join(COMPUTE_MODES)}", subject=mode)
+    with store.transaction() as st:
+        st["gpus"][gpu]["compute_mode"] = COMPUTE_MODES[mode]
 
 
 def hold_device(store: SimStore, gpu: int, client: str, held: bool = True) -> None:

@@ -30,8 +30,8 @@ from typing import Any
 from nodeagent.boundedyaml import shown
 from nodeagent.errors import InputError
 from nodeagent.fileio import UnreadableFileError, atomic_write, read_regular
-from nodeagent.gpu.sim.machine import SimMachine, load_machine
-from nodeagent.gpu.sim.watch import FileWatch
+from nodeagent.simulator.machine import SimMachine, load_machine
+from nodeagent.simulator.watch import FileWatch
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ _TOP: _Shape = {"version": ("int", True), "machine": ("str", True), "boot": ("in
                 "serial": ("int", True), "event_seq": ("int", True), "events": ("list", True),
                 "fail_next": ("list", True), "gpus": ("list", True)}
 _GPU: _Shape = {"mig_current": ("bool", True), "mig_pending": ("bool", True), "lost": ("bool", True),
-                "gis": ("list", True), "processes": ("list", True), "clients": ("list", False)}
+                "gis": ("list", True), "processes": ("list", True), "clients": ("list", False),
+                "compute_mode": ("int", False)}
 _GI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "start": ("int", True), "size": ("int", True),
                "serial": ("int", False), "cis": ("list", True)}
 _CI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "slices": ("int", True), "start": ("int", True),

@@ -14,7 +14,7 @@ VM; a pending mode applies at a GPU reset (``simResetGpu``, Ampere; Hopper forge
 non-root caller (``privileged=False`` or NODEAGENT_SIM_UNPRIVILEGED=1) gets NO_PERMISSION where the driver
 gives it; GPU-instance ids are numbered as the driver does in the MIG user guide's examples. Faults (XID
 events with a recovery action, lost GPUs, processes, held devices, one-shot call failures) are written
-into the shared state by ``nodeagent.gpu.sim.inject``; a machine may lack versioned NVML functions
+into the shared state by ``nodeagent.simulator.inject``; a machine may lack versioned NVML functions
 (``missing_functions``: NVMLLibraryMismatchError).
 
 Extensions beyond NVML are named ``sim*``. The class is assembled from parts: the plumbing every call
@@ -30,8 +30,8 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.gpu.sim.machine import SimGpuSpec
-from nodeagent.gpu.sim.nvml_base import (
+from nodeagent.simulator.machine import SimGpuSpec
+from nodeagent.simulator.nvml_base import (
     _DEV,
     _EVSET,
     _MIG,
@@ -46,11 +46,12 @@ from nodeagent.gpu.sim.nvml_base import (
     _reset_gpu_state,
     reboot_state,
 )
-from nodeagent.gpu.sim.nvml_mig import MigCalls
-from nodeagent.gpu.sim.state import State
+from nodeagent.simulator.nvml_mig import MigCalls
+from nodeagent.simulator.nvml_telemetry import FI_MEMORY_TEMP, TelemetryCalls
+from nodeagent.simulator.state import State
 
 
-class SimulatedNvml(MigCalls):
+class SimulatedNvml(TelemetryCalls, MigCalls):
     """pynvml for a simulated machine; pass it to ``NvmlAdapter`` in place of the pynvml module."""
 
     # --- init / system ------------------------------------------------------------------------
@@ -266,6 +267,11 @@ class SimulatedNvml(MigCalls):
         return out
 
 
+    # --- compute mode (MPS runs under DEFAULT or EXCLUSIVE_PROCESS; the stand-in MPS daemon refuses the others) -
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        state = self._enter("nvmlDeviceGetComputeMode")
+        return int(state["gpus"][self._gpu(state, handle)[1]].get("compute_mode", pynvml.NVML_COMPUTEMODE_DEFAULT))
+
     # --- topology -----------------------------------------------------------------------------
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
         state = self._enter("nvmlDeviceGetTopologyCommonAncestor")
@@ -323,7 +329,8 @@ class SimulatedNvml(MigCalls):
 
     # --- field values -------------------------------------------------------------------------
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
-        """Only NVML_FI_DEV_GET_GPU_RECOVERY_ACTION answers; other fields carry NOT_SUPPORTED."""
+        """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and NVML_FI_DEV_MEMORY_TEMP answer; other fields carry
+        NOT_SUPPORTED."""
         state = self._enter("nvmlDeviceGetFieldValues")
         index = self._gpu(state, handle)[1]
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
@@ -334,6 +341,14 @@ class SimulatedNvml(MigCalls):
                 values[i].nvmlReturn = pynvml.NVML_SUCCESS
                 values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 values[i].value.uiVal = int(state["gpus"][index].get("recovery_action", 0))
+            elif fid == FI_MEMORY_TEMP:
+                try:
+                    values[i].value.uiVal = self.memory_temperature(state, index)
+                except pynvml.NVMLError as e:
+                    values[i].nvmlReturn = e.value
+                else:
+                    values[i].nvmlReturn = pynvml.NVML_SUCCESS
+                    values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             else:
                 values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
@@ -427,6 +442,6 @@ class SimulatedNvml(MigCalls):
             _reset_gpu_state(gs, self._spec(index))
 
     def simReboot(self) -> None:
-        """Reboot the machine (see ``nodeagent.gpu.sim.inject.reboot``)."""
+        """Reboot the machine (see ``nodeagent.simulator.inject.reboot``)."""
         with self.store.transaction() as st:
             reboot_state(st, self.machine)
