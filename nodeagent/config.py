@@ -63,6 +63,9 @@ class DraSettings:
     # GPUs in MIG mode without a static layout publish every MIG placement (partitionable devices, needs
     # the API's DRAPartitionableDevices); NodePrepareResources creates the GPU instance of a claim
     dynamic_mig: bool = False
+    # GPU indices whose whole GPU (or static MIG devices) DRA publishes as shared: several claims each take
+    # part of its memory and compute (consumable capacity, Kubernetes >= 1.36; earlier: published whole)
+    shared_gpus: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -311,7 +314,7 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
             parse_address(value)
         except ValueError as e:
             raise ConfigError(f"{where}: key '{key}': {e}", subject=key) from e
-    if key == "dra.gpus":
+    if key in ("dra.gpus", "dra.shared_gpus"):
         if any(v < 0 for v in value):
             raise ConfigError(f"{where}: key '{key}' lists a negative GPU index: {shown(list(value))}",
                               subject=key)

@@ -37,13 +37,50 @@ def _check_uid(claim_uid: str) -> None:
         raise ValueError(f"claim UID is not usable in a CDI name: {claim_uid!r}")
 
 
-def cdi_device_name(claim_uid: str, device: str) -> str:
-    return f"{claim_uid}-{device}"
+def cdi_device_name(claim_uid: str, device: str, share_id: str | None = None) -> str:
+    return f"{claim_uid}-{device}" if share_id is None else f"{claim_uid}-{device}-{share_id}"
 
 
-def cdi_device_id(claim_uid: str, device: str) -> str:
+def cdi_device_id(claim_uid: str, device: str, share_id: str | None = None) -> str:
     """The fully-qualified CDI device ID the kubelet hands to the runtime."""
-    return f"{CDI_KIND}={cdi_device_name(claim_uid, device)}"
+    return f"{CDI_KIND}={cdi_device_name(claim_uid, device, share_id)}"
+
+
+def share_env(devices: Sequence[DraDevice]) -> list[str]:
+    """The limits of the shares among ``devices`` (consumable capacity) as container environment; the
+    position of a device's UUID in ``NVIDIA_VISIBLE_DEVICES`` is its CUDA ordinal in the container:
+
+    - ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<MiB>M,...``: the memory each share consumed, the form
+      an MPS client reads;
+    - ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=<percent>``: the smallest compute share reserved, when one is;
+    - ``NODEAGENT_GPU_MEMORY_LIMIT=<uuid>=<MiB>Mi,...`` and ``NODEAGENT_GPU_COMPUTE_SHARE=<uuid>=<percent>,...``:
+      the same by device UUID, for a workload of its own.
+
+    Two shares of one device in a claim add up."""
+    uuids = _visible(devices)
+    memory: dict[str, int] = {}
+    compute: dict[str, int] = {}
+    for d in devices:
+        if d.share is not None:
+            memory[d.uuid] = memory.get(d.uuid, 0) + d.share.memory_bytes
+            compute[d.uuid] = compute.get(d.uuid, 0) + d.share.compute_percent
+    if not memory:
+        return []
+    mib = {u: -(-b // (1 << 20)) for u, b in memory.items()}
+    env = [
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{uuids.index(u)}={mib[u]}M" for u in memory),
+        "NODEAGENT_GPU_MEMORY_LIMIT=" + ",".join(f"{u}={mib[u]}Mi" for u in memory),
+        "NODEAGENT_GPU_COMPUTE_SHARE=" + ",".join(f"{u}={min(compute[u], 100)}" for u in compute),
+    ]
+    reserved = [c for c in compute.values() if c > 0]
+    if reserved:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={min(min(reserved), 100)}")
+    return env
+
+
+def _visible(devices: Sequence[DraDevice]) -> list[str]:
+    """The claim's device UUIDs, each once, in device order."""
+    return list(dict.fromkeys(d.uuid for d in devices))
 
 
 def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
@@ -69,11 +106,12 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
         "devices": [
-            {"name": cdi_device_name(claim_uid, d.name), "containerEdits": {"deviceNodes": _device_nodes(d, facts)}}
+            {"name": cdi_device_name(claim_uid, d.name, d.share.share_id if d.share is not None else None),
+             "containerEdits": {"deviceNodes": _device_nodes(d, facts)}}
             for d in devices
         ],
         "containerEdits": {
-            "env": [f"{VISIBLE_DEVICES_ENV}={','.join(d.uuid for d in devices)}"],
+            "env": [f"{VISIBLE_DEVICES_ENV}={','.join(_visible(devices))}", *share_env(devices)],
             "deviceNodes": [_node(p, facts) for p in CONTROL_DEVICES],
         },
     }
@@ -104,7 +142,8 @@ class ClaimSpecs:
         if self.current(claim_uid) != data:
             self.dir.mkdir(parents=True, exist_ok=True)
             fileio.atomic_write(path, data, mode=0o644, backup=False, durable=False)
-        return [cdi_device_id(claim_uid, d.name) for d in devices]
+        return [cdi_device_id(claim_uid, d.name, d.share.share_id if d.share is not None else None)
+                for d in devices]
 
     def render(self, claim_uid: str, devices: Sequence[DraDevice]) -> str:
         return json.dumps(claim_spec(claim_uid, devices, self.node_facts, self.extra_edits.get(claim_uid)),

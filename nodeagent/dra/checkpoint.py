@@ -65,13 +65,32 @@ class PreparedDevice:
     device: str
     cdi_device_ids: tuple[str, ...]
     mig: MigInstance | None = None  # dynamic MIG only
+    share_id: str | None = None  # one allocation of a shared device (consumable capacity)
+    consumed: tuple[tuple[str, str], ...] = ()  # capacity name → quantity it consumed, sorted
+    admin: bool = False  # admin access: reached without being taken (never a holder of its GPU)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"request_names": list(self.request_names), "pool": self.pool,
                              "device": self.device, "cdi_device_ids": list(self.cdi_device_ids)}
         if self.mig is not None:
             d["mig"] = self.mig.to_dict()
+        if self.share_id is not None:
+            d["share_id"] = self.share_id
+        if self.consumed:
+            d["consumed"] = dict(self.consumed)
+        if self.admin:
+            d["admin"] = True
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PreparedDevice:
+        share = d.get("share_id")
+        return cls(tuple(map(str, d["request_names"])), str(d["pool"]), str(d["device"]),
+                   tuple(map(str, d["cdi_device_ids"])),
+                   MigInstance.from_dict(d["mig"]) if d.get("mig") is not None else None,
+                   None if share is None else str(share),
+                   tuple(sorted((str(k), str(v)) for k, v in dict(d.get("consumed") or {}).items())),
+                   d.get("admin") is True)
 
 
 @dataclass(frozen=True)
@@ -106,12 +125,7 @@ class Checkpoint:
             for uid, c in dict(raw["claims"]).items():
                 if c["state"] not in STATES:
                     raise ValueError(f"claim {uid}: unknown state {c['state']!r}")
-                devices = tuple(
-                    PreparedDevice(tuple(map(str, d["request_names"])), str(d["pool"]), str(d["device"]),
-                                   tuple(map(str, d["cdi_device_ids"])),
-                                   MigInstance.from_dict(d["mig"]) if d.get("mig") is not None else None)
-                    for d in c["devices"]
-                )
+                devices = tuple(PreparedDevice.from_dict(d) for d in c["devices"])
                 cp.claims[str(uid)] = ClaimRecord(str(uid), str(c["namespace"]), str(c["name"]),
                                                   str(c["state"]), devices)
         except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -19,6 +19,11 @@ all ones this driver created for claims (none at first) publishes its placements
 layout, e.g. from mig-parted or the MIG manager) keeps publishing its existing MIG devices and is never
 changed by this driver.
 
+Shared GPUs (``shared_gpus``, consumable capacity): those GPUs' whole device or static MIG devices allow
+multiple allocations, each consuming memory and a compute share (``nodeagent.dra.devices``); published so
+on an API server with the feature (Kubernetes 1.36 and later, or ``consumable=True``), as ordinary devices
+on older ones. Prepare writes each allocation's limits into the claim's CDI spec (``nodeagent.dra.cdi``).
+
 Slice writes run in a background task: a failed write (API server down) is retried with backoff and a
 fresh comparison against what the API holds, so nothing is written twice and nothing is lost. The kubelet
 deletes a node's ResourceSlices when it starts and when a driver stays away too long, so the pool is also
@@ -41,7 +46,7 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
-from nodeagent.dra.checkpoint import Checkpoint
+from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
 from nodeagent.dra.devices import (
     DraDevice,
     build_counter_sets,
@@ -55,6 +60,7 @@ from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
+from nodeagent.dra.status import ClaimStatusWriter, device_status
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
@@ -96,6 +102,9 @@ class DraComponent:
         dynamic_mig: bool = False,
         slice_layout: str | None = None,
         scheduler: AsyncIOScheduler | None = None,
+        shared_gpus: Iterable[int] = (),
+        consumable: bool | None = None,
+        device_status: bool = True,
         mps: ClaimMps | None = None,
     ) -> None:
         self.paths = paths
@@ -116,8 +125,13 @@ class DraComponent:
         self.gpu_filter = gpu_filter
         self.mig = mig
         self.dynamic_mig = dynamic_mig and mig is not None
+        # GPUs whose whole device or static MIG devices allow multiple allocations (consumable capacity)
+        self.shared_gpus = frozenset(shared_gpus)
+        # each newly prepared claim's status.devices (device, UUID, MIG placement), written in the background
+        self.status_writer = ClaimStatusWriter(kube, driver) if device_status else None
+        self._status_tasks: set[asyncio.Task[bool]] = set()
         self.publisher = SlicePublisher(kube, node_name, driver=driver, max_devices=max_devices_per_slice,
-                                        layout=slice_layout)
+                                        layout=slice_layout, consumable=consumable)
         self._inventory: Inventory | None = None
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
@@ -144,6 +158,21 @@ class DraComponent:
         assert self.monitor is not None
         await self.set_health(self.monitor.unhealthy())
 
+    def _report_prepared(self, ref: ClaimRef, prepared: tuple[PreparedDevice, ...]) -> None:
+        """Write the claim's device status in the background (prepare has answered already)."""
+        if self.status_writer is None:
+            return
+        entries = device_status(self.driver, prepared, {d.name: d for d in self.devices})
+        task = asyncio.create_task(asyncio.to_thread(self.status_writer.write, ref.namespace, ref.name, ref.uid,
+                                                     entries), name=f"dra-status-{ref.uid}")
+        self._status_tasks.add(task)
+        task.add_done_callback(self._status_tasks.discard)
+
+    async def wait_status_written(self) -> None:
+        """Wait for the device status writes under way (tests, benchmarks)."""
+        while self._status_tasks:
+            await asyncio.gather(*list(self._status_tasks), return_exceptions=True)
+
     def _read_claim(self, namespace: str, name: str) -> dict[str, object]:
         return self.kube.get_resource_claim(namespace, name)
 
@@ -152,7 +181,7 @@ class DraComponent:
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
-                                      mps=self.mps)
+                                      mps=self.mps, on_prepared=self._report_prepared)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
         await self._set_inventory(inventory)
         if self.mps is not None:  # the MPS edits of claims prepared before, so their specs stay as written
@@ -176,7 +205,8 @@ class DraComponent:
         roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
         self._inventory = inventory
         self.devices = build_devices(inventory, roots, self.gpu_filter,
-                                     self._dynamic if self.dynamic_mig else None)
+                                     self._dynamic if self.dynamic_mig else None,
+                                     self._shared if self.shared_gpus else None)
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -192,6 +222,9 @@ class DraComponent:
         """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""
         assert self.preparer is not None
         return dynamic_mig_gpu(gpu, self.preparer.owned_instances().get(gpu.index, set()))
+
+    def _shared(self, gpu: Gpu) -> bool:
+        return gpu.index in self.shared_gpus
 
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:
@@ -311,6 +344,7 @@ class DraComponent:
         if self.monitor is not None:
             await self.monitor.stop()
         self._unschedule_verify()
+        await self.wait_status_written()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

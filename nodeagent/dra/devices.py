@@ -17,6 +17,13 @@ Dynamic MIG (partitionable devices, KEP-4815): a GPU in MIG mode that the caller
 
 These are the rules NVML applies when a GPU instance is created, so an allocation the scheduler makes
 from the counters can always be created on the GPU.
+
+Shared GPUs (consumable capacity, KEP-5075): a whole GPU or a static MIG device of a GPU the caller
+selects with ``shareable`` allows multiple allocations; its ``memory`` capacity and a ``computeShare``
+capacity (percent of the GPU's compute, 100 in all) are consumed per allocation under a request policy
+(``shared_capacity``): memory in steps of ``MEMORY_STEP_MIB`` (a claim that names no amount takes all of it,
+so it holds the device alone), compute in steps of 1 percent (none reserved unless asked for: the
+allocations then share the compute as time-slicing does). Dynamic MIG placements are never shared.
 """
 
 from __future__ import annotations
@@ -33,6 +40,15 @@ from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice, MigProfile
 # Standard attribute names (resource.kubernetes.io): PCI address and PCIe root complex.
 PCI_BUS_ID_ATTR = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTR = "resource.kubernetes.io/pcieRoot"
+# The standard NUMA node attribute (KEP-6072, stable in 1.37), published beside the driver's own numaNode so
+# a claim can match GPUs and other drivers' devices (NICs) on one NUMA node with matchAttribute.
+NUMA_NODE_ATTR = "resource.kubernetes.io/numaNode"
+
+# Consumable capacity of a shared device.
+MEMORY_CAPACITY = "memory"
+COMPUTE_SHARE_CAPACITY = "computeShare"
+COMPUTE_SHARE_TOTAL = 100  # percent
+MEMORY_STEP_MIB = 256
 
 _PCIE_ROOT_RE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 
@@ -72,10 +88,43 @@ class DraDevice:
     capacity: Mapping[str, Any] = field(default_factory=dict)  # API form: {"memory": {"value": "80Gi"}}
     placement: Placement | None = None  # dynamic MIG: the GPU instance prepare creates
     consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # counter set → counter → amount
+    shared: bool = False  # allows multiple allocations, each consuming part of its capacity
+    share: Share | None = None  # a prepared allocation of a shared device: what this one consumed
 
     @property
     def dynamic(self) -> bool:
         return self.placement is not None
+
+
+@dataclass(frozen=True)
+class Share:
+    """One allocation of a shared device: its share ID and the capacity it consumed (bytes, percent)."""
+
+    share_id: str
+    memory_bytes: int
+    compute_percent: int
+
+
+def shared_capacity(memory_mib: int) -> dict[str, Any]:
+    """The capacity of a shared device with ``memory_mib`` of memory, in API form with request policies."""
+    step = min(MEMORY_STEP_MIB, memory_mib)
+    usable = memory_mib - memory_mib % step if step else 0
+    return {
+        MEMORY_CAPACITY: {
+            "value": f"{memory_mib}Mi",
+            "requestPolicy": {"default": f"{usable}Mi",
+                              "validRange": {"min": f"{step}Mi", "max": f"{usable}Mi", "step": f"{step}Mi"}},
+        },
+        COMPUTE_SHARE_CAPACITY: {
+            "value": str(COMPUTE_SHARE_TOTAL),
+            "requestPolicy": {"default": "0",
+                              "validRange": {"min": "0", "max": str(COMPUTE_SHARE_TOTAL), "step": "1"}},
+        },
+    }
+
+
+def as_shared(dev: DraDevice, memory_mib: int) -> DraDevice:
+    return dataclasses.replace(dev, shared=True, capacity=shared_capacity(memory_mib))
 
 
 
@@ -146,6 +195,7 @@ def _common(inv: Inventory, gpu: Gpu, roots: Mapping[str, str]) -> dict[str, Any
         attrs["driverVersion"] = {"version": drv}
     if gpu.numa_node is not None and gpu.numa_node >= 0:
         attrs["numaNode"] = {"int": gpu.numa_node}
+        attrs[NUMA_NODE_ATTR] = {"int": gpu.numa_node}
     root = roots.get(gpu.pci_bus_id)
     if root:
         attrs[PCIE_ROOT_ATTR] = _str(root)
@@ -280,23 +330,29 @@ def build_devices(
     pcie_roots: Mapping[str, str] | None = None,
     gpu_filter: Callable[[Gpu], bool] | None = None,
     dynamic_mig: Callable[[Gpu], bool] | None = None,
+    shareable: Callable[[Gpu], bool] | None = None,
 ) -> list[DraDevice]:
     """Every device of the node's pool, in a stable order. ``pcie_roots``: NVML bus id → root complex;
     ``gpu_filter``: only GPUs it accepts (and their MIG devices) are published, e.g. the GPUs left to DRA
     when the device plugin serves the others on the same node; ``dynamic_mig``: the GPUs in MIG mode it
-    accepts publish their placements (dynamic MIG) instead of their existing MIG devices."""
+    accepts publish their placements (dynamic MIG) instead of their existing MIG devices; ``shareable``: the
+    whole GPUs and static MIG devices of the GPUs it accepts allow multiple allocations (consumable
+    capacity)."""
     roots = pcie_roots or {}
     out: list[DraDevice] = []
     for gpu in sorted(inv.gpus, key=lambda g: g.index):
         if gpu.lost or (gpu_filter is not None and not gpu_filter(gpu)):
             continue
+        share = shareable is not None and shareable(gpu)
         if gpu.mig_current and dynamic_mig is not None and dynamic_mig(gpu):
             out.extend(_placement_devices(inv, gpu, roots))
         elif gpu.mig_current:
             for mig in sorted(gpu.mig_devices, key=lambda m: (m.gi_id, m.ci_id)):
-                out.append(_mig_device(inv, gpu, mig, roots))
+                dev = _mig_device(inv, gpu, mig, roots)
+                out.append(as_shared(dev, mig.memory_mib) if share else dev)
         else:
-            out.append(_gpu_device(inv, gpu, roots))
+            dev = _gpu_device(inv, gpu, roots)
+            out.append(as_shared(dev, gpu.memory_mib) if share else dev)
     return out
 
 
@@ -308,6 +364,11 @@ def read_pcie_roots(inv: Inventory, sys_pci_devices: Path) -> dict[str, str]:
         if root is not None:
             out[gpu.pci_bus_id] = root
     return out
+
+
+def with_share(dev: DraDevice, share: Share | None) -> DraDevice:
+    """A shared device as one allocation holds it (what its CDI spec says: the consumed limits)."""
+    return dev if share is None else dataclasses.replace(dev, share=share)
 
 
 def with_instance(dev: DraDevice, mig: MigDevice) -> DraDevice:

@@ -8,7 +8,9 @@ Every later change bumps the generation, replaces the slices by name (create whe
 the slices beyond the new count. ``remove()`` deletes all of the node's slices of this driver.
 
 Shared counters are laid out as the API server's version requires (``nodeagent.dra.slices``): unless
-given, the layout is read from ``/version`` at the first sync of a pool with counters.
+given, the layout is read from ``/version`` at the first sync of a pool with counters. Shared devices
+(consumable capacity) are published as such only to an API server that serves the feature by default
+(1.36 and later, or ``consumable=True``); an older one gets them as ordinary devices.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from nodeagent.dra.slices import (
     MAX_DEVICES,
     PoolContent,
     build_slices,
+    consumable_capacity_for,
     layout_for,
 )
 from nodeagent.errors import KubeError
@@ -42,11 +45,14 @@ class SyncResult:
 
 class SlicePublisher:
     def __init__(self, kube: KubeClient, node_name: str, *, driver: str = DRIVER_NAME,
-                 max_devices: int = MAX_DEVICES, layout: str | None = None) -> None:
+                 max_devices: int = MAX_DEVICES, layout: str | None = None,
+                 consumable: bool | None = None) -> None:
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}: {layout!r}")
         self.kube = kube
         self.layout = layout
+        self.consumable = consumable
+        self.server_version: str | None = None
         self.node_name = node_name
         self.driver = driver
         self.max_devices = max_devices
@@ -74,6 +80,8 @@ class SlicePublisher:
             self._stale = False
             self._digest = None
         layout = self._layout(content)
+        if content.shared and not self._consumable():
+            content = content.without_sharing()
         digest = content.digest_for(layout)
         if self._digest == digest:
             return SyncResult(self.generation, 0, len(self._names))
@@ -114,14 +122,28 @@ class SlicePublisher:
                  self.generation, len(content.devices), len(wanted))
         return SyncResult(self.generation, writes, len(wanted))
 
+    def _version(self) -> str:
+        if self.server_version is None:
+            self.server_version = str(self.kube.request("GET", "/version", action="read the API server version")
+                                      .get("gitVersion", ""))
+        return self.server_version
+
     def _layout(self, content: PoolContent) -> str:
         if self.layout is None and content.counter_sets:
-            version = str(self.kube.request("GET", "/version", action="read the API server version")
-                          .get("gitVersion", ""))
+            version = self._version()
             self.layout = layout_for(version)
             log.info("DRA pool %s: API server %s, shared counters laid out %s", self.node_name, version,
                      self.layout)
         return self.layout or layout_for("")
+
+    def _consumable(self) -> bool:
+        if self.consumable is None:
+            version = self._version()
+            self.consumable = consumable_capacity_for(version)
+            log.info("DRA pool %s: API server %s, shared GPUs published %s", self.node_name, version,
+                     "with consumable capacity" if self.consumable else
+                     "as ordinary devices (no consumable capacity before Kubernetes 1.36)")
+        return self.consumable
 
     def invalidate(self) -> None:
         """Forget what the API holds (outage, kubelet wipe): the next ``sync`` reads and compares again.

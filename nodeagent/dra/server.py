@@ -108,14 +108,15 @@ class _DraServicer:
                 one.error = r.error
                 continue
             for d in r.devices:
-                one.devices.append(
-                    self.pb2.Device(
-                        request_names=list(d.request_names),
-                        pool_name=d.pool,
-                        device_name=d.device,
-                        cdi_device_ids=list(d.cdi_device_ids),
-                    )
+                dev = self.pb2.Device(
+                    request_names=list(d.request_names),
+                    pool_name=d.pool,
+                    device_name=d.device,
+                    cdi_device_ids=list(d.cdi_device_ids),
                 )
+                if d.share_id is not None and self.pb2 is v1_pb2:  # v1beta1 has no share_id
+                    dev.share_id = d.share_id
+                one.devices.append(dev)
         return resp
 
     async def NodeUnprepareResources(self, request: Any, context: AioServicerContext) -> Any:

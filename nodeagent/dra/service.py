@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs, cdi_device_id
@@ -35,8 +36,18 @@ from nodeagent.dra.checkpoint import (
     MigInstance,
     PreparedDevice,
 )
-from nodeagent.dra.devices import DraDevice, device_gpu_index, with_instance
+from nodeagent.dra.devices import (
+    COMPUTE_SHARE_CAPACITY,
+    COMPUTE_SHARE_TOTAL,
+    MEMORY_CAPACITY,
+    DraDevice,
+    Share,
+    device_gpu_index,
+    with_instance,
+    with_share,
+)
 from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps
+from nodeagent.dra.quantity import quantity_int
 from nodeagent.errors import GpuBusyError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
@@ -44,6 +55,8 @@ from nodeagent.gpu.ports import MigAdministration
 log = logging.getLogger(__name__)
 
 ReadClaim = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) → ResourceClaim JSON (blocking)
+# called (on the loop) after a claim was newly prepared, with what it was prepared with
+OnPrepared = Callable[["ClaimRef", "tuple[PreparedDevice, ...]"], None]
 
 # The kubelet calls with the claims of one pod (a pod names at most 32 ResourceClaims); a call with more is
 # answered for the first MAX_CLAIMS_PER_CALL and refused for the rest without an API read or a log line each.
@@ -64,12 +77,33 @@ class PrepareResult:
     error: str = ""
 
 
+class Wanted(NamedTuple):
+    """One device a claim is prepared with (a shared device: one share of it, ``dev.share``)."""
+
+    dev: DraDevice
+    requests: tuple[str, ...]
+    consumed: tuple[tuple[str, str], ...] = ()
+    admin: bool = False
+
+
 class ClaimError(Exception):
     """This claim cannot be prepared here; the message goes back to the kubelet."""
 
 
-def _allocated(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[tuple[str, str, str]]:
-    """(request, pool, device) for every allocation result of ``driver``."""
+@dataclass(frozen=True)
+class Allocated:
+    """One allocation result of this driver in a claim."""
+
+    request: str  # "<request>" or, from a prioritized list, "<request>/<subrequest>"
+    pool: str
+    device: str
+    share_id: str | None = None  # an allocation of a device that allows several (consumable capacity)
+    consumed: tuple[tuple[str, str], ...] = ()  # capacity name → consumed quantity, sorted
+    admin: bool = False  # admin access: the device is reached without being taken
+
+
+def _allocated(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[Allocated]:
+    """Every allocation result of ``driver``."""
     meta = claim.get("metadata") or {}
     if meta.get("uid") != ref.uid:
         raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} has UID {meta.get('uid')}, "
@@ -78,11 +112,52 @@ def _allocated(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[tup
     if not alloc:
         raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
     results = ((alloc.get("devices") or {}).get("results")) or []
-    out = [(str(r.get("request", "")), str(r.get("pool", "")), str(r.get("device", "")))
-           for r in results if r.get("driver") == driver]
+    out: list[Allocated] = []
+    for r in results:
+        if r.get("driver") != driver:
+            continue
+        share = r.get("shareID")
+        consumed = r.get("consumedCapacity") or {}
+        if not isinstance(consumed, Mapping):
+            raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: consumedCapacity of device "
+                             f"{r.get('device')} is not a map")
+        out.append(Allocated(str(r.get("request", "")), str(r.get("pool", "")), str(r.get("device", "")),
+                             None if share is None else str(share),
+                             tuple(sorted((str(k), str(v)) for k, v in consumed.items())),
+                             r.get("adminAccess") is True))
     if not out:
         raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} has no device of driver {driver}")
     return out
+
+
+_SHARE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+
+
+def _share(ref: ClaimRef, dev: DraDevice, share_id: str | None,
+           consumed: tuple[tuple[str, str], ...]) -> Share | None:
+    """What one allocation of a shared device may use; None for a device taken whole."""
+    if share_id is None:
+        return None
+    if not dev.shared:
+        raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: device {dev.name} is allocated as a share "
+                         f"({share_id}) but this node does not share it")
+    if not _SHARE_ID_RE.match(share_id):
+        raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: share ID of device {dev.name} is not "
+                         f"usable: {share_id!r}")
+    amounts = dict(consumed)
+    try:
+        memory = quantity_int(amounts[MEMORY_CAPACITY]) if MEMORY_CAPACITY in amounts else None
+        compute = quantity_int(amounts.get(COMPUTE_SHARE_CAPACITY, "0"))
+    except ValueError as e:
+        raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: consumed capacity of device {dev.name}: "
+                         f"{e}") from None
+    total = quantity_int(str(dev.capacity[MEMORY_CAPACITY]["value"]))
+    if memory is None:
+        memory = total
+    if not 0 < memory <= total or not 0 <= compute <= COMPUTE_SHARE_TOTAL:
+        raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: device {dev.name} consumed "
+                         f"{dict(consumed)}, outside its capacity")
+    return Share(share_id, memory, compute)
 
 
 def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
@@ -99,7 +174,7 @@ def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
 class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
                  *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None,
-                 mps: ClaimMps | None = None) -> None:
+                 mps: ClaimMps | None = None, on_prepared: OnPrepared | None = None) -> None:
         self.checkpoint = checkpoint
         self.mps = mps  # MPS daemons of claims asking for MPS (none: such claims are refused)
         self.specs = specs
@@ -107,6 +182,7 @@ class ClaimPreparer:
         self.pool = pool
         self.driver = driver
         self.mig = mig  # needed for dynamic MIG devices only
+        self.on_prepared = on_prepared
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
         # GPUs a MIG change has withdrawn: no new claim is prepared on them until the next inventory
@@ -140,6 +216,8 @@ class ClaimPreparer:
         out: dict[int, set[ClaimRef]] = {}
         for rec in list(self.checkpoint.claims.values()):
             for d in rec.devices:
+                if d.admin:  # admin access reaches the device without holding it
+                    continue
                 if d.mig is not None:
                     gpu: int | None = d.mig.gpu_index
                 elif d.pool != self.pool:
@@ -238,7 +316,8 @@ class ClaimPreparer:
             rec = self.checkpoint.claims.get(ref.uid)
             if rec is not None and rec.state == PREPARED:  # a concurrent call got there first
                 return PrepareResult(rec.devices)
-            gpus = frozenset(dev.gpu_index for dev, _ in wanted)
+            # an admin-access device is reached, not taken: it holds no GPU against a MIG change
+            gpus = frozenset(w.dev.gpu_index for w in wanted if not w.admin)
             if gpus & self.withdrawn:
                 busy = ", ".join(str(g) for g in sorted(gpus & self.withdrawn))
                 msg = (f"cannot prepare claim {ref.namespace}/{ref.name} now: GPU {busy} is being "
@@ -248,8 +327,8 @@ class ClaimPreparer:
             self._inflight[ref.uid] = (ref, gpus)
             try:
                 if mps is not None:
-                    await self._start_mps(ref, [dev for dev, _ in wanted], mps)
-                if any(dev.dynamic for dev, _ in wanted):
+                    await self._start_mps(ref, [w.dev for w in wanted], mps)
+                if any(w.dev.dynamic for w in wanted):
                     prepared = await asyncio.to_thread(self._write, ref, wanted)
                 else:
                     # a small spec (no fsync) and the fsynced checkpoint, about 1 ms: done in the loop, no
@@ -264,6 +343,8 @@ class ClaimPreparer:
                 self._inflight.pop(ref.uid, None)
         log.info("prepared claim %s/%s (%s): %s", ref.namespace, ref.name, ref.uid,
                  ", ".join(d.device for d in prepared))
+        if self.on_prepared is not None:
+            self.on_prepared(ref, prepared)
         return PrepareResult(prepared)
 
     async def _start_mps(self, ref: ClaimRef, devices: list[DraDevice], cfg: MpsClaimConfig) -> None:
@@ -278,23 +359,40 @@ class ClaimPreparer:
         if self.mps is not None:
             await self.mps.unprepare(uid)
 
-    def _resolve(self, claim: Mapping[str, Any], ref: ClaimRef) -> list[tuple[DraDevice, tuple[str, ...]]]:
-        by_device: dict[str, list[str]] = {}
-        for request, pool, device in _allocated(claim, ref, self.driver):
-            if pool != self.pool:
-                raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: device {device} is from pool "
-                                 f"{pool}, this node serves pool {self.pool}")
-            if device not in self.devices:
-                raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: device {device} does not exist "
+    def _resolve(self, claim: Mapping[str, Any], ref: ClaimRef) -> list[Wanted]:
+        """The devices to prepare: one per allocated device, or per share of a shared device; the requests
+        naming it merged."""
+        by_key: dict[tuple[str, str | None], Wanted] = {}
+        for a in _allocated(claim, ref, self.driver):
+            if a.pool != self.pool:
+                raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: device {a.device} is from pool "
+                                 f"{a.pool}, this node serves pool {self.pool}")
+            dev = self.devices.get(a.device)
+            if dev is None:
+                raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: device {a.device} does not exist "
                                  "on this node")
-            reqs = by_device.setdefault(device, [])
-            if request not in reqs:
-                reqs.append(request)
-        return [(self.devices[name], tuple(reqs)) for name, reqs in by_device.items()]
+            if a.admin and dev.dynamic:
+                raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name}: admin access to {a.device}, a MIG "
+                                 "placement without an instance, has nothing to reach")
+            key = (a.device, a.share_id)
+            old = by_key.get(key)
+            if old is None:
+                dev = with_share(dev, _share(ref, dev, a.share_id, a.consumed))
+                by_key[key] = Wanted(dev, (a.request,), a.consumed, a.admin)
+            elif a.request not in old.requests:
+                by_key[key] = old._replace(requests=(*old.requests, a.request), admin=old.admin and a.admin)
+        return list(by_key.values())
 
     def _spec_device(self, d: PreparedDevice) -> DraDevice | None:
         dev = self.devices.get(d.device)
-        if dev is None or d.mig is None:
+        if dev is None:
+            return None
+        if d.share_id is not None:
+            try:
+                dev = with_share(dev, _share(ClaimRef("", "", d.device), dev, d.share_id, d.consumed))
+            except ClaimError:
+                return None  # the device is no longer shared here (configuration changed)
+        if d.mig is None:
             return dev
         if d.mig.gi_id is None or d.mig.ci_id is None:
             return None
@@ -302,32 +400,34 @@ class ClaimPreparer:
                         dev.placement.size if dev.placement else 0, 0, d.mig.uuid)
         return with_instance(dev, mig)
 
-    def _write(
-        self, ref: ClaimRef, wanted: list[tuple[DraDevice, tuple[str, ...]]]
-    ) -> tuple[PreparedDevice, ...]:
-        def prepared_device(dev: DraDevice, reqs: tuple[str, ...], mig: MigInstance | None) -> PreparedDevice:
-            return PreparedDevice(reqs, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name),), mig)
+    def _write(self, ref: ClaimRef, wanted: list[Wanted]) -> tuple[PreparedDevice, ...]:
+        def prepared_device(w: Wanted, mig: MigInstance | None) -> PreparedDevice:
+            dev = w.dev
+            share_id = dev.share.share_id if dev.share is not None else None
+            return PreparedDevice(w.requests, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name, share_id),),
+                                  mig, share_id, w.consumed if share_id is not None else (), w.admin)
 
-        if not any(dev.dynamic for dev, _ in wanted):
-            prepared = tuple(prepared_device(dev, reqs, None) for dev, reqs in wanted)
-            self.specs.write(ref.uid, [dev for dev, _ in wanted])
+        if not any(w.dev.dynamic for w in wanted):
+            prepared = tuple(prepared_device(w, None) for w in wanted)
+            self.specs.write(ref.uid, [w.dev for w in wanted])
             self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
             return prepared
         if self.mig is None:
             raise ValueError("dynamic MIG devices need MIG access, which this driver has not got")
         # the intent goes to disk before the GPU changes
         intent = tuple(
-            prepared_device(dev, reqs, MigInstance(dev.placement.gpu_index, dev.placement.gpu_uuid,
-                                                   dev.placement.profile, dev.placement.start)
-                            if dev.placement is not None else None)
-            for dev, reqs in wanted
+            prepared_device(w, MigInstance(w.dev.placement.gpu_index, w.dev.placement.gpu_uuid,
+                                           w.dev.placement.profile, w.dev.placement.start)
+                            if w.dev.placement is not None else None)
+            for w in wanted
         )
         self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARING, intent))
         created: list[MigDevice] = []
         try:
             final: list[PreparedDevice] = []
             spec_devices: list[DraDevice] = []
-            for (dev, _), pd in zip(wanted, intent, strict=True):
+            for w, pd in zip(wanted, intent, strict=True):
+                dev = w.dev
                 if pd.mig is None:
                     final.append(pd)
                     spec_devices.append(dev)

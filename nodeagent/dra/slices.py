@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.dra import DRIVER_NAME
-from nodeagent.dra.devices import CounterSet, DraDevice
+from nodeagent.dra.devices import COMPUTE_SHARE_CAPACITY, CounterSet, DraDevice
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES = 128
@@ -56,6 +56,8 @@ def device_body(dev: DraDevice, unhealthy_reason: str | None) -> dict[str, Any]:
         "attributes": dict(dev.attributes),
         "capacity": dict(dev.capacity),
     }
+    if dev.shared:
+        body["allowMultipleAllocations"] = True
     if dev.consumes:
         body["consumesCounters"] = [
             {"counterSet": cset, "counters": {k: {"value": str(v)} for k, v in sorted(counters.items())}}
@@ -82,11 +84,45 @@ class PoolContent:
     def digest(self) -> str:
         return self.digest_for(LAYOUT_SEPARATE)
 
+    @property
+    def shared(self) -> bool:
+        """Whether a device allows multiple allocations (consumable capacity)."""
+        return any(d.get("allowMultipleAllocations") for d in self.devices)
+
+    def without_sharing(self) -> PoolContent:
+        """The pool for an API without consumable capacity: shared devices published as ordinary ones (their
+        memory capacity without a request policy, no compute share)."""
+        return PoolContent(tuple(_unshared(d) for d in self.devices), self.counter_sets)
+
     def digest_for(self, layout: str) -> str:
         """The content hash; with counters the layout is part of it (a server upgrade re-lays the pool)."""
         doc: Any = self.devices if not self.counter_sets else [layout, self.devices, self.counter_sets]
         raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def _unshared(dev: dict[str, Any]) -> dict[str, Any]:
+    if not dev.get("allowMultipleAllocations"):
+        return dev
+    out = {k: v for k, v in dev.items() if k != "allowMultipleAllocations"}
+    out["capacity"] = {name: {"value": c["value"]} for name, c in dev["capacity"].items()
+                       if name != COMPUTE_SHARE_CAPACITY}
+    return out
+
+
+def consumable_capacity_for(git_version: str) -> bool:
+    """Whether a kube-apiserver of that version serves consumable capacity by default (beta from 1.36;
+    alpha and off by default in 1.34 and 1.35, when the API drops the fields)."""
+    v = _minor_version(git_version)
+    return v is not None and v >= (1, 36)
+
+
+def _minor_version(git_version: str) -> tuple[int, int] | None:
+    parts = git_version.lstrip("v").split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "0")
+    except (ValueError, IndexError):
+        return None
 
 
 def pool_content(devices: Sequence[DraDevice], unhealthy: Mapping[str, str] | None = None,
@@ -100,12 +136,10 @@ def pool_content(devices: Sequence[DraDevice], unhealthy: Mapping[str, str] | No
 
 def layout_for(git_version: str) -> str:
     """The counter layout a kube-apiserver of that version (``v1.34.4``) accepts."""
-    parts = git_version.lstrip("v").split(".")
-    try:
-        major, minor = int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or "0")
-    except (ValueError, IndexError):
+    v = _minor_version(git_version)
+    if v is None:
         return LAYOUT_SEPARATE
-    return LAYOUT_INLINE if (major, minor) < (1, 35) else LAYOUT_SEPARATE
+    return LAYOUT_INLINE if v < (1, 35) else LAYOUT_SEPARATE
 
 
 def slice_name(node_name: str, i: int, driver: str = DRIVER_NAME) -> str:

@@ -8,12 +8,17 @@ real kube-apiserver.
 2. Dynamic MIG: allocated claim for one MIG placement → NodePrepareResources answered, including the GPU-
    and compute-instance creation on the NVML simulator (an 8-GPU H100 machine in MIG mode, ``dynamic_mig``),
    then NodeUnprepareResources (instance destroyed). p50/p99 of both.
-3. Slice writes while idle: both pools (whole GPUs, and the dynamic MIG pool with its shared counters) are
+3. Shared GPU (consumable capacity, API servers from 1.36): allocated claim for a 10 GiB share of a
+   shared GPU (share ID and consumed capacity written as the scheduler would) → NodePrepareResources
+   answered, with the per-share CDI spec and limits. p50/p99 (absent before 1.36: no such allocations).
+4. Slice writes while idle: both pools (whole GPUs, and the dynamic MIG pool with its shared counters) are
    re-verified every VERIFY seconds for WINDOW seconds; writes are counted and extrapolated to one hour
    (target 0).
 
-Prints figures and one JSON line. No timing asserts. Usage:
-    .venv/bin/python tests/bench/bench_dra.py [--claims 100] [--mig-claims 40] [--window 20] [--verify 1]
+``--release`` picks the Kubernetes release (kube-apiserver and kubelet DRA harness of
+tests/peers/controlplane.py, default v1.34.4). Prints figures and one JSON line. No timing asserts. Usage:
+    .venv/bin/python tests/bench/bench_dra.py [--release v1.37.2] [--claims 100] [--mig-claims 40]
+        [--shared-claims 40] [--window 20] [--verify 1]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from nodeagent.nvmlsource import adapter_for_sim
 from nodeagent.simulator.open import open_sim
 from tests.integration.test_dra_kubelet import create_allocated_claim
 from tests.peers.apiserver import start_apiserver
+from tests.peers.controlplane import RELEASES
 from tests.peers.draharness import Pod, start_dra_harness
 from tests.unit._dp_inventories import nvswitch_box
 
@@ -62,17 +68,26 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
+SHARED_GPU = 7
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    server = start_apiserver()
+    [release] = [r for r in RELEASES if r.version == args.release]
+    # dynamic MIG needs partitionable devices: alpha (a gate) before 1.36
+    gates = ",".join(g for g in (release.feature_gates, "DRAPartitionableDevices=true" if release.minor < 36 else "")
+                     if g)
+    server = start_apiserver(binary=release.apiserver(), feature_gates=gates, extra_args=release.apiserver_args)
     root = Path(tempfile.mkdtemp(prefix="drab-", dir="/tmp"))
     kube = KubeClient(connect(server.kubeconfig))
     node = "bench-dra"
     inv = nvswitch_box(8)
-    dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node, verify_interval_s=args.verify)
+    dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node, verify_interval_s=args.verify,
+                       shared_gpus=(SHARED_GPU,))
     harness = None
     try:
         await dra.start(inv)
-        harness = start_dra_harness(root, server.kubeconfig, root / "var/lib/kubelet/plugins_registry", node)
+        harness = start_dra_harness(root, server.kubeconfig, root / "var/lib/kubelet/plugins_registry", node,
+                                    binary=release.dra_harness())
         await asyncio.to_thread(harness.wait_registered, DRIVER_NAME, 30.0)
         driver_ms: list[float] = []
         service_ms: list[float] = []
@@ -107,6 +122,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 _, seconds = await asyncio.to_thread(harness.prepare_timed, pod)
                 kubelet_ms.append(seconds * 1000)
                 await asyncio.to_thread(harness.unprepare, pod)
+            shared_ms = await bench_shared(args, kube, stub, node) if release.minor >= 36 else []
         mig_prepare_ms, mig_unprepare_ms = await bench_dynamic_mig(args, kube, root)
         await dra.wait_published()
         writes0, reads0 = kube.stats.writes, kube.stats.total
@@ -115,7 +131,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         idle_requests = kube.stats.total - reads0
         per_hour = 3600.0 / args.window
         return {
-            "bench": "dra", "claims": args.claims,
+            "bench": "dra", "release": release.version, "claims": args.claims,
+            "shared_claims": len(shared_ms),
+            "prepare_shared_ms_p50": round(statistics.median(shared_ms), 2) if shared_ms else None,
+            "prepare_shared_ms_p99": round(pct(shared_ms, 0.99), 2) if shared_ms else None,
             "prepare_driver_ms_p50": round(statistics.median(driver_ms), 2),
             "prepare_driver_ms_p99": round(pct(driver_ms, 0.99), 2),
             "prepare_service_ms_p50": round(statistics.median(service_ms), 2),
@@ -144,6 +163,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 MIG_NODE = "bench-dra-mig"
+
+
+async def bench_shared(args: argparse.Namespace, kube: KubeClient, stub: Any, node: str) -> list[float]:
+    """NodePrepareResources of 10 GiB shares of the shared GPU (each unprepared again)."""
+    out: list[float] = []
+    for i in range(args.shared_claims):
+        name = f"share-{i}"
+        created = await asyncio.to_thread(kube.request, "POST", CLAIMS, body={
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.nodeagent.io", "capacity": {"requests": {"memory": "10Gi"}}}}]}}})
+        created["status"] = {"allocation": {"devices": {"results": [{
+            "request": "gpu", "driver": DRIVER_NAME, "pool": node, "device": f"gpu-{SHARED_GPU}",
+            "shareID": str(uuid.uuid4()), "consumedCapacity": {"memory": "10Gi", "computeShare": "0"}}]}}}
+        await asyncio.to_thread(kube.request, "PUT", f"{CLAIMS}/{name}/status", body=created)
+        claims = [v1_pb2.Claim(namespace="default", uid=created["metadata"]["uid"], name=name)]
+        resp, ms = await asyncio.to_thread(timed, stub.NodePrepareResources,
+                                           v1_pb2.NodePrepareResourcesRequest(claims=claims))
+        [dev] = resp.claims[created["metadata"]["uid"]].devices
+        assert dev.share_id, resp
+        out.append(ms)
+        await asyncio.to_thread(stub.NodeUnprepareResources, v1_pb2.NodeUnprepareResourcesRequest(claims=claims))
+    return out
 
 
 async def bench_dynamic_mig(args: argparse.Namespace, kube: KubeClient, root: Path) -> tuple[list[float], list[float]]:
@@ -186,15 +228,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--claims", type=int, default=100)
     ap.add_argument("--mig-claims", type=int, default=40)
+    ap.add_argument("--shared-claims", type=int, default=40)
+    ap.add_argument("--release", default="v1.34.4", choices=[r.version for r in RELEASES])
     ap.add_argument("--window", type=float, default=20.0)
     ap.add_argument("--verify", type=float, default=1.0)
     res = asyncio.run(run(ap.parse_args()))
+    print(f"Kubernetes {res['release']}")
     print(f"NodePrepareResources (driver, whole GPU): p50 {res['prepare_driver_ms_p50']} ms, "
           f"p99 {res['prepare_driver_ms_p99']} ms over {res['claims']} claims")
     print(f"  of which the driver's own work (no gRPC): p50 {res['prepare_service_ms_p50']} ms, "
           f"p99 {res['prepare_service_ms_p99']} ms")
     print(f"kubelet PrepareResources (claim GET + driver + checkpoint): p50 {res['prepare_kubelet_ms_p50']} ms, "
           f"p99 {res['prepare_kubelet_ms_p99']} ms")
+    if res["shared_claims"]:
+        print(f"NodePrepareResources (driver, 10 GiB share of a shared GPU): p50 {res['prepare_shared_ms_p50']} ms, "
+              f"p99 {res['prepare_shared_ms_p99']} ms over {res['shared_claims']} claims")
+    else:
+        print("shared GPU: not measured (no consumable capacity before Kubernetes 1.36)")
     print(f"NodePrepareResources (driver, dynamic MIG 1g.10gb incl. GPU/compute instance creation): "
           f"p50 {res['prepare_mig_ms_p50']} ms, p99 {res['prepare_mig_ms_p99']} ms over {res['mig_claims']} claims; "
           f"NodeUnprepareResources (instance destroyed): p50 {res['unprepare_mig_ms_p50']} ms, "

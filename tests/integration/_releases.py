@@ -1,5 +1,6 @@
-"""The two Kubernetes releases the dynamic MIG tests run against: v1.34.4 (partitionable devices alpha,
-counters in the slice of their devices) and v1.37.2 (beta, counter sets in slices of their own). A module
+"""The Kubernetes releases the dynamic MIG tests run against: v1.34.4 (partitionable devices alpha, counters
+in the slice of their devices), v1.35.4 (alpha, counter sets in slices of their own), v1.36.3 and v1.37.2
+(beta). A module
 that defines ``kube_apiserver = release_apiserver`` runs every test once per release; a missing peer
 fails the test (built on first use through tests/testbin/setup.sh), never skips."""
 
@@ -15,38 +16,50 @@ from tests.peers._resolve import PeerMissingError, peer_binary
 from tests.peers.apiserver import KubeApiServer, start_apiserver
 
 # release → suffix of the NODEAGENT_* variables
-RELEASES = {"v1.34.4": "", "v1.37.2": "_1_37"}
+RELEASES = {"v1.34.4": "", "v1.35.4": "_1_35", "v1.36.3": "_1_36", "v1.37.2": "_1_37"}
 _SETUP_134 = {"kube-apiserver": "nodeagent_peers_apiserver", "kube-scheduler": "nodeagent_peers_kube_control_plane"}
 
 
-def _build_137(component: str, env: str) -> str:
-    """A setup.sh snippet building (or finding in the cache) one 1.37.2 component of tests/testbin/peers,
-    as nodeagent_peers_k8s137 does, without the rest of that release's peers."""
-    return (f'_m=$NODEAGENT_TESTBIN/peers; _v=$(_go_mod_version "$_m" k8s.io/kubernetes go-1.37.mod); '
-            f'build_go_binary {component} "$_m" ./cmd/{component} "$_v" "$(_kube_version_ldflags "$_v")" '
-            f'go-1.37.mod && export {env}=$NODEAGENT_GO_BINARY')
+def _build_release(component: str, suffix: str) -> str:
+    """A setup.sh snippet building (or finding in the cache) one component of tests/testbin/peers of the
+    release with that suffix (``_1_37``), as nodeagent_peers_k8s137 does, without the rest of its peers."""
+    return f"_peers_k8s_release {suffix.rsplit('_', 1)[1]} '' {component}"
 
 
 def release_binary(release: str, component: str) -> Path:
     suffix = RELEASES[release]
     env = "NODEAGENT_" + component.upper().replace("-", "_") + suffix
-    fn = _SETUP_134[component] if not suffix else _build_137(component, env)
+    fn = _SETUP_134[component] if not suffix else _build_release(component, suffix)
     try:
         return peer_binary(env, fn, f"{component} {release}")
     except PeerMissingError as e:
         pytest.fail(str(e), pytrace=False)
 
 
-@pytest.fixture(scope="module", params=sorted(RELEASES))
-def release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
-    binary = release_binary(request.param, "kube-apiserver")
-    if RELEASES[request.param]:  # 1.37: partitionable devices are on by default; no loopback endpoints
+def _apiserver(release: str) -> Iterator[KubeApiServer]:
+    binary = release_binary(release, "kube-apiserver")
+    if release >= "v1.36":  # partitionable devices are on by default; no loopback endpoints
         server = start_apiserver(binary=binary, feature_gates="", extra_args=["--endpoint-reconciler-type=none"])
+    elif RELEASES[release]:  # 1.35: the gates of 1.34 (alpha), no loopback endpoints
+        server = start_apiserver(binary=binary, extra_args=["--endpoint-reconciler-type=none"])
     else:
         server = start_apiserver(binary=binary)
-    assert server.version == request.param, server.version
+    assert server.version == release, server.version
     try:
         yield server
     finally:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
+    """The API server of every release."""
+    yield from _apiserver(request.param)
+
+
+@pytest.fixture(scope="module", params=["v1.34.4", "v1.37.2"])
+def full_release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
+    """The API server of the oldest and the newest release only (suites whose subject does not change
+    between releases, within the CI budget)."""
+    yield from _apiserver(request.param)

@@ -1,4 +1,4 @@
-"""The DRA pool through an API outage, on both releases the DRA tests run against (v1.34.4 and v1.37.2,
+"""The DRA pool through an API outage, on the oldest and newest release the DRA tests run against (v1.34.4 and v1.37.2,
 tests/integration/_releases.py): a failed slice write is retried and the pool catches up once the API is
 back."""
 
@@ -11,14 +11,14 @@ import pytest
 import yaml
 
 from nodeagent.kube.client import KubeClient, connect
-from tests.integration._releases import release_apiserver
+from tests.integration._releases import full_release_apiserver
 from tests.integration.test_dra_slices import slices_of
 from tests.peers.apiserver import KubeApiServer
 from tests.unit._dp_inventories import nvswitch_box
 
 pytestmark = pytest.mark.peers
 
-kube_apiserver = release_apiserver
+kube_apiserver = full_release_apiserver
 
 
 async def test_component_resyncs_slices_after_an_api_outage(

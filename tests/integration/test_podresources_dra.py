@@ -32,14 +32,14 @@ from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
 from nodeagent.mig.reconciler import ClaimHolder
 from tests.integration.test_dra_kubelet import component, create_allocated_claim, poll, slice_devices
 from tests.peers.apiserver import KubeApiServer, start_apiserver
-from tests.peers.controlplane import RELEASES, KubeRelease
+from tests.peers.controlplane import FULL_RELEASES, KubeRelease
 from tests.peers.draharness import Pod, running_dra_harness
 from tests.unit._dp_inventories import mig_box
 
 pytestmark = pytest.mark.peers
 
 
-@pytest.fixture(scope="module", params=RELEASES, ids=[r.version for r in RELEASES])
+@pytest.fixture(scope="module", params=FULL_RELEASES, ids=[r.version for r in FULL_RELEASES])
 def release(request: pytest.FixtureRequest) -> KubeRelease:
     r: KubeRelease = request.param
     return r

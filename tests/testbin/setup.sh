@@ -17,6 +17,8 @@
 #       nodeagent_peers_dra_harness -> NODEAGENT_DRA_HARNESS
 #       nodeagent_peers_k8s137 -> NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
 #                                 NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37, NODEAGENT_DRA_HARNESS_1_37
+#       nodeagent_peers_k8s136 -> NODEAGENT_KUBE_APISERVER_1_36, NODEAGENT_KUBE_SCHEDULER_1_36,
+#                                 NODEAGENT_DRA_HARNESS_1_36 (and k8s135 the same for 1.35)
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 #       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
@@ -280,24 +282,44 @@ nodeagent_peers_kube_control_plane() {
   export NODEAGENT_KUBE_CONTROLLER_MANAGER=$NODEAGENT_GO_BINARY
 }
 
-# The second Kubernetes release of the DRA tests: kube-apiserver, kube-scheduler, kube-controller-manager
-# (tests/testbin/peers) and the dra-harness built from the same sources against k8s.io/kubernetes v1.37.2
-# (go-1.37.mod / go-1.37.sum beside each go.mod; the harness needs build tag k8s137 for the kubelet API
-# changes). Exports NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
-# NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37 and NODEAGENT_DRA_HARNESS_1_37.
-nodeagent_peers_k8s137() {
-  local peers_mod=$NODEAGENT_TESTBIN/peers harness_mod=$NODEAGENT_TESTBIN/dra-harness mf=go-1.37.mod v ld
+# The other Kubernetes releases of the DRA tests, built from the same Go sources as the v1.34 peers
+# (tests/testbin/peers, tests/testbin/dra-harness) against another k8s.io/kubernetes through a module file
+# beside each go.mod (go-1.<minor>.mod / go-1.<minor>.sum, go build -modfile) and one shared Go build cache.
+# _peers_k8s_release MINOR TAGS COMMANDS...: builds COMMANDS (kube-apiserver, kube-scheduler,
+# kube-controller-manager, dra-harness) of release 1.MINOR; TAGS are the dra-harness build tags (the kubelet
+# API of that release: k8s135, k8s136, k8s137 pick the compat_k8s1NN.go of the dra-harness).
+# Exports NODEAGENT_<COMMAND>_1_<MINOR>, e.g. NODEAGENT_KUBE_APISERVER_1_37.
+_peers_k8s_release() {
+  local minor=$1 tags=$2 peers_mod=$NODEAGENT_TESTBIN/peers harness_mod=$NODEAGENT_TESTBIN/dra-harness
+  shift 2
+  local mf=go-1.$minor.mod v ld cmd var
   v=$(_go_mod_version "$peers_mod" k8s.io/kubernetes "$mf")
   ld=$(_kube_version_ldflags "$v")
-  build_go_binary kube-apiserver "$peers_mod" ./cmd/kube-apiserver "$v" "$ld" "$mf" || return 1
-  export NODEAGENT_KUBE_APISERVER_1_37=$NODEAGENT_GO_BINARY
-  build_go_binary kube-scheduler "$peers_mod" ./cmd/kube-scheduler "$v" "$ld" "$mf" || return 1
-  export NODEAGENT_KUBE_SCHEDULER_1_37=$NODEAGENT_GO_BINARY
-  build_go_binary kube-controller-manager "$peers_mod" ./cmd/kube-controller-manager "$v" "$ld" "$mf" || return 1
-  export NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37=$NODEAGENT_GO_BINARY
-  build_go_binary dra-harness "$harness_mod" ./cmd/dra-harness "$(_go_mod_version "$harness_mod" k8s.io/kubernetes "$mf")" \
-    "" "$mf" k8s137 || return 1
-  export NODEAGENT_DRA_HARNESS_1_37=$NODEAGENT_GO_BINARY
+  for cmd in "$@"; do
+    if [ "$cmd" = dra-harness ]; then
+      build_go_binary dra-harness "$harness_mod" ./cmd/dra-harness \
+        "$(_go_mod_version "$harness_mod" k8s.io/kubernetes "$mf")" "" "$mf" "$tags" || return 1
+    else
+      build_go_binary "$cmd" "$peers_mod" "./cmd/$cmd" "$v" "$ld" "$mf" || return 1
+    fi
+    var=$(echo "$cmd" | tr 'a-z-' 'A-Z_')
+    export "NODEAGENT_${var}_1_${minor}=$NODEAGENT_GO_BINARY"
+  done
+}
+
+# v1.37.2: the full set (every DRA suite runs on it).
+nodeagent_peers_k8s137() {
+  _peers_k8s_release 37 k8s137 kube-apiserver kube-scheduler kube-controller-manager dra-harness
+}
+
+# v1.35.4 and v1.36.3: the commands their DRA subset uses (no controller manager: those tests create their
+# ResourceClaims themselves).
+nodeagent_peers_k8s135() {
+  _peers_k8s_release 35 k8s135 kube-apiserver kube-scheduler dra-harness
+}
+
+nodeagent_peers_k8s136() {
+  _peers_k8s_release 36 k8s136 kube-apiserver kube-scheduler dra-harness
 }
 
 # The kubelet's DRA manager and plugin watcher (tests/testbin/dra-harness, same Kubernetes release as
@@ -640,6 +662,8 @@ NODEAGENT_PEERS_STEPS=(
   "kube-scheduler + kube-controller-manager v1.34:nodeagent_peers_kube_control_plane"
   "kubelet DRA harness v1.34:nodeagent_peers_dra_harness"
   "Kubernetes v1.37 peers:nodeagent_peers_k8s137"
+  "Kubernetes v1.36 peers (DRA subset):nodeagent_peers_k8s136"
+  "Kubernetes v1.35 peers (DRA subset):nodeagent_peers_k8s135"
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"

@@ -37,6 +37,7 @@ def test_whole_gpus_carry_the_attributes_and_memory() -> None:
     assert a[PCI_BUS_ID_ATTR] == {"string": "0000:10:00.0"}
     assert a[PCIE_ROOT_ATTR] == {"string": "pci0000:00"}
     assert a["numaNode"] == {"int": 0}
+    assert a["resource.kubernetes.io/numaNode"] == {"int": 0}  # the standard name beside the driver's own
     assert PCIE_ROOT_ATTR not in devs[1].attributes  # sysfs did not know it
     assert devs[0].capacity == {"memory": {"value": "81559Mi"}}
     assert len(a) + len(devs[0].capacity) <= 32  # API limit per device
@@ -52,6 +53,7 @@ def test_mig_gpus_publish_their_mig_devices_instead_of_the_whole_gpu() -> None:
     assert m.attributes["parentUUID"] == {"string": "GPU-00000000-0000-4000-8000-000000000000"}
     assert m.capacity == {"memory": {"value": "9856Mi"}}
     assert "numaNode" not in devs[2].attributes  # unknown NUMA node is left out, not guessed
+    assert "resource.kubernetes.io/numaNode" not in devs[2].attributes
 
 
 def test_gpu_filter_leaves_gpus_to_the_other_plane() -> None:

@@ -67,6 +67,7 @@ class DraPlaneComponent(Component):
             pumps=ctx.pumps,
             mig=ctx.gpu,
             dynamic_mig=cfg.dra.dynamic_mig,
+            shared_gpus=cfg.dra.shared_gpus,
             scheduler=ctx.scheduler,
             mps=ClaimMps(mps, ctx.host_path),
         )

@@ -1,6 +1,6 @@
 //go:build !k8s137
 
-// The PodResources providers as Kubernetes 1.34 declares them.
+// The PodResources providers as Kubernetes 1.34 to 1.36 declare them.
 package main
 
 import (
