@@ -85,6 +85,12 @@ def default_specs() -> list[ComponentSpec]:
 
         return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
 
+    def adopt(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.adopt import AdoptComponent
+
+        a = ctx.config.adopt
+        return AdoptComponent(ctx) if a.detect or (a.gpu_operator and ctx.kube is not None) else None
+
     def conditions(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.conditions import ConditionsComponent
 
@@ -100,6 +106,7 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
         ComponentSpec("conditions", frozenset({"publish"}), conditions),
+        ComponentSpec("adopt", frozenset({"adopt", "device_plugin", "dra", "kubelet", "publish"}), adopt),
     ]
 
 
