@@ -82,6 +82,7 @@ class Sources:
     command: Callable[[str], str]  # a subcommand -> the whole command line with the options in use
     kube: Callable[[], Any] | None = None  # a KubeClient, or None with --no-kube
     node_name: str = ""
+    recovery: Callable[[list[int]], dict[int, int]] | None = None  # GPU indices -> the driver's recovery actions
     simulated: bool = False
     sim_fix: str = ""  # the options that reach the same simulated machine ("--simulate X --sim-state F")
 
@@ -95,7 +96,7 @@ def diagnose(src: Sources) -> Report:
     inventory = _driver(src, report)
     if inventory is not None:
         _gpus(src, inventory, report)
-        _health(inventory, report)
+        _health(src, inventory, report)
     _containerd(src, report)
     if inventory is not None:
         _cdi(src, inventory, report)
@@ -145,14 +146,30 @@ def _gpus(src: Sources, inventory: Inventory, report: Report) -> None:
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
 
 
-def _health(inventory: Inventory, report: Report) -> None:
+def _health(src: Sources, inventory: Inventory, report: Report) -> None:
+    from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
+
     lost = [g.index for g in inventory.gpus if g.lost]
     for i in lost:
         report.add("health", "error", f"GPU {i} has fallen off the bus (NVML: GPU is lost); the kubelet gets it "
                    "as Unhealthy", "drain the node and reset the GPU or reboot (nvidia-smi -r -i "
                    f"{i}; a reboot when that fails)")
-    if not lost:
-        report.add("health", "ok", "every GPU answers NVML")
+    asks = {}
+    if src.recovery is not None:
+        try:
+            asks = {i: a for i, a in src.recovery([g.index for g in inventory.gpus if not g.lost]).items()
+                    if a != RECOVERY_NONE}
+        except NodeAgentError as e:
+            report.add("health", "warning", f"the driver's recovery actions cannot be read: {e}")
+    for i, action in sorted(asks.items()):
+        name = recovery_action_name(action)
+        fix = (f"drain the node, then nvidia-smi -r -i {i}" if "reset" in name and "bus" not in name
+               else "drain the node, then reboot it" if "reboot" in name
+               else f"drain the node, then do what the driver asks ({name})")
+        report.add("health", "error", f"GPU {i}: the driver asks for a recovery: {name} (after an XID; the agent's "
+                   "GPUHealthy condition names the XID)", fix)
+    if not lost and not asks:
+        report.add("health", "ok", "every GPU answers NVML, no recovery asked for")
 
 
 # -- containerd and CDI --------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 ``build_conditions`` is pure: it turns what the components know (GPU health with XIDs and recovery actions,
 the last MIG config apply, the containerd wiring check, the CDI spec) into four conditions:
 
-- ``nodeagent.io/GPUReady``: every GPU found is healthy (the node can run GPU work) and no other agent
-  serves or configures them (else ``False`` with the conflict's reason, e.g. ``AnotherDevicePlugin``).
+- ``nodeagent.io/GPUReady``: every GPU found is healthy (the node can run GPU work); while another agent
+  serves or configures them, the reason is the conflict's (e.g. ``AnotherDevicePlugin``).
 - ``nodeagent.io/GPUHealthy``: no GPU is marked unhealthy; the message names each unhealthy GPU's index,
   UUID, last XID and the recovery action the driver asks for.
 - ``nodeagent.io/MIGConfigured``: the result of the last ``nvidia.com/mig.config`` apply.
@@ -176,12 +176,20 @@ def gpu_healthy(h: GpuHealthInput | None) -> Condition:
 
 
 def gpu_ready(h: GpuHealthInput | None, conflicts: Sequence[ConflictInput] = ()) -> Condition:
-    if conflicts and not (h is not None and h.faults):
-        # another agent serves or configures these GPUs: nodeagent holds back until it is gone (or told to
-        # take over); the first conflict names the reason, the message lists them all
-        first = sorted(conflicts)[0]
-        return Condition(GPU_READY, "False", first.reason, one_line(
-            f"{len(conflicts)} conflict(s) with another agent: " + "; ".join(c.detail for c in sorted(conflicts))))
+    ready = _gpu_ready(h)
+    if not conflicts or ready.status == "False":
+        return ready
+    # Another agent serves or configures these GPUs (nodeagent holds back until it is gone or it is told to take
+    # over): the status keeps saying whether the GPUs can run work (the other plugin may be serving them, and a
+    # False would taint a node in the middle of a migration); the reason is the first conflict's, the message
+    # lists them all.
+    first = sorted(conflicts)[0]
+    return Condition(GPU_READY, ready.status, first.reason, one_line(
+        f"{ready.message}; {len(conflicts)} conflict(s) with another agent: "
+        + "; ".join(c.detail for c in sorted(conflicts))), provisional=False)
+
+
+def _gpu_ready(h: GpuHealthInput | None) -> Condition:
     if h is None:
         return Condition(GPU_READY, "Unknown", "GpuStateUnknown", "GPU discovery and health are not known yet",
                          provisional=True)

@@ -4,7 +4,7 @@ real kube-apiserver and ``nodeagent run`` with ``[adopt] gpu_operator = true``.
 The other plugin is the kubelet's device-plugin stub (the server of the Kubernetes sample device plugin, in
 Go) registering ``nvidia.com/gpu`` on ``nvidia-gpu.sock``, the socket name NVIDIA's plugin and nodeagent both
 use, with this node's GPU UUIDs as device IDs, as NVIDIA's plugin does; a container holds one GPU through it.
-nodeagent starts, leaves the live socket alone, reports the conflict (GPUReady reason, one Warning Event, the
+nodeagent starts, leaves the live socket alone, reports the conflict (the GPUReady reason, one Warning Event, the
 ``nodeagent_conflict`` metric) and sets ``nvidia.com/gpu.deploy.device-plugin=false``.
 
 What the GPU Operator would do next is simulated by the test, honestly so: there is no operator here. When the
@@ -65,7 +65,8 @@ def _condition(server: KubeApiServer, name: str, kind: str) -> dict[str, Any]:
 
 def _events(server: KubeApiServer, node: str, reason: str) -> list[dict[str, Any]]:
     status, body = server.get(
-        f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{node},reason%3D{reason}")
+        f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{node},reason%3D{reason}"
+    )
     assert status == 200, body
     return list(json.loads(body).get("items") or [])
 
@@ -91,19 +92,45 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
 ) -> None:
     server, harness, node = kube_apiserver, kubelet_harness, "e2e-adopt"
     server.request("DELETE", f"/api/v1/nodes/{node}")
-    operator = {f"nvidia.com/gpu.deploy.{op}": "true" for op in (
-        "driver", "device-plugin", "gpu-feature-discovery", "mig-manager", "container-toolkit", "dcgm-exporter")}
-    status, body = server.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                            "metadata": {"name": node, "labels": operator}})
+    operator = {
+        f"nvidia.com/gpu.deploy.{op}": "true"
+        for op in (
+            "driver",
+            "device-plugin",
+            "gpu-feature-discovery",
+            "mig-manager",
+            "container-toolkit",
+            "dcgm-exporter",
+        )
+    }
+    status, body = server.request(
+        "POST",
+        "/api/v1/nodes",
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": operator}},
+    )
     assert status == 201, body
-    server.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}})
-    server.request("POST", f"/api/v1/namespaces/{NS}/serviceaccounts",
-                   {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
-    status, body = server.request("POST", f"/api/v1/namespaces/{NS}/pods", {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": OPERAND_POD, "labels": {"app": "nvidia-device-plugin-daemonset"}},
-        "spec": {"nodeName": node, "automountServiceAccountToken": False,
-                 "containers": [{"name": "c", "image": "registry.invalid/k8s-device-plugin:v0"}]}})
+    server.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+    )
+    server.request(
+        "POST",
+        f"/api/v1/namespaces/{NS}/serviceaccounts",
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}},
+    )
+    status, body = server.request(
+        "POST",
+        f"/api/v1/namespaces/{NS}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": OPERAND_POD, "labels": {"app": "nvidia-device-plugin-daemonset"}},
+            "spec": {
+                "nodeName": node,
+                "automountServiceAccountToken": False,
+                "containers": [{"name": "c", "image": "registry.invalid/k8s-device-plugin:v0"}],
+            },
+        },
+    )
     assert status == 201, body
 
     sim = tmp_path / "sim.json"
@@ -116,8 +143,10 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
     etc = root / "etc/nodeagent"
     etc.mkdir(parents=True)
     cfg = etc / "config.toml"
-    cfg.write_text(f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
-                   "[mig]\nenabled = false\n[metrics]\ninterval = 1.0\n[adopt]\ngpu_operator = true\n")
+    cfg.write_text(
+        f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
+        "[mig]\nenabled = false\n[metrics]\ninterval = 1.0\n[adopt]\ngpu_operator = true\n"
+    )
     port = free_port()
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim), "--node-name", node]
     try:
@@ -130,31 +159,48 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
 
             with running_agent(tmp_path, root, args, metrics=f"127.0.0.1:{port}") as agent:
                 # no fight: the switch goes through the operator's label; the stub keeps its socket
-                eventually(lambda: _node(server, node)["metadata"]["labels"].get(
-                    "nvidia.com/gpu.deploy.device-plugin") == "false", 30, "device-plugin deploy label false")
+                eventually(
+                    lambda: (
+                        _node(server, node)["metadata"]["labels"].get("nvidia.com/gpu.deploy.device-plugin")
+                        == "false"
+                    ),
+                    30,
+                    "device-plugin deploy label false",
+                )
                 labels = _node(server, node)["metadata"]["labels"]
                 assert labels["nvidia.com/gpu.deploy.driver"] == "true"  # the driver stays NVIDIA's
                 assert labels["nvidia.com/gpu.deploy.dcgm-exporter"] == "true"
-                ready = eventually(lambda: _condition(server, node, "nodeagent.io/GPUReady").get("reason")
-                                   == "AnotherDevicePlugin" and _condition(server, node, "nodeagent.io/GPUReady"),
-                                   30, "GPUReady reason AnotherDevicePlugin")
-                assert ready["status"] == "False" and "nvidia-gpu.sock" in ready["message"], ready
+                ready = eventually(
+                    lambda: (
+                        _condition(server, node, "nodeagent.io/GPUReady").get("reason")
+                        == "AnotherDevicePlugin"
+                        and _condition(server, node, "nodeagent.io/GPUReady")
+                    ),
+                    30,
+                    "GPUReady reason AnotherDevicePlugin",
+                )
+                assert ready["status"] == "True" and "nvidia-gpu.sock" in ready["message"], ready
                 series = eventually(lambda: _conflict_series(port), 20, "nodeagent_conflict")
-                assert series == ['nodeagent_conflict{kind="device-plugin",owner="nvidia-gpu.sock",'
-                                  'subject="nvidia.com/gpu"} 1.0'], series
+                assert series == [
+                    'nodeagent_conflict{kind="device-plugin",owner="nvidia-gpu.sock",'
+                    'subject="nvidia.com/gpu"} 1.0'
+                ], series
                 seq = max((u.seq for u in harness.updates("nvidia.com/gpu")), default=0)
                 time.sleep(5.0)  # two resyncs and the register loop's retries: still nothing replaced
                 assert sock.stat().st_ino == inode, "nodeagent replaced the other plugin's socket"
                 assert stub.proc.poll() is None
                 assert all(u.resource.registered for u in harness.updates("nvidia.com/gpu", since=seq))
-                assert len(_events(server, node, "AnotherDevicePlugin")) == 1  # one Warning Event, not one a pass
+                assert (
+                    len(_events(server, node, "AnotherDevicePlugin")) == 1
+                )  # one Warning Event, not one a pass
                 assert agent.proc.poll() is None
 
                 # the operator's reaction to the label, simulated: its plugin pod goes, with the plugin
                 assert stub.stop() == 0
                 assert not sock.exists()
                 status, body = server.request(
-                    "DELETE", f"/api/v1/namespaces/{NS}/pods/{OPERAND_POD}?gracePeriodSeconds=0")
+                    "DELETE", f"/api/v1/namespaces/{NS}/pods/{OPERAND_POD}?gracePeriodSeconds=0"
+                )
                 assert status == 200, body
 
                 eventually(lambda: sock.exists() and sock.stat().st_ino != inode, 30, "nodeagent's socket")
@@ -163,18 +209,41 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
                 assert fresh.device_ids[0] in uuids and fresh.device_ids[0] != held  # the held GPU stays held
                 assert fresh.envs["NVIDIA_VISIBLE_DEVICES"] == fresh.device_ids[0]
                 # nodeagent answered it (its own count of the kubelet's Allocate calls), not the stub
-                answered = ['nodeagent_allocate_requests_total{resource="nvidia.com/gpu",result="answered"} 1.0']
-                eventually(lambda: _series(port, "nodeagent_allocate_requests_total") == answered, 10,
-                           "nodeagent's count of the Allocate call")
+                answered = [
+                    'nodeagent_allocate_requests_total{resource="nvidia.com/gpu",result="answered"} 1.0'
+                ]
+                eventually(
+                    lambda: _series(port, "nodeagent_allocate_requests_total") == answered,
+                    10,
+                    "nodeagent's count of the Allocate call",
+                )
                 health = harness.pod_health("ml/train-0")
                 assert health.containers["main"]["nvidia.com/gpu"] == {held: "Healthy"}, health
-                eventually(lambda: _condition(server, node, "nodeagent.io/GPUReady").get("reason") == "AllGpusReady",
-                           30, "GPUReady back to AllGpusReady")
+                eventually(
+                    lambda: _condition(server, node, "nodeagent.io/GPUReady").get("reason") == "AllGpusReady",
+                    30,
+                    "GPUReady back to AllGpusReady",
+                )
                 eventually(lambda: _conflict_series(port) == [], 20, "nodeagent_conflict gone")
                 assert len(_events(server, node, "GpuOperatorHandedOver")) == 1
-        back = subprocess.run([sys.executable, "-m", "nodeagent", "adopt", "--release", "--node-name", node,
-                               "--kubeconfig", str(server.kubeconfig)], cwd=REPO, capture_output=True, text=True,
-                              timeout=60, check=False)
+        back = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nodeagent",
+                "adopt",
+                "--release",
+                "--node-name",
+                node,
+                "--kubeconfig",
+                str(server.kubeconfig),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert back.returncode == 0, back.stderr
         labels = _node(server, node)["metadata"]["labels"]
         assert {k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu.deploy.")} == operator

@@ -39,17 +39,30 @@ class GpuStub:
 
 
 @contextmanager
-def running_gpu_stub(socket: Path, kubelet_socket: Path, devices: Sequence[str], workdir: Path,
-                     resource: str = "nvidia.com/gpu", timeout: float = 30.0) -> Iterator[GpuStub]:
+def running_gpu_stub(
+    socket: Path,
+    kubelet_socket: Path,
+    devices: Sequence[str],
+    workdir: Path,
+    resource: str = "nvidia.com/gpu",
+    timeout: float = 30.0,
+) -> Iterator[GpuStub]:
     """Serve ``devices`` as ``resource`` on ``socket`` and register with the kubelet at ``kubelet_socket``;
     yields once the registration was accepted. Stopped (SIGTERM) at the end if still running."""
     binary = peer_binary("NODEAGENT_GPU_STUB", "nodeagent_peers_harness", "kubelet device-plugin stub")
     log = workdir / "gpu-stub.log"
     with log.open("w") as err:
         proc = subprocess.Popen(
-            [str(binary), f"-socket={socket}", f"-kubelet={kubelet_socket}", f"-resource={resource}",
-             f"-devices={','.join(devices)}"],
-            stdout=subprocess.PIPE, stderr=err, text=True,
+            [
+                str(binary),
+                f"-socket={socket}",
+                f"-kubelet={kubelet_socket}",
+                f"-resource={resource}",
+                f"-devices={','.join(devices)}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
         )
     stub = GpuStub(proc, socket, log)
     try:

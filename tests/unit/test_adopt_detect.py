@@ -13,7 +13,13 @@ from nodeagent.adopt.detect import (
     nfd_label_keys,
     plugin_conflicts,
 )
-from nodeagent.kube.conditions import ConditionSnapshot, ConflictInput, GpuHealthInput, build_conditions
+from nodeagent.kube.conditions import (
+    ConditionSnapshot,
+    ConflictInput,
+    GpuFault,
+    GpuHealthInput,
+    build_conditions,
+)
 from nodeagent.metrics import state_families
 
 WANTED = {"nvidia.com/gpu": "nvidia-gpu.sock", "nvidia.com/mig-1g.10gb": "nvidia-mig-1g.10gb.sock"}
@@ -131,12 +137,16 @@ def test_a_conflict_is_the_gpu_ready_reason_and_a_metric() -> None:
     )
     snap = ConditionSnapshot(health=GpuHealthInput(2), conflicts=(conflict,))
     ready = build_conditions(snap)[0]
-    assert (ready.status, ready.reason) == ("False", "AnotherDevicePlugin")
-    assert (
-        ready.message == "1 conflict(s) with another agent: another device plugin serves nvidia.com/gpu on "
-        "nvidia-gpu.sock"
+    # the status still says whether the GPUs can run work (the other plugin may serve them): no taint rule
+    # on GPUReady=False fires in the middle of a migration; the reason and message say who else is there
+    assert (ready.status, ready.reason) == ("True", "AnotherDevicePlugin")
+    assert ready.message == (
+        "all 2 GPU(s) present and healthy; 1 conflict(s) with another agent: another device plugin serves "
+        "nvidia.com/gpu on nvidia-gpu.sock"
     )
     assert build_conditions(ConditionSnapshot(health=GpuHealthInput(2)))[0].reason == "AllGpusReady"
+    sick = ConditionSnapshot(health=GpuHealthInput(2, (GpuFault(1, xid=48),)), conflicts=(conflict,))
+    assert build_conditions(sick)[0].reason == "GpusUnhealthy"  # a fault comes first
     (family,) = [f for f in state_families(snap, {}) if f.name == "nodeagent_conflict"]
     assert [(s.labels, s.value) for s in family.samples] == [
         ({"kind": "device-plugin", "subject": "nvidia.com/gpu", "owner": "nvidia-gpu.sock"}, 1)
