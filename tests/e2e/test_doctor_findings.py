@@ -83,6 +83,7 @@ def test_agent_and_kubelet_states(root: Path) -> None:
         code, findings = _doctor(root, *sim)
     finally:
         kubelet.close()
+    assert code == 1  # warnings only
     none = _one(findings, "kubelet", "warning", "the kubelet has no GPU resource registered")
     assert none["fix"] == f"nodeagent --root {root} run --simulate t4x1"
     _one(findings, "agent", "ok", "nodeagent run is running (pid 777)")
