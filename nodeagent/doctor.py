@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ AREAS = ("driver", "gpus", "health", "containerd", "cdi", "kubelet", "node", "ag
 BOOTSTRAP_REPORT = "/run/nodeagent/bootstrap.json"
 KUBELET_SOCKET = "kubelet.sock"
 MAX_SMALL_FILE = 4 << 20
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 
 
 @dataclass(frozen=True)
@@ -390,10 +392,25 @@ def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report:
                            "without MIG (unhealthy, withdrawn, shared, or not registered)")
             else:
                 report.add("node", "ok", f"allocatable nvidia.com/gpu {have} ({whole} GPU(s) discovered)")
+    capacity = status.get("capacity") or {}
+    for name in sorted(k for k in capacity if str(k).startswith("nvidia.com/")):
+        total, healthy = _count(capacity.get(name)), _count(allocatable.get(name))
+        if healthy < total:
+            report.add("node", "warning", f"{name}: {healthy} of {total} device(s) healthy at the kubelet "
+                       "(allocatable against capacity)")
+        else:
+            report.add("node", "ok", f"{name}: {total} device(s), all healthy at the kubelet")
     for taint in (node.get("spec") or {}).get("taints") or []:
         if "gpu" in str(taint.get("key", "")).lower():
             report.add("node", "warning", f"taint {taint.get('key')}={taint.get('value', '')}:"
                        f"{taint.get('effect', '')}")
+
+
+def _count(value: Any) -> int:
+    try:
+        return int(str(value or "0"))
+    except ValueError:
+        return 0
 
 
 # -- the agent itself ---------------------------------------------------------------------------------------------
@@ -403,7 +420,9 @@ def _agent(src: Sources, report: Report) -> None:
         return
     running = list(_agent_pids(src.paths))
     if running:
-        report.add("agent", "ok", f"nodeagent run is running (pid {', '.join(map(str, running))})")
+        where = {_where(src.paths, pid) for pid in running} - {""}
+        report.add("agent", "ok", f"nodeagent run is running (pid {', '.join(map(str, running))})"
+                   + (f" in {', '.join(sorted(where))}" if where else ""))
     else:
         report.add("agent", "warning", "nodeagent run is not running on this host",
                    src.gpu_command("run") if src.simulated else
@@ -420,6 +439,24 @@ def _agent(src: Sources, report: Report) -> None:
         report.add("agent", "ok" if code in (0, 3) else "warning", f"last bootstrap: exit {code}"
                    + (f", failed: {', '.join(map(str, failed))}" if failed else ""),
                    "" if code in (0, 3) else src.gpu_command("bootstrap"))
+
+
+def _where(paths: HostPaths, pid: int) -> str:
+    """The systemd unit or the Kubernetes pod a process runs in (from its cgroup), "" when neither shows."""
+    try:
+        data = fileio.read_regular(paths.proc / str(pid) / "cgroup", max_bytes=1 << 16)
+    except NodeAgentError:
+        return ""
+    for line in (data or b"").decode("utf-8", "replace").splitlines():
+        parts = [p for p in line.rpartition(":")[2].split("/") if p]
+        if any(p.startswith("kubepods") for p in parts):
+            uids = [m.group(1).replace("_", "-") for p in parts if (m := _POD_UID.search(p))]
+            if uids:
+                return f"pod {uids[-1]}"
+        units = [p for p in parts if p.endswith(".service")]
+        if units:
+            return "unit " + units[-1]
+    return ""
 
 
 def _agent_pids(paths: HostPaths) -> Iterable[int]:

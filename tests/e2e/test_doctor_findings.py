@@ -70,6 +70,7 @@ def test_agent_and_kubelet_states(root: Path) -> None:
     kubelet.bind(str(plugins / "kubelet.sock"))
     (root / "proc/777").mkdir()
     (root / "proc/777/cmdline").write_bytes(b"/usr/bin/python3\0/usr/bin/nodeagent\0run\0")
+    (root / "proc/777/cgroup").write_text("0::/system.slice/nodeagent.service\n")
     (root / "run/nodeagent").mkdir(parents=True)
     (root / "run/nodeagent/bootstrap.json").write_text(
         json.dumps(
@@ -86,7 +87,19 @@ def test_agent_and_kubelet_states(root: Path) -> None:
     assert code == 1  # warnings only
     none = _one(findings, "kubelet", "warning", "the kubelet has no GPU resource registered")
     assert none["fix"] == f"nodeagent --root {root} run --simulate t4x1"
-    _one(findings, "agent", "ok", "nodeagent run is running (pid 777)")
+    _one(findings, "agent", "ok", "nodeagent run is running (pid 777) in unit nodeagent.service")
+    # the DaemonSet's container instead (cgroup v2, systemd driver): named by its pod's UID
+    (root / "proc/777/cgroup").write_text(
+        "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f5e8a3c_2b1d_4e6f_9a7b_"
+        "3c2d1e0f9a8b.slice/cri-containerd-51e0.scope\n"
+    )
+    code, findings = _doctor(root, *sim)
+    _one(
+        findings,
+        "agent",
+        "ok",
+        "nodeagent run is running (pid 777) in pod 0f5e8a3c-2b1d-4e6f-9a7b-3c2d1e0f9a8b",
+    )
     last = _one(findings, "agent", "warning", "last bootstrap: exit 1, failed: runtime")
     assert last["fix"] == f"nodeagent --root {root} bootstrap --simulate t4x1"
 
@@ -109,7 +122,13 @@ def test_the_agents_node_conditions_and_an_unreachable_api(root: Path, kube_apis
     status, body = kube_apiserver.request(
         "PATCH",
         f"/api/v1/nodes/{node}/status",
-        {"status": {"conditions": [cond]}},
+        {
+            "status": {
+                "conditions": [cond],
+                "capacity": {"nvidia.com/gpu": "1"},
+                "allocatable": {"nvidia.com/gpu": "0"},
+            }
+        },
         content_type="application/strategic-merge-patch+json",
     )
     assert status == 200, body
@@ -132,6 +151,7 @@ def test_the_agents_node_conditions_and_an_unreachable_api(root: Path, kube_apis
             "warning",
             "nodeagent.io/GPUHealthy False: XidError 1 of 1 GPU(s) unhealthy: GPU 0: XID 48",
         )
+        _one(findings, "node", "warning", "nvidia.com/gpu: 0 of 1 device(s) healthy at the kubelet")
     finally:
         kube_apiserver.request("DELETE", f"/api/v1/nodes/{node}")
     bad = root.parent / "bad-kubeconfig"
