@@ -247,7 +247,8 @@ def _kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | None,
     if KUBELET_SOCKET not in names:
         report.add("kubelet", "warning", f"no {posixpath.join(plugin_dir, KUBELET_SOCKET)}: the kubelet is not "
                    "running (nodeagent registers as soon as it is)")
-    wanted = {n: socket_name(n) for n in _expected_resources(src, inventory)}
+    ids = _expected_resources(src, inventory)
+    wanted = {n: socket_name(n) for n in ids}
     agents = set(_agent_pids(src.paths)) if src.paths.proc.is_dir() else None
 
     def is_ours(pid: int) -> bool:
@@ -257,7 +258,7 @@ def _kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | None,
     # without /proc under the root the listener of a socket at nodeagent's own name cannot be named: taken as
     # nodeagent's
     foreign = [s for s in local.foreign if agents is not None or s.name not in wanted.values()]
-    conflicts = d.plugin_conflicts(foreign, local.checkpoint, wanted, uuids)
+    conflicts = d.plugin_conflicts(foreign, local.checkpoint, wanted, uuids, ids)
     for c in conflicts:
         report.add("kubelet", "warning", c.detail, _adopt_fix(src))
     named = {c.owner for c in conflicts}
@@ -287,19 +288,20 @@ def _adopt_fix(src: Sources) -> str:
             "stop the other agent on this node (the GPU Operator: nodeagent adopt), or set [adopt] take_over = true")
 
 
-def _expected_resources(src: Sources, inventory: Inventory | None) -> list[str]:
-    """The resource names nodeagent would serve on this node (empty when that cannot be worked out)."""
+def _expected_resources(src: Sources, inventory: Inventory | None) -> dict[str, list[str]]:
+    """The resource names nodeagent would serve on this node, with the device IDs of each (empty when that
+    cannot be worked out)."""
     if inventory is None or not src.config.device_plugin.enabled or src.config.device_plugin.plane == "dra":
-        return []
-    from nodeagent.sharing.devices import build_resources
+        return {}
+    from nodeagent.sharing.devices import build_resources, resource_ids
     from nodeagent.sharing.spec import PluginConfig, load_plugin_config
 
     try:
         path = src.config.device_plugin.config
         plugin = load_plugin_config(src.paths(path)) if path else PluginConfig()
-        return list(build_resources(inventory, plugin))
+        return resource_ids(build_resources(inventory, plugin))
     except NodeAgentError:
-        return []
+        return {}
 
 
 # -- the Node ----------------------------------------------------------------------------------------------------

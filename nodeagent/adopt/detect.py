@@ -75,15 +75,22 @@ def plugin_conflicts(
     checkpoint: Mapping[str, Sequence[str]],
     wanted: Mapping[str, str],
     uuids: Iterable[str] = (),
+    device_ids: Mapping[str, Iterable[str]] | None = None,
 ) -> list[Conflict]:
     """``wanted``: resource name → the socket file nodeagent serves it on; ``checkpoint``: the kubelet's
-    registered devices by resource; ``uuids``: this node's GPU and MIG device UUIDs."""
+    registered devices by resource; ``uuids``: this node's GPU and MIG device UUIDs; ``device_ids``: resource
+    name → the device IDs nodeagent advertises for it (NVIDIA's plugin uses the same: UUIDs, ``UUID::n`` when
+    shared). A socket's resource is the one of its socket name, else the one whose device IDs it lists, else
+    the one the checkpoint registers with its device IDs."""
     by_socket = {sock: res for res, sock in wanted.items()}
     ours = set(uuids)
+    mine = {r: set(v) for r, v in (device_ids or {}).items() if r in wanted}
     out: list[Conflict] = []
     for s in sockets:
         ids = set(s.device_ids)
         resource = by_socket.get(s.name)
+        if resource is None:
+            resource = next((r for r in sorted(mine) if ids & mine[r]), None)
         if resource is None:
             resource = next((r for r in sorted(wanted) if ids and ids & set(checkpoint.get(r, ()))), None)
         same = sorted(ids & ours)

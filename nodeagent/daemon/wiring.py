@@ -98,6 +98,9 @@ def default_specs() -> list[ComponentSpec]:
 
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
+        # before the device plugin: its first look at the device-plugin directory decides what is held back
+        # before anything registers
+        ComponentSpec("adopt", frozenset({"adopt", "device_plugin", "dra", "kubelet", "publish"}), adopt),
         ComponentSpec("device-plugin", frozenset({"device_plugin", "dra", "kubelet", "health", "adopt"}),
                       device_plugin),
         ComponentSpec("dra", frozenset({"device_plugin", "dra", "kubelet", "health"}), dra),
@@ -106,7 +109,6 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
         ComponentSpec("conditions", frozenset({"publish"}), conditions),
-        ComponentSpec("adopt", frozenset({"adopt", "device_plugin", "dra", "kubelet", "publish"}), adopt),
     ]
 
 

@@ -250,3 +250,87 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
     finally:
         server.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{OPERAND_POD}?gracePeriodSeconds=0")
         server.request("DELETE", f"/api/v1/nodes/{node}")
+
+
+def test_a_plugin_under_another_socket_name_is_not_fought(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
+) -> None:
+    """Another plugin registering nvidia.com/gpu under its own socket name (the sample device plugin's style,
+    ``dp.<time>``) listing this node's GPU UUIDs: nodeagent serves its own socket but does not register (the
+    kubelet would drop the other's registration for it) while the other one is there; once it stops,
+    nodeagent registers at its next pass."""
+    server, harness, node = kube_apiserver, kubelet_harness, "e2e-adopt-other"
+    server.request("DELETE", f"/api/v1/nodes/{node}")
+    status, body = server.request(
+        "POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
+    )
+    assert status == 201, body
+    sim = tmp_path / "sim.json"
+    nvml = open_nvml("a30x4", sim)
+    try:
+        uuids = sorted(g.uuid for g in nvml.discover().gpus)
+    finally:
+        nvml.close()
+    etc = root / "etc/nodeagent"
+    etc.mkdir(parents=True)
+    cfg = etc / "config.toml"
+    cfg.write_text(
+        f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
+        "[mig]\nenabled = false\n[metrics]\ninterval = 1.0\n"
+    )
+    port = free_port()
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim), "--node-name", node]
+    registered = 'nodeagent_device_plugin_registered{resource="nvidia.com/gpu"}'
+    try:
+        with running_gpu_stub(
+            harness.plugin_dir / "dp.1700000000", harness.kubelet_socket, uuids, tmp_path
+        ) as stub:
+            harness.wait("nvidia.com/gpu", total=4, registered=True, timeout=15)
+            with running_agent(tmp_path, root, args, metrics=f"127.0.0.1:{port}") as agent:
+                ready = eventually(
+                    lambda: (
+                        _condition(server, node, "nodeagent.io/GPUReady").get("reason")
+                        == "AnotherDevicePlugin"
+                        and _condition(server, node, "nodeagent.io/GPUReady")
+                    ),
+                    30,
+                    "GPUReady reason AnotherDevicePlugin",
+                )
+                assert "dp.1700000000" in ready["message"], ready
+                assert "nvidia.com/gpu is not registered: another device plugin serves" in agent.log()
+                assert (harness.plugin_dir / "nvidia-gpu.sock").exists()  # served, not registered
+                eventually(
+                    lambda: _series(port, "nodeagent_device_plugin_registered") == [registered + " 0.0"],
+                    20,
+                    "registered 0",
+                )
+                time.sleep(4.0)  # two resyncs: still not registered; the kubelet still uses the other plugin
+                assert _series(port, "nodeagent_device_plugin_registered") == [registered + " 0.0"]
+                during = harness.allocate("nvidia.com/gpu", 1, pod="train-0", namespace="ml")
+                (held,) = during.device_ids
+                time.sleep(1.5)
+                assert _series(port, "nodeagent_allocate_requests_total") == []  # the other plugin answered
+                assert len(_events(server, node, "AnotherDevicePlugin")) == 1
+
+                assert stub.stop() == 0
+                eventually(
+                    lambda: _series(port, "nodeagent_device_plugin_registered") == [registered + " 1.0"],
+                    30,
+                    "nodeagent registered",
+                )
+                harness.wait("nvidia.com/gpu", total=4, registered=True, timeout=30)
+                fresh = harness.allocate("nvidia.com/gpu", 1, pod="infer-0", namespace="ml")
+                assert fresh.device_ids[0] != held
+                answered = [
+                    'nodeagent_allocate_requests_total{resource="nvidia.com/gpu",result="answered"} 1.0'
+                ]
+                eventually(
+                    lambda: _series(port, "nodeagent_allocate_requests_total") == answered, 10, "answered"
+                )
+                eventually(
+                    lambda: _condition(server, node, "nodeagent.io/GPUReady").get("reason") == "AllGpusReady",
+                    30,
+                    "GPUReady back to AllGpusReady",
+                )
+    finally:
+        server.request("DELETE", f"/api/v1/nodes/{node}")

@@ -46,6 +46,12 @@ def test_another_socket_name_is_named_by_the_kubelet_checkpoint() -> None:
     assert plugin_conflicts([sock], {"example.com/x": ("Dev-1",)}, WANTED, UUIDS) == []
 
 
+def test_another_socket_name_listing_our_device_ids_serves_our_resource() -> None:
+    ids = {"nvidia.com/gpu": ["GPU-a", "GPU-b"], "nvidia.com/mig-1g.10gb": ["MIG-c"]}
+    (c,) = plugin_conflicts([ForeignSocket("dp.1", ("GPU-b",))], {}, WANTED, UUIDS, ids)
+    assert (c.subject, c.owner) == ("nvidia.com/gpu", "dp.1")
+
+
 def test_an_unknown_resource_with_our_gpus_is_a_conflict_a_plugin_of_other_devices_is_not() -> None:
     (c,) = plugin_conflicts([ForeignSocket("vendor.sock", ("GPU-b",))], {}, WANTED, UUIDS)
     assert c.subject == "GPUs GPU-b"

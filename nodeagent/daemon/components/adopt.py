@@ -52,10 +52,14 @@ class AdoptComponent(Component):
         self.poll_s = HANDOVER_POLL_S
 
     async def start(self, ctx: Context) -> None:
+        # the device-plugin directory first, before the device plugin starts (it comes after this component):
+        # a resource another plugin serves is held back before it is ever registered; the API's part follows
+        # in the background (an API that does not answer must not hold up the kubelet side)
+        await self.detect(api=False)
         if self.handing_over:
-            ctx.shared.adoption.hold({})  # replaced by the first pass's holds (every resource while handing over)
             ctx.spawn(self._hand_over(), "gpu operator hand-over")
-        await self.detect()
+        if ctx.kube is not None:
+            ctx.spawn(self.detect(), "conflict detection")
 
     async def on_inventory(self, inventory: Inventory) -> None:
         await self.detect()
@@ -64,29 +68,32 @@ class AdoptComponent(Component):
         await self.detect()
 
     # -- detection ---------------------------------------------------------------------------------------------
-    def _wanted(self, inventory: Inventory) -> dict[str, str]:
-        """Resource name → the socket nodeagent serves it on (empty when the device plugin is off)."""
+    def _wanted(self, inventory: Inventory) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """Resource name → the socket nodeagent serves it on, and → the device IDs it advertises (both empty
+        when the device plugin is off)."""
         cfg = self._ctx.config
         if not cfg.device_plugin.enabled or cfg.device_plugin.plane == "dra":
-            return {}
+            return {}, {}
         from nodeagent.deviceplugin.server import socket_name
-        from nodeagent.sharing.devices import build_resources
+        from nodeagent.sharing.devices import build_resources, resource_ids
         from nodeagent.sharing.spec import DEFAULT_CONFIG
 
         plugin = self._ctx.files.plugin_config or DEFAULT_CONFIG
         excluded = cfg.dra.gpus if cfg.device_plugin.plane == "both" else ()
         try:
-            return {n: socket_name(n) for n in build_resources(inventory, plugin, withdrawn=excluded)}
+            resources = build_resources(inventory, plugin, withdrawn=excluded)
         except NodeAgentError:
-            return {}
+            return {}, {}
+        return {n: socket_name(n) for n in resources}, resource_ids(resources)
 
     def _label_keys(self, inventory: Inventory) -> set[str]:
         from nodeagent.kube.labels import desired_labels, sharing_facts
 
         return set(desired_labels(inventory, sharing_facts(self._ctx.files.plugin_config)))
 
-    async def detect(self) -> None:
-        """One pass: find the conflicts, report them, hold back what another plugin serves."""
+    async def detect(self, *, api: bool = True) -> None:
+        """One pass: find the conflicts, report them, hold back what another plugin serves (``api`` False:
+        the device-plugin directory only, the API's conflicts of the last pass kept)."""
         from nodeagent.adopt import detect as d
         from nodeagent.dra import DRIVER_NAME
 
@@ -94,18 +101,20 @@ class AdoptComponent(Component):
         if inv is None or not self._ctx.config.adopt.detect:
             return
         async with self._lock:
-            wanted = self._wanted(inv)
+            wanted, ids = self._wanted(inv)
             uuids = d.inventory_uuids(inv)
             directory = self._ctx.host_path(self._ctx.config.kubelet.device_plugins)
             me = os.getpid()
             local = await asyncio.to_thread(d.read_plugin_dir, directory, lambda pid: pid == me)
-            found = d.plugin_conflicts(local.foreign, local.checkpoint, wanted, uuids)
-            unread: tuple[str, ...] = ()
-            if self._ctx.kube is not None:
+            found = d.plugin_conflicts(local.foreign, local.checkpoint, wanted, uuids, ids)
+            unread: tuple[str, ...] = self.unread
+            if self._ctx.kube is not None and api:
                 facts = await asyncio.to_thread(d.read_kube_facts, self._ctx.kube, self._ctx.node_name)
                 found += d.kube_conflicts(facts, our_driver=DRIVER_NAME, uuids=uuids,
                                           label_keys=self._label_keys(inv))
                 unread = facts.unread
+            elif not api:
+                found += [c for c in self.conflicts if c.kind != "device-plugin"]
             if unread != self.unread and unread:
                 log.info("conflict detection could not read: %s", "; ".join(unread))
             self.unread = unread
