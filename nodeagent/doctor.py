@@ -337,6 +337,7 @@ def _node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, re
         report.add("node", "error", f"Node {src.node_name} cannot be read: {why.partition(': ')[2]}")
         return
     _node_findings(src, facts.node, inventory, report)
+    _handed_over(src, facts.node, report)
     for c in d.mig_manager_conflicts(facts.node):
         report.add("node", "warning", c.detail, _adopt_fix(src))
     keys = _label_keys(src, inventory)
@@ -345,6 +346,24 @@ def _node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, re
     for what in facts.unread:
         if not what.startswith("Node"):
             report.add("node", "ok", f"not checked: {what}")
+
+
+def _handed_over(src: Sources, node: Any, report: Report) -> None:
+    """The GPU Operator's operands a hand-over switched off on this Node (its annotation), if any."""
+    from nodeagent.adopt import DEPLOY_PREFIX, HANDED_OVER, handed_over
+
+    operands = handed_over(node)
+    if not operands:
+        return
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    back_on = [op for op in operands if labels.get(DEPLOY_PREFIX + op) != "false"]
+    if back_on:
+        report.add("node", "warning", f"handed over from the GPU Operator ({HANDED_OVER}), but "
+                   f"{', '.join(DEPLOY_PREFIX + op for op in back_on)} is no longer false: the operator may deploy "
+                   "those operands again", src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
+    else:
+        report.add("node", "ok", f"handed over from the GPU Operator: {', '.join(operands)} switched off "
+                   f"({src.command(f'adopt --node-name {shlex.quote(src.node_name)} --release')} gives them back)")
 
 
 def _label_keys(src: Sources, inventory: Inventory | None) -> set[str]:

@@ -61,7 +61,7 @@ def switch_off(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -
     current = _node(kube, node)
     labels = (current.get("metadata") or {}).get("labels") or {}
     switched = sorted(op for op in operands(with_dcgm_exporter) if labels.get(DEPLOY_PREFIX + op) != "false")
-    earlier = _handed_over(current)
+    earlier = handed_over(current)
     patch: dict[str, Any] = {"labels": {DEPLOY_PREFIX + op: "false" for op in switched}}
     if switched:
         patch["annotations"] = {HANDED_OVER: json.dumps(sorted(set(earlier) | set(switched)))}
@@ -98,7 +98,7 @@ def hand_over(kube: Requests, node: str, *, with_dcgm_exporter: bool = False, ti
 def release(kube: Requests, node: str) -> Result:
     """Give the operands a hand-over switched off back to the GPU Operator (labels ``true`` again)."""
     current = _node(kube, node)
-    earlier = _handed_over(current)
+    earlier = handed_over(current)
     if not earlier:
         return Result(node, {}, 0.0, ())
     labels: dict[str, str | None] = {DEPLOY_PREFIX + op: "true" for op in earlier}
@@ -116,7 +116,8 @@ def _node(kube: Requests, node: str) -> dict[str, Any]:
     return found
 
 
-def _handed_over(node: Mapping[str, Any]) -> list[str]:
+def handed_over(node: Mapping[str, Any]) -> list[str]:
+    """The operands a hand-over switched off on ``node`` (its annotation)."""
     raw = ((node.get("metadata") or {}).get("annotations") or {}).get(HANDED_OVER, "[]")
     try:
         names = json.loads(raw)

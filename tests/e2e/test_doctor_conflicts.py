@@ -141,9 +141,16 @@ def test_dra_driver_mig_manager_and_nfd_on_the_api(
             "kind": "Node",
             "metadata": {
                 "name": node,
-                "labels": {"nvidia.com/mig.config.state": "success", "nvidia.com/gpu.product": "Tesla-T4"},
+                "labels": {
+                    "nvidia.com/mig.config.state": "success",
+                    "nvidia.com/gpu.product": "Tesla-T4",
+                    # a hand-over switched both off; somebody switched one on again
+                    "nvidia.com/gpu.deploy.device-plugin": "false",
+                    "nvidia.com/gpu.deploy.gpu-feature-discovery": "true",
+                },
                 "annotations": {
-                    "nfd.node.kubernetes.io/feature-labels": "cpu-model.id,nvidia.com/gpu.product"
+                    "nfd.node.kubernetes.io/feature-labels": "cpu-model.id,nvidia.com/gpu.product",
+                    "nodeagent.io/handed-over": '["device-plugin", "gpu-feature-discovery"]',
                 },
             },
         },
@@ -210,3 +217,11 @@ def test_dra_driver_mig_manager_and_nfd_on_the_api(
         "NodeFeature nfd/doctor-conflicts-gfd owns label(s) nodeagent writes: "
         "nvidia.com/gpu.count, nvidia.com/gpu.product",
     )
+    again = _one(
+        findings,
+        "node",
+        "warning",
+        "handed over from the GPU Operator (nodeagent.io/handed-over), but "
+        "nvidia.com/gpu.deploy.gpu-feature-discovery is no longer false",
+    )
+    assert again["fix"] == f"nodeagent --root {root} adopt --node-name {node}"
