@@ -75,6 +75,19 @@ def operand_pods(kube: Requests, node: str, *, with_dcgm_exporter: bool = False)
     return _operand_pods(kube, node, set(operands(with_dcgm_exporter).values()))
 
 
+def operand_pods_by_name(pods: Iterable[tuple[str, str]], *, with_dcgm_exporter: bool = False) -> list[str]:
+    """The replaced operands' pods among ``pods`` ((namespace, name) as the kubelet's PodResources API lists
+    the pods of this node), by name: a DaemonSet's pod is ``<daemonset>-<5 characters>``, and the operator
+    names each DaemonSet like its pods' app label. For a node agent whose credentials may not list pods."""
+    apps = set(operands(with_dcgm_exporter).values())
+    out = []
+    for namespace, name in pods:
+        base, _, suffix = name.rpartition("-")
+        if base in apps and len(suffix) == 5 and suffix.isalnum():
+            out.append(f"{namespace}/{name}")
+    return sorted(out)
+
+
 def hand_over(kube: Requests, node: str, *, with_dcgm_exporter: bool = False, timeout_s: float = 300.0,
               poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
               sleep: Callable[[float], None] = time.sleep) -> Result:

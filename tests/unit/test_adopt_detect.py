@@ -157,3 +157,23 @@ def test_a_conflict_is_the_gpu_ready_reason_and_a_metric() -> None:
     assert [(s.labels, s.value) for s in family.samples] == [
         ({"kind": "device-plugin", "subject": "nvidia.com/gpu", "owner": "nvidia-gpu.sock"}, 1)
     ]
+
+
+def test_operand_pods_by_their_names_on_the_kubelet() -> None:
+    """A node agent that may not list pods finds the operator's operand pods among the pods the kubelet's
+    PodResources API names: ``<daemonset>-<5 characters>``."""
+    from nodeagent.adopt import operand_pods_by_name
+
+    pods = [
+        ("gpu-operator", "nvidia-device-plugin-daemonset-q7x2k"),
+        ("gpu-operator", "gpu-feature-discovery-8fz2p"),
+        ("gpu-operator", "nvidia-dcgm-exporter-k2m9x"),
+        ("gpu-operator", "nvidia-driver-daemonset-7d2kq"),  # the driver stays: not waited for
+        ("ml", "nvidia-device-plugin-daemonset-test"),  # not a DaemonSet pod name
+        ("ml", "train-0"),
+    ]
+    assert operand_pods_by_name(pods) == [
+        "gpu-operator/gpu-feature-discovery-8fz2p",
+        "gpu-operator/nvidia-device-plugin-daemonset-q7x2k",
+    ]
+    assert "gpu-operator/nvidia-dcgm-exporter-k2m9x" in operand_pods_by_name(pods, with_dcgm_exporter=True)

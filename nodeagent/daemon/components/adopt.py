@@ -173,7 +173,7 @@ class AdoptComponent(Component):
         last: list[str] | None = None
         while True:
             try:
-                left = await asyncio.to_thread(ad.operand_pods, kube, node, with_dcgm_exporter=cfg.dcgm_exporter)
+                left = await asyncio.to_thread(self._operand_pods, kube, node, cfg.dcgm_exporter)
             except NodeAgentError as e:
                 left = [f"(pods cannot be listed: {e})"]
             if not left:
@@ -191,6 +191,24 @@ class AdoptComponent(Component):
                                 f"({', '.join(ad.operands(cfg.dcgm_exporter))}) are switched off on this node; "
                                 "nodeagent serves its GPUs", "Normal", action="Adopt")
         await self.detect()
+
+    def _operand_pods(self, kube: Any, node: str, dcgm_exporter: bool) -> list[str]:
+        """The operands' pods still on the node: from the API, else (credentials that may not list pods) from
+        the kubelet's PodResources API, which names every pod of this node."""
+        from nodeagent import adopt as ad
+        from nodeagent.daemon.supervisor import close_quietly
+        from nodeagent.errors import KubeError
+
+        try:
+            return ad.operand_pods(kube, node, with_dcgm_exporter=dcgm_exporter)
+        except KubeError as e:
+            if e.status != 403:
+                raise
+        client = self._ctx.pod_resources_client()
+        try:
+            return ad.operand_pods_by_name(client.pods(), with_dcgm_exporter=dcgm_exporter)
+        finally:
+            close_quietly(client)
 
     async def stop(self) -> None:
         if self._events is not None:
