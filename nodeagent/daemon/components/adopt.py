@@ -119,10 +119,10 @@ class AdoptComponent(Component):
                 log.info("conflict detection could not read: %s", "; ".join(unread))
             self.unread = unread
             self.conflicts = sorted(found)
-            self._report(self.conflicts)
+            await self._report(self.conflicts)
             self._hold(wanted, self.conflicts)
 
-    def _report(self, conflicts: list[Any]) -> None:
+    async def _report(self, conflicts: list[Any]) -> None:
         from nodeagent.kube.conditions import ConflictInput
 
         self._ctx.shared.conditions.report_conflicts(tuple(
@@ -131,8 +131,9 @@ class AdoptComponent(Component):
         for c in conflicts:
             if c.key() not in self._reported:
                 log.warning("conflict: %s", c.detail)
-                if self._events is not None:
-                    self._events.record(c.reason, c.detail, "Warning", action="DetectConflict")
+                if self._events is not None:  # a blocking request: never holds up the pass (nor the start)
+                    self._ctx.spawn(asyncio.to_thread(self._events.record, c.reason, c.detail, "Warning",
+                                                      "DetectConflict"), "conflict event")
         for gone in self._reported - keys:
             log.info("conflict gone: %s %s (%s)", gone[0], gone[1], gone[2])
         self._reported = keys
@@ -187,9 +188,9 @@ class AdoptComponent(Component):
         self._ctx.shared.adoption.set_take_over(True)
         log.info("GPU Operator hand-over: the operands have left node %s; nodeagent serves", node)
         if self._events is not None:
-            self._events.record(EVENT_REASON_HANDED_OVER, "the GPU Operator's operands "
-                                f"({', '.join(ad.operands(cfg.dcgm_exporter))}) are switched off on this node; "
-                                "nodeagent serves its GPUs", "Normal", action="Adopt")
+            await asyncio.to_thread(self._events.record, EVENT_REASON_HANDED_OVER, "the GPU Operator's operands "
+                                    f"({', '.join(ad.operands(cfg.dcgm_exporter))}) are switched off on this node; "
+                                    "nodeagent serves its GPUs", "Normal", "Adopt")
         await self.detect()
 
     def _operand_pods(self, kube: Any, node: str, dcgm_exporter: bool) -> list[str]:
