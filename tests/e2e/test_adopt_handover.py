@@ -334,3 +334,99 @@ def test_a_plugin_under_another_socket_name_is_not_fought(
                 )
     finally:
         server.request("DELETE", f"/api/v1/nodes/{node}")
+
+
+def test_another_dra_driver_and_a_mig_manager_seen_by_the_agent(
+    tmp_path: Path, kube_apiserver: KubeApiServer
+) -> None:
+    """The API's conflicts as the running agent sees them: another DRA driver's ResourceSlice listing one of
+    the node's GPU UUIDs, and nvidia.com/mig.config.state written by NVIDIA's mig-manager (its field manager):
+    both in GPUReady's message (the reason is the first), one Warning Event each."""
+    server, node = kube_apiserver, "e2e-adopt-api"
+    server.request("DELETE", f"/api/v1/nodes/{node}")
+    status, body = server.request(
+        "POST",
+        "/api/v1/nodes?fieldManager=nvidia-mig-manager",
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": node, "labels": {"nvidia.com/mig.config.state": "success"}},
+        },
+    )
+    assert status == 201, body
+    sim = tmp_path / "sim.json"
+    nvml = open_nvml("a30x4", sim)
+    try:
+        first = sorted(g.uuid for g in nvml.discover().gpus)[0]
+    finally:
+        nvml.close()
+    slice_name = f"{node}-gpu.nvidia.com"
+    status, body = server.request(
+        "POST",
+        "/apis/resource.k8s.io/v1/resourceslices",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": slice_name},
+            "spec": {
+                "driver": "gpu.nvidia.com",
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "gpu-0", "attributes": {"uuid": {"string": first}}}],
+            },
+        },
+    )
+    assert status == 201, body
+    with node_root() as root:
+        etc = root / "etc/nodeagent"
+        etc.mkdir(parents=True)
+        cfg = etc / "config.toml"
+        cfg.write_text(
+            f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
+            "[mig]\nenabled = false\n"
+        )
+        args = [
+            "run",
+            "--config",
+            str(cfg),
+            "--simulate",
+            "a30x4",
+            "--sim-state",
+            str(sim),
+            "--node-name",
+            node,
+        ]
+        try:
+            with running_agent(tmp_path, root, args):
+                ready = eventually(
+                    lambda: (
+                        _condition(server, node, "nodeagent.io/GPUReady").get("reason") == "AnotherDraDriver"
+                        and _condition(server, node, "nodeagent.io/GPUReady")
+                    ),
+                    30,
+                    "GPUReady reason AnotherDraDriver",
+                )
+                assert "2 conflict(s) with another agent" in ready["message"], ready
+                assert (
+                    f"DRA driver gpu.nvidia.com publishes ResourceSlices with this node's GPUs ({first})"
+                    in (ready["message"])
+                )
+                assert "was written by nvidia-mig-manager" in ready["message"], ready
+                eventually(
+                    lambda: len(_events(server, node, "AnotherMigManager")) == 1, 15, "the MIG manager Event"
+                )
+                assert len(_events(server, node, "AnotherDraDriver")) == 1
+
+                server.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{slice_name}")
+                ready = eventually(
+                    lambda: (
+                        _condition(server, node, "nodeagent.io/GPUReady").get("reason") == "AnotherMigManager"
+                        and _condition(server, node, "nodeagent.io/GPUReady")
+                    ),
+                    30,
+                    "the DRA conflict gone at a resync",
+                )
+                assert "1 conflict(s)" in ready["message"], ready
+        finally:
+            server.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{slice_name}")
+            server.request("DELETE", f"/api/v1/nodes/{node}")
