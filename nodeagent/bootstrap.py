@@ -255,7 +255,7 @@ def _runtime_event(reports: list[StepReport]) -> tuple[str, bool] | None:
 
 
 def _discover(config: AgentConfig, paths: HostPaths) -> Inventory:
-    from nodeagent.gpu import open_nvml
+    from nodeagent.nvmlsource import open_nvml
 
     state = Path(config.simulate.state) if config.simulate.state else None
     adapter = open_nvml(config.simulate.machine or None, state, paths)
@@ -280,9 +280,9 @@ def _connect(config: AgentConfig, paths: HostPaths) -> Any:
 
 
 def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name: str) -> StepResult:
-    from nodeagent.gpu import open_nvml
     from nodeagent.mig.apply import MigStateFile
     from nodeagent.mig.pipeline import MigPipeline, load_configured_sources
+    from nodeagent.nvmlsource import open_nvml
 
     # The files first: a missing or broken one is bad input (exit 2) and changes nothing.
     sources = load_configured_sources(config.mig, paths)

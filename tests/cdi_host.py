@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nodeagent.cdi import simhost
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.profiles import MigProduct
-from nodeagent.gpu.sim import SimStore, inject, load_machine, machine_names
 from nodeagent.hostpaths import HostPaths
+from nodeagent.nvmlsource import open_nvml
+from nodeagent.simulator import inject
+from nodeagent.simulator.machine import load_machine, machine_names
+from nodeagent.simulator.state import SimStore
 
 SPEC_DIR = "/var/run/cdi"
 

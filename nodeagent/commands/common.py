@@ -65,7 +65,7 @@ def gpu_opts(ctx: click.Context) -> GpuOptions:
 
 def open_adapter(ctx: click.Context) -> NvmlAdapter:
     """The NVML adapter for this command: simulator or driver, host paths from the global --root."""
-    from nodeagent.gpu import open_nvml
+    from nodeagent.nvmlsource import open_nvml
 
     opts = gpu_opts(ctx)
     return open_nvml(opts.simulate, opts.sim_state, settings_of(ctx).paths)

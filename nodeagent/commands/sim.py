@@ -16,11 +16,11 @@ from nodeagent.commands.common import gpu_options, gpu_opts
 from nodeagent.errors import InputError
 
 if TYPE_CHECKING:
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.state import SimStore
 
 
 def _store(ctx: click.Context) -> SimStore:
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.state import SimStore
 
     opts = gpu_opts(ctx)
     if opts.sim_state is None:
@@ -50,7 +50,7 @@ def sim() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def machines(as_json: bool) -> None:
     """List the simulated machines."""
-    from nodeagent.gpu.sim import load_machine, machine_names
+    from nodeagent.simulator.machine import load_machine, machine_names
 
     rows: list[dict[str, Any]] = []
     for name in machine_names():
@@ -79,7 +79,7 @@ def show(ctx: click.Context) -> None:
 @click.pass_context
 def reboot(ctx: click.Context) -> None:
     """Reboot the simulated host: MIG instances vanish, pending (Ampere) MIG modes apply."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     store = _store(ctx)
     inject.reboot(store)
@@ -98,7 +98,7 @@ def mig(ctx: click.Context, gpus: str, disable: bool, profiles: tuple[str, ...])
     MIG is switched on as if already applied and reset; no PROFILES gives MIG on with no instances.
     For tests and demos: `nodeagent mig apply` is the real way.
     """
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
     store = _store(ctx)
     count = len(store.machine.gpus)
     if gpus == "all":
@@ -135,7 +135,7 @@ def inject_group() -> None:
 @click.pass_context
 def inject_xid(ctx: click.Context, gpu: int, code: int, gi_id: int | None) -> None:
     """An XID critical-error event on a GPU."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     inject.inject_xid(_store(ctx), gpu, code, gi_id)
     click.echo(f"XID {code} on GPU {gpu}")
@@ -147,7 +147,7 @@ def inject_xid(ctx: click.Context, gpu: int, code: int, gi_id: int | None) -> No
 @click.pass_context
 def inject_lost(ctx: click.Context, gpu: int) -> None:
     """The GPU falls off the bus (NVML_ERROR_GPU_IS_LOST on every call, XID 79 event)."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     inject.inject_lost(_store(ctx), gpu)
     click.echo(f"GPU {gpu} lost")
@@ -164,7 +164,7 @@ def inject_lost(ctx: click.Context, gpu: int) -> None:
 def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: int,
                    gi_id: int | None) -> None:
     """A process running on a GPU (blocks MIG changes and resets with IN_USE)."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     inject.inject_process(_store(ctx), gpu, pid, name, used_mib, gi_id)
     click.echo(f"process {pid} ({name}) on GPU {gpu}")
@@ -177,7 +177,7 @@ def inject_process(ctx: click.Context, gpu: int, pid: int, name: str, used_mib: 
 @click.pass_context
 def inject_kill(ctx: click.Context, gpu: int, pid: int | None) -> None:
     """End processes on a GPU."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     inject.kill_process(_store(ctx), gpu, pid)
     click.echo(f"processes ended on GPU {gpu}")
@@ -189,7 +189,7 @@ def inject_kill(ctx: click.Context, gpu: int, pid: int | None) -> None:
 @click.pass_context
 def inject_recover(ctx: click.Context, gpu: int | None) -> None:
     """Undo faults: lost GPUs come back, processes end."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     inject.recover(_store(ctx), gpu)
     click.echo("recovered")
@@ -205,7 +205,7 @@ def inject_recover(ctx: click.Context, gpu: int | None) -> None:
 @click.pass_context
 def inject_fail_next(ctx: click.Context, function: str, code: str, count: int, after: int) -> None:
     """Fail upcoming calls of one NVML function with an NVML error (one-shot)."""
-    from nodeagent.gpu.sim import inject
+    from nodeagent.simulator import inject
 
     inject.fail_next(_store(ctx), function, _error_code(code), count, after)
     click.echo(f"{function} fails {count} time(s) after {after} success(es)")

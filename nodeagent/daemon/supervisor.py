@@ -40,6 +40,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
+from nodeagent.deadline import within
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps, HealthSource
 from nodeagent.gpu.inventory import Inventory
@@ -384,7 +385,7 @@ class Daemon:
             log.debug("component %s failed to start", slot.spec.name, exc_info=True)
             self._slot_failed(slot, f"failed to start: {_one_line(e)}")
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(slot.component.stop(), STOP_TIMEOUT)
+                await within(slot.component.stop(), STOP_TIMEOUT)
             slot.component = None
             return
         slot.started = True
@@ -402,7 +403,7 @@ class Daemon:
         if comp is None:
             return
         try:
-            await asyncio.wait_for(comp.stop(), timeout)
+            await within(comp.stop(), timeout)
         except TimeoutError:
             log.warning("component %s did not stop within %.1fs", slot.spec.name, timeout)
         except Exception as e:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def open_gpu(config: AgentConfig, paths: HostPaths) -> GpuSource:
     """The NVML adapter (real, or the simulator with ``simulate.machine``)."""
-    from nodeagent.gpu import open_nvml
+    from nodeagent.nvmlsource import open_nvml
 
     state = Path(config.simulate.state) if config.simulate.state else None
     adapter: GpuSource = open_nvml(config.simulate.machine or None, state, paths)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
+from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
@@ -293,7 +294,7 @@ class DraComponent:
     async def wait_published(self, timeout: float = 10.0) -> int:
         """Wait until the current content is in the API; the pool generation."""
         async with self._synced:
-            await asyncio.wait_for(self._synced.wait_for(lambda: self._published == self._wanted), timeout)
+            await within(self._synced.wait_for(lambda: self._published == self._wanted), timeout)
         return self.publisher.generation
 
     async def stop(self, *, withdraw_slices: bool = True) -> None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.api import (
     health_pb2,
@@ -71,7 +72,7 @@ def dra_socket(kubelet_dir: Path, driver: str = DRIVER_NAME) -> Path:
 async def _in_time(work: Awaitable[T], context: AioServicerContext) -> T:
     """``work`` awaited for at most ``CALL_TIMEOUT_S``; past it, cancelled and the call DEADLINE_EXCEEDED."""
     try:
-        return await asyncio.wait_for(work, CALL_TIMEOUT_S)
+        return await within(work, CALL_TIMEOUT_S)
     except TimeoutError:
         await arefuse(context, DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s")
 

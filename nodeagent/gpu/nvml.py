@@ -1,7 +1,7 @@
 """The NVML adapter: the only code that calls NVML, as one object implementing every GPU port.
 
 ``NvmlAdapter`` receives the NVML module by injection — the real ``pynvml`` or
-``nodeagent.gpu.sim.SimulatedNvml`` — and runs the same code on both, plus a ``GpuResetter`` (how a GPU is
+``nodeagent.simulator.SimulatedNvml`` — and runs the same code on both, plus a ``GpuResetter`` (how a GPU is
 reset; ``nvidia-smi --gpu-reset`` unless another is given). Its parts, one module per port
 (``gpu/ports.py``): discovery (``nvml_discovery``), MIG administration (``nvml_mig``), health events
 (``nvml_events``) and telemetry (``nvml_telemetry``), over one NVML session (``nvml_session``).

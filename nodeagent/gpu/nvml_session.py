@@ -1,6 +1,6 @@
 """The NVML session under every GPU port: init/shutdown, handles, and NVML failures turned into errors.
 
-The NVML module is injected — the real ``pynvml`` or ``nodeagent.gpu.sim.SimulatedNvml`` — and called by
+The NVML module is injected — the real ``pynvml`` or ``nodeagent.simulator.SimulatedNvml`` — and called by
 function name, so the same code runs on both. Failures become ``nodeagent.errors`` classes naming the GPU
 (``raise ... from``); pynvml's ``NVMLLibraryMismatchError`` (a driver older than pynvml, without the
 versioned symbol; not an ``NVMLError``) becomes one clear error instead of a traceback.

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nodeagent.backoff import Backoff
+from nodeagent.deadline import within
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import read_text
 from nodeagent.gpu.inventory import Inventory
@@ -281,11 +282,11 @@ class MigReconciler:
             return None
         gpus = {r.checkpoint.index for r in records}
         if self.publisher is not None:
-            await asyncio.wait_for(self.publisher.withdraw(gpus), self.options.publish_timeout_s)
+            await within(self.publisher.withdraw(gpus), self.options.publish_timeout_s)
         try:
             # a pod given one of these GPUs' devices since (e.g. after a restart) keeps it untouched
             await self._wait_released("restoring the GPUs of an interrupted MIG apply", frozenset(gpus))
-            recovery = await asyncio.wait_for(
+            recovery = await within(
                 asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
         except TimeoutError as e:
             raise OperationError("restoring the GPUs of an interrupted MIG apply took longer than "
@@ -321,11 +322,11 @@ class MigReconciler:
             return SUCCESS, f"MIG config {name} is applied (no GPU needed a change)"
         touched = {g.index for g in the_plan.touched}
         if self.publisher is not None:
-            await asyncio.wait_for(self.publisher.withdraw(touched), self.options.publish_timeout_s)
+            await within(self.publisher.withdraw(touched), self.options.publish_timeout_s)
         applied: Inventory | None = None
         try:
             await self._wait_released(f"MIG config {name}", frozenset(touched))
-            result = await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
+            result = await within(asyncio.to_thread(pipeline.apply, the_plan, inventory),
                                             self.options.apply_timeout_s)
             applied = result.inventory  # discovered and verified by the apply itself
         except TimeoutError as e:
@@ -385,9 +386,9 @@ class MigReconciler:
 
     async def _publish(self, inventory: Inventory) -> None:
         if self.publisher is not None:
-            await asyncio.wait_for(self.publisher.update(inventory), self.options.publish_timeout_s)
+            await within(self.publisher.update(inventory), self.options.publish_timeout_s)
         if self.on_inventory is not None:
-            await asyncio.wait_for(self.on_inventory(inventory), self.options.publish_timeout_s)
+            await within(self.on_inventory(inventory), self.options.publish_timeout_s)
 
     # -- kube helpers (bounded, retried a few times) -------------------------------------------
 
@@ -409,7 +410,7 @@ class MigReconciler:
         backoff = Backoff(KUBE_RETRY_START_S, KUBE_RETRY_MAX_S, jitter=False)
         for attempt in range(attempts):
             try:
-                await asyncio.wait_for(call(), self.options.kube_timeout_s)
+                await within(call(), self.options.kube_timeout_s)
                 return
             except (NodeAgentError, TimeoutError) as e:
                 if attempt == attempts - 1:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.gpu.sim.inject import hold_device
-from nodeagent.gpu.sim.machine import load_machine, machine_names
-from nodeagent.gpu.sim.state import SimStore
+from nodeagent.simulator.inject import hold_device
+from nodeagent.simulator.machine import load_machine, machine_names
+from nodeagent.simulator.state import SimStore
 from tests.abi._abi import (
     ALL_MACHINES,
     MIG_LAYOUTS,

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nodeagent.gpu.sim.inject import inject_xid
-from nodeagent.gpu.sim.machine import load_machine
-from nodeagent.gpu.sim.state import SimStore
+from nodeagent.simulator.inject import inject_xid
+from nodeagent.simulator.machine import load_machine
+from nodeagent.simulator.state import SimStore
 from tests.abi._abi import abi_env, built, discover, nodeagent, nvml_view, plain_env, run
 
 NO_ID = 0xFFFFFFFF
@@ -22,7 +22,7 @@ NO_ID = 0xFFFFFFFF
 WAITER = """
 import json, sys
 from pathlib import Path
-from nodeagent.gpu import open_nvml
+from nodeagent.nvmlsource import open_nvml
 adapter = open_nvml(None, Path(sys.argv[1]))
 assert adapter.wait_events(0) == []
 print("ready", flush=True)
@@ -123,7 +123,7 @@ def test_lost_gpu_and_recovery_look_the_same_on_both_paths(tmp_path: Path) -> No
 RECOVERY = """
 import json, sys
 from pathlib import Path
-from nodeagent.gpu import open_nvml
+from nodeagent.nvmlsource import open_nvml
 adapter = open_nvml(None, Path(sys.argv[1]))
 actions = [adapter.recovery_action(i) for i in range(adapter.device_count())]
 raw = None

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 CHILD = r"""
 import json, statistics, sys, time
 from pathlib import Path
-from nodeagent.gpu import open_nvml
+from nodeagent.nvmlsource import open_nvml
 
 def best(fn, n):
     runs = []

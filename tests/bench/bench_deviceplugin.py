@@ -48,7 +48,7 @@ SERVER = r"""
 import asyncio, sys
 from pathlib import Path
 from nodeagent.deviceplugin.service import DevicePluginService
-from nodeagent.gpu import open_nvml
+from nodeagent.nvmlsource import open_nvml
 from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.sharing.spec import parse_plugin_config
 
@@ -131,8 +131,8 @@ def ms(values: list[float]) -> dict[str, float]:
 
 
 def sim_state(tmp: Path, machine: str, layouts: dict[int, list[str]] | None = None) -> Path:
-    from nodeagent.gpu.sim.inject import write_mig_layout
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.inject import write_mig_layout
+    from nodeagent.simulator.state import SimStore
 
     path = tmp / f"{machine}-{len(list(tmp.iterdir()))}.json"
     store = SimStore.open(machine, path)
@@ -226,8 +226,8 @@ def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
 
 
 def bench_list_896(tmp: Path, quick: bool) -> dict[str, Any]:
-    from nodeagent.gpu.sim.inject import inject_xid
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.inject import inject_xid
+    from nodeagent.simulator.state import SimStore
 
     state = sim_state(tmp, "dgx-h100", {g: ["1g.10gb"] * 7 for g in range(8)})
     config = (
@@ -271,10 +271,10 @@ def bench_list_896(tmp: Path, quick: bool) -> dict[str, Any]:
 
 async def bench_kubelet(tmp: Path, quick: bool) -> dict[str, Any]:
     from nodeagent.deviceplugin.service import DevicePluginService
-    from nodeagent.gpu import open_nvml
     from nodeagent.gpu.health import HealthMonitorSettings
-    from nodeagent.gpu.sim.inject import inject_xid
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.nvmlsource import open_nvml
+    from nodeagent.simulator.inject import inject_xid
+    from nodeagent.simulator.state import SimStore
     from tests.peers.harness import running_harness
 
     state = sim_state(tmp, "dgx-h100")

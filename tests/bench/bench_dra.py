@@ -38,10 +38,10 @@ from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.api import v1_pb2, v1_pb2_grpc
 from nodeagent.dra.component import DraComponent
 from nodeagent.dra.service import ClaimRef
-from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import open_sim
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient, connect
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator.open import open_sim
 from tests.integration.test_dra_kubelet import create_allocated_claim
 from tests.peers.apiserver import start_apiserver
 from tests.peers.draharness import Pod, start_dra_harness

@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import psutil
 
 from nodeagent.daemon.components.runtime import RUNTIME_CLASS_SPREAD_S
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.kube.client import KubeClient, connect
 from nodeagent.kube.conditions import (
@@ -55,6 +54,7 @@ from nodeagent.kube.gpuobjects import install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.publisher import NodePublisher, PublisherConfig
 from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
+from nodeagent.nvmlsource import open_nvml
 from tests._metrics import apiserver_request_counts
 from tests.peers.apiserver import KubeApiServer, start_apiserver
 

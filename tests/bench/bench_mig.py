@@ -75,12 +75,12 @@ async def bench_label(runs: int = 3) -> dict[str, Any]:
     from kubernetes import client as k8s
 
     from nodeagent.deviceplugin.service import DevicePluginService
-    from nodeagent.gpu import adapter_for_sim
-    from nodeagent.gpu.sim import open_sim
     from nodeagent.kube.client import KubeClient
     from nodeagent.kube.node import NodeClient
     from nodeagent.mig.reconciler import CONFIG_LABEL, STATE_LABEL, MigReconciler
+    from nodeagent.nvmlsource import adapter_for_sim
     from nodeagent.sharing.spec import parse_plugin_config
+    from nodeagent.simulator.open import open_sim
     from tests.peers import running_apiserver, running_harness
 
     results: list[dict[str, float]] = []
@@ -133,8 +133,8 @@ def bench_cdi_after_apply(rounds: int) -> dict[str, Any]:
     from nodeagent.cdi import simhost
     from nodeagent.cdi.writer import CdiWriter
     from nodeagent.deviceplugin.allocate import container_allocation
-    from nodeagent.gpu import open_nvml
     from nodeagent.mig.pipeline import MigPipeline, MigSources
+    from nodeagent.nvmlsource import open_nvml
     from nodeagent.sharing.devices import build_resources
     from nodeagent.sharing.spec import parse_plugin_config
     from tests.cdi_host import make_host

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent.gpu.sim import inject
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.mig.apply import MigStateFile
+from nodeagent.simulator import inject
+from nodeagent.simulator.state import SimStore
 from tests.e2e._agent import REPO, Agent, node_root, running_agent
 from tests.e2e.test_bootstrap_node import rerooted
 from tests.e2e.test_run_cluster import agent_config, eventually, make_node, node_obj, set_label

@@ -72,8 +72,8 @@ def promtool() -> Path:
 def scrape_text(tmp_path_factory: pytest.TempPathFactory) -> str:
     """/metrics of a running agent (simulated A30 x4, no Kubernetes, no kubelet) after GPU 1 reported XID 48
     and the driver asks for a GPU reset."""
-    from nodeagent.gpu.sim.inject import set_recovery_action
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.inject import set_recovery_action
+    from nodeagent.simulator.state import SimStore
 
     work = tmp_path_factory.mktemp("agent")
     sim_state = work / "sim.json"

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeagent.gpu.sim.inject import inject_xid, set_recovery_action
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.conditions import GPU_HEALTHY, GPU_READY, MIG_CONFIGURED, RUNTIME_READY
+from nodeagent.simulator.inject import inject_xid, set_recovery_action
+from nodeagent.simulator.state import SimStore
 from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import open_sim
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator.open import open_sim
 from tests.e2e._agent import eventually, node_root, running_agent
 from tests.e2e.test_run_cluster import make_node
 from tests.e2e.test_run_dra import config

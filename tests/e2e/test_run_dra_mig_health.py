@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from nodeagent.dra.slices import UNHEALTHY_TAINT_KEY
-from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import open_sim
-from nodeagent.gpu.sim.inject import inject_xid
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.client import KubeClient, connect
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator.inject import inject_xid
+from nodeagent.simulator.open import open_sim
+from nodeagent.simulator.state import SimStore
 from tests.e2e._agent import eventually, node_root, running_agent
 from tests.e2e.test_run_dra import DRIVER, dra_node, remove_node, slice_devices
 from tests.e2e.test_run_dra_dynamic_mig import complete_slices

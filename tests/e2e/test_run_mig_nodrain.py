@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent.gpu.sim.inject import inject_process, inject_xid, kill_process, set_recovery_action
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.conditions import GPU_READY, MIG_CONFIGURED
+from nodeagent.simulator.inject import inject_process, inject_xid, kill_process, set_recovery_action
+from nodeagent.simulator.state import SimStore
 from tests.e2e._agent import Agent, eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness, running_harness

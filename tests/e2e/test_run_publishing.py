@@ -16,9 +16,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeagent.gpu.sim.inject import inject_xid
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.gpuobjects import API_PATH
+from nodeagent.simulator.inject import inject_xid
+from nodeagent.simulator.state import SimStore
 from tests._metrics import node_watches
 from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer

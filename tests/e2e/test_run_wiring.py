@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nodeagent.gpu.sim.inject import inject_process
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.gpuobjects import API_PATH
+from nodeagent.simulator.inject import inject_process
+from nodeagent.simulator.state import SimStore
 from tests._metrics import scrape_or_none
 from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from nodeagent.deviceplugin.service import DevicePluginService
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.gpu.nvml import NvmlAdapter
+from nodeagent.nvmlsource import open_nvml
 from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers

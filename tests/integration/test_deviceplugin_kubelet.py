@@ -18,12 +18,12 @@ import pytest
 
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.errors import ConfigError
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim.inject import inject_lost, inject_xid, recover, write_mig_layout
-from nodeagent.gpu.sim.state import SimStore
+from nodeagent.nvmlsource import open_nvml
 from nodeagent.sharing.spec import PluginConfig, parse_plugin_config
+from nodeagent.simulator.inject import inject_lost, inject_xid, recover, write_mig_layout
+from nodeagent.simulator.state import SimStore
 from tests.peers.harness import HarnessError, KubeletHarness
 
 pytestmark = pytest.mark.peers

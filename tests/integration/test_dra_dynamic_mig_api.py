@@ -23,12 +23,12 @@ from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.service import ClaimRef
 from nodeagent.dra.slices import LAYOUT_INLINE, LAYOUT_SEPARATE, build_slices, layout_for, pool_content
 from nodeagent.errors import KubeError
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Gpu, Inventory
-from nodeagent.gpu.sim import open_sim
-from nodeagent.gpu.sim.machine import load_machine
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator.machine import load_machine
+from nodeagent.simulator.open import open_sim
 from tests.integration._releases import release_apiserver
 from tests.peers.apiserver import KubeApiServer
 

@@ -22,11 +22,11 @@ from nodeagent.dra.devices import build_counter_sets, build_devices
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import pool_content
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Gpu
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import open_sim
 from nodeagent.kube.client import KubeClient
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator.open import open_sim
 from tests.integration._kube import wait_for
 from tests.integration._releases import release_apiserver, release_binary
 from tests.peers.apiserver import KubeApiServer

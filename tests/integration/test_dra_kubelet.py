@@ -177,9 +177,11 @@ async def test_own_health_monitor_xid_taints_the_device_and_recovery_clears_it(
     kube: KubeClient, node_name: str, root: Path
 ) -> None:
     """Plane "dra" alone: the component runs the GPU health monitor on the (simulated) NVML itself."""
-    from nodeagent.gpu import open_nvml
     from nodeagent.gpu.health import HealthMonitorSettings
-    from nodeagent.gpu.sim import SimStore, inject, load_machine
+    from nodeagent.nvmlsource import open_nvml
+    from nodeagent.simulator import inject
+    from nodeagent.simulator.machine import load_machine
+    from nodeagent.simulator.state import SimStore
 
     state = root / "sim.json"
     nvml = open_nvml("dgx-h100", state, HostPaths(root))

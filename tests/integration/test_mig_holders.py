@@ -25,8 +25,6 @@ from nodeagent.daemon.shared import DevicePluginLink, Shared
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.component import DraComponent
 from nodeagent.dra.service import ClaimRef
-from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import open_sim
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.node import NodeClient
@@ -41,6 +39,8 @@ from nodeagent.mig.reconciler import (
     MigReconciler,
     MigReconcilerOptions,
 )
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator.open import open_sim
 from tests.integration.test_dra_withdraw import Plane
 from tests.integration.test_mig_reconciler import events, layout, run_until_terminal
 from tests.peers import KubeletHarness

@@ -16,11 +16,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import inject, open_sim
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.node import NodeClient, NodeView
 from nodeagent.mig.apply import MigStateFile
@@ -31,6 +28,10 @@ from nodeagent.mig.reconciler import (
     MigReconciler,
     MigReconcilerOptions,
 )
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.open import open_sim
+from nodeagent.simulator.state import SimStore
 from tests.peers import KubeApiServer, KubeletHarness
 
 TERMINAL = {"success", "failed", "rebooting"}
@@ -253,7 +254,7 @@ async def test_reboot_required_then_resume_after_boot(node: NodeClient, tmp_path
 
 
 def open_sim_from(store: SimStore) -> Any:
-    from nodeagent.gpu.sim import SimulatedNvml
+    from nodeagent.simulator.nvml import SimulatedNvml
 
     return SimulatedNvml(store)
 

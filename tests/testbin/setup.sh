@@ -332,7 +332,7 @@ nodeagent_peers_cdi_check() {
 
 # --- NVML ABI mode: the stand-in libnvidia-ml.so.1 and NVIDIA's Go tools on it (README: ABI mode) ---------
 # Builds, cached like the Go peers:
-#   ${NODEAGENT_CACHE}/lib/nvml-abi-<hash>/libnvidia-ml.so.1   (nodeagent/gpu/abi, gcc; nvml.h from go-nvml)
+#   ${NODEAGENT_CACHE}/lib/nvml-abi-<hash>/libnvidia-ml.so.1   (nodeagent/simulator/abi, gcc; nvml.h from go-nvml)
 #   ${NODEAGENT_CACHE}/bin/nvml-view-<version>-<hash>          (tests/testbin/nvml-view: go-nvml + go-nvlib)
 #   ${NODEAGENT_CACHE}/bin/nvidia-ctk-<version>-<hash>         (tests/testbin/nvidia-ctk: the toolkit's CLI)
 # and exports NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK. cgo builds use a private
@@ -366,13 +366,13 @@ nodeagent_peers_nvml_abi() {
     _peers_log "github.com/NVIDIA/go-nvml in $nvml_dir has no pkg/nvml/nvml.h"
     return 1
   fi
-  hash=$(cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.gpu.abi.build --nvml-h "$nvml_h" --hash) || return 1
+  hash=$(cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.simulator.abi.build --nvml-h "$nvml_h" --hash) || return 1
   local libdir=$NODEAGENT_CACHE/lib/nvml-abi-$hash
   if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
     _peers_log "plan: stand-in libnvidia-ml.so.1 $([ -f "$libdir/libnvidia-ml.so.1" ] && echo cached || echo to build)"
   elif [ ! -f "$libdir/libnvidia-ml.so.1" ]; then
     _peers_log "building the stand-in libnvidia-ml.so.1 ($libdir)"
-    (cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.gpu.abi.build --nvml-h "$nvml_h" --out "$libdir") >/dev/null ||
+    (cd "$NODEAGENT_TESTBIN/../.." && "$py" -m nodeagent.simulator.abi.build --nvml-h "$nvml_h" --out "$libdir") >/dev/null ||
       return 1
   fi
   export NODEAGENT_NVML_LIBRARY=$libdir/libnvidia-ml.so.1

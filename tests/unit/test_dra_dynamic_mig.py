@@ -34,11 +34,12 @@ from nodeagent.dra.slices import (
     pool_content,
 )
 from nodeagent.errors import InsufficientResourcesError
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import inject, open_sim
-from nodeagent.gpu.sim.machine import load_machine, machine_names
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.machine import load_machine, machine_names
+from nodeagent.simulator.open import open_sim
 
 POOL = "node-a"
 DRIVER = "gpu.nodeagent.io"
@@ -275,8 +276,9 @@ from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
 from nodeagent.dra.devices import build_devices
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
-from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import inject, open_sim
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.open import open_sim
 
 tmp, device, stop_after = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 adapter = adapter_for_sim(open_sim(None, tmp / "sim.json"))

@@ -12,11 +12,13 @@ import pytest
 import yaml
 
 from nodeagent.errors import NvmlError, NvmlPermissionError, ResetRequiredError
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.gpu.ports import GpuDiscovery, GpuTelemetry, HealthEvents, MigAdministration
-from nodeagent.gpu.sim import SimStore, SimulatedNvml, inject, load_machine
-from nodeagent.gpu.sim.machine import parse_machine
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.machine import load_machine, parse_machine
+from nodeagent.simulator.nvml import SimulatedNvml
+from nodeagent.simulator.state import SimStore
 
 
 def _adapter(machine: str, *, privileged: bool = True) -> tuple[NvmlAdapter, SimStore]:
@@ -144,7 +146,7 @@ def test_recovery_action_field() -> None:
 
 
 def _machine_without(functions: list[str]) -> SimStore:
-    text = (resources.files("nodeagent.gpu.sim") / "machines" / "dgx-h100.yaml").read_text()
+    text = (resources.files("nodeagent.simulator") / "machines" / "dgx-h100.yaml").read_text()
     doc = yaml.safe_load(text)
     doc["missing_functions"] = functions
     return SimStore(parse_machine("old-driver", doc))
@@ -195,8 +197,8 @@ async def test_health_monitor_on_the_adapter_follows_the_recovery_action(tmp_pat
     unhealthy past the quiet window; once the driver reports "none" it recovers after the window."""
     import asyncio
 
-    from nodeagent.gpu import open_nvml
     from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings
+    from nodeagent.nvmlsource import open_nvml
 
     changes: list[int] = []
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.health import HealthMonitor, HealthMonitorSettings, HealthSource
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import inject
 from nodeagent.hostpaths import HostPaths
+from nodeagent.nvmlsource import open_nvml
+from nodeagent.simulator import inject
 
 XID = {"gpu_index": 0, "xid": 79}
 

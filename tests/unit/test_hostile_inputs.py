@@ -221,8 +221,8 @@ def test_mig_plan_from_an_endless_pipe_is_one_line() -> None:
 def test_cdi_spec_path_fifo_neither_hangs_the_writer_nor_cdi_show(tmp_path: Path) -> None:
     from nodeagent.cdi.host import CdiError
     from nodeagent.cdi.writer import CdiWriter
-    from nodeagent.gpu import open_nvml
     from nodeagent.hostpaths import HostPaths
+    from nodeagent.nvmlsource import open_nvml
 
     spec = tmp_path / "var/run/cdi/nvidia.yaml"
     spec.parent.mkdir(parents=True)
@@ -260,7 +260,7 @@ def test_cdi_spec_path_fifo_neither_hangs_the_writer_nor_cdi_show(tmp_path: Path
 
 
 def sim_state(path: Path) -> dict[str, object]:
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.state import SimStore
 
     SimStore.open("dgx-h100", path)
     doc: dict[str, object] = json.loads(path.read_text())
@@ -312,7 +312,7 @@ def wrong(doc: dict[str, object], change: str) -> dict[str, object]:
     ],
 )
 def test_sim_state_of_wrong_types_is_refused_and_left_alone(tmp_path: Path, change: str) -> None:
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.state import SimStore
 
     good = sim_state(tmp_path / "good.json")
     path = tmp_path / "state.json"
@@ -327,7 +327,7 @@ def test_sim_state_of_wrong_types_is_refused_and_left_alone(tmp_path: Path, chan
 
 @pytest.mark.parametrize("kind", ["deep", "bigint", "fifo", "zero", "not-json"])
 def test_sim_state_unreadable_files_are_one_line(tmp_path: Path, kind: str) -> None:
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.state import SimStore
 
     path = tmp_path / "state.json"
     if kind == "deep":

@@ -113,7 +113,7 @@ def test_scrape_over_http() -> None:
 
 
 def test_readings_from_the_nvml_adapter_on_the_simulator() -> None:
-    from nodeagent.gpu import open_nvml
+    from nodeagent.nvmlsource import open_nvml
 
     nvml = open_nvml("dgx-a100-40gb")
     try:

@@ -9,15 +9,16 @@ import pynvml
 import pytest
 
 from nodeagent.errors import GpuBusyError, InsufficientResourcesError, OperationError, RebootRequired
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import inject, open_sim
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.mig.apply import Applier, GpuCheckpoint, MigStateFile, pod_uid_from_cgroup
 from nodeagent.mig.hooks import HookRunner, parse_hooks
 from nodeagent.mig.planner import Plan, plan
 from nodeagent.mig.spec import parse_config, resolve
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.open import open_sim
+from nodeagent.simulator.state import SimStore
 
 POD = "8f0c2a1e-3b4d-4c5e-9f60-718293a4b5c6"
 
@@ -258,8 +259,8 @@ def test_passthrough_vm_mode_change_means_reboot(tmp_path: Path) -> None:
 
 def test_unprivileged_apply_fails_with_one_line() -> None:
     from nodeagent.errors import NvmlPermissionError
-    from nodeagent.gpu import adapter_for_sim
-    from nodeagent.gpu.sim import SimulatedNvml
+    from nodeagent.nvmlsource import adapter_for_sim
+    from nodeagent.simulator.nvml import SimulatedNvml
 
     _, store = sim("dgx-h100")
     inject.write_mig_layout(store, 0, ["3g.40gb"])

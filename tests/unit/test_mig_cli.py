@@ -63,8 +63,8 @@ def test_busy_refusal_exit_1_and_reboot_exit_3(tmp_path: Path, capsys: pytest.Ca
     state = str(tmp_path / "sim.json")
     sim = ["--simulate", "dgx-a100-80gb", "--sim-state", state]
     base = ["--root", str(tmp_path)]
-    from nodeagent.gpu.sim import inject
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator import inject
+    from nodeagent.simulator.state import SimStore
 
     store = SimStore.open("dgx-a100-80gb", Path(state))
     inject.write_mig_layout(store, 0, ["7g.80gb"])

@@ -12,7 +12,6 @@ from nodeagent import bootstrap
 from nodeagent.config import AgentConfig, apply_overrides
 from nodeagent.daemon import read_config_files
 from nodeagent.errors import ConfigError
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.mig.pipeline import (
@@ -24,6 +23,7 @@ from nodeagent.mig.pipeline import (
     unselected_mig_gpus,
 )
 from nodeagent.mig.reconciler import MigReconciler, MigReconcilerOptions
+from nodeagent.nvmlsource import open_nvml
 from tests.unit.test_mig_cli import run
 
 ONE_GPU = "version: v1\nmig-configs:\n  first:\n  - devices: [0]\n    mig-enabled: false\n"

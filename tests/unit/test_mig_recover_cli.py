@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from nodeagent.cli import main
-from nodeagent.gpu import adapter_for_sim
-from nodeagent.gpu.sim import inject, open_sim
 from nodeagent.hostpaths import HostPaths
 from nodeagent.mig.apply import Applier, GpuCheckpoint, MigStateFile
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.open import open_sim
 from tests.unit.test_mig_recovery import CONFIG, DyingAdapter, Killed, arrange_inside, make_plan
 
 OLD = ["3g.40gb", "3g.40gb"]

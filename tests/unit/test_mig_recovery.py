@@ -18,14 +18,15 @@ import pynvml
 import pytest
 
 from nodeagent.errors import NvmlError, OperationError
-from nodeagent.gpu import adapter_for_sim
 from nodeagent.gpu.inventory import GpuProcess, Inventory, MigDevice, MigProfile
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import inject, open_sim
-from nodeagent.gpu.sim.state import SimStore
 from nodeagent.mig.apply import Applier, GpuCheckpoint, MigStateFile, recover_interrupted
 from nodeagent.mig.planner import Plan, plan
 from nodeagent.mig.spec import parse_config, resolve
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.open import open_sim
+from nodeagent.simulator.state import SimStore
 
 UNKNOWN = int(pynvml.NVML_ERROR_UNKNOWN)
 

@@ -8,11 +8,12 @@ import pynvml
 import pytest
 
 from nodeagent.errors import GpuBusyError, GpuLostError, InputError, InsufficientResourcesError, NvmlError
-from nodeagent.gpu import open_nvml
 from nodeagent.gpu.inventory import LinkKind
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.gpu.sim import inject, machine_names
 from nodeagent.hostpaths import HostPaths
+from nodeagent.nvmlsource import open_nvml
+from nodeagent.simulator import inject
+from nodeagent.simulator.machine import machine_names
 
 
 @pytest.fixture

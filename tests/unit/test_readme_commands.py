@@ -28,7 +28,7 @@ def test_quickstart_installs_then_runs_a_simulated_machine() -> None:
     cmd = _block_after("## Try it")
     steps = [shlex.split(s) for s in cmd.split("&&")]
     assert steps[0][:3] == ["python3", "-m", "venv"] and steps[1][:2] == [".venv/bin/pip", "install"]
-    from nodeagent.gpu.sim import machine_names
+    from nodeagent.simulator.machine import machine_names
 
     agent = steps[-1]
     assert agent[0] == ".venv/bin/nodeagent"

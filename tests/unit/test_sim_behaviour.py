@@ -13,7 +13,10 @@ import pynvml
 import pytest
 
 from nodeagent.errors import InputError
-from nodeagent.gpu.sim import SimStore, SimulatedNvml, inject, load_machine, machine_names
+from nodeagent.simulator import inject
+from nodeagent.simulator.machine import load_machine, machine_names
+from nodeagent.simulator.nvml import SimulatedNvml
+from nodeagent.simulator.state import SimStore
 
 
 def _sim(machine: str, path: Path | None = None) -> SimulatedNvml:

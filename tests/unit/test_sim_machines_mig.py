@@ -12,8 +12,8 @@ import yaml
 
 from nodeagent.cli import main
 from nodeagent.gpu.profiles import PRODUCTS
-from nodeagent.gpu.sim import load_machine, machine_names
 from nodeagent.mig.spec import label_safe
+from nodeagent.simulator.machine import load_machine, machine_names
 
 MIG_MACHINES = [m for m in machine_names() if any(g.mig_product for g in load_machine(m).gpus)]
 
@@ -79,9 +79,9 @@ def test_every_mig_product_has_a_machine() -> None:
 def test_labels_for_every_profile_under_all_three_strategies(machine: str) -> None:
     """Each profile laid out uniformly on every GPU: gpu.* and mig-* labels as NVIDIA's labelers give
     them, for every profile of every table."""
-    from nodeagent.gpu import open_nvml
-    from nodeagent.gpu.sim import inject
     from nodeagent.kube.labels import SharingFacts, desired_labels
+    from nodeagent.nvmlsource import open_nvml
+    from nodeagent.simulator import inject
 
     spec = load_machine(machine)
     product = next(g.mig_product for g in spec.gpus if g.mig_product is not None)
@@ -117,11 +117,11 @@ def test_device_plugin_resources_under_all_three_strategies(machine: str) -> Non
     advertises ``nvidia.com/mig-<profile>`` (``+`` as ``.``), single refuses two profiles in one line,
     none advertises whole GPUs."""
     from nodeagent.errors import ConfigError
-    from nodeagent.gpu import open_nvml
     from nodeagent.gpu.profiles import resource_name
-    from nodeagent.gpu.sim import inject
+    from nodeagent.nvmlsource import open_nvml
     from nodeagent.sharing.devices import base_resources
     from nodeagent.sharing.spec import parse_plugin_config
+    from nodeagent.simulator import inject
 
     spec = load_machine(machine)
     product = next(g.mig_product for g in spec.gpus if g.mig_product is not None)

@@ -9,7 +9,10 @@ import pynvml
 import pytest
 
 from nodeagent.gpu import profiles
-from nodeagent.gpu.sim import SimStore, SimulatedNvml, inject, load_machine
+from nodeagent.simulator import inject
+from nodeagent.simulator.machine import load_machine
+from nodeagent.simulator.nvml import SimulatedNvml
+from nodeagent.simulator.state import SimStore
 
 # Transcribed from nodeagent/gpu/FACTS.md: (product, profile, count, MiB, starts, size, SM, CE,
 # decoders, JPEG, OFA). Memory is NVML's MiB figure (nvidia-smi -lgip GiB x 1024).

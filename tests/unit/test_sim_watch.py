@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 
 from nodeagent.fileio import atomic_write
-from nodeagent.gpu import open_nvml
-from nodeagent.gpu.sim import SimStore, inject, load_machine
-from nodeagent.gpu.sim import state as sim_state
-from nodeagent.gpu.sim.watch import FileWatch
 from nodeagent.hostpaths import HostPaths
+from nodeagent.nvmlsource import open_nvml
+from nodeagent.simulator import inject
+from nodeagent.simulator import state as sim_state
+from nodeagent.simulator.machine import load_machine
+from nodeagent.simulator.state import SimStore
+from nodeagent.simulator.watch import FileWatch
 
 
 def _later(delay: float, fn: object) -> threading.Thread:

@@ -30,8 +30,8 @@ from typing import Any
 from nodeagent.boundedyaml import shown
 from nodeagent.errors import InputError
 from nodeagent.fileio import UnreadableFileError, atomic_write, read_regular
-from nodeagent.gpu.sim.machine import SimMachine, load_machine
-from nodeagent.gpu.sim.watch import FileWatch
+from nodeagent.simulator.machine import SimMachine, load_machine
+from nodeagent.simulator.watch import FileWatch
 
 log = logging.getLogger(__name__)
 

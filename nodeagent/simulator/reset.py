@@ -5,7 +5,7 @@ from __future__ import annotations
 import pynvml
 
 from nodeagent.errors import GpuBusyError, GpuLostError, NvmlError, ResetRequiredError
-from nodeagent.gpu.sim.nvml import SimulatedNvml
+from nodeagent.simulator.nvml import SimulatedNvml
 
 
 class SimGpuResetter:

@@ -11,9 +11,9 @@ import pynvml
 from nodeagent.errors import InputError
 from nodeagent.gpu.inventory import MigProfile
 from nodeagent.gpu.profiles import CI_PROFILE_FOR_SLICES, MigProduct, gpu_instance_id
-from nodeagent.gpu.sim.nvml import SimulatedNvml
-from nodeagent.gpu.sim.nvml_base import append_event, reboot_state
-from nodeagent.gpu.sim.state import SimStore
+from nodeagent.simulator.nvml import SimulatedNvml
+from nodeagent.simulator.nvml_base import append_event, reboot_state
+from nodeagent.simulator.state import SimStore
 
 XID_GPU_FALLEN_OFF_BUS = 79
 

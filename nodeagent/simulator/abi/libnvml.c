@@ -2,7 +2,7 @@
  * A stand-in libnvidia-ml.so.1 backed by nodeagent's NVML simulator.
  *
  * Every NVML entry point (generated from nvml.h into entry.c by build.py) packs its arguments as 64-bit
- * integers and calls abi_call(), which runs nodeagent.gpu.abi.bridge.dispatch(name, args) in CPython.
+ * integers and calls abi_call(), which runs nodeagent.simulator.abi.bridge.dispatch(name, args) in CPython.
  * The bridge fills the caller's output structs in place (ctypes from_address) and returns an
  * nvmlReturn_t; a name the bridge does not implement answers NVML_ERROR_NOT_SUPPORTED.
  *
@@ -69,7 +69,7 @@ static struct {
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int ready;             /* 1 when the bridge's dispatch is callable */
-static PyObject *dispatch_fn; /* nodeagent.gpu.abi.bridge.dispatch */
+static PyObject *dispatch_fn; /* nodeagent.simulator.abi.bridge.dispatch */
 
 static void *sym(void *lib, const char *name, int *missing) {
     void *p = dlsym(lib, name);
@@ -161,13 +161,13 @@ static void start(void) {
         const char *paths = getenv("NODEAGENT_NVML_PYTHONPATH");
         extend_sys_path(paths != NULL && *paths != '\0' ? paths : NODEAGENT_DEFAULT_PYTHONPATH);
     }
-    PyObject *mod = py.ImportModule("nodeagent.gpu.abi.bridge");
+    PyObject *mod = py.ImportModule("nodeagent.simulator.abi.bridge");
     if (mod != NULL) {
         dispatch_fn = py.GetAttrString(mod, "dispatch");
         py.DecRef(mod);
     }
     if (dispatch_fn == NULL) {
-        fprintf(stderr, "libnvidia-ml (nodeagent stand-in): cannot import nodeagent.gpu.abi.bridge "
+        fprintf(stderr, "libnvidia-ml (nodeagent stand-in): cannot import nodeagent.simulator.abi.bridge "
                         "(set NODEAGENT_NVML_PYTHONPATH)\n");
         if (py.ErrOccurred())
             py.ErrPrint();

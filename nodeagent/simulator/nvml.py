@@ -14,7 +14,7 @@ VM; a pending mode applies at a GPU reset (``simResetGpu``, Ampere; Hopper forge
 non-root caller (``privileged=False`` or NODEAGENT_SIM_UNPRIVILEGED=1) gets NO_PERMISSION where the driver
 gives it; GPU-instance ids are numbered as the driver does in the MIG user guide's examples. Faults (XID
 events with a recovery action, lost GPUs, processes, held devices, one-shot call failures) are written
-into the shared state by ``nodeagent.gpu.sim.inject``; a machine may lack versioned NVML functions
+into the shared state by ``nodeagent.simulator.inject``; a machine may lack versioned NVML functions
 (``missing_functions``: NVMLLibraryMismatchError).
 
 Extensions beyond NVML are named ``sim*``. The class is assembled from parts: the plumbing every call
@@ -30,8 +30,8 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.gpu.sim.machine import SimGpuSpec
-from nodeagent.gpu.sim.nvml_base import (
+from nodeagent.simulator.machine import SimGpuSpec
+from nodeagent.simulator.nvml_base import (
     _DEV,
     _EVSET,
     _MIG,
@@ -46,8 +46,8 @@ from nodeagent.gpu.sim.nvml_base import (
     _reset_gpu_state,
     reboot_state,
 )
-from nodeagent.gpu.sim.nvml_mig import MigCalls
-from nodeagent.gpu.sim.state import State
+from nodeagent.simulator.nvml_mig import MigCalls
+from nodeagent.simulator.state import State
 
 
 class SimulatedNvml(MigCalls):
@@ -427,6 +427,6 @@ class SimulatedNvml(MigCalls):
             _reset_gpu_state(gs, self._spec(index))
 
     def simReboot(self) -> None:
-        """Reboot the machine (see ``nodeagent.gpu.sim.inject.reboot``)."""
+        """Reboot the machine (see ``nodeagent.simulator.inject.reboot``)."""
         with self.store.transaction() as st:
             reboot_state(st, self.machine)

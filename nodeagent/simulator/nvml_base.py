@@ -1,6 +1,6 @@
 """The simulated NVML's plumbing: handles encoded in ctypes pointers, the call gate (init count, missing
 functions, privileges, injected one-shot failures), lookups shared by every NVML call, and the changes of
-the shared state that a reset, a reboot or an event make (``nodeagent.gpu.sim.nvml`` has the calls)."""
+the shared state that a reset, a reboot or an event make (``nodeagent.simulator.nvml`` has the calls)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Any
 import pynvml
 
 from nodeagent.gpu.profiles import MigProduct, ProfileSpec, gpu_instance_id
-from nodeagent.gpu.sim.machine import SimGpuSpec, SimMachine
-from nodeagent.gpu.sim.state import MAX_EVENTS, SimStore, State
+from nodeagent.simulator.machine import SimGpuSpec, SimMachine
+from nodeagent.simulator.state import MAX_EVENTS, SimStore, State
 
 MIB = 1024 * 1024
 NO_ID = 0xFFFFFFFF

@@ -15,7 +15,7 @@ from pathlib import Path
 import pynvml
 
 from nodeagent.errors import InputError
-from nodeagent.gpu.sim import open_sim
+from nodeagent.simulator.open import open_sim
 
 
 def main(argv: list[str] | None = None) -> int:

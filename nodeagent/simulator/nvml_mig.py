@@ -1,5 +1,5 @@
 """The simulated NVML's MIG calls: MIG mode, GPU- and compute-instance profiles, placements and
-instances, and MIG device handles (part of ``nodeagent.gpu.sim.nvml.SimulatedNvml``)."""
+instances, and MIG device handles (part of ``nodeagent.simulator.nvml.SimulatedNvml``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pynvml
 
 from nodeagent.gpu.profiles import CI_PROFILE_FOR_SLICES, MigProduct
-from nodeagent.gpu.sim.nvml_base import (
+from nodeagent.simulator.nvml_base import (
     _CI,
     _DEV,
     _GI,
@@ -22,7 +22,7 @@ from nodeagent.gpu.sim.nvml_base import (
     copy_gs,
     driver_gi_id,
 )
-from nodeagent.gpu.sim.state import State
+from nodeagent.simulator.state import State
 
 
 class MigCalls(SimBase):

@@ -27,7 +27,8 @@ from typing import Any
 import pynvml
 
 from nodeagent.errors import InputError
-from nodeagent.gpu.sim import SimulatedNvml, open_sim
+from nodeagent.simulator.nvml import SimulatedNvml
+from nodeagent.simulator.open import open_sim
 
 SUCCESS = 0
 UNINITIALIZED = 1

@@ -87,7 +87,7 @@ class SimMachine:
 
 def machine_names() -> list[str]:
     """Names of the bundled machines."""
-    root = resources.files("nodeagent.gpu.sim") / "machines"
+    root = resources.files("nodeagent.simulator") / "machines"
     return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
@@ -97,7 +97,7 @@ def load_machine(name: str) -> SimMachine:
         raise InputError(
             f"unknown simulated machine {shown(name)}; known: {', '.join(machine_names())}", subject=name
         )
-    text = (resources.files("nodeagent.gpu.sim") / "machines" / f"{name}.yaml").read_text()
+    text = (resources.files("nodeagent.simulator") / "machines" / f"{name}.yaml").read_text()
     return parse_machine(name, yaml.safe_load(text))
 
 

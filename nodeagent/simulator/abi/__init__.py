@@ -1,7 +1,7 @@
 """ABI mode: the real ``pynvml`` over a stand-in ``libnvidia-ml.so.1`` that serves the simulator.
 
 ``open_pynvml(machine, state)`` loads the stand-in library (``NODEAGENT_NVML_LIBRARY``, built by
-``python -m nodeagent.gpu.abi.build``) into this process under its soname, so pynvml's own
+``python -m nodeagent.simulator.abi.build``) into this process under its soname, so pynvml's own
 ``CDLL("libnvidia-ml.so.1")`` binds to it, and returns the unmodified ``pynvml`` module. Every NVML call
 nodeagent makes then goes through ctypes, the C ABI and back into the simulator (``bridge.py``), exactly
 the path a GPU node runs. The machine and state are also exported as ``NODEAGENT_SIM_MACHINE`` /
@@ -43,7 +43,7 @@ def library_path() -> Path:
     if not value:
         raise InputError(
             f"ABI mode needs the stand-in NVML library: set {LIBRARY_ENV} to the libnvidia-ml.so.1 built by "
-            "`python -m nodeagent.gpu.abi.build` (tests/testbin/setup.sh builds and exports it)",
+            "`python -m nodeagent.simulator.abi.build` (tests/testbin/setup.sh builds and exports it)",
             subject=LIBRARY_ENV,
         )
     path = Path(value)
@@ -57,7 +57,7 @@ def _smi_dir() -> Path:
     d = Path(tempfile.mkdtemp(prefix="nodeagent-nvml-abi-"))
     atexit.register(shutil.rmtree, d, True)
     script = d / "nvidia-smi"
-    script.write_text(f"#!/bin/sh\nexec '{sys.executable}' -m nodeagent.gpu.abi.smi \"$@\"\n")
+    script.write_text(f"#!/bin/sh\nexec '{sys.executable}' -m nodeagent.simulator.abi.smi \"$@\"\n")
     script.chmod(0o755)
     return d
 
@@ -74,7 +74,7 @@ def open_pynvml(machine: str | None, state: Path | None) -> ModuleType:
     path = library_path()
     if state is None:
         state = _private_state()
-    from nodeagent.gpu.sim.state import SimStore
+    from nodeagent.simulator.state import SimStore
 
     store = SimStore.open(machine, state)  # a bad machine name or state file fails here, in one line
     if not state.exists():
@@ -94,7 +94,7 @@ def open_pynvml(machine: str | None, state: Path | None) -> ModuleType:
         else:
             os.environ.pop(MACHINE_ENV, None)
         os.environ[STATE_ENV] = str(state.absolute())
-    from nodeagent.gpu.abi import bridge
+    from nodeagent.simulator.abi import bridge
 
     bridge.configure(machine, state.absolute())
     import pynvml

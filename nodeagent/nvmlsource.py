@@ -1,0 +1,58 @@
+"""Which NVML the adapter is handed: the real driver's, the simulator, or the real pynvml over the stand-in.
+
+The production path (``nodeagent.gpu``) never imports the simulator; this module is the one place that
+chooses, for the commands and the daemon that take ``--simulate`` / ``--sim-state``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nodeagent.errors import InputError
+from nodeagent.hostpaths import HostPaths
+
+if TYPE_CHECKING:
+    from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.simulator.nvml import SimulatedNvml
+
+
+def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPaths | None = None) -> NvmlAdapter:
+    """The NVML adapter over the simulator (``simulate`` machine and/or an existing ``sim_state`` file)
+    or, with neither, over the real driver (NvmlNotFoundError when it is not installed)."""
+    from nodeagent.gpu.nvml import NvmlAdapter
+
+    if simulate is None and sim_state is None:
+        import pynvml
+
+        return NvmlAdapter(pynvml, paths)
+
+    if paths is not None and paths.root == Path("/"):
+        # the simulator lays out stand-in host files (/dev/nvidia*, /proc/devices, the CDI spec)
+        raise InputError("the NVML simulator never acts on the real host: give it a sandbox root "
+                         "(--root DIR), not /")
+    if sim_state is not None and not sim_state.absolute().parent.is_dir():
+        raise InputError(f"sim-state file {sim_state}: directory {sim_state.absolute().parent} does not exist",
+                         subject=str(sim_state))
+
+    from nodeagent.simulator import abi
+
+    if abi.abi_mode_requested():  # the real pynvml over the stand-in libnvidia-ml.so.1 (docs/simulator.md: ABI mode)
+        adapter = NvmlAdapter(abi.open_pynvml(simulate, sim_state), paths)
+        if sim_state is not None:  # one simulated machine: the same fault domain as the Python path
+            adapter.fault_domain = f"sim:{sim_state.absolute()}"
+        return adapter
+    from nodeagent.simulator.open import open_sim
+
+    return adapter_for_sim(open_sim(simulate, sim_state), paths)
+
+
+def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlAdapter:
+    """The NVML adapter over a simulator, resetting GPUs the simulator's way."""
+    from nodeagent.gpu.nvml import NvmlAdapter
+    from nodeagent.simulator.reset import SimGpuResetter
+
+    adapter = NvmlAdapter(sim, paths, SimGpuResetter(sim))
+    path = sim.store.path
+    adapter.fault_domain = None if path is None else f"sim:{path.absolute()}"
+    return adapter
