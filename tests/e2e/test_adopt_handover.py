@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from nodeagent.gpu import open_nvml
+from nodeagent.nvmlsource import open_nvml
 from tests.e2e._agent import REPO, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer, free_port
 from tests.peers.gpustub import running_gpu_stub

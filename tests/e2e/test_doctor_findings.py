@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.gpu.sim.inject import set_recovery_action
-from nodeagent.gpu.sim.machine import load_machine
-from nodeagent.gpu.sim.state import SimStore
+from nodeagent.simulator.inject import set_recovery_action
+from nodeagent.simulator.machine import load_machine
+from nodeagent.simulator.state import SimStore
 from tests.e2e.test_doctor import _doctor, _na, _one
 from tests.peers.apiserver import KubeApiServer
 
