@@ -19,11 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
+
+if TYPE_CHECKING:
+    from nodeagent.adopt.detect import Conflict, Requests
+    from nodeagent.kube.events import EventRecorder
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ class AdoptComponent(Component):
     def __init__(self, ctx: Context) -> None:
         super().__init__()
         self._ctx = ctx
-        self._events: Any = None
+        self._events: EventRecorder | None = None
         if ctx.kube is not None:
             from nodeagent.kube.events import EventRecorder
             from nodeagent.kube.node import NodeClient
@@ -47,7 +51,7 @@ class AdoptComponent(Component):
         self._reported: set[tuple[str, str, str]] = set()  # conflicts an Event was recorded for (still there)
         self._lock = asyncio.Lock()
         self.handing_over = ctx.config.adopt.gpu_operator and ctx.kube is not None
-        self.conflicts: list[Any] = []  # the last pass's detect.Conflict list
+        self.conflicts: list[Conflict] = []  # the last pass's
         self.unread: tuple[str, ...] = ()
         self.poll_s = HANDOVER_POLL_S
 
@@ -122,7 +126,7 @@ class AdoptComponent(Component):
             await self._report(self.conflicts)
             self._hold(wanted, self.conflicts)
 
-    async def _report(self, conflicts: list[Any]) -> None:
+    async def _report(self, conflicts: list[Conflict]) -> None:
         from nodeagent.kube.conditions import ConflictInput
 
         self._ctx.shared.conditions.report_conflicts(tuple(
@@ -140,7 +144,7 @@ class AdoptComponent(Component):
         self._ctx.set_status(self.name, f"{len(conflicts)} conflict(s)" + (" (handing over)" if self.handing_over
                                                                              else ""))
 
-    def _hold(self, wanted: dict[str, str], conflicts: list[Any]) -> None:
+    def _hold(self, wanted: dict[str, str], conflicts: list[Conflict]) -> None:
         if self.handing_over:
             why = "nodeagent waits until the GPU Operator's operands have left the node ([adopt] gpu_operator)"
             self._ctx.shared.adoption.hold({name: why for name in wanted})
@@ -193,7 +197,7 @@ class AdoptComponent(Component):
                                     "nodeagent serves its GPUs", "Normal", "Adopt")
         await self.detect()
 
-    def _operand_pods(self, kube: Any, node: str, dcgm_exporter: bool) -> list[str]:
+    def _operand_pods(self, kube: Requests, node: str, dcgm_exporter: bool) -> list[str]:
         """The operands' pods still on the node: from the API, else (credentials that may not list pods) from
         the kubelet's PodResources API, which names every pod of this node."""
         from nodeagent import adopt as ad
