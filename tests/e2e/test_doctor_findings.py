@@ -162,3 +162,17 @@ def test_the_agents_node_conditions_and_an_unreachable_api(root: Path, kube_apis
     )
     r = _na(root, "doctor", "--simulate", "t4x1", "--kubeconfig", str(bad), "--node-name", node, "--json")
     _one(json.loads(r.stdout)["findings"], "node", "error", f"Node {node} cannot be read")
+
+
+def test_no_driver(root: Path) -> None:
+    """Without the NVIDIA driver (this machine has none; the simulator not asked for): NVML is an error with
+    what to do, and the checks that need no GPU still run."""
+    root.mkdir(parents=True)
+    code, findings = _doctor(root)
+    assert code == 2
+    nvml = _one(findings, "driver", "error", "NVML cannot be used")
+    assert (
+        nvml["fix"]
+        == f"install or load the NVIDIA driver, or try nodeagent --root {root} doctor --simulate dgx-h100"
+    )
+    assert {f["area"] for f in findings} >= {"driver", "containerd", "kubelet", "node", "agent"}
