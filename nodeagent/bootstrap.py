@@ -357,8 +357,9 @@ def _ensure_runtimeclass(kube: Any, config: AgentConfig) -> StepResult:
 
 
 def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory: Inventory) -> StepResult:
+    from nodeagent.config import PublishSettings
     from nodeagent.errors import KubeError
-    from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+    from nodeagent.kube.publisher import NodePublisher
     from nodeagent.sharing.spec import load_plugin_config
 
     node_name = config.resolved_node_name()
@@ -366,7 +367,7 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
     plugin_config = load_plugin_config(paths(dp_config)) if dp_config else None
     publisher = NodePublisher(
         kube, node_name,
-        PublisherConfig(labels=True, extended_resources=False, gpu_objects=False, events=False),
+        PublishSettings(labels=True, extended_resources=False, gpu_objects=False, events=False),
     )
     try:
         res = publisher.publish(inventory, (), plugin_config)

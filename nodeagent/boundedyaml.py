@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from nodeagent.errors import ConfigError
+
 MAX_DOCUMENT_BYTES = 1 << 20  # 1 MiB: the largest real config is a few KiB
 MAX_DEPTH = 32
 MAX_SHOWN = 60  # characters of a bad value quoted in an error line
@@ -68,6 +70,20 @@ def load(text: str) -> Any:
         return loader.get_single_data()
     finally:
         loader.dispose()
+
+
+def load_document(text: str, source: str) -> Any:
+    """``load`` for a named config document: a refused or malformed one is one ``ConfigError`` naming
+    ``source`` (and the line and column of malformed YAML)."""
+    try:
+        return load(text)
+    except BoundedYamlError as e:
+        raise ConfigError(f"{source}: {e}", subject=source) from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{source}: not valid YAML{where}: {problem}", subject=source) from e
 
 
 def shown(value: Any) -> str:

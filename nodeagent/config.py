@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from nodeagent.boundedyaml import shown
 from nodeagent.errors import ConfigError
-from nodeagent.hostpaths import HostPaths
+from nodeagent.hostpaths import KUBELET_DIR, HostPaths
 
 DEFAULT_CONFIG = "/etc/nodeagent/config.toml"
 
@@ -35,7 +35,7 @@ DevicePlane = Literal["device-plugin", "dra", "both"]
 
 @dataclass(frozen=True)
 class KubeletSettings:
-    dir: str = "/var/lib/kubelet"  # device-plugins/ and pod-resources/ live below it
+    dir: str = KUBELET_DIR  # device-plugins/ and pod-resources/ live below it
     pod_resources_socket: str = ""  # kubelet PodResources API socket; "" = <dir>/pod-resources/kubelet.sock
 
     @property

@@ -34,24 +34,58 @@ CONNECTION_TIMEOUT_S = 5.0  # per write, and for the whole request (line and hea
 EVICT_AFTER_S = 1.0  # with every slot taken, a client still sending its request after this long yields its slot
 
 DCGM_LABELS = (
-    "gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "hostname",
+    "gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "Hostname",
     "namespace", "pod", "container",
 )
 
-# dcgm-exporter name → (help, GpuSample attribute)
+# dcgm-exporter name → (help, GpuSample attribute), names and units as in dcgm-exporter's counter lists
+# (etc/default-counters.csv, etc/dcp-metrics-included.csv). All are gauges here, the energy counter too:
+# dcgm-exporter declares it a counter without the "_total" suffix Prometheus wants of one.
 DCGM_METRICS: tuple[tuple[str, str, str], ...] = (
-    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "gpu_util"),
-    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "fb_used_mib"),
-    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "fb_free_mib"),
+    ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", "sm_clock_mhz"),
+    ("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz).", "mem_clock_mhz"),
+    ("DCGM_FI_DEV_MEMORY_TEMP", "Memory temperature (in C).", "memory_temp_c"),
     ("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", "temp_c"),
     ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", "power_w"),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "Total energy consumption since boot (in mJ).", "energy_mj"),
+    ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", "gpu_util"),
     ("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered.", "last_xid"),
+    ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", "fb_free_mib"),
+    ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", "fb_used_mib"),
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "Ratio of time the graphics engine is active.", "gr_engine_active"),
+    ("DCGM_FI_PROF_SM_ACTIVE", "The ratio of cycles an SM has at least 1 warp assigned.", "sm_active"),
+    ("DCGM_FI_PROF_SM_OCCUPANCY", "The ratio of number of warps resident on an SM.", "sm_occupancy"),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "Ratio of cycles the tensor (HMMA) pipe is active.", "tensor_active"),
+    ("DCGM_FI_PROF_DRAM_ACTIVE", "Ratio of cycles the device memory interface is active sending or receiving "
+     "data.", "dram_active"),
+    ("DCGM_FI_PROF_PIPE_FP64_ACTIVE", "Ratio of cycles the fp64 pipes are active.", "fp64_active"),
+    ("DCGM_FI_PROF_PIPE_FP32_ACTIVE", "Ratio of cycles the fp32 pipes are active.", "fp32_active"),
+    ("DCGM_FI_PROF_PIPE_FP16_ACTIVE", "Ratio of cycles the fp16 pipes are active.", "fp16_active"),
+    ("DCGM_FI_PROF_PCIE_TX_BYTES", "The rate of data transmitted over the PCIe bus - including both protocol "
+     "headers and data payloads - in bytes per second.", "pcie_tx_bytes"),
+    ("DCGM_FI_PROF_PCIE_RX_BYTES", "The rate of data received over the PCIe bus - including both protocol "
+     "headers and data payloads - in bytes per second.", "pcie_rx_bytes"),
 )
+
+# GPM metric (the NVML adapter's names) → (GpuSample attribute, factor): DCGM's profiling fields are ratios
+# where GPM gives percentages, and bytes per second where it gives MiB/s
+GPM_TO_DCGM: dict[str, tuple[str, float]] = {
+    "graphics_util": ("gr_engine_active", 0.01),
+    "sm_util": ("sm_active", 0.01),
+    "sm_occupancy": ("sm_occupancy", 0.01),
+    "any_tensor_util": ("tensor_active", 0.01),
+    "dram_bw_util": ("dram_active", 0.01),
+    "fp64_util": ("fp64_active", 0.01),
+    "fp32_util": ("fp32_active", 0.01),
+    "fp16_util": ("fp16_active", 0.01),
+    "pcie_tx_mibs": ("pcie_tx_bytes", 1024.0 * 1024.0),
+    "pcie_rx_mibs": ("pcie_rx_bytes", 1024.0 * 1024.0),
+}
 
 
 @dataclass(frozen=True)
 class GpuSample:
-    """One reading of one GPU; None = NVML did not give this value."""
+    """One reading of one GPU (or of one GPU instance, in ``mig``); None = NVML did not give this value."""
 
     gpu_util: float | None = None
     fb_used_mib: float | None = None
@@ -59,6 +93,21 @@ class GpuSample:
     temp_c: float | None = None
     power_w: float | None = None
     last_xid: float | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    memory_temp_c: float | None = None
+    energy_mj: float | None = None
+    gr_engine_active: float | None = None
+    sm_active: float | None = None
+    sm_occupancy: float | None = None
+    tensor_active: float | None = None
+    dram_active: float | None = None
+    fp64_active: float | None = None
+    fp32_active: float | None = None
+    fp16_active: float | None = None
+    pcie_tx_bytes: float | None = None
+    pcie_rx_bytes: float | None = None
+    mig: tuple[tuple[int, GpuSample], ...] = ()  # (GPU-instance ID, its reading) in MIG mode
 
 
 _ALIASES: dict[str, tuple[str, ...]] = {
@@ -68,22 +117,53 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "temp_c": ("temp_c", "temperature_c", "temperature", "temp"),
     "power_w": ("power_w", "power_watts", "power", "power_usage_w"),
     "last_xid": ("last_xid", "xid"),
+    "sm_clock_mhz": ("sm_clock_mhz",),
+    "mem_clock_mhz": ("mem_clock_mhz",),
+    "memory_temp_c": ("memory_temp_c", "memory_temperature_c"),
+    "energy_mj": ("energy_mj",),
 }
 
 
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _gpm_fields(gpm: Any) -> dict[str, Any]:
+    out: dict[str, float] = {}
+    if isinstance(gpm, Mapping):
+        for name, (attr, factor) in GPM_TO_DCGM.items():
+            v = _number(gpm.get(name))
+            if v is not None:
+                out[attr] = v * factor
+    return out
+
+
+def get_of(obj: Any, field_name: str) -> float | None:
+    """The first number among ``field_name``'s aliases in ``obj``."""
+    for alias in _ALIASES[field_name]:
+        v = _number(_get(obj, alias))
+        if v is not None:
+            return v
+    return None
+
+
 def sample_from(obj: Any) -> GpuSample:
-    """A ``GpuSample`` from the NVML adapter's metrics reading (a dataclass/object or a mapping)."""
+    """A ``GpuSample`` from the NVML adapter's metrics reading (a dataclass/object or a mapping): its values,
+    its GPM metrics as DCGM's profiling fields, and one sample per GPU instance (``mig``)."""
     if isinstance(obj, GpuSample):
         return obj
-
-    def get(field_name: str) -> float | None:
-        for alias in _ALIASES[field_name]:
-            v = obj.get(alias) if isinstance(obj, Mapping) else getattr(obj, alias, None)
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                return float(v)
-        return None
-
-    return GpuSample(**{f: get(f) for f in _ALIASES})
+    mig: list[tuple[int, GpuSample]] = []
+    for reading in _get(obj, "mig") or ():
+        gi = _get(reading, "gi_id")
+        if isinstance(gi, int):
+            values: dict[str, Any] = {f: get_of(reading, f) for f in ("fb_used_mib", "fb_free_mib")}
+            mig.append((gi, GpuSample(**values, **_gpm_fields(_get(reading, "gpm")))))
+    fields: dict[str, Any] = {f: get_of(obj, f) for f in _ALIASES}
+    return GpuSample(**fields, **_gpm_fields(_get(obj, "gpm")), mig=tuple(mig))
 
 
 @dataclass(frozen=True)
@@ -98,8 +178,10 @@ def gpu_series(
     assignments: Iterable[Assignment],
     hostname: str,
 ) -> list[_Series]:
-    """One label set per GPU (or MIG device) and holder, with the GPU's reading (pure)."""
-    holders: dict[int, list[tuple[str, str, str, str, str]]] = {}
+    """One label set per GPU and per GPU instance (MIG device), each with its holders, with their readings
+    (pure). A GPU's series carry GPU_I_ID/GPU_I_PROFILE ""; a GPU instance's carry its ID and profile, the
+    parent's gpu/UUID/device, its own memory and GPM readings, and the pods that hold that MIG device."""
+    holders: dict[tuple[int, int | None], list[tuple[str, str, str]]] = {}
     mig_by_uuid = {d.uuid: d for g in inv.gpus for d in g.mig_devices}
     for a in assignments:
         for dev in a.device_ids:
@@ -107,18 +189,25 @@ def gpu_series(
             if idx is None:
                 continue
             mig = mig_by_uuid.get(dev.split("::", 1)[0])
-            prof, gi = (mig.profile, str(mig.gi_id)) if mig is not None else ("", "")
-            entry = (prof, gi, a.namespace, a.pod, a.container)
-            if entry not in holders.setdefault(idx, []):
-                holders[idx].append(entry)
+            key = (idx, mig.gi_id if mig is not None else None)
+            entry = (a.namespace, a.pod, a.container)
+            if entry not in holders.setdefault(key, []):
+                holders[key].append(entry)
     out: list[_Series] = []
+    nobody = [("", "", "")]
     for g in sorted(inv.gpus, key=lambda x: x.index):
         sample = samples.get(g.index)
         if sample is None:
             continue
         base = (str(g.index), g.uuid, g.pci_bus_id, f"nvidia{g.minor_number}", g.name)
-        for prof, gi, ns, pod, ctr in holders.get(g.index) or [("", "", "", "", "")]:
-            out.append(_Series((*base, prof, gi, hostname, ns, pod, ctr), sample))
+        for ns, pod, ctr in holders.get((g.index, None)) or nobody:
+            out.append(_Series((*base, "", "", hostname, ns, pod, ctr), sample))
+        per_gi = dict(sample.mig)
+        profiles = {d.gi_id: d.profile for d in g.mig_devices}
+        for gi_id in sorted(set(per_gi) | set(profiles)):
+            gi_sample = per_gi.get(gi_id, GpuSample())
+            for ns, pod, ctr in holders.get((g.index, gi_id)) or nobody:
+                out.append(_Series((*base, profiles.get(gi_id, ""), str(gi_id), hostname, ns, pod, ctr), gi_sample))
     return out
 
 
@@ -335,11 +424,10 @@ class Metrics:
         self.reconciles.labels(component=component, result=result).inc()
         self.apply_seconds.labels(component=component).observe(seconds)
 
-    def count_publish(self, result: Any) -> None:
-        """The writes of one ``NodePublisher`` pass (a ``PublishResult``), by target."""
-        for target, n in (("labels", getattr(result, "metadata_writes", 0)),
-                          ("status", getattr(result, "status_writes", 0)),
-                          ("gpu_objects", getattr(getattr(result, "gpu_objects", None), "writes", 0))):
+    def count_publish(self, writes: Mapping[str, int]) -> None:
+        """The writes of one publisher pass by target (``PublishResult.by_target()``: labels, status,
+        gpu_objects)."""
+        for target, n in writes.items():
             if n:
                 self.publish_writes.labels(target=target).inc(n)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from nodeagent.cli import settings_of, simulation_label
+from nodeagent.clicontext import settings_of, simulation_label
 from nodeagent.config import RestartMode, load_config
 
 

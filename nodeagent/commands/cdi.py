@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from nodeagent.cli import Group, settings_of
+from nodeagent.clicontext import Group, settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 from nodeagent.errors import InputError, OperationError
 from nodeagent.hostpaths import HostPaths
@@ -34,11 +34,13 @@ def _load_spec(writer: Any, text: str | None) -> Any:
     """The CDI spec file's document (``None`` when there is no file); one error when it is not a spec."""
     import yaml
 
+    from nodeagent.boundedyaml import BoundedYamlError, load
+
     if text is None:
         return None
     try:
-        spec = yaml.safe_load(text)
-    except yaml.YAMLError as e:
+        spec = load(text)  # no aliases, bounded depth and size
+    except (BoundedYamlError, yaml.YAMLError) as e:
         raise OperationError(f"{writer.file}: not valid YAML: {e}", subject=writer.file) from e
     if not isinstance(spec, dict) or "kind" not in spec:
         raise OperationError(f"{writer.file}: not a CDI spec (no kind)", subject=writer.file)

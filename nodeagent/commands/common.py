@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from nodeagent.cli import settings_of, simulation_label
+from nodeagent.clicontext import settings_of, simulation_label
 
 if TYPE_CHECKING:
     from nodeagent.gpu.nvml import NvmlAdapter

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from nodeagent.cli import settings_of
+from nodeagent.clicontext import settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nodeagent.cli import Group, settings_of
+from nodeagent.clicontext import Group, settings_of
 from nodeagent.commands.common import gpu_options, gpu_opts, open_adapter
 from nodeagent.errors import RebootRequired
 from nodeagent.gpu.inventory import Inventory

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from nodeagent.cli import settings_of, simulation_label
+from nodeagent.clicontext import settings_of, simulation_label
 from nodeagent.config import AgentConfig, flag_path, load_config
 from nodeagent.logs import setup_logging
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from nodeagent.cli import Group, Settings, settings_of
+from nodeagent.clicontext import Group, Settings, settings_of
 from nodeagent.config import flag_path
 from nodeagent.errors import RestartError
 from nodeagent.runtime import configure as rc

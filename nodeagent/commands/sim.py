@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from nodeagent.cli import Group
+from nodeagent.clicontext import Group
 from nodeagent.commands.common import gpu_options, gpu_opts
 from nodeagent.errors import InputError
 

@@ -64,7 +64,7 @@ class MetricsSink(Protocol):
 
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None: ...
 
-    def count_publish(self, result: Any) -> None: ...
+    def count_publish(self, writes: Mapping[str, int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,9 @@ class MetricsLink(_Slot[MetricsSink]):
         if self._held is not None:
             self._held.observe_reconcile(component, result, seconds)
 
-    def count_publish(self, result: Any) -> None:
+    def count_publish(self, writes: Mapping[str, int]) -> None:
         if self._held is not None:
-            self._held.count_publish(result)
+            self._held.count_publish(writes)
 
 
 class CdiLink:

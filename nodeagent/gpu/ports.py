@@ -50,8 +50,22 @@ class GpuEvent:
 
 
 @dataclasses.dataclass(frozen=True)
+class MigMetrics:
+    """Readings of one GPU instance (its MIG device): memory, and GPM activity on Hopper and later."""
+
+    gi_id: int
+    memory_used_mib: int
+    memory_free_mib: int
+    gpm: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class GpuMetrics:
-    """Point-in-time readings of one GPU; None where NVML has no figure (utilisation in MIG mode)."""
+    """Point-in-time readings of one GPU; None where NVML has no figure (utilisation in MIG mode, memory
+    temperature on GDDR boards, GPM before Hopper or before the second sample).
+
+    ``gpm`` maps GPM metric names (``GPM_METRICS``) to their value over the time since the previous reading
+    of this GPU: percentages, PCIe in MiB/s. ``mig`` has one entry per GPU instance in MIG mode."""
 
     index: int
     utilisation_pct: int | None
@@ -60,6 +74,27 @@ class GpuMetrics:
     memory_total_mib: int
     temperature_c: int
     power_w: float
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    memory_temperature_c: int | None = None
+    energy_mj: int | None = None
+    gpm: dict[str, float] = dataclasses.field(default_factory=dict)
+    mig: tuple[MigMetrics, ...] = ()
+
+
+# GPM metrics read, by name: NVML's metric id (nvmlGpmMetricId_t)
+GPM_METRICS: dict[str, int] = {
+    "graphics_util": 1,
+    "sm_util": 2,
+    "sm_occupancy": 3,
+    "any_tensor_util": 5,
+    "dram_bw_util": 10,
+    "fp64_util": 11,
+    "fp32_util": 12,
+    "fp16_util": 13,
+    "pcie_tx_mibs": 20,
+    "pcie_rx_mibs": 21,
+}
 
 
 class GpuDiscovery(Protocol):

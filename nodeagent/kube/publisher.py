@@ -67,23 +67,6 @@ def _in_worker_thread(
     return run
 
 
-@dataclass(frozen=True)
-class PublisherConfig:
-    labels: bool = True
-    extended_resources: bool = True
-    gpu_objects: bool = True
-    events: bool = True
-    network_labels: bool = True
-    resources: ResourceSettings = field(default_factory=ResourceSettings)
-
-    @classmethod
-    def from_settings(cls, settings: PublishSettings) -> PublisherConfig:
-        """From the agent config's ``[publish]`` section; network labels and the extended resources' names
-        keep their defaults (the config has no setting for them)."""
-        return cls(labels=settings.labels, extended_resources=settings.extended_resources,
-                   gpu_objects=settings.gpu_objects, events=settings.events)
-
-
 @dataclass
 class PublishResult:
     label_changes: dict[str, str | None] = field(default_factory=dict)
@@ -98,6 +81,11 @@ class PublishResult:
     @property
     def writes(self) -> int:
         return self.metadata_writes + self.status_writes + self.gpu_objects.writes
+
+    def by_target(self) -> dict[str, int]:
+        """The writes of this pass by what they wrote (the metrics' ``target`` label)."""
+        return {"labels": self.metadata_writes, "status": self.status_writes,
+                "gpu_objects": self.gpu_objects.writes}
 
 
 @dataclass(frozen=True)
@@ -115,8 +103,9 @@ class NodePublisher:
         self,
         kube: KubeClient,
         node_name: str,
-        config: PublisherConfig | None = None,
+        settings: PublishSettings | None = None,
         *,
+        resources: ResourceSettings | None = None,
         paths: HostPaths | None = None,
         pod_resources: PodResourcesClient | None = None,
         net: NetFacts | None = None,
@@ -126,12 +115,13 @@ class NodePublisher:
     ) -> None:
         self.kube = kube
         self.status_stage = status_stage
-        self.config = config or PublisherConfig()
+        self.settings = settings or PublishSettings()
+        self.resources = resources or ResourceSettings()  # the config file names none: the defaults
         self.node = NodeClient(kube, node_name, watches=watches)
         self.paths = paths or HostPaths()
         self.pod_resources = pod_resources
         self.fixed_net = net
-        self.events = events or EventRecorder(self.node, enabled=self.config.events)
+        self.events = events or EventRecorder(self.node, enabled=self.settings.events)
         self.gpus = GpuObjects(kube, node_name)
         self.reapplied = 0
         self.reapply_per_minute = 6  # more re-applies than this in a minute wait for the next resync
@@ -156,8 +146,6 @@ class NodePublisher:
         return self._latest
 
     def _net(self) -> NetFacts | None:
-        if not self.config.network_labels:
-            return None
         if self.fixed_net is not None:
             return self.fixed_net
         try:
@@ -194,7 +182,7 @@ class NodePublisher:
 
     def _publish(self, inp: _Inputs) -> PublishResult:
         res = PublishResult()
-        cfg = self.config
+        cfg = self.settings
         node = self._current()
         sharing = sharing_facts(inp.plugin_config)
 
@@ -205,7 +193,7 @@ class NodePublisher:
             lp = plan_label_patch(node.labels, node.annotations, self._want_labels)
             labels_meta, annotations = dict(lp.labels), dict(lp.annotations)
 
-        want_res = desired_resources(inp.inventory, cfg.resources) if cfg.extended_resources else {}
+        want_res = desired_resources(inp.inventory, self.resources) if cfg.extended_resources else {}
         self._want_resources = {k: v for k, v in want_res.items() if k not in inp.served}
         sp = plan_status(
             node.capacity, node.allocatable, node.annotations, want_res, inp.served,

@@ -23,9 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
-from nodeagent.boundedyaml import BoundedYamlError, load, shown
+from nodeagent.boundedyaml import load_document, shown
 from nodeagent.errors import ConfigError, OperationError
 
 log = logging.getLogger(__name__)
@@ -56,15 +54,7 @@ class Hooks:
 
 
 def parse_hooks(text: str, source: str = "<hooks>") -> Hooks:
-    try:
-        doc = load(text)  # no aliases (an alias bomb in envs), bounded depth and size
-    except BoundedYamlError as e:
-        raise ConfigError(f"{source}: {e}", subject=source) from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{source}: not valid YAML{where}: {shown(problem)}", subject=source) from e
+    doc = load_document(text, source)  # no aliases, bounded depth and size
     return load_hooks(doc, source)
 
 

@@ -3,7 +3,7 @@
 Pure: no I/O. Callers read the file and hand the text (or the loaded YAML document) in. Every error is a
 ``ConfigError`` whose one line names the config file, the config and the entry that is wrong.
 
-File shape (REFERENCE §3)::
+File shape (mig-parted v1)::
 
     version: v1
     mig-configs:
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-from nodeagent.boundedyaml import BoundedYamlError, load, shown
+from nodeagent.boundedyaml import load_document, shown
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.mig.layout import fits
@@ -118,15 +118,7 @@ def _list(items: tuple[str, ...] | list[str]) -> str:
 
 def parse_config(text: str, source: str = "<config>") -> MigConfigFile:
     """Parse and validate a mig-parted v1 YAML document."""
-    try:
-        doc = load(text)
-    except BoundedYamlError as e:
-        raise ConfigError(f"{source}: {e}", subject=source) from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{source}: not valid YAML{where}: {problem}", subject=source) from e
+    doc = load_document(text, source)  # no aliases, bounded depth and size
     return load_config(doc, source)
 
 

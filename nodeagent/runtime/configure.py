@@ -14,7 +14,7 @@ root config and only then removes the drop-in. A crash between any two writes le
 drop-in or nothing of nodeagent's, never an import of a missing file.
 
 Everything read from disk is bounded (``fileio.read_regular``): containerd configs up to
-``containerd.MAX_CONFIG_BYTES``, the state file up to ``MAX_STATE_BYTES``; the state's entries are
+``containerd_toml.MAX_CONFIG_BYTES``, the state file up to ``MAX_STATE_BYTES``; the state's entries are
 checked before they are used (paths must be host paths inside the root).
 """
 
@@ -37,15 +37,17 @@ from typing import Any, Literal
 from nodeagent import fileio
 from nodeagent.config import RuntimeSettings
 from nodeagent.errors import ConfigError, RuntimeConfigError
-from nodeagent.hostpaths import HostPaths
+from nodeagent.hostpaths import KUBELET_DIR, HostPaths
 from nodeagent.runtime import containerd as ctd
 from nodeagent.runtime import host, toolkit
+from nodeagent.runtime.containerd_toml import MAX_CONFIG_BYTES, detect_template, parse
+from nodeagent.runtime.containerd_versions import config_version
 
 Mode = Literal["auto", "drop-in", "in-place"]
 STATE_FILE = "runtime.json"
 TOOLKIT_CONFIG = "/etc/nvidia-container-runtime/config.toml"
-# runtime.json holds at most three files' original bytes (each under containerd.MAX_CONFIG_BYTES), base64
-MAX_STATE_BYTES = 8 * ctd.MAX_CONFIG_BYTES
+# runtime.json holds at most three files' original bytes (each under containerd_toml.MAX_CONFIG_BYTES), base64
+MAX_STATE_BYTES = 8 * MAX_CONFIG_BYTES
 # Plugin IDs that, once in `disabled_plugins`, leave the kubelet without a CRI service.
 CRI_PLUGIN_IDS = ("cri", "io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime")
 # device-plugin strategies whose Allocate answers name CDI devices that containerd must inject
@@ -71,7 +73,7 @@ class Options:
     toolkit_config: str = TOOLKIT_CONFIG
     dry_run: bool = False
     # the kubelet's directory (agent config ``[kubelet] dir``): its config.yaml names the cgroup driver
-    kubelet_dir: str = host.KUBELET_DIR
+    kubelet_dir: str = KUBELET_DIR
 
 
 @dataclass
@@ -123,7 +125,7 @@ def _diff(path: str, old: bytes | None, new: bytes | None) -> str:
     return "".join(ln if ln.endswith("\n") else ln + "\n\\ No newline at end of file\n" for ln in lines)
 
 
-def _read(paths: HostPaths, host_path: str, max_bytes: int = ctd.MAX_CONFIG_BYTES) -> bytes | None:
+def _read(paths: HostPaths, host_path: str, max_bytes: int = MAX_CONFIG_BYTES) -> bytes | None:
     """A file's bytes (``None``: absent); only regular files, at most ``max_bytes``."""
     return fileio.read_regular(paths(host_path), max_bytes=max_bytes)
 
@@ -213,7 +215,7 @@ def _check_not_template(paths: HostPaths, config: str) -> None:
     if data is None:
         return
     tmpl_text = _decode(data, tmpl_host) or ""
-    found = ctd.detect_template(tmpl_text, tmpl_host) or (ctd.detect_template("{{", tmpl_host))
+    found = detect_template(tmpl_text, tmpl_host) or (detect_template("{{", tmpl_host))
     assert found is not None
     tmpl_kind = found[0]
     raise ConfigError(
@@ -289,8 +291,8 @@ def plan(paths: HostPaths, opts: Options) -> tuple[list[_Plan], dict[str, Any]]:
         systemd_cgroup=host.systemd_cgroup(paths, opts.kubelet_dir),
         containerd_version=cversion,
     )
-    root_doc = ctd.parse(root_text or "", opts.containerd_config)
-    file_version = ctd.config_version(root_doc, opts.containerd_config)
+    root_doc = parse(root_text or "", opts.containerd_config)
+    file_version = config_version(root_doc, opts.containerd_config)
     root_plain = root_doc.unwrap()
     warnings: list[str] = []
     notes: list[str] = []
@@ -432,7 +434,7 @@ def configure(paths: HostPaths, opts: Options, *, _after_write: Any = None) -> R
 
 
 def options_from_settings(settings: RuntimeSettings, *, dry_run: bool = False,
-                          kubelet_dir: str = host.KUBELET_DIR,
+                          kubelet_dir: str = KUBELET_DIR,
                           device_list_strategies: Sequence[str] = ()) -> Options:
     """``Options`` from the agent config's ``[runtime]`` section (what ``bootstrap`` and the daemon use);
     ``kubelet_dir`` is the config's ``[kubelet] dir``; ``device_list_strategies`` the device plugin's
@@ -583,7 +585,7 @@ def show(paths: HostPaths, containerd_config: str = "/etc/containerd/config.toml
     imported: list[tuple[str, str]] = []
     warnings: list[str] = []
     if root_text is not None and root_text.strip():
-        root_doc = ctd.parse(root_text, containerd_config)
+        root_doc = parse(root_text, containerd_config)
         disabled = cri_disabled(root_doc.unwrap())
         if disabled:
             warnings.append(_cri_warning(containerd_config, disabled))

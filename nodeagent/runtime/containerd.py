@@ -3,14 +3,8 @@
 The editor works on tomlkit's document model, so everything it does not touch keeps its comments, key
 order, quoting and whitespace, and rendering its own output again returns the identical text.
 
-Facts it relies on (containerd):
-- ``version`` missing means 1; 2 from containerd 1.3; 3 from 2.0; 4 from 2.3.
-- The CRI runtime settings live in ``plugins.cri`` (v1), ``plugins."io.containerd.grpc.v1.cri"`` (v2) or
-  ``plugins."io.containerd.cri.v1.runtime"`` (v3, v4); runtimes in ``<cri>.containerd.runtimes.<name>``,
-  the default in ``<cri>.containerd.default_runtime_name`` (``runc`` when unset), CDI in ``<cri>.enable_cdi``.
-- ``imports`` pulls in more files. Up to 1.7 an imported plugin table REPLACES the root's table of the same
-  plugin, so a drop-in must carry the whole CRI table; from 2.0 plugin tables are merged key by key, so a
-  drop-in carries only what changes.
+The facts of each containerd version are the rows of ``containerd_versions``; reading a file (bounds,
+templates, types) is ``containerd_toml``.
 """
 
 from __future__ import annotations
@@ -18,19 +12,27 @@ from __future__ import annotations
 import copy
 import fnmatch
 import posixpath
-import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import tomlkit
 from tomlkit.container import Container, OutOfOrderTableProxy
-from tomlkit.exceptions import ParseError, TOMLKitError
 from tomlkit.items import AoT, InlineTable, Item, Table
 from tomlkit.toml_document import TOMLDocument
 
-from nodeagent.boundedyaml import shown
 from nodeagent.errors import ConfigError, RuntimeConfigError
+from nodeagent.runtime.containerd_toml import parse
+from nodeagent.runtime.containerd_versions import (
+    FORMATS,
+    Version,
+    cdi_enabled,
+    config_version,
+    cri_path,
+    merges_plugins,
+    needs_enable_cdi,
+    new_file_version,
+)
 
 RUNC_V2 = "io.containerd.runc.v2"
 DEFAULT_BINARY = "/usr/bin/nvidia-container-runtime"
@@ -42,17 +44,7 @@ DROPIN_HEADER = (
     "# Changes here are overwritten on the next configure.\n"
 )
 
-Version = tuple[int, int, int]
 TableLike = Container | Table | InlineTable | OutOfOrderTableProxy
-
-
-def cri_path(version: int) -> tuple[str, ...]:
-    """Key path of the CRI plugin table that holds ``containerd.runtimes`` for a config version."""
-    if version <= 1:
-        return ("plugins", "cri")
-    if version == 2:
-        return ("plugins", "io.containerd.grpc.v1.cri")
-    return ("plugins", "io.containerd.cri.v1.runtime")
 
 
 @dataclass(frozen=True)
@@ -117,268 +109,6 @@ class RuntimeView:
         opts = self.runtimes.get(name, {}).get("options", {})
         value = opts.get("BinaryName") if isinstance(opts, dict) else None
         return value if isinstance(value, str) else None
-
-
-# ---------------------------------------------------------------------------------------------- parsing
-# Bounds on what nodeagent parses as a containerd config. Real configs are a few KiB and nest at most about
-# eight levels (plugins.<cri>.containerd.runtimes.<name>.options.<key>); anything far beyond is refused
-# with one line instead of exhausting memory or Python's recursion limit.
-MAX_CONFIG_BYTES = 1 << 20
-MAX_KEY_DEPTH = 32
-
-
-@dataclass(frozen=True)
-class Template:
-    """A template language found in a file that should be TOML, and who generates files that way."""
-
-    language: str
-    generator: str
-    hint: str
-
-
-_K3S = Template(
-    "Go template", "k3s/rke2",
-    "k3s/rke2 add the nvidia runtime by themselves when /usr/bin/nvidia-container-runtime exists, or edit "
-    "config.toml.tmpl by hand",
-)
-_GO = Template(
-    "Go template", "AKS and other Go-templated node images",
-    "edit the template the node image renders, or point --containerd-config at the rendered file",
-)
-_JINJA = Template(
-    "Jinja2 template", "Kubespray/Ansible",
-    "set the nvidia runtime in Kubespray's containerd_additional_runtimes and rerun the playbook",
-)
-_HANDLEBARS = Template(
-    "handlebars template", "Bottlerocket",
-    "Bottlerocket renders containerd's config from its settings API; use its NVIDIA variant instead",
-)
-_SHELL = Template(
-    "template with shell variables", "MicroK8s",
-    "MicroK8s renders containerd.toml from containerd-template.toml at each start; `microk8s enable nvidia` "
-    "wires the runtime",
-)
-
-
-def detect_template(text: str, source: str) -> tuple[Template, int] | None:
-    """The template language of ``text`` (and the first line that shows it), or ``None`` for plain TOML.
-
-    Jinja2 has ``{%``/``{#`` blocks (Kubespray's ``*.j2``); handlebars has ``{{#if}}``/``{{/if}}`` blocks
-    and dotted names without a leading dot (Bottlerocket's ``{{settings.x}}``); Go templates have
-    ``{{ .Field }}``/``{{- ...}}`` actions (AKS's ``*.gtpl``, k3s/rke2's ``config.toml.tmpl``); MicroK8s's
-    ``containerd-template.toml`` has whole values like ``"${RUNTIME}"`` filled in by its start script.
-    """
-    lines = text.splitlines()
-
-    def first(pattern: str) -> int | None:
-        rx = re.compile(pattern)
-        return next((i for i, ln in enumerate(lines, 1) if rx.search(ln)), None)
-
-    name = source.rsplit("/", 1)[-1]
-    jinja = first(r"\{%|(?<!\{)\{#")
-    if jinja is not None or name.endswith((".j2", ".jinja", ".jinja2")):
-        return _JINJA, jinja or first(r"\{\{") or 1
-    handlebars = first(r"\{\{\s*[#/^]|\{\{\s*else\s*\}\}|\{\{\{|\{\{\s*[A-Za-z_][\w-]*\.[\w.-]+\s*\}\}")
-    if handlebars is not None:
-        return _HANDLEBARS, handlebars
-    action = first(r"\{\{")
-    if action is None:
-        shell = first(r"""=\s*["']\$\{[A-Z][A-Z0-9_]*\}""")
-        if shell is not None:
-            return _SHELL, shell
-    if action is None and not name.endswith((".tmpl", ".gtpl", ".tpl")):
-        return None
-    if name.endswith(".tmpl") and name.startswith("config"):
-        return _K3S, action or 1
-    return _GO, action or 1
-
-
-def template_error(found: tuple[Template, int], source: str) -> ConfigError:
-    tmpl, line = found
-    return ConfigError(
-        f"{source}: line {line} is a {tmpl.language} ({tmpl.generator}), not TOML; nothing was written "
-        f"({tmpl.hint})",
-        subject=source,
-    )
-
-
-def _depth(plain: Mapping[str, Any]) -> int:
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(plain, 0)]
-    while stack:
-        value, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if deepest > MAX_KEY_DEPTH:
-            break
-        if isinstance(value, Mapping):
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, list):
-            stack.extend((v, depth + 1) for v in value)
-    return deepest
-
-
-def parse(text: str, source: str = "config.toml") -> TOMLDocument:
-    """Parse a containerd config; templates, oversized or too deeply nested files and invalid TOML raise
-    ``ConfigError`` naming the spot."""
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{source}: {len(text)} characters, more than the {MAX_CONFIG_BYTES} nodeagent reads "
-                          "as a containerd config; nothing was written", subject=source)
-    found = detect_template(text, source)
-    if found is not None:
-        raise template_error(found, source)
-    try:
-        doc = tomlkit.parse(text)
-        too_deep = _depth(doc.unwrap()) > MAX_KEY_DEPTH
-    except ParseError as e:
-        raise ConfigError(
-            f"{source}: invalid TOML at line {e.line}, column {e.col}: {_parse_reason(e)}; nothing was written",
-            subject=source,
-        ) from e
-    except TOMLKitError as e:
-        raise ConfigError(f"{source}: invalid TOML: {e}; nothing was written", subject=source) from e
-    except RecursionError:
-        too_deep = True
-    if too_deep:
-        raise ConfigError(f"{source}: tables or arrays nested more than {MAX_KEY_DEPTH} levels deep; "
-                          "nothing was written", subject=source)
-    check_types(doc.unwrap(), source)
-    if doc.as_string() != text:
-        _repair_indents(doc, text)
-    return doc
-
-
-# Keys containerd decodes into typed fields: a value of another type makes containerd refuse the whole file
-# ("Can't convert 5(int64) to string"), so nodeagent refuses it too, before writing anything.
-_TOP_TYPES: dict[str, str] = {
-    "version": "integer", "root": "string", "state": "string", "temp": "string", "oom_score": "integer",
-    "imports": "list of strings", "required_plugins": "list of strings", "disabled_plugins": "list of strings",
-    "plugins": "table of tables", "grpc": "table", "ttrpc": "table", "debug": "table", "metrics": "table",
-    "cgroup": "table", "timeouts": "table", "proxy_plugins": "table of tables", "stream_processors": "table",
-}
-_CRI_TYPES: dict[str, str] = {"containerd": "table"}
-_CRI_CONTAINERD_TYPES: dict[str, str] = {
-    "default_runtime_name": "string", "snapshotter": "string", "runtimes": "table of tables",
-}
-_RUNTIME_TYPES: dict[str, str] = {
-    "runtime_type": "string", "runtime_path": "string", "options": "table", "snapshotter": "string",
-    "privileged_without_host_devices": "boolean", "base_runtime_spec": "string", "cni_conf_dir": "string",
-    "pod_annotations": "list of strings", "container_annotations": "list of strings",
-}
-
-
-def _is(value: Any, kind: str) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "string":
-        return isinstance(value, str)
-    if kind == "boolean":
-        return isinstance(value, bool)
-    if kind == "list of strings":
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if kind == "table of tables":
-        return isinstance(value, Mapping) and all(isinstance(v, Mapping) for v in value.values())
-    return isinstance(value, Mapping)
-
-
-def _check_keys(table: Mapping[str, Any], types: Mapping[str, str], prefix: tuple[str, ...], source: str) -> None:
-    for key, kind in types.items():
-        if key not in table or _is(table[key], kind):
-            continue
-        path, value = (*prefix, key), table[key]
-        if kind == "table of tables" and isinstance(value, Mapping):  # name the entry that is no table
-            child = next(k for k, v in value.items() if not isinstance(v, Mapping))
-            path, value, kind = (*path, child), value[child], "table"
-        dotted = ".".join(_toml_key(k) for k in path)
-        article = "an" if kind[0] in "aeiou" else "a"
-        raise ConfigError(f"{source}: {dotted} must be {article} {kind}, not {shown(value)} (containerd refuses such a "
-                          "file); nothing was written", subject=source)
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else '"' + key.replace('"', '\\"') + '"'
-
-
-def check_types(plain: Mapping[str, Any], source: str = "config.toml") -> None:
-    """``ConfigError`` naming the first key containerd would refuse for its type (``imports = [1, 2]``,
-    ``default_runtime_name = 5``, ``plugins = [1, 2]``, a runtime that is not a table, ...)."""
-    _check_keys(plain, _TOP_TYPES, (), source)
-    raw = plain.get("version", 1)
-    if isinstance(raw, bool) or not isinstance(raw, int) or not 1 <= raw <= 4:
-        return  # config_version names it
-    keys = cri_path(raw)
-    cri = _plain_at(plain, keys)
-    if not isinstance(cri, Mapping):
-        if cri is not None:
-            raise ConfigError(f"{source}: {'.'.join(_toml_key(k) for k in keys)} must be a table, not "
-                              f"{shown(cri)}; nothing was written", subject=source)
-        return
-    _check_keys(cri, _CRI_TYPES, keys, source)
-    inner = cri.get("containerd")
-    if not isinstance(inner, Mapping):
-        return
-    _check_keys(inner, _CRI_CONTAINERD_TYPES, (*keys, "containerd"), source)
-    for name, runtime in (inner.get("runtimes") or {}).items():
-        _check_keys(runtime, _RUNTIME_TYPES, (*keys, "containerd", "runtimes", name), source)
-
-
-def _plain_at(plain: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    node: Any = plain
-    for k in keys:
-        if not isinstance(node, Mapping):
-            return None
-        node = node.get(k)
-    return node
-
-
-def _tables(c: Container) -> Iterator[Table]:
-    for _, v in c.body:
-        if isinstance(v, Table):
-            yield v
-            yield from _tables(v.value)
-        elif isinstance(v, AoT):
-            for t in v.body:
-                yield from _tables(t.value)
-
-
-def _repair_indents(doc: TOMLDocument, text: str) -> None:
-    """Give every table header back its indentation from ``text``.
-
-    tomlkit 0.13-0.15 does not render some parsed documents back byte for byte: a second indented table
-    under an implicit parent (``[a]`` then ``  [a.b.x]`` and ``  [a.b.y]``: ``a.b`` never has a header)
-    gets the parent's indent added again. Table headers are unique in TOML, so the source says what
-    each header's indent was.
-    """
-    for t in _tables(doc):
-        if t.is_super_table() or not t.display_name:
-            continue
-        m = re.search(r"(?m)^([ \t]*)\[[ \t]*" + re.escape(t.display_name) + r"[ \t]*\]", text)
-        if m:
-            t.trivia.indent = re.sub(r"[ \t]*$", m.group(1), t.trivia.indent, count=1)
-
-
-def _parse_reason(e: ParseError) -> str:
-    return re.sub(r"\s+at line \d+ col \d+$", "", str(e))
-
-
-def config_version(doc: Mapping[str, Any], source: str = "config.toml") -> int:
-    raw = doc.get("version", 1)
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1 or raw > 4:
-        raise ConfigError(f"{source}: unsupported containerd config version {shown(raw)} (1-4 known)",
-                          subject=source)
-    return int(raw)
-
-
-def parse_containerd_version(output: str) -> Version | None:
-    """The version in ``containerd --version`` output (``containerd github.com/... v1.7.2 <rev>``)."""
-    m = re.search(r"(?:^|\s)v?(\d+)\.(\d+)\.(\d+)", output)
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
-
-
-def merges_plugins(containerd_version: Version | None, config_ver: int) -> bool:
-    """Whether imports merge plugin tables key by key (containerd >= 2.0) instead of replacing them."""
-    if containerd_version is not None:
-        return containerd_version >= (2, 0, 0)
-    return config_ver >= 3
 
 
 # ----------------------------------------------------------------------------------------- table helpers
@@ -487,9 +217,8 @@ def _fix_runtime(table: Any, binary: str, version: int) -> bool:
     opts = table["options"]
     if not isinstance(opts, Mapping):
         raise ConfigError("containerd config: a runtime's `options` must be a table")
-    changed |= _set(opts, "BinaryName", binary)
-    if version == 1:
-        changed |= _set(opts, "Runtime", binary)
+    for key in FORMATS[version].binary_keys:
+        changed |= _set(opts, key, binary)
     return changed
 
 
@@ -511,7 +240,7 @@ def _missing_keys(table: Mapping[str, Any], binary: str, version: int) -> dict[s
         missing["runtime_type"] = RUNC_V2
     opts = table.get("options")
     opts = opts if isinstance(opts, Mapping) else {}
-    want = {"BinaryName": binary, **({"Runtime": binary} if version == 1 else {})}
+    want = dict.fromkeys(FORMATS[version].binary_keys, binary)
     missing_opts = {k: v for k, v in want.items() if k not in opts}
     if missing_opts:
         missing["options"] = missing_opts
@@ -577,7 +306,7 @@ def _apply(doc: TOMLDocument | Table, cri_keys: tuple[str, ...], version: int, d
             added.append("runc")
     if desired.set_as_default and not (keep_existing and old_default == desired.runtime_name):
         _set(_ensure(doc, (*cri_keys, "containerd")), "default_runtime_name", desired.runtime_name)
-    if desired.enable_cdi and _needs_enable_cdi(desired.containerd_version, base_cri) \
+    if desired.enable_cdi and needs_enable_cdi(desired.containerd_version, _get(base_cri, ("enable_cdi",))) \
             and not (keep_existing and _get(base_cri, ("enable_cdi",)) is True):
         _set(_ensure(doc, cri_keys), "enable_cdi", True)
     prev = Previous(
@@ -588,33 +317,14 @@ def _apply(doc: TOMLDocument | Table, cri_keys: tuple[str, ...], version: int, d
     return prev, tuple(kept)
 
 
-def _needs_enable_cdi(containerd_version: Version | None, base_cri: Any) -> bool:
-    """Whether CDI must be switched on with ``enable_cdi = true``. containerd 2.0 turned CDI on by default
-    (only an explicit ``false`` turns it off) and 2.4 removed the key (CDI always on; a version-4 file with
-    it gets an "unknown key" warning), so from 2.0 the key is written only to override a ``false``."""
-    if containerd_version is None or containerd_version < (2, 0, 0):
-        return True
-    if containerd_version >= (2, 4, 0):
-        return False
-    return _get(base_cri, ("enable_cdi",)) is False
-
-
 # ------------------------------------------------------------------------------------------- rendering
-def _new_version(desired: Desired) -> int:
-    """Config version for a new file: the newest the installed containerd reads without migrating it."""
-    cv = desired.containerd_version
-    if cv is None or cv < (2, 0, 0):
-        return 2
-    return 4 if cv >= (2, 3, 0) else 3
-
-
 def _open_for_edit(text: str, desired: Desired, source: str) -> tuple[TOMLDocument, int, tuple[str, ...]]:
     """The config to edit (a new one in the version for the installed containerd when ``text`` is blank),
     its version and the key path of its CRI table."""
     doc = parse(text, source)
     if not text.strip():
         doc = tomlkit.document()
-        doc["version"] = _new_version(desired)
+        doc["version"] = new_file_version(desired.containerd_version)
     version = config_version(doc, source)
     return doc, version, cri_path(version)
 
@@ -767,17 +477,6 @@ def view_of(text: str, source: str = "config.toml") -> RuntimeView:
     return _view(doc.unwrap(), version)
 
 
-def cdi_enabled(cri: Mapping[str, Any], containerd_version: Version | None, config_ver: int) -> bool:
-    """Whether containerd runs with CDI on: up to 1.7 only with ``enable_cdi = true``; from 2.0 (known from the
-    binary, else from a version 3+ file) unless ``enable_cdi = false``; from 2.4 always (the key is gone)."""
-    value = cri.get("enable_cdi")
-    if containerd_version is not None and containerd_version >= (2, 4, 0):
-        return True
-    if merges_plugins(containerd_version, config_ver):
-        return value is not False
-    return value is True
-
-
 def _view(plain: Mapping[str, Any], version: int, containerd_version: Version | None = None) -> RuntimeView:
     cri = _get(plain, cri_path(version)) or {}
     runtimes = _get(cri, ("containerd", "runtimes")) or {}
@@ -787,7 +486,7 @@ def _view(plain: Mapping[str, Any], version: int, containerd_version: Version | 
         version=version,
         default_runtime=default if isinstance(default, str) and default else "runc",
         runtimes={str(k): dict(v) for k, v in runtimes.items() if isinstance(v, Mapping)},
-        enable_cdi=cdi_enabled(cri, containerd_version, version),
+        enable_cdi=cdi_enabled(cri.get("enable_cdi"), containerd_version, version),
         imports=tuple(str(i) for i in imports),
     )
 

@@ -16,9 +16,8 @@ from pathlib import Path
 
 from nodeagent import fileio
 from nodeagent.errors import ConfigError
-from nodeagent.hostpaths import KUBELET_DIR as KUBELET_DIR  # the default of runtime's kubelet_dir
-from nodeagent.hostpaths import HostPaths
-from nodeagent.runtime.containerd import Version, parse_containerd_version
+from nodeagent.hostpaths import KUBELET_DIR, HostPaths
+from nodeagent.runtime.containerd_versions import Version, parse_containerd_version
 
 CONTAINERD_BINARIES = ("/usr/bin/containerd", "/usr/local/bin/containerd", "/usr/sbin/containerd")
 KUBELET_CONFIG_NAME = "config.yaml"

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from nodeagent.boundedyaml import BoundedYamlError, load, plain, shown
+from nodeagent.boundedyaml import load_document, plain, shown
 from nodeagent.errors import ConfigError
 
 MigStrategy = Literal["none", "single", "mixed"]
@@ -425,15 +423,7 @@ def parse_plugin_config(
     text: str, *, source: str = "<config>", allocation_policy: str = "distributed"
 ) -> PluginConfig:
     """Parse the YAML (or JSON) text of an NVIDIA plugin config v1."""
-    try:
-        data = load(text)
-    except BoundedYamlError as e:
-        raise ConfigError(f"{source}: {e}", subject=source) from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{source}: not valid YAML{where}: {problem}", subject=source) from e
+    data = load_document(text, source)  # no aliases, bounded depth and size
     return plugin_config_from_dict(data, source=source, allocation_policy=allocation_policy)
 
 

@@ -47,10 +47,11 @@ from nodeagent.simulator.nvml_base import (
     reboot_state,
 )
 from nodeagent.simulator.nvml_mig import MigCalls
+from nodeagent.simulator.nvml_telemetry import FI_MEMORY_TEMP, TelemetryCalls
 from nodeagent.simulator.state import State
 
 
-class SimulatedNvml(MigCalls):
+class SimulatedNvml(TelemetryCalls, MigCalls):
     """pynvml for a simulated machine; pass it to ``NvmlAdapter`` in place of the pynvml module."""
 
     # --- init / system ------------------------------------------------------------------------
@@ -323,7 +324,8 @@ class SimulatedNvml(MigCalls):
 
     # --- field values -------------------------------------------------------------------------
     def nvmlDeviceGetFieldValues(self, handle: Any, fieldIds: list[Any]) -> Any:
-        """Only NVML_FI_DEV_GET_GPU_RECOVERY_ACTION answers; other fields carry NOT_SUPPORTED."""
+        """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and NVML_FI_DEV_MEMORY_TEMP answer; other fields carry
+        NOT_SUPPORTED."""
         state = self._enter("nvmlDeviceGetFieldValues")
         index = self._gpu(state, handle)[1]
         values = (pynvml.c_nvmlFieldValue_t * len(fieldIds))()
@@ -334,6 +336,14 @@ class SimulatedNvml(MigCalls):
                 values[i].nvmlReturn = pynvml.NVML_SUCCESS
                 values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
                 values[i].value.uiVal = int(state["gpus"][index].get("recovery_action", 0))
+            elif fid == FI_MEMORY_TEMP:
+                try:
+                    values[i].value.uiVal = self.memory_temperature(state, index)
+                except pynvml.NVMLError as e:
+                    values[i].nvmlReturn = e.value
+                else:
+                    values[i].nvmlReturn = pynvml.NVML_SUCCESS
+                    values[i].valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             else:
                 values[i].nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values

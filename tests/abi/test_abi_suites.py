@@ -41,7 +41,8 @@ __doc__ = (__doc__ or "") + "".join(f"\n- {k}: {v}" for k, v in DESELECTED.items
 
 SUITES = {
     "mig": ["tests/unit/test_mig_cli.py", "tests/unit/test_mig_recover_cli.py"],
-    "metrics-and-health": ["tests/unit/test_metrics.py", "tests/unit/test_health_reload.py"],
+    "metrics-and-health": ["tests/unit/test_metrics.py", "tests/unit/test_health_reload.py",
+                           "tests/e2e/test_dcgm_dashboard.py"],
     "device-plugin-at-the-kubelet": ["tests/integration/test_deviceplugin_kubelet.py"],
     # `nodeagent run` against the real kube-apiserver: nvidia.com/mig.config label -> MIG applied -> success
     "mig-label-flow": ["tests/e2e/test_run_cluster.py::test_labels_mig_change_to_success_and_labels_survive_stop"],

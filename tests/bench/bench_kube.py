@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psutil
 
+from nodeagent.config import PublishSettings
 from nodeagent.daemon.components.runtime import RUNTIME_CLASS_SPREAD_S
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.kube.client import KubeClient, connect
@@ -52,7 +53,7 @@ from nodeagent.kube.conditions import (
 )
 from nodeagent.kube.gpuobjects import install_crd
 from nodeagent.kube.labels import NetFacts
-from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from nodeagent.kube.publisher import NodePublisher
 from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
 from nodeagent.nvmlsource import open_nvml
 from tests._metrics import apiserver_request_counts
@@ -133,7 +134,7 @@ class SimAgent:
         self.inv = inv
         self.kube = KubeClient(connect(server.kubeconfig))
         self.stage = StatusStage()
-        self.pub = NodePublisher(self.kube, name, PublisherConfig(), net=NetFacts(100000, 2),
+        self.pub = NodePublisher(self.kube, name, PublishSettings(), net=NetFacts(100000, 2),
                                  status_stage=self.stage)
         self.writer = ConditionWriter(self.pub.node, stage=self.stage)
         self.health = {g.index: True for g in inv.gpus}

@@ -18,7 +18,6 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -157,9 +156,7 @@ def cluster_families(hostname: str, mig_state: str, mig_config: str) -> str:
     m = Metrics(hostname)
     for method, status in (("GET", 200), ("PATCH", 200), ("PATCH", 409), ("POST", None)):
         m.record_request(method, status)
-    m.count_publish(
-        SimpleNamespace(metadata_writes=1, status_writes=1, gpu_objects=SimpleNamespace(writes=4))
-    )
+    m.count_publish({"labels": 1, "status": 1, "gpu_objects": 4})
     m.observe_reconcile("mig", mig_state, 2.5)
     m.update_state(
         ConditionSnapshot(mig=MigInput(state=mig_state, config=mig_config)),

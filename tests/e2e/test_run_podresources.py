@@ -72,7 +72,7 @@ def test_allocated_device_reaches_gpu_object_and_metrics(
         eventually(lambda: len(pod_series()) == 2, 20, "metrics with pod labels")
         series = pod_series()
         assert {s["UUID"] for s in series} == held
-        assert {(s["namespace"], s["container"], s["hostname"]) for s in series} == {("ml", "main", node)}
+        assert {(s["namespace"], s["container"], s["Hostname"]) for s in series} == {("ml", "main", node)}
 
         fams = scrape(port)
         requests = {lab["method"]: v for lab, v in fams["nodeagent_kube_api_requests_total"]}

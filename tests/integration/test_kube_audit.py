@@ -10,12 +10,13 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from nodeagent.config import PublishSettings
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.node import NodeClient, NodeView, NodeWatchHub
-from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from nodeagent.kube.publisher import NodePublisher
 from tests._metrics import node_watches
 from tests.integration._kube import wait_for
 from tests.peers.apiserver import KubeApiServer
@@ -37,7 +38,7 @@ def node_events(nc: NodeClient) -> list[tuple[str, str, str]]:
 
 
 def test_health_changes_are_node_events(kube: KubeClient, node_name: str) -> None:
-    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
+    pub = NodePublisher(kube, node_name, PublishSettings(gpu_objects=False), net=NetFacts())
     nc = NodeClient(kube, node_name)
     pub.publish(INV, ["nvidia.com/gpu"], health={0: True, 1: True})
     assert node_events(nc) == []  # healthy from the start is no change
@@ -71,7 +72,7 @@ async def test_publisher_and_mig_label_updates_share_one_watch(
 
     setattr(kube.api, "call_api", spy)  # noqa: B010
     hub = NodeWatchHub()  # the daemon owns one and hands it to every NodeClient it makes
-    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts(), watches=hub)
+    pub = NodePublisher(kube, node_name, PublishSettings(gpu_objects=False), net=NetFacts(), watches=hub)
     pub.publish(INV, ["nvidia.com/gpu"])
     await asyncio.to_thread(pub.start_watch, watch_timeout_s=60)
     reconciler_node = NodeClient(kube, node_name, watches=hub)
@@ -114,7 +115,7 @@ def test_kubectl_get_gpus_table(kube: KubeClient, node_name: str, kube_apiserver
 
     def published() -> bool:
         try:
-            NodePublisher(kube, node_name, PublisherConfig(), net=NetFacts()).publish(
+            NodePublisher(kube, node_name, PublishSettings(), net=NetFacts()).publish(
                 INV, ["nvidia.com/gpu"], health={0: True, 1: False})
         except Exception as e:  # a freshly served CRD may answer 429 for a moment
             if "429" in str(e):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+from nodeagent.config import PublishSettings
 from nodeagent.errors import KubeError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.kube.client import JSON_PATCH, KubeClient, connect
@@ -30,7 +31,7 @@ from nodeagent.kube.gpuobjects import (
 )
 from nodeagent.kube.labels import NetFacts, SharingFacts
 from nodeagent.kube.node import NodeClient
-from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from nodeagent.kube.publisher import NodePublisher
 from tests.integration._kube import wait_for
 from tests.peers.apiserver import KubeApiServer, running_apiserver
 
@@ -58,7 +59,7 @@ def test_first_publish_one_status_patch_with_conditions_then_nothing(
         {"op": "add", "path": "/status/capacity", "value": {"cpu": "64", "nvidia.com/gpu": "4"}}])
     _, offset = kube_apiserver.audit_writes()  # after the set-up writes are flushed
     stage = StatusStage()
-    pub = NodePublisher(kube, node_name, PublisherConfig(), net=NetFacts(100000, 2), status_stage=stage)
+    pub = NodePublisher(kube, node_name, PublishSettings(), net=NetFacts(100000, 2), status_stage=stage)
     writer = ConditionWriter(NodeClient(kube, node_name), stage=stage)
     try:
         res = pub.publish(INV, ["nvidia.com/gpu"], health={i: True for i in range(4)})

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from nodeagent.config import PublishSettings
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
 from nodeagent.kube.client import JSON_PATCH, KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, NODE_LABEL, install_crd
@@ -20,7 +21,7 @@ from nodeagent.kube.node import NodeClient, NodeView
 from nodeagent.kube.podresources import PodResourcesClient
 from nodeagent.kube.podresources_api import podresources_pb2 as pb
 from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
-from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from nodeagent.kube.publisher import NodePublisher
 from nodeagent.kube.resources import MANAGED_RESOURCES_ANNOTATION, ResourceSettings
 from nodeagent.sharing.spec import parse_plugin_config
 from tests.integration._kube import throwaway_node, wait_for
@@ -54,7 +55,7 @@ def node_name(kube: KubeClient) -> Iterator[str]:
 
 
 def publisher(kube: KubeClient, name: str, **cfg: Any) -> NodePublisher:
-    return NodePublisher(kube, name, PublisherConfig(gpu_objects=cfg.pop("gpu_objects", False), **cfg),
+    return NodePublisher(kube, name, PublishSettings(gpu_objects=cfg.pop("gpu_objects", False), **cfg),
                          net=NetFacts(100000, 2))
 
 
@@ -101,9 +102,8 @@ def test_labels_added_changed_removed_and_foreign_untouched(kube: KubeClient, no
 
 
 def test_extended_resources_added_removed_and_never_served_names(kube: KubeClient, node_name: str) -> None:
-    cfg = PublisherConfig(gpu_objects=False, resources=ResourceSettings(
-        gpushare_memory="aliyun.com/gpu-mem", extra={"nvidia.com/gpu": "99"}))
-    pub = NodePublisher(kube, node_name, cfg, net=NetFacts())
+    resources = ResourceSettings(gpushare_memory="aliyun.com/gpu-mem", extra={"nvidia.com/gpu": "99"})
+    pub = NodePublisher(kube, node_name, PublishSettings(gpu_objects=False), resources=resources, net=NetFacts())
     res = pub.publish(inventory(gpu(0), gpu(1)), ["nvidia.com/gpu"])
     assert res.refused == ("nvidia.com/gpu",)
     view = NodeClient(kube, node_name).get()
@@ -114,7 +114,7 @@ def test_extended_resources_added_removed_and_never_served_names(kube: KubeClien
     assert any(e["reason"] == "ExtendedResourceRefused" for e in NodeClient(kube, node_name).list_events())
 
     # gpushare no longer configured: removed from capacity and allocatable, ownership shrinks
-    pub2 = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
+    pub2 = NodePublisher(kube, node_name, PublishSettings(gpu_objects=False), net=NetFacts())
     pub2.publish(inventory(gpu(0), gpu(1)), ["nvidia.com/gpu"])
     view = NodeClient(kube, node_name).get()
     assert "aliyun.com/gpu-mem" not in view.capacity and "aliyun.com/gpu-mem" not in view.allocatable
@@ -207,7 +207,7 @@ def test_gpu_objects_lifecycle(
             pb.ContainerDevices(resource_name="nvidia.com/mig-3g.20gb", device_ids=["MIG-1-2"])])])]
     client = PodResourcesClient(sock)
     assert client.allocatable()["nvidia.com/mig-3g.20gb"] == ("MIG-1-1", "MIG-1-2")
-    pub = NodePublisher(kube, node_name, PublisherConfig(), net=NetFacts(), pod_resources=client)
+    pub = NodePublisher(kube, node_name, PublishSettings(), net=NetFacts(), pod_resources=client)
     try:
         inv = inventory(gpu(0), gpu(1, mig=True))
         res = pub.publish(inv, ["nvidia.com/gpu", "nvidia.com/mig-3g.20gb"], MIXED, health={0: True, 1: True})

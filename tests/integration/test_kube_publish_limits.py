@@ -7,13 +7,14 @@ import time
 
 import pytest
 
+from nodeagent.config import PublishSettings
 from nodeagent.errors import KubeError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.kube.client import KubeClient
 from nodeagent.kube.gpuobjects import API_PATH, CRD_NAME, install_crd
 from nodeagent.kube.labels import NetFacts
 from nodeagent.kube.node import NodeClient
-from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+from nodeagent.kube.publisher import NodePublisher
 from tests.integration._kube import wait_for
 
 P = "nvidia.com/"
@@ -26,7 +27,7 @@ INV = Inventory("535.161.08", 12020, (
 def test_reapply_is_rate_limited_and_the_next_pass_catches_up(
     kube: KubeClient, node_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pub = NodePublisher(kube, node_name, PublisherConfig(gpu_objects=False), net=NetFacts())
+    pub = NodePublisher(kube, node_name, PublishSettings(gpu_objects=False), net=NetFacts())
     pub.reapply_per_minute = 2
     nc = NodeClient(kube, node_name)
     pub.publish(INV, ["nvidia.com/gpu"])
@@ -77,7 +78,7 @@ def test_missing_crd_is_named_with_the_fix_and_labels_still_publish(
             raise
     wait_for(lambda: _crd_gone(kube), 30)
     try:
-        pub = NodePublisher(kube, node_name, PublisherConfig(), net=NetFacts())
+        pub = NodePublisher(kube, node_name, PublishSettings(), net=NetFacts())
         with caplog.at_level(logging.WARNING, logger="nodeagent.kube.publisher"):
             res = pub.publish(INV, ["nvidia.com/gpu"])
         (err,) = res.errors

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from nodeagent.runtime import configure as rc
-from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_CDI_BINARY, RUNC_V2, cri_path
+from nodeagent.runtime.containerd import DEFAULT_BINARY, DEFAULT_CDI_BINARY, RUNC_V2
+from nodeagent.runtime.containerd_versions import cri_path
 from tests.integration._containerd import (
     Case,
     ContainerdHostPaths,

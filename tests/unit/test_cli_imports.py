@@ -13,7 +13,8 @@ from pathlib import Path
 import click
 import pytest
 
-from nodeagent.cli import COMMANDS, SUMMARIES, Group, cli
+from nodeagent.cli import COMMANDS, SUMMARIES, cli
+from nodeagent.clicontext import Group
 
 HEAVY = ("kubernetes", "grpc", "apscheduler", "prometheus_client", "pyroute2", "watchdog")
 

@@ -7,6 +7,8 @@ import pytest
 import tomlkit
 
 from nodeagent.runtime import containerd as ctd
+from nodeagent.runtime import containerd_toml as ctd_toml
+from nodeagent.runtime import containerd_versions as ctd_versions
 from nodeagent.runtime.containerd import Desired, render, render_dropin
 
 V3 = """version = 3
@@ -32,7 +34,7 @@ V3_NO_KEY = V3.replace("  enable_cdi = {cdi}\n", "")
         ((2, 4, 2), V3_NO_KEY, False),
     ],
 )
-def test_enable_cdi_written_only_where_it_matters(version: ctd.Version | None, old: str, written: bool) -> None:
+def test_enable_cdi_written_only_where_it_matters(version: ctd_versions.Version | None, old: str, written: bool) -> None:
     desired = Desired(enable_cdi=True, containerd_version=version)
     new = render(old, desired)
     assert ("enable_cdi = true" in new) is written
@@ -60,7 +62,7 @@ NESTED = """version = 2
 
 
 def test_indented_siblings_under_implicit_tables_keep_their_bytes() -> None:
-    assert tomlkit.dumps(ctd.parse(NESTED)) == NESTED
+    assert tomlkit.dumps(ctd_toml.parse(NESTED)) == NESTED
     new = render(NESTED, Desired())
     assert new.startswith(NESTED.rstrip("\n"))
     assert render(new, Desired()) == new

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nodeagent.runtime import containerd as ctd
+from nodeagent.runtime import containerd_versions as ctd_versions
 
 _key = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-", min_size=1, max_size=8)
 _scalar = st.one_of(
@@ -36,7 +37,7 @@ def documents(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()) and runtimes:
         containerd["default_runtime_name"] = draw(st.sampled_from(sorted(runtimes)))
     cri["containerd"] = containerd
-    keys = ctd.cri_path(version)
+    keys = ctd_versions.cri_path(version)
     doc: dict[str, Any] = {} if version == 1 else {"version": version}
     doc.update(draw(_leafy))
     doc.setdefault("plugins", {})

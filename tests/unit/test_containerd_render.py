@@ -11,6 +11,8 @@ import tomlkit
 
 from nodeagent.errors import ConfigError
 from nodeagent.runtime import containerd as ctd
+from nodeagent.runtime import containerd_toml as ctd_toml
+from nodeagent.runtime import containerd_versions as ctd_versions
 from nodeagent.runtime.containerd import Desired, render, render_dropin
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "containerd"
@@ -164,15 +166,15 @@ def test_existing_nvidia_runtime_is_fixed_not_recopied() -> None:
 
 def test_drop_in_carries_whole_cri_table_before_2_0_and_delta_after() -> None:
     old = _text("containerd-1.7-systemd.toml")
-    full = ctd.parse(render_dropin(old, Desired(containerd_version=(1, 7, 2))).dropin_text).unwrap()
+    full = ctd_toml.parse(render_dropin(old, Desired(containerd_version=(1, 7, 2))).dropin_text).unwrap()
     cri = full["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["sandbox_image"] == "registry.k8s.io/pause:3.9"
     assert set(cri["containerd"]["runtimes"]) == {"runc", "nvidia"}
     assert cri["containerd"]["runtimes"]["nvidia"]["options"]["SystemdCgroup"] is True
-    delta = ctd.parse(render_dropin(old, Desired(containerd_version=(2, 0, 0))).dropin_text).unwrap()
+    delta = ctd_toml.parse(render_dropin(old, Desired(containerd_version=(2, 0, 0))).dropin_text).unwrap()
     cri2 = delta["plugins"]["io.containerd.grpc.v1.cri"]
     assert set(cri2) == {"containerd"} and set(cri2["containerd"]["runtimes"]) == {"nvidia"}
-    v3 = ctd.parse(render_dropin(_text("containerd-2.0-default.toml"), Desired()).dropin_text).unwrap()
+    v3 = ctd_toml.parse(render_dropin(_text("containerd-2.0-default.toml"), Desired()).dropin_text).unwrap()
     assert v3["version"] == 3
     assert set(v3["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]) == {"nvidia"}
 
@@ -211,12 +213,12 @@ def test_remove_import_keeps_others() -> None:
 
 
 def test_containerd_version_parsing() -> None:
-    assert ctd.parse_containerd_version(
+    assert ctd_versions.parse_containerd_version(
         "containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+deb12u3\n") == (1, 6, 20)
-    assert ctd.parse_containerd_version("containerd containerd.io v2.0.4 1a43cb6a1035\n") == (2, 0, 4)
-    assert ctd.parse_containerd_version("garbage") is None
-    assert ctd.merges_plugins((2, 0, 0), 2) and not ctd.merges_plugins((1, 7, 9), 3)
-    assert ctd.merges_plugins(None, 3) and not ctd.merges_plugins(None, 2)
+    assert ctd_versions.parse_containerd_version("containerd containerd.io v2.0.4 1a43cb6a1035\n") == (2, 0, 4)
+    assert ctd_versions.parse_containerd_version("garbage") is None
+    assert ctd_versions.merges_plugins((2, 0, 0), 2) and not ctd_versions.merges_plugins((1, 7, 9), 3)
+    assert ctd_versions.merges_plugins(None, 3) and not ctd_versions.merges_plugins(None, 2)
 
 
 def test_merged_view_replaces_or_merges_plugin_tables() -> None:
@@ -243,8 +245,19 @@ def test_merged_view_replaces_or_merges_plugin_tables() -> None:
 def test_cdi_enabled_follows_containerd_defaults(
     cri: str, containerd: tuple[int, int, int] | None, config_ver: int, on: bool
 ) -> None:
-    table = ".".join(ctd.cri_path(config_ver))
+    table = ".".join(ctd_versions.cri_path(config_ver))
     text = f"version = {config_ver}\n[{table}]\n{cri}" if config_ver > 1 else cri
     text = text.replace("plugins.io.containerd.grpc.v1.cri", 'plugins."io.containerd.grpc.v1.cri"')
     text = text.replace("plugins.io.containerd.cri.v1.runtime", 'plugins."io.containerd.cri.v1.runtime"')
     assert ctd.merged_view(text, [], containerd).enable_cdi is on
+
+
+def test_version_table_rows_ordered_and_known() -> None:
+    """The containerd releases are in order and each writes a config format the table knows."""
+    since = [row.since for row in ctd_versions.RELEASES]
+    assert since == sorted(since)
+    assert all(row.config_version in ctd_versions.FORMATS for row in ctd_versions.RELEASES)
+    assert ctd_versions.release(None) is ctd_versions.RELEASES[0]
+    assert ctd_versions.release((1, 2, 0)) is ctd_versions.RELEASES[0]
+    assert ctd_versions.release((2, 3, 5)).config_version == 4
+    assert not ctd_versions.known(True) and not ctd_versions.known(5) and ctd_versions.known(4)

@@ -4,6 +4,7 @@ metrics registry, nothing while none runs, and a reload that replaces one never 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,8 @@ class Sink:
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
         self.seen.append((component, result, seconds))
 
-    def count_publish(self, result: Any) -> None:
-        self.publishes.append(result)
+    def count_publish(self, writes: Mapping[str, int]) -> None:
+        self.publishes.append(writes)
 
 
 async def test_device_plugin_link_follows_the_running_plugin_across_a_reload() -> None:
@@ -120,12 +121,12 @@ async def test_links_without_a_provider_read_empty_and_drop_writes() -> None:
     sink = Sink()
     metrics.attach(sink)
     metrics.observe_reconcile("mig", "success", 2.0)
-    metrics.count_publish("res")
+    metrics.count_publish({"status": 1})
     metrics.detach(Sink())  # another sink's detach changes nothing
     metrics.observe_reconcile("mig", "failed", 3.0)
     metrics.detach(sink)
     metrics.observe_reconcile("mig", "failed", 4.0)
-    assert sink.seen == [("mig", "success", 2.0), ("mig", "failed", 3.0)] and sink.publishes == ["res"]
+    assert sink.seen == [("mig", "success", 2.0), ("mig", "failed", 3.0)] and sink.publishes == [{"status": 1}]
 
 
 async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertises() -> None:
@@ -174,7 +175,6 @@ async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertise
 
 
 async def test_health_link_forwards_the_plugins_unhealthy_map_and_starts_a_late_sink_from_the_last_one() -> None:
-    from collections.abc import Mapping
 
     from nodeagent.daemon.shared import HealthLink
 

@@ -67,14 +67,33 @@ def test_dcgm_series_with_pods_and_mig_labels() -> None:
     lab0, v0 = util["0"]
     assert v0 == 80.0
     assert lab0 == {"gpu": "0", "UUID": "GPU-a", "pci_bus_id": "00000000:07:00.0", "device": "nvidia0",
-                    "modelName": "NVIDIA A100-SXM4-40GB", "GPU_I_PROFILE": "", "GPU_I_ID": "", "hostname": "node-a",
+                    "modelName": "NVIDIA A100-SXM4-40GB", "GPU_I_PROFILE": "", "GPU_I_ID": "", "Hostname": "node-a",
                     "namespace": "ml", "pod": "train", "container": "main"}
-    lab1, _ = util["1"]
-    assert (lab1["GPU_I_PROFILE"], lab1["GPU_I_ID"], lab1["pod"]) == ("3g.20gb", "5", "infer")
+    lab1, _ = util["1"]  # a GPU's own series: no GPU instance, no holder of its MIG devices
+    assert (lab1["GPU_I_PROFILE"], lab1["GPU_I_ID"], lab1["pod"]) == ("", "", "")
     assert [v for _, v in fams["DCGM_FI_DEV_XID_ERRORS"]] == [48.0]
     assert {lab["gpu"]: v for lab, v in fams["DCGM_FI_DEV_FB_FREE"]} == {"0": 39960.0}
     health = {lab["gpu"]: v for lab, v in fams["nodeagent_device_healthy"]}
     assert health == {"0": 1.0, "1": 0.0}
+
+
+def test_gpu_instances_get_their_own_series_with_their_holders() -> None:
+    m = Metrics("node-a")
+    reading = {"memory_used_mib": 5, "memory_free_mib": 40955, "sm_clock_mhz": 1410, "energy_mj": 123456,
+               "memory_temperature_c": 40,
+               "mig": [{"gi_id": 5, "memory_used_mib": 2000, "memory_free_mib": 17968,
+                        "gpm": {"graphics_util": 50.0, "pcie_rx_mibs": 2.0}}]}
+    m.update_gpus(INV, {1: reading}, [Assignment("ml", "infer", "srv", "nvidia.com/mig-3g.20gb", ("MIG-x::1",))])
+    fams = _families(m)
+    fb = {(lab["GPU_I_ID"], lab["GPU_I_PROFILE"], lab["pod"]): v for lab, v in fams["DCGM_FI_DEV_FB_USED"]}
+    assert fb == {("", "", ""): 5.0, ("5", "3g.20gb", "infer"): 2000.0}
+    gr = [(lab["GPU_I_ID"], lab["UUID"], lab["gpu"], v) for lab, v in fams["DCGM_FI_PROF_GR_ENGINE_ACTIVE"]]
+    assert gr == [("5", "GPU-b", "1", 0.5)]
+    assert [v for _, v in fams["DCGM_FI_PROF_PCIE_RX_BYTES"]] == [2.0 * 1024 * 1024]
+    assert [(lab["GPU_I_ID"], v) for lab, v in fams["DCGM_FI_DEV_SM_CLOCK"]] == [("", 1410.0)]
+    assert [v for _, v in fams["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"]] == [123456.0]
+    assert [v for _, v in fams["DCGM_FI_DEV_MEMORY_TEMP"]] == [40.0]
+    assert "DCGM_FI_PROF_SM_ACTIVE" not in fams or fams["DCGM_FI_PROF_SM_ACTIVE"] == []
 
 
 def test_agent_counters_and_kube_hook() -> None:
@@ -109,7 +128,7 @@ def test_scrape_over_http() -> None:
         server.stop()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = fams["DCGM_FI_DEV_GPU_UTIL"].samples
-    assert sample.value == 12.0 and sample.labels["hostname"] == "node-z"
+    assert sample.value == 12.0 and sample.labels["Hostname"] == "node-z"
 
 
 def test_readings_from_the_nvml_adapter_on_the_simulator() -> None:
@@ -137,8 +156,8 @@ def test_reconcile_and_publish_observers() -> None:
     m = Metrics("n")
     m.observe_reconcile("mig", "success", 0.2)
     m.observe_reconcile("mig", "failed", 0.01)
-    m.count_publish(PublishResult(metadata_writes=1, status_writes=1, gpu_objects=SyncResult(created=["a"])))
-    m.count_publish(PublishResult())
+    m.count_publish(PublishResult(metadata_writes=1, status_writes=1, gpu_objects=SyncResult(created=["a"])).by_target())
+    m.count_publish(PublishResult().by_target())
     fams = _families(m)
     rec = {(lab["component"], lab["result"]): v for lab, v in fams["nodeagent_reconciles"] if "result" in lab}
     assert rec == {("mig", "success"): 1.0, ("mig", "failed"): 1.0}

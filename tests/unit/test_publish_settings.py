@@ -1,22 +1,28 @@
-"""``[publish]`` reaches the publisher as it is written: each switch, and defaults for what it cannot set."""
+"""``[publish]`` reaches the publisher as it is written: the config's settings type is the publisher's."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import kubernetes.client as k8s
+
 from nodeagent.config import PublishSettings
-from nodeagent.kube.publisher import PublisherConfig
+from nodeagent.kube.client import KubeClient
+from nodeagent.kube.publisher import NodePublisher
+from nodeagent.kube.resources import ResourceSettings
 
 
 def test_each_publish_switch_reaches_the_publisher() -> None:
-    for name in ("labels", "extended_resources", "gpu_objects", "events"):
-        cfg = PublisherConfig.from_settings(dataclasses.replace(PublishSettings(), **{name: False}))
-        assert getattr(cfg, name) is False
-        others = {f.name for f in dataclasses.fields(PublishSettings)} - {name}
-        assert all(getattr(cfg, other) is True for other in others)
+    with k8s.ApiClient() as api:  # never called: the switches are read at construction
+        kube = KubeClient(api)
+        for name in ("labels", "extended_resources", "gpu_objects", "events"):
+            settings = dataclasses.replace(PublishSettings(), **{name: False})
+            pub = NodePublisher(kube, "node-a", settings)
+            assert pub.settings is settings
+            assert getattr(pub.settings, name) is False
+        assert NodePublisher(kube, "node-a", PublishSettings(events=False)).events.enabled is False
 
 
 def test_what_the_config_cannot_set_keeps_the_publisher_defaults() -> None:
-    cfg = PublisherConfig.from_settings(PublishSettings())
-    assert cfg.network_labels == PublisherConfig().network_labels
-    assert cfg.resources == PublisherConfig().resources
+    with k8s.ApiClient() as api:
+        assert NodePublisher(KubeClient(api), "node-a", PublishSettings()).resources == ResourceSettings()

@@ -26,7 +26,7 @@ from nodeagent.config import RuntimeSettings
 from nodeagent.errors import ConfigError, RuntimeConfigError
 from nodeagent.hostpaths import HostPathError, HostPaths
 from nodeagent.runtime import configure as rc
-from nodeagent.runtime import containerd as ctd
+from nodeagent.runtime import containerd_toml as ctd_toml
 from nodeagent.runtime import host
 
 V2 = ('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
@@ -193,12 +193,12 @@ def test_config_that_is_not_a_file_is_one_line(tmp_path: Path, kind: str) -> Non
 
 def test_oversized_and_deeply_nested_configs_are_one_line() -> None:
     with pytest.raises(ConfigError, match="more than the"):
-        ctd.parse("# " + "x" * ctd.MAX_CONFIG_BYTES + "\n")
+        ctd_toml.parse("# " + "x" * ctd_toml.MAX_CONFIG_BYTES + "\n")
     for text in ("a = " + "[" * 5000 + "]" * 5000 + "\n",
                  "a = " + "{b = " * 3000 + "1" + "}" * 3000 + "\n",
                  "[" + ".".join(["k"] * 200) + "]\nx = 1\n"):
         with pytest.raises(ConfigError, match="nested more than") as e:
-            ctd.parse(text, "deep.toml")
+            ctd_toml.parse(text, "deep.toml")
         assert "\n" not in str(e.value)
 
 
@@ -297,7 +297,7 @@ def test_malformed_state_is_one_line(tmp_path: Path, text: str) -> None:
 ])
 def test_templates_are_named(name: str, text: str, language: str, generator: str) -> None:
     with pytest.raises(ConfigError) as e:
-        ctd.parse(text, f"/etc/containerd/{name}")
+        ctd_toml.parse(text, f"/etc/containerd/{name}")
     msg = str(e.value)
     assert language in msg and generator in msg and "\n" not in msg
     if generator != "k3s/rke2":

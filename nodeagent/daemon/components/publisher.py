@@ -26,13 +26,13 @@ class PublisherComponent(Component):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__()
-        from nodeagent.kube.publisher import NodePublisher, PublisherConfig
+        from nodeagent.kube.publisher import NodePublisher
 
         self.pod_resources = ctx.pod_resources_client()
         self.publisher = NodePublisher(
             ctx.kube,
             ctx.node_name,
-            PublisherConfig.from_settings(ctx.config.publish),
+            ctx.config.publish,
             paths=ctx.paths,
             pod_resources=self.pod_resources,
             watches=ctx.node_watches,
@@ -88,7 +88,7 @@ class PublisherComponent(Component):
             self._ctx.set_status(self.name, "published")
             if res.writes:
                 log.info("published to node %s: %d write(s)", self._ctx.node_name, res.writes)
-                self._ctx.shared.metrics.count_publish(res)
+                self._ctx.shared.metrics.count_publish(res.by_target())
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -94,9 +94,9 @@ def open_pynvml(machine: str | None, state: Path | None) -> ModuleType:
         else:
             os.environ.pop(MACHINE_ENV, None)
         os.environ[STATE_ENV] = str(state.absolute())
-    from nodeagent.simulator.abi import bridge
+    from nodeagent.simulator.abi import process
 
-    bridge.configure(machine, state.absolute())
+    process.configure(machine, state.absolute())
     import pynvml
 
     module: ModuleType = pynvml
