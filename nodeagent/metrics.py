@@ -13,7 +13,7 @@ import io
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.mps import MpsDaemonState
 from nodeagent.kube.conditions import ConditionSnapshot, build_conditions
 from nodeagent.kube.gpuobjects import gpu_of_device
 from nodeagent.kube.podresources import Assignment
@@ -240,6 +241,7 @@ def state_families(
     snapshot: ConditionSnapshot,
     registered: Mapping[str, bool],
     allocations: Mapping[tuple[str, str], int] | None = None,
+    mps: Sequence[MpsDaemonState] = (),
 ) -> list[Metric]:
     """The agent's state as gauges (pure): the GPU Node conditions and the MIG config state as state sets
     (one series per possible value, 1 on the current one, as kube-state-metrics shows Node conditions), each
@@ -304,7 +306,39 @@ def state_families(
     )
     for other in snapshot.conflicts:
         conflict.add_metric([other.kind, other.subject, other.owner], 1)
-    return [cond, mig, faults, reg, wired, allocate, conflict]
+    return [cond, mig, faults, reg, wired, allocate, conflict, *mps_families(mps)]
+
+
+def mps_families(daemons: Sequence[MpsDaemonState]) -> list[Metric]:
+    """The MPS control daemons the agent runs: ready or not, restarts, and the limits in force per GPU."""
+    ready = GaugeMetricFamily(
+        "nodeagent_mps_daemon_ready",
+        "1 while the MPS control daemon of the resource answers (its replicas are Healthy), 0 while not.",
+        labels=("resource",),
+    )
+    restarts = CounterMetricFamily(
+        "nodeagent_mps_daemon_restarts", "Restarts of the resource's MPS control daemon since it was first started.",
+        labels=("resource",),
+    )
+    threads = GaugeMetricFamily(
+        "nodeagent_mps_active_thread_percentage",
+        "The default active thread percentage the resource's MPS control daemon gives each client.",
+        labels=("resource",),
+    )
+    pinned = GaugeMetricFamily(
+        "nodeagent_mps_pinned_memory_limit_bytes",
+        "The default pinned device memory limit of each MPS client on the GPU.",
+        labels=("resource", "UUID"),
+    )
+    for d in sorted(daemons, key=lambda d: d.name):
+        ready.add_metric([d.name], 1 if d.ready else 0)
+        restarts.add_metric([d.name], d.restarts)
+        threads.add_metric([d.name], d.thread_percentage)
+        for ordinal, limit in d.pinned_limits:
+            if ordinal < len(d.gpu_uuids) and limit[:-1].isdigit():
+                scale = 1 << (30 if limit.endswith("G") else 20)
+                pinned.add_metric([d.name, d.gpu_uuids[ordinal]], int(limit[:-1]) * scale)
+    return [ready, restarts, threads, pinned]
 
 
 def mig_families(inv: Inventory) -> list[Metric]:
@@ -414,10 +448,11 @@ class Metrics:
         snapshot: ConditionSnapshot,
         registered: Mapping[str, bool],
         allocations: Mapping[tuple[str, str], int] | None = None,
+        mps: Sequence[MpsDaemonState] = (),
     ) -> None:
-        """Replace the Node conditions, MIG state, GPU faults, registrations and Allocate counts shown at the
-        next scrape."""
-        self._state.set(state_families(snapshot, registered, allocations))
+        """Replace the Node conditions, MIG state, GPU faults, registrations, Allocate counts and MPS daemons
+        shown at the next scrape."""
+        self._state.set(state_families(snapshot, registered, allocations, mps))
 
     def observe_reconcile(self, component: str, result: str, seconds: float) -> None:
         """One finished reconcile (e.g. ``MigReconciler(on_result=...)``: result is the state written)."""

@@ -13,6 +13,7 @@ from nodeagent.errors import InputError
 from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
+    from nodeagent.gpu.mps import MpsManager
     from nodeagent.gpu.nvml import NvmlAdapter
     from nodeagent.simulator.nvml import SimulatedNvml
 
@@ -56,3 +57,24 @@ def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlA
     path = sim.store.path
     adapter.fault_domain = None if path is None else f"sim:{path.absolute()}"
     return adapter
+
+
+def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_state: Path | None) -> MpsManager:
+    """The MPS daemons' manager: ``nvidia-cuda-mps-control`` under the driver root; on the simulator the
+    stand-in is installed there when the first daemon is wanted and told which simulated state to use (only
+    a state file is shared with it; an in-memory machine shows no MPS server process)."""
+    from nodeagent.gpu.mps import CONTROL_BINARY, MpsManager
+
+    binary = paths(driver_root.rstrip("/") + CONTROL_BINARY)
+    if simulate is None and sim_state is None:
+        return MpsManager(binary)
+    if paths.root == Path("/"):
+        raise InputError("the NVML simulator never acts on the real host: give it a sandbox root (--root DIR), not /")
+    from nodeagent.simulator.mps_control import install
+
+    env: dict[str, str] = {}
+    if sim_state is not None:
+        env["NODEAGENT_SIM_STATE"] = str(sim_state.absolute())
+        if simulate:
+            env["NODEAGENT_SIM_MACHINE"] = simulate
+    return MpsManager(binary, extra_env=env, install=install)

@@ -7,7 +7,7 @@ import json
 import click
 
 from nodeagent.commands.common import gpu_options, open_adapter
-from nodeagent.gpu.inventory import Inventory, Link, LinkKind
+from nodeagent.gpu.inventory import Gpu, Inventory, Link, LinkKind
 
 _LINK_ABBREV = {
     LinkKind.SAME_BOARD: "BRD",
@@ -39,6 +39,15 @@ def _link_label(link: Link | None) -> str:
     return _LINK_ABBREV[link.kind]
 
 
+MPS_SERVER = "nvidia-cuda-mps-server"
+
+
+def _mps_state(gpu: Gpu) -> str:
+    """``server <pid>`` while an MPS server holds a context on the GPU (the agent's MPS daemons start one)."""
+    pids = sorted(p.pid for p in gpu.processes if p.name == MPS_SERVER)
+    return "server " + ",".join(map(str, pids)) if pids else "-"
+
+
 def render_text(inv: Inventory, topology: bool) -> str:
     """The human-readable report (pure)."""
     major, minor = inv.cuda_version
@@ -46,7 +55,7 @@ def render_text(inv: Inventory, topology: bool) -> str:
     if not inv.gpus:
         lines.append("no GPUs found")
         return "\n".join(lines)
-    rows = [["GPU", "NAME", "UUID", "BUS ID", "DEVICE ID", "MEMORY", "NUMA", "CC", "MIG", "PROCS"]]
+    rows = [["GPU", "NAME", "UUID", "BUS ID", "DEVICE ID", "MEMORY", "NUMA", "CC", "MIG", "PROCS", "MPS"]]
     for g in inv.gpus:
         rows.append(
             [
@@ -60,6 +69,7 @@ def render_text(inv: Inventory, topology: bool) -> str:
                 f"{g.compute_major}.{g.compute_minor}",
                 _mig_state(g.mig_current, g.mig_pending, g.mig_capable),
                 str(len(g.processes)),
+                _mps_state(g),
             ]
         )
     lines += _table(rows)

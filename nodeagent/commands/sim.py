@@ -183,6 +183,19 @@ def inject_kill(ctx: click.Context, gpu: int, pid: int | None) -> None:
     click.echo(f"processes ended on GPU {gpu}")
 
 
+@inject_group.command("compute-mode")
+@gpu_options
+@click.option("--gpu", type=int, required=True, help="GPU index (see `nodeagent discover`).")
+@click.argument("mode", type=click.Choice(["DEFAULT", "EXCLUSIVE_THREAD", "PROHIBITED", "EXCLUSIVE_PROCESS"]))
+@click.pass_context
+def inject_compute_mode(ctx: click.Context, gpu: int, mode: str) -> None:
+    """Set a GPU's compute mode as nvidia-smi -c does (the stand-in MPS daemon refuses PROHIBITED)."""
+    from nodeagent.simulator import inject
+
+    inject.set_compute_mode(_store(ctx), gpu, mode)
+    click.echo(f"GPU {gpu} compute mode {mode}")
+
+
 @inject_group.command("recover")
 @gpu_options
 @click.option("--gpu", type=int, default=None, help="Only this GPU (default: all, and pending failures).")

@@ -114,6 +114,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
     def allocations(self) -> dict[tuple[str, str], int]:
         return self._held.allocations() if self._held is not None else {}
 
+    def mps(self) -> list[Any]:
+        """The MPS control daemons the plugin runs (``gpu.mps.MpsDaemonState``; none from a plugin without them)."""
+        states = getattr(self._held, "mps", None)
+        return list(states()) if states is not None else []
+
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._held is not None:
             await self._held.withdraw(gpu_indices)

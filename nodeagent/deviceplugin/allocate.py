@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 from nodeagent.cdi.host import Mount
 from nodeagent.cdi.names import qualified_name
 from nodeagent.errors import InputError
+from nodeagent.logs import cut
 from nodeagent.sharing.devices import PhysicalDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_SHM_DIR = "/dev/shm"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 # /proc/driver/nvidia-caps/mig-minors numbering: "config" 1, "monitor" 2, then per GPU 15 GPU
@@ -57,6 +60,22 @@ def mig_cap_minors(gpu_minor: int, gi_id: int, ci_id: int) -> tuple[int, int]:
     return gi, gi + 1 + ci_id
 
 
+MAX_LISTED = 256  # characters of the requested IDs an error message quotes
+
+
+def _listed(ids: Sequence[str]) -> str:
+    """The IDs for an error message, at most ``MAX_LISTED`` characters of them (a request may hold megabytes)."""
+    shown: list[str] = []
+    length = 0
+    for i in ids:
+        if length > MAX_LISTED:
+            break
+        shown.append(cut(i, MAX_LISTED))
+        length += len(shown[-1]) + 2
+    text = cut(", ".join(shown), MAX_LISTED)
+    return text if len(shown) == len(ids) else f"{text} (and {len(ids) - len(shown)} more)"
+
+
 def physical_devices(resource: Resource, device_ids: Sequence[str]) -> list[PhysicalDevice]:
     """Validate requested IDs against what was advertised; distinct physical devices in request order."""
     if not device_ids:
@@ -65,12 +84,12 @@ def physical_devices(resource: Resource, device_ids: Sequence[str]) -> list[Phys
     unknown = [i for i in device_ids if i not in known]
     if unknown:
         raise AllocationError(
-            f"device(s) {', '.join(unknown)} were never advertised for {resource.name}", subject=resource.name
+            f"device(s) {_listed(unknown)} were never advertised for {resource.name}", subject=resource.name
         )
     if resource.fail_requests_greater_than_one and len(device_ids) > 1:
         raise AllocationError(
             f"request for {len(device_ids)} devices of shared resource {resource.name} "
-            f"({', '.join(device_ids)}): failRequestsGreaterThanOne allows 1 per container",
+            f"({_listed(device_ids)}): failRequestsGreaterThanOne allows 1 per container",
             subject=resource.name,
         )
     out: list[PhysicalDevice] = []
@@ -128,6 +147,10 @@ def container_allocation(
         annotations[cdi_annotation_key(flags.cdi_annotation_prefix, device_ids)] = ",".join(cdi_names)
     if "cdi-cri" in strategies:
         cdi.extend(cdi_names)
+    if resource.mps is not None:  # the control daemon's pipe directory and the shared memory it uses
+        envs[MPS_PIPE_ENV] = resource.mps.pipe_dir
+        mounts.append(Mount(resource.mps.pipe_dir, resource.mps.pipe_dir_on_host, read_only=False))
+        mounts.append(Mount(MPS_SHM_DIR, resource.mps.shm_on_host, read_only=False))
     return ContainerAllocation(
         envs=envs,
         mounts=tuple(mounts),

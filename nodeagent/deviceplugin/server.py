@@ -1,5 +1,5 @@
-"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on a small pool of
-its own threads (grpcio's server, set up by ``nodeagent.grpcadapter.server``).
+"""One DevicePlugin gRPC server per resource, on its own Unix socket (mode 0600), answering on the event loop of
+the gRPC servers' own thread (grpc.aio's server, set up by ``nodeagent.grpcadapter.server``).
 
 The server holds the current ``Resource`` and per-device health; every change bumps a version and
 every open ListAndWatch stream re-sends the full list at once. Allocate answers are kept per requested
@@ -16,7 +16,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,11 @@ from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
 from nodeagent.grpcadapter.server import (
     INVALID_ARGUMENT,
+    AioServicerContext,
+    LoopThreadServer,
     RefusalLog,
-    ServicerContext,
     StreamSlots,
-    ThreadedServer,
-    refuse,
+    arefuse,
 )
 from nodeagent.sharing.devices import AdvertisedDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
@@ -45,10 +45,9 @@ MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 # Allocate answers are a pure function of the device list and settings: the answers given since the last
 # change are kept (the kubelet asks for the same few sets again and again), up to this many.
 ALLOCATION_CACHE_SIZE = 1024
-# ListAndWatch streams open at once on one server (each holds a thread; the kubelet keeps one).
+# ListAndWatch streams open at once on one server (each is sent every change of the list; the kubelet keeps
+# one).
 MAX_LIST_AND_WATCH = 8
-# Threads of one server: the streams' and as many again for the unary calls (started only when needed).
-SERVER_THREADS = 2 * MAX_LIST_AND_WATCH
 
 
 class ForeignPluginError(KubeletError):
@@ -172,7 +171,7 @@ def preferred(
 
 class _Servicer:
     """The DevicePlugin methods (registered with the generated ``add_DevicePluginServicer_to_server``). They
-    run on the server's own threads, never on the daemon's event loop: they read only the server's current
+    run on the server's own event loop, never on the daemon's: they read only the server's current
     ``_Served`` (replaced whole on a change) and its prebuilt device list. Requests arrive parsed: bytes that
     are no such message were refused before (INVALID_ARGUMENT naming it)."""
 
@@ -182,26 +181,28 @@ class _Servicer:
     def __init__(self, owner: ResourceServer) -> None:
         self._owner = owner
 
-    def GetDevicePluginOptions(self, request: Any, context: ServicerContext) -> Any:
+    async def GetDevicePluginOptions(self, request: Any, context: AioServicerContext) -> Any:
         return self._OPTIONS
 
-    def ListAndWatch(self, request: Any, context: ServicerContext) -> Iterator[Any]:
+    async def ListAndWatch(self, request: Any, context: AioServicerContext) -> AsyncIterator[Any]:
+        """The device list now and after every change (a cancelled call ends the wait at once)."""
         owner = self._owner
-        owner.watches.hold(context)  # RESOURCE_EXHAUSTED past MAX_LIST_AND_WATCH
-        changed = owner.changed
-        context.add_callback(owner.wake)  # a cancelled stream stops waiting at once
+        slot = await owner.watches.ahold(context)  # past MAX_LIST_AND_WATCH: a stuck stream's slot, or refused
         sent = -1
         while True:
-            with changed:
-                while owner.version == sent and not owner.closing and context.is_active():
-                    changed.wait()
-                if owner.closing or not context.is_active():
-                    return
-                sent, message = owner.version, owner.device_list
+            version, message, closing = owner.current()
+            if closing:
+                return
+            if version == sent:
+                await owner.next_change()
+                continue
+            sent = version
             owner.list_sent_at = time.monotonic()
+            slot.sending()
             yield message
+            slot.sent()
 
-    def GetPreferredAllocation(self, request: Any, context: ServicerContext) -> Any:
+    async def GetPreferredAllocation(self, request: Any, context: AioServicerContext) -> Any:
         served = self._owner.served
         responses = []
         for creq in request.container_requests:
@@ -216,7 +217,7 @@ class _Servicer:
             responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
-    def Allocate(self, request: Any, context: ServicerContext) -> Any:
+    async def Allocate(self, request: Any, context: AioServicerContext) -> Any:
         """Device sets already answered since the last change get the kept answer again; any others are
         validated and answered."""
         served = self._owner.served
@@ -228,23 +229,26 @@ class _Servicer:
         try:
             answer = served.answer(sets)
         except AllocationError as e:
-            self._owner.count_allocate(False)
-            self._owner.refusals.refused("allocate", str(e))
-            refuse(context, INVALID_ARGUMENT, str(e))
-        self._owner.count_allocate(True)
-        return answer
+            reason = str(e)
+        else:
+            self._owner.count_allocate(True)
+            return answer
+        del request, sets  # not kept with the refusal (grpc.aio holds an aborted call's error for a while)
+        self._owner.count_allocate(False)
+        self._owner.refusals.refused("allocate", reason)
+        await arefuse(context, INVALID_ARGUMENT, reason)
 
-    def PreStartContainer(self, request: Any, context: ServicerContext) -> Any:
+    async def PreStartContainer(self, request: Any, context: AioServicerContext) -> Any:
         return self._PRE_START
 
 
 class ResourceServer:
     """The DevicePlugin server of one resource.
 
-    Its gRPC server is grpcio's threaded one: the methods run on a small pool of the server's own threads, so
-    an Allocate neither waits for the daemon's other coroutines nor hops through the event loop (measured:
-    tests/bench/bench_deviceplugin.py). The daemon's loop changes what is served (``set_resource``,
-    ``health_changed``); the threads read it.
+    Its gRPC server is grpc.aio's on the loop of the gRPC servers' own thread: an Allocate neither waits for
+    the daemon's other coroutines nor hops through the daemon's loop (measured: tests/bench/bench_deviceplugin.py),
+    and a call waiting for its client holds no thread. The daemon's loop changes what is served
+    (``set_resource``, ``health_changed``); the server's loop reads it.
     """
 
     def __init__(
@@ -269,10 +273,11 @@ class ResourceServer:
         self._health_of = health_of
         self.version = 0
         self.closing = False
-        self.changed = threading.Condition()  # guards version, device_list and closing
-        self.watches = StreamSlots(MAX_LIST_AND_WATCH, "ListAndWatch")
+        self._lock = threading.Lock()  # guards version, device_list and closing
+        self._wakeup: asyncio.Event | None = None  # on the server's loop: set (and dropped) at a change
         self.refusals = RefusalLog(log)
-        self._server: ThreadedServer | None = None
+        self.watches = StreamSlots(MAX_LIST_AND_WATCH, "ListAndWatch", self.refusals)
+        self._server: LoopThreadServer | None = None
         self._published = self._visible()  # what device_list shows
         self.device_list: Any = self._build_list(self._published)  # a ListAndWatchResponse, never changed
         self.list_sent_at: float = 0.0
@@ -315,10 +320,27 @@ class ResourceServer:
             devices.append(api_pb2.Device(ID=dev_id, health=health, topology=topo))
         return api_pb2.ListAndWatchResponse(devices=devices)
 
-    def wake(self) -> None:
-        """Wake every waiting ListAndWatch stream (each then checks whether it still runs)."""
-        with self.changed:
-            self.changed.notify_all()
+    def current(self) -> tuple[int, Any, bool]:
+        """The list's version, the list and whether the server is closing (from any thread)."""
+        with self._lock:
+            return self.version, self.device_list, self.closing
+
+    async def next_change(self) -> None:
+        """Wait (on the server's loop) for the next ``_wake_streams``."""
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        await self._wakeup.wait()
+
+    def _wake_streams(self) -> None:
+        """Wake every waiting ListAndWatch stream (on the server's loop; each then reads ``current``)."""
+        event, self._wakeup = self._wakeup, None
+        if event is not None:
+            event.set()
+
+    def _changed(self) -> None:
+        server = self._server
+        if server is not None:
+            server.call_soon(self._wake_streams)
 
     def _publish(self) -> bool:
         """Rebuild the device list and wake every stream to re-send it, if what the kubelet sees changed
@@ -327,10 +349,10 @@ class ResourceServer:
         if visible == self._published:
             return False
         device_list = self._build_list(visible)
-        with self.changed:
+        with self._lock:
             self._published, self.device_list = visible, device_list
             self.version += 1
-            self.changed.notify_all()
+        self._changed()
         return True
 
     async def set_resource(
@@ -373,18 +395,16 @@ class ResourceServer:
             raise KubeletError(
                 f"cannot serve {self.name}: cannot remove {path}: {e.strerror}", subject=str(path)
             ) from e
-        with self.changed:
+        with self._lock:
             self.closing = False
         self._publish()
-        server = ThreadedServer(
+        server = LoopThreadServer(
             path,
             [(api_pb2_grpc.add_DevicePluginServicer_to_server, _Servicer(self))],
-            name=f"device plugin {self.name}",
-            workers=SERVER_THREADS,
             refusals=self.refusals,
         )
         try:
-            server.start()
+            await asyncio.to_thread(server.start)
         except OSError as e:
             raise KubeletError(
                 f"cannot serve {self.name} on {path}: {e.strerror or e}", subject=str(path)
@@ -397,9 +417,9 @@ class ResourceServer:
         server, self._server = self._server, None
         if server is None:
             return
-        with self.changed:
+        with self._lock:
             self.closing = True
-            self.changed.notify_all()
+        server.call_soon(self._wake_streams)
         await asyncio.to_thread(server.stop, STOP_GRACE_S)
         path = self.socket_path
         mine, self._socket_id = self._socket_id, None

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +30,10 @@ from nodeagent.gpu.health import (
     to_xid_event,
 )
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.mps import MpsDaemonState, MpsManager
 from nodeagent.gpu.topology import score_matrix
 from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, device_gpus, resource_ids
+from nodeagent.sharing.mps import plan_daemons, with_access
 from nodeagent.sharing.spec import DEFAULT_CONFIG, PluginConfig
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class DevicePluginService:
         register_timeout_s: float = 5.0,
         backoff_max_s: float = BACKOFF_MAX_S,
         take_over: bool = False,
+        mps: MpsManager | None = None,
+        under_root: Callable[[str], Path] | None = None,
     ) -> None:
         self.take_over = take_over  # replace another process's live socket at our socket's name
         self.plugin_dir = plugin_dir.absolute()  # a relative --root must still give unix:///abs/path
@@ -97,6 +101,11 @@ class DevicePluginService:
         # (resource, "answered" | "refused") → Allocate calls since the start, across server restarts
         self._allocations: dict[tuple[str, str], int] = {}
         self._allocations_lock = threading.Lock()
+        # MPS control daemons of the resources shared with MPS (none without a manager: MPS is refused)
+        self._mps = mps
+        self._under_root: Callable[[str], Path] = under_root or Path
+        if mps is not None:
+            mps.on_change = self._health_changed  # a daemon became ready or died: re-send the health
         self.monitor: XidTrackingMonitor | None = None
         if nvml is not None:
             self.monitor = XidTrackingMonitor(
@@ -119,13 +128,36 @@ class DevicePluginService:
                 )
         return resources
 
+    def _build(self, inventory: Inventory, config: PluginConfig, withdrawn: frozenset[int]) -> dict[str, Resource]:
+        resources = self._checked(build_resources(inventory, config, withdrawn=withdrawn), config.source)
+        if any(r.sharing == "mps" for r in resources.values()):
+            if self._mps is None:
+                raise ConfigError(f"{config.source}: sharing.mps is not available here (no MPS control daemon "
+                                  "can be run by this process)", subject=config.source)
+            if not self._mps.available():
+                raise ConfigError(
+                    f"{config.source}: sharing.mps needs the MPS control daemon, but {self._mps.binary} does not "
+                    "exist (install the NVIDIA driver's compute utilities)",
+                    subject=config.source,
+                )
+            resources = with_access(resources, self._under_root)
+        return resources
+
+    async def _apply_mps(self, resources: dict[str, Resource]) -> None:
+        """Start (and wait for) the daemons the resources need, before they are advertised; stop the others."""
+        if self._mps is not None:
+            await self._mps.apply(plan_daemons(resources, self._under_root))
+
+    def mps_states(self) -> list[MpsDaemonState]:
+        """The MPS control daemons running for the served resources."""
+        return self._mps.states() if self._mps is not None else []
+
     async def start(self, inventory: Inventory) -> None:
         """Serve and register every resource of ``inventory``."""
         async with self._lock:
             if self._started:
                 raise RuntimeError("DevicePluginService already started")
-            resources = self._checked(build_resources(inventory, self.config, withdrawn=self._excluded),
-                                      self.config.source)
+            resources = self._build(inventory, self.config, self._excluded)
             self._inventory = inventory
             self._scores = score_matrix(inventory)
             self._started = True
@@ -138,7 +170,7 @@ class DevicePluginService:
         """Follow a new Inventory and/or config; raises ConfigError (changing nothing) when invalid."""
         async with self._lock:
             config = plugin_config or self.config
-            resources = self._checked(build_resources(inventory, config, withdrawn=self._excluded), config.source)
+            resources = self._build(inventory, config, self._excluded)
             self.config, self._inventory, self._withdrawn = config, inventory, frozenset()
             self._scores = score_matrix(inventory)
             if self.monitor is not None:
@@ -152,8 +184,7 @@ class DevicePluginService:
             if self._inventory is None:
                 return
             self._withdrawn = self._withdrawn | frozenset(gpu_indices)
-            resources = build_resources(self._inventory, self.config, withdrawn=self._withdrawn | self._excluded)
-            await self._apply(self._checked(resources, self.config.source))
+            await self._apply(self._build(self._inventory, self.config, self._withdrawn | self._excluded))
 
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         """(resource, device ID) → GPU index for every device of these GPUs the current inventory gives,
@@ -221,6 +252,8 @@ class DevicePluginService:
             for server in list(self._servers.values()):
                 await server.stop()
             self._servers.clear()
+            if self._mps is not None:
+                await self._mps.stop()
 
     # ------------------------------------------------------------------ internals
     def _healthy(self, device: AdvertisedDevice) -> bool:
@@ -229,7 +262,16 @@ class DevicePluginService:
         mig = device.physical.mig
         return self.monitor.is_healthy(device.physical.gpu_index, mig.gi_id if mig else None)
 
+    def _health_for(self, name: str) -> Callable[[AdvertisedDevice], bool]:
+        def healthy(device: AdvertisedDevice) -> bool:
+            if self._mps is not None and self._mps.daemon(name) is not None and not self._mps.ready(name):
+                return False  # its control daemon does not answer: MPS clients would fail
+            return self._healthy(device)
+
+        return healthy
+
     async def _apply(self, resources: dict[str, Resource]) -> None:
+        await self._apply_mps(resources)
         flags, policy = self.config.flags.plugin, self.config.allocation_policy
         for name in [n for n in self._servers if n not in resources]:
             self.failures.pop(name, None)
@@ -239,7 +281,8 @@ class DevicePluginService:
             server = self._servers.get(name)
             if server is None:
                 server = ResourceServer(
-                    self.plugin_dir, resource, flags, scores=self._scores, policy=policy, health_of=self._healthy,
+                    self.plugin_dir, resource, flags, scores=self._scores, policy=policy,
+                    health_of=self._health_for(name),
                     take_over=self.take_over, on_allocate=self._count_allocate,
                 )
                 try:

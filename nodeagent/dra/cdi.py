@@ -60,11 +60,12 @@ def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[st
 
 
 def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
-               facts: Mapping[str, NodeFact] | None = None) -> dict[str, Any]:
-    """The CDI spec for one claim (pure); ``facts`` are the host's device nodes by container path."""
+               facts: Mapping[str, NodeFact] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The CDI spec for one claim (pure); ``facts`` are the host's device nodes by container path; ``extra``
+    adds container edits (``env``, ``mounts``: the claim's MPS daemon)."""
     facts = facts or {}
     _check_uid(claim_uid)
-    return {
+    spec = {
         "cdiVersion": CDI_VERSION,
         "kind": CDI_KIND,
         "devices": [
@@ -76,6 +77,12 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
             "deviceNodes": [_node(p, facts) for p in CONTROL_DEVICES],
         },
     }
+    if extra:
+        edits: dict[str, Any] = spec["containerEdits"]  # type: ignore[assignment]
+        edits["env"] = [*edits["env"], *extra.get("env", ())]
+        if extra.get("mounts"):
+            edits["mounts"] = list(extra["mounts"])
+    return spec
 
 
 class ClaimSpecs:
@@ -84,6 +91,7 @@ class ClaimSpecs:
     def __init__(self, cdi_dir: Path) -> None:
         self.dir = cdi_dir
         self.node_facts: Mapping[str, NodeFact] = {}  # set from the host facts on each inventory
+        self.extra_edits: dict[str, Mapping[str, Any]] = {}  # claim UID → container edits beyond its devices
 
     def path(self, claim_uid: str) -> Path:
         _check_uid(claim_uid)
@@ -99,7 +107,8 @@ class ClaimSpecs:
         return [cdi_device_id(claim_uid, d.name) for d in devices]
 
     def render(self, claim_uid: str, devices: Sequence[DraDevice]) -> str:
-        return json.dumps(claim_spec(claim_uid, devices, self.node_facts), indent=2, sort_keys=True) + "\n"
+        return json.dumps(claim_spec(claim_uid, devices, self.node_facts, self.extra_edits.get(claim_uid)),
+                          indent=2, sort_keys=True) + "\n"
 
     def current(self, claim_uid: str) -> str | None:
         """The claim's spec file as it is on disk (None when missing or unreadable)."""

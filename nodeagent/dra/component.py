@@ -50,6 +50,7 @@ from nodeagent.dra.devices import (
     read_pcie_roots,
 )
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthUpdates, unhealthy_devices
+from nodeagent.dra.mps import ClaimMps
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
@@ -95,8 +96,10 @@ class DraComponent:
         dynamic_mig: bool = False,
         slice_layout: str | None = None,
         scheduler: AsyncIOScheduler | None = None,
+        mps: ClaimMps | None = None,
     ) -> None:
         self.paths = paths
+        self.mps = mps  # MPS daemons for claims whose opaque config asks for MPS
         self.kube = kube
         self.node_name = node_name
         self.driver = driver
@@ -148,11 +151,16 @@ class DraComponent:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
         self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
-                                      driver=self.driver, mig=self.mig)  # MIG claims unprepare with the knob off
+                                      driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
+                                      mps=self.mps)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
         await self._set_inventory(inventory)
+        if self.mps is not None:  # the MPS edits of claims prepared before, so their specs stay as written
+            self.preparer.specs.extra_edits.update(self.mps.load(self.preparer.devices))
         if await asyncio.to_thread(self.preparer.recover, inventory) and self.mig is not None:
             await self._set_inventory(await asyncio.to_thread(self.mig.discover))
+        if self.mps is not None:
+            await self.mps.resume(set(self.preparer.checkpoint.claims))
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
                                 on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir,
                                 on_claims_changed=self._claims_changed)
@@ -312,6 +320,8 @@ class DraComponent:
         if self.server is not None:
             await self.server.stop()
             self.server = None
+        if self.mps is not None:  # the daemons end with the agent; a restart starts them again
+            await self.mps.stop()
         if withdraw_slices:
             try:
                 await asyncio.to_thread(self.publisher.remove)

@@ -138,10 +138,10 @@ class _HealthServicer:
         self.watches = watches
 
     async def NodeWatchResources(self, request: Any, context: AioServicerContext) -> AsyncIterator[Any]:
-        await self.watches.ahold(context)  # RESOURCE_EXHAUSTED past MAX_WATCHES
+        slot = await self.watches.ahold(context)  # past MAX_WATCHES: a stuck stream's slot, or refused
         async with contextlib.aclosing(self.feed.watch()) as snaps:  # closed on the loop when the call ends
             async for snap in snaps:
-                yield health_pb2.NodeWatchResourcesResponse(
+                answer = health_pb2.NodeWatchResourcesResponse(
                     devices=[
                         health_pb2.DeviceHealth(
                             device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=s.name),
@@ -151,6 +151,9 @@ class _HealthServicer:
                         for s in snap
                     ]
                 )
+                slot.sending()
+                yield answer
+                slot.sent()
 
 
 class _RegistrationServicer:
@@ -220,8 +223,8 @@ class DraServer:
         self.registered = False
         self.registration_error = ""
         self.registration_changed = asyncio.Event()
-        self.watches = StreamSlots(MAX_WATCHES, "NodeWatchResources")
         self.refusals = RefusalLog(log)
+        self.watches = StreamSlots(MAX_WATCHES, "NodeWatchResources", self.refusals)
         self._dra: AioServer | None = None
         self._reg: AioServer | None = None
 

@@ -36,6 +36,7 @@ from nodeagent.dra.checkpoint import (
     PreparedDevice,
 )
 from nodeagent.dra.devices import DraDevice, device_gpu_index, with_instance
+from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps
 from nodeagent.errors import GpuBusyError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
@@ -97,8 +98,10 @@ def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
 
 class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
-                 *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None) -> None:
+                 *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None,
+                 mps: ClaimMps | None = None) -> None:
         self.checkpoint = checkpoint
+        self.mps = mps  # MPS daemons of claims asking for MPS (none: such claims are refused)
         self.specs = specs
         self.read_claim = read_claim
         self.pool = pool
@@ -227,6 +230,7 @@ class ClaimPreparer:
             async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
                 claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
             wanted = self._resolve(claim, ref)
+            mps = parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}")
         except (ClaimError, NodeAgentError, ValueError) as e:
             log.warning("NodePrepareResources %s/%s (%s): %s", ref.namespace, ref.name, ref.uid, e)
             return PrepareResult(error=str(e))
@@ -243,6 +247,8 @@ class ClaimPreparer:
                 return PrepareResult(error=msg)
             self._inflight[ref.uid] = (ref, gpus)
             try:
+                if mps is not None:
+                    await self._start_mps(ref, [dev for dev, _ in wanted], mps)
                 if any(dev.dynamic for dev, _ in wanted):
                     prepared = await asyncio.to_thread(self._write, ref, wanted)
                 else:
@@ -250,6 +256,7 @@ class ClaimPreparer:
                     # thread hop
                     prepared = self._write(ref, wanted)
             except (OSError, ValueError, NodeAgentError) as e:
+                await self._stop_mps(ref.uid)
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
                 log.error("%s", msg)
                 return PrepareResult(error=msg)
@@ -258,6 +265,18 @@ class ClaimPreparer:
         log.info("prepared claim %s/%s (%s): %s", ref.namespace, ref.name, ref.uid,
                  ", ".join(d.device for d in prepared))
         return PrepareResult(prepared)
+
+    async def _start_mps(self, ref: ClaimRef, devices: list[DraDevice], cfg: MpsClaimConfig) -> None:
+        if self.mps is None:
+            raise MpsConfigError(f"ResourceClaim {ref.namespace}/{ref.name} asks for MPS, which this driver "
+                                 "cannot run here")
+        label = f"ResourceClaim {ref.namespace}/{ref.name}"
+        self.specs.extra_edits[ref.uid] = await self.mps.prepare(ref.uid, devices, cfg, label)
+
+    async def _stop_mps(self, uid: str) -> None:
+        self.specs.extra_edits.pop(uid, None)
+        if self.mps is not None:
+            await self.mps.unprepare(uid)
 
     def _resolve(self, claim: Mapping[str, Any], ref: ClaimRef) -> list[tuple[DraDevice, tuple[str, ...]]]:
         by_device: dict[str, list[str]] = {}
@@ -367,6 +386,7 @@ class ClaimPreparer:
             for ref in claims:
                 try:
                     await asyncio.to_thread(self._unprepare_one, ref)
+                    await self._stop_mps(ref.uid)
                     out[ref.uid] = ""
                 except (OSError, ValueError, NodeAgentError) as e:
                     out[ref.uid] = f"cannot unprepare claim {ref.namespace}/{ref.name}: {e}"

@@ -63,6 +63,16 @@ class AdvertisedDevice:
 
 
 @dataclass(frozen=True)
+class MpsAccess:
+    """What a container of an MPS resource gets besides its devices: the daemon's pipe directory and the
+    host's shared memory, both mounted, and the pipe directory in its environment."""
+
+    pipe_dir: str  # the path as the host names it (the same path inside the container)
+    pipe_dir_on_host: str  # the path the kubelet mounts (under --root in a sandbox)
+    shm_on_host: str
+
+
+@dataclass(frozen=True)
 class Resource:
     """One extended resource and its devices, in advertising order."""
 
@@ -70,6 +80,7 @@ class Resource:
     devices: tuple[AdvertisedDevice, ...]
     sharing: str = "none"  # none | time-slicing | mps
     fail_requests_greater_than_one: bool = False
+    mps: MpsAccess | None = None  # how containers reach this resource's MPS control daemon (sharing "mps")
 
     def device(self, device_id: str) -> AdvertisedDevice | None:
         for d in self.devices:
@@ -202,6 +213,29 @@ def _select(entry: ReplicatedResource, devices: list[PhysicalDevice], config: Pl
     return list(chosen.values())
 
 
+def mps_max_clients(gpu: Gpu) -> int:
+    """Client contexts one MPS server accepts on this GPU: 48 from compute capability 7.5 on, else 16 (the
+    bound NVIDIA's MPS control daemon checks replicas against)."""
+    return 48 if (gpu.compute_major, gpu.compute_minor) >= (7, 5) else 16
+
+
+def _check_mps_device(config: PluginConfig, entry: ReplicatedResource, dev: PhysicalDevice) -> None:
+    if dev.mig is not None:
+        raise ConfigError(
+            f"{_entry_label(config, entry)}: device {dev.id} is a MIG device; MPS shares whole GPUs only "
+            "(use flags.migStrategy none, or time-slicing for MIG devices)",
+            subject=entry.name,
+        )
+    limit = mps_max_clients(dev.gpu)
+    if entry.replicas > limit:
+        raise ConfigError(
+            f"{_entry_label(config, entry)}: replicas {entry.replicas} is more than the {limit} clients one MPS "
+            f"server accepts on GPU {dev.gpu.index} ({dev.gpu.name}, compute capability "
+            f"{dev.gpu.compute_major}.{dev.gpu.compute_minor})",
+            subject=entry.name,
+        )
+
+
 def _check_id(device_id: str, resource: str) -> str:
     if len(device_id) > MAX_ID_LENGTH:
         raise ConfigError(f"device ID {device_id} of {resource} is longer than {MAX_ID_LENGTH} characters")
@@ -233,6 +267,8 @@ def build_resources(
             )
         per = plan.setdefault(entry.name, {})
         for dev in _select(entry, devices, config):
+            if sharing.strategy == "mps":
+                _check_mps_device(config, entry, dev)
             if dev.id in per:
                 raise ConfigError(
                     f"{_entry_label(config, entry)}: device {dev.id} is already shared by another entry",

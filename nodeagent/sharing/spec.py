@@ -301,6 +301,12 @@ def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharin
                 f"{_where(source, epath)} ({name}): only nvidia.com/gpu and nvidia.com/mig-<profile> can be shared",
                 subject=source,
             )
+        if strategy == "mps" and name != RESOURCE_PREFIX + "gpu":
+            raise ConfigError(
+                f"{_where(source, epath)} ({name}): MPS shares whole GPUs only (nvidia.com/gpu); "
+                "MIG devices cannot be shared with MPS",
+                subject=source,
+            )
         replicas = e.get("replicas")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 2:
             raise ConfigError(
@@ -328,8 +334,9 @@ def _parse_replicated(raw: Any, source: str, path: str, strategy: str) -> Sharin
     return Sharing(
         strategy=strategy,
         rename_by_default=_bool(m.get("renameByDefault"), False, source, path + ".renameByDefault"),
+        # MPS: one replica per container unless the file says otherwise (NVIDIA's plugin defaults it so)
         fail_requests_greater_than_one=_bool(
-            m.get("failRequestsGreaterThanOne"), False, source, path + ".failRequestsGreaterThanOne"
+            m.get("failRequestsGreaterThanOne"), strategy == "mps", source, path + ".failRequestsGreaterThanOne"
         ),
         resources=tuple(entries),
     )
@@ -398,19 +405,22 @@ def plugin_config_from_dict(
         raise ConfigError(
             f"{_where(source, 'sharing')}: timeSlicing and mps cannot both list resources", subject=source
         )
-    if mps_parsed is not None and mps_parsed.resources:
-        raise ConfigError(
-            f"{_where(source, 'sharing.mps')}: MPS sharing is not supported (it needs NVIDIA's MPS control daemon, "
-            "which nodeagent does not run); use sharing.timeSlicing",
-            subject=source,
-        )
     if ts_parsed is not None and ts_parsed.resources:
         sharing = ts_parsed
+    flags = _parse_flags(top.get("flags"), source)
+    if mps_parsed is not None and mps_parsed.resources:
+        sharing = mps_parsed
+        if flags.mig_strategy == "mixed":
+            raise ConfigError(
+                f"{_where(source, 'sharing.mps')}: MPS cannot be used with flags.migStrategy mixed "
+                "(MPS shares whole GPUs only; NVIDIA's plugin refuses this pairing too)",
+                subject=source,
+            )
     resources = _mapping(top.get("resources"), source, "resources", frozenset({"gpus", "mig"}))
     if allocation_policy not in ALLOCATION_POLICIES:
         raise ConfigError(f"allocation policy {shown(allocation_policy)} is not one of {', '.join(ALLOCATION_POLICIES)}")
     return PluginConfig(
-        flags=_parse_flags(top.get("flags"), source),
+        flags=flags,
         sharing=sharing,
         gpu_patterns=_parse_patterns(resources.get("gpus"), source, "resources.gpus"),
         mig_patterns=_parse_patterns(resources.get("mig"), source, "resources.mig"),

@@ -84,6 +84,18 @@ def inject_process(
         gs["processes"].append({"pid": pid, "name": name, "used_mib": used_mib, "gi_id": gi_id})
 
 
+COMPUTE_MODES = {"DEFAULT": 0, "EXCLUSIVE_THREAD": 1, "PROHIBITED": 2, "EXCLUSIVE_PROCESS": 3}
+
+
+def set_compute_mode(store: SimStore, gpu: int, mode: str) -> None:
+    """``nvidia-smi -c MODE -i GPU``: the compute mode NVML reports (and the stand-in MPS daemon checks)."""
+    _check_gpu(store, gpu)
+    if mode not in COMPUTE_MODES:
+        raise InputError(f"unknown compute mode {mode}; known: {', '.join(COMPUTE_MODES)}", subject=mode)
+    with store.transaction() as st:
+        st["gpus"][gpu]["compute_mode"] = COMPUTE_MODES[mode]
+
+
 def hold_device(store: SimStore, gpu: int, client: str, held: bool = True) -> None:
     """A non-compute client (``nvidia-persistenced``, a DCGM agent) opens (or, ``held=False``, closes) the
     GPU's device: the driver cannot reset it by itself, so a MIG mode change stays pending (status

@@ -267,6 +267,11 @@ class SimulatedNvml(TelemetryCalls, MigCalls):
         return out
 
 
+    # --- compute mode (MPS runs under DEFAULT or EXCLUSIVE_PROCESS; the stand-in MPS daemon refuses the others) -
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        state = self._enter("nvmlDeviceGetComputeMode")
+        return int(state["gpus"][self._gpu(state, handle)[1]].get("compute_mode", pynvml.NVML_COMPUTEMODE_DEFAULT))
+
     # --- topology -----------------------------------------------------------------------------
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
         state = self._enter("nvmlDeviceGetTopologyCommonAncestor")

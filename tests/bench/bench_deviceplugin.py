@@ -14,8 +14,9 @@ Measures, over real Unix sockets:
     round's ratio nodeagent/Go printed (compare ratios, not absolute figures from different moments).
     nodeagent runs with its default health settings (NVML events, a health poll each second), as on a node;
   * the same for servers that answer a constant through nodeagent's gRPC adapter (nodeagent.grpcadapter.server,
-    same options and request parsing): grpcio's threaded server (what the device-plugin sockets run on, so the
-    floor of that stack) and grpc.aio on an otherwise idle event loop (the alternative it was chosen over);
+    same options and request parsing): grpc.aio on the event loop of a thread of its own
+    (``LoopThreadServer``, what the device-plugin sockets run on, so the floor of that stack) and grpc.aio on
+    the process's main event loop (``AioServer``, what the DRA sockets run on);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
@@ -69,23 +70,16 @@ asyncio.run(main(*sys.argv[1:4]))
 
 # The least a server on nodeagent's stack can do per Allocate: answer a constant, through the same adapter
 # (options, request parsing) as nodeagent's servers. Measured beside nodeagent and the Go plugin, it shows how
-# much of the time is nodeagent's own work. argv: socket path, "threaded" or "aio".
+# much of the time is nodeagent's own work. argv: socket path, "loop" or "aio".
 CONSTANT = r"""
 import asyncio, sys
 from pathlib import Path
 from nodeagent.deviceplugin.api import pb2, pb2_grpc
-from nodeagent.grpcadapter.server import AioServer, RefusalLog, ThreadedServer, log
+from nodeagent.grpcadapter.server import AioServer, LoopThreadServer, RefusalLog, log
 
 ANSWER = pb2.AllocateResponse(container_responses=[
     pb2.ContainerAllocateResponse(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-00000000-0000-0000-0000-000000000000"})
 ])
-
-class Constant:
-    def GetDevicePluginOptions(self, request, context): return pb2.DevicePluginOptions()
-    def ListAndWatch(self, request, context): return iter(())
-    def GetPreferredAllocation(self, request, context): return pb2.PreferredAllocationResponse()
-    def Allocate(self, request, context): return ANSWER
-    def PreStartContainer(self, request, context): return pb2.PreStartContainerResponse()
 
 class AioConstant:
     async def GetDevicePluginOptions(self, request, context): return pb2.DevicePluginOptions()
@@ -97,9 +91,9 @@ class AioConstant:
     async def PreStartContainer(self, request, context): return pb2.PreStartContainerResponse()
 
 path, kind = Path(sys.argv[1]), sys.argv[4]
-if kind == "threaded":
-    server = ThreadedServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, Constant())], name="constant",
-                            workers=16, refusals=RefusalLog(log))
+if kind == "loop":
+    server = LoopThreadServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, AioConstant())],
+                              refusals=RefusalLog(log))
     server.start()
     print("ready", flush=True)
     sys.stdin.read()
@@ -384,7 +378,7 @@ def main() -> None:
         state = sim_state(tmp, "dgx-h100")
         pdir = tmp / "dp"
         child = Child(pdir, state, "version: v1\n")
-        threaded = Child(tmp / "threaded.sock", state, "", CONSTANT, "threaded")
+        own_loop = Child(tmp / "loop.sock", state, "", CONSTANT, "loop")
         aio = Child(tmp / "aio.sock", state, "", CONSTANT, "aio")
         sample: SamplePlugin | None = None
         try:
@@ -392,7 +386,7 @@ def main() -> None:
                 first = next(pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty())).devices[0].ID
             servers = {
                 "allocate_nodeagent": (pdir / "nvidia-gpu.sock", first),
-                "allocate_threaded_constant": (tmp / "threaded.sock", first),
+                "allocate_loop_constant": (tmp / "loop.sock", first),
                 "allocate_aio_constant": (tmp / "aio.sock", first),
             }
             binary = None if args.no_sample else sample_plugin_binary()
@@ -408,18 +402,18 @@ def main() -> None:
         finally:
             if sample is not None:
                 sample.close()
-            threaded.close()
+            own_loop.close()
             aio.close()
             child.close()
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
     for i, r in enumerate(result["allocate_rounds"]):
-        a, f, g = r["allocate_nodeagent"], r["allocate_threaded_constant"], r["allocate_aio_constant"]
+        a, f, g = r["allocate_nodeagent"], r["allocate_loop_constant"], r["allocate_aio_constant"]
         line = (
             f"Allocate round {i + 1} (n={a['n']} each): nodeagent p50 {a['p50_ms']} p99 {a['p99_ms']} ms; "
-            f"constant on grpcio's threaded server p50 {f['p50_ms']} p99 {f['p99_ms']} ms; "
-            f"constant on grpc.aio p50 {g['p50_ms']} p99 {g['p99_ms']} ms"
+            f"constant on grpc.aio on its own loop p50 {f['p50_ms']} p99 {f['p99_ms']} ms; "
+            f"constant on grpc.aio on the main loop p50 {g['p50_ms']} p99 {g['p99_ms']} ms"
         )
         if "allocate_k8s_sample_go" in r:
             s = r["allocate_k8s_sample_go"]

@@ -18,7 +18,7 @@ from tests.peers.harness import KubeletHarness
 pytestmark = pytest.mark.peers
 
 REPLICAS = "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: {n}\n"
-MPS = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+MPS = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n"
 
 BAD_PLUGIN_CONFIGS = {
     "bad-yaml": ("version: v1\nsharing: [\n", "not valid YAML"),

@@ -55,7 +55,7 @@ def test_valid_files_are_parsed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("version: v1\nsharing: [\n", "not valid YAML"),
-    ("version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n", "sharing.mps"),
+    ("version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/mig-1g.10gb\n      replicas: 2\n", "sharing.mps"),
     ("version: v1\nflagz: {}\n", "flagz"),
     (None, "device-plugin config (device_plugin.config) not found"),
 ])

@@ -106,10 +106,6 @@ def test_load_from_file(tmp_path: Path) -> None:
             "only nvidia.com/gpu",
         ),
         ("version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n", "replicas must be"),
-        (
-            "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n",
-            r"^test.yaml: sharing.mps: MPS sharing is not supported .*use sharing.timeSlicing$",
-        ),
         ("version: [v1\n", r"^test.yaml: not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'$"),
         ("- v1\n", "must be a mapping"),
     ],

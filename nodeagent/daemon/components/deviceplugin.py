@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from nodeagent.daemon.components.conditions import report_gpu_health
@@ -39,6 +40,10 @@ class DevicePluginComponent(Component):
         health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
         )
+        from nodeagent.nvmlsource import mps_manager
+
+        mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
+                          Path(cfg.simulate.state) if cfg.simulate.state else None)
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
@@ -48,6 +53,8 @@ class DevicePluginComponent(Component):
             # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
             exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
             take_over=cfg.adopt.take_over,
+            mps=mps,
+            under_root=ctx.host_path,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)
@@ -113,6 +120,9 @@ class DevicePluginComponent(Component):
 
     def served(self) -> list[str]:
         return sorted(self.service.resources())
+
+    def mps(self) -> list[Any]:
+        return list(self.service.mps_states())
 
     def health(self) -> dict[int, bool]:
         monitor = self.service.monitor

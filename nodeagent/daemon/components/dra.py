@@ -47,6 +47,11 @@ class DraPlaneComponent(Component):
         def beside_the_device_plugin(gpu: Gpu) -> bool:
             return gpu.index in served
 
+        from nodeagent.dra.mps import ClaimMps
+        from nodeagent.nvmlsource import mps_manager
+
+        mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
+                          Path(cfg.simulate.state) if cfg.simulate.state else None)
         self.dra = DraComponent(
             paths=ctx.paths,
             kube=ctx.kube,
@@ -63,6 +68,7 @@ class DraPlaneComponent(Component):
             mig=ctx.gpu,
             dynamic_mig=cfg.dra.dynamic_mig,
             scheduler=ctx.scheduler,
+            mps=ClaimMps(mps, ctx.host_path),
         )
         self._started = False
 

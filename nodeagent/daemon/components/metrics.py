@@ -121,7 +121,8 @@ class MetricsComponent(Component):
         self.metrics.update_gpus(inv, samples, assignments, self._health(),
                                  xids=self._ctx.shared.device_plugin.last_xids())
         plugin = self._ctx.shared.device_plugin
-        self.metrics.update_state(condition_snapshot(self._ctx), plugin.registered(), plugin.allocations())
+        self.metrics.update_state(condition_snapshot(self._ctx), plugin.registered(), plugin.allocations(),
+                                  plugin.mps())
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._on_conditions)

@@ -1,0 +1,156 @@
+"""The MPS planners (pure), the DRA claim parameters, and the stand-in control daemon on its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeagent.dra.devices import DraDevice
+from nodeagent.dra.mps import MpsConfigError, daemon_spec, parse_mps
+from nodeagent.sharing.devices import build_resources
+from nodeagent.sharing.mps import plan_daemons, with_access
+from nodeagent.sharing.spec import parse_plugin_config
+from nodeagent.simulator.mps_control import install
+from tests.unit._dp_inventories import nvswitch_box
+
+
+def test_plan_per_gpu_replicas_and_access() -> None:
+    c = parse_plugin_config(
+        "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 4\n"
+        "      devices: [0]\n    - name: nvidia.com/gpu\n      replicas: 3\n      devices: [1]\n")
+    resources = build_resources(nvswitch_box(3), c)
+    plans = plan_daemons(resources, lambda p: Path("/r" + p))
+    # GPU 2 is not shared, but its device is in the same resource: the daemon serves it with one replica
+    assert list(plans) == ["nvidia.com/gpu"]
+    spec = plans["nvidia.com/gpu"]
+    assert spec.pipe_dir == Path("/r/run/nodeagent/mps/nvidia.com_gpu/pipe")
+    assert spec.thread_percentage == 25  # the largest replica count rules
+    assert spec.pinned_limits == ((0, f"{81559 // 4}M"), (1, f"{81559 // 3}M"), (2, "81559M"))
+    assert spec.commands()[-1] == "set_default_active_thread_percentage 25"
+    access = with_access(resources, lambda p: Path("/r" + p))["nvidia.com/gpu"].mps
+    assert access is not None and access.pipe_dir == "/run/nodeagent/mps/nvidia.com_gpu/pipe"
+    assert access.pipe_dir_on_host == "/r/run/nodeagent/mps/nvidia.com_gpu/pipe"
+
+
+def _claim(params: object) -> dict[str, object]:
+    return {"status": {"allocation": {"devices": {"config": [
+        {"opaque": {"driver": "gpu.nodeagent.io", "parameters": params}}]}}}}
+
+
+GPUS = [DraDevice("gpu-0", "gpu", 0, 0, "GPU-a"), DraDevice("gpu-1", "gpu", 1, 1, "GPU-b")]
+
+
+def test_dra_parameters() -> None:
+    params = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {
+        "strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "2Gi",
+                                         "defaultPerDevicePinnedMemoryLimit": {"GPU-b": "512Mi"}}}}
+    cfg = parse_mps(_claim(params), "gpu.nodeagent.io", "claim x")
+    assert cfg is not None and cfg.thread_percentage is None
+    spec = daemon_spec("u1", GPUS, cfg, "claim x", lambda p: Path(p))
+    assert spec.pinned_limits == ((0, "2048M"), (1, "512M")) and spec.thread_percentage == 100
+    assert parse_mps({"status": {}}, "gpu.nodeagent.io", "c") is None
+    for bad, match in [
+        ({**params, "kind": "TpuConfig"}, "must be kind GpuConfig"),
+        ({**params, "sharing": {"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "2 GB"}}},
+         "not a memory quantity"),
+        ({**params, "sharing": {"strategy": "MPS", "mpsConfig": {"threads": 3}}}, "unknown key"),
+    ]:
+        with pytest.raises(MpsConfigError, match=match):
+            parse_mps(_claim(bad), "gpu.nodeagent.io", "claim x")
+    far = parse_mps(_claim({**params, "sharing": {"strategy": "MPS", "mpsConfig": {
+        "defaultPerDevicePinnedMemoryLimit": {"5": "1Gi"}}}}), "gpu.nodeagent.io", "claim x")
+    assert far is not None
+    with pytest.raises(MpsConfigError, match="names 5, which is no GPU of the claim"):
+        daemon_spec("u1", GPUS, far, "claim x", lambda p: Path(p))
+
+
+def test_stand_in_daemon_mode(tmp_path: Path) -> None:
+    binary = install(tmp_path / "bin/nvidia-cuda-mps-control")
+    d = tmp_path / "mps"
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(d / "p"), "CUDA_MPS_LOG_DIRECTORY": str(d / "l"), "PATH": "/usr/bin:/bin"}
+
+    def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(binary), *args], input=stdin, env=env, capture_output=True, text=True,
+                              timeout=20, check=False)
+
+    assert run(stdin="get_server_list\n").returncode == 1  # no daemon yet
+    assert run("-d").returncode == 0
+    try:
+        second = run("-d")
+        assert second.returncode == 1 and "already running" in second.stderr
+        got = run(stdin="set_default_active_thread_percentage 30\nget_default_active_thread_percentage\n"
+                        "set_default_active_thread_percentage 0\nbogus\n")
+        assert got.stdout.splitlines() == ["30.0", "30.0", "Invalid value", "Unrecognized command: bogus"]
+        pid = int(run(stdin="get_server_list\n").stdout)
+    finally:
+        run(stdin="quit\n")
+    for _ in range(100):
+        if not (d / "p/control").exists():
+            break
+        time.sleep(0.05)
+    assert not (d / "p/control").exists()
+    def alive() -> bool:  # a zombie waiting for its reaper (the daemon was orphaned by -d) counts as ended
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    for _ in range(100):
+        if not alive():
+            break
+        time.sleep(0.05)
+    if alive():
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the daemon did not quit")
+    log = (d / "l/control.log").read_text()
+    assert "Starting control daemon" in log and "Accepting command: quit" in log
+
+
+def test_sim_compute_mode_command(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    state = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "nodeagent", "sim", "inject", "compute-mode", "--simulate", "a10-x2",
+           "--sim-state", str(state), "--gpu", "1"]
+    ok = subprocess.run([*cmd, "PROHIBITED"], capture_output=True, text=True, timeout=60, check=False)
+    assert ok.returncode == 0 and ok.stdout.strip() == "GPU 1 compute mode PROHIBITED"
+    assert json.loads(state.read_text())["gpus"][1]["compute_mode"] == 2
+    from nodeagent.nvmlsource import open_nvml
+
+    nvml = open_nvml(None, state)
+    try:
+        assert nvml.nvml.nvmlDeviceGetComputeMode(nvml.nvml.nvmlDeviceGetHandleByIndex(1)) == 2
+    finally:
+        nvml.close()
+
+
+async def test_a_daemon_left_by_a_killed_agent_is_replaced(tmp_path: Path) -> None:
+    from nodeagent.gpu.mps import MpsDaemonSpec, MpsManager
+
+    binary = install(tmp_path / "bin/nvidia-cuda-mps-control")
+    d = tmp_path / "mps"
+    spec = MpsDaemonSpec("nvidia.com/gpu", d / "p", d / "l", (), 50, ((0, "100M"),))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(spec.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(spec.log_dir)}
+    left = subprocess.run([str(binary), "-d"], env=env, capture_output=True, text=True, timeout=20, check=False)
+    assert left.returncode == 0
+    old = int(subprocess.run([str(binary)], input="get_server_list\n", env=env, capture_output=True, text=True,
+                             timeout=20, check=True).stdout)
+    manager = MpsManager(binary)
+    try:
+        await manager.apply({spec.name: spec})
+        assert manager.ready(spec.name)
+        state = manager.states()[0]
+        assert state.pid != old and not state.last_error
+        got = subprocess.run([str(binary)], input="get_default_active_thread_percentage\n", env=env,
+                             capture_output=True, text=True, timeout=20, check=True)
+        assert got.stdout.split() == ["50.0"]
+    finally:
+        await manager.stop()
+    assert not (spec.pipe_dir / "control").exists()
+    assert "An instance of this daemon is already running" not in (spec.log_dir / "control.log").read_text()
