@@ -203,8 +203,16 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
                 )
                 assert status == 200, body
 
-                eventually(lambda: sock.exists() and sock.stat().st_ino != inode, 30, "nodeagent's socket")
-                harness.wait("nvidia.com/gpu", total=4, registered=True, timeout=30)
+                # nodeagent's own word that the kubelet accepted its registration (the kubelet keeps listing the
+                # stopped plugin's resource as registered for a while: that state alone proves nothing)
+                registered = ['nodeagent_device_plugin_registered{resource="nvidia.com/gpu"} 1.0']
+                eventually(
+                    lambda: _series(port, "nodeagent_device_plugin_registered") == registered,
+                    30,
+                    "nodeagent registered",
+                )
+                assert sock.exists()
+                harness.wait("nvidia.com/gpu", total=4, healthy=4, registered=True, timeout=30)
                 fresh = harness.allocate("nvidia.com/gpu", 1, pod="infer-0", namespace="ml")
                 assert fresh.device_ids[0] in uuids and fresh.device_ids[0] != held  # the held GPU stays held
                 assert fresh.envs["NVIDIA_VISIBLE_DEVICES"] == fresh.device_ids[0]
