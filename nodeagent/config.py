@@ -132,6 +132,11 @@ class AdoptSettings:
     # Another device plugin serving at nodeagent's socket name (NVIDIA's uses the same one): False leaves
     # it alone (nodeagent does not register that resource until it is gone); True replaces its socket.
     take_over: bool = False
+    # Hand the node over from NVIDIA's GPU Operator at start: nvidia.com/gpu.deploy.<operand> = "false" for
+    # the operands nodeagent replaces, then nodeagent serves once their pods have left the node.
+    gpu_operator: bool = False
+    dcgm_exporter: bool = False  # with gpu_operator: dcgm-exporter too (nodeagent's metrics carry its names)
+    detect: bool = True  # look for other device plugins, DRA drivers, MIG managers, NFD labels (start, resync)
 
 
 @dataclass(frozen=True)

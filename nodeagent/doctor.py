@@ -7,9 +7,9 @@ kubelet's device-plugin directory and checkpoint, the Kubernetes API), and turns
 
 Areas: driver (NVML, versions), gpus (MIG mode current/pending, layout, processes), health (GPUs off the
 bus), containerd (wired? CRI on? default runtime, CDI, the config loads), cdi (the spec is there and
-current), kubelet (running? which resources are registered; sockets of other device plugins), node
-(labels, conditions, allocatable against what was discovered, taints; skipped without the API), agent
-(running? its last bootstrap). Exit code: 0 all ok, 1 a warning, 2 an error.
+current), kubelet (running? which resources are registered; other device plugins and DRA drivers for the
+same GPUs), node (labels, conditions, allocatable against what was discovered, taints, a MIG manager or NFD
+acting on nodeagent's labels; skipped without the API), agent (running? its last bootstrap). Exit code: 0 all ok, 1 a warning, 2 an error.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
+import re
+import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from nodeagent import fileio
 from nodeagent.config import AgentConfig
@@ -27,14 +29,17 @@ from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 
+if TYPE_CHECKING:
+    from nodeagent.adopt.detect import KubeFacts
+
 log = logging.getLogger(__name__)
 
 Level = Literal["ok", "warning", "error"]
 AREAS = ("driver", "gpus", "health", "containerd", "cdi", "kubelet", "node", "agent")
 BOOTSTRAP_REPORT = "/run/nodeagent/bootstrap.json"
 KUBELET_SOCKET = "kubelet.sock"
-CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_SMALL_FILE = 4 << 20
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class Sources:
     command: Callable[[str], str]  # a subcommand -> the whole command line with the options in use
     kube: Callable[[], Any] | None = None  # a KubeClient, or None with --no-kube
     node_name: str = ""
+    recovery: Callable[[list[int]], dict[int, int]] | None = None  # GPU indices -> the driver's recovery actions
     simulated: bool = False
     sim_fix: str = ""  # the options that reach the same simulated machine ("--simulate X --sim-state F")
 
@@ -92,12 +98,13 @@ def diagnose(src: Sources) -> Report:
     inventory = _driver(src, report)
     if inventory is not None:
         _gpus(src, inventory, report)
-        _health(inventory, report)
+        _health(src, inventory, report)
     _containerd(src, report)
     if inventory is not None:
         _cdi(src, inventory, report)
-    served = _kubelet(src, inventory, report)
-    _node(src, inventory, served, report)
+    facts = _read_kube(src, report)
+    _kubelet(src, inventory, facts, report)
+    _node(src, inventory, facts, report)
     _agent(src, report)
     return report
 
@@ -141,14 +148,30 @@ def _gpus(src: Sources, inventory: Inventory, report: Report) -> None:
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
 
 
-def _health(inventory: Inventory, report: Report) -> None:
+def _health(src: Sources, inventory: Inventory, report: Report) -> None:
+    from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
+
     lost = [g.index for g in inventory.gpus if g.lost]
     for i in lost:
         report.add("health", "error", f"GPU {i} has fallen off the bus (NVML: GPU is lost); the kubelet gets it "
                    "as Unhealthy", "drain the node and reset the GPU or reboot (nvidia-smi -r -i "
                    f"{i}; a reboot when that fails)")
-    if not lost:
-        report.add("health", "ok", "every GPU answers NVML")
+    asks = {}
+    if src.recovery is not None:
+        try:
+            asks = {i: a for i, a in src.recovery([g.index for g in inventory.gpus if not g.lost]).items()
+                    if a != RECOVERY_NONE}
+        except NodeAgentError as e:
+            report.add("health", "warning", f"the driver's recovery actions cannot be read: {e}")
+    for i, action in sorted(asks.items()):
+        name = recovery_action_name(action)
+        fix = (f"drain the node, then nvidia-smi -r -i {i}" if "reset" in name and "bus" not in name
+               else "drain the node, then reboot it" if "reboot" in name
+               else f"drain the node, then do what the driver asks ({name})")
+        report.add("health", "error", f"GPU {i}: the driver asks for a recovery: {name} (after an XID; the agent's "
+                   "GPUHealthy condition names the XID)", fix)
+    if not lost and not asks:
+        report.add("health", "ok", "every GPU answers NVML, no recovery asked for")
 
 
 # -- containerd and CDI --------------------------------------------------------------------------------------
@@ -203,12 +226,20 @@ def _cdi(src: Sources, inventory: Inventory, report: Report) -> None:
 
 
 # -- kubelet ---------------------------------------------------------------------------------------------------
-def _kubelet(src: Sources, inventory: Inventory | None, report: Report) -> dict[str, int]:
-    """Findings about the kubelet's device-plugin directory; the devices registered per resource name."""
+def _kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, report: Report) -> dict[str, int]:
+    """Findings about the kubelet's device-plugin directory and the other agents serving this node's GPUs
+    (another device plugin, another DRA driver); the devices registered per resource name."""
+    from nodeagent.adopt import detect as d
     from nodeagent.deviceplugin.server import socket_name
+    from nodeagent.dra import DRIVER_NAME
 
     plugin_dir = src.config.kubelet.device_plugins
     directory = src.paths(plugin_dir)
+    uuids = d.inventory_uuids(inventory) if inventory is not None else set()
+    if facts is not None and facts.slices is not None:
+        for c in d.dra_conflicts(facts.slices, DRIVER_NAME, uuids):
+            report.add("kubelet", "warning", c.detail, "remove that DRA driver from this node (its Helm release "
+                       "or node selector), or leave the GPUs to it and set [device_plugin] enabled = false")
     if not directory.is_dir():
         report.add("kubelet", "warning", f"{plugin_dir} does not exist: no kubelet on this node yet")
         return {}
@@ -216,13 +247,31 @@ def _kubelet(src: Sources, inventory: Inventory | None, report: Report) -> dict[
     if KUBELET_SOCKET not in names:
         report.add("kubelet", "warning", f"no {posixpath.join(plugin_dir, KUBELET_SOCKET)}: the kubelet is not "
                    "running (nodeagent registers as soon as it is)")
-    registered = _registered(directory / CHECKPOINT)
-    ours = {socket_name(n) for n in _expected_resources(src, inventory)}
-    for name in names:
-        if name == KUBELET_SOCKET or name in ours:
+    ids = _expected_resources(src, inventory)
+    wanted = {n: socket_name(n) for n in ids}
+    agents = set(_agent_pids(src.paths)) if src.paths.proc.is_dir() else None
+
+    def is_ours(pid: int) -> bool:
+        return pid in agents if agents is not None else False
+
+    local = d.read_plugin_dir(directory, is_ours)
+    # without /proc under the root the listener of a socket at nodeagent's own name cannot be named: taken as
+    # nodeagent's
+    foreign = [s for s in local.foreign if agents is not None or s.name not in wanted.values()]
+    conflicts = d.plugin_conflicts(foreign, local.checkpoint, wanted, uuids, ids)
+    for c in conflicts:
+        report.add("kubelet", "warning", c.detail, _adopt_fix(src))
+    named = {c.owner for c in conflicts}
+    for s in foreign:
+        if s.name not in named:
+            report.add("kubelet", "ok", f"{posixpath.join(plugin_dir, s.name)}: another device plugin, for other "
+                       f"devices ({len(s.device_ids)} listed)")
+    for name in local.silent:
+        if name in wanted.values():
             continue
         report.add("kubelet", "warning", f"{posixpath.join(plugin_dir, name)}: a device-plugin socket nodeagent "
                    "does not serve (another device plugin on this node?)")
+    registered = {k: len(v) for k, v in local.checkpoint.items()}
     if registered:
         listed = ", ".join(f"{k} ({v} devices)" for k, v in sorted(registered.items()))
         report.add("kubelet", "ok", f"registered with the kubelet: {listed}")
@@ -232,53 +281,104 @@ def _kubelet(src: Sources, inventory: Inventory | None, report: Report) -> dict[
     return registered
 
 
-def _registered(checkpoint: Any) -> dict[str, int]:
-    try:
-        data = fileio.read_regular(checkpoint, max_bytes=MAX_SMALL_FILE)
-        doc = json.loads(data or b"{}")
-    except (NodeAgentError, ValueError):
-        return {}
-    devices = (doc.get("Data") or {}).get("RegisteredDevices") if isinstance(doc, dict) else None
-    if not isinstance(devices, dict):
-        return {}
-    return {str(k): len(v) for k, v in devices.items() if isinstance(v, list)}
+def _adopt_fix(src: Sources) -> str:
+    """The fix for another agent on the node: the GPU Operator's hand-over, else the config switch."""
+    hand_over = src.command(f"adopt --node-name {shlex.quote(src.node_name)}") if src.kube is not None else ""
+    return (f"{hand_over} (the GPU Operator's operands), or stop the other agent on this node" if hand_over else
+            "stop the other agent on this node (the GPU Operator: nodeagent adopt), or set [adopt] take_over = true")
 
 
-def _expected_resources(src: Sources, inventory: Inventory | None) -> list[str]:
-    """The resource names nodeagent would serve on this node (empty when that cannot be worked out)."""
+def _expected_resources(src: Sources, inventory: Inventory | None) -> dict[str, list[str]]:
+    """The resource names nodeagent would serve on this node, with the device IDs of each (empty when that
+    cannot be worked out)."""
     if inventory is None or not src.config.device_plugin.enabled or src.config.device_plugin.plane == "dra":
-        return []
-    from nodeagent.sharing.devices import build_resources
+        return {}
+    from nodeagent.sharing.devices import build_resources, resource_ids
     from nodeagent.sharing.spec import PluginConfig, load_plugin_config
 
     try:
         path = src.config.device_plugin.config
         plugin = load_plugin_config(src.paths(path)) if path else PluginConfig()
-        return list(build_resources(inventory, plugin))
+        return resource_ids(build_resources(inventory, plugin))
     except NodeAgentError:
-        return []
+        return {}
 
 
 # -- the Node ----------------------------------------------------------------------------------------------------
-def _node(src: Sources, inventory: Inventory | None, registered: dict[str, int], report: Report) -> None:
+def _read_kube(src: Sources, report: Report) -> KubeFacts | None:
+    """The Node, this node's ResourceSlices and NodeFeature objects (None without the API)."""
+    from nodeagent.adopt.detect import read_kube_facts
+
     if src.kube is None:
-        report.add("node", "ok", "not checked (--no-kube)")
-        return
+        return None
     try:
         kube = src.kube()
     except NodeAgentError as e:
         report.add("node", "warning", f"the Kubernetes API cannot be reached: {e}")
-        return
+        return None
     try:
-        node = kube.request("GET", f"/api/v1/nodes/{src.node_name}", timeout=10.0)
-    except NodeAgentError as e:
-        report.add("node", "error", f"Node {src.node_name} cannot be read: {e}")
-        return
+        return read_kube_facts(kube, src.node_name)
     finally:
         close = getattr(kube, "close", None)
         if callable(close):
             close()
-    _node_findings(src, node, inventory, report)
+
+
+def _node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, report: Report) -> None:
+    from nodeagent.adopt import detect as d
+
+    if src.kube is None:
+        report.add("node", "ok", "not checked (--no-kube)")
+        return
+    if facts is None:
+        return
+    if facts.node is None:
+        why = next((u for u in facts.unread if u.startswith("Node")), "")
+        report.add("node", "error", f"Node {src.node_name} cannot be read: {why.partition(': ')[2]}")
+        return
+    _node_findings(src, facts.node, inventory, report)
+    _handed_over(src, facts.node, report)
+    for c in d.mig_manager_conflicts(facts.node):
+        report.add("node", "warning", c.detail, _adopt_fix(src))
+    keys = _label_keys(src, inventory)
+    for c in d.feature_label_conflicts(facts.node, facts.node_features or (), keys):
+        report.add("node", "warning", c.detail, _adopt_fix(src))
+    for what in facts.unread:
+        if not what.startswith("Node"):
+            report.add("node", "ok", f"not checked: {what}")
+
+
+def _handed_over(src: Sources, node: Any, report: Report) -> None:
+    """The GPU Operator's operands a hand-over switched off on this Node (its annotation), if any."""
+    from nodeagent.adopt import DEPLOY_PREFIX, HANDED_OVER, handed_over
+
+    operands = handed_over(node)
+    if not operands:
+        return
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    back_on = [op for op in operands if labels.get(DEPLOY_PREFIX + op) != "false"]
+    if back_on:
+        report.add("node", "warning", f"handed over from the GPU Operator ({HANDED_OVER}), but "
+                   f"{', '.join(DEPLOY_PREFIX + op for op in back_on)} is no longer false: the operator may deploy "
+                   "those operands again", src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
+    else:
+        report.add("node", "ok", f"handed over from the GPU Operator: {', '.join(operands)} switched off "
+                   f"({src.command(f'adopt --node-name {shlex.quote(src.node_name)} --release')} gives them back)")
+
+
+def _label_keys(src: Sources, inventory: Inventory | None) -> set[str]:
+    """The label keys nodeagent writes on this node (its ownership annotation's, else what it would write)."""
+    from nodeagent.kube.labels import desired_labels, sharing_facts
+    from nodeagent.sharing.spec import load_plugin_config
+
+    if inventory is None:
+        return set()
+    try:
+        path = src.config.device_plugin.config
+        plugin = load_plugin_config(src.paths(path)) if path else None
+    except NodeAgentError:
+        plugin = None
+    return set(desired_labels(inventory, sharing_facts(plugin)))
 
 
 def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report: Report) -> None:
@@ -313,10 +413,25 @@ def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report:
                            "without MIG (unhealthy, withdrawn, shared, or not registered)")
             else:
                 report.add("node", "ok", f"allocatable nvidia.com/gpu {have} ({whole} GPU(s) discovered)")
+    capacity = status.get("capacity") or {}
+    for name in sorted(k for k in capacity if str(k).startswith("nvidia.com/")):
+        total, healthy = _count(capacity.get(name)), _count(allocatable.get(name))
+        if healthy < total:
+            report.add("node", "warning", f"{name}: {healthy} of {total} device(s) healthy at the kubelet "
+                       "(allocatable against capacity)")
+        else:
+            report.add("node", "ok", f"{name}: {total} device(s), all healthy at the kubelet")
     for taint in (node.get("spec") or {}).get("taints") or []:
         if "gpu" in str(taint.get("key", "")).lower():
             report.add("node", "warning", f"taint {taint.get('key')}={taint.get('value', '')}:"
                        f"{taint.get('effect', '')}")
+
+
+def _count(value: Any) -> int:
+    try:
+        return int(str(value or "0"))
+    except ValueError:
+        return 0
 
 
 # -- the agent itself ---------------------------------------------------------------------------------------------
@@ -326,7 +441,9 @@ def _agent(src: Sources, report: Report) -> None:
         return
     running = list(_agent_pids(src.paths))
     if running:
-        report.add("agent", "ok", f"nodeagent run is running (pid {', '.join(map(str, running))})")
+        where = {_where(src.paths, pid) for pid in running} - {""}
+        report.add("agent", "ok", f"nodeagent run is running (pid {', '.join(map(str, running))})"
+                   + (f" in {', '.join(sorted(where))}" if where else ""))
     else:
         report.add("agent", "warning", "nodeagent run is not running on this host",
                    src.gpu_command("run") if src.simulated else
@@ -343,6 +460,24 @@ def _agent(src: Sources, report: Report) -> None:
         report.add("agent", "ok" if code in (0, 3) else "warning", f"last bootstrap: exit {code}"
                    + (f", failed: {', '.join(map(str, failed))}" if failed else ""),
                    "" if code in (0, 3) else src.gpu_command("bootstrap"))
+
+
+def _where(paths: HostPaths, pid: int) -> str:
+    """The systemd unit or the Kubernetes pod a process runs in (from its cgroup), "" when neither shows."""
+    try:
+        data = fileio.read_regular(paths.proc / str(pid) / "cgroup", max_bytes=1 << 16)
+    except NodeAgentError:
+        return ""
+    for line in (data or b"").decode("utf-8", "replace").splitlines():
+        parts = [p for p in line.rpartition(":")[2].split("/") if p]
+        if any(p.startswith("kubepods") for p in parts):
+            uids = [m.group(1).replace("_", "-") for p in parts if (m := _POD_UID.search(p))]
+            if uids:
+                return f"pod {uids[-1]}"
+        units = [p for p in parts if p.endswith(".service")]
+        if units:
+            return "unit " + units[-1]
+    return ""
 
 
 def _agent_pids(paths: HostPaths) -> Iterable[int]:

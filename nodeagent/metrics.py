@@ -297,7 +297,16 @@ def state_families(
     )
     for (resource, result), n in sorted((allocations or {}).items()):
         allocate.add_metric([resource, result], n)
-    return [cond, mig, faults, reg, wired, allocate, *mps_families(mps)]
+    conflict = GaugeMetricFamily(
+        "nodeagent_conflict",
+        "1 for each other agent acting on what nodeagent acts on: kind device-plugin (another plugin serves a "
+        "resource nodeagent would serve), dra-driver, mig-manager or feature-labels; subject is what both act "
+        "on, owner the other one.",
+        labels=("kind", "subject", "owner"),
+    )
+    for other in snapshot.conflicts:
+        conflict.add_metric([other.kind, other.subject, other.owner], 1)
+    return [cond, mig, faults, reg, wired, allocate, conflict, *mps_families(mps)]
 
 
 def mps_families(daemons: Sequence[MpsDaemonState]) -> list[Metric]:

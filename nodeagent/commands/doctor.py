@@ -52,6 +52,10 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
         with open_adapter(ctx) as nvml:
             return nvml.discover()
 
+    def recovery(indices: list[int]) -> dict[int, int]:
+        with open_adapter(ctx) as nvml:
+            return {i: int(nvml.recovery_action(i)) for i in indices}
+
     def kube() -> object:
         from nodeagent.kube.client import KubeClient, connect
 
@@ -61,7 +65,7 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
         paths=paths, config=config, discover=discover,
         command=lambda sub: f"{settings.command_prefix()} {sub}",
         kube=kube if config.kube else None, node_name=config.resolved_node_name(),
-        simulated=simulated, sim_fix=sim_fix,
+        recovery=recovery, simulated=simulated, sim_fix=sim_fix,
     ))
     click.echo(report.to_json() if as_json else report.render())
     return report.exit_code

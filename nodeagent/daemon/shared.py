@@ -22,7 +22,7 @@ from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
     from nodeagent.dra.service import ClaimRef
-    from nodeagent.kube.conditions import ConditionSnapshot, GpuHealthInput, StatusStage
+    from nodeagent.kube.conditions import ConditionSnapshot, ConflictInput, GpuHealthInput, StatusStage
 
 
 T = TypeVar("T")
@@ -250,6 +250,46 @@ class HealthLink:
             await self._sink.set_health(self.current())
 
 
+class Registrations(Protocol):
+    """What the conflict detection may tell the device plugin: which resources to hold back (another
+    plugin serves them) and whether to replace another process's socket at nodeagent's names."""
+
+    def hold(self, held: dict[str, str]) -> None: ...
+
+    def set_take_over(self, take_over: bool) -> None: ...
+
+
+class AdoptionLink:
+    """The holds and the take-over decided by the conflict detection (the adopt component), forwarded to the
+    device plugin; kept, so a device plugin rebuilt by a reload starts from them. ``take_over`` None: the
+    config's ``[adopt] take_over`` stands."""
+
+    def __init__(self) -> None:
+        self._sink: Registrations | None = None
+        self.held: dict[str, str] = {}
+        self.take_over: bool | None = None
+
+    def attach(self, sink: Registrations) -> None:
+        self._sink = sink
+        sink.hold(dict(self.held))
+        if self.take_over is not None:
+            sink.set_take_over(self.take_over)
+
+    def detach(self, sink: Registrations) -> None:
+        if self._sink is sink:
+            self._sink = None
+
+    def hold(self, held: dict[str, str]) -> None:
+        self.held = dict(held)
+        if self._sink is not None:
+            self._sink.hold(dict(held))
+
+    def set_take_over(self, take_over: bool) -> None:
+        self.take_over = take_over
+        if self._sink is not None:
+            self._sink.set_take_over(take_over)
+
+
 @dataclass
 class Shared:
     """Every link, owned by the daemon: components come and go with reloads, the links stay."""
@@ -260,6 +300,7 @@ class Shared:
     cdi: CdiLink = field(default_factory=CdiLink)
     dra: DraLink = field(default_factory=DraLink)
     conditions: ConditionInputs = field(default_factory=lambda: ConditionInputs())
+    adoption: AdoptionLink = field(default_factory=AdoptionLink)
     # what the publisher stages for the conditions writer's next Node status patch (one write for both)
     node_status: StatusStage = field(default_factory=lambda: _status_stage())
 
@@ -280,7 +321,7 @@ class ConditionInputs:
 
     The device plugin reports GPU health (with XIDs and recovery actions) on every health change, the MIG
     component the result of each reconcile, the runtime component each containerd check, the CDI component
-    each spec write."""
+    each spec write, the conflict detection what else serves or configures the GPUs."""
 
     def __init__(self) -> None:
         from nodeagent.kube.conditions import MigInput, RuntimeInput
@@ -288,6 +329,7 @@ class ConditionInputs:
         self.health: GpuHealthInput | None = None
         self.mig = MigInput()
         self.runtime = RuntimeInput()
+        self.conflicts: tuple[ConflictInput, ...] = ()
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -304,11 +346,17 @@ class ConditionInputs:
     def snapshot(self) -> ConditionSnapshot:
         from nodeagent.kube.conditions import ConditionSnapshot
 
-        return ConditionSnapshot(self.health, self.mig, self.runtime)
+        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts)
 
     def report_health(self, health: GpuHealthInput | None) -> None:
         if health != self.health:
             self.health = health
+            self._changed()
+
+    def report_conflicts(self, conflicts: tuple[ConflictInput, ...]) -> None:
+        found = tuple(sorted(conflicts))
+        if found != self.conflicts:
+            self.conflicts = found
             self._changed()
 
     def report_mig(self, *, enabled: bool = True, state: str | None = None, config: str = "",

@@ -85,6 +85,12 @@ def default_specs() -> list[ComponentSpec]:
 
         return RuntimeCheckComponent(ctx) if ctx.config.runtime.enabled else None
 
+    def adopt(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.adopt import AdoptComponent
+
+        a = ctx.config.adopt
+        return AdoptComponent(ctx) if a.detect or (a.gpu_operator and ctx.kube is not None) else None
+
     def conditions(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.conditions import ConditionsComponent
 
@@ -92,6 +98,9 @@ def default_specs() -> list[ComponentSpec]:
 
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
+        # before the device plugin: its first look at the device-plugin directory decides what is held back
+        # before anything registers
+        ComponentSpec("adopt", frozenset({"adopt", "device_plugin", "dra", "kubelet", "publish"}), adopt),
         ComponentSpec("device-plugin", frozenset({"device_plugin", "dra", "kubelet", "health", "adopt"}),
                       device_plugin),
         ComponentSpec("dra", frozenset({"device_plugin", "dra", "kubelet", "health"}), dra),

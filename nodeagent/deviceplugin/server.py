@@ -65,6 +65,14 @@ def someone_listens(path: Path, timeout_s: float = 1.0) -> bool:
         return True
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def socket_name(resource_name: str) -> str:
     """``nvidia.com/mig-1g.10gb`` → ``nvidia-mig-1g.10gb.sock``; another domain keeps its domain:
     ``example.com/gpu`` → ``nvidia--example.com_gpu.sock``.
@@ -260,6 +268,7 @@ class ResourceServer:
         self._on_allocate = on_allocate
         # a live socket of another process at our socket's name is replaced only when this is set
         self.take_over = take_over
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file this server made
         self.served = _Served(resource, flags, scores, policy)
         self._health_of = health_of
         self.version = 0
@@ -401,6 +410,7 @@ class ResourceServer:
                 f"cannot serve {self.name} on {path}: {e.strerror or e}", subject=str(path)
             ) from e
         self._server = server
+        self._socket_id = _file_id(path)
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
 
     async def stop(self) -> None:
@@ -412,9 +422,14 @@ class ResourceServer:
         server.call_soon(self._wake_streams)
         await asyncio.to_thread(server.stop, STOP_GRACE_S)
         path = self.socket_path
-        if path.is_socket():  # only our own socket: whatever else took the path stays (start refuses it)
+        mine, self._socket_id = self._socket_id, None
+        # only the socket file this server made: another plugin that replaced it meanwhile (NVIDIA's removes
+        # the file at its socket name when it starts) keeps its own
+        if mine is not None and _file_id(path) == mine:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        elif path.exists():
+            log.warning("%s: left in place, it is not the socket nodeagent made (another device plugin's?)", path)
         log.info("stopped serving %s", self.name)
 
     async def restart(self) -> None:

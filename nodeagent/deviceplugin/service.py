@@ -96,6 +96,8 @@ class DevicePluginService:
         self._started = False
         self.registrations: dict[str, int] = {}  # successful Register calls per resource
         self.failures: dict[str, str] = {}  # resource → why it is neither served nor registered right now
+        # resource → why nodeagent holds back its registration (another plugin serves it; see ``hold``)
+        self.held: dict[str, str] = {}
         # (resource, "answered" | "refused") → Allocate calls since the start, across server restarts
         self._allocations: dict[tuple[str, str], int] = {}
         self._allocations_lock = threading.Lock()
@@ -190,6 +192,20 @@ class DevicePluginService:
         if self._inventory is None:
             return {}
         return device_gpus(self._inventory, self.config, gpu_indices, excluded=self._excluded)
+
+    def hold(self, held: dict[str, str]) -> None:
+        """Do not serve or register these resources (resource → why) while another device plugin serves them:
+        a registration already accepted stays, none is sent (no kubelet restart brings one) until the hold is
+        lifted; a lifted hold serves and registers at the next retry of the resource's register loop."""
+        self.held = dict(held)
+        for name in held:
+            self.failures[name] = held[name]
+
+    def set_take_over(self, take_over: bool) -> None:
+        """Replace (True) or leave alone (False) another process's live socket at our sockets' names."""
+        self.take_over = take_over
+        for server in self._servers.values():
+            server.take_over = take_over
 
     def served_resources(self) -> dict[str, list[str]]:
         return resource_ids({n: s.resource for n, s in self._servers.items()})
@@ -310,6 +326,14 @@ class DevicePluginService:
             server = self._servers.get(name)
             if server is None:
                 return
+            held = self.held.get(name)
+            if held is not None:
+                self.failures[name] = held
+                if self._last_cause.get(name) != held:
+                    self._last_cause[name] = held
+                    log.warning("%s is not registered: %s", name, held)
+                await asyncio.sleep(backoff.next())
+                continue
             try:
                 if not server.running:
                     await server.start()

@@ -88,3 +88,20 @@ async def acall(
         return await method(request, timeout=timeout, wait_for_ready=wait_for_ready)
     except grpc.RpcError as e:  # grpc.aio.AioRpcError is one
         raise error(failure(e)) from e
+
+
+def first_message(method: Callable[..., Any], request: Any, *, timeout: float, error: ToError) -> Any:
+    """The first message of the server stream ``method(request)`` within ``timeout`` seconds; the stream is
+    cancelled after it. A failure (or a stream that ends without a message) raises ``error(...)``."""
+    stream = None
+    try:
+        stream = method(request, timeout=timeout)
+        return next(iter(stream))
+    except grpc.RpcError as e:
+        raise error(failure(e)) from e
+    except StopIteration as e:
+        raise error(Failure("OK", "the stream ended without a message")) from e
+    finally:
+        cancel = getattr(stream, "cancel", None)
+        if callable(cancel):
+            cancel()

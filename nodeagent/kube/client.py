@@ -23,6 +23,7 @@ from typing import Any
 
 import urllib3
 
+from nodeagent import __version__
 from nodeagent.errors import KubeError
 from nodeagent.lazyimport import defer_modules, package_on_demand
 
@@ -44,6 +45,7 @@ JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 
 Query = Mapping[str, str | int | bool]
+USER_AGENT = "nodeagent/" + __version__  # the API server names our writes' field manager "nodeagent"
 
 
 def connect(kubeconfig: Path | None = None) -> k8s.ApiClient:
@@ -239,6 +241,8 @@ class KubeClient:
 
     def __init__(self, api: k8s.ApiClient, *, on_request: RequestHook | None = None) -> None:
         self.api = api
+        # the field manager of every write (managedFields): how nodeagent tells its labels from another agent's
+        api.user_agent = USER_AGENT
         self.stats = RequestStats()
         self.on_request = on_request
 

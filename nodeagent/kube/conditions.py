@@ -3,7 +3,8 @@
 ``build_conditions`` is pure: it turns what the components know (GPU health with XIDs and recovery actions,
 the last MIG config apply, the containerd wiring check, the CDI spec) into four conditions:
 
-- ``nodeagent.io/GPUReady``: every GPU found is healthy (the node can run GPU work).
+- ``nodeagent.io/GPUReady``: every GPU found is healthy (the node can run GPU work); while another agent
+  serves or configures them, the reason is the conflict's (e.g. ``AnotherDevicePlugin``).
 - ``nodeagent.io/GPUHealthy``: no GPU is marked unhealthy; the message names each unhealthy GPU's index,
   UUID, last XID and the recovery action the driver asks for.
 - ``nodeagent.io/MIGConfigured``: the result of the last ``nvidia.com/mig.config`` apply.
@@ -94,6 +95,18 @@ class RuntimeInput:
     cdi_detail: str = ""
 
 
+@dataclass(frozen=True, order=True)
+class ConflictInput:
+    """Another agent acting on what nodeagent acts on (another device plugin or DRA driver for the same
+    GPUs, a MIG manager, NFD owning nodeagent's label keys): ``reason`` a CamelCase code, ``detail`` one line."""
+
+    kind: str
+    subject: str
+    owner: str
+    reason: str
+    detail: str
+
+
 @dataclass(frozen=True)
 class ConditionSnapshot:
     """Everything the four conditions are built from; ``None`` parts are not known yet (Unknown)."""
@@ -101,6 +114,7 @@ class ConditionSnapshot:
     health: GpuHealthInput | None = None
     mig: MigInput = field(default_factory=MigInput)
     runtime: RuntimeInput = field(default_factory=RuntimeInput)
+    conflicts: tuple[ConflictInput, ...] = ()
 
 
 # -- the pure builder --------------------------------------------------------------------------------
@@ -161,7 +175,21 @@ def gpu_healthy(h: GpuHealthInput | None) -> Condition:
     return Condition(GPU_HEALTHY, "False", reason, one_line(msg))
 
 
-def gpu_ready(h: GpuHealthInput | None) -> Condition:
+def gpu_ready(h: GpuHealthInput | None, conflicts: Sequence[ConflictInput] = ()) -> Condition:
+    ready = _gpu_ready(h)
+    if not conflicts or ready.status == "False":
+        return ready
+    # Another agent serves or configures these GPUs (nodeagent holds back until it is gone or it is told to take
+    # over): the status keeps saying whether the GPUs can run work (the other plugin may be serving them, and a
+    # False would taint a node in the middle of a migration); the reason is the first conflict's, the message
+    # lists them all.
+    first = sorted(conflicts)[0]
+    return Condition(GPU_READY, ready.status, first.reason, one_line(
+        f"{ready.message}; {len(conflicts)} conflict(s) with another agent: "
+        + "; ".join(c.detail for c in sorted(conflicts))), provisional=False)
+
+
+def _gpu_ready(h: GpuHealthInput | None) -> Condition:
     if h is None:
         return Condition(GPU_READY, "Unknown", "GpuStateUnknown", "GPU discovery and health are not known yet",
                          provisional=True)
@@ -219,7 +247,8 @@ def runtime_ready(r: RuntimeInput) -> Condition:
 
 def build_conditions(s: ConditionSnapshot) -> list[Condition]:
     """The four conditions for ``s``, in ``CONDITION_TYPES`` order."""
-    return [gpu_ready(s.health), gpu_healthy(s.health), mig_configured(s.mig), runtime_ready(s.runtime)]
+    return [gpu_ready(s.health, s.conflicts), gpu_healthy(s.health), mig_configured(s.mig),
+            runtime_ready(s.runtime)]
 
 
 def _timestamp(now: datetime) -> str:

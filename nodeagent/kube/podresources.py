@@ -136,6 +136,10 @@ class PodResourcesClient:
         """Every device assignment the kubelet knows about."""
         return assignments_from_response(self._list())
 
+    def pods(self) -> Sequence[tuple[str, str]]:
+        """(namespace, name) of every pod the kubelet runs: List names them all, with devices or without."""
+        return sorted({(p.namespace, p.name) for p in self._list().pod_resources})
+
     def list_with_claims(self) -> tuple[Sequence[Assignment], Sequence[ClaimAssignment]]:
         """Device-plugin assignments and the ResourceClaims containers use (one List call; no claims
         from a kubelet that does not report dynamic resources)."""

@@ -52,3 +52,21 @@ def test_uid_of_an_allocated_pod_is_named_and_forgotten_when_released(
         assert PodNameLookup(kubelet_harness.plugin_dir / CHECKPOINT_NAME, dead.list)("other-uid") is None
     finally:
         dead.close()
+
+
+def test_pods_of_the_node_name_the_gpu_operators_operands(
+    kubelet_harness: KubeletHarness, plugin: SampleDevicePlugin
+) -> None:
+    """The hand-over's fallback when the agent may not list pods: the kubelet's PodResources API names the
+    node's pods, the operator's operand pods among them by their DaemonSet names."""
+    from nodeagent.adopt import operand_pods_by_name
+
+    kubelet_harness.allocate(RESOURCE, 1, pod="nvidia-device-plugin-daemonset-q7x2k", namespace="gpu-operator")
+    kubelet_harness.allocate(RESOURCE, 1, pod="train-0", namespace="ml")
+    client = PodResourcesClient(kubelet_harness.pod_resources_socket)
+    try:
+        pods = client.pods()
+    finally:
+        client.close()
+    assert ("ml", "train-0") in pods and ("gpu-operator", "nvidia-device-plugin-daemonset-q7x2k") in pods
+    assert operand_pods_by_name(pods) == ["gpu-operator/nvidia-device-plugin-daemonset-q7x2k"]

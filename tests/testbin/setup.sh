@@ -11,7 +11,7 @@
 #   * exports the paths the pytest fixtures (tests/peers/) read, each set by one function:
 #       nodeagent_peers_containerd -> NODEAGENT_CONTAINERD, NODEAGENT_RUNC
 #       nodeagent_peers_containerd2 -> NODEAGENT_CONTAINERD2, NODEAGENT_CRI_STATUS
-#       nodeagent_peers_harness -> NODEAGENT_KUBELET_HARNESS
+#       nodeagent_peers_harness -> NODEAGENT_KUBELET_HARNESS, NODEAGENT_GPU_STUB
 #       nodeagent_peers_apiserver -> NODEAGENT_KUBE_APISERVER, NODEAGENT_ETCD
 #       nodeagent_peers_kube_control_plane -> NODEAGENT_KUBE_SCHEDULER, NODEAGENT_KUBE_CONTROLLER_MANAGER
 #       nodeagent_peers_dra_harness -> NODEAGENT_DRA_HARNESS
@@ -243,10 +243,13 @@ _kube_version_ldflags() {
 }
 
 nodeagent_peers_harness() {
-  local peers_mod=$NODEAGENT_TESTBIN/peers
+  local peers_mod=$NODEAGENT_TESTBIN/peers stub_mod=$NODEAGENT_TESTBIN/sample-device-plugin
   build_go_binary kubelet-harness "$peers_mod" ./cmd/kubelet-harness \
     "$(_go_mod_version "$peers_mod" k8s.io/kubernetes)" || return 1
   export NODEAGENT_KUBELET_HARNESS=$NODEAGENT_GO_BINARY
+  # the kubelet's own device-plugin stub (the sample device plugin's server) as another vendor's GPU plugin
+  build_go_binary gpu-stub "$stub_mod" ./cmd/gpu-stub "$(_go_mod_version "$stub_mod" k8s.io/kubernetes)" || return 1
+  export NODEAGENT_GPU_STUB=$NODEAGENT_GO_BINARY
 }
 
 # containerd 2 (config versions 3 and 4), built from the module pinned in tests/testbin/containerd2/go.mod.

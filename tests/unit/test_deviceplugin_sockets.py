@@ -46,3 +46,30 @@ def test_two_resources_on_one_socket_are_refused_with_one_line() -> None:
     msg = str(err.value)
     assert "\n" not in msg
     assert "nvidia.com/gpu-x and nvidia.com/gpu+x would both be served on socket nvidia-gpu-x.sock" in msg
+
+
+async def test_stopping_leaves_a_socket_another_plugin_put_at_our_name() -> None:
+    """NVIDIA's plugin removes whatever is at its socket name when it starts and binds its own: nodeagent,
+    stopping later (a kubelet restart, a reload, exit), must not remove that plugin's socket in turn."""
+    import socket
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="na-sock-", dir="/tmp") as d:
+        service = DevicePluginService(plugin_dir=Path(d))
+        await service.start(nvswitch_box(1))
+        path = Path(d) / "nvidia-gpu.sock"
+        assert path.is_socket()
+        path.unlink()  # the other plugin's start: cleanup, then its own socket at the same name
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(str(path))
+        other.listen()
+        try:
+            await service.stop()
+            assert path.is_socket()  # still the other plugin's
+        finally:
+            other.close()
+        path.unlink()
+        service = DevicePluginService(plugin_dir=Path(d))
+        await service.start(nvswitch_box(1))
+        await service.stop()
+        assert not path.exists()  # its own socket goes with it

@@ -82,6 +82,7 @@ class DevicePluginComponent(Component):
         return self._plugin_config
 
     async def start(self, ctx: Context) -> None:
+        ctx.shared.adoption.attach(self.service)  # the holds conflict detection decided, before registering
         if ctx.inventory is not None:
             await self.on_inventory(ctx.inventory)
         ctx.shared.device_plugin.attach(self)
@@ -139,5 +140,6 @@ class DevicePluginComponent(Component):
         return self.service.allocations()
 
     async def stop(self) -> None:
+        self._ctx.shared.adoption.detach(self.service)
         self._ctx.shared.device_plugin.detach(self)
         await self.service.stop()

@@ -7,6 +7,9 @@ their pods have left the node. The driver (and, unless asked, dcgm-exporter) sta
 puts ``true`` back on exactly the labels a hand-over set (recorded in an annotation on the Node), so the
 operator redeploys its operands.
 
+The daemon does the same with ``[adopt] gpu_operator = true`` (``switch_off``, then ``operand_pods`` until
+none is left) before it serves the resources; ``nodeagent adopt`` is the same from an admin's shell.
+
 Running GPU pods are not touched: they keep the devices they were given (same UUIDs, resource names and CDI
 names under nodeagent).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from nodeagent.adopt.detect import Requests
 from nodeagent.errors import KubeError, OperationError
 
 DEPLOY_PREFIX = "nvidia.com/gpu.deploy."
@@ -51,22 +55,46 @@ def operands(with_dcgm_exporter: bool) -> dict[str, str]:
     return {**REPLACED, **(OPTIONAL if with_dcgm_exporter else {})}
 
 
-def hand_over(kube: Any, node: str, *, with_dcgm_exporter: bool = False, timeout_s: float = 300.0,
-              poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-              sleep: Callable[[float], None] = time.sleep) -> Result:
-    """Switch the replaced operands off on ``node`` and wait until their pods are gone."""
+def switch_off(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -> list[str]:
+    """One Node patch: ``nvidia.com/gpu.deploy.<operand>=false`` for the replaced operands not yet off, and
+    the annotation recording them (for ``release``). The operands switched now."""
     current = _node(kube, node)
     labels = (current.get("metadata") or {}).get("labels") or {}
-    wanted = operands(with_dcgm_exporter)
-    switched = sorted(op for op in wanted if labels.get(DEPLOY_PREFIX + op) != "false")
-    earlier = _handed_over(current)
+    switched = sorted(op for op in operands(with_dcgm_exporter) if labels.get(DEPLOY_PREFIX + op) != "false")
+    earlier = handed_over(current)
     patch: dict[str, Any] = {"labels": {DEPLOY_PREFIX + op: "false" for op in switched}}
     if switched:
         patch["annotations"] = {HANDED_OVER: json.dumps(sorted(set(earlier) | set(switched)))}
         kube.request("PATCH", f"/api/v1/nodes/{quote(node)}", body={"metadata": patch},
                      content_type=MERGE_PATCH, action=f"hand over node {node}", subject=node)
+    return switched
+
+
+def operand_pods(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -> list[str]:
+    """The replaced operands' pods still on ``node`` (namespace/name)."""
+    return _operand_pods(kube, node, set(operands(with_dcgm_exporter).values()))
+
+
+def operand_pods_by_name(pods: Iterable[tuple[str, str]], *, with_dcgm_exporter: bool = False) -> list[str]:
+    """The replaced operands' pods among ``pods`` ((namespace, name) as the kubelet's PodResources API lists
+    the pods of this node), by name: a DaemonSet's pod is ``<daemonset>-<5 characters>``, and the operator
+    names each DaemonSet like its pods' app label. For a node agent whose credentials may not list pods."""
+    apps = set(operands(with_dcgm_exporter).values())
+    out = []
+    for namespace, name in pods:
+        base, _, suffix = name.rpartition("-")
+        if base in apps and len(suffix) == 5 and suffix.isalnum():
+            out.append(f"{namespace}/{name}")
+    return sorted(out)
+
+
+def hand_over(kube: Requests, node: str, *, with_dcgm_exporter: bool = False, timeout_s: float = 300.0,
+              poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+              sleep: Callable[[float], None] = time.sleep) -> Result:
+    """Switch the replaced operands off on ``node`` and wait until their pods are gone."""
+    switched = switch_off(kube, node, with_dcgm_exporter=with_dcgm_exporter)
     start = clock()
-    apps = set(wanted.values())
+    apps = set(operands(with_dcgm_exporter).values())
     left = _operand_pods(kube, node, apps)
     while left and clock() - start < timeout_s:
         sleep(poll_s)
@@ -80,10 +108,10 @@ def hand_over(kube: Any, node: str, *, with_dcgm_exporter: bool = False, timeout
     return Result(node, {DEPLOY_PREFIX + op: "false" for op in switched}, waited, ())
 
 
-def release(kube: Any, node: str) -> Result:
+def release(kube: Requests, node: str) -> Result:
     """Give the operands a hand-over switched off back to the GPU Operator (labels ``true`` again)."""
     current = _node(kube, node)
-    earlier = _handed_over(current)
+    earlier = handed_over(current)
     if not earlier:
         return Result(node, {}, 0.0, ())
     labels: dict[str, str | None] = {DEPLOY_PREFIX + op: "true" for op in earlier}
@@ -93,7 +121,7 @@ def release(kube: Any, node: str) -> Result:
     return Result(node, labels, 0.0, ())
 
 
-def _node(kube: Any, node: str) -> dict[str, Any]:
+def _node(kube: Requests, node: str) -> dict[str, Any]:
     try:
         found: dict[str, Any] = kube.request("GET", f"/api/v1/nodes/{quote(node)}", subject=node)
     except KubeError as e:
@@ -101,7 +129,8 @@ def _node(kube: Any, node: str) -> dict[str, Any]:
     return found
 
 
-def _handed_over(node: Mapping[str, Any]) -> list[str]:
+def handed_over(node: Mapping[str, Any]) -> list[str]:
+    """The operands a hand-over switched off on ``node`` (its annotation)."""
     raw = ((node.get("metadata") or {}).get("annotations") or {}).get(HANDED_OVER, "[]")
     try:
         names = json.loads(raw)
@@ -110,7 +139,7 @@ def _handed_over(node: Mapping[str, Any]) -> list[str]:
     return [n for n in names if isinstance(n, str) and n in {**REPLACED, **OPTIONAL}] if isinstance(names, list) else []
 
 
-def _operand_pods(kube: Any, node: str, apps: Iterable[str]) -> list[str]:
+def _operand_pods(kube: Requests, node: str, apps: Iterable[str]) -> list[str]:
     """Names of the operator's operand pods still scheduled on ``node``."""
     selector = "app in (" + ",".join(sorted(apps)) + ")"
     found = kube.request("GET", "/api/v1/pods", query={"fieldSelector": f"spec.nodeName={node}",
