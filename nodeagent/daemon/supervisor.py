@@ -403,7 +403,7 @@ class Daemon:
             return
         try:
             await asyncio.wait_for(comp.stop(), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             log.warning("component %s did not stop within %.1fs", slot.spec.name, timeout)
         except Exception as e:
             log.debug("component %s failed while stopping", slot.spec.name, exc_info=True)
@@ -656,7 +656,7 @@ def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = T
     try:
         code = loop.run_until_complete(daemon.run(install_signals=install_signals))
         loop.run_until_complete(loop.shutdown_asyncgens())
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), 1.0))
     finally:
         loop.close()

@@ -72,7 +72,7 @@ async def _in_time(work: Awaitable[T], context: AioServicerContext) -> T:
     """``work`` awaited for at most ``CALL_TIMEOUT_S``; past it, cancelled and the call DEADLINE_EXCEEDED."""
     try:
         return await asyncio.wait_for(work, CALL_TIMEOUT_S)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
         await arefuse(context, DEADLINE_EXCEEDED, f"no answer within {CALL_TIMEOUT_S:g} s")
 
 

@@ -287,7 +287,7 @@ class MigReconciler:
             await self._wait_released("restoring the GPUs of an interrupted MIG apply", frozenset(gpus))
             recovery = await asyncio.wait_for(
                 asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
-        except TimeoutError as e:
+        except asyncio.TimeoutError as e:  # not the builtin TimeoutError before Python 3.11
             raise OperationError("restoring the GPUs of an interrupted MIG apply took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:
@@ -328,7 +328,7 @@ class MigReconciler:
             result = await asyncio.wait_for(asyncio.to_thread(pipeline.apply, the_plan, inventory),
                                             self.options.apply_timeout_s)
             applied = result.inventory  # discovered and verified by the apply itself
-        except TimeoutError as e:
+        except asyncio.TimeoutError as e:
             raise OperationError(f"applying MIG config {name} took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:
@@ -411,7 +411,7 @@ class MigReconciler:
             try:
                 await asyncio.wait_for(call(), self.options.kube_timeout_s)
                 return
-            except (NodeAgentError, TimeoutError) as e:
+            except (NodeAgentError, asyncio.TimeoutError) as e:
                 if attempt == attempts - 1:
                     log.error("mig: could not %s: %s", what, e)
                     return

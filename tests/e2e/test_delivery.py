@@ -33,7 +33,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     (root / "etc/systemd/system").mkdir(parents=True)
     for unit in UNITS:
         shutil.copy(REPO / "systemd" / unit, root / "etc/systemd/system" / unit)
-    for exe in ("usr/bin/nodeagent", "bin/kill"):
+    for exe in ("usr/bin/nodeagent", "bin/kill", "usr/lib/nodeagent/build-venv"):
         (root / exe).parent.mkdir(parents=True, exist_ok=True)
         (root / exe).write_text("#!/bin/sh\n")
         (root / exe).chmod(0o755)

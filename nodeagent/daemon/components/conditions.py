@@ -184,9 +184,8 @@ class ConditionsComponent(Component):
             if remaining <= 0:
                 return
             self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self._changed.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._wake)
