@@ -22,7 +22,7 @@
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
 #       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian 12 directory tree systemd boots)
 #       nodeagent_peers_debian13_root -> NODEAGENT_DEBIAN13_ROOT (the same on Debian 13, with a test venv)
-#       nodeagent_peers_arm64_root -> NODEAGENT_DEBIAN_ARM64_ROOT, NODEAGENT_QEMU_AARCH64 (Debian 13 arm64)
+#       nodeagent_peers_arm64_root -> NODEAGENT_DEBIAN_ARM64_ROOT (Debian 13 arm64, run by qemu-user-static)
 #     and NODEAGENT_PEERS_READY=1 once all are set. pytest run without this setup (a developer's
 #     `pytest tests/unit/...`) still builds a missing peer on first use through tests/peers/_resolve.py.
 #   * resolves files it needs from Go modules (nvml.h) by downloading the module, never by assuming a
@@ -422,7 +422,7 @@ nodeagent_peers_helm() {
 #   nodeagent_peers_debian13_root  -> NODEAGENT_DEBIAN13_ROOT: the same on Debian 13 (trixie, Python 3.13), plus
 #                                     /opt/nodeagent-test, a venv of the test dependencies (pyproject's [test]
 #                                     extra) in which the unit tests run under Python 3.13.
-#   nodeagent_peers_arm64_root     -> NODEAGENT_DEBIAN_ARM64_ROOT, NODEAGENT_QEMU_AARCH64: Debian 13 for arm64
+#   nodeagent_peers_arm64_root     -> NODEAGENT_DEBIAN_ARM64_ROOT: Debian 13 for arm64
 #                                     (python3, python3-venv, procps), its programs run by Debian's
 #                                     qemu-user-static (the kernel's binfmt_misc hands aarch64 ELF files to
 #                                     qemu-aarch64-static; registered here when it is not).
@@ -447,7 +447,6 @@ nodeagent_peers_debian13_root() {
 
 nodeagent_peers_arm64_root() {
   _peers_install_debian mmdebstrap qemu-user-static arch-test || return 1
-  export NODEAGENT_QEMU_AARCH64=/usr/bin/qemu-aarch64-static
   if [ -z "${NODEAGENT_PEERS_PLAN:-}" ]; then
     _peers_binfmt_aarch64 || return 1
   fi
@@ -487,7 +486,7 @@ _peers_binfmt_aarch64() {
 _peers_debian_root() {
   local var=$1 suite=$2 arch=$3 packages=$4 reqs=${5:-} hash dest
   hash=$( (echo "$suite $arch $NODEAGENT_DEBIAN_MIRROR $packages" && echo "$reqs" &&
-    declare -f _peers_debian_root _debian_root_build) | sha256sum | cut -c1-12) || return 1
+    declare -f _debian_root_build) | sha256sum | cut -c1-12) || return 1
   dest=$NODEAGENT_CACHE/debian-root-$hash
   export "$var=$dest"
   if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
@@ -508,7 +507,9 @@ _peers_debian_root() {
     rm -rf "$tmp"
     _debian_root_build "$tmp" "$suite" "$arch" "$packages" "$reqs" >"$log" 2>&1 || rc=$?
     if [ "$rc" -ne 0 ]; then
-      rm -rf "$tmp"
+      # an interrupted mmdebstrap may leave its /proc, /sys and /dev mounts in the tree: never rm -rf through them
+      awk -v t="$tmp/" 'index($2, t) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
+      rm -rf --one-file-system "$tmp"
       exec {fd}>&-
       _peers_log "building the Debian $suite $arch root failed (exit $rc); last lines of $log:"
       tail -n 20 "$log" >&2

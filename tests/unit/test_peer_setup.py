@@ -42,6 +42,8 @@ SUITE_PEERS = {
     "NODEAGENT_NVIDIA_CTK",
     "NODEAGENT_HELM",
     "NODEAGENT_DEBIAN_ROOT",
+    "NODEAGENT_DEBIAN13_ROOT",
+    "NODEAGENT_DEBIAN_ARM64_ROOT",
 }
 
 
@@ -108,12 +110,18 @@ def test_whole_setup_resolves_every_peer_from_empty_caches(empty_caches: dict[st
         "NODEAGENT_RUNC",
         "NODEAGENT_NVML_LIBRARY",
         "NODEAGENT_DEBIAN_ROOT",
+        "NODEAGENT_DEBIAN13_ROOT",
+        "NODEAGENT_DEBIAN_ARM64_ROOT",
     }:
         path = Path(exported[name])
         assert path.parent == cache / "bin", (name, path)
-    root = Path(exported["NODEAGENT_DEBIAN_ROOT"])
-    assert root.parent == cache and root.name.startswith("debian-root-"), root
-    assert "plan: Debian bookworm root to build" in proc.stderr, proc.stderr
+    roots = {Path(exported[v]) for v in ("NODEAGENT_DEBIAN_ROOT", "NODEAGENT_DEBIAN13_ROOT",
+                                         "NODEAGENT_DEBIAN_ARM64_ROOT")}
+    assert len(roots) == 3, roots  # each its own cache entry
+    for root in roots:
+        assert root.parent == cache and root.name.startswith("debian-root-"), root
+    for suite in ("bookworm amd64", "trixie amd64", "trixie arm64"):
+        assert f"plan: Debian {suite} root to build" in proc.stderr, proc.stderr
 
 
 def _steps(env: dict[str, str]) -> list[str]:
