@@ -11,7 +11,7 @@
 #   /etc/nodeagent/config.toml  the commented example, a conffile (local edits survive upgrades)
 # Usage: packaging/build-deb.sh [--arch amd64|arm64] [OUTPUT_DIR]   (default: this machine's, dist/)
 # Wheels are cached in ${NODEAGENT_WHEEL_CACHE:-~/.cache/nodeagent/wheels}/<arch>, so a rebuild needs no
-# download; pip fetches the missing ones for the target platform (--platform/--python-version), so an arm64
+# download (a warm build copies the set of wheels kept for the same dependencies); pip fetches the missing ones for the target platform (--platform/--python-version), so an arm64
 # package builds on amd64. The build runs with the project's .venv when it has setuptools and wheel, else in
 # a throw-away build venv made from python3 (pip from python3-venv, setuptools and wheel from the wheel cache
 # or PyPI), so a fresh clone builds without running the tests first.
@@ -91,15 +91,33 @@ fetch() {  # fetch PYVER [--no-index]: the wheels for CPython PYVER into the sta
     --implementation cp --python-version "$v" --abi "$abi" --abi abi3 --abi none \
     --find-links "$CACHE" "$@" -d "$STAGE$LIB/wheels" "$OWN" pip
 }
-for v in $PYTHONS; do
-  if ! fetch "$v" --no-index >"$WORK/fetch.log" 2>&1; then
-    echo "build-deb: fetching the $ARCH wheels for CPython $v into the wheel cache $CACHE" >&2
-    fetch "$v" >"$WORK/fetch.log" 2>&1 || { tail -n 20 "$WORK/fetch.log" >&2; exit 1; }
-  fi
-done
-rm -f "$STAGE$LIB"/wheels/nodeagent-*.whl
-cp -n "$STAGE$LIB"/wheels/*.whl "$CACHE/"
+# The set of wheels is kept by a key of what decides it (the dependencies in nodeagent's metadata, the
+# Pythons, the platforms), so a warm build copies one directory instead of asking pip four times.
+KEY=$( ("$BUILD_PY" -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+print("\n".join(ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln))' \
+  "$OWN" && echo "$PYTHONS ${PLATFORMS[*]} pip") | sha256sum | cut -c1-12)
+SET=$WHEEL_CACHE/sets/$ARCH-$KEY
+if [ -d "$SET" ]; then
+  touch "$SET"  # sets no build used for a week go (below)
+  cp -l "$SET"/*.whl "$STAGE$LIB/wheels/" 2>/dev/null || cp "$SET"/*.whl "$STAGE$LIB/wheels/"
+else
+  for v in $PYTHONS; do
+    if ! fetch "$v" --no-index >"$WORK/fetch.log" 2>&1; then
+      echo "build-deb: fetching the $ARCH wheels for CPython $v into the wheel cache $CACHE" >&2
+      fetch "$v" >"$WORK/fetch.log" 2>&1 || { tail -n 20 "$WORK/fetch.log" >&2; exit 1; }
+    fi
+  done
+  rm -f "$STAGE$LIB"/wheels/nodeagent-*.whl
+  cp -n "$STAGE$LIB"/wheels/*.whl "$CACHE/"
+  mkdir -p "$WHEEL_CACHE/sets"
+  rm -rf "$SET.tmp.$$" && mkdir "$SET.tmp.$$" && cp "$STAGE$LIB"/wheels/*.whl "$SET.tmp.$$/" \
+    && { mv -T "$SET.tmp.$$" "$SET" 2>/dev/null || rm -rf "$SET.tmp.$$"; }
+fi
 install -m 0644 "$OWN" "$STAGE$LIB/wheels/"
+find "$WHEEL_CACHE/sets" -mindepth 1 -maxdepth 1 -type d -mtime +7 ! -name "${SET##*/}" -exec rm -rf {} + \
+  2>/dev/null || true
 for v in $PYTHONS; do  # every supported CPython finds a wheel of each binary dependency
   for pkg in grpcio pyyaml; do
     compgen -G "$STAGE$LIB/wheels/${pkg}-*-cp${v/./}-*_$MACHINE.whl" >/dev/null || {
@@ -127,5 +145,5 @@ sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" "$HERE/
   > "$STAGE/DEBIAN/control"
 
 DEB="$OUT/nodeagent_${VERSION}_${ARCH}.deb"
-dpkg-deb --root-owner-group -Zgzip --build "$STAGE" "$DEB" >/dev/null
+dpkg-deb --root-owner-group -Zgzip -z1 --build "$STAGE" "$DEB" >/dev/null
 echo "$DEB"

@@ -536,7 +536,7 @@ _debian_root_build() {
     [ -f "$ca" ] || ca=/dev/null
     hooks+=(--customize-hook="cp '$dir.requirements' \"\$1/tmp/requirements.txt\"; cp '$ca' \"\$1/tmp/ca.pem\""
       --customize-hook='chroot "$1" python3 -m venv /opt/nodeagent-test'
-      --customize-hook='chroot "$1" env PIP_CERT=/tmp/ca.pem PIP_FIND_LINKS= /opt/nodeagent-test/bin/pip install -q --disable-pip-version-check -r /tmp/requirements.txt'
+      --customize-hook='chroot "$1" env PIP_CERT=/tmp/ca.pem SSL_CERT_FILE=/tmp/ca.pem PIP_FIND_LINKS= /opt/nodeagent-test/bin/pip install -q --disable-pip-version-check -r /tmp/requirements.txt'
       --customize-hook='rm -f "$1/tmp/requirements.txt" "$1/tmp/ca.pem"')
   fi
   nice -n 10 mmdebstrap --variant=minbase --mode=root --format=directory --skip=cleanup/apt/lists \
