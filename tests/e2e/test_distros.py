@@ -201,7 +201,8 @@ def test_debian13_install_run_units_python_change_and_purge(trixie: BootedRoot, 
                   == "active", 90)
     # ... and each start of a unit checks it first, for a Python changed without dpkg (the same script)
     for unit in (AGENT, BOOTSTRAP):
-        assert "/usr/lib/nodeagent/build-venv --if-stale" in node.show(unit, "ExecStartPre")["ExecStartPre"]
+        pre = node.run(["systemctl", "show", unit, "--property=ExecStartPre"]).stdout  # one line per command
+        assert "argv[]=/usr/lib/nodeagent/build-venv --if-stale" in pre, pre
     # purge: the venv postinst made, the state and the units go
     node.run(["apt-get", "purge", "-y", "-q", "nodeagent"], env=APT_ENV, timeout=120)
     for gone in ("opt/nodeagent", "var/lib/nodeagent", "usr/lib/nodeagent", "lib/systemd/system/nodeagent.service",
