@@ -101,7 +101,7 @@ print("\n".join(ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:"
 SET=$WHEEL_CACHE/sets/$ARCH-$KEY
 if [ -d "$SET" ]; then
   touch "$SET"  # sets no build used for a week go (below)
-  cp -l "$SET"/*.whl "$STAGE$LIB/wheels/" 2>/dev/null || cp "$SET"/*.whl "$STAGE$LIB/wheels/"
+  cp "$SET"/*.whl "$STAGE$LIB/wheels/"  # copies: a hard link's ctime changes when another build links it
 else
   for v in $PYTHONS; do
     if ! fetch "$v" --no-index >"$WORK/fetch.log" 2>&1; then
