@@ -441,7 +441,8 @@ nodeagent_peers_debian13_root() {
   _peers_install_debian mmdebstrap systemd-container || return 1
   local reqs
   reqs=$(_peers_test_requirements) || return 1
-  _peers_debian_root NODEAGENT_DEBIAN13_ROOT "$NODEAGENT_DEBIAN13_SUITE" amd64 "$NODEAGENT_DEBIAN_PACKAGES" \
+  # e2fsprogs: chattr, which unit tests run
+  _peers_debian_root NODEAGENT_DEBIAN13_ROOT "$NODEAGENT_DEBIAN13_SUITE" amd64 "$NODEAGENT_DEBIAN_PACKAGES,e2fsprogs" \
     "$reqs"
 }
 
