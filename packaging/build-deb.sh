@@ -139,7 +139,7 @@ printf 'nodeagent\nLicense: Apache-2.0\n' > "$STAGE/usr/share/doc/nodeagent/copy
 for s in postinst prerm postrm; do install -m 0755 "$HERE/debian/$s" "$STAGE/DEBIAN/$s"; done
 install -m 0644 "$HERE/debian/triggers" "$STAGE/DEBIAN/triggers"
 echo /etc/nodeagent/config.toml > "$STAGE/DEBIAN/conffiles"
-# Installed-Size: the package's own files (the venv postinst makes is not one of them: about 90 MB more)
+# Installed-Size: the package's own files (the venv postinst makes is not one of them: about 130 MB more)
 SIZE=$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)
 sed -e "s/@VERSION@/$VERSION/" -e "s/@ARCH@/$ARCH/" -e "s/@SIZE@/$SIZE/" "$HERE/debian/control.in" \
   > "$STAGE/DEBIAN/control"
