@@ -29,12 +29,15 @@ from nodeagent.hostpaths import HostPaths
 log = logging.getLogger(__name__)
 
 
-class Outcome(enum.StrEnum):
+class Outcome(str, enum.Enum):  # enum.StrEnum from Python 3.11 on
     CHANGED = "changed"
     UNCHANGED = "unchanged"
     SKIPPED = "skipped"
     FAILED = "failed"
     REBOOT_REQUIRED = "reboot-required"
+
+    def __str__(self) -> str:  # as StrEnum: the value (also what format() and f-strings give)
+        return self.value
 
 
 @dataclass(frozen=True)

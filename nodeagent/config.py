@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import socket
-import tomllib
+import sys
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +23,11 @@ from typing import Any, Literal, get_args, get_origin
 from nodeagent.boundedyaml import shown
 from nodeagent.errors import ConfigError
 from nodeagent.hostpaths import KUBELET_DIR, HostPaths
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 DEFAULT_CONFIG = "/etc/nodeagent/config.toml"
 

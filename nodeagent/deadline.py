@@ -13,7 +13,7 @@ import sys
 from collections.abc import Awaitable
 from typing import TypeVar
 
-if sys.version_info >= (3, 11):  # noqa: UP036 - the package also installs on 3.10
+if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
 else:  # pragma: no cover - the interpreter of the package's oldest supported distribution
     from async_timeout import timeout as _timeout

@@ -18,6 +18,8 @@ fi
 
 echo "== ruff"; "$VENV/bin/ruff" check nodeagent tests
 echo "== mypy"; "$VENV/bin/mypy"
+# The oldest and newest Python the package supports: their stdlib stubs catch an API the other lacks.
+echo "== mypy (Python 3.10, 3.13)"; "$VENV/bin/mypy" --python-version 3.10 && "$VENV/bin/mypy" --python-version 3.13
 echo "== import layers"; "$VENV/bin/lint-imports"
 # A short base for pytest's temporary directories: tests bind Unix sockets below them (at most 107 bytes of
 # path), which a long $TMPDIR would overflow.

@@ -657,7 +657,7 @@ def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = T
     try:
         code = loop.run_until_complete(daemon.run(install_signals=install_signals))
         loop.run_until_complete(loop.shutdown_asyncgens())
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             loop.run_until_complete(asyncio.wait_for(loop.shutdown_default_executor(), 1.0))
     finally:
         loop.close()

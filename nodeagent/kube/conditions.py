@@ -28,7 +28,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the builder stays importable without the API client
@@ -252,7 +252,7 @@ def build_conditions(s: ConditionSnapshot) -> list[Condition]:
 
 
 def _timestamp(now: datetime) -> str:
-    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def plan_conditions(
@@ -367,7 +367,7 @@ class ConditionWriter:
     (fed by the watch of the own Node) notices when somebody changed or removed them. ``writes`` counts the
     PATCH requests sent."""
 
-    def __init__(self, node: NodeClient, clock: Callable[[], datetime] = lambda: datetime.now(UTC), *,
+    def __init__(self, node: NodeClient, clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc), *,
                  stage: StatusStage | None = None) -> None:
         self.node = node
         self.clock = clock

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from nodeagent.backoff import Backoff
@@ -193,8 +193,8 @@ class NodeClient:
             raise ValueError(f"event type must be Normal or Warning, not {type!r}")
         if not reason:
             raise ValueError("event reason must not be empty")
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        micro = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        micro = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         if len(message.encode()) > EVENT_MESSAGE_MAX:
             message = message.encode()[: EVENT_MESSAGE_MAX - 3].decode(errors="ignore") + "..."
         body: dict[str, Any] = {

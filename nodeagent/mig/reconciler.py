@@ -288,7 +288,7 @@ class MigReconciler:
             await self._wait_released("restoring the GPUs of an interrupted MIG apply", frozenset(gpus))
             recovery = await within(
                 asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
-        except TimeoutError as e:
+        except TimeoutError as e:  # deadline.within raises the builtin one on every version
             raise OperationError("restoring the GPUs of an interrupted MIG apply took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:

@@ -1,8 +1,10 @@
 #!/bin/sh
 # Make the host driver's NVML visible without putting the host's whole library directory (its libc)
-# on the search path: link just libnvidia-ml.so.1 into a private directory.
+# on the search path: link just libnvidia-ml.so.1 into a private directory. The multiarch directory of this
+# machine's own architecture: x86_64-linux-gnu, or aarch64-linux-gnu on Grace nodes.
 set -e
-for dir in /host/usr/lib/x86_64-linux-gnu /host/usr/lib64 /host/run/nvidia/driver/usr/lib/x86_64-linux-gnu; do
+triplet="$(uname -m)-linux-gnu"
+for dir in "/host/usr/lib/$triplet" /host/usr/lib64 "/host/run/nvidia/driver/usr/lib/$triplet"; do
   if [ -e "$dir/libnvidia-ml.so.1" ]; then
     mkdir -p /run/nvml
     ln -sf "$dir/libnvidia-ml.so.1" /run/nvml/libnvidia-ml.so.1

@@ -16,8 +16,8 @@ drop-in for a version 2+ file, in place otherwise). Each deliberate difference i
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,11 @@ from nodeagent.runtime.containerd import DEFAULT_BINARY, RUNC_V2
 from tests.abi._abi import built
 from tests.integration._containerd import Case, ContainerdHostPaths
 from tests.peers.containerd import Containerd, ContainerdConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 pytestmark = pytest.mark.peers
 

@@ -1,5 +1,5 @@
-"""Delivery: the systemd units pass `systemd-analyze verify`; the .deb builds, installs into a throwaway root
-and its installed `nodeagent` runs; purge leaves nothing behind."""
+"""Delivery: the systemd units pass `systemd-analyze verify`; the .deb builds from a fresh clone and holds what
+it should (installed and run in real Debian roots: tests/e2e/test_distros.py, test_systemd_boot.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     (root / "etc/systemd/system").mkdir(parents=True)
     for unit in UNITS:
         shutil.copy(REPO / "systemd" / unit, root / "etc/systemd/system" / unit)
-    for exe in ("usr/bin/nodeagent", "bin/kill"):
+    for exe in ("usr/bin/nodeagent", "bin/kill", "usr/lib/nodeagent/build-venv"):
         (root / exe).parent.mkdir(parents=True, exist_ok=True)
         (root / exe).write_text("#!/bin/sh\n")
         (root / exe).chmod(0o755)
@@ -145,68 +145,21 @@ def test_deb_builds_from_a_fresh_clone(tmp_path: Path, venv: bool) -> None:
     deb = Path(proc.stdout.strip().splitlines()[-1])
     assert deb.parent == clone / "dist" and deb.exists()
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
-    assert "./opt/nodeagent/bin/nodeagent" in listing and "./lib/systemd/system/nodeagent.service" in listing
+    assert "./usr/lib/nodeagent/build-venv" in listing and "./lib/systemd/system/nodeagent.service" in listing
     if venv:
         assert subprocess.run(no_wheel, capture_output=True, timeout=60).returncode != 0  # left as it was
     else:
         assert not (clone / ".venv").exists()
 
 
-def dpkg(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["dpkg", f"--root={root}", "--force-script-chrootless", "--force-depends", *args],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PATH": os.environ["PATH"]
-                                                                          + ":/usr/sbin:/sbin"})
-
-
 def test_deb_contents(deb: Path) -> None:
     info = subprocess.run(["dpkg-deb", "--info", str(deb)], capture_output=True, text=True, check=True).stdout
-    assert "Package: nodeagent" in info and "Depends: python3.11" in info
+    assert "Package: nodeagent" in info and "Depends: python3 (>= 3.10), python3-venv" in info
     conffiles = subprocess.run(["dpkg-deb", "--ctrl-tarfile", str(deb)], capture_output=True, check=True).stdout
     assert b"conffiles" in conffiles
     listing = subprocess.run(["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True, check=True).stdout
-    for path in ("./opt/nodeagent/bin/nodeagent", "./usr/bin/nodeagent -> /opt/nodeagent/bin/nodeagent",
+    for path in ("./usr/lib/nodeagent/build-venv", "./usr/bin/nodeagent -> /opt/nodeagent/bin/nodeagent",
                  "./lib/systemd/system/nodeagent.service", "./lib/systemd/system/nodeagent-bootstrap.service",
                  "./etc/nodeagent/config.toml"):
         assert path in listing, path
     assert "__pycache__" not in listing
-
-
-def test_deb_installs_runs_and_purges(tmp_path: Path, deb: Path) -> None:
-    root = tmp_path / "root"
-    (root / "var/lib/dpkg/info").mkdir(parents=True)
-    (root / "var/lib/dpkg/updates").mkdir()
-    (root / "var/lib/dpkg/status").touch()
-    (root / "var/lib/dpkg/available").touch()
-    proc = dpkg(root, "-i", str(deb))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (root / "var/lib/nodeagent").is_dir()  # made by postinst
-    assert (root / "etc/nodeagent/config.toml").read_text() == (REPO / "configs/config.toml").read_text()
-    assert os.readlink(root / "usr/bin/nodeagent") == "/opt/nodeagent/bin/nodeagent"
-    script = root / "opt/nodeagent/bin/nodeagent"
-    assert script.read_text().splitlines()[0] == "#!/opt/nodeagent/bin/python"
-    # Run the installed program at its installed path: a private mount namespace shows the throwaway root's
-    # /opt/nodeagent at /opt/nodeagent (nothing on the host changes).
-    need("unshare", "util-linux")
-    cmd = (f"mount --make-rprivate / && mount -t tmpfs none /opt && mkdir /opt/nodeagent && "
-           f"mount --bind {root}/opt/nodeagent /opt/nodeagent && "
-           f"{root}/usr/bin/nodeagent --version && "
-           f"{root}/usr/bin/nodeagent discover --simulate dgx-h100 --json && "
-           # the container image's entrypoint execs the same /opt/nodeagent environment
-           f"sh {REPO}/packaging/kubernetes/entrypoint.sh --version")
-    run = subprocess.run(["unshare", "--mount", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.startswith("nodeagent, version ")
-    assert run.stdout.count("GPU-") >= 8 and "H100" in run.stdout
-    assert run.stdout.count("nodeagent, version ") == 2, run.stdout
-    # a local edit of the conffile survives a reinstall
-    (root / "etc/nodeagent/config.toml").write_text('node_name = "edited"\n')
-    proc = dpkg(root, "--force-confold", "-i", str(deb))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (root / "etc/nodeagent/config.toml").read_text() == 'node_name = "edited"\n'
-    # purge removes the program, the conffile and the state
-    proc = dpkg(root, "--purge", "nodeagent")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    left = [p for p in root.rglob("*") if "var/lib/dpkg" not in str(p) and p.is_file()]
-    assert left == []
-    assert not (root / "opt/nodeagent").exists()

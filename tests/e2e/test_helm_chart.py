@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import tomllib
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,11 @@ from tests.e2e._agent import REPO
 from tests.e2e.test_kube_manifests import MANIFESTS, ORDER
 from tests.peers._resolve import peer_binary
 from tests.peers.apiserver import KubeApiServer
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 pytestmark = pytest.mark.peers
 

@@ -24,8 +24,9 @@ ELSEWHERE = {
     "python3 -m venv .venv && .venv/bin/pip install": "tests/e2e/test_readme_quickstart.py (the agent it starts)",
     ". .venv/bin/activate": "a shell built-in; the commands after it run here as `nodeagent`",
     "bash tests/run.sh": "this suite itself (.ci/run)",
-    "bash packaging/build-deb.sh": "tests/e2e/test_delivery.py (the .deb, built in a fresh clone)",
-    "apt-get install ./dist/nodeagent_": "tests/e2e/test_delivery.py (installed into a throwaway root)",
+    "bash packaging/build-deb.sh": "tests/e2e/test_delivery.py (the .deb, built in a fresh clone), "
+                                   "tests/e2e/test_distros.py (--arch amd64 and arm64)",
+    "apt-get install ./dist/nodeagent_": "tests/e2e/test_systemd_boot.py and test_distros.py (Debian 12 and 13 roots)",
     "kubectl apply -f packaging/kubernetes/": "tests/e2e/test_kube_manifests.py (server-side dry run)",
     "kubectl label node": "tests/e2e/test_kube_manifests.py",
     "kubectl create namespace nodeagent": "tests/e2e/test_helm_chart.py (the release's namespace)",

@@ -16,7 +16,7 @@ that the result still loads with the nvidia runtime (1.6 itself has no CDI and i
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +28,11 @@ from nodeagent.runtime.containerd import DEFAULT_BINARY
 from tests.integration._containerd import ContainerdHostPaths
 from tests.peers.containerd import Containerd
 from tests.peers.containerd2 import Containerd2
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 pytestmark = pytest.mark.peers
 

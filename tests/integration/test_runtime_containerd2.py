@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import re
 import subprocess
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,11 @@ from tests.integration._containerd import (
 )
 from tests.peers.containerd import Containerd
 from tests.peers.containerd2 import Containerd2
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 pytestmark = pytest.mark.peers
 

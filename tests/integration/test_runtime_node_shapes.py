@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import os
-import tomllib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,11 @@ from nodeagent.runtime.containerd import DEFAULT_BINARY
 from tests.integration._containerd import Case, ContainerdHostPaths, StatePaths
 from tests.peers.containerd import Containerd
 from tests.peers.containerd2 import Containerd2
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 pytestmark = pytest.mark.peers
 

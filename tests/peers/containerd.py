@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,11 @@ import tomlkit
 
 from tests.peers._proc import stop_process, tail
 from tests.peers._resolve import PeerMissingError, system_binary
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the backport of the same parser
+    import tomli as tomllib
 
 BOOT_TIMEOUT = 30.0
 CRI_PLUGINS = ("io.containerd.grpc.v1.cri", "cri", "io.containerd.cri.v1.runtime")

@@ -22,7 +22,9 @@
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 #       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
-#       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian directory tree systemd boots)
+#       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian 12 directory tree systemd boots)
+#       nodeagent_peers_debian13_root -> NODEAGENT_DEBIAN13_ROOT (the same on Debian 13, with a test venv)
+#       nodeagent_peers_arm64_root -> NODEAGENT_DEBIAN_ARM64_ROOT (Debian 13 arm64, run by qemu-user-static)
 #     and NODEAGENT_PEERS_READY=1 once all are set. pytest run without this setup (a developer's
 #     `pytest tests/unit/...`) still builds a missing peer on first use through tests/peers/_resolve.py.
 #   * resolves files it needs from Go modules (nvml.h) by downloading the module, never by assuming a
@@ -444,69 +446,146 @@ nodeagent_peers_helm() {
   export NODEAGENT_PROMTOOL=/usr/bin/promtool
 }
 
-# --- A Debian root booted by systemd (tests/e2e/test_systemd_boot.py) -------------------------------------
-# Debian bookworm made from Debian's packages with mmdebstrap: systemd as PID 1, dbus, Debian's containerd and
-# runc, and what the .deb depends on (python3.11, procps), so `apt-get install ./nodeagent_*.deb` needs no
-# network. Booted with systemd-nspawn (systemd-container); installing that package may upgrade the host's
-# systemd packages, which is why it happens here and not in a test. Cached as a directory
-# ${NODEAGENT_CACHE}/debian-root-<hash> (hash of suite, packages, mirror and this function), made in a
-# temporary directory beside it and renamed into place; the tests never write into it (they boot an overlay).
-# Exports NODEAGENT_DEBIAN_ROOT.
+# --- Debian roots: booted by systemd (tests/e2e/test_systemd_boot.py), chroots for the package ------------
+# Directory trees made from Debian's packages with mmdebstrap, cached as ${NODEAGENT_CACHE}/debian-root-<hash>
+# (hash of suite, architecture, packages, mirror and the functions that build them), each made in a temporary
+# directory beside it and renamed into place; the tests never write into one (they boot or chroot an overlay).
+#   nodeagent_peers_debian_root    -> NODEAGENT_DEBIAN_ROOT: Debian 12 (bookworm, Python 3.11) with systemd as
+#                                     PID 1, dbus, Debian's containerd and runc, and what the .deb depends on
+#                                     (python3, python3-venv, procps), so `apt-get install ./nodeagent_*.deb`
+#                                     needs no network. Booted with systemd-nspawn (systemd-container); installing
+#                                     that package may upgrade the host's systemd packages, which is why it
+#                                     happens here and not in a test.
+#   nodeagent_peers_debian13_root  -> NODEAGENT_DEBIAN13_ROOT: the same on Debian 13 (trixie, Python 3.13), plus
+#                                     /opt/nodeagent-test, a venv of the test dependencies (pyproject's [test]
+#                                     extra) in which the unit tests run under Python 3.13.
+#   nodeagent_peers_arm64_root     -> NODEAGENT_DEBIAN_ARM64_ROOT: Debian 13 for arm64
+#                                     (python3, python3-venv, procps), its programs run by Debian's
+#                                     qemu-user-static (the kernel's binfmt_misc hands aarch64 ELF files to
+#                                     qemu-aarch64-static; registered here when it is not).
 NODEAGENT_DEBIAN_SUITE=${NODEAGENT_DEBIAN_SUITE:-bookworm}
+NODEAGENT_DEBIAN13_SUITE=${NODEAGENT_DEBIAN13_SUITE:-trixie}
 NODEAGENT_DEBIAN_MIRROR=${NODEAGENT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-NODEAGENT_DEBIAN_PACKAGES="systemd,systemd-sysv,dbus,libpam-systemd,containerd,runc,python3.11,libc6,procps"
+NODEAGENT_DEBIAN_PACKAGES="systemd,systemd-sysv,dbus,libpam-systemd,containerd,runc,python3,python3-venv,libc6,procps"
+NODEAGENT_DEBIAN_ARM64_PACKAGES="python3,python3-venv,libc6,procps"
 
 nodeagent_peers_debian_root() {
   _peers_install_debian mmdebstrap systemd-container || return 1
-  local hash dest
-  hash=$( (echo "$NODEAGENT_DEBIAN_SUITE $NODEAGENT_DEBIAN_MIRROR $NODEAGENT_DEBIAN_PACKAGES" &&
-    declare -f nodeagent_peers_debian_root _debian_root_build) | sha256sum | cut -c1-12) || return 1
+  _peers_debian_root NODEAGENT_DEBIAN_ROOT "$NODEAGENT_DEBIAN_SUITE" amd64 "$NODEAGENT_DEBIAN_PACKAGES"
+}
+
+nodeagent_peers_debian13_root() {
+  _peers_install_debian mmdebstrap systemd-container || return 1
+  local reqs
+  reqs=$(_peers_test_requirements) || return 1
+  # e2fsprogs: chattr, which unit tests run
+  _peers_debian_root NODEAGENT_DEBIAN13_ROOT "$NODEAGENT_DEBIAN13_SUITE" amd64 "$NODEAGENT_DEBIAN_PACKAGES,e2fsprogs" \
+    "$reqs"
+}
+
+nodeagent_peers_arm64_root() {
+  _peers_install_debian mmdebstrap qemu-user-static arch-test || return 1
+  if [ -z "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_binfmt_aarch64 || return 1
+  fi
+  _peers_debian_root NODEAGENT_DEBIAN_ARM64_ROOT "$NODEAGENT_DEBIAN13_SUITE" arm64 "$NODEAGENT_DEBIAN_ARM64_PACKAGES"
+}
+
+# _peers_test_requirements: the [test] extra and the dependencies of pyproject.toml, one per line.
+_peers_test_requirements() {
+  python3 - "$NODEAGENT_TESTBIN/../../pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+PY
+}
+
+# _peers_binfmt_aarch64: the kernel runs aarch64 programs with Debian's qemu-aarch64-static. Mounts binfmt_misc
+# and registers qemu-user-static's own entry (flag F: the interpreter is opened now, so it works in a chroot)
+# when systemd-binfmt has not (no systemd as init here). One line naming the kernel's answer when it refuses.
+_peers_binfmt_aarch64() {
+  local fs=/proc/sys/fs/binfmt_misc conf=/usr/lib/binfmt.d/qemu-aarch64.conf err
+  [ -f "$fs/qemu-aarch64" ] && return 0
+  if [ ! -f "$fs/register" ]; then
+    err=$(mount -t binfmt_misc binfmt_misc "$fs" 2>&1) || {
+      _peers_log "cannot mount binfmt_misc on $fs: $err (arm64 programs need qemu-aarch64-static named explicitly)"
+      return 1
+    }
+  fi
+  [ -f "$conf" ] || { _peers_log "qemu-user-static has no $conf"; return 1; }
+  err=$( (cat "$conf" > "$fs/register") 2>&1) || {
+    _peers_log "the kernel refused to register $conf in $fs/register: $err"
+    return 1
+  }
+}
+
+# _peers_debian_root VAR SUITE ARCH PACKAGES [TEST_REQUIREMENTS]: a cached mmdebstrap root, its path exported
+# as VAR. TEST_REQUIREMENTS (lines of pip requirements) go into a venv /opt/nodeagent-test of the root's python3.
+_peers_debian_root() {
+  local var=$1 suite=$2 arch=$3 packages=$4 reqs=${5:-} hash dest
+  hash=$( (echo "$suite $arch $NODEAGENT_DEBIAN_MIRROR $packages" && echo "$reqs" &&
+    declare -f _debian_root_build) | sha256sum | cut -c1-12) || return 1
   dest=$NODEAGENT_CACHE/debian-root-$hash
-  export NODEAGENT_DEBIAN_ROOT=$dest
+  export "$var=$dest"
   if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
-    _peers_log "plan: Debian $NODEAGENT_DEBIAN_SUITE root $([ -f "$dest/etc/os-release" ] && echo cached || echo to build)"
+    _peers_log "plan: Debian $suite $arch root $([ -f "$dest/etc/os-release" ] && echo cached || echo to build)"
     return 0
   fi
-  [ -f "$dest/etc/os-release" ] && return 0
+  [ -f "$dest/etc/os-release" ] && { touch "$dest"; return 0; }
   mkdir -p "$NODEAGENT_CACHE/logs" || return 1
-  local lock=$NODEAGENT_CACHE/.debian-root.lock log=$NODEAGENT_CACHE/logs/build-debian-root-$hash.log fd
+  local lock=$NODEAGENT_CACHE/.debian-root-$hash.lock log=$NODEAGENT_CACHE/logs/build-debian-root-$hash.log fd
   exec {fd}>"$lock" || return 1
   if ! flock -n "$fd"; then
-    _peers_log "waiting for another build of the Debian root (log: $log)"
+    _peers_log "waiting for another build of the Debian $suite $arch root (log: $log)"
     flock "$fd" || return 1
   fi
   if [ ! -f "$dest/etc/os-release" ]; then
-    _peers_log "building a Debian $NODEAGENT_DEBIAN_SUITE root with systemd (not in the cache; log: $log)"
+    _peers_log "building a Debian $suite $arch root (not in the cache; log: $log)"
     local start=$SECONDS rc=0 tmp=$dest.tmp.$$
     rm -rf "$tmp"
-    _debian_root_build "$tmp" >"$log" 2>&1 || rc=$?
+    _debian_root_build "$tmp" "$suite" "$arch" "$packages" "$reqs" >"$log" 2>&1 || rc=$?
     if [ "$rc" -ne 0 ]; then
-      rm -rf "$tmp"
+      # an interrupted mmdebstrap may leave its /proc, /sys and /dev mounts in the tree: never rm -rf through them
+      awk -v t="$tmp/" 'index($2, t) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
+      rm -rf --one-file-system "$tmp"
       exec {fd}>&-
-      _peers_log "building the Debian root failed (exit $rc); last lines of $log:"
+      _peers_log "building the Debian $suite $arch root failed (exit $rc); last lines of $log:"
       tail -n 20 "$log" >&2
       return 1
     fi
     mv -T "$tmp" "$dest"
-    _peers_log "built the Debian root in $((SECONDS - start))s -> $dest"
+    _peers_log "built the Debian $suite $arch root in $((SECONDS - start))s -> $dest"
     # older roots (other inputs) go once nobody has used them for a week
-    find "$NODEAGENT_CACHE" -maxdepth 1 -type d -name 'debian-root-*' ! -name "${dest##*/}" -mtime +7 \
-      -exec rm -rf {} + 2>/dev/null || true
+    find "$NODEAGENT_CACHE" -maxdepth 1 -type d -name 'debian-root-*' -mtime +7 ! -name "${dest##*/}" -exec rm -rf {} + 2>/dev/null || true
   fi
   exec {fd}>&-
 }
 
-# _debian_root_build DIR: mmdebstrap into DIR; no machine-id (systemd makes one at each boot of a copy), no
-# getty on the console (the tests read the journal, not a login prompt), apt lists kept so that
-# `apt-get install ./x.deb` can resolve dependencies offline.
+# _debian_root_build DIR SUITE ARCH PACKAGES REQS: mmdebstrap into DIR; no machine-id (systemd makes one at
+# each boot of a copy), no getty on the console (the tests read the journal, not a login prompt), apt lists kept
+# so that `apt-get install ./x.deb` can resolve dependencies offline; REQS, when given, pip-installed into the
+# venv /opt/nodeagent-test (from PyPI, while the root is built).
 _debian_root_build() {
-  local dir=$1
+  local dir=$1 suite=$2 arch=$3 packages=$4 reqs=$5 hooks=()
+  if [ -n "$reqs" ]; then
+    printf '%s\n' "$reqs" > "$dir.requirements"
+    # pip in the root trusts what this machine's pip trusts (PIP_CERT: a proxy's authority, say)
+    local ca=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
+    [ -f "$ca" ] || ca=/dev/null
+    hooks+=(--customize-hook="cp '$dir.requirements' \"\$1/tmp/requirements.txt\"; cp '$ca' \"\$1/tmp/ca.pem\""
+      --customize-hook='chroot "$1" python3 -m venv /opt/nodeagent-test'
+      --customize-hook='chroot "$1" env PIP_CERT=/tmp/ca.pem SSL_CERT_FILE=/tmp/ca.pem PIP_FIND_LINKS= /opt/nodeagent-test/bin/pip install -q --disable-pip-version-check -r /tmp/requirements.txt'
+      --customize-hook='rm -f "$1/tmp/requirements.txt" "$1/tmp/ca.pem"')
+  fi
   nice -n 10 mmdebstrap --variant=minbase --mode=root --format=directory --skip=cleanup/apt/lists \
-    --include="$NODEAGENT_DEBIAN_PACKAGES" \
+    --architectures="$arch" --include="$packages" \
     --customize-hook='rm -f "$1/etc/machine-id" "$1/var/lib/dbus/machine-id"; : > "$1/etc/machine-id"' \
-    --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/getty.target"' \
-    --customize-hook='ln -sf /dev/null "$1/etc/systemd/system/console-getty.service"' \
-    "$NODEAGENT_DEBIAN_SUITE" "$dir" "$NODEAGENT_DEBIAN_MIRROR"
+    --customize-hook='if [ -d "$1/etc/systemd/system" ]; then ln -sf /dev/null "$1/etc/systemd/system/getty.target"; fi' \
+    --customize-hook='if [ -d "$1/etc/systemd/system" ]; then ln -sf /dev/null "$1/etc/systemd/system/console-getty.service"; fi' \
+    "${hooks[@]}" "$suite" "$dir" "$NODEAGENT_DEBIAN_MIRROR"
+  local rc=$?
+  rm -f "$dir.requirements"
+  return "$rc"
 }
 
 # --- The single-node cluster (tests/cluster): CNI plugins, images built with buildah -----------------------
@@ -670,7 +749,9 @@ NODEAGENT_PEERS_STEPS=(
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
-  "Debian root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"
+  "Debian 12 root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"
+  "Debian 13 root with the test dependencies (mmdebstrap):nodeagent_peers_debian13_root"
+  "Debian 13 arm64 root (mmdebstrap, qemu-user-static):nodeagent_peers_arm64_root"
   "kubelet + kubectl v1.34:nodeagent_peers_kubelet"
   "CNI plugins + buildah (Debian):nodeagent_peers_cluster_tools"
   "Debian base image (mmdebstrap, buildah):nodeagent_peers_base_image"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from nodeagent.kube.conditions import (
     CONDITION_TYPES,
@@ -23,8 +23,8 @@ from nodeagent.kube.conditions import (
     plan_conditions,
 )
 
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
-T1 = datetime(2026, 1, 1, 12, 5, 0, tzinfo=UTC)
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+T1 = datetime(2026, 1, 1, 12, 5, 0, tzinfo=timezone.utc)
 CAMEL = re.compile(r"^[A-Z][A-Za-z0-9]*$")
 
 
@@ -149,7 +149,7 @@ def test_plan_writes_only_changes_and_keeps_transition_time() -> None:
     current = {c["type"]: c for c in first} | {c["type"]: c for c in second}
     worse = ConditionSnapshot(health=GpuHealthInput(8, (GpuFault(2, "GPU-a", xid=48), GpuFault(3, "GPU-b", xid=48))),
                               mig=healthy_node().mig, runtime=healthy_node().runtime)
-    third = plan_conditions(list(current.values()), build_conditions(worse), datetime(2026, 1, 2, tzinfo=UTC))
+    third = plan_conditions(list(current.values()), build_conditions(worse), datetime(2026, 1, 2, tzinfo=timezone.utc))
     assert [c["type"] for c in third] == [GPU_READY, GPU_HEALTHY]
     assert all(c["lastTransitionTime"] == "2026-01-01T12:05:00Z" for c in third)
     assert all(c["lastHeartbeatTime"] == "2026-01-02T00:00:00Z" for c in third)

@@ -42,7 +42,7 @@ async def _restarts_seen(watched: Path, real: Path) -> int:
             finally:
                 sock.close()
                 (real / KUBELET_SOCKET).unlink()
-    except TimeoutError:
+    except asyncio.TimeoutError:
         pass
     finally:
         await watcher.stop()

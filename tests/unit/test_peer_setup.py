@@ -48,6 +48,8 @@ SUITE_PEERS = {
     "NODEAGENT_BASE_IMAGE",
     "NODEAGENT_PAUSE_IMAGE",
     "NODEAGENT_AGENT_IMAGE",
+    "NODEAGENT_DEBIAN13_ROOT",
+    "NODEAGENT_DEBIAN_ARM64_ROOT",
 }
 IMAGES = {"NODEAGENT_BASE_IMAGE": "debian-base", "NODEAGENT_PAUSE_IMAGE": "pause", "NODEAGENT_AGENT_IMAGE": "nodeagent"}
 
@@ -117,17 +119,23 @@ def test_whole_setup_resolves_every_peer_from_empty_caches(empty_caches: dict[st
         "NODEAGENT_DEBIAN_ROOT",
         "NODEAGENT_CNI_BIN_DIR",
         *IMAGES,
+        "NODEAGENT_DEBIAN13_ROOT",
+        "NODEAGENT_DEBIAN_ARM64_ROOT",
     }:
         path = Path(exported[name])
         assert path.parent == cache / "bin", (name, path)
+    roots = {Path(exported[v]) for v in ("NODEAGENT_DEBIAN_ROOT", "NODEAGENT_DEBIAN13_ROOT",
+                                         "NODEAGENT_DEBIAN_ARM64_ROOT")}
+    assert len(roots) == 3, roots  # each its own cache entry
+    for root in roots:
+        assert root.parent == cache and root.name.startswith("debian-root-"), root
+    for suite in ("bookworm amd64", "trixie amd64", "trixie arm64"):
+        assert f"plan: Debian {suite} root to build" in proc.stderr, proc.stderr
     # the cluster's images: archives keyed by a hash of their inputs, all to build
     for name, image in IMAGES.items():
         path = Path(exported[name])
         assert path.parent == cache / "images" and path.name.startswith(f"{image}-"), (name, path)
         assert f"plan: image {image} to build" in proc.stderr, proc.stderr
-    root = Path(exported["NODEAGENT_DEBIAN_ROOT"])
-    assert root.parent == cache and root.name.startswith("debian-root-"), root
-    assert "plan: Debian bookworm root to build" in proc.stderr, proc.stderr
 
 
 def _steps(env: dict[str, str]) -> list[str]:

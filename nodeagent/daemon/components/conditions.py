@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.deadline import within
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 
@@ -178,8 +179,7 @@ class ConditionsComponent(Component):
                 return
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self._changed.wait()
+                await within(self._changed.wait(), remaining)
 
     async def stop(self) -> None:
         self._ctx.shared.conditions.unsubscribe(self._wake)

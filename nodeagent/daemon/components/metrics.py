@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from nodeagent.daemon.components.conditions import condition_snapshot
@@ -61,7 +61,7 @@ class MetricsComponent(Component):
             return
         self._seen_inputs = inputs
         with contextlib.suppress(Exception):  # the job is gone while the component stops
-            self._ctx.scheduler.modify_job("metrics", next_run_time=datetime.now(UTC))
+            self._ctx.scheduler.modify_job("metrics", next_run_time=datetime.now(timezone.utc))
 
     def _bind(self) -> None:
         address = self._ctx.config.metrics.address
