@@ -68,11 +68,14 @@ def test_sighup_refuses_a_broken_device_plugin_config_and_applies_a_good_one(
         with running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
             agent.wait_notify("READY=1")
             kubelet_harness.wait("nvidia.com/gpu", registered=True, total=32)
-            for broken, expected in (("version: v1\nsharing: [\n", "not valid YAML"), (MPS, "sharing.mps")):
+            huge = REPLICAS.format(n="9" * 5000)  # past Python's 4300-digit limit of int(str)
+            for broken, expected in (("version: v1\nsharing: [\n", "not valid YAML"), (MPS, "sharing.mps"),
+                                     (huge, "an integer of 5000 characters")):
                 dp.write_text(broken)
                 reload_and_wait(agent)
                 rejected = [ln for ln in agent.log().splitlines() if "reload rejected" in ln]
                 assert rejected and str(dp) in rejected[-1] and expected in rejected[-1], agent.log()
+                assert len(rejected[-1]) < 1000 and "Traceback" not in agent.log(), rejected[-1][:2000]
                 # still the running config: 32 replicas served and registered, the same socket
                 res = kubelet_harness.resource("nvidia.com/gpu")
                 assert res.registered and res.capacity == 32
