@@ -153,11 +153,13 @@ class Sandbox:
         self,
         *args: str,
         long_running: str | None = None,
+        said: str | None = None,
         expect: int | None = 0,
         program: tuple[str, ...] = tuple(NODEAGENT),
     ) -> list[Access]:
         """Run ``nodeagent ARGS`` under strace; ``long_running``: a path (relative to the cwd) whose
-        appearance means the daemon is up, then it is stopped with SIGINT."""
+        appearance means the daemon is up (and, with ``said``, once its output holds that text), then it is
+        stopped with SIGINT."""
         log = self.tmp / "strace.log"
         cmd = [
             self.strace,
@@ -180,19 +182,28 @@ class Sandbox:
             out, err, rc = proc.stdout, proc.stderr, proc.returncode
             self.output = out + err
         else:
-            popen = subprocess.Popen(
-                cmd, cwd=self.tmp, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
+            out_file, err_file = self.tmp / "daemon.out", self.tmp / "daemon.err"
+            with out_file.open("w") as stdout, err_file.open("w") as stderr:
+                popen = subprocess.Popen(cmd, cwd=self.tmp, env=self.env, stdout=stdout, stderr=stderr, text=True)
+
+            def ready() -> bool:
+                if not (self.tmp / long_running).exists():
+                    return False
+                return said is None or said in out_file.read_text() + err_file.read_text()
+
             deadline = time.monotonic() + 60
-            while not (self.tmp / long_running).exists() and time.monotonic() < deadline:
+            while not ready() and time.monotonic() < deadline:
                 if popen.poll() is not None:
                     break
                 time.sleep(0.2)
             up = (self.tmp / long_running).exists()
             for child in psutil.Process(popen.pid).children():  # the agent, not strace (which would detach)
                 child.send_signal(signal.SIGINT)
-            out, err = popen.communicate(timeout=60)
+            popen.wait(timeout=60)
             rc = popen.returncode
+            out, err = out_file.read_text(), err_file.read_text()
+            out_file.unlink()
+            err_file.unlink()
             self.output = out + err
             assert up, f"{args}: {long_running} never appeared\n{err[-3000:]}"
         if expect is not None:
@@ -395,7 +406,7 @@ def test_the_trace_sees_what_leaves_a_sandbox(box: Sandbox) -> None:
 def test_hints_carry_the_root_and_the_simulator(box: Sandbox) -> None:
     """A hint run literally acts where the command that printed it acted: never on the host instead."""
     demo = (box.tmp / "demo").resolve()
-    box.traced(*DEMO_RUN, long_running=DEMO_SOCKET)
+    box.traced(*DEMO_RUN, long_running=DEMO_SOCKET, said="bootstrap --simulate")
     assert f"run `nodeagent --root {demo} bootstrap --simulate dgx-h100`" in box.output, box.output[-3000:]
     (demo / "var/run/cdi").mkdir(parents=True, exist_ok=True)
     (demo / "var/run/cdi/nvidia.yaml").write_text("cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices: []\n")

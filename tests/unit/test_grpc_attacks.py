@@ -258,8 +258,11 @@ async def test_the_kubelets_list_and_watch_gets_in_past_streams_that_take_nothin
     finally:
         for c in stuck:
             c.close()
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("nodeagent")]
     assert len(lines) == 1 and lines[0].startswith("ListAndWatch ended: a stream whose client took no answer")
+    # grpcio may report a stuck client's stream it could not finish: one line each, within its rate limit
+    core = [r.getMessage() for r in caplog.records if not r.name.startswith("nodeagent")]
+    assert len(core) <= 5 and all("\n" not in m for m in core), core
 
 
 async def test_calls_whose_request_never_comes_do_not_lock_the_kubelet_out(
