@@ -77,8 +77,20 @@ def test_readme_manifests_make_the_node_gpu_ready(cluster: Cluster, agent: dict[
     assert labels["nvidia.com/gpu.count"] == str(GPU_COUNT)
     assert "H100" in labels["nvidia.com/gpu.product"], labels
     assert labels["nodeagent.io/gpu"] == "true"
-    conditions = {c["type"]: c for c in node["status"]["conditions"]}
-    for kind in ("nodeagent.io/GPUReady", "nodeagent.io/GPUHealthy", "nodeagent.io/RuntimeReady"):
+    kinds = ("nodeagent.io/GPUReady", "nodeagent.io/GPUHealthy", "nodeagent.io/RuntimeReady")
+
+    def conditions_of_the_agent() -> dict[str, Any] | None:
+        # written by their own component, after the first publish: not necessarily with allocatable
+        found = {c["type"]: c for c in cluster.node()["status"]["conditions"]}
+        return found if all(found.get(k, {}).get("status") == "True" for k in kinds) else None
+
+    try:
+        conditions = cluster.wait_for("the nodeagent.io conditions True", conditions_of_the_agent, timeout=60)
+    except Exception:
+        print(json.dumps(cluster.node()["status"]["conditions"], indent=1))
+        print(cluster.kubectl("logs", "-n", "nodeagent", agent["metadata"]["name"], "-c", "nodeagent").stdout[-20000:])
+        raise
+    for kind in kinds:
         assert conditions[kind]["status"] == "True", conditions[kind]
     # the init container (bootstrap) ran to completion before the agent started
     init = agent["status"]["initContainerStatuses"]

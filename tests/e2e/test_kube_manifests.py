@@ -140,7 +140,7 @@ def apply_rbac(server: KubeApiServer, *, crd: bool = False) -> None:
 
 def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
     apply_rbac(kube_apiserver)
-    # exactly the verbs the code sends (nodeagent/kube/{node,events,gpuobjects,runtimeclass}.py)
+    # exactly the verbs the code sends (nodeagent/kube/{node,events,gpuobjects,runtimeclass}.py, nodeagent/adopt)
     allowed = [
         ("get", "nodes", "", "", "", ""), ("list", "nodes", "", "", "", ""), ("watch", "nodes", "", "", "", ""),
         ("patch", "nodes", "", "", "", ""), ("patch", "nodes", "", "status", "", ""),
@@ -153,6 +153,7 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("list", "gpus", "nodeagent.io", "", "", ""), ("create", "gpus", "nodeagent.io", "", "", ""),
         ("patch", "gpus", "nodeagent.io", "", "", ""), ("delete", "gpus", "nodeagent.io", "", "", ""),
         ("patch", "gpus", "nodeagent.io", "status", "", ""),
+        ("list", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),  # conflict detection (nodeagent/adopt)
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -160,6 +161,8 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("delete", "nodes", "", "", "", ""), ("create", "nodes", "", "", "", ""),
         ("update", "nodes", "", "status", "", ""),
         ("get", "secrets", "", "", "nodeagent", ""), ("list", "pods", "", "", "nodeagent", ""),
+        ("watch", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
+        ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
         ("create", "pods", "", "", "nodeagent", ""),
         ("create", "events", "", "", "nodeagent", ""), ("create", "events", "", "", "kube-system", ""),
         ("delete", "events", "", "", "default", ""), ("patch", "events", "", "", "default", ""),
