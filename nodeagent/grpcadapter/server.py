@@ -111,6 +111,34 @@ async def arefuse(context: Any, code: Any, details: str) -> NoReturn:
     raise AssertionError("abort returned")
 
 
+class LineBudget:
+    """At most ``burst`` lines in any ``window_s`` seconds. ``take()`` says whether one more may be written
+    now and, when it may, how many were refused since the last one written (to be told in that line). Safe
+    from any thread."""
+
+    def __init__(self, burst: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._burst = burst
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window_start = -window_s
+        self._written = 0
+        self.left_out = 0
+
+    def take(self) -> int | None:
+        """None: over the budget (counted as left out); else the count left out before this line."""
+        with self._lock:
+            now = self._clock()
+            if now - self._window_start >= self._window_s:
+                self._window_start, self._written = now, 0
+            if self._written >= self._burst:
+                self.left_out += 1
+                return None
+            self._written += 1
+            left_out, self.left_out = self.left_out, 0
+            return left_out
+
+
 class RefusalLog:
     """Warnings about refused requests (``<what> refused: <reason>``): each reason cut to ``MAX_LOGGED``
     characters, at most ``burst`` lines in any ``window_s`` seconds; the next line logged after a quiet
@@ -125,13 +153,7 @@ class RefusalLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = logger
-        self._burst = burst
-        self._window_s = window_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._window_start = -window_s
-        self._logged = 0
-        self.left_out = 0
+        self._budget = LineBudget(burst, window_s, clock)
 
     def refused(self, what: str, reason: str) -> None:
         self._warn(what, "refused", reason)
@@ -141,15 +163,9 @@ class RefusalLog:
         self._warn(what, "ended", reason)
 
     def _warn(self, what: str, done: str, reason: str) -> None:
-        with self._lock:
-            now = self._clock()
-            if now - self._window_start >= self._window_s:
-                self._window_start, self._logged = now, 0
-            if self._logged >= self._burst:
-                self.left_out += 1
-                return
-            self._logged += 1
-            left_out, self.left_out = self.left_out, 0
+        left_out = self._budget.take()
+        if left_out is None:
+            return
         text = cut(reason, MAX_LOGGED)
         if left_out:
             self._log.warning("%s %s: %s (%d lines before it not logged)", what, done, text, left_out)
@@ -168,24 +184,12 @@ class GrpcLogBound(logging.Filter):
 
     def __init__(self, *, burst: int = 5, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
         super().__init__()
-        self._burst = burst
-        self._window_s = window_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._window_start = -window_s
-        self._logged = 0
-        self.left_out = 0
+        self._budget = LineBudget(burst, window_s, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        with self._lock:
-            now = self._clock()
-            if now - self._window_start >= self._window_s:
-                self._window_start, self._logged = now, 0
-            if self._logged >= self._burst:
-                self.left_out += 1
-                return False
-            self._logged += 1
-            left_out, self.left_out = self.left_out, 0
+        left_out = self._budget.take()
+        if left_out is None:
+            return False
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text = f"{text}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
