@@ -116,6 +116,15 @@ def _accept_root(cmd: click.Command) -> None:
     help=_ROOT_HELP,
 )
 @click.option(
+    "--root-on-host",
+    default=None,
+    envvar="NODEAGENT_ROOT_ON_HOST",
+    metavar="PATH",
+    help="Where the node's container runtime and kubelet see --root, for the paths nodeagent writes for them "
+         "(CDI specs, device-plugin mounts). Default: --root itself. In a container that mounts the node's "
+         "filesystem at /host: --root /host --root-on-host /.",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     default="text",
@@ -130,14 +139,14 @@ def _accept_root(cmd: click.Command) -> None:
     help="Least severe log lines shown.",
 )
 @click.pass_context
-def cli(ctx: click.Context, root: Path, log_format: str, log_level: str) -> None:
+def cli(ctx: click.Context, root: Path, root_on_host: str | None, log_format: str, log_level: str) -> None:
     """nodeagent: discover, shape and publish the GPUs of a Kubernetes node."""
     from nodeagent.logs import setup_logging
 
     setup_logging(log_format, log_level)
     given = ctx.get_parameter_source("root") in (click.core.ParameterSource.COMMANDLINE,
                                                  click.core.ParameterSource.ENVIRONMENT)
-    ctx.obj = Settings(root, log_format, log_level, root_given=given)
+    ctx.obj = Settings(root, log_format, log_level, root_given=given, root_on_host=root_on_host)
 
 
 def _json_requested(argv: list[str]) -> bool:

@@ -50,8 +50,12 @@ class Settings:
     ``paths``; ``--root /`` with the simulator is refused.
     """
 
-    def __init__(self, root: Path, log_format: str, log_level: str, *, root_given: bool = False) -> None:
-        self._paths = HostPaths(root)
+    def __init__(self, root: Path, log_format: str, log_level: str, *, root_given: bool = False,
+                 root_on_host: str | None = None) -> None:
+        if root_on_host is not None and not root_on_host.startswith("/"):
+            raise click.BadParameter(f"must be an absolute path, not {root_on_host!r}", param_hint="--root-on-host")
+        self.root_on_host = root_on_host
+        self._paths = HostPaths(root, root_on_host)
         self.log_format = log_format
         self.log_level = log_level
         self.root_given = root_given
@@ -67,7 +71,7 @@ class Settings:
             except OSError as e:
                 raise click.UsageError(
                     f"cannot make the simulator's sandbox {root} ({e.strerror}); give one with --root DIR") from e
-            self._paths = HostPaths(root)
+            self._paths = HostPaths(root, self.root_on_host)
             self.sandbox_default = True
             logging.getLogger("nodeagent").debug(
                 "simulated machine: host paths are under %s (choose another with --root DIR)", root)
@@ -75,7 +79,7 @@ class Settings:
 
     def set_root(self, root: Path) -> None:
         """``--root`` given (again) after the subcommand."""
-        new = HostPaths(root)
+        new = HostPaths(root, self.root_on_host)
         if self.root_given and self._paths.root != new.root:
             raise click.UsageError(
                 f"--root given twice with different directories: {self._paths.root} and {new.root}")

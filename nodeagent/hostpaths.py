@@ -12,6 +12,13 @@ Under a root other than ``/`` every path stays inside the root, as if nodeagent 
 
 The root itself is made absolute (and its own symlinks resolved) once, when ``HostPaths`` is built, so
 every path handed out is absolute (a gRPC ``unix://`` target built from it has no authority part).
+
+Paths nodeagent *publishes* (the host paths of a CDI spec's device nodes and mounts, the mounts of an
+``Allocate`` answer) are read by other programs of the node, the container runtime and the kubelet, which
+see the node's files from where they run. ``on_host`` says where that is for the root: by default the
+root itself (a sandbox: a runtime on this machine finds the stand-in files under it); ``/`` when the root
+is the node's own filesystem mounted into nodeagent's container (the DaemonSet's ``--root /host
+--root-on-host /``), so ``/host/dev/nvidia0`` is published as ``/dev/nvidia0``.
 """
 
 from __future__ import annotations
@@ -45,11 +52,17 @@ class HostPaths:
     """Resolves absolute host paths below ``root``."""
 
     root: Path = Path("/")
+    on_host: str | None = None  # where the node's runtime and kubelet see the root; None: the root itself
 
     def __post_init__(self) -> None:
         absolute = _absolute_root(self.root)
         if absolute != self.root:
             object.__setattr__(self, "root", absolute)
+        if self.on_host is not None:
+            if not self.on_host.startswith("/") or "\0" in self.on_host:
+                raise HostPathError(f"the root's place on the host must be an absolute path: {self.on_host!r}",
+                                    subject=self.on_host)
+            object.__setattr__(self, "on_host", "/" + "/".join(confined_parts(self.on_host)))
 
     def __call__(self, host_path: str | PurePosixPath) -> Path:
         """Map an absolute host path (``/etc/x``) to the path under the root (confined to it)."""
@@ -67,6 +80,25 @@ class HostPaths:
         """The host path for a path under the root (inverse of ``__call__``)."""
         rel = Path(os.path.realpath(path)).relative_to(self.root)
         return "/" + str(rel) if str(rel) != "." else "/"
+
+    def published(self, path: Path | str) -> str:
+        """``path`` (a path under the root, as ``__call__`` gives it) as the node's container runtime and
+        kubelet name it: unchanged by default, moved from the root to ``on_host`` when that is set."""
+        text = os.path.abspath(path)
+        if self.on_host is None:
+            return text
+        root = str(self.root)
+        if root == "/":
+            rel = text.lstrip("/")
+        elif text == root or text.startswith(root + "/"):
+            rel = text[len(root):].lstrip("/")
+        else:
+            raise HostPathError(f"{text} is not under the root {root}", subject=text)
+        return posixpath.join(self.on_host, rel) if rel else self.on_host
+
+    def publish(self, host_path: str) -> str:
+        """The published name of an absolute host path (``published(self(host_path))``)."""
+        return self.published(self(host_path))
 
     def command(self, subcommand: str) -> str:
         """A ``nodeagent`` command line for a hint, with ``--root`` when the root is not ``/`` (a hint run

@@ -155,6 +155,9 @@ class _Dirs:
         self._paths = paths
         self._dirs: dict[str, Path] = {}
 
+    def published(self, host: Path) -> str:
+        return self._paths.published(host)
+
     def __call__(self, path: str) -> Path:
         parent, _, name = path.rpartition("/")
         base = self._dirs.get(parent)
@@ -176,16 +179,16 @@ def _node(dirs: _Dirs, path: str, major_name: str, minor: int, majors: dict[str,
     except FileNotFoundError:
         st = None
     if st is not None and stat.S_ISCHR(st.st_mode):
-        return NodeFact(path, str(host))
+        return NodeFact(path, dirs.published(host))
     if st is None and not required:
         return None
     major = _major_for(major_name, majors)
     if major is None:
         return None
-    return NodeFact(path, str(host), major, minor)
+    return NodeFact(path, dirs.published(host), major, minor)
 
 
-def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] | None,
+def _mounts_in(paths: HostPaths, base: Path, directories: tuple[str, ...], keep: re.Pattern[str] | None,
                names: tuple[str, ...], version: str) -> list[Mount]:
     out: list[Mount] = []
     seen: set[str] = set()
@@ -209,7 +212,7 @@ def _mounts_in(base: Path, directories: tuple[str, ...], keep: re.Pattern[str] |
             if e.name in seen:  # the first directory that has a file wins, as on the loader path
                 continue
             seen.add(e.name)
-            out.append(Mount(f"{d}/{e.name}", os.path.abspath(e.path)))
+            out.append(Mount(f"{d}/{e.name}", paths.published(e.path)))
     return out
 
 
@@ -253,16 +256,17 @@ def driver_key(paths: HostPaths, driver_version: str, driver_root: str = "/") ->
 def collect_driver(paths: HostPaths, driver_version: str, driver_root: str = "/") -> DriverFacts:
     """Read the driver root (under ``paths``) for ``driver_version``."""
     root = paths(driver_root)
-    libraries = _mounts_in(root, LIBRARY_DIRS, _LIBRARY, (), driver_version)
-    binaries = _mounts_in(root, BINARY_DIRS, None, BINARIES, driver_version)
+    libraries = _mounts_in(paths, root, LIBRARY_DIRS, _LIBRARY, (), driver_version)
+    binaries = _mounts_in(paths, root, BINARY_DIRS, None, BINARIES, driver_version)
     firmware: list[Mount] = []
     fw_dir = f"/lib/firmware/nvidia/{driver_version}"
     host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
     if host_fw.is_dir():
-        firmware = [Mount(f"{fw_dir}/{p.name}", os.path.abspath(p)) for p in sorted(host_fw.iterdir()) if p.is_file()]
-    sockets = [Mount(s, os.path.abspath(paths(s))) for s in IPC_SOCKETS if paths(s).exists()]
+        firmware = [Mount(f"{fw_dir}/{p.name}", paths.published(p)) for p in sorted(host_fw.iterdir())
+                    if p.is_file()]
+    sockets = [Mount(s, paths.publish(s)) for s in IPC_SOCKETS if paths(s).exists()]
     hook = next(
-        (os.path.abspath(paths(h)) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
+        (paths.publish(h) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None
     )
     return DriverFacts(tuple(libraries), tuple(binaries), tuple(firmware), tuple(sockets), hook)
 

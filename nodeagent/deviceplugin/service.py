@@ -75,6 +75,7 @@ class DevicePluginService:
         take_over: bool = False,
         mps: MpsManager | None = None,
         under_root: Callable[[str], Path] | None = None,
+        publish: Callable[[str], str] | None = None,
     ) -> None:
         self.take_over = take_over  # replace another process's live socket at our socket's name
         self.plugin_dir = plugin_dir.absolute()  # a relative --root must still give unix:///abs/path
@@ -104,6 +105,8 @@ class DevicePluginService:
         # MPS control daemons of the resources shared with MPS (none without a manager: MPS is refused)
         self._mps = mps
         self._under_root: Callable[[str], Path] = under_root or Path
+        # a host path as the kubelet and the runtime name it (the mounts of an Allocate answer)
+        self._publish: Callable[[str], str] = publish or (lambda p: str(self._under_root(p)))
         if mps is not None:
             mps.on_change = self._health_changed  # a daemon became ready or died: re-send the health
         self.monitor: XidTrackingMonitor | None = None
@@ -140,7 +143,7 @@ class DevicePluginService:
                     "exist (install the NVIDIA driver's compute utilities)",
                     subject=config.source,
                 )
-            resources = with_access(resources, self._under_root)
+            resources = with_access(resources, self._publish)
         return resources
 
     async def _apply_mps(self, resources: dict[str, Resource]) -> None:

@@ -135,14 +135,14 @@ def daemon_spec(uid: str, devices: Sequence[DraDevice], cfg: MpsClaimConfig, lab
     )
 
 
-def container_edits(uid: str, spec: MpsDaemonSpec, under_root: Callable[[str], Path]) -> dict[str, Any]:
-    """What the claim's CDI spec adds for MPS (pure)."""
+def container_edits(uid: str, publish: Callable[[str], str]) -> dict[str, Any]:
+    """What the claim's CDI spec adds for MPS (pure; ``publish``: a host path as the runtime names it)."""
     pipe = f"{MPS_RUN_DIR}/claim-{uid}/pipe"
     return {
             "env": [f"{PIPE_ENV}={pipe}"],
             "mounts": [
-                {"hostPath": str(spec.pipe_dir), "containerPath": pipe, "options": ["rbind", "rw"]},
-                {"hostPath": str(under_root(SHM_DIR)), "containerPath": SHM_DIR, "options": ["rbind", "rw"]},
+                {"hostPath": publish(pipe), "containerPath": pipe, "options": ["rbind", "rw"]},
+                {"hostPath": publish(SHM_DIR), "containerPath": SHM_DIR, "options": ["rbind", "rw"]},
             ],
         }
 
@@ -154,9 +154,11 @@ class ClaimMps:
     agent starts the daemons of the claims still prepared and writes their specs with the same edits; a
     reboot empties /run together with the daemons."""
 
-    def __init__(self, manager: MpsManager, under_root: Callable[[str], Path]) -> None:
+    def __init__(self, manager: MpsManager, under_root: Callable[[str], Path],
+                 publish: Callable[[str], str] | None = None) -> None:
         self.manager = manager
         self.under_root = under_root
+        self.publish: Callable[[str], str] = publish or (lambda p: str(under_root(p)))
         self._specs: dict[str, MpsDaemonSpec] = {}
         self._saved: dict[str, dict[str, Any]] = {}  # uid → {"devices": [...], "config": {...}}
 
@@ -171,7 +173,7 @@ class ClaimMps:
 
     def edits(self) -> dict[str, dict[str, Any]]:
         """Claim UID → its CDI container edits, for every claim with a daemon."""
-        return {uid: container_edits(uid, spec, self.under_root) for uid, spec in self._specs.items()}
+        return {uid: container_edits(uid, self.publish) for uid in self._specs}
 
     def load(self, devices: Mapping[str, DraDevice]) -> dict[str, dict[str, Any]]:
         """At start, before the specs are checked: the claims saved by the previous process (their daemons
@@ -214,7 +216,7 @@ class ClaimMps:
                             "config": {"thread_percentage": cfg.thread_percentage, "pinned_mib": cfg.pinned_mib,
                                        "per_device_mib": dict(cfg.per_device_mib)}}
         self._save()
-        return container_edits(uid, spec, self.under_root)
+        return container_edits(uid, self.publish)
 
     async def unprepare(self, uid: str) -> None:
         if self._specs.pop(uid, None) is not None:

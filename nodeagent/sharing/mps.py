@@ -54,13 +54,14 @@ def plan_daemons(resources: dict[str, Resource], under_root: Callable[[str], Pat
     return out
 
 
-def with_access(resources: dict[str, Resource], under_root: Callable[[str], Path]) -> dict[str, Resource]:
-    """The resources, MPS ones carrying the mounts their containers need."""
+def with_access(resources: dict[str, Resource], publish: Callable[[str], str]) -> dict[str, Resource]:
+    """The resources, MPS ones carrying the mounts their containers need (``publish``: a host path as the
+    kubelet and the container runtime name it)."""
     out: dict[str, Resource] = {}
     for name, r in resources.items():
         if r.sharing == "mps":
             pipe = f"{MPS_RUN_DIR}/{daemon_dir_name(name)}/pipe"
-            r = dataclasses.replace(r, mps=MpsAccess(pipe_dir=pipe, pipe_dir_on_host=str(under_root(pipe)),
-                                                     shm_on_host=str(under_root(SHM_DIR))))
+            r = dataclasses.replace(r, mps=MpsAccess(pipe_dir=pipe, pipe_dir_on_host=publish(pipe),
+                                                     shm_on_host=publish(SHM_DIR)))
         out[name] = r
     return out

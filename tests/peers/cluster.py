@@ -62,6 +62,7 @@ CONTAINERD_SOCKET = Path("/run/containerd/containerd.sock")
 CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
 KUBELET_DIR = Path("/var/lib/kubelet")
 DRIVER_DIR = Path("/usr/lib/x86_64-linux-gnu")
+CDI_DIR = Path("/var/run/cdi")  # where the agent writes its CDI specs (the DaemonSet's cdi-run volume)
 SIM_STATE = Path("/var/lib/nodeagent/sim/state.json")
 SERVICE_IP = "10.0.0.1"
 POD_SUBNET = "10.244.77.0/24"

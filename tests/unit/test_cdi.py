@@ -126,6 +126,54 @@ def test_real_character_devices_are_left_for_the_runtime_to_stat(tmp_path: Path)
     assert "mounts" not in spec["containerEdits"]
 
 
+def test_root_mounted_from_the_node_publishes_the_nodes_own_paths(tmp_path: Path) -> None:
+    """``--root /host --root-on-host /`` (the DaemonSet): the facts are read under the root, but the spec names
+    the paths the node's runtime sees; a real character device then needs no hostPath at all."""
+    inv = Inventory("550.54.15", 12040, (gpu(0),))
+    simhost.make_driver_root(HostPaths(tmp_path), inv.driver_version)
+    (tmp_path / "dev").mkdir()
+    os.mknod(tmp_path / "dev/nvidia0", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    os.mknod(tmp_path / "dev/nvidiactl", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/devices").write_text("Character devices:\n195 nvidia-frontend\n510 nvidia-uvm\n")
+    (tmp_path / "dev/nvidia-uvm").write_text("")  # a stand-in: numbers written, host path still the node's
+    spec = generate(inv, collect(HostPaths(tmp_path, "/"), inv))
+    assert spec is not None
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    edits = spec["containerEdits"]
+    assert edits["deviceNodes"] == [{"path": "/dev/nvidiactl"},
+                                    {"path": "/dev/nvidia-uvm", "type": "c", "major": 510, "minor": 0}]
+    assert not [m for m in edits["mounts"] if m["hostPath"] != m["containerPath"]], edits["mounts"]
+    assert all(h["path"] == "/usr/bin/nvidia-cdi-hook" for h in edits["hooks"])
+    assert str(tmp_path) not in render(spec)
+    # elsewhere on the node (a root mounted at /mnt/node on the host): moved, not stripped
+    moved = generate(inv, collect(HostPaths(tmp_path, "/mnt/node/"), inv))
+    assert moved is not None
+    assert moved["devices"][0]["containerEdits"]["deviceNodes"] == [
+        {"path": "/dev/nvidia0", "hostPath": "/mnt/node/dev/nvidia0"}]
+
+
+def test_published_paths_refuse_what_is_not_under_the_root(tmp_path: Path) -> None:
+    from nodeagent.hostpaths import HostPathError
+
+    paths = HostPaths(tmp_path, "/")
+    assert paths.publish("/run/nodeagent/mps/x/pipe") == "/run/nodeagent/mps/x/pipe"
+    assert paths.published(tmp_path) == "/"
+    assert HostPaths(tmp_path).publish("/dev/shm") == str(tmp_path / "dev/shm")
+    assert HostPaths(Path("/"), "/host").publish("/dev/shm") == "/host/dev/shm"
+    with pytest.raises(HostPathError, match="not under the root"):
+        paths.published("/etc/passwd")
+    with pytest.raises(HostPathError, match="absolute"):
+        HostPaths(tmp_path, "relative/dir")
+    with pytest.raises(HostPathError, match="climbs above"):
+        HostPaths(tmp_path, "/../x")
+
+
+def test_cli_root_on_host_must_be_absolute(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["--root", str(tmp_path), "--root-on-host", "host", "cdi", "show"])
+    assert result.exit_code == 2 and "--root-on-host" in result.output, result.output
+
+
 def test_required_version_is_the_lowest_that_allows_the_content() -> None:
     base = {"kind": "nvidia.com/gpu", "devices": [{"name": "GPU-x", "containerEdits": {}}], "containerEdits": {}}
     assert required_version(base) == "0.3.0"

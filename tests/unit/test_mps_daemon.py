@@ -32,7 +32,7 @@ def test_plan_per_gpu_replicas_and_access() -> None:
     assert spec.thread_percentage == 25  # the largest replica count rules
     assert spec.pinned_limits == ((0, f"{81559 // 4}M"), (1, f"{81559 // 3}M"), (2, "81559M"))
     assert spec.commands()[-1] == "set_default_active_thread_percentage 25"
-    access = with_access(resources, lambda p: Path("/r" + p))["nvidia.com/gpu"].mps
+    access = with_access(resources, lambda p: "/r" + p)["nvidia.com/gpu"].mps
     assert access is not None and access.pipe_dir == "/run/nodeagent/mps/nvidia.com_gpu/pipe"
     assert access.pipe_dir_on_host == "/r/run/nodeagent/mps/nvidia.com_gpu/pipe"
 

@@ -55,6 +55,7 @@ class DevicePluginComponent(Component):
             take_over=cfg.adopt.take_over,
             mps=mps,
             under_root=ctx.host_path,
+            publish=ctx.paths.publish,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed)

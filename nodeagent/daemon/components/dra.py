@@ -69,7 +69,7 @@ class DraPlaneComponent(Component):
             dynamic_mig=cfg.dra.dynamic_mig,
             shared_gpus=cfg.dra.shared_gpus,
             scheduler=ctx.scheduler,
-            mps=ClaimMps(mps, ctx.host_path),
+            mps=ClaimMps(mps, ctx.host_path, ctx.paths.publish),
         )
         self._started = False
 
