@@ -80,7 +80,8 @@ class MigSettings:
     hooks_file: str = ""  # mig-parted hooks file; "" = none
     with_reboot: bool = False  # allowed to reboot the node when a mode change cannot take effect otherwise
     # seconds the label-driven apply waits for the pods holding a GPU that must change to let it go (its
-    # devices are withdrawn meanwhile); then the apply fails and nothing changes (0 = do not wait)
+    # devices are withdrawn meanwhile; the free GPUs are changed at once); then the apply fails and the
+    # GPUs still held are not changed (0 = do not wait)
     release_timeout: float = 300.0
 
 

@@ -52,6 +52,8 @@ class ServedDevices(Protocol):
 
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
 
+    async def readvertise(self, gpu_indices: set[int]) -> None: ...
+
     async def update(self, inventory: Inventory) -> None: ...
 
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
@@ -123,6 +125,10 @@ class DevicePluginLink(_Slot[ServedDevices]):
         if self._held is not None:
             await self._held.withdraw(gpu_indices)
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        if self._held is not None:
+            await self._held.readvertise(gpu_indices)
+
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         return self._held.device_gpus(gpu_indices) if self._held is not None else {}
 
@@ -177,6 +183,11 @@ class Advertiser:
         if self._dra is not None:
             await self._dra.withdraw(gpu_indices)
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        await self._plugin.readvertise(gpu_indices)
+        if self._dra is not None:
+            await self._dra.readvertise(gpu_indices)
+
     async def update(self, inventory: Inventory) -> None:
         await self._cdi.refresh(inventory)
         await self._plugin.update(inventory)
@@ -194,10 +205,13 @@ class PreparedClaims(Protocol):
 
 
 class DraPool(PreparedClaims, Protocol):
-    """What the MIG reconciler needs of the DRA plane: leave GPUs out of the ResourceSlices, list them
-    again (the new layout) with the next inventory, and which claims hold them meanwhile."""
+    """What the MIG reconciler needs of the DRA plane: leave GPUs out of the ResourceSlices (whatever
+    inventories come meanwhile), list them again (the new layout) when re-advertised, and which claims hold
+    them meanwhile."""
 
     async def withdraw(self, gpu_indices: set[int]) -> None: ...
+
+    async def readvertise(self, gpu_indices: set[int]) -> None: ...
 
     async def update(self, inventory: Inventory) -> None: ...
 
@@ -212,6 +226,10 @@ class DraLink(_Slot[DraPool]):
     async def withdraw(self, gpu_indices: set[int]) -> None:
         if self._held is not None:
             await self._held.withdraw(gpu_indices)
+
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        if self._held is not None:
+            await self._held.readvertise(gpu_indices)
 
     async def update(self, inventory: Inventory) -> None:
         if self._held is not None:

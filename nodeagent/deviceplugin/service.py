@@ -160,7 +160,7 @@ class DevicePluginService:
         async with self._lock:
             if self._started:
                 raise RuntimeError("DevicePluginService already started")
-            resources = self._build(inventory, self.config, self._excluded)
+            resources = self._build(inventory, self.config, self._withdrawn | self._excluded)
             self._inventory = inventory
             self._scores = score_matrix(inventory)
             self._started = True
@@ -173,8 +173,10 @@ class DevicePluginService:
         """Follow a new Inventory and/or config; raises ConfigError (changing nothing) when invalid."""
         async with self._lock:
             config = plugin_config or self.config
-            resources = self._build(inventory, config, self._excluded)
-            self.config, self._inventory, self._withdrawn = config, inventory, frozenset()
+            resources = self._build(inventory, config, self._withdrawn | self._excluded)
+            # GPUs withdrawn for a MIG change stay withdrawn (``readvertise`` ends that): an inventory that
+            # a resync brings while their change waits for a pod must not offer them to new pods
+            self.config, self._inventory = config, inventory
             self._scores = score_matrix(inventory)
             if self.monitor is not None:
                 self.monitor.set_gpus(g.index for g in inventory.gpus)
@@ -182,11 +184,22 @@ class DevicePluginService:
                 await self._apply(resources)
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
-        """Stop advertising these GPUs' devices (e.g. during MIG reconfiguration) until the next update."""
+        """Stop advertising these GPUs' devices (e.g. during MIG reconfiguration) until ``readvertise``
+        names them; updates meanwhile keep them out."""
         async with self._lock:
+            self._withdrawn = self._withdrawn | frozenset(gpu_indices)
             if self._inventory is None:
                 return
-            self._withdrawn = self._withdrawn | frozenset(gpu_indices)
+            await self._apply(self._build(self._inventory, self.config, self._withdrawn | self._excluded))
+
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        """Advertise these withdrawn GPUs' devices again, as the current inventory gives them."""
+        async with self._lock:
+            if not self._withdrawn & frozenset(gpu_indices):
+                return
+            self._withdrawn = self._withdrawn - frozenset(gpu_indices)
+            if self._inventory is None or not self._started:
+                return
             await self._apply(self._build(self._inventory, self.config, self._withdrawn | self._excluded))
 
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:

@@ -136,7 +136,7 @@ class DraComponent:
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
         self._unhealthy: dict[HealthKey, str] = {}
-        self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until the next inventory
+        self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until re-advertised
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -229,19 +229,28 @@ class DraComponent:
     async def on_inventory(self, inventory: Inventory) -> None:
         if self.monitor is not None:
             self.monitor.set_gpus(g.index for g in inventory.gpus)
-        self._set_withdrawn(frozenset())
-        await self._set_inventory(inventory)
+        await self._set_inventory(inventory)  # withdrawn GPUs stay out until ``readvertise``
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         """GPU index → the claims prepared on it (the checkpoint's record; nothing before ``start``)."""
         return self.preparer.claims_on(gpu_indices) if self.preparer is not None else {}
 
     async def withdraw(self, gpu_indices: Iterable[int]) -> None:
-        """Leave these GPUs' devices out of the ResourceSlices (a MIG change on them) until the next
-        ``on_inventory``; claims already prepared on them stay answered, new ones are refused (the kubelet
-        retries) so that the MIG change's wait for its GPUs cannot be overtaken."""
+        """Leave these GPUs' devices out of the ResourceSlices (a MIG change on them) until ``readvertise``
+        names them, whatever inventories come meanwhile; claims already prepared on them stay answered, new
+        ones are refused (the kubelet retries) so that the MIG change's wait for its GPUs cannot be
+        overtaken."""
         self._set_withdrawn(self._withdrawn | frozenset(gpu_indices))
         await self._refresh()
+
+    async def readvertise(self, gpu_indices: Iterable[int]) -> None:
+        """List these withdrawn GPUs' devices again, as the current inventory gives them."""
+        gone = self._withdrawn & frozenset(gpu_indices)
+        if not gone:
+            return
+        self._set_withdrawn(self._withdrawn - gone)
+        if self._inventory is not None:
+            await self._refresh()
 
     def _set_withdrawn(self, gpu_indices: frozenset[int]) -> None:
         """The withdrawn GPUs: left out of the slices, and no new claim prepared on them meanwhile."""

@@ -185,7 +185,7 @@ class ClaimPreparer:
         self.on_prepared = on_prepared
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
-        # GPUs a MIG change has withdrawn: no new claim is prepared on them until the next inventory
+        # GPUs a MIG change has withdrawn: no new claim is prepared on them until they are re-advertised
         self.withdrawn: frozenset[int] = frozenset()
         # claims between the withdrawn check and their checkpoint record (the record may be written in a
         # thread): counted by ``claims_on`` so a MIG change waiting for its GPUs cannot miss them

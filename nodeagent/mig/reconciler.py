@@ -6,15 +6,16 @@ value (or of the annotation ``nodeagent.io/mig.config.generation``, which re-app
     nvidia.com/mig.config.state=pending
     → the device-plugin resources of the GPUs that change are withdrawn (the plugin process stays; the
       other GPUs' devices stay listed and keep serving their pods)
-    → wait, at most ``release_timeout_s``, until the kubelet's PodResources shows none of the withdrawn
-      GPUs' devices held by a pod and no ResourceClaim (DRA) is prepared on them (no drain of the node)
-    → apply (apply.py) → rediscover → resources re-advertised
-    → state=success, or state=failed with the reason in a Warning Event on the Node.
+    → the withdrawn GPUs that the kubelet's PodResources shows no pod holding and no ResourceClaim (DRA)
+      is prepared on are applied (apply.py) at once and re-advertised in their new layout; each of the
+      others is applied as soon as it is let go, waiting at most ``release_timeout_s`` in all (no drain
+      of the node; the held ones stay withdrawn meanwhile)
+    → state=success once every GPU is done, or state=failed with the reason in a Warning Event.
 
-Restoring the GPUs of an interrupted apply (below) waits for their pods the same way. A GPU still held
-by a pod or a claim when the wait ends is never touched (GPU instances that dynamic-MIG claims created
-included): the state is ``failed``, the Warning Event names the pods and claims holding it, and its
-devices are advertised again as they were.
+Restoring the GPUs of an interrupted apply (below) waits for their pods the same way, for all of its
+GPUs at once. A GPU still held by a pod or a claim when the wait ends is never touched (GPU instances
+that dynamic-MIG claims created included): the state is ``failed``, the Warning Event names the pods and
+claims holding it and the GPUs changed meanwhile, and its devices are advertised again as they were.
 
 Every path ends in ``success`` or ``failed`` within bounded waits — except a mode change that needs a
 host reboot, which ends in ``rebooting``. With ``with_reboot`` the agent then reboots the host; after the
@@ -34,9 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,7 +51,7 @@ from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.ports import MigAdministration
 from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
-from nodeagent.mig.planner import Plan
+from nodeagent.mig.planner import GpuPlan, Plan
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,13 @@ class GpuHolders(Protocol):
 class ResourcePublisher(Protocol):
     """What the reconciler needs of the device-plugin service."""
 
-    async def withdraw(self, gpu_indices: set[int]) -> None: ...
+    async def withdraw(self, gpu_indices: set[int]) -> None:
+        """Stop advertising these GPUs' devices, whatever inventories ``update`` brings meanwhile."""
+        ...
+
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        """Advertise these withdrawn GPUs' devices again, as the last inventory gives them."""
+        ...
 
     async def update(self, inventory: Inventory) -> None: ...
 
@@ -293,7 +301,7 @@ class MigReconciler:
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:
             with contextlib.suppress(Exception):
-                await self._publish(await asyncio.to_thread(self.adapter.discover))
+                await self._publish(await asyncio.to_thread(self.adapter.discover), gpus)
         if recovery is not None:
             await self._event("MigApplyRecovered", recovery.describe()[:1000], "Warning")
         return recovery
@@ -323,12 +331,24 @@ class MigReconciler:
         touched = {g.index for g in the_plan.touched}
         if self.publisher is not None:
             await within(self.publisher.withdraw(touched), self.options.publish_timeout_s)
-        applied: Inventory | None = None
+        current: Inventory | None = None  # the GPUs as the last stage's apply re-read them
+        changed: list[GpuPlan] = []
         try:
-            await self._wait_released(f"MIG config {name}", frozenset(touched))
-            result = await within(asyncio.to_thread(pipeline.apply, the_plan, inventory),
-                                            self.options.apply_timeout_s)
-            applied = result.inventory  # discovered and verified by the apply itself
+            outcome = functools.partial(_outcome, changed, touched)
+            async with contextlib.aclosing(self._released(f"MIG config {name}", frozenset(touched),
+                                                          outcome)) as stages:
+                async for free in stages:
+                    stage = Plan(the_plan.config, tuple(g for g in the_plan.gpus if g.index in free),
+                                 the_plan.skipped)
+                    result = await within(asyncio.to_thread(
+                        pipeline.apply, stage, inventory if current is None else current),
+                                          self.options.apply_timeout_s)
+                    current = result.inventory  # discovered and verified by the apply itself
+                    changed += stage.touched
+                    if len(changed) < len(touched):
+                        # the GPUs done serve in their new layout while the held ones wait (still withdrawn)
+                        self.state.update(phase="applying")
+                        await self._publish(current, free)
         except TimeoutError as e:
             raise OperationError(f"applying MIG config {name} took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
@@ -336,24 +356,60 @@ class MigReconciler:
             # Re-advertise whatever the GPUs are now: the new layout as the apply saw it (no second
             # discovery on the way to the first Allocate), or after a failure the restored old one.
             with contextlib.suppress(Exception):
-                current = applied if applied is not None else await asyncio.to_thread(self.adapter.discover)
-                await self._publish(current)
-        changed = ", ".join(g.describe() for g in the_plan.touched)
-        return SUCCESS, f"MIG config {name} applied: {changed}"[:1000]
+                if current is None or len(changed) < len(touched):
+                    current = await asyncio.to_thread(self.adapter.discover)
+                await self._publish(current, touched)
+        done = ", ".join(g.describe() for g in changed)
+        return SUCCESS, f"MIG config {name} applied: {done}"[:1000]
+
+    async def _holders_now(self, gpus: frozenset[int]) -> tuple[dict[int, tuple[Holder, ...]], str]:
+        """(GPU → what holds it, for the held ones among ``gpus``; why pod use is unknown, or "")."""
+        if self.holders is None:
+            return {}, ""
+        try:
+            return {g: pods for g, pods in (await self.holders(gpus)).items() if pods and g in gpus}, ""
+        except NodeAgentError as e:
+            return {}, str(e)
+
+    async def _released(self, what_waits: str, gpus: frozenset[int],
+                        outcome: Callable[[], str]) -> AsyncGenerator[frozenset[int], None]:
+        """The GPUs of ``gpus`` (already withdrawn) as nothing holds them any more: those free at once
+        first, then each as its holders let it go, at most ``release_timeout_s`` in all; then raise
+        ``OperationError`` naming the holders and ``outcome()`` (what was changed meanwhile). While pod use
+        is unknown (the kubelet does not answer) no GPU counts as free."""
+        deadline = time.monotonic() + self.options.release_timeout_s
+        announced = False
+        waiting = gpus
+        while waiting:
+            held, unknown = await self._holders_now(waiting)
+            free = frozenset() if unknown else waiting - frozenset(held)
+            if free:
+                waiting = waiting - free
+                yield free
+                continue
+            what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
+            if time.monotonic() >= deadline:
+                running = await asyncio.to_thread(self._running, sorted(held) or sorted(waiting))
+                raise OperationError(
+                    f"{what} after waiting {self.options.release_timeout_s:g}s for the GPU(s) to be released"
+                    + (f" (processes: {running})" if running else "") + f"; {outcome()}",
+                    subject=CONFIG_LABEL)
+            if not announced:
+                announced = True
+                await self._event("MigWaitingForPods",
+                                  f"{what_waits} waits up to {self.options.release_timeout_s:g}s: {what}"[:1000],
+                                  "Normal")
+            await asyncio.sleep(min(self.options.release_poll_s, max(0.0, deadline - time.monotonic())))
 
     async def _wait_released(self, what_waits: str, gpus: frozenset[int]) -> None:
-        """Wait until nothing holds a device of ``gpus`` (already withdrawn: the kubelet hands none of them
-        out again, the scheduler allocates none), at most ``release_timeout_s``; then raise ``OperationError`` naming the holders."""
+        """Wait until nothing holds a device of any of ``gpus`` (all of them at once: restoring an
+        interrupted apply puts its GPUs back together), at most ``release_timeout_s``."""
         if self.holders is None or not gpus:
             return
         deadline = time.monotonic() + self.options.release_timeout_s
         announced = False
         while True:
-            try:
-                held = {g: pods for g, pods in (await self.holders(gpus)).items() if pods and g in gpus}
-                unknown = ""
-            except NodeAgentError as e:
-                held, unknown = {}, str(e)
+            held, unknown = await self._holders_now(gpus)
             if not held and not unknown:
                 return
             what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
@@ -384,9 +440,11 @@ class MigReconciler:
                            + "; ".join(describe_process(p, self.proc_root, self.pod_name) for p in procs))
         return " | ".join(out)
 
-    async def _publish(self, inventory: Inventory) -> None:
+    async def _publish(self, inventory: Inventory, withdrawn: set[int] | frozenset[int]) -> None:
+        """Advertise ``inventory`` and list the ``withdrawn`` GPUs (changed, or given up on) again."""
         if self.publisher is not None:
             await within(self.publisher.update(inventory), self.options.publish_timeout_s)
+            await within(self.publisher.readvertise(set(withdrawn)), self.options.publish_timeout_s)
         if self.on_inventory is not None:
             await within(self.on_inventory(inventory), self.options.publish_timeout_s)
 
@@ -428,6 +486,16 @@ def _describe_holders(held: Mapping[int, tuple[Holder, ...]]) -> str:
         what += [str(h) for h in sorted(h for h in held[gpu] if isinstance(h, ClaimHolder))]
         parts.append(f"GPU {gpu} is held by {' and '.join(what)}")
     return "; ".join(parts)
+
+
+def _outcome(changed: list[GpuPlan], touched: set[int]) -> str:
+    """What a label-driven apply that gave up waiting had changed: ``nothing was changed``, or for the GPUs
+    that were free and changed meanwhile ``GPU(s) 1, 2 were changed, GPU(s) 0 were not``."""
+    if not changed:
+        return "nothing was changed"
+    done = sorted(g.index for g in changed)
+    left = sorted(touched - set(done))
+    return f"GPU(s) {', '.join(map(str, done))} were changed, GPU(s) {', '.join(map(str, left))} were not"
 
 
 def read_boot_id(proc_root: Path) -> str:

@@ -157,14 +157,14 @@ def pod_devices(name: str, resource: str = RESOURCE) -> list[str]:
         client.close()
 
 
-def run_probe(cluster: Cluster, pod: dict[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
+def run_probe(cluster: Cluster, pod: dict[str, Any], resource: str = RESOURCE) -> tuple[dict[str, Any], str, list[str]]:
     """Start ``pod`` (running PROBE), read what the kubelet says it holds while it runs, let it end; (its
     final object, its log, its device IDs)."""
     name = pod["metadata"]["name"]
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
     cluster.wait_for(f"pod {name} Running", lambda: cluster.get_json("pod", name)["status"].get("phase") in (
         "Running", "Succeeded", "Failed"), timeout=90)
-    devices = pod_devices(name)
+    devices = pod_devices(name, resource)
     cluster.kubectl("exec", name, "--", "touch", "/tmp/done")
 
     def ended() -> dict[str, Any] | None:
@@ -322,6 +322,235 @@ def test_cdi_cri_with_time_slicing_containerd_injects_the_devices(cluster: Clust
 
     specs = "".join(p.read_text() for p in CDI_DIR.glob("*.yaml"))
     assert "/dev/nvidia-uvm" in specs and "/host/" not in specs, specs[:4000]
+
+
+# --- MIG by label, DRA plane ---
+# Both reconfigure the agent through its ConfigMap (a mig-parted file beside config.toml, then the DRA plane);
+# the class's fixture puts the packaged ConfigMap back and MIG off at the end, so what follows sees the
+# agent as the README's lines installed it.
+
+MIG_CONFIG_FILE = """version: v1
+mig-configs:
+  all-disabled:
+    - devices: all
+      mig-enabled: false
+  all-1g.10gb:
+    - devices: all
+      mig-enabled: true
+      mig-devices:
+        1g.10gb: 7
+"""
+MIG_RESOURCE = "nvidia.com/mig-1g.10gb"
+MIG_STATE_LABEL = "nvidia.com/mig.config.state"
+DRA_DRIVER = "gpu.nodeagent.io"
+
+
+def _packaged_configmap() -> dict[str, Any]:
+    import yaml
+
+    configmap: dict[str, Any] = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
+    return configmap
+
+
+def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, ready: Any) -> dict[str, Any]:
+    """Apply ``configmap``, replace the agent pod (it reads the ConfigMap at its start) and wait for a new
+    agent pod, ready, and ``ready()``."""
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    old = running_agent(cluster)
+    assert old is not None
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
+
+    def back() -> dict[str, Any] | None:
+        pod = running_agent(cluster)
+        return pod if pod is not None and pod["metadata"]["name"] != old["metadata"]["name"] and ready() else None
+
+    result: dict[str, Any] = cluster.wait_for(what, back, timeout=180)
+    return result
+
+
+def _mig_state(cluster: Cluster) -> str | None:
+    state: str | None = cluster.node()["metadata"]["labels"].get(MIG_STATE_LABEL)
+    return state
+
+
+def _sim_mig_modes() -> list[bool]:
+    """MIG mode of every simulated GPU as the driver stand-in holds it (the host's state file)."""
+    from nodeagent.simulator.state import SimStore
+    from tests.peers.cluster import MACHINE, SIM_STATE
+
+    return [g["mig_current"] for g in SimStore.open(MACHINE, SIM_STATE).read()["gpus"]]
+
+
+def _gpu_objects(cluster: Cluster) -> dict[int, dict[str, Any]]:
+    return {g["spec"]["index"]: g for g in cluster.get_json("gpus")["items"]}
+
+
+def _node_slices(cluster: Cluster) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.get_json("resourceslices", "--field-selector",
+                                                  f"spec.nodeName={cluster.node_name}")["items"]
+    return items
+
+
+def _mig_off(cluster: Cluster) -> None:
+    """Every GPU back out of MIG mode through the label (a no-op when none is in MIG mode)."""
+    if any(_sim_mig_modes()):
+        cluster.kubectl("label", "node", cluster.node_name, "nvidia.com/mig.config=all-disabled", "--overwrite")
+        cluster.wait_for("MIG off on every GPU", lambda: not any(_sim_mig_modes())
+                         and _mig_state(cluster) == "success", timeout=120)
+
+
+@pytest.fixture(scope="class")
+def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[None]:
+    """After the class: MIG off, the packaged ConfigMap, the agent restarted with it (allocatable 8 again)."""
+    yield
+    cluster.kubectl("delete", "pod", "mig-holder", "mig-one", "dra-one", "--ignore-not-found", "--wait=true")
+    _mig_off(cluster)
+    _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
+                        lambda: allocatable(cluster) == GPU_COUNT)
+    cluster.wait_for("no ResourceSlice of the node once the DRA plane is gone", lambda: not _node_slices(cluster),
+                     timeout=60)
+
+
+@pytest.mark.usefixtures("packaged_config_after")
+class TestMigByLabelAndDraPlane:
+
+    def test_mig_label_changes_the_free_gpus_and_waits_for_the_pod_on_its_gpu(
+            self, cluster: Cluster, agent: dict[str, Any]) -> None:
+        """``nvidia.com/mig.config`` set while a pod holds one GPU: the seven free GPUs are reconfigured at
+        once, the held one only after its pod ended; then a pod asking for a MIG device (mixed strategy)
+        gets exactly one."""
+        configmap = _packaged_configmap()
+        configmap["data"]["config.toml"] += ('[mig]\nconfig_file = "/etc/nodeagent/mig-config.yaml"\n'
+                                             "release_timeout = 120\n"
+                                             '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n')
+        configmap["data"]["mig-config.yaml"] = MIG_CONFIG_FILE
+        configmap["data"]["device-plugin.yaml"] = "version: v1\nflags:\n  migStrategy: mixed\n"
+        _restart_agent_with(cluster, configmap, f"the agent with a MIG config file, allocatable {GPU_COUNT}",
+                            lambda: allocatable(cluster) == GPU_COUNT)
+        cluster.kubectl("apply", "-f", "-", input_text=json.dumps(_sleeper("mig-holder", 1)))
+        _wait_running(cluster, "mig-holder")
+        held = pod_devices("mig-holder")
+        index_of = {g["spec"]["uuid"]: i for i, g in _gpu_objects(cluster).items()}
+        assert len(held) == 1, held
+        busy = index_of[held[0]]
+        free = [i for i in range(GPU_COUNT) if i != busy]
+
+        cluster.kubectl("label", "node", cluster.node_name, "nvidia.com/mig.config=all-1g.10gb", "--overwrite")
+
+        def free_ones_changed() -> bool:
+            gpus = _gpu_objects(cluster)
+            return (all(gpus[i].get("status", {}).get("migEnabled") for i in free)
+                    and allocatable(cluster, MIG_RESOURCE) == 7 * len(free))
+
+        try:
+            cluster.wait_for("the seven free GPUs in MIG mode with 7 x 1g.10gb each", free_ones_changed, timeout=90)
+        except AssertionError:
+            print(cluster.kubectl("logs", "-n", "nodeagent", running_agent(cluster)["metadata"]["name"],  # type: ignore[index]
+                                  "-c", "nodeagent").stdout[-8000:])
+            raise
+        # the held GPU is left alone while its pod runs: its mode, its GPU object, its pod's device
+        modes = _sim_mig_modes()
+        assert [i for i in range(GPU_COUNT) if modes[i]] == free, modes
+        assert not _gpu_objects(cluster)[busy].get("status", {}).get("migEnabled"), _gpu_objects(cluster)[busy]
+        assert _mig_state(cluster) == "pending"
+        assert _wait_running(cluster, "mig-holder")["status"]["phase"] == "Running"
+        assert pod_devices("mig-holder") == held
+        events = cluster.get_json("events", "--field-selector", f"involvedObject.name={cluster.node_name}")["items"]
+        waiting = [e["message"] for e in events if e["reason"] == "MigWaitingForPods"]
+        assert any(f"GPU {busy} is held by pod default/mig-holder" in m for m in waiting), waiting
+
+        cluster.kubectl("delete", "pod", "mig-holder", "--wait=true")
+        cluster.wait_for(f"{MIG_STATE_LABEL}=success once the holder is gone",
+                         lambda: _mig_state(cluster) == "success", timeout=90)
+        assert all(_sim_mig_modes())
+        cluster.wait_for(f"allocatable {MIG_RESOURCE}: {7 * GPU_COUNT}",
+                         lambda: allocatable(cluster, MIG_RESOURCE) == 7 * GPU_COUNT, timeout=60)
+        assert allocatable(cluster) == 0  # mixed strategy: a GPU in MIG mode is no nvidia.com/gpu
+
+        pod = _gpu_pod("mig-one", 0, PROBE)
+        pod["spec"]["containers"][0]["resources"] = {"limits": {MIG_RESOURCE: 1}}
+        obj, log, devices = run_probe(cluster, pod, resource=MIG_RESOURCE)
+        assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+        assert len(devices) == 1 and devices[0].startswith("MIG-"), devices
+        assert log.splitlines()[1] == f"env={devices[0]}", (log, devices)
+
+
+    def test_dra_plane_pod_with_a_claim_template_gets_its_gpu_and_the_claim_goes_with_it(
+            self, cluster: Cluster, agent: dict[str, Any]) -> None:
+        """``plane = "dra"``: the node's GPUs in ResourceSlices, a pod with a ResourceClaimTemplate of the
+        packaged DeviceClass starts, containerd injects the claim's CDI device (the pod sees its GPU's device
+        node, no other), and the claim is deleted with the pod."""
+        from nodeagent.dra.devices import device_gpu_index
+        from nodeagent.kube.podresources import PodResourcesClient
+        from tests.peers.cluster import CDI_DIR, KUBELET_DIR
+
+        _mig_off(cluster)  # whole GPUs, for the whole-GPU DeviceClass
+        configmap = _packaged_configmap()
+        configmap["data"]["config.toml"] += '[device_plugin]\nplane = "dra"\n'
+
+        def whole_gpus_published() -> bool:
+            devices = [d for s in _node_slices(cluster) if s["spec"]["driver"] == DRA_DRIVER
+                       for d in s["spec"]["devices"]]
+            return sum(1 for d in devices if d["attributes"]["type"]["string"] == "gpu") == GPU_COUNT
+
+        _restart_agent_with(cluster, configmap, f"the DRA plane: {GPU_COUNT} GPUs in the node's ResourceSlices",
+                            whole_gpus_published)
+        cluster.kubectl("apply", "-f", "packaging/kubernetes/deviceclass.yaml")
+        template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                    "metadata": {"name": "one-gpu", "namespace": "default"},
+                    "spec": {"spec": {"devices": {"requests": [
+                        {"name": "gpu", "exactly": {"deviceClassName": "gpu.nodeagent.io"}}]}}}}
+        cluster.kubectl("apply", "-f", "-", input_text=json.dumps(template))
+        pod = _gpu_pod("dra-one", 0, PROBE, {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]})
+        pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+        cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
+        try:
+            running = cluster.wait_for("pod dra-one Running", lambda: cluster.get_json("pod", "dra-one")
+                                       if cluster.get_json("pod", "dra-one")["status"].get("phase") in (
+                                           "Running", "Succeeded", "Failed") else None, timeout=90)
+        except AssertionError:
+            print(json.dumps(cluster.get_json("pod", "dra-one")["status"], indent=1))
+            print(cluster.kubectl("get", "resourceclaims", "-o", "yaml").stdout)
+            print(json.dumps(_node_slices(cluster), indent=1)[:6000])
+            print(cluster.log_tail("kube-scheduler", 40))
+            raise
+        claim_name = running["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        claim = cluster.get_json("resourceclaim", claim_name)
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["driver"], r["pool"]) for r in results] == [(DRA_DRIVER, cluster.node_name)], results
+        gpu = device_gpu_index(results[0]["device"])
+        assert gpu is not None, results
+        # the kubelet's PodResources names the same device for the pod's container
+        client = PodResourcesClient(KUBELET_DIR / "pod-resources" / "kubelet.sock")
+        try:
+            _, uses = client.list_with_claims()
+        finally:
+            client.close()
+        used = sorted(d for u in uses if u.pod == "dra-one" for d in u.devices)
+        assert used == [(DRA_DRIVER, cluster.node_name, results[0]["device"])], used
+        # the claim's own CDI spec, written by the agent when the kubelet prepared the claim
+        spec = CDI_DIR / f"{DRA_DRIVER}-claim_{claim['metadata']['uid']}.json"
+        assert spec.is_file(), sorted(p.name for p in CDI_DIR.iterdir())
+        cluster.kubectl("exec", "dra-one", "--", "touch", "/tmp/done")
+
+        def ended() -> dict[str, Any] | None:
+            obj = cluster.get_json("pod", "dra-one")
+            return obj if obj["status"].get("phase") in ("Succeeded", "Failed") else None
+
+        obj = cluster.wait_for("pod dra-one ended", ended, timeout=90)
+        log = cluster.kubectl("logs", "dra-one").stdout
+        assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+        path = _gpu_objects(cluster)[gpu]["spec"]["path"]
+        lines = log.splitlines()
+        assert lines[0].split() == [path.rsplit("/", 1)[1]], (log, results)  # its GPU's node, no other
+        assert lines[1] == f"env={_gpu_objects(cluster)[gpu]['spec']['uuid']}", log
+        assert lines[2] == "/dev/nvidiactl", log
+
+        cluster.kubectl("delete", "pod", "dra-one", "--wait=true")
+        cluster.wait_for(f"claim {claim_name} deleted with its pod", lambda: cluster.kubectl(
+            "get", "resourceclaim", claim_name, check=False).returncode != 0, timeout=60)
+        cluster.wait_for("the claim unprepared: its CDI spec removed", lambda: not spec.exists(), timeout=60)
+        cluster.kubectl("delete", "resourceclaimtemplate", "one-gpu")
 
 
 def test_kubectl_delete_leaves_the_node_clean(cluster: Cluster, agent: dict[str, Any]) -> None:

@@ -284,7 +284,9 @@ async def test_mig_layout_change_follows(node_factory: Any) -> None:
     assert "nvidia.com/mig-1g.10gb" not in node.service.served_resources()
     write_mig_layout(node.store, 0, ["3g.40gb", "3g.40gb"])
     write_mig_layout(node.store, 1, ["2g.20gb"])
-    await node.rediscover()
+    await node.rediscover()  # the new layout stays withdrawn until re-advertised
+    assert "nvidia.com/mig-3g.40gb" not in node.service.served_resources()
+    await node.service.readvertise({0, 1})
     await assert_kubelet_matches(node)
     served = node.service.served_resources()
     assert len(served["nvidia.com/mig-3g.40gb"]) == 2 and len(served["nvidia.com/mig-2g.20gb"]) == 1

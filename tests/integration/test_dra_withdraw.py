@@ -30,6 +30,9 @@ class Plane:
     async def withdraw(self, gpu_indices: set[int]) -> None:
         await self.dra.withdraw(gpu_indices)
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        await self.dra.readvertise(gpu_indices)
+
     async def update(self, inventory: Inventory) -> None:
         await self.dra.on_inventory(inventory)
 
@@ -41,7 +44,7 @@ def listed(kube: KubeClient, node: str) -> list[str]:
     return sorted(d["name"] for s in slices_of(kube, node) for d in s["spec"]["devices"])
 
 
-async def test_withdrawn_gpus_leave_the_slices_until_the_next_inventory(kube: KubeClient, node_name: str) -> None:
+async def test_withdrawn_gpus_leave_the_slices_until_readvertised(kube: KubeClient, node_name: str) -> None:
     root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
     dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, verify_interval_s=60)
     inv = nvswitch_box(3)
@@ -57,7 +60,10 @@ async def test_withdrawn_gpus_leave_the_slices_until_the_next_inventory(kube: Ku
         assert listed(kube, node_name) == ["gpu-0", "gpu-2"]
         await shared.advertiser.withdraw({1})  # again: nothing more to write
         assert await dra.wait_published() == 2
-        await shared.advertiser.update(inv)
+        await shared.advertiser.update(inv)  # a new inventory keeps a withdrawn GPU out
+        assert await dra.wait_published() == 2
+        assert listed(kube, node_name) == ["gpu-0", "gpu-2"]
+        await shared.advertiser.readvertise({1})
         assert await dra.wait_published() == 3
         assert listed(kube, node_name) == ["gpu-0", "gpu-1", "gpu-2"]
         shared.dra.detach(plane)

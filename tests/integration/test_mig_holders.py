@@ -59,8 +59,8 @@ def short_tmp() -> Iterator[Path]:
 async def test_mig_config_never_destroys_a_dynamic_mig_claims_instance(
         kube: KubeClient, node_name: str, short_tmp: Path) -> None:
     """GPU 0 serves dynamic MIG; a claim prepared on it created a 2g.10gb instance. A mig.config that would
-    re-partition GPU 0 waits for the claim, ends ``failed`` naming it, and the instance is still there;
-    once the claim is unprepared the same config applies."""
+    re-partition GPU 0 changes the free GPUs, waits for the claim, ends ``failed`` naming it, and the
+    instance is still there; once the claim is unprepared the same config applies."""
     adapter = adapter_for_sim(open_sim("dgx-a100-40gb", short_tmp / "sim.json"))
     if adapter.set_mig_mode(0, True):
         adapter.reset_gpu(0)
@@ -92,11 +92,13 @@ async def test_mig_config_never_destroys_a_dynamic_mig_claims_instance(
         rec = MigReconciler(node, adapter, short_tmp / "state", publisher=shared.advertiser, holders=holders,
                             options=options)
         assert await run_until_terminal(rec, node) == "failed"
-        assert layout(adapter) == before  # the claim's instance survived, nothing else changed either
+        after = layout(adapter)
+        assert after[0] == before[0]  # the claim's instance survived
+        assert all(after[i] and after[i] != before[i] for i in range(1, 8))  # the free GPUs were changed
         [failed] = [e for e in events(node) if e[0] == "MigConfigFailed"]
         assert failed[1] == "Warning"
         assert "GPU 0 is held by claim ml/c1 after waiting 0.5s" in failed[2], failed
-        assert "nothing was changed" in failed[2]
+        assert "GPU(s) 1, 2, 3, 4, 5, 6, 7 were changed, GPU(s) 0 were not" in failed[2]
         [waiting] = [e[2] for e in events(node) if e[0] == "MigWaitingForPods"]
         assert waiting == "MIG config all-balanced waits up to 0.5s: GPU 0 is held by claim ml/c1"
         assert {d.name for d in dra.devices} >= {"gpu-0-mig-2g-10gb-at-2"}  # re-advertised as it was

@@ -46,6 +46,9 @@ class RecordingPublisher:
     async def withdraw(self, gpu_indices: set[int]) -> None:
         self.calls.append(("withdraw", sorted(gpu_indices)))
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        self.calls.append(("readvertise", sorted(gpu_indices)))
+
     async def update(self, inventory: Inventory) -> None:
         self.calls.append(("update", sum(len(g.mig_devices) for g in inventory.gpus)))
 
@@ -133,7 +136,7 @@ async def test_label_pending_to_success(node: NodeClient, tmp_path: Path) -> Non
     assert log.values == ["pending", "success"]
     assert all(v == [("1g.5gb", 2), ("1g.5gb", 3), ("2g.10gb", 0), ("3g.20gb", 4)] for v in layout(adapter).values())
     assert pub.calls[0] == ("withdraw", list(range(8)))
-    assert pub.calls[-1] == ("update", 32)
+    assert pub.calls[-2:] == [("update", 32), ("readvertise", list(range(8)))]
     reasons = [e[0] for e in events(node)]
     assert "MigConfigApplied" in reasons
     assert MigStateFile(tmp_path).load()["phase"] == "success"  # type: ignore[index]
@@ -176,7 +179,8 @@ async def test_failure_midway_rolls_back_and_ends_failed(node: NodeClient, tmp_p
     rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
     assert await run_until_terminal(rec, node) == "failed"
     assert layout(adapter) == before
-    assert pub.calls[-1] == ("update", 1)  # the restored layout is advertised again
+    # the restored layout is advertised again, the withdrawn GPUs listed again
+    assert pub.calls[-2:] == [("update", 1), ("readvertise", [0, 1, 2, 3, 4, 5, 6, 7])]
     msg = next(e[2] for e in events(node) if e[0] == "MigConfigFailed")
     assert "restored to their previous layout" in msg
 
@@ -415,22 +419,28 @@ async def test_waits_for_the_pods_holding_a_changing_gpu_then_applies(node: Node
                         options=MigReconcilerOptions(release_timeout_s=30, release_poll_s=0.05))
     assert await run_until_terminal(rec, node) == "success"
     assert states == ["pending", "success"]
-    assert asked == [frozenset(range(8))] * 3
+    # the seven free GPUs are changed at the first answer, GPU 0 alone is asked about until it is free
+    assert asked == [frozenset(range(8)), frozenset({0}), frozenset({0})]
     assert pub.calls[0] == ("withdraw", list(range(8)))  # withdrawn before the first question
+    # GPUs 1-7 listed again in their new layout while GPU 0 stayed withdrawn, then GPU 0 with them
+    assert pub.calls[1:] == [("update", 28), ("readvertise", list(range(1, 8))),
+                             ("update", 32), ("readvertise", list(range(8)))]
     waiting = [e for e in events(node) if e[0] == "MigWaitingForPods"]
     assert waiting == [("MigWaitingForPods", "Normal",
                         "MIG config all-balanced waits up to 30s: GPU 0 is held by pods ml/a, ml/b")]
     assert all(v for v in layout(adapter).values())
 
 
-async def test_pods_never_let_go_or_kubelet_silent_ends_failed_and_changes_nothing(
+async def test_pods_never_let_go_or_kubelet_silent_ends_failed_changing_only_what_was_free(
     node: NodeClient, tmp_path: Path
 ) -> None:
+    """A kubelet that never answers: no GPU counts as free, nothing changes. A pod that never lets GPU 3 go:
+    the seven free GPUs are changed, GPU 3 is not; both end ``failed`` with every GPU listed again."""
     from nodeagent.errors import KubeletError
 
     adapter, _ = sim("dgx-a100-40gb")
     before = layout(adapter)
-    for attempt, answer in enumerate(("held", "silent")):
+    for attempt, answer in enumerate(("silent", "held")):
         pub = RecordingPublisher()
 
         async def holders(gpu_indices: frozenset[int], answer: str = answer) -> dict[int, tuple[str, ...]]:
@@ -443,13 +453,21 @@ async def test_pods_never_let_go_or_kubelet_silent_ends_failed_and_changes_nothi
         rec = MigReconciler(node, adapter, tmp_path, publisher=pub, holders=holders,
                             options=MigReconcilerOptions(release_timeout_s=0.3, release_poll_s=0.05))
         assert await run_until_terminal(rec, node) == "failed"
-        assert layout(adapter) == before  # nothing applied, nothing reset
         assert pub.calls[0] == ("withdraw", list(range(8)))
-        assert pub.calls[-1] == ("update", 0)  # advertised again as they were
+        assert pub.calls[-1] == ("readvertise", list(range(8)))  # every GPU listed again
+        now = layout(adapter)
+        if answer == "silent":
+            assert now == before  # nothing applied, nothing reset
+            assert pub.calls[-2] == ("update", 0)  # advertised again as they were
+        else:
+            assert now[3] == before[3]  # the held GPU untouched
+            assert all(now[i] == [("1g.5gb", 2), ("1g.5gb", 3), ("2g.10gb", 0), ("3g.20gb", 4)]
+                       for i in range(8) if i != 3)
+            assert pub.calls[-2] == ("update", 28)
     failed = sorted(e[2] for e in events(node) if e[0] == "MigConfigFailed")
     assert failed == [
         "MIG config 'all-balanced' failed: GPU 3 is held by pod ml/train after waiting 0.3s for the GPU(s) to be "
-        "released; nothing was changed",
+        "released; GPU(s) 0, 1, 2, 4, 5, 6, 7 were changed, GPU(s) 3 were not",
         "MIG config 'all-balanced' failed: pod use unknown (PodResources List on /k.sock failed: UNAVAILABLE) "
         "after waiting 0.3s for the GPU(s) to be released; nothing was changed",
     ]

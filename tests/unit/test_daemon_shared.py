@@ -51,6 +51,9 @@ class FakePlugin(Component):
     async def withdraw(self, gpu_indices: set[int]) -> None:
         self.withdrawn.append(gpu_indices)
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        self.withdrawn.append(set())
+
     async def update(self, inventory: Inventory) -> None:
         self.updates += 1
 
@@ -152,6 +155,9 @@ async def test_advertiser_writes_the_cdi_spec_before_the_device_plugin_advertise
 
         async def withdraw(self, gpu_indices: set[int]) -> None:
             order.append(f"withdraw {sorted(gpu_indices)}")
+
+        async def readvertise(self, gpu_indices: set[int]) -> None:
+            order.append(f"readvertise {sorted(gpu_indices)}")
 
         async def update(self, inventory: Inventory) -> None:
             order.append("advertise")

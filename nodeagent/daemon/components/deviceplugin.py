@@ -106,6 +106,9 @@ class DevicePluginComponent(Component):
     async def withdraw(self, gpu_indices: set[int]) -> None:
         await self.service.withdraw(gpu_indices)
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        await self.service.readvertise(gpu_indices)
+
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         return self.service.device_gpus(gpu_indices)
 

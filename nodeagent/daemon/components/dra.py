@@ -104,6 +104,10 @@ class DraPlaneComponent(Component):
         if self._started:
             await self.dra.withdraw(gpu_indices)
 
+    async def readvertise(self, gpu_indices: set[int]) -> None:
+        if self._started:
+            await self.dra.readvertise(gpu_indices)
+
     async def update(self, inventory: Inventory) -> None:
         await self.on_inventory(inventory)
 
