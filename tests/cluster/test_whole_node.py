@@ -392,8 +392,10 @@ def _node_slices(cluster: Cluster) -> list[dict[str, Any]]:
 
 
 def _mig_off(cluster: Cluster) -> None:
-    """Every GPU back out of MIG mode through the label (a no-op when none is in MIG mode)."""
-    if any(_sim_mig_modes()):
+    """Every GPU out of MIG mode through the label, and no other config asked for (an agent restarted with
+    another value on the Node applies it at its start)."""
+    asked = cluster.node()["metadata"]["labels"].get("nvidia.com/mig.config")
+    if any(_sim_mig_modes()) or asked not in (None, "all-disabled"):
         cluster.kubectl("label", "node", cluster.node_name, "nvidia.com/mig.config=all-disabled", "--overwrite")
         cluster.wait_for("MIG off on every GPU", lambda: not any(_sim_mig_modes())
                          and _mig_state(cluster) == "success", timeout=120)
@@ -407,6 +409,8 @@ def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[N
     _mig_off(cluster)
     _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
                         lambda: allocatable(cluster) == GPU_COUNT)
+    # the agent leaves its ResourceSlices when it exits (a restarted agent serves them on); the kubelet deletes
+    # those of a driver that stays unregistered for 30 s (its DRA manager's wiping delay)
     cluster.wait_for("no ResourceSlice of the node once the DRA plane is gone", lambda: not _node_slices(cluster),
                      timeout=60)
 
