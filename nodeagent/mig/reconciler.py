@@ -374,31 +374,35 @@ class MigReconciler:
     async def _released(self, what_waits: str, gpus: frozenset[int],
                         outcome: Callable[[], str]) -> AsyncGenerator[frozenset[int], None]:
         """The GPUs of ``gpus`` (already withdrawn) as nothing holds them any more: those free at once
-        first, then each as its holders let it go, at most ``release_timeout_s`` in all; then raise
-        ``OperationError`` naming the holders and ``outcome()`` (what was changed meanwhile). While pod use
-        is unknown (the kubelet does not answer) no GPU counts as free."""
+        first, then each as its holders let it go, after at most ``release_timeout_s`` of waiting (the time
+        the caller spends changing the GPUs yielded is not counted); then raise ``OperationError`` naming
+        the holders and ``outcome()`` (what was changed meanwhile). The holders are named in one
+        ``MigWaitingForPods`` Event before anything is yielded. While pod use is unknown (the kubelet does
+        not answer) no GPU counts as free."""
         deadline = time.monotonic() + self.options.release_timeout_s
         announced = False
         waiting = gpus
         while waiting:
             held, unknown = await self._holders_now(waiting)
             free = frozenset() if unknown else waiting - frozenset(held)
+            what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
+            if (held or unknown) and not announced:  # named before the free GPUs are changed
+                announced = True
+                await self._event("MigWaitingForPods",
+                                  f"{what_waits} waits up to {self.options.release_timeout_s:g}s: {what}"[:1000],
+                                  "Normal")
             if free:
                 waiting = waiting - free
+                changing = time.monotonic()
                 yield free
+                deadline += time.monotonic() - changing  # changing the free GPUs is no time spent waiting
                 continue
-            what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
             if time.monotonic() >= deadline:
                 running = await asyncio.to_thread(self._running, sorted(held) or sorted(waiting))
                 raise OperationError(
                     f"{what} after waiting {self.options.release_timeout_s:g}s for the GPU(s) to be released"
                     + (f" (processes: {running})" if running else "") + f"; {outcome()}",
                     subject=CONFIG_LABEL)
-            if not announced:
-                announced = True
-                await self._event("MigWaitingForPods",
-                                  f"{what_waits} waits up to {self.options.release_timeout_s:g}s: {what}"[:1000],
-                                  "Normal")
             await asyncio.sleep(min(self.options.release_poll_s, max(0.0, deadline - time.monotonic())))
 
     async def _wait_released(self, what_waits: str, gpus: frozenset[int]) -> None:
