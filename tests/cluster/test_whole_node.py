@@ -96,6 +96,10 @@ def test_readme_manifests_make_the_node_gpu_ready(cluster: Cluster, agent: dict[
     init = agent["status"]["initContainerStatuses"]
     assert [s["name"] for s in init] == ["bootstrap"]
     assert init[0]["state"]["terminated"]["exitCode"] == 0, init
+    # ... at the first attempt, and it restarted the node's containerd to load the nvidia runtime (from a pod
+    # without hostNetwork: the listener is found by the socket's peer credentials, not /proc/net/unix)
+    assert init[0]["restartCount"] == 0, init
+    assert cluster.containerd_restarts >= 1
     # one GPU object per card, written by the agent
     gpus = cluster.get_json("gpus")["items"]
     assert sorted(g["spec"]["index"] for g in gpus) == list(range(GPU_COUNT))
