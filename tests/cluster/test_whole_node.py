@@ -12,7 +12,7 @@ import json
 import re
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -367,7 +367,7 @@ def readme_helm_commands() -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """``helm(*args)``: the suite's helm against the cluster, from the repository's directory, with a private
     home (no repositories, plugins or cache of the machine's user); its stdout."""
     import subprocess
@@ -399,7 +399,7 @@ def _daemonset(cluster: Cluster) -> dict[str, Any]:
     return cluster.get_json("daemonset", "-n", "nodeagent", "nodeagent")
 
 
-def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, helm: Any) -> None:
+def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, helm: Callable[..., str]) -> None:
     """The README's Helm lines as written (the image values added); the node label is removed first, so the
     README's own label line is what schedules the agent."""
     commands = readme_helm_commands()
@@ -427,7 +427,7 @@ def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, helm: Any) -> N
                      timeout=60)
 
 
-def test_helm_upgrade_with_time_slicing_rolls_the_agent(cluster: Cluster, helm: Any) -> None:
+def test_helm_upgrade_with_time_slicing_rolls_the_agent(cluster: Cluster, helm: Callable[..., str]) -> None:
     """A new devicePlugin.config changes the pods' checksum/config: the upgrade replaces the agent pod and the
     Node's allocatable follows the new config (two replicas per GPU)."""
     old = running_agent(cluster)
@@ -452,7 +452,7 @@ def test_helm_upgrade_with_time_slicing_rolls_the_agent(cluster: Cluster, helm: 
     assert [p["metadata"]["uid"] for p in agent_pods(cluster)] == [new["metadata"]["uid"]]
 
 
-def test_helm_uninstall_leaves_no_agent_and_no_socket(cluster: Cluster, helm: Any) -> None:
+def test_helm_uninstall_leaves_no_agent_and_no_socket(cluster: Cluster, helm: Callable[..., str]) -> None:
     from tests.peers.cluster import KUBELET_DIR
 
     helm("uninstall", "nodeagent", "--namespace", "nodeagent", "--wait", "--timeout", "120s")
