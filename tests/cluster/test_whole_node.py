@@ -277,8 +277,25 @@ def test_agent_pod_deleted_comes_back_and_running_pods_keep_their_devices(
     cluster.kubectl("delete", "pod", "holder", "--wait=true")
 
 
+def _registrations(cluster: Cluster) -> int:
+    """How often the running agent has registered nvidia.com/gpu with the kubelet (its JSON log)."""
+    pod = running_agent(cluster)
+    if pod is None:
+        return -1
+    try:
+        log = cluster.kubectl("logs", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent").stdout
+    except RuntimeError:  # the logs come through the kubelet, which may be restarting
+        return -1
+    return sum(1 for line in log.splitlines() if f"registered {RESOURCE} with the kubelet" in line)
+
+
 def test_kubelet_restart_the_agent_registers_again(cluster: Cluster, agent: dict[str, Any]) -> None:
+    before = _registrations(cluster)
+    assert before >= 1
     cluster.restart_kubelet()
+    # the new kubelet knows the plugin only from a new Register call of the same agent process
+    cluster.wait_for("the agent registers again after the kubelet restarted",
+                     lambda: _registrations(cluster) > before, timeout=120)
     cluster.wait_for("allocatable 8 after the kubelet restarted", lambda: allocatable(cluster) == GPU_COUNT
                      and running_agent(cluster) is not None, timeout=120)
     obj, log, devices = run_probe(cluster, _gpu_pod("after-restart", 1, PROBE))
