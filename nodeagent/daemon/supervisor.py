@@ -597,7 +597,7 @@ class Daemon:
                     await self._start_slot(slot)
         failed = self.errors
         self._record_reload("applied", "changed " + ", ".join(sorted(changed)) + "".join(
-            f"; {name} failed to start: {why}" for name, why in sorted(failed.items())))
+            f"; {name}: {why}" for name, why in sorted(failed.items())))
         self.request_resync()
 
     def _open_sources(self, config: AgentConfig) -> tuple[GpuSource, Any]:
