@@ -1,7 +1,9 @@
 """The running agent's record, ``/run/nodeagent/agent.json``: its pid and start, its last config reload with
-the outcome, whether it stopped cleanly, and how many of its runs since boot ended without a clean stop.
+the outcome, the GPUs its health monitor holds unhealthy (with their last XID), whether it stopped cleanly,
+and how many of its runs since boot ended without a clean stop.
 
-``nodeagent run`` writes it (``AgentRecorder``) at its start, after each SIGHUP reload and at a clean stop;
+``nodeagent run`` writes it (``AgentRecorder``) at its start, after each SIGHUP reload, at each change of the
+GPUs' health and at a clean stop;
 ``nodeagent doctor`` reads it (``read_record``), also from inside the DaemonSet's pod where the host's
 processes are not under its root. The file describes this boot's processes, so it lives under ``/run`` (a
 tmpfs, the unit's RuntimeDirectory, mounted into the pod) and is replaced atomically without fsync: a reader
@@ -40,6 +42,17 @@ class Reload:
 
 
 @dataclass(frozen=True)
+class Fault:
+    """A GPU (``gi`` set: one of its GPU instances) the agent serves as Unhealthy."""
+
+    gpu: int
+    xid: int | None = None  # the last XID the GPU reported
+    gi: int | None = None
+    recovery: str | None = None  # the driver's recovery action, None when it asks for none
+    lost: bool = False  # fallen off the bus
+
+
+@dataclass(frozen=True)
 class AgentRecord:
     pid: int
     started: float  # seconds since the epoch
@@ -50,6 +63,8 @@ class AgentRecord:
     stopped: float | None = None  # a clean stop of this run
     unclean_ends: int = 0  # earlier runs since boot that ended without a clean stop (killed, crashed)
     last_unclean: dict[str, Any] = field(default_factory=dict)  # {"pid", "started", "seen"} of the latest
+    unhealthy: tuple[Fault, ...] = ()
+    health_changed: float | None = None  # when ``unhealthy`` last changed
 
     def to_json(self) -> str:
         doc = {"version": VERSION, **asdict(self)}
@@ -82,6 +97,12 @@ def parse_record(raw: bytes) -> AgentRecord:
     unclean = doc.get("last_unclean") or {}
     if not isinstance(unclean, dict):
         raise ValueError("last_unclean must be an object")
+    faults = doc.get("unhealthy") or []
+    if not isinstance(faults, list) or not all(isinstance(f, dict) for f in faults):
+        raise ValueError("unhealthy must be a list of objects")
+    unhealthy = tuple(Fault(gpu=int(_number(f, "gpu")), xid=_int_or_none(f, "xid"), gi=_int_or_none(f, "gi"),
+                            recovery=None if f.get("recovery") is None else str(f["recovery"])[:100],
+                            lost=f.get("lost") is True) for f in faults[:1024])
     return AgentRecord(
         pid=int(_number(doc, "pid")),
         started=float(_number(doc, "started")),
@@ -93,7 +114,14 @@ def parse_record(raw: bytes) -> AgentRecord:
         unclean_ends=int(_number(doc, "unclean_ends")),
         last_unclean={k: unclean[k] for k in ("pid", "started", "seen")
                       if isinstance(unclean.get(k), int | float) and not isinstance(unclean.get(k), bool)},
+        unhealthy=unhealthy,
+        health_changed=_number(doc, "health_changed", optional=True),
     )
+
+
+def _int_or_none(doc: dict[str, Any], key: str) -> int | None:
+    value = _number(doc, key, optional=True)
+    return None if value is None else int(value)
 
 
 def read_record(paths: HostPaths) -> AgentRecord | None:
@@ -150,6 +178,11 @@ class AgentRecorder:
         reload = Reload(self._clock(), outcome, text if len(text) <= MAX_DETAIL else text[: MAX_DETAIL - 3] + "...")
         config = self._record.config if config_source is None else config_source or "defaults"
         self._write(replace(self._record, reloads=self._record.reloads + 1, last_reload=reload, config=config))
+
+    def health(self, unhealthy: tuple[Fault, ...]) -> None:
+        """The GPUs the health monitor holds unhealthy now (written only when that changed)."""
+        if self._record is not None and unhealthy != self._record.unhealthy:
+            self._write(replace(self._record, unhealthy=unhealthy, health_changed=self._clock()))
 
     def stopped(self) -> None:
         if self._record is not None:

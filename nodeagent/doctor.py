@@ -101,18 +101,38 @@ class Sources:
 
 def diagnose(src: Sources) -> Report:
     report = Report()
+    record, record_error = _read_record(src)
+    live = _live_record(src, record)
     inventory = _driver(src, report)
     if inventory is not None:
         _gpus(src, inventory, report)
-        _health(src, inventory, report)
+        _health(src, inventory, live, report)
     _containerd(src, report)
     if inventory is not None:
         _cdi(src, inventory, report)
     facts = _read_kube(src, report)
     _kubelet(src, inventory, facts, report)
     _node(src, inventory, facts, report)
-    _agent(src, report)
+    _agent(src, record, record_error, report)
     return report
+
+
+def _read_record(src: Sources) -> tuple[AgentRecord | None, str]:
+    """The running agent's record under the root (None when there is none), or why it cannot be used."""
+    try:
+        return read_record(src.paths), ""
+    except NodeAgentError as e:
+        return None, str(e)
+
+
+def _live_record(src: Sources, record: AgentRecord | None) -> AgentRecord | None:
+    """The record when it is of a run that is not over: no clean stop in it, and its pid among the agents
+    /proc shows (without /proc under the root, taken as running)."""
+    if record is None or record.stopped is not None:
+        return None
+    if src.paths.proc.is_dir() and record.pid not in set(_agent_pids(src.paths)):
+        return None
+    return record
 
 
 # -- driver and GPUs ---------------------------------------------------------------------------------------
@@ -173,7 +193,7 @@ def _gpus(src: Sources, inventory: Inventory, report: Report) -> None:
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
 
 
-def _health(src: Sources, inventory: Inventory, report: Report) -> None:
+def _health(src: Sources, inventory: Inventory, live: AgentRecord | None, report: Report) -> None:
     from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
 
     lost = [g.index for g in inventory.gpus if g.lost]
@@ -197,6 +217,19 @@ def _health(src: Sources, inventory: Inventory, report: Report) -> None:
                    "GPUHealthy condition names the XID)", fix)
     if not lost and not asks:
         report.add("health", "ok", "every GPU answers NVML, no recovery asked for")
+    if live is None:
+        return
+    # what the running agent's health monitor holds (XIDs are events: only the agent saw them)
+    for f in live.unhealthy:
+        if f.lost or f.gpu in asks:
+            continue  # told above from NVML itself
+        what = f"GPU {f.gpu}" + (f" (GPU instance {f.gi})" if f.gi is not None else "")
+        why = f"after XID {f.xid}" if f.xid is not None else "by its health check"
+        report.add("health", "error", f"{what} is served Unhealthy to the kubelet {why} (the agent's health "
+                   f"monitor, since {_when(live.health_changed, src)}); it is Healthy again once NVML shows no "
+                   "new critical XID for the [health] window")
+    if not live.unhealthy:
+        report.add("health", "ok", "the agent serves every GPU as Healthy (no XID held)")
 
 
 # -- containerd and CDI --------------------------------------------------------------------------------------
@@ -466,16 +499,13 @@ UNIT_WANTS = "/etc/systemd/system/multi-user.target.wants"
 RECENT_S = 3600.0  # an unclean end of the agent older than this is told as history, not as a warning
 
 
-def _agent(src: Sources, report: Report) -> None:
+def _agent(src: Sources, record: AgentRecord | None, record_error: str, report: Report) -> None:
     if src.config_problem:
         report.add("agent", "error", f"the agent's config cannot be used: {src.config_problem} (doctor checked "
                    "with the defaults; a running agent keeps the config it had, a starting one exits)",
                    "correct the file, then reload the agent")
-    try:
-        record = read_record(src.paths)
-    except NodeAgentError as e:
-        report.add("agent", "warning", f"{e} (left by another version?)")
-        record = None
+    if record_error:
+        report.add("agent", "warning", f"{record_error} (left by another version?)")
     installed, enabled = _unit_state(src.paths)
     running: list[int] | None = list(_agent_pids(src.paths)) if src.paths.proc.is_dir() else None
     if running is None:  # a root without /proc (an image, the DaemonSet's /host)

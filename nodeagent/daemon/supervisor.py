@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
+from nodeagent.agentrecord import Fault
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
@@ -239,6 +240,8 @@ class Daemon:
         self.started_at = time.monotonic()
         self.reloads = 0
         self.resyncs = 0
+        if recorder is not None:  # the GPUs' health as the components report it, for doctor
+            self.shared.conditions.subscribe(self._record_health)
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -549,6 +552,13 @@ class Daemon:
         self.set_status("config", f"reload rejected: {e}")
         self._record_reload("rejected", _one_line(e))
 
+    def _record_health(self) -> None:
+        health = self.shared.conditions.health
+        faults = () if health is None else tuple(
+            Fault(gpu=f.index, xid=f.xid, gi=f.gi_id, recovery=f.recovery, lost=f.lost) for f in health.faults)
+        if self._recorder is not None:
+            self._recorder.health(faults)
+
     def _record_reload(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str) -> None:
         if self._recorder is not None:
             self._recorder.reloaded(outcome, detail, self.config.source)
@@ -641,6 +651,8 @@ class RunRecorder(Protocol):
 
     def reloaded(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str = "",
                  config_source: str | None = None) -> None: ...
+
+    def health(self, unhealthy: tuple[Fault, ...]) -> None: ...
 
     def stopped(self) -> None: ...
 

@@ -114,3 +114,30 @@ def test_a_broken_config_given_on_the_command_line_is_a_bad_input(tmp_path: Path
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {bad}: "), r.stderr
     assert not os.path.exists(root / RECORD.lstrip("/"))
+
+
+def test_an_xid_the_running_agent_holds(tmp_path: Path) -> None:
+    """An XID is an event: only the running agent saw it, and its record is how doctor learns of it (a GPU
+    served Unhealthy to the kubelet), also without the API."""
+    state = tmp_path / "t4.json"
+    sim = [*SIM, "--sim-state", str(state)]
+    with node_root() as root, running_agent(tmp_path, root, ["run", *sim, "--no-kube"]) as agent:
+        eventually(lambda: "component runtime started" in agent.log(), 30, "the agent's components started")
+        proc = root / "proc" / str(agent.pid)
+        proc.mkdir(parents=True)
+        (proc / "cmdline").write_bytes(Path(f"/proc/{agent.pid}/cmdline").read_bytes())
+        findings = _doctor(root, *sim)[1]
+        _one(findings, "health", "ok", "the agent serves every GPU as Healthy (no XID held)")
+        assert _na(root, "sim", "inject", "xid", "--sim-state", str(state), "--gpu", "0", "--code", "48").returncode == 0
+        eventually(lambda: (r := read_record(HostPaths(root))) and r.unhealthy, 15, "the XID in the agent's record")
+        code, findings = _doctor(root, *sim)
+        assert code == 2
+        held = _one(findings, "health", "error", "GPU 0 is served Unhealthy to the kubelet after XID 48 (the "
+                    "agent's health monitor, since 20")
+        assert held["fix"] == ""
+        assert not [f for f in findings if "serves every GPU as Healthy" in f["text"]], findings
+        assert agent.stop()[0] == 0
+        # the run is over: what it held is not told as the node's state
+        (proc / "cmdline").unlink()
+        proc.rmdir()
+        assert not [f for f in _doctor(root, *sim)[1] if "served Unhealthy" in f["text"]]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.agentrecord import RECORD, AgentRecorder, read_record
+from nodeagent.agentrecord import RECORD, AgentRecorder, Fault, read_record
 from nodeagent.config import AgentConfig, apply_overrides
 from nodeagent.daemon import Component, ComponentSpec, Daemon
 from nodeagent.errors import ConfigError, InputError
@@ -37,7 +37,7 @@ def test_start_reloads_stop_and_unclean_ends(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / RECORD.lstrip("/")).read_text())
     assert doc == {"version": 1, "pid": 100, "started": 1_790_000_001.0, "config": "/etc/nodeagent/config.toml",
                    "starts": 1, "reloads": 0, "last_reload": None, "stopped": None, "unclean_ends": 0,
-                   "last_unclean": {}}
+                   "last_unclean": {}, "unhealthy": [], "health_changed": None}
     first.reloaded("rejected", "/etc/nodeagent/config.toml:\n unknown key 'x'")
     first.reloaded("applied", "changed metrics", "/etc/nodeagent/other.toml")
     record = read_record(paths)
@@ -58,6 +58,14 @@ def test_start_reloads_stop_and_unclean_ends(tmp_path: Path) -> None:
     third.started("")
     record = read_record(paths)
     assert record is not None and (record.starts, record.unclean_ends, record.stopped) == (3, 1, None)
+    third.health((Fault(gpu=2, xid=48), Fault(gpu=0, gi=3, xid=94, recovery="GPU reset")))
+    record = read_record(paths)
+    assert record is not None and record.unhealthy == (Fault(2, 48), Fault(0, 94, 3, "GPU reset"))
+    changed = record.health_changed
+    third.health(record.unhealthy)  # unchanged: not written again
+    assert (read_record(paths) or record).health_changed == changed
+    third.health(())
+    assert (read_record(paths) or record).unhealthy == ()
     third.reloaded("failed", "x" * 1000)
     record = read_record(paths)
     assert record is not None and record.last_reload is not None and len(record.last_reload.detail) == 300
