@@ -235,6 +235,7 @@ def _health(src: Sources, inventory: Inventory, live: AgentRecord | None, report
 # -- containerd and CDI --------------------------------------------------------------------------------------
 def _containerd(src: Sources, report: Report) -> None:
     from nodeagent.runtime import configure as rc
+    from nodeagent.runtime import containerd_versions as ctv
 
     if not src.config.runtime.enabled:
         report.add("containerd", "ok", "not managed ([runtime] enabled = false)")
@@ -249,6 +250,10 @@ def _containerd(src: Sources, report: Report) -> None:
         return
     for warning in info["warnings"]:
         report.add("containerd", "error" if "CRI" in warning or "cri" in warning else "warning", warning)
+    installed = ctv.parse_containerd_version(info["containerd_version"] or "")
+    problem, fix = ctv.load_problem(installed, int(info["config_version"]))
+    if problem and info["sources"]:
+        report.add("containerd", "error", f"{info['sources'][0]}: {problem}", fix)
     if planned.changed:
         files = ", ".join(f.path for f in planned.files if f.action != "unchanged")
         report.add("containerd", "warning", f"not wired for the NVIDIA runtime ({files} differ)",
