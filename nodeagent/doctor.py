@@ -5,12 +5,15 @@ adapters the agent uses (NVML or the simulator, the containerd planner in dry-ru
 kubelet's device-plugin directory and checkpoint, the Kubernetes API), and turns them into findings:
 ``ok``, ``warning`` or ``error``, one line each, with the exact command that fixes it when there is one.
 
-Areas: driver (NVML, versions, persistence mode), gpus (MIG mode current/pending, layout, processes), health (GPUs off the
-bus), containerd (wired? CRI on? default runtime, CDI, the config loads), cdi (the spec is there and
-current), kubelet (running? which resources are registered; other device plugins and DRA drivers for the
-same GPUs), node (labels, conditions, allocatable against what was discovered, taints, a MIG manager or NFD
-acting on nodeagent's labels; skipped without the API), agent (running? in which unit or pod, the unit
-installed and enabled, its last config reload and unclean ends from its record, its last bootstrap). Exit code: 0 all ok, 1 a warning, 2 an error.
+Areas: driver (NVML, versions, persistence mode), gpus (MIG mode current/pending, layout, processes),
+health (GPUs off the bus, the driver's recovery action, the GPUs the running agent serves Unhealthy with
+their XID), containerd (wired? CRI on? default runtime, CDI, does the installed containerd load the config's
+format?), cdi (the spec is there and current), kubelet (running? which resources are registered; other
+device plugins and DRA drivers for the same GPUs), node (labels, conditions, allocatable against what was
+discovered, taints, a MIG manager or NFD acting on nodeagent's labels; skipped without the API), agent (the
+node's config, running? in which unit or pod, the unit installed and enabled; from the agent's record its
+last config reload and its outcome, runs ended without a clean stop; its last bootstrap).
+Exit code: 0 all ok, 1 a warning, 2 an error.
 """
 
 from __future__ import annotations
