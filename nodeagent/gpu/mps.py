@@ -93,7 +93,15 @@ class MpsDaemon:
         return self.state.ready
 
     def env(self) -> dict[str, str]:
-        env = {"PATH": SAFE_PATH, **self._extra_env}
+        """The daemon's environment, built from nothing but: the driver's own binary directory first on the
+        search path (where the control daemon finds ``nvidia-cuda-mps-server``, beside it), the agent's
+        ``LD_LIBRARY_PATH`` (how the agent itself reaches the driver's libraries, e.g. the DaemonSet's links
+        to the node's ``libnvidia-ml.so.1`` and ``libcuda.so.1``), the extra variables and MPS's own."""
+        env = {"PATH": f"{self.binary.parent}:{SAFE_PATH}"}
+        library_path = os.environ.get("LD_LIBRARY_PATH")
+        if library_path:
+            env["LD_LIBRARY_PATH"] = library_path
+        env.update(self._extra_env)
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.spec.pipe_dir)
         env["CUDA_MPS_LOG_DIRECTORY"] = str(self.spec.log_dir)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(self.spec.gpu_uuids)

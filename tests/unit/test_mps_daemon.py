@@ -154,3 +154,21 @@ async def test_a_daemon_left_by_a_killed_agent_is_replaced(tmp_path: Path) -> No
         await manager.stop()
     assert not (spec.pipe_dir / "control").exists()
     assert "An instance of this daemon is already running" not in (spec.log_dir / "control.log").read_text()
+
+
+def test_daemon_environment_finds_the_driver_beside_its_binary(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control daemon runs with a clean environment: the driver's binary directory (under the root) first
+    on PATH, where it finds its server; the agent's LD_LIBRARY_PATH (the DaemonSet's links to the node's driver
+    libraries) passed on; nothing else of the agent's environment."""
+    from nodeagent.gpu.mps import MpsDaemon, MpsDaemonSpec
+
+    spec = MpsDaemonSpec("nvidia.com/gpu", tmp_path / "p", tmp_path / "l", ("GPU-a", "GPU-b"), 50)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/run/nvml")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    env = MpsDaemon(spec, Path("/host/usr/bin/nvidia-cuda-mps-control")).env()
+    assert env == {"PATH": "/host/usr/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/run/nvml",
+                   "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "p"), "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "l"),
+                   "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
+    monkeypatch.delenv("LD_LIBRARY_PATH")
+    assert "LD_LIBRARY_PATH" not in MpsDaemon(spec, Path("/usr/bin/nvidia-cuda-mps-control")).env()
