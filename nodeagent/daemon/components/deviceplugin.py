@@ -43,7 +43,7 @@ class DevicePluginComponent(Component):
         from nodeagent.nvmlsource import mps_manager
 
         mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
-                          Path(cfg.simulate.state) if cfg.simulate.state else None)
+                          Path(cfg.simulate.state) if cfg.simulate.state else None, ctx.gpu)
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
