@@ -426,10 +426,12 @@ def test_mps_pod_gets_the_agents_control_daemon(cluster: Cluster, agent: dict[st
                                       "get_default_device_pinned_mem_limit 0")
     assert float(threads) == 100 // MPS_REPLICAS, threads
     assert pinned == f"{int(labels['nvidia.com/gpu.memory']) // MPS_REPLICAS}M", (pinned, labels)
-    # the simulated driver shows its server on every GPU it serves, as the real one does
+    # the simulated driver shows its server on every GPU it serves, as the real one does, and the agent put
+    # them in compute mode EXCLUSIVE_PROCESS (3) through NVML before the daemon started
     gpus = SimStore.open(MACHINE, SIM_STATE).read()["gpus"]
     assert all(any(p["pid"] == daemon_pid and p["name"] == "nvidia-cuda-mps-server" for p in g["processes"])
                for g in gpus), [g["processes"] for g in gpus]
+    assert [g.get("compute_mode", 0) for g in gpus] == [3] * GPU_COUNT, gpus
 
     pod = _gpu_pod("mps-client", 1, "sleep 3600", {"terminationGracePeriodSeconds": 0})
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
@@ -455,12 +457,14 @@ def test_mps_pod_gets_the_agents_control_daemon(cluster: Cluster, agent: dict[st
         Path("/dev/shm", MPS_SHM_PROBE).unlink(missing_ok=True)
         cluster.kubectl("delete", "pod", "mps-client", "--wait=true")
 
-    # the ConfigMap back as the README installs it: the agent's exit quits its daemon, nothing is left
+    # the ConfigMap back as the README installs it: the agent's exit quits its daemon and restores the GPUs'
+    # compute mode, nothing is left
     _restart_agent_with(cluster, original, f"allocatable {GPU_COUNT} again", lambda: allocatable(cluster) == GPU_COUNT)
     assert not _mps_control_processes()
     assert not os.path.exists(control)
     gpus = SimStore.open(MACHINE, SIM_STATE).read()["gpus"]
     assert not [p for g in gpus for p in g["processes"] if p["name"] == "nvidia-cuda-mps-server"], gpus
+    assert [g.get("compute_mode", 0) for g in gpus] == [0] * GPU_COUNT, gpus  # DEFAULT again
 
 
 def test_kubectl_delete_leaves_the_node_clean(cluster: Cluster, agent: dict[str, Any]) -> None:
