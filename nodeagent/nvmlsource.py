@@ -60,16 +60,17 @@ def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlA
 
 
 def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_state: Path | None,
-                gpu: object = None) -> MpsManager:
+                gpu: object = None, owner: str = "device-plugin") -> MpsManager:
     """The MPS daemons' manager: ``nvidia-cuda-mps-control`` under the driver root; on the simulator the
     stand-in is installed there when the first daemon is wanted and told which simulated state to use (only
     a state file is shared with it; an in-memory machine shows no MPS server process). ``gpu``: the NVML
-    adapter, which switches the daemons' GPUs to EXCLUSIVE_PROCESS (anything else: compute modes untouched)."""
+    adapter, which switches the daemons' GPUs to EXCLUSIVE_PROCESS (anything else: compute modes untouched);
+    ``owner``: whose daemons these are (``device-plugin``, ``dra``), which names the record of those GPUs."""
     from nodeagent.gpu.mps import COMPUTE_MODE_RECORD, CONTROL_BINARY, ComputeModes, MpsManager
 
     binary = paths(driver_root.rstrip("/") + CONTROL_BINARY)
     modes: ComputeModes | None = gpu if isinstance(gpu, ComputeModes) else None
-    record = paths(COMPUTE_MODE_RECORD)
+    record = paths(COMPUTE_MODE_RECORD.format(owner=owner))
     if simulate is None and sim_state is None:
         return MpsManager(binary, compute_modes=modes, record=record)
     if paths.root == Path("/"):

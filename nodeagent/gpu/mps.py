@@ -44,7 +44,9 @@ STOP_GRACE_S = 3.0
 RESTART_START_S = 0.2
 RESTART_MAX_S = 10.0
 SAFE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
-COMPUTE_MODE_RECORD = "/run/nodeagent/mps/exclusive-gpus.json"  # the GPUs the agent switched (host path)
+# the GPUs a manager switched (a host path; one file per manager: the device plugin's and the DRA plane's
+# serve disjoint GPUs, and each restores only its own)
+COMPUTE_MODE_RECORD = "/run/nodeagent/mps/exclusive-gpus-{owner}.json"
 # NVML's compute modes (nvmlComputeMode_t)
 COMPUTE_DEFAULT = 0
 COMPUTE_EXCLUSIVE_PROCESS = 3

@@ -166,7 +166,7 @@ async def test_reload_mps_time_slicing_mps_leaves_no_daemon_behind(mps_node: Mps
     assert first is not None
     # the GPUs a daemon serves are switched to EXCLUSIVE_PROCESS, as NVIDIA's MPS daemon does; recorded
     assert mps_node.compute_modes() == [3, 3], mps_node.compute_modes()
-    record = mps_node.paths("/run/nodeagent/mps/exclusive-gpus.json")
+    record = mps_node.paths("/run/nodeagent/mps/exclusive-gpus-device-plugin.json")
     assert len(json.loads(record.read_text())) == 2
     inventory = await asyncio.to_thread(mps_node.nvml.discover)
     await mps_node.service.update(inventory, cfg(TS2))

@@ -51,7 +51,7 @@ class DraPlaneComponent(Component):
         from nodeagent.nvmlsource import mps_manager
 
         mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
-                          Path(cfg.simulate.state) if cfg.simulate.state else None, ctx.gpu)
+                          Path(cfg.simulate.state) if cfg.simulate.state else None, ctx.gpu, "dra")
         self.dra = DraComponent(
             paths=ctx.paths,
             kube=ctx.kube,
