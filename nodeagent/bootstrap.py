@@ -116,6 +116,9 @@ class BootstrapParts:
     record_event: Callable[[Any, AgentConfig, str, str, bool], str | None] | None = None
     # the node's CDI spec for the inventory (None: no CDI step)
     write_cdi: Callable[[AgentConfig, HostPaths, Inventory], StepResult] | None = None
+    # (config, paths, containerd files of the runtime step) -> why the running containerd has not loaded
+    # them (one was written after it started), or None: an earlier run whose restart failed is finished here
+    containerd_behind: Callable[[AgentConfig, HostPaths, list[str]], str | None] | None = None
 
 
 def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: BootstrapParts) -> Report:
@@ -179,9 +182,15 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
         skip("containerd-restart", "runtime.enabled = false")
     else:
         rt = step("runtime", lambda: parts.configure_runtime(config, paths))
+        behind: str | None = None
+        if rt.outcome is Outcome.UNCHANGED and parts.containerd_behind is not None and options.restart_containerd:
+            try:
+                behind = parts.containerd_behind(config, paths, list(rt.details.get("containerd_files", [])))
+            except (OSError, NodeAgentError) as e:
+                log.warning("cannot tell whether containerd runs the current config: %s", e)
         if rt.outcome is Outcome.CHANGED and rt.details.get("restart_needed") is False:
             skip("containerd-restart", "only the NVIDIA toolkit config changed")
-        elif rt.outcome is not Outcome.CHANGED:
+        elif rt.outcome is not Outcome.CHANGED and behind is None:
             skip("containerd-restart", "containerd config unchanged" if rt.outcome is Outcome.UNCHANGED
                  else "runtime step did not succeed")
         elif not options.restart_containerd:
@@ -189,6 +198,8 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
         elif config.runtime.restart == "none":
             skip("containerd-restart", "runtime.restart = none")
         else:
+            if behind is not None:
+                log.info("containerd-restart: %s", behind)
             step("containerd-restart", lambda: parts.restart_containerd(config, paths))
 
     # containerd reads CDI specs when it creates a container: the spec may follow its restart
@@ -325,7 +336,8 @@ def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
     result = configure(paths, options_from_settings(config.runtime, kubelet_dir=config.kubelet.dir,
                                                     device_list_strategies=strategies))
     changed = [f"{f.path} ({f.action})" for f in result.files if f.action != "unchanged"]
-    details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed}
+    details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed,
+                               "containerd_files": list(result.containerd_files)}
     if result.warnings:
         details["warnings"] = list(result.warnings)
     if result.notes:
@@ -337,6 +349,17 @@ def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
     if not result.changed:
         return StepResult(Outcome.UNCHANGED, "containerd already carries the nvidia runtime", details)
     return StepResult(Outcome.CHANGED, "wrote " + ", ".join(changed), details)
+
+
+def _containerd_behind(config: AgentConfig, paths: HostPaths, files: list[str]) -> str | None:
+    from nodeagent.runtime.restart import DEFAULT_SOCKET, newer_than_server
+
+    if config.runtime.restart == "none":
+        return None
+    newer = newer_than_server(paths(DEFAULT_SOCKET), [paths(f) for f in files])
+    if newer is None:
+        return None
+    return f"containerd started before {paths.to_host(newer)} was last written: it runs an older config"
 
 
 def _restart_containerd(config: AgentConfig, paths: HostPaths) -> StepResult:
@@ -434,4 +457,5 @@ def default_parts() -> BootstrapParts:
         connect=_connect,
         record_event=_record_event,
         write_cdi=_write_cdi,
+        containerd_behind=_containerd_behind,
     )

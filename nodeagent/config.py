@@ -432,12 +432,13 @@ def load_config(
     """
     if config_file is None:
         path = paths(DEFAULT_CONFIG)
+        where = paths.shown(DEFAULT_CONFIG)
         explicit = False
     else:
         path = config_file
+        where = str(path)
         explicit = True
-    where = str(path)
-    text = _read_text(path, "config file", "")
+    text = _read_text(path, "config file", "", where)
     if text is None:
         if explicit:
             raise ConfigError(f"{where}: config file not found", subject=where)
@@ -447,28 +448,32 @@ def load_config(
     return apply_overrides(cfg, overrides or {})
 
 
-def _read_text(path: Path, what: str, key: str) -> str | None:
+def _read_text(path: Path, what: str, key: str, shown: str | None = None) -> str | None:
     """UTF-8 text of a regular file of bounded size, None when it does not exist. Never blocks: a FIFO, a
-    directory or a device in its place is a ``ConfigError`` naming the file, as is a file too big."""
+    directory or a device in its place is a ``ConfigError`` naming the file (as ``shown``, when given), as
+    is a file too big."""
     from nodeagent.fileio import read_text
 
     named = f" ({key})" if key else ""
+    where = shown or str(path)
     try:
         return read_text(path)
     except ConfigError as e:  # fileio's own line, said as the configuration's
         reason = str(e).removeprefix(f"{path}: ").removeprefix("cannot read: ")
-        raise ConfigError(f"{path}: cannot read the {what}{named}: {reason}", subject=str(path)) from e
+        raise ConfigError(f"{where}: cannot read the {what}{named}: {reason}", subject=where) from e
 
 
-def read_named_file(path: Path, what: str, key: str) -> str | None:
+def read_named_file(path: Path, what: str, key: str, shown: str | None = None) -> str | None:
     """Text of a file the configuration names; None when it does not exist; ``ConfigError`` when it cannot
-    be read (a directory, no permission, not UTF-8)."""
-    return _read_text(path, what, key)
+    be read (a directory, no permission, not UTF-8). ``shown``: the file's name in messages (``path`` by
+    default; ``HostPaths.shown`` for a file read under the root)."""
+    return _read_text(path, what, key, shown)
 
 
-def require_named_file(path: Path, what: str, key: str) -> str:
+def require_named_file(path: Path, what: str, key: str, shown: str | None = None) -> str:
     """Like ``read_named_file``, with a missing file a ``ConfigError`` too."""
-    text = read_named_file(path, what, key)
+    text = read_named_file(path, what, key, shown)
     if text is None:
-        raise ConfigError(f"{path}: {what} ({key}) not found", subject=str(path))
+        where = shown or str(path)
+        raise ConfigError(f"{where}: {what} ({key}) not found", subject=where)
     return text

@@ -96,6 +96,12 @@ class HostPaths:
             raise HostPathError(f"{text} is not under the root {root}", subject=text)
         return posixpath.join(self.on_host, rel) if rel else self.on_host
 
+    def shown(self, host_path: str) -> str:
+        """An absolute host path under the root the way a message names it: joined to the root, its symlinks
+        not followed (a ConfigMap volume's ``config.toml``, not the ``..2026_11_26_...`` directory it
+        resolves to). Only for messages: files are opened through ``__call__``."""
+        return str(self.root.joinpath(*confined_parts(host_path)))
+
     def publish(self, host_path: str) -> str:
         """The published name of an absolute host path (``published(self(host_path))``)."""
         return self.published(self(host_path))

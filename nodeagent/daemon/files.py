@@ -41,9 +41,9 @@ def read_config_files(config: AgentConfig, paths: HostPaths) -> ConfigFiles:
     if dp.enabled and dp.config:
         from nodeagent.sharing.spec import parse_plugin_config
 
-        path = paths(dp.config)
-        text = require_named_file(path, "device-plugin config", "device_plugin.config")
-        plugin_config = parse_plugin_config(text, source=str(path))
+        shown = paths.shown(dp.config)  # a ConfigMap's file, not the ..data directory it resolves to
+        text = require_named_file(paths(dp.config), "device-plugin config", "device_plugin.config", shown)
+        plugin_config = parse_plugin_config(text, source=shown)
         digests["device_plugin"] = hashlib.sha256(text.encode()).hexdigest()
     mig_sources = None
     if config.mig.enabled and config.kube:

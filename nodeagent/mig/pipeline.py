@@ -54,6 +54,8 @@ def load_sources(
     config_key: str = "-f",
     hooks_key: str = "--hooks-file",
     config_optional: bool = False,
+    config_shown: str | None = None,
+    hooks_shown: str | None = None,
 ) -> MigSources:
     """Read and parse the MIG config file (``-`` = stdin; None = generated standard configs) and the hooks
     file. ``config_optional``: a missing config file means the standard configs (the default
@@ -66,17 +68,19 @@ def load_sources(
         configs = parse_config(text, "<stdin>")
     elif config_path is not None:
         path = Path(config_path)
-        read = read_named_file(path, "MIG config file", config_key)
+        where = config_shown or str(path)
+        read = read_named_file(path, "MIG config file", config_key, where)
         if read is None and not config_optional:
-            raise ConfigError(f"{path}: MIG config file ({config_key}) not found", subject=str(path))
+            raise ConfigError(f"{where}: MIG config file ({config_key}) not found", subject=where)
         if read is not None:
             text = read
-            configs = parse_config(read, str(path))
+            configs = parse_config(read, where)
     hooks: Hooks | None = None
     hooks_text = ""
     if hooks_path is not None:
-        hooks_text = require_named_file(hooks_path, "MIG hooks file", hooks_key)
-        hooks = parse_hooks(hooks_text, str(hooks_path))
+        hooks_where = hooks_shown or str(hooks_path)
+        hooks_text = require_named_file(hooks_path, "MIG hooks file", hooks_key, hooks_where)
+        hooks = parse_hooks(hooks_text, hooks_where)
     digest = hashlib.sha256(f"{text}\0{hooks_text}".encode()).hexdigest()
     return MigSources(
         configs,
@@ -111,6 +115,8 @@ def load_configured_sources(settings: MigSettings, paths: HostPaths) -> MigSourc
         config_key="mig.config_file",
         hooks_key="mig.hooks_file",
         config_optional=settings.config_file == MigSettings().config_file,
+        config_shown=paths.shown(settings.config_file),
+        hooks_shown=paths.shown(settings.hooks_file) if settings.hooks_file else None,
     )
 
 

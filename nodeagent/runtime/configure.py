@@ -97,6 +97,9 @@ class Result:
     dry_run: bool = False
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # host paths of the containerd files this change manages (changed or not): a containerd started before
+    # one of them was last written runs an older config
+    containerd_files: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -386,6 +389,7 @@ def configure(paths: HostPaths, opts: Options, *, _after_write: Any = None) -> R
             f"containerd {facts['containerd_version']} has no CDI support (needs 1.7 or later); "
             "enable_cdi is written but ignored until containerd is upgraded"
         )
+    result.containerd_files = [p.path for p in plans if p.kind == "containerd"]
     for p in plans:
         action: Any = ("create" if p.old is None else "write") if p.changed else "unchanged"
         result.files.append(FileChange(p.path, action, diff=_diff(p.path, p.old, p.new) if p.changed else ""))

@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket as _socket
+import struct
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -53,15 +55,48 @@ def answers(socket: Path, timeout: float = 2.0) -> bool:
     return True
 
 
-def serving_pid(socket: Path) -> int | None:
-    """The pid of the process listening on the unix ``socket``, if any."""
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def serving_pid(socket: Path, timeout: float = 2.0) -> int | None:
+    """The pid of the process listening on the unix ``socket``, if any: the kernel's credentials of the peer
+    (SO_PEERCRED) of a connection to it. Unlike a listing of /proc/net/unix this works from another network
+    namespace (a pod without hostNetwork that mounts the node's /run/containerd) and whatever path the
+    socket is reached by (``/host/run/...``); the pid is in this process's pid namespace, 0 (``None`` here)
+    when the listener is outside it (a pod without hostPID)."""
+    try:
+        with _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(socket))
+            raw = s.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:
+        return None
+    pid = _PEERCRED.unpack(raw)[0]
+    return pid if pid > 0 else None
+
+
+def newer_than_server(socket: Path, files: Iterable[Path]) -> Path | None:
+    """The newest of ``files`` changed after the process serving ``socket`` started (it runs an older config:
+    containerd reads its config only at start), or ``None`` when none is, or when nothing serves the socket or
+    its start time cannot be read. Catches a config written by an earlier run whose restart failed."""
+    pid = serving_pid(socket)
+    if pid is None:
+        return None
     import psutil
 
-    want = str(socket)
-    for conn in psutil.net_connections(kind="unix"):
-        if str(conn.laddr) == want and conn.pid is not None and conn.status in ("NONE", psutil.CONN_LISTEN):
-            return conn.pid
-    return None
+    try:
+        started = psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
+        return None
+    newest: tuple[float, Path] | None = None
+    for f in files:
+        try:
+            mtime = os.stat(f).st_mtime
+        except OSError:
+            continue
+        if mtime > started and (newest is None or mtime > newest[0]):
+            newest = (mtime, f)
+    return newest[1] if newest is not None else None
 
 
 def wait_ready(socket: Path, timeout: float, *, old_pid: int | None = None, poll: float = 0.2) -> float:

@@ -2,7 +2,9 @@
 the manifests applied with the release's kubectl, the agent from its own image (built from
 packaging/kubernetes/Containerfile), the real kubelet serving GPU pods through it.
 
-The tests run in file order on one installation of the agent (module fixture ``agent``) and one cluster."""
+The tests run in file order on one cluster: first on one installation of the agent from the plain manifests
+(module fixture ``agent``), which test_kubectl_delete_leaves_the_node_clean deletes; then the README's Helm
+lines install, upgrade and uninstall the chart (the block "Helm" at the end)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import re
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -96,6 +98,10 @@ def test_readme_manifests_make_the_node_gpu_ready(cluster: Cluster, agent: dict[
     init = agent["status"]["initContainerStatuses"]
     assert [s["name"] for s in init] == ["bootstrap"]
     assert init[0]["state"]["terminated"]["exitCode"] == 0, init
+    # ... at the first attempt, and it restarted the node's containerd to load the nvidia runtime (from a pod
+    # without hostNetwork: the listener is found by the socket's peer credentials, not /proc/net/unix)
+    assert init[0]["restartCount"] == 0, init
+    assert cluster.containerd_restarts >= 1
     # one GPU object per card, written by the agent
     gpus = cluster.get_json("gpus")["items"]
     assert sorted(g["spec"]["index"] for g in gpus) == list(range(GPU_COUNT))
@@ -271,8 +277,25 @@ def test_agent_pod_deleted_comes_back_and_running_pods_keep_their_devices(
     cluster.kubectl("delete", "pod", "holder", "--wait=true")
 
 
+def _registrations(cluster: Cluster) -> int:
+    """How often the running agent has registered nvidia.com/gpu with the kubelet (its JSON log)."""
+    pod = running_agent(cluster)
+    if pod is None:
+        return -1
+    try:
+        log = cluster.kubectl("logs", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent").stdout
+    except RuntimeError:  # the logs come through the kubelet, which may be restarting
+        return -1
+    return sum(1 for line in log.splitlines() if f"registered {RESOURCE} with the kubelet" in line)
+
+
 def test_kubelet_restart_the_agent_registers_again(cluster: Cluster, agent: dict[str, Any]) -> None:
+    before = _registrations(cluster)
+    assert before >= 1
     cluster.restart_kubelet()
+    # the new kubelet knows the plugin only from a new Register call of the same agent process
+    cluster.wait_for("the agent registers again after the kubelet restarted",
+                     lambda: _registrations(cluster) > before, timeout=120)
     cluster.wait_for("allocatable 8 after the kubelet restarted", lambda: allocatable(cluster) == GPU_COUNT
                      and running_agent(cluster) is not None, timeout=120)
     obj, log, devices = run_probe(cluster, _gpu_pod("after-restart", 1, PROBE))
@@ -482,3 +505,131 @@ def test_kubectl_delete_leaves_the_node_clean(cluster: Cluster, agent: dict[str,
     # the containerd wiring of the init container stays (docs/kubernetes.md: "Removing nodeagent")
     assert 'nvidia' in CONTAINERD_CONFIG.read_text() or any(
         p.name.endswith(".toml") for p in CONTAINERD_CONFIG.parent.glob("conf.d/*"))
+
+
+# --- Helm ---
+# The README's Helm lines on the same cluster, once the plain installation above is deleted (or on a fresh
+# cluster when only these tests run): install, an upgrade that changes the device-plugin config, uninstall.
+
+CHART = "packaging/helm/nodeagent"
+TIME_SLICING = """version: v1
+sharing:
+  timeSlicing:
+    resources:
+      - name: nvidia.com/gpu
+        replicas: 2
+"""
+
+
+def readme_helm_commands() -> list[list[str]]:
+    """The shell lines of the README's Helm block (kubectl create namespace ..., helm install ..., ...)."""
+    from tests.peers.cluster import REPO
+
+    section = (REPO / "README.md").read_text().split(README_SECTION, 1)[1]
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", section, flags=re.S) if "helm install" in b)
+    return [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """``helm(*args)``: the suite's helm against the cluster, from the repository's directory, with a private
+    home (no repositories, plugins or cache of the machine's user); its stdout."""
+    import subprocess
+
+    from tests.peers._resolve import peer_binary
+    from tests.peers.cluster import REPO
+
+    binary = peer_binary("NODEAGENT_HELM", "nodeagent_peers_helm", "helm (helm.sh/helm/v3)")
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {"HOME": str(home), "HELM_CACHE_HOME": str(home / "cache"), "HELM_CONFIG_HOME": str(home / "config"),
+           "HELM_DATA_HOME": str(home / "data"), "PATH": "/usr/bin:/bin"}
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([str(binary), *args, "--kubeconfig", str(cluster.apiserver.kubeconfig)],
+                              capture_output=True, text=True, timeout=300, check=False, env=env, cwd=REPO)
+        assert proc.returncode == 0, f"helm {' '.join(args)}: {proc.stdout}{proc.stderr}"
+        return proc.stdout
+
+    return run
+
+
+def _image_values(cluster: Cluster) -> list[str]:
+    """--set lines naming the agent image the cluster's containerd holds (imported, never pulled)."""
+    repository, tag = cluster.images["agent"].rsplit(":", 1)
+    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}"]
+
+
+def _daemonset(cluster: Cluster) -> dict[str, Any]:
+    return cluster.get_json("daemonset", "-n", "nodeagent", "nodeagent")
+
+
+def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, helm: Callable[..., str]) -> None:
+    """The README's Helm lines as written (the image values added); the node label is removed first, so the
+    README's own label line is what schedules the agent."""
+    commands = readme_helm_commands()
+    assert [c[0] for c in commands] == ["kubectl", "kubectl", "helm", "kubectl"], commands
+    cluster.kubectl("label", "node", cluster.node_name, "nodeagent.io/gpu-")
+    assert agent_pods(cluster) == [] and allocatable(cluster) == 0
+    start = time.monotonic()
+    for command in commands:
+        args = [a.replace("<gpu-node>", cluster.node_name) for a in command[1:]]
+        if command[0] == "helm":
+            out = helm(*args, *_image_values(cluster))
+            assert "STATUS: deployed" in out and "REVISION: 1" in out, out
+        else:
+            cluster.kubectl(*args)
+    pod = cluster.wait_for("the agent pod of the release Running and ready", lambda: running_agent(cluster),
+                           timeout=180)
+    cluster.wait_for(f"allocatable {RESOURCE}: {GPU_COUNT}", lambda: allocatable(cluster) == GPU_COUNT, timeout=60)
+    print(f"helm install: the node shows {GPU_COUNT} GPUs after {time.monotonic() - start:.1f}s")
+    daemonset = _daemonset(cluster)
+    assert daemonset["metadata"]["annotations"]["meta.helm.sh/release-name"] == "nodeagent"
+    assert [c["image"] for c in pod["spec"]["containers"]] == [cluster.images["agent"]]
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == daemonset["metadata"]["uid"]
+    # the agent wrote its GPU objects again (the plain installation's CRD went with its files)
+    cluster.wait_for("one GPU object per card", lambda: len(cluster.get_json("gpus")["items"]) == GPU_COUNT,
+                     timeout=60)
+
+
+def test_helm_upgrade_with_time_slicing_rolls_the_agent(cluster: Cluster, helm: Callable[..., str]) -> None:
+    """A new devicePlugin.config changes the pods' checksum/config: the upgrade replaces the agent pod and the
+    Node's allocatable follows the new config (two replicas per GPU)."""
+    old = running_agent(cluster)
+    assert old is not None and allocatable(cluster) == GPU_COUNT
+    old_checksum = _daemonset(cluster)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    start = time.monotonic()
+    out = helm("upgrade", "nodeagent", CHART, "--namespace", "nodeagent", *_image_values(cluster),
+               "--set-string", f"devicePlugin.config={TIME_SLICING}")
+    assert "REVISION: 2" in out, out
+    assert _daemonset(cluster)["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != old_checksum
+    config = cluster.get_json("configmap", "-n", "nodeagent", "nodeagent-config")["data"]
+    assert config["device-plugin.yaml"] == TIME_SLICING
+
+    def rolled() -> dict[str, Any] | None:
+        pod = running_agent(cluster)
+        if pod is None or pod["metadata"]["uid"] == old["metadata"]["uid"]:
+            return None
+        return pod if allocatable(cluster) == 2 * GPU_COUNT else None
+
+    new = cluster.wait_for(f"a new agent pod and allocatable {2 * GPU_COUNT}", rolled, timeout=180)
+    print(f"helm upgrade: rolled and {2 * GPU_COUNT} replicas allocatable after {time.monotonic() - start:.1f}s")
+    assert [p["metadata"]["uid"] for p in agent_pods(cluster)] == [new["metadata"]["uid"]]
+
+
+def test_helm_uninstall_leaves_no_agent_and_no_socket(cluster: Cluster, helm: Callable[..., str]) -> None:
+    from tests.peers.cluster import KUBELET_DIR
+
+    helm("uninstall", "nodeagent", "--namespace", "nodeagent", "--wait", "--timeout", "120s")
+    cluster.wait_for("the agent pods gone", lambda: not agent_pods(cluster), timeout=120)
+    sockets = sorted(p.name for p in (KUBELET_DIR / "device-plugins").glob("*.sock"))
+    assert sockets == ["kubelet.sock"], sockets
+    assert not list((KUBELET_DIR / "plugins_registry").glob("*nodeagent*"))
+    cluster.wait_for("allocatable nvidia.com/gpu 0 once the plugin is gone", lambda: allocatable(cluster) == 0,
+                     timeout=60)
+    for kind in ("daemonset", "configmap", "serviceaccount"):
+        names = cluster.kubectl("get", kind, "-n", "nodeagent", "-o", "name").stdout.split()
+        assert not [n for n in names if "nodeagent" in n and "kube-root-ca" not in n], (kind, names)
+    # helm never deletes the CRDs it installed: the GPU objects' type outlives the release
+    cluster.get_json("crd", "gpus.nodeagent.io")
+    # the namespace the README's lines created is not the release's
+    cluster.kubectl("delete", "namespace", "nodeagent", "--wait=false")

@@ -129,6 +129,42 @@ def test_default_render_is_the_plain_manifests(helm: Path) -> None:
     assert (CHART / "files/nodeagent-rules.yaml").read_bytes() == RULES.read_bytes()
 
 
+def config_checksum(data: dict[str, str]) -> str:
+    """What the chart's ``checksum/config`` is: sha256 of the ConfigMap's data as Go's json.Marshal writes it
+    (keys sorted, no spaces, <, > and & escaped)."""
+    import hashlib
+
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
+                          ("\u2029", "\\u2029")):
+        text = text.replace(char, escaped)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def pod_checksum(docs: list[Doc]) -> str | None:
+    annotations = one(docs, "DaemonSet")["spec"]["template"]["metadata"].get("annotations", {})
+    value: str | None = annotations.get("checksum/config")
+    return value
+
+
+def test_a_changed_config_rolls_the_pods(helm: Path) -> None:
+    """The pods carry a hash of the ConfigMap's data, so `helm upgrade` with another config rolls them: the
+    plain DaemonSet's value is the hash of the plain ConfigMap, every variant's that of its own ConfigMap."""
+    plain = plain_documents()
+    default = one(plain, "ConfigMap")["data"]
+    assert pod_checksum(plain) == config_checksum(default)
+    escaped = "devicePlugin.config=version: v1  # <a> & b\nflags:\n  migStrategy: single\n"
+    for name, sets in [*VARIANTS.items(), ("escaped", [escaped])]:
+        docs = render(helm, *sets)
+        if name == "config-map-name":
+            # not the chart's ConfigMap: nothing to hash
+            assert pod_checksum(docs) is None
+            continue
+        data = one(docs, "ConfigMap")["data"]
+        assert pod_checksum(docs) == config_checksum(data), name
+        assert (pod_checksum(docs) == pod_checksum(plain)) == (data == default), name
+
+
 def test_dra_variant_renders_the_plain_device_classes(helm: Path) -> None:
     rendered = by_key(render(helm, *VARIANTS["plane-dra"]))
     for name in ("deviceclass.yaml", "deviceclass-extended-resource.yaml"):

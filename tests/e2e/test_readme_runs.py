@@ -29,9 +29,10 @@ ELSEWHERE = {
     "apt-get install ./dist/nodeagent_": "tests/e2e/test_systemd_boot.py and test_distros.py (Debian 12 and 13 roots)",
     "kubectl apply -f packaging/kubernetes/": "tests/e2e/test_kube_manifests.py (server-side dry run)",
     "kubectl label node": "tests/e2e/test_kube_manifests.py",
-    "kubectl create namespace nodeagent": "tests/e2e/test_helm_chart.py (the release's namespace)",
-    "kubectl label namespace nodeagent": "tests/e2e/test_helm_chart.py (the chart's pods are privileged)",
-    "helm install nodeagent packaging/helm/nodeagent": "tests/e2e/test_helm_chart.py (install on a real apiserver)",
+    "kubectl create namespace nodeagent": "tests/cluster/test_whole_node.py (the README's Helm lines)",
+    "kubectl label namespace nodeagent": "tests/cluster/test_whole_node.py (the README's Helm lines)",
+    "helm install nodeagent packaging/helm/nodeagent": "tests/cluster/test_whole_node.py (on the whole-node "
+                                                       "cluster), tests/e2e/test_helm_chart.py (a real apiserver)",
 }
 # commands whose exit code says what they found: 1 = warnings (a sandbox has no kubelet) is fine
 FINDING_EXIT = {"doctor": (0, 1)}

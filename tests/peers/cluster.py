@@ -491,7 +491,7 @@ def _check_free() -> None:
 
 
 def _import_image(ctr_base: list[str], archive: str, ref: str) -> None:
-    proc = _run([*ctr_base, "images", "import", "--no-unpack", archive], check=False, timeout=600)
+    proc = _run([*ctr_base, "images", "import", archive], check=False, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"ctr images import {archive} failed: {proc.stderr.strip()}")
     listed = _run([*ctr_base, "images", "list", "-q"], timeout=60).stdout.split()

@@ -184,3 +184,26 @@ def test_the_runtime_step_uses_the_configured_kubelet_dir_and_reports_warnings_a
     res = _configure_runtime(cfg, P)
     assert [o.kubelet_dir for o in seen] == ["/data/kubelet"]
     assert res.details["warnings"] == ["CRI plugin disabled"] and res.details["notes"] == ["already wired"]
+
+
+def test_a_restart_that_failed_before_is_done_by_the_next_run() -> None:
+    """An earlier run wrote the containerd config and its restart failed (its init container ran again): the
+    config is unchanged now, but containerd started before it was written, so this run restarts it."""
+    node = Node()
+    node.runtime_written = True
+    seen: list[list[str]] = []
+
+    def behind(cfg: AgentConfig, paths: HostPaths, files: list[str]) -> str | None:
+        seen.append(files)
+        return "containerd started before /etc/containerd/config.toml was last written"
+
+    r = bootstrap(AgentConfig(), P, Options(), node.parts(containerd_behind=behind))
+    assert results(r)["runtime"] == "unchanged" and results(r)["containerd-restart"] == "changed"
+    assert node.restarts == 1 and r.exit_code == 0
+    # up to date: nothing restarted
+    r2 = bootstrap(AgentConfig(), P, Options(), node.parts(containerd_behind=lambda c, p, f: None))
+    assert results(r2)["containerd-restart"] == "skipped" and node.restarts == 1
+    # an image build never restarts, and is not even asked
+    seen.clear()
+    r3 = bootstrap(AgentConfig(), P, Options(restart_containerd=False), node.parts(containerd_behind=behind))
+    assert results(r3)["containerd-restart"] == "skipped" and node.restarts == 1 and not seen

@@ -143,3 +143,39 @@ def test_a_broken_file_stops_the_daemon_before_anything_opens() -> None:
         Daemon(AgentConfig(), HostPaths(Path("/")), gpu_factory=gpu, specs=[], notifier=Notifier({}),
                read_files=read)
     assert opened == []
+
+
+def configmap_volume(root: Path, files: dict[str, str]) -> None:
+    """/etc/nodeagent laid out as the kubelet lays out a ConfigMap volume: the files in a timestamped
+    directory, ``..data`` a link to it, and each name a link through ``..data``."""
+    etc = root / "etc/nodeagent"
+    stamp = etc / "..2026_11_26_18_00_00.123456789"
+    stamp.mkdir(parents=True)
+    (etc / "..data").symlink_to(stamp.name)
+    for name, text in files.items():
+        (stamp / name).write_text(text)
+        (etc / name).symlink_to(f"..data/{name}")
+
+
+@pytest.mark.parametrize(("name", "key"), [
+    ("config.toml", None),
+    ("dp.yaml", "device_plugin.config"),
+    ("mig-config.yaml", "mig.config_file"),
+    ("hooks.yaml", "mig.hooks_file"),
+])
+def test_errors_in_a_configmap_volume_name_the_file_not_its_timestamp_directory(tmp_path: Path, name: str,
+                                                                                 key: str | None) -> None:
+    from nodeagent.config import load_config
+
+    good = {"config.toml": "", "dp.yaml": DP, "mig-config.yaml": MIG, "hooks.yaml": HOOKS}
+    good[name] = "version: v1\n  bad: [\n" if name != "config.toml" else "[agent\n"
+    configmap_volume(tmp_path, good)
+    paths = HostPaths(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        if key is None:
+            load_config(paths)
+        else:
+            read_config_files(cfg(**{"device_plugin.config": "/etc/nodeagent/dp.yaml",
+                                     "mig.hooks_file": "/etc/nodeagent/hooks.yaml"}), paths)
+    assert str(e.value).startswith(f"{tmp_path}/etc/nodeagent/{name}"), str(e.value)
+    assert "..data" not in str(e.value) and "..2026" not in str(e.value), str(e.value)

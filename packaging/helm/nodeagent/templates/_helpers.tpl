@@ -16,6 +16,11 @@ app.kubernetes.io/name: nodeagent
 {{- default (printf "%s-config" (include "nodeagent.fullname" .)) .Values.config.name -}}
 {{- end -}}
 
+{{/* sha256 of the data of the chart's ConfigMap as JSON (keys sorted, no spaces): the pods' checksum/config. */}}
+{{- define "nodeagent.configChecksum" -}}
+{{- (include (print .Template.BasePath "/configmap.yaml") . | fromYaml).data | toJson | sha256sum -}}
+{{- end -}}
+
 {{/* Whether the chart writes a device-plugin config file next to config.toml. */}}
 {{- define "nodeagent.devicePluginFile" -}}
 {{- if or .Values.devicePlugin.config .Values.migStrategy .Values.deviceListStrategy -}}true{{- end -}}
