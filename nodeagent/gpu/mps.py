@@ -50,7 +50,6 @@ COMPUTE_MODE_RECORD = "/run/nodeagent/mps/exclusive-gpus-{owner}.json"
 # NVML's compute modes (nvmlComputeMode_t)
 COMPUTE_DEFAULT = 0
 COMPUTE_EXCLUSIVE_PROCESS = 3
-COMPUTE_MODE_NAMES = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
 
 
 @runtime_checkable
