@@ -5,25 +5,32 @@ adapters the agent uses (NVML or the simulator, the containerd planner in dry-ru
 kubelet's device-plugin directory and checkpoint, the Kubernetes API), and turns them into findings:
 ``ok``, ``warning`` or ``error``, one line each, with the exact command that fixes it when there is one.
 
-Areas: driver (NVML, versions), gpus (MIG mode current/pending, layout, processes), health (GPUs off the
-bus), containerd (wired? CRI on? default runtime, CDI, the config loads), cdi (the spec is there and
-current), kubelet (running? which resources are registered; other device plugins and DRA drivers for the
-same GPUs), node (labels, conditions, allocatable against what was discovered, taints, a MIG manager or NFD
-acting on nodeagent's labels; skipped without the API), agent (running? its last bootstrap). Exit code: 0 all ok, 1 a warning, 2 an error.
+Areas: driver (NVML, versions, persistence mode), gpus (MIG mode current/pending, layout, processes),
+health (GPUs off the bus, the driver's recovery action, the GPUs the running agent serves Unhealthy with
+their XID), containerd (wired? CRI on? default runtime, CDI, does the installed containerd load the config's
+format?), cdi (the spec is there and current), kubelet (running? which resources are registered; other
+device plugins and DRA drivers for the same GPUs), node (labels, conditions, allocatable against what was
+discovered, taints, a MIG manager or NFD acting on nodeagent's labels; skipped without the API), agent (the
+node's config, running? in which unit or pod, the unit installed and enabled; from the agent's record its
+last config reload and its outcome, runs ended without a clean stop; its last bootstrap).
+Exit code: 0 all ok, 1 a warning, 2 an error.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
 import shlex
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from nodeagent import fileio
+from nodeagent.agentrecord import RECORD, AgentRecord, read_record
 from nodeagent.config import AgentConfig
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
@@ -87,6 +94,8 @@ class Sources:
     recovery: Callable[[list[int]], dict[int, int]] | None = None  # GPU indices -> the driver's recovery actions
     simulated: bool = False
     sim_fix: str = ""  # the options that reach the same simulated machine ("--simulate X --sim-state F")
+    now: Callable[[], float] = time.time
+    config_problem: str = ""  # why the node's config file cannot be used (checked with the defaults then)
 
     def gpu_command(self, subcommand: str) -> str:
         """``command`` for a subcommand that opens the GPUs: on the same simulated machine, if any."""
@@ -95,18 +104,38 @@ class Sources:
 
 def diagnose(src: Sources) -> Report:
     report = Report()
+    record, record_error = _read_record(src)
+    live = _live_record(src, record)
     inventory = _driver(src, report)
     if inventory is not None:
         _gpus(src, inventory, report)
-        _health(src, inventory, report)
+        _health(src, inventory, live, report)
     _containerd(src, report)
     if inventory is not None:
         _cdi(src, inventory, report)
     facts = _read_kube(src, report)
     _kubelet(src, inventory, facts, report)
     _node(src, inventory, facts, report)
-    _agent(src, report)
+    _agent(src, record, record_error, report)
     return report
+
+
+def _read_record(src: Sources) -> tuple[AgentRecord | None, str]:
+    """The running agent's record under the root (None when there is none), or why it cannot be used."""
+    try:
+        return read_record(src.paths), ""
+    except NodeAgentError as e:
+        return None, str(e)
+
+
+def _live_record(src: Sources, record: AgentRecord | None) -> AgentRecord | None:
+    """The record when it is of a run that is not over: no clean stop in it, and its pid among the agents
+    /proc shows (without /proc under the root, taken as running)."""
+    if record is None or record.stopped is not None:
+        return None
+    if src.paths.proc.is_dir() and record.pid not in set(_agent_pids(src.paths)):
+        return None
+    return record
 
 
 # -- driver and GPUs ---------------------------------------------------------------------------------------
@@ -121,7 +150,26 @@ def _driver(src: Sources, report: Report) -> Inventory | None:
     cuda = inventory.cuda_driver_version
     report.add("driver", "ok", f"driver {inventory.driver_version}, CUDA {cuda // 1000}.{cuda % 1000 // 10}"
                + (" (simulated)" if src.simulated else ""))
+    _persistence(src, inventory, report)
     return inventory
+
+
+def _persistence(src: Sources, inventory: Inventory, report: Report) -> None:
+    """The driver's persistence mode per GPU: disabled, the driver tears a GPU's state down whenever its last
+    client exits (every start pays the initialisation again, settings made meanwhile are lost); NVIDIA's
+    advice is to run nvidia-persistenced, which enables it at boot."""
+    answering = [g for g in inventory.gpus if not g.lost and g.persistence_mode is not None]
+    off = [g.index for g in answering if not g.persistence_mode]
+    if off:
+        fix = (src.gpu_command("sim inject persistence enabled") if src.simulated
+               else "systemctl enable --now nvidia-persistenced")
+        report.add("driver", "warning", f"persistence mode disabled on GPU {', '.join(map(str, off))}: the driver "
+                   "tears the GPU's state down whenever its last client exits (slow starts, settings lost); "
+                   "NVIDIA's advice: run nvidia-persistenced", fix)
+    elif answering:
+        report.add("driver", "ok", f"persistence mode enabled on {'every GPU' if len(answering) > 1 else 'the GPU'}")
+    elif any(not g.lost for g in inventory.gpus):
+        report.add("driver", "ok", "persistence mode not reported by NVML")
 
 
 def _gpus(src: Sources, inventory: Inventory, report: Report) -> None:
@@ -148,7 +196,7 @@ def _gpus(src: Sources, inventory: Inventory, report: Report) -> None:
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
 
 
-def _health(src: Sources, inventory: Inventory, report: Report) -> None:
+def _health(src: Sources, inventory: Inventory, live: AgentRecord | None, report: Report) -> None:
     from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
 
     lost = [g.index for g in inventory.gpus if g.lost]
@@ -172,11 +220,25 @@ def _health(src: Sources, inventory: Inventory, report: Report) -> None:
                    "GPUHealthy condition names the XID)", fix)
     if not lost and not asks:
         report.add("health", "ok", "every GPU answers NVML, no recovery asked for")
+    if live is None:
+        return
+    # what the running agent's health monitor holds (XIDs are events: only the agent saw them)
+    for f in live.unhealthy:
+        if f.lost or f.gpu in asks:
+            continue  # told above from NVML itself
+        what = f"GPU {f.gpu}" + (f" (GPU instance {f.gi})" if f.gi is not None else "")
+        why = f"after XID {f.xid}" if f.xid is not None else "by its health check"
+        report.add("health", "error", f"{what} is served Unhealthy to the kubelet {why} (the agent's health "
+                   f"monitor, since {_when(live.health_changed, src)}); it is Healthy again once NVML shows no "
+                   "new critical XID for the [health] window")
+    if not live.unhealthy:
+        report.add("health", "ok", "the agent serves every GPU as Healthy (no XID held)")
 
 
 # -- containerd and CDI --------------------------------------------------------------------------------------
 def _containerd(src: Sources, report: Report) -> None:
     from nodeagent.runtime import configure as rc
+    from nodeagent.runtime import containerd_versions as ctv
 
     if not src.config.runtime.enabled:
         report.add("containerd", "ok", "not managed ([runtime] enabled = false)")
@@ -191,6 +253,10 @@ def _containerd(src: Sources, report: Report) -> None:
         return
     for warning in info["warnings"]:
         report.add("containerd", "error" if "CRI" in warning or "cri" in warning else "warning", warning)
+    installed = ctv.parse_containerd_version(info["containerd_version"] or "")
+    problem, fix = ctv.load_problem(installed, int(info["config_version"]))
+    if problem and info["sources"]:
+        report.add("containerd", "error", f"{info['sources'][0]}: {problem}", fix)
     if planned.changed:
         files = ", ".join(f.path for f in planned.files if f.action != "unchanged")
         report.add("containerd", "warning", f"not wired for the NVIDIA runtime ({files} differ)",
@@ -435,20 +501,99 @@ def _count(value: Any) -> int:
 
 
 # -- the agent itself ---------------------------------------------------------------------------------------------
-def _agent(src: Sources, report: Report) -> None:
-    if not src.paths.proc.is_dir():  # a root without /proc (an image, the DaemonSet's /host)
-        report.add("agent", "ok", f"not checked: no /proc under {src.paths.root}")
-        return
-    running = list(_agent_pids(src.paths))
-    if running:
+UNIT = "nodeagent.service"
+UNIT_DIRS = ("/etc/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
+UNIT_WANTS = "/etc/systemd/system/multi-user.target.wants"
+RECENT_S = 3600.0  # an unclean end of the agent older than this is told as history, not as a warning
+
+
+def _agent(src: Sources, record: AgentRecord | None, record_error: str, report: Report) -> None:
+    if src.config_problem:
+        report.add("agent", "error", f"the agent's config cannot be used: {src.config_problem} (doctor checked "
+                   "with the defaults; a running agent keeps the config it had, a starting one exits)",
+                   "correct the file, then reload the agent")
+    if record_error:
+        report.add("agent", "warning", f"{record_error} (left by another version?)")
+    installed, enabled = _unit_state(src.paths)
+    running: list[int] | None = list(_agent_pids(src.paths)) if src.paths.proc.is_dir() else None
+    if running is None:  # a root without /proc (an image, the DaemonSet's /host)
+        if record is None:
+            report.add("agent", "ok", f"not checked: no /proc under {src.paths.root} and no {RECORD}")
+        elif record.stopped is not None:
+            report.add("agent", "warning", f"the agent (pid {record.pid}) stopped at {_when(record.stopped, src)}; "
+                       f"whether one runs now is not checked (no /proc under {src.paths.root})")
+        else:
+            report.add("agent", "ok", f"the agent's record: pid {record.pid}, started {_when(record.started, src)} "
+                       f"with {record.config}; whether it still runs is not checked (no /proc under "
+                       f"{src.paths.root})")
+    elif running:
         where = {_where(src.paths, pid) for pid in running} - {""}
+        since = (f", started {_when(record.started, src)} with {record.config}"
+                 if record is not None and record.pid in running else "")
         report.add("agent", "ok", f"nodeagent run is running (pid {', '.join(map(str, running))})"
-                   + (f" in {', '.join(sorted(where))}" if where else ""))
+                   + (f" in {', '.join(sorted(where))}" if where else "") + since)
+        if installed and not enabled and not any(w.startswith("pod ") for w in where):
+            report.add("agent", "warning", f"{UNIT} is not enabled: the agent will not start at the next boot",
+                       _systemctl(src, "enable"))
     else:
-        report.add("agent", "warning", "nodeagent run is not running on this host",
-                   src.gpu_command("run") if src.simulated else
-                   "systemctl start nodeagent (bare metal), the DaemonSet's pod (Kubernetes), or "
+        ended = ""
+        if record is not None:
+            ended = (f"; the last one (pid {record.pid}) stopped at {_when(record.stopped, src)}"
+                     if record.stopped is not None else
+                     f"; the last one (pid {record.pid}, started {_when(record.started, src)}) ended without a "
+                     "clean stop (killed or crashed)")
+        if src.simulated:
+            fix = src.gpu_command("run")
+        elif installed:
+            fix = _systemctl(src, "enable --now" if not enabled else "start")
+        else:
+            fix = ("systemctl start nodeagent (bare metal), the DaemonSet's pod (Kubernetes), or "
                    + src.command("run"))
+        unit = (f" ({UNIT} installed, {'enabled' if enabled else 'not enabled'})" if installed else "")
+        report.add("agent", "warning", f"nodeagent run is not running on this host{unit}{ended}", fix)
+    if record is not None:
+        # the record's run is over when it says so, or when /proc shows no agent
+        live = record.stopped is None and (running is None or record.pid in running)
+        _reload_finding(src, record, installed, live, report)
+        _unclean_finding(src, record, report)
+    _bootstrap_finding(src, report)
+
+
+def _reload_finding(src: Sources, record: AgentRecord, installed: bool, running: bool,
+                    report: Report) -> None:
+    """The time and outcome of the agent's last SIGHUP reload (its record), with the fix of a refused one."""
+    last = record.last_reload
+    if last is None:
+        report.add("agent", "ok", f"no config reload since the agent's start at {_when(record.started, src)}")
+        return
+    what = f"last config reload {_when(last.time, src)}: {last.outcome}" + (f" ({last.detail})" if last.detail else "")
+    if last.outcome in ("applied", "unchanged") or not running:
+        report.add("agent", "ok", what + ("" if running else " (a run that is over)"))
+        return
+    config = record.config if record.config != "defaults" else "/etc/nodeagent/config.toml"
+    under_systemd = installed and not src.simulated and str(src.paths.root) == "/"
+    fix = f"correct {config} (or a file it names), then reload: " + (
+        "systemctl reload nodeagent" if under_systemd else f"kill -HUP {record.pid}")
+    report.add("agent", "warning", what + "; the agent keeps running on its previous config", fix)
+
+
+def _unclean_finding(src: Sources, record: AgentRecord, report: Report) -> None:
+    """Earlier runs since boot that ended without a clean stop: recent ones are a warning (a restart loop,
+    the watchdog, a crash), older ones history."""
+    if record.unclean_ends <= 0:
+        return
+    last = record.last_unclean
+    seen = last.get("seen")
+    recent = isinstance(seen, int | float) and src.now() - seen < RECENT_S
+    text = (f"{record.unclean_ends} of the agent's {record.starts} starts since boot followed a run that ended "
+            "without a clean stop" + (f" (the latest: pid {last['pid']}, started {_when(last['started'], src)}, "
+                                      f"its end seen {_when(seen, src)})" if "pid" in last and "started" in last
+                                      and seen is not None else ""))
+    where = "journalctl -u nodeagent -b" if not src.simulated else ""
+    report.add("agent", "warning" if recent else "ok", text, (f"read why: {where}" if where and recent else ""))
+
+
+def _bootstrap_finding(src: Sources, report: Report) -> None:
     try:
         data = fileio.read_regular(src.paths(BOOTSTRAP_REPORT), max_bytes=MAX_SMALL_FILE)
         last = json.loads(data) if data else None
@@ -460,6 +605,41 @@ def _agent(src: Sources, report: Report) -> None:
         report.add("agent", "ok" if code in (0, 3) else "warning", f"last bootstrap: exit {code}"
                    + (f", failed: {', '.join(map(str, failed))}" if failed else ""),
                    "" if code in (0, 3) else src.gpu_command("bootstrap"))
+
+
+def _unit_state(paths: HostPaths) -> tuple[bool, bool]:
+    """Whether the root has the agent's systemd unit installed, and enabled (wanted by multi-user.target);
+    read from the unit files, as ``systemctl --root`` would (no D-Bus, nothing run)."""
+
+    def exists(directory: str) -> bool:
+        try:
+            return os.path.lexists(paths(directory) / UNIT)
+        except NodeAgentError:
+            return False
+
+    return any(exists(d) for d in UNIT_DIRS), exists(UNIT_WANTS)
+
+
+def _systemctl(src: Sources, verb: str) -> str:
+    """A systemctl command for the agent's unit on this root: ``--root`` for a root other than ``/`` (only
+    enable/disable work there: nothing runs under a root)."""
+    root = str(src.paths.root)
+    if root == "/":
+        return f"systemctl {verb} nodeagent"
+    if verb.startswith("enable"):
+        return f"systemctl --root {shlex.quote(root)} enable nodeagent"
+    return f"systemctl {verb} nodeagent (on the host whose root is {root})"
+
+
+def _when(t: float | None, src: Sources) -> str:
+    """A time as UTC with its age: ``2026-11-26T18:02:11Z (3 min ago)``."""
+    if t is None:
+        return "an unknown time"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    age = max(0.0, src.now() - t)
+    ago = (f"{age:.0f} s" if age < 120 else f"{age / 60:.0f} min" if age < 7200 else f"{age / 3600:.1f} h"
+           if age < 172800 else f"{age / 86400:.0f} days")
+    return f"{stamp} ({ago} ago)"
 
 
 def _where(paths: HostPaths, pid: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,17 +33,27 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
     Read-only. Each finding is ok, warning or error on one line, with the command that fixes it.
     Exit 0 all ok, 1 a warning, 2 an error.
     """
-    from nodeagent.config import load_config
+    from nodeagent.config import AgentConfig, apply_overrides, load_config
     from nodeagent.doctor import Sources, diagnose
+    from nodeagent.errors import ConfigError
 
     settings = settings_of(ctx)
     opts = gpu_opts(ctx)
     paths = settings.paths
-    config = load_config(paths, config_file, {
+    overrides = {
         "kube": False if no_kube else None,
         "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
         "node_name": node_name,
-    })
+    }
+    config_problem = ""
+    try:
+        config = load_config(paths, config_file, overrides)
+    except ConfigError as e:
+        if config_file is not None:  # the file asked for on the command line: a bad input of this command
+            raise
+        # the node's own config is broken: that is a finding, and the rest is checked with the defaults
+        config_problem = str(e)
+        config = apply_overrides(dataclasses.replace(AgentConfig(), source="defaults"), overrides)
     simulated = opts.simulate is not None or opts.sim_state is not None
     sim_fix = " ".join(
         ([f"--simulate {shlex.quote(opts.simulate)}"] if opts.simulate else [])
@@ -65,7 +76,7 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
         paths=paths, config=config, discover=discover,
         command=lambda sub: f"{settings.command_prefix()} {sub}",
         kube=kube if config.kube else None, node_name=config.resolved_node_name(),
-        recovery=recovery, simulated=simulated, sim_fix=sim_fix,
+        recovery=recovery, simulated=simulated, sim_fix=sim_fix, config_problem=config_problem,
     ))
     click.echo(report.to_json() if as_json else report.render())
     return report.exit_code

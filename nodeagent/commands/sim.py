@@ -196,6 +196,19 @@ def inject_compute_mode(ctx: click.Context, gpu: int, mode: str) -> None:
     click.echo(f"GPU {gpu} compute mode {mode}")
 
 
+@inject_group.command("persistence")
+@gpu_options
+@click.option("--gpu", type=int, default=None, help="GPU index (default: every GPU).")
+@click.argument("mode", type=click.Choice(["enabled", "disabled"]))
+@click.pass_context
+def inject_persistence(ctx: click.Context, gpu: int | None, mode: str) -> None:
+    """Set the driver persistence mode as nvidia-smi -pm does (until the next sim reboot)."""
+    from nodeagent.simulator import inject
+
+    inject.set_persistence_mode(_store(ctx), gpu, mode == "enabled")
+    click.echo(f"{'every GPU' if gpu is None else f'GPU {gpu}'}: persistence mode {mode}")
+
+
 @inject_group.command("recover")
 @gpu_options
 @click.option("--gpu", type=int, default=None, help="Only this GPU (default: all, and pending failures).")

@@ -33,10 +33,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
+from nodeagent.agentrecord import Fault
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
@@ -207,6 +208,7 @@ class Daemon:
         notifier: Notifier | None = None,
         ready_fallback: float = READY_FALLBACK,
         read_files: Callable[[AgentConfig, HostPaths], ConfigFiles] | None = None,
+        recorder: RunRecorder | None = None,
     ) -> None:
         # The named files first: a broken one must stop the start before anything is opened or served.
         self._read_files = read_files
@@ -216,6 +218,7 @@ class Daemon:
         self._gpu_factory = gpu_factory
         self._kube_factory = kube_factory
         self._reload_config = reload_config
+        self._recorder = recorder
         self.notifier = notifier if notifier is not None else Notifier()
         self._ready_fallback = ready_fallback
         self.node_name = config.resolved_node_name()
@@ -237,6 +240,8 @@ class Daemon:
         self.started_at = time.monotonic()
         self.reloads = 0
         self.resyncs = 0
+        if recorder is not None:  # the GPUs' health as the components report it, for doctor
+            self.shared.conditions.subscribe(self._record_health)
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -293,11 +298,15 @@ class Daemon:
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
             loop.add_signal_handler(signal.SIGHUP, self.request_reload)
             loop.add_signal_handler(signal.SIGUSR1, self.log_diagnostics)
+        if self._recorder is not None:
+            self._recorder.started(self.config.source)
         try:
             await self._start()
             await self._main_loop()
         finally:
             await self._shutdown()
+            if self._recorder is not None:
+                self._recorder.stopped()
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
                     loop.remove_signal_handler(sig)
@@ -529,6 +538,7 @@ class Daemon:
         except Exception as e:  # a bug must not leave systemd waiting in "reloading" for good
             log.exception("reload failed")
             self.set_status("config", f"reload failed: {e}")
+            self._record_reload("failed", _one_line(e))
         finally:
             self.notifier.ready(self.status_line())
 
@@ -540,6 +550,18 @@ class Daemon:
         else:
             log.exception("reload rejected, keeping the running config")
         self.set_status("config", f"reload rejected: {e}")
+        self._record_reload("rejected", _one_line(e))
+
+    def _record_health(self) -> None:
+        health = self.shared.conditions.health
+        faults = () if health is None else tuple(
+            Fault(gpu=f.index, xid=f.xid, gi=f.gi_id, recovery=f.recovery, lost=f.lost) for f in health.faults)
+        if self._recorder is not None:
+            self._recorder.health(faults)
+
+    def _record_reload(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str) -> None:
+        if self._recorder is not None:
+            self._recorder.reloaded(outcome, detail, self.config.source)
 
     async def _reload(self) -> None:
         assert self._reload_config is not None
@@ -559,6 +581,7 @@ class Daemon:
         self._status.pop("config", None)
         if not changed:
             log.info("reload: config unchanged")
+            self._record_reload("unchanged", "")
             return
         log.info("reload: changed %s", ", ".join(sorted(changed)))
         opened: tuple[GpuSource, Any] | None = None
@@ -582,6 +605,9 @@ class Daemon:
                 if slot.spec.sections & changed or (slot.component is None and slot.error):
                     await self._stop_slot(slot)
                     await self._start_slot(slot)
+        failed = self.errors
+        self._record_reload("applied", "changed " + ", ".join(sorted(changed)) + "".join(
+            f"; {name}: {why}" for name, why in sorted(failed.items())))
         self.request_resync()
 
     def _open_sources(self, config: AgentConfig) -> tuple[GpuSource, Any]:
@@ -616,6 +642,19 @@ class Daemon:
         exc = task.exception()
         if exc is not None:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+
+class RunRecorder(Protocol):
+    """Where the daemon leaves its start, reloads and stop for ``nodeagent doctor`` (``agentrecord``)."""
+
+    def started(self, config_source: str) -> None: ...
+
+    def reloaded(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str = "",
+                 config_source: str | None = None) -> None: ...
+
+    def health(self, unhealthy: tuple[Fault, ...]) -> None: ...
+
+    def stopped(self) -> None: ...
 
 
 class Closable(Protocol):

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agentrecord import AgentRecorder
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import read_config_files
 from nodeagent.daemon.supervisor import Component, ComponentSpec, Context, Daemon, GpuSource
@@ -129,4 +130,5 @@ def build_daemon(
         reload_config=reload_config,
         notifier=notifier,
         read_files=read_config_files,
+        recorder=AgentRecorder(paths),
     )

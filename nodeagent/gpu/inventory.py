@@ -80,6 +80,8 @@ class Gpu:
     processes: tuple[GpuProcess, ...] = ()
     lost: bool = False  # fell off the bus (NVML_ERROR_GPU_IS_LOST); other fields may be stale
     bare_gpu_instances: tuple[MigDevice, ...] = ()  # GPU instances without a compute instance (ci_id -1)
+    # the driver's persistence mode (nvmlDeviceGetPersistenceMode); None where NVML does not report it
+    persistence_mode: bool | None = None
 
     @property
     def pci_device_id_str(self) -> str:

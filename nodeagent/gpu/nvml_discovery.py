@@ -110,6 +110,7 @@ class NvmlDiscovery(NvmlSession):
         arch = self._try("nvmlDeviceGetArchitecture", h, gpu=index)
         minor_number = self._try("nvmlDeviceGetMinorNumber", h, gpu=index)
         mig = self._try("nvmlDeviceGetMigMode", h, gpu=index)
+        persistence = self._try("nvmlDeviceGetPersistenceMode", h, gpu=index)
         mig_capable = mig is not None
         current = bool(as_int(mig[0])) if mig else False
         pending = bool(as_int(mig[1])) if mig else False
@@ -139,6 +140,7 @@ class NvmlDiscovery(NvmlSession):
             mig_devices=devices,
             processes=procs,
             bare_gpu_instances=bare,
+            persistence_mode=None if persistence is None else as_int(persistence) == 1,
         )
         self._last[index] = gpu
         return gpu

@@ -12,6 +12,10 @@ Facts (containerd):
 - ``imports`` pulls in more files. Up to 1.7 an imported plugin table REPLACES the root's table of the same
   plugin, so a drop-in must carry the whole CRI table; from 2.0 plugin tables are merged key by key, so a
   drop-in carries only what changes.
+- A file newer than the installed containerd reads: 2.x refuses to start ("failed to load TOML from ...:
+  expected containerd config version equal to or less than `3`, got `4`"); 1.x starts and ignores the
+  plugin tables it does not know (a version-3 file's ``io.containerd.cri.v1.runtime``: 1.6's ``config dump``
+  shows version 2 and ``default_runtime_name = "runc"``), so none of its CRI settings apply.
 - CDI: up to 1.7 only with ``enable_cdi = true``; 2.0 turned it on by default (only an explicit ``false``
   turns it off); 2.4 removed the key (CDI always on; a version-4 file with it gets an "unknown key"
   warning).
@@ -149,3 +153,21 @@ def needs_enable_cdi(containerd_version: Version | None, enable_cdi: Any) -> boo
 def new_file_version(containerd_version: Version | None) -> int:
     """Config version for a new file: the newest the installed containerd reads without migrating it."""
     return release(containerd_version).config_version
+
+
+def load_problem(containerd_version: Version | None, config_ver: int) -> tuple[str, str]:
+    """Why the installed containerd does not take a file of format ``config_ver``, and what to do; ("", "")
+    when it does, or when the installed release is unknown."""
+    if containerd_version is None:
+        return "", ""
+    row = release(containerd_version)
+    if config_ver <= row.config_version:
+        return "", ""
+    named = ".".join(map(str, containerd_version))
+    upgrade = ".".join(map(str, _release_reading(config_ver).since[:2]))
+    fix = f"write the file in version {row.config_version}, or upgrade containerd to {upgrade} or later"
+    if containerd_version >= (2, 0, 0):
+        return (f"containerd {named} does not start with a version-{config_ver} config (it reads up to version "
+                f"{row.config_version})", fix)
+    return (f"containerd {named} ignores the plugin tables of a version-{config_ver} config (it reads up to "
+            f"version {row.config_version}): none of its CRI settings apply, the nvidia runtime among them", fix)

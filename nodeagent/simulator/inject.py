@@ -96,6 +96,17 @@ def set_compute_mode(store: SimStore, gpu: int, mode: str) -> None:
         st["gpus"][gpu]["compute_mode"] = COMPUTE_MODES[mode]
 
 
+def set_persistence_mode(store: SimStore, gpu: int | None, enabled: bool) -> None:
+    """``nvidia-smi -pm 1|0 [-i GPU]``: the driver persistence mode of one GPU (or all), until the next
+    reboot gives back the boot state."""
+    if gpu is not None:
+        _check_gpu(store, gpu)
+    with store.transaction() as st:
+        for i, gs in enumerate(st["gpus"]):
+            if gpu is None or i == gpu:
+                gs["persistence_mode"] = 1 if enabled else 0
+
+
 def hold_device(store: SimStore, gpu: int, client: str, held: bool = True) -> None:
     """A non-compute client (``nvidia-persistenced``, a DCGM agent) opens (or, ``held=False``, closes) the
     GPU's device: the driver cannot reset it by itself, so a MIG mode change stays pending (status

@@ -67,6 +67,9 @@ class SimMachine:
     virtualization: str = "baremetal"  # "passthrough": a VM guest, no GPU reset; MIG mode needs a reboot
     # NVML functions this driver lacks in their versioned form (pynvml raises NVMLLibraryMismatchError)
     missing_functions: frozenset[str] = frozenset()
+    # the host starts nvidia-persistenced at boot (its default --persistence-mode enables persistence mode on
+    # every GPU); without it the driver's own default holds after each boot: persistence mode disabled
+    persistenced: bool = True
 
     @property
     def passthrough(self) -> bool:
@@ -138,6 +141,9 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
         if fabric not in FABRICS:
             raise ValueError(f"nvlink_fabric must be one of {FABRICS}")
         bridges = tuple((int(a), int(b)) for a, b in doc.get("nvlink_bridges", []))
+        persistenced = doc.get("persistenced", True)
+        if not isinstance(persistenced, bool):
+            raise ValueError(f"persistenced must be true or false, not {shown(persistenced)}")
         virtualization = str(doc.get("virtualization", "baremetal"))
         if virtualization not in VIRTUALIZATION:
             raise ValueError(f"virtualization must be one of {VIRTUALIZATION}")
@@ -152,6 +158,7 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
             gpus=tuple(gpus),
             virtualization=virtualization,
             missing_functions=frozenset(str(f) for f in doc.get("missing_functions", ())),
+            persistenced=persistenced,
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise InputError(f"simulated machine {name!r} is malformed: {e}", subject=name) from e

@@ -44,6 +44,7 @@ from nodeagent.simulator.nvml_base import (
     _mig_device_mib,
     _ptr,
     _reset_gpu_state,
+    persistence_mode,
     reboot_state,
 )
 from nodeagent.simulator.nvml_mig import MigCalls
@@ -280,6 +281,24 @@ class SimulatedNvml(TelemetryCalls, MigCalls):
             raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         with self.store.transaction() as st:
             st["gpus"][index]["compute_mode"] = int(mode)
+
+    # --- driver persistence mode (nvml.h: Linux only, disabled by default, set by root, lost at reboot) ------
+    def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
+        state = self._enter("nvmlDeviceGetPersistenceMode")
+        index = self._gpu(state, handle)[1]
+        return persistence_mode(state["gpus"][index], self.machine)
+
+    def nvmlDeviceSetPersistenceMode(self, handle: Any, mode: int) -> None:
+        """``nvidia-smi -pm``: takes effect at once, until the next reboot; NO_PERMISSION for a non-root
+        caller, INVALID_ARGUMENT for a mode other than NVML_FEATURE_DISABLED/ENABLED."""
+        state = self._enter("nvmlDeviceSetPersistenceMode")
+        index = self._gpu(state, handle)[1]
+        if int(mode) not in (pynvml.NVML_FEATURE_DISABLED, pynvml.NVML_FEATURE_ENABLED):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self.store.transaction() as st:
+            if st["gpus"][index]["lost"]:
+                raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+            st["gpus"][index]["persistence_mode"] = int(mode)
 
     # --- topology -----------------------------------------------------------------------------
     def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:

@@ -36,6 +36,7 @@ _PRIVILEGED = frozenset(
         "nvmlComputeInstanceDestroy",
         "nvmlDeviceSetMigMode",
         "nvmlDeviceSetComputeMode",
+        "nvmlDeviceSetPersistenceMode",
         "simResetGpu",
     }
 )
@@ -228,13 +229,23 @@ def _reset_gpu_state(gs: dict[str, Any], spec: SimGpuSpec) -> None:
         gs["mig_current"] = gs["mig_pending"] = False
 
 
+def persistence_mode(gs: dict[str, Any], machine: SimMachine) -> int:
+    """A GPU's driver persistence mode (NVML_FEATURE_ENABLED/DISABLED): as last set since the boot, else the
+    boot state (enabled by the host's nvidia-persistenced, disabled, the driver's default, without it)."""
+    if "persistence_mode" in gs:
+        return int(gs["persistence_mode"])
+    return int(pynvml.NVML_FEATURE_ENABLED if machine.persistenced else pynvml.NVML_FEATURE_DISABLED)
+
+
 def reboot_state(st: State, machine: SimMachine) -> None:
     """A host reboot: instances and processes vanish, lost GPUs come back, Ampere applies a pending MIG
-    mode (it persists), Hopper and later start with MIG disabled."""
+    mode (it persists), Hopper and later start with MIG disabled; a persistence mode set since the last boot
+    is gone (the driver starts with it disabled, the host's nvidia-persistenced, if any, enables it)."""
     st["boot"] += 1
     st["fail_next"] = []
     for spec, gs in zip(machine.gpus, st["gpus"], strict=True):
         gs["lost"] = False
+        gs.pop("persistence_mode", None)
         _reset_gpu_state(gs, spec)
 
 

@@ -759,15 +759,80 @@ NODEAGENT_PEERS_STEPS=(
   "nodeagent image (packaging/kubernetes/Containerfile, buildah):nodeagent_peers_agent_image"
 )
 
+# Steps run in the background beside the others (not in plan mode, nor with NODEAGENT_PEERS_SERIAL=1): the
+# Debian roots spend their time downloading packages, unpacking them and running maintainer scripts (under
+# qemu for arm64), while most other steps compile Go; overlapping them shortens a cold setup. They run one
+# after the other in one background job (its log: ${NODEAGENT_CACHE}/logs/background-steps.log); once it has
+# ended, each is run again in the foreground, which finds its root in the cache and only exports its path.
+NODEAGENT_PEERS_BACKGROUND=(nodeagent_peers_arm64_root nodeagent_peers_debian13_root nodeagent_peers_debian_root)
+# Every Debian package a step installs, installed once before anything runs in the background (apt-get holds
+# dpkg's lock: two steps must never install at the same time).
+NODEAGENT_PEERS_DEBIAN_PACKAGES=(containerd runc openssl strace systemd util-linux dpkg gcc libc6-dev prometheus
+  mmdebstrap systemd-container qemu-user-static arch-test containernetworking-plugins buildah iptables)
+
+_peers_in_background() {
+  local f
+  for f in "${NODEAGENT_PEERS_BACKGROUND[@]}"; do [ "$f" = "$1" ] && return 0; done
+  return 1
+}
+
+# _peers_kill_tree PID: PID and every process below it (a background mmdebstrap, its dpkg, qemu).
+_peers_kill_tree() {
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do _peers_kill_tree "$child"; done
+  kill "$1" 2>/dev/null || true
+}
+
 nodeagent_peers_setup() {
-  local start=$SECONDS step n=0 t
+  local start=$SECONDS step n=0 t bg_pid="" bg_log="" deferred=()
+  if [ -z "${NODEAGENT_PEERS_PLAN:-}" ] && [ -z "${NODEAGENT_PEERS_SERIAL:-}" ]; then
+    _peers_install_debian "${NODEAGENT_PEERS_DEBIAN_PACKAGES[@]}" || return 1
+    mkdir -p "$NODEAGENT_CACHE/logs" || return 1
+    bg_log=$NODEAGENT_CACHE/logs/background-steps.log
+    (
+      set +e
+      for f in "${NODEAGENT_PEERS_BACKGROUND[@]}"; do
+        t=$SECONDS
+        "$f" || { _peers_log "[background] $f failed"; exit 1; }
+        _peers_log "[background] $f: $((SECONDS - t))s"
+      done
+    ) >"$bg_log" 2>&1 &
+    bg_pid=$!
+    _peers_log "the Debian roots are built in the background (log: $bg_log)"
+  fi
   for step in "${NODEAGENT_PEERS_STEPS[@]}"; do
     n=$((n + 1))
+    if [ -n "$bg_pid" ] && _peers_in_background "${step##*:}"; then
+      deferred+=("$n:$step")
+      continue
+    fi
     t=$SECONDS
     _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}"
-    "${step##*:}" || { _peers_log "step '${step%%:*}' failed"; return 1; }
+    "${step##*:}" || {
+      _peers_log "step '${step%%:*}' failed"
+      [ -z "$bg_pid" ] || _peers_kill_tree "$bg_pid"
+      return 1
+    }
     _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}: $((SECONDS - t))s"
   done
+  if [ -n "$bg_pid" ]; then
+    t=$SECONDS
+    if ! wait "$bg_pid"; then
+      _peers_log "the background steps failed; last lines of $bg_log:"
+      tail -n 30 "$bg_log" >&2
+      return 1
+    fi
+    _peers_log "waited $((SECONDS - t))s for the background steps; what they printed:"
+    sed 's/^/  /' "$bg_log" >&2
+    for step in "${deferred[@]}"; do
+      n=${step%%:*}
+      step=${step#*:}
+      t=$SECONDS
+      _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}"
+      "${step##*:}" || { _peers_log "step '${step%%:*}' failed"; return 1; }
+      _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}: $((SECONDS - t))s"
+    done
+  fi
   [ -n "${NODEAGENT_PEERS_PLAN:-}" ] || export NODEAGENT_PEERS_READY=1
   _peers_log "ready in $((SECONDS - start))s"
 }

@@ -206,6 +206,15 @@ def nvmlDeviceGetEnforcedPowerLimit(dev: int, out: int) -> int:
     return _uint_out(out, _sim().nvmlDeviceGetEnforcedPowerLimit(_h(dev)))
 
 
+def nvmlDeviceGetPersistenceMode(dev: int, out: int) -> int:
+    return _uint_out(_need(out), _sim().nvmlDeviceGetPersistenceMode(_h(dev)))
+
+
+def nvmlDeviceSetPersistenceMode(dev: int, mode: int) -> int:
+    _sim().nvmlDeviceSetPersistenceMode(_h(dev), mode)
+    return SUCCESS
+
+
 def _processes(dev: int, count_ptr: int, infos: int, struct: Any) -> int:
     procs = _sim().nvmlDeviceGetComputeRunningProcesses(_h(dev))
     room = _get_uint(count_ptr)
