@@ -13,10 +13,11 @@ by a reload) reads are empty and writes are dropped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from nodeagent.daemon.planes import PlaneSplit
 from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
@@ -290,6 +291,32 @@ class AdoptionLink:
             self._sink.set_take_over(take_over)
 
 
+class PlaneLedger:
+    """With plane "both": which plane offers each GPU (``planes.PlaneSplit``), kept across reloads so a
+    move under way survives a rebuild of either plane. The DRA plane owns the moves; the running device
+    plugin attaches the one call that changes the GPUs it leaves out (``set_excluded``). None: one plane."""
+
+    def __init__(self) -> None:
+        self.split: PlaneSplit | None = None
+        self._exclude: Callable[[frozenset[int]], Awaitable[None]] | None = None
+
+    def plugin_excluded(self, dra_gpus: Iterable[int]) -> frozenset[int]:
+        """What a device plugin starting beside DRA leaves out: the ledger's, else the config's DRA GPUs."""
+        return self.split.plugin_excluded if self.split is not None else frozenset(dra_gpus)
+
+    def attach_plugin(self, exclude: Callable[[frozenset[int]], Awaitable[None]]) -> None:
+        self._exclude = exclude
+
+    def detach_plugin(self, exclude: Callable[[frozenset[int]], Awaitable[None]]) -> None:
+        if self._exclude == exclude:
+            self._exclude = None
+
+    async def exclude_from_plugin(self) -> None:
+        """Tell the running device plugin (if one runs) what the ledger leaves out of it now."""
+        if self._exclude is not None and self.split is not None:
+            await self._exclude(self.split.plugin_excluded)
+
+
 @dataclass
 class Shared:
     """Every link, owned by the daemon: components come and go with reloads, the links stay."""
@@ -301,6 +328,7 @@ class Shared:
     dra: DraLink = field(default_factory=DraLink)
     conditions: ConditionInputs = field(default_factory=lambda: ConditionInputs())
     adoption: AdoptionLink = field(default_factory=AdoptionLink)
+    planes: PlaneLedger = field(default_factory=PlaneLedger)
     # what the publisher stages for the conditions writer's next Node status patch (one write for both)
     node_status: StatusStage = field(default_factory=lambda: _status_stage())
 
