@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from nodeagent.config import AgentConfig
 from nodeagent.errors import ConfigError
 
+LEDGER_FILE = "planes.json"  # in the state directory: the split, so a restart keeps a move under way waiting
+
 DRA = "DRA"
 PLUGIN = "the device plugin"
 
@@ -70,6 +72,24 @@ class PlaneSplit:
     def wanted_dra(self) -> frozenset[int]:
         """Where the split is heading: the GPUs DRA serves once every move is done."""
         return self.dra | self.to_dra
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"dra": sorted(self.dra), "to_dra": sorted(self.to_dra), "to_plugin": sorted(self.to_plugin)}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> PlaneSplit:
+        """The split ``to_dict`` wrote; ``ValueError`` naming what is wrong otherwise."""
+        if not isinstance(raw, dict) or set(raw) != {"dra", "to_dra", "to_plugin"}:
+            raise ValueError("expected the keys dra, to_dra, to_plugin")
+        sets: dict[str, frozenset[int]] = {}
+        for key, value in raw.items():
+            if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                                  for v in value):
+                raise ValueError(f"{key}: expected a list of GPU indices")
+            sets[key] = frozenset(value)
+        if (sets["dra"] & sets["to_dra"]) or (sets["dra"] & sets["to_plugin"]) or (sets["to_dra"] & sets["to_plugin"]):
+            raise ValueError("a GPU is in two places")
+        return cls(**sets)
 
     def toward(self, wanted_dra: frozenset[int], gpus: Collection[int]) -> PlaneSplit:
         """The split right after a new ``[dra] gpus`` (``gpus``: every GPU of the node): GPUs that change

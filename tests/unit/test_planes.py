@@ -4,11 +4,13 @@ which wait for which holders; no GPU is ever offered by both planes."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from nodeagent.config import parse_config
 from nodeagent.daemon.planes import DRA, PLUGIN, Move, PlaneSplit, check_dra_gpus, only_the_split_changed
+from nodeagent.daemon.shared import PlaneLedger
 from nodeagent.errors import ConfigError
 
 GPUS = range(8)
@@ -79,3 +81,28 @@ def test_only_a_change_of_dra_gpus_under_plane_both_is_a_live_move() -> None:
     assert not only_the_split_changed(old, other, {"dra"})
     dra_only = dataclasses.replace(new, device_plugin=dataclasses.replace(new.device_plugin, plane="dra"))
     assert not only_the_split_changed(old, dra_only, {"dra", "device_plugin"})
+
+
+def test_the_ledger_file_keeps_a_move_under_way_for_the_next_process(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "state/planes.json"
+    first = PlaneLedger()
+    first.bind(path)
+    assert first.split is None and not path.exists()
+    moving = PlaneSplit.initial({0, 1}).toward(frozenset({1, 2}), GPUS)
+    first.split = moving
+    assert path.stat().st_mode & 0o777 == 0o600
+
+    restarted = PlaneLedger()
+    restarted.bind(path)
+    assert restarted.split == moving
+    assert restarted.plugin_excluded((1, 2)) == {0, 1, 2}  # GPU 0 still waits for its holders
+
+    restarted.split = None  # one plane again: nothing to keep
+    assert not path.exists()
+
+    path.write_text('{"dra": [0], "to_dra": [0], "to_plugin": []}\n')
+    damaged = PlaneLedger()
+    damaged.bind(path)
+    assert damaged.split is None and damaged.plugin_excluded((3,)) == {3}
+    assert f"planes: {path} is damaged (a GPU is in two places)" in caplog.text

@@ -8,7 +8,7 @@ from typing import Any
 
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.components.conditions import report_gpu_health
-from nodeagent.daemon.planes import check_dra_gpus, only_the_split_changed
+from nodeagent.daemon.planes import LEDGER_FILE, check_dra_gpus, only_the_split_changed
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
@@ -38,6 +38,7 @@ class DevicePluginComponent(Component):
         from nodeagent.gpu.health import HealthMonitorSettings
 
         cfg = ctx.config
+        ctx.shared.planes.bind(ctx.paths.state_dir / LEDGER_FILE)  # a move under way before a restart
         self._plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
         health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nodeagent.config import AgentConfig
-from nodeagent.daemon.planes import PlaneSplit, check_dra_gpus, only_the_split_changed
+from nodeagent.daemon.planes import LEDGER_FILE, PlaneSplit, check_dra_gpus, only_the_split_changed
 from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.deadline import within
 from nodeagent.gpu.health import HealthKey
@@ -63,6 +63,7 @@ class DraPlaneComponent(Component):
         alone = self._plane == "dra"
         # plane "both": the ledger says which GPUs are DRA's (a move under way survives this rebuild)
         ledger = ctx.shared.planes
+        ledger.bind(ctx.paths.state_dir / LEDGER_FILE)  # a move under way before a restart
         split = None
         if not alone:
             wanted = frozenset(cfg.dra.gpus)
