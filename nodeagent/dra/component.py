@@ -61,7 +61,7 @@ from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.dra.status import ClaimStatusWriter, device_status
-from nodeagent.errors import NodeAgentError, OperationError
+from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
@@ -256,18 +256,12 @@ class DraComponent:
     async def set_gpus(self, served: frozenset[int], leaving: frozenset[int] = frozenset()) -> None:
         """Serve only these GPUs (a move between the planes): ``leaving`` ones stay known, so the claims
         prepared on them keep their answers, health and unprepare, but are out of the slices and take no
-        new claim. Waits until the ResourceSlices say so in the API (``NodeAgentError`` after 10 s)."""
+        new claim. The slices are written in the background (``wait_published``)."""
         self.gpu_filter = lambda gpu: gpu.index in served
         self._leaving = frozenset(leaving)
         self._set_withdrawn(self._withdrawn)
         if self._inventory is not None and self.preparer is not None:
             await self._set_inventory(self._inventory)
-        if self.server is not None:
-            try:
-                await self.wait_published()
-            except TimeoutError as e:
-                raise OperationError(f"DRA ResourceSlices of {self.node_name} not written within 10s: "
-                                     f"{self.last_error or 'no answer'}") from e
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
         """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""

@@ -184,12 +184,21 @@ class DraPlaneComponent(Component):
         return True
 
     async def _apply_split(self, split: PlaneSplit) -> None:
-        """Make both planes offer what ``split`` says: the device plugin's lists re-sent, the slices in the
-        API. Each step only withdraws or only adds (``toward`` withdraws, ``settle`` adds), so no GPU is
-        offered by both planes at any moment."""
+        """Make both planes offer what ``split`` says: the device plugin's lists re-sent, the slices written
+        in the background. Each step only withdraws or only adds (``toward`` withdraws, ``settle`` adds), and
+        the move loop settles only once the API holds the slices as wanted, so no GPU is offered by both
+        planes at any moment (an API that does not answer keeps the moves waiting, not the plugin's lists)."""
         self._ctx.shared.planes.split = split
         await self._ctx.shared.planes.exclude_from_plugin()
         await self.dra.set_gpus(split.dra_served, split.to_plugin)
+
+    async def _slices_written(self) -> bool:
+        """Whether the API holds the slices as wanted (waits up to one poll for a write under way)."""
+        try:
+            await self.dra.wait_published(MOVE_POLL_S)
+        except TimeoutError:
+            return False
+        return True
 
     async def _move_loop(self) -> None:
         """Finish each move once nothing holds its GPU on the plane it leaves: pods given one of its
@@ -202,7 +211,7 @@ class DraPlaneComponent(Component):
         assert self._pod_resources is not None
         holders = GpuHolderSources(self._pod_resources, self._ctx.shared.device_plugin.device_gpus, self,
                                    pool=self._node_name, driver=DRIVER_NAME, who="planes")
-        unknown = ""
+        why_not = ""  # why the moves cannot be finished now (logged once per cause)
         while True:
             split = self._ctx.shared.planes.split
             if split is None or not split.moving:
@@ -211,40 +220,48 @@ class DraPlaneComponent(Component):
                 await self._wake.wait()
                 continue
             self._wake.clear()
+            held: Mapping[int, tuple[object, ...]] = {}
             try:
                 held = await holders(split.moving)
-                unknown = ""
+                cause = "" if await self._slices_written() else \
+                    f"the ResourceSlices are not written yet ({self.dra.last_error or 'under way'})"
             except NodeAgentError as e:
-                if str(e) != unknown:
-                    unknown = str(e)
-                    log.warning("planes: holders of GPU(s) %s unknown, moves wait: %s",
-                                ", ".join(map(str, sorted(split.moving))), e)
-                held = {}
-            if not unknown:
-                moves, after = split.settle(held)
-                async with self._split_lock:
-                    if moves and self._ctx.shared.planes.split == split:  # no reload changed it meanwhile
-                        try:
-                            await self._apply_split(after)
-                        except NodeAgentError as e:  # the slices are retried in the background
-                            log.warning("planes: %s: %s", ", ".join(map(str, moves)), e)
-                    else:
-                        moves, after = [], split
-                for move in moves:
-                    self._waiting.pop(move.gpu, None)
-                    await self._report("GpuPlaneMoved", f"{move} (nothing held it)")
-                split = after
-                for gpu, move in split.blocked(held).items():
-                    what = ", ".join(f"pod {h}" if isinstance(h, str) else str(h) for h in held[gpu])
-                    if self._waiting.get(gpu) != what:
-                        self._waiting[gpu] = what
-                        await self._report("GpuPlaneMoveWaiting",
-                                           f"{move} waits: held by {what} (withdrawn from {move.source} meanwhile)")
+                cause = f"the holders are unknown: {e}"
+            if cause and cause != why_not:
+                log.warning("planes: GPU(s) %s wait: %s", ", ".join(map(str, sorted(split.moving))), cause)
+            why_not = cause
+            if not cause:
+                split = await self._settle(split, held)
             self._ctx.set_status(self.name, f"{len(self.dra.devices)} device(s)"
                                  + (f"; GPU(s) {', '.join(map(str, sorted(split.moving)))} waiting to move"
                                     if split.moving else ""))
             with contextlib.suppress(TimeoutError):
                 await within(self._wake.wait(), MOVE_POLL_S)
+
+    async def _settle(self, split: PlaneSplit, held: Mapping[int, tuple[object, ...]]) -> PlaneSplit:
+        """Finish the moves nothing holds (the slices without the GPUs leaving DRA are in the API), report
+        the ones still held; the split after."""
+        from nodeagent.errors import NodeAgentError
+
+        moves, after = split.settle(held)
+        async with self._split_lock:
+            if self._ctx.shared.planes.split != split:  # a reload changed it meanwhile: look again
+                return self._ctx.shared.planes.split or split
+            if moves:
+                try:
+                    await self._apply_split(after)
+                except NodeAgentError as e:  # the plugin refused its new lists (a broken plugin config)
+                    log.warning("planes: %s: %s", ", ".join(map(str, moves)), e)
+        for move in moves:
+            self._waiting.pop(move.gpu, None)
+            await self._report("GpuPlaneMoved", f"{move} (nothing held it)")
+        for gpu, move in after.blocked(held).items():
+            what = ", ".join(f"pod {h}" if isinstance(h, str) else str(h) for h in held[gpu])
+            if self._waiting.get(gpu) != what:
+                self._waiting[gpu] = what
+                await self._report("GpuPlaneMoveWaiting",
+                                   f"{move} waits: held by {what} (withdrawn from {move.source} meanwhile)")
+        return after
 
     async def _report(self, reason: str, message: str) -> None:
         """One log line and one Event on the Node (``[publish] events``) per move and per new set of holders."""
