@@ -13,6 +13,7 @@ from nodeagent.config import AgentConfig
 from nodeagent.daemon.planes import LEDGER_FILE, PlaneSplit, check_dra_gpus, only_the_split_changed
 from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.deadline import within
+from nodeagent.errors import ConfigError
 from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Gpu, Inventory
 
@@ -121,6 +122,11 @@ class DraPlaneComponent(Component):
             await self._ctx.shared.health.attach(self)
         self._ctx.shared.dra.attach(self)
         if self._plane == "both":
+            try:  # a reload refuses such a config; at start the GPUs are known only now
+                check_dra_gpus(self._ctx.config.dra.gpus, [g.index for g in inventory.gpus],
+                               self._ctx.config.source or "config")
+            except ConfigError as e:
+                log.error("%s (ignored)", e)
             await self._ctx.shared.planes.exclude_from_plugin()  # what this build's ledger withdrew
             self._pod_resources = self._ctx.pod_resources_client()
             self.dra.on_claims_changed = self._wake.set
