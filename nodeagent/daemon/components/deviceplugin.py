@@ -39,6 +39,8 @@ class DevicePluginComponent(Component):
 
         cfg = ctx.config
         ctx.shared.planes.bind(ctx.paths.state_dir / LEDGER_FILE)  # a move under way before a restart
+        if cfg.device_plugin.plane != "both" or ctx.kube is None:
+            ctx.shared.planes.split = None  # no DRA plane beside this plugin: nothing moves, nothing to keep
         self._plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
         health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
@@ -91,8 +93,6 @@ class DevicePluginComponent(Component):
         ctx.shared.adoption.attach(self.service)  # the holds conflict detection decided, before registering
         if ctx.config.device_plugin.plane == "both":
             ctx.shared.planes.attach_plugin(self.service.set_excluded)  # the DRA plane moves GPUs through it
-        else:
-            ctx.shared.planes.split = None
         if ctx.inventory is not None:
             await self.on_inventory(ctx.inventory)
         ctx.shared.device_plugin.attach(self)
@@ -155,7 +155,9 @@ class DevicePluginComponent(Component):
             check_dra_gpus(new.dra.gpus, [g.index for g in inventory.gpus], new.source or "config")
 
     async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
-        return only_the_split_changed(old, new, changed)  # the DRA plane moves the GPUs through set_excluded
+        # the running DRA plane moves the GPUs through set_excluded; without one (no API) the plugin is rebuilt
+        shared = self._ctx.shared
+        return only_the_split_changed(old, new, changed) and shared.dra.attached and shared.planes.split is not None
 
     async def stop(self) -> None:
         self._ctx.shared.planes.detach_plugin(self.service.set_excluded)
