@@ -12,15 +12,18 @@ import functools
 import json
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient, connect
 from nodeagent.nvmlsource import open_nvml
 from tests.e2e._agent import Agent, eventually, node_root, running_agent
+from tests.e2e._proxy import Outage
 from tests.e2e.test_run_dra import (
     DRIVER,
     config,
@@ -205,3 +208,54 @@ def rejected(agent: Agent, error: str) -> str:
     """The log line of a rejected reload naming ``error`` ("" while there is none)."""
     return next((line for line in agent.log().splitlines()
                  if "reload rejected, keeping the running config: " in line and error in line), "")
+
+
+def test_a_gpu_leaving_dra_waits_for_its_slices_through_an_api_outage(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+) -> None:
+    """The agent reaches the API through a forwarder that is cut before the reload: GPU 1, free, leaves DRA,
+    but the slices without it cannot be written; the device plugin does not list it until they are."""
+    node = "e2e-planes-outage"
+    cfg, args = dra_node(tmp_path, kube_apiserver, node, "both", "gpus = [0, 1]\n")
+    url = urllib.parse.urlsplit(kube_apiserver.url)
+    outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
+    outage.restore()
+    doc = yaml.safe_load(kube_apiserver.kubeconfig.read_text())
+    for c in doc["clusters"]:
+        c["cluster"]["server"] = f"https://{url.hostname}:{outage.port}"
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(doc))
+
+    def write(gpus: str) -> None:
+        config(cfg, kube_apiserver, "both", f"gpus = {gpus}\n")
+        cfg.write_text(cfg.read_text().replace(str(kube_apiserver.kubeconfig), str(tmp_path / "kubeconfig"))
+                       + '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
+
+    write("[0, 1]")
+    try:
+        with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
+            agent.wait_notify("READY=1", timeout=20)
+            gpu = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(root))
+            try:
+                index_of = {g.uuid: g.index for g in gpu.discover().gpus}
+            finally:
+                gpu.close()
+            every = set(range(8))
+            obs = Observer(kube_apiserver, kubelet_harness, node, index_of)
+            wait_split(obs, every - {0, 1}, {0, 1}, "GPUs 0, 1 in DRA, the others in the device plugin")
+            with obs:
+                outage.cut()
+                write("[0]")
+                reload_and_wait(agent)
+                eventually(lambda: "GPU(s) 1 wait: the ResourceSlices are not written yet" in agent.log(), 10,
+                           "the move waits for the slices")
+                time.sleep(1.5)
+                assert obs.plugin() == every - {0, 1} and obs.slices() == {0, 1}  # the API still has GPU 1
+                outage.restore()
+                wait_split(obs, every - {0}, {0}, "GPU 1 moved once the slices were written", timeout=40)
+            assert not obs.twice, obs.twice
+            assert "GpuPlaneMoved: GPU 1 from DRA to the device plugin" in agent.log()
+            code, _ = agent.stop()
+            assert code == 0, agent.log()
+    finally:
+        outage.cut()
+        remove_node(kube_apiserver, node)
