@@ -42,7 +42,9 @@ class DraPlaneComponent(Component):
 
     Plane "dra": every GPU, with its own health monitor on the daemon's event pumps (no device plugin runs).
     Plane "both": only ``[dra] gpus``; health comes from the device plugin's monitor through
-    ``ctx.shared.health`` (one NVML source feeds one monitor).
+    ``ctx.shared.health`` (one NVML source feeds one monitor). The GPUs each plane offers are the ledger's
+    (``ctx.shared.planes``): a reload that changes only ``[dra] gpus`` moves GPUs between the running
+    planes (``reconfigure`` withdraws, the move loop offers each one once nothing holds it).
 
     Stopping withdraws the ResourceSlices only when the plane goes away (a reload to plane "device-plugin",
     the API switched off, another node or cluster); on process exit, and when a reload merely rebuilds the
