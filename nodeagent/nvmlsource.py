@@ -13,7 +13,7 @@ from nodeagent.errors import InputError
 from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
-    from nodeagent.gpu.mps import MpsManager
+    from nodeagent.gpu.mps import ComputeModes, MpsManager
     from nodeagent.gpu.nvml import NvmlAdapter
     from nodeagent.simulator.nvml import SimulatedNvml
 
@@ -59,15 +59,20 @@ def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlA
     return adapter
 
 
-def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_state: Path | None) -> MpsManager:
+def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_state: Path | None,
+                gpu: object = None, owner: str = "device-plugin") -> MpsManager:
     """The MPS daemons' manager: ``nvidia-cuda-mps-control`` under the driver root; on the simulator the
     stand-in is installed there when the first daemon is wanted and told which simulated state to use (only
-    a state file is shared with it; an in-memory machine shows no MPS server process)."""
-    from nodeagent.gpu.mps import CONTROL_BINARY, MpsManager
+    a state file is shared with it; an in-memory machine shows no MPS server process). ``gpu``: the NVML
+    adapter, which switches the daemons' GPUs to EXCLUSIVE_PROCESS (anything else: compute modes untouched);
+    ``owner``: whose daemons these are (``device-plugin``, ``dra``), which names the record of those GPUs."""
+    from nodeagent.gpu.mps import COMPUTE_MODE_RECORD, CONTROL_BINARY, ComputeModes, MpsManager
 
     binary = paths(driver_root.rstrip("/") + CONTROL_BINARY)
+    modes: ComputeModes | None = gpu if isinstance(gpu, ComputeModes) else None
+    record = paths(COMPUTE_MODE_RECORD.format(owner=owner))
     if simulate is None and sim_state is None:
-        return MpsManager(binary)
+        return MpsManager(binary, compute_modes=modes, record=record)
     if paths.root == Path("/"):
         raise InputError("the NVML simulator never acts on the real host: give it a sandbox root (--root DIR), not /")
     from nodeagent.simulator.mps_control import install
@@ -77,4 +82,4 @@ def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_st
         env["NODEAGENT_SIM_STATE"] = str(sim_state.absolute())
         if simulate:
             env["NODEAGENT_SIM_MACHINE"] = simulate
-    return MpsManager(binary, extra_env=env, install=install)
+    return MpsManager(binary, extra_env=env, install=install, compute_modes=modes, record=record)

@@ -13,10 +13,16 @@ by a reload) reads are empty and writes are dropped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from nodeagent import fileio
+from nodeagent.daemon.planes import PlaneSplit
+from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
     from nodeagent.dra.service import ClaimRef
     from nodeagent.kube.conditions import ConditionSnapshot, ConflictInput, GpuHealthInput, StatusStage
 
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -308,6 +315,72 @@ class AdoptionLink:
             self._sink.set_take_over(take_over)
 
 
+class PlaneLedger:
+    """With plane "both": which plane offers each GPU (``planes.PlaneSplit``), kept across reloads so a
+    move under way survives a rebuild of either plane, and in a file (``bind``) so it survives a restart:
+    a GPU waiting for its holders is not offered by the next process either. The DRA plane owns the moves;
+    the running device plugin attaches the one call that changes the GPUs it leaves out (``set_excluded``).
+    None: one plane (the file is removed)."""
+
+    def __init__(self) -> None:
+        self._split: PlaneSplit | None = None
+        self._path: Path | None = None
+        self._exclude: Callable[[frozenset[int]], Awaitable[None]] | None = None
+
+    def bind(self, path: Path) -> None:
+        """The ledger's file (the state directory's ``planes.json``): read once, then written at every
+        change. A damaged file is one error line and is not used (the config's split stands)."""
+        if self._path is not None:
+            return
+        self._path = path
+        if self._split is not None:
+            return
+        try:
+            text = fileio.read_text(path)
+            if text is None:
+                return
+            self._split = PlaneSplit.from_dict(json.loads(text))
+        except (ValueError, NodeAgentError) as e:
+            log.error("planes: %s is damaged (%s): not used, the split of [dra] gpus stands", path, e)
+
+    @property
+    def split(self) -> PlaneSplit | None:
+        return self._split
+
+    @split.setter
+    def split(self, split: PlaneSplit | None) -> None:
+        if split == self._split:
+            return
+        self._split = split
+        if self._path is None:
+            return
+        try:
+            if split is None:
+                fileio.remove(self._path)
+            else:
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                fileio.atomic_write(self._path, json.dumps(split.to_dict()) + "\n", mode=0o600, backup=False)
+        except OSError as e:
+            log.error("planes: %s not written (%s): a restart now would take the split of [dra] gpus",
+                      self._path, e)
+
+    def plugin_excluded(self, dra_gpus: Iterable[int]) -> frozenset[int]:
+        """What a device plugin starting beside DRA leaves out: the ledger's, else the config's DRA GPUs."""
+        return self.split.plugin_excluded if self.split is not None else frozenset(dra_gpus)
+
+    def attach_plugin(self, exclude: Callable[[frozenset[int]], Awaitable[None]]) -> None:
+        self._exclude = exclude
+
+    def detach_plugin(self, exclude: Callable[[frozenset[int]], Awaitable[None]]) -> None:
+        if self._exclude == exclude:
+            self._exclude = None
+
+    async def exclude_from_plugin(self) -> None:
+        """Tell the running device plugin (if one runs) what the ledger leaves out of it now."""
+        if self._exclude is not None and self.split is not None:
+            await self._exclude(self.split.plugin_excluded)
+
+
 @dataclass
 class Shared:
     """Every link, owned by the daemon: components come and go with reloads, the links stay."""
@@ -319,6 +392,7 @@ class Shared:
     dra: DraLink = field(default_factory=DraLink)
     conditions: ConditionInputs = field(default_factory=lambda: ConditionInputs())
     adoption: AdoptionLink = field(default_factory=AdoptionLink)
+    planes: PlaneLedger = field(default_factory=PlaneLedger)
     # what the publisher stages for the conditions writer's next Node status patch (one write for both)
     node_status: StatusStage = field(default_factory=lambda: _status_stage())
 

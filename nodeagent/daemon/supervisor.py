@@ -173,6 +173,15 @@ class Component:
     async def stop(self) -> None:
         """Stop serving and release every socket, task and thread."""
 
+    def check_reload(self, new: AgentConfig) -> None:
+        """Refuse (``NodeAgentError``) a reloaded config this running component could not take, before
+        anything changes (e.g. a GPU index the node does not have)."""
+
+    async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
+        """Take the change of ``changed`` sections while running (``ctx.config`` is ``new`` already);
+        True: done, the component is not rebuilt. The default rebuilds."""
+        return False
+
 
 @dataclass(frozen=True)
 class ComponentSpec:
@@ -577,6 +586,13 @@ class Daemon:
         changed = self.config.sections_changed(new)
         changed |= {k for k in set(files.digests) | set(self.files.digests)
                     if files.digests.get(k) != self.files.digests.get(k)}
+        try:  # what only the running components can judge (the GPUs the node has), still before any change
+            for slot in self._slots:
+                if slot.component is not None and slot.spec.sections & changed:
+                    slot.component.check_reload(new)
+        except Exception as e:
+            self._reject_reload(e)
+            return
         self.reloads += 1
         self._status.pop("config", None)
         if not changed:
@@ -593,7 +609,7 @@ class Daemon:
             except Exception as e:
                 self._reject_reload(e)
                 return
-        self.config, self.files = new, files
+        old, self.config, self.files = self.config, new, files
         if changed & {"log_format", "log_level"}:
             setup_logging(new.log_format, new.log_level)
         if opened is not None:
@@ -603,12 +619,25 @@ class Daemon:
                 self._schedule_core_jobs()
             for slot in self._slots:
                 if slot.spec.sections & changed or (slot.component is None and slot.error):
+                    if await self._reconfigured(slot, old, new, frozenset(changed)):
+                        continue
                     await self._stop_slot(slot)
                     await self._start_slot(slot)
         failed = self.errors
         self._record_reload("applied", "changed " + ", ".join(sorted(changed)) + "".join(
             f"; {name}: {why}" for name, why in sorted(failed.items())))
         self.request_resync()
+
+    async def _reconfigured(self, slot: _Slot, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
+        """The running component took the change itself (no rebuild); a failure there rebuilds it."""
+        if slot.component is None or not slot.started:
+            return False
+        try:
+            return await slot.component.reconfigure(old, new, changed)
+        except Exception as e:
+            log.debug("component %s could not take the change", slot.spec.name, exc_info=True)
+            log.warning("component %s could not take the change live (rebuilt): %s", slot.spec.name, _one_line(e))
+            return False
 
     def _open_sources(self, config: AgentConfig) -> tuple[GpuSource, Any]:
         gpu = self._gpu_factory(config, self.paths)

@@ -202,12 +202,23 @@ class DevicePluginService:
                 return
             await self._apply(self._build(self._inventory, self.config, self._withdrawn | self._excluded))
 
+    async def set_excluded(self, gpu_indices: frozenset[int]) -> None:
+        """The GPUs another plane serves or a move between the planes holds (never advertised here) are now
+        these: the device lists are re-sent at once."""
+        async with self._lock:
+            if gpu_indices == self._excluded:
+                return
+            self._excluded = frozenset(gpu_indices)
+            if self._inventory is not None and self._started:
+                await self._apply(self._build(self._inventory, self.config, self._withdrawn | self._excluded))
+
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         """(resource, device ID) → GPU index for every device of these GPUs the current inventory gives,
-        withdrawn or not (the IDs a pod may hold while they are withdrawn)."""
+        withdrawn or excluded or not (the IDs a pod may hold while they are not advertised: a GPU leaving
+        for the DRA plane keeps the IDs it had here)."""
         if self._inventory is None:
             return {}
-        return device_gpus(self._inventory, self.config, gpu_indices, excluded=self._excluded)
+        return device_gpus(self._inventory, self.config, gpu_indices, excluded=self._excluded - gpu_indices)
 
     def hold(self, held: dict[str, str]) -> None:
         """Do not serve or register these resources (resource → why) while another device plugin serves them:

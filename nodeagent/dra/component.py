@@ -106,6 +106,7 @@ class DraComponent:
         consumable: bool | None = None,
         device_status: bool = True,
         mps: ClaimMps | None = None,
+        leaving: Iterable[int] = (),
     ) -> None:
         self.paths = paths
         self.mps = mps  # MPS daemons for claims whose opaque config asks for MPS
@@ -137,6 +138,9 @@ class DraComponent:
         self.devices: list[DraDevice] = []
         self._unhealthy: dict[HealthKey, str] = {}
         self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until re-advertised
+        # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
+        self._leaving: frozenset[int] = frozenset(leaving)
+        self.on_claims_changed: Callable[[], None] | None = None  # after every prepare and unprepare
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -256,7 +260,17 @@ class DraComponent:
         """The withdrawn GPUs: left out of the slices, and no new claim prepared on them meanwhile."""
         self._withdrawn = gpu_indices
         if self.preparer is not None:
-            self.preparer.withdrawn = gpu_indices
+            self.preparer.withdrawn = gpu_indices | self._leaving
+
+    async def set_gpus(self, served: frozenset[int], leaving: frozenset[int] = frozenset()) -> None:
+        """Serve only these GPUs (a move between the planes): ``leaving`` ones stay known, so the claims
+        prepared on them keep their answers, health and unprepare, but are out of the slices and take no
+        new claim. The slices are written in the background (``wait_published``)."""
+        self.gpu_filter = lambda gpu: gpu.index in served
+        self._leaving = frozenset(leaving)
+        self._set_withdrawn(self._withdrawn)
+        if self._inventory is not None and self.preparer is not None:
+            await self._set_inventory(self._inventory)
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
         """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""
@@ -266,6 +280,8 @@ class DraComponent:
     async def _claims_changed(self) -> None:
         """A claim was prepared or unprepared: a fault on one GPU instance follows the devices holding
         instances now (a placement whose instance is gone is no longer hit by it)."""
+        if self.on_claims_changed is not None:
+            self.on_claims_changed()
         if any(gi is not None for _, gi in self._unhealthy):
             await self._refresh()
 
@@ -273,7 +289,7 @@ class DraComponent:
         live = self.preparer.live_instances() if self.preparer is not None else {}
         bad = unhealthy_devices(self.devices, self._unhealthy, live)
         await self.feed.update([d.name for d in self.devices], bad)
-        kept = [d for d in self.devices if d.gpu_index not in self._withdrawn]
+        kept = [d for d in self.devices if d.gpu_index not in self._withdrawn | self._leaving]
         counters = build_counter_sets(kept, self._inventory) if self._inventory is not None else []
         self._wanted = pool_content(kept, bad, counters)
         if self._wanted != self._published:

@@ -321,7 +321,7 @@ class ClaimPreparer:
             if gpus & self.withdrawn:
                 busy = ", ".join(str(g) for g in sorted(gpus & self.withdrawn))
                 msg = (f"cannot prepare claim {ref.namespace}/{ref.name} now: GPU {busy} is being "
-                       "reconfigured (MIG change); the kubelet retries")
+                       "reconfigured (a MIG change, or a move to the device plugin); the kubelet retries")
                 log.warning("NodePrepareResources: %s", msg)
                 return PrepareResult(error=msg)
             self._inflight[ref.uid] = (ref, gpus)

@@ -7,12 +7,20 @@ directories and ``CUDA_VISIBLE_DEVICES``. Once it answers on its control channel
 daemon is *ready*. When it exits unasked it is started again with back-off, not ready meanwhile; ``stop``
 sends ``quit`` (then SIGTERM, then SIGKILL) and waits for the exit. Commands go through the binary itself
 in client mode, one process per batch of commands, as NVIDIA's tools do.
+
+Like NVIDIA's MPS control daemon (``nvidia-smi -c EXCLUSIVE_PROCESS`` before it starts the daemon, ``-c
+DEFAULT`` after ``quit``), the manager switches the GPUs its daemons serve from DEFAULT to EXCLUSIVE_PROCESS,
+so that no process reaches them without going through the MPS server, and back to DEFAULT when no daemon
+serves them any more. Only GPUs in DEFAULT are switched (an administrator's PROHIBITED stays, and the daemon
+refuses it), and the GPUs switched are recorded under the run directory, so an agent killed before it could
+switch them back has its successor do it; the driver itself resets the mode at reboot, when /run is emptied.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -20,9 +28,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
+from nodeagent import fileio
 from nodeagent.backoff import Backoff
 from nodeagent.deadline import within
+from nodeagent.errors import NodeAgentError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +44,21 @@ STOP_GRACE_S = 3.0
 RESTART_START_S = 0.2
 RESTART_MAX_S = 10.0
 SAFE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+# the GPUs a manager switched (a host path; one file per manager: the device plugin's and the DRA plane's
+# serve disjoint GPUs, and each restores only its own)
+COMPUTE_MODE_RECORD = "/run/nodeagent/mps/exclusive-gpus-{owner}.json"
+# NVML's compute modes (nvmlComputeMode_t)
+COMPUTE_DEFAULT = 0
+COMPUTE_EXCLUSIVE_PROCESS = 3
+
+
+@runtime_checkable
+class ComputeModes(Protocol):
+    """The GPUs' compute mode (NVML; blocking calls, run in a thread)."""
+
+    def compute_mode(self, uuid: str) -> int: ...
+
+    def set_compute_mode(self, uuid: str, mode: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +119,15 @@ class MpsDaemon:
         return self.state.ready
 
     def env(self) -> dict[str, str]:
-        env = {"PATH": SAFE_PATH, **self._extra_env}
+        """The daemon's environment, built from nothing but: the driver's own binary directory first on the
+        search path (where the control daemon finds ``nvidia-cuda-mps-server``, beside it), the agent's
+        ``LD_LIBRARY_PATH`` (how the agent itself reaches the driver's libraries, e.g. the DaemonSet's links
+        to the node's ``libnvidia-ml.so.1`` and ``libcuda.so.1``), the extra variables and MPS's own."""
+        env = {"PATH": f"{self.binary.parent}:{SAFE_PATH}"}
+        library_path = os.environ.get("LD_LIBRARY_PATH")
+        if library_path:
+            env["LD_LIBRARY_PATH"] = library_path
+        env.update(self._extra_env)
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.spec.pipe_dir)
         env["CUDA_MPS_LOG_DIRECTORY"] = str(self.spec.log_dir)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(self.spec.gpu_uuids)
@@ -265,9 +299,12 @@ class MpsManager:
     def __init__(self, binary: Path, *, extra_env: Mapping[str, str] | None = None,
                  on_change: Callable[[], Awaitable[None]] | None = None,
                  ready_timeout_s: float = READY_TIMEOUT_S,
-                 install: Callable[[Path], object] | None = None) -> None:
+                 install: Callable[[Path], object] | None = None,
+                 compute_modes: ComputeModes | None = None, record: Path | None = None) -> None:
         self.binary = binary
         self._install = install
+        self._modes = compute_modes
+        self._record = record  # where the GPUs switched to EXCLUSIVE_PROCESS are kept (None: not kept)
         self._extra_env = dict(extra_env or {})
         self.on_change = on_change  # called when a daemon becomes ready or dies
         self._ready_timeout = ready_timeout_s
@@ -278,6 +315,8 @@ class MpsManager:
         their first answer (a daemon that does not answer stays supervised and not ready)."""
         for name in [n for n, d in self._daemons.items() if specs.get(n) != d.spec]:
             await self._daemons.pop(name).stop()
+        wanted = {u for spec in specs.values() for u in spec.gpu_uuids}
+        await self._compute_modes(wanted)
         if specs and self._install is not None and not self.binary.is_file():
             self._install(self.binary)
         started = []
@@ -293,6 +332,56 @@ class MpsManager:
     async def _changed(self) -> None:
         if self.on_change is not None:
             await self.on_change()
+
+    def _switched(self) -> set[str]:
+        if self._record is None:
+            return set()
+        try:
+            raw = json.loads(fileio.read_text(self._record) or "[]")
+        except (OSError, ValueError, fileio.UnreadableFileError):
+            return set()
+        return {u for u in raw if isinstance(u, str)} if isinstance(raw, list) else set()
+
+    def _keep(self, switched: set[str]) -> None:
+        if self._record is None:
+            return
+        try:
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+            fileio.atomic_write(self._record, json.dumps(sorted(switched)) + "\n", mode=0o600, backup=False,
+                                durable=False)
+        except OSError as e:
+            log.warning("MPS: cannot record the GPUs in EXCLUSIVE_PROCESS in %s: %s", self._record, e.strerror or e)
+
+    async def _compute_modes(self, wanted: set[str]) -> None:
+        """GPUs served by a daemon: DEFAULT → EXCLUSIVE_PROCESS; GPUs switched earlier and served no more:
+        back to DEFAULT. A GPU whose mode cannot be read or set keeps its mode (a warning; the daemon still
+        starts: MPS works in DEFAULT too, without keeping other processes off the GPU)."""
+        modes = self._modes
+        if modes is None:
+            return
+        switched = self._switched()
+        before = set(switched)
+        for uuid in sorted(switched - wanted):
+            try:
+                if await asyncio.to_thread(modes.compute_mode, uuid) == COMPUTE_EXCLUSIVE_PROCESS:
+                    await asyncio.to_thread(modes.set_compute_mode, uuid, COMPUTE_DEFAULT)
+                    log.info("MPS: %s back to compute mode DEFAULT", uuid)
+                switched.discard(uuid)
+            except NodeAgentError as e:
+                log.warning("MPS: %s: cannot set compute mode DEFAULT again: %s", uuid, e)
+        for uuid in sorted(wanted - switched):
+            try:
+                mode = await asyncio.to_thread(modes.compute_mode, uuid)
+                if mode != COMPUTE_DEFAULT:
+                    continue  # EXCLUSIVE_PROCESS already, or an administrator's choice the daemon may refuse
+                await asyncio.to_thread(modes.set_compute_mode, uuid, COMPUTE_EXCLUSIVE_PROCESS)
+                switched.add(uuid)
+                log.info("MPS: %s in compute mode EXCLUSIVE_PROCESS", uuid)
+            except NodeAgentError as e:
+                log.warning("MPS: %s: cannot set compute mode EXCLUSIVE_PROCESS (%s); its daemon runs in the "
+                            "GPU's current mode", uuid, e)
+        if switched != before:
+            self._keep(switched)
 
     def available(self) -> bool:
         """Whether daemons can be run: the binary is there (or will be installed)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from nodeagent.gpu.nvml_events import NvmlHealthEvents
 from nodeagent.gpu.nvml_mig import NvmlMigAdmin
-from nodeagent.gpu.nvml_session import DRIVER_NOT_LOADED_MESSAGE, NOT_FOUND_MESSAGE
+from nodeagent.gpu.nvml_session import DRIVER_NOT_LOADED_MESSAGE, NOT_FOUND_MESSAGE, as_int
 from nodeagent.gpu.nvml_telemetry import NvmlTelemetry
 from nodeagent.gpu.ports import GpuEvent, GpuMetrics
 
@@ -23,3 +23,12 @@ class NvmlAdapter(NvmlMigAdmin, NvmlHealthEvents, NvmlTelemetry):
 
     def __enter__(self) -> NvmlAdapter:
         return self
+
+    # --- compute mode (the MPS manager's ComputeModes port; setting it needs root) ---------------------------
+    def compute_mode(self, uuid: str) -> int:
+        """The compute mode (nvmlComputeMode_t) of the GPU with ``uuid``."""
+        return as_int(self._call("nvmlDeviceGetComputeMode", self._call("nvmlDeviceGetHandleByUUID", uuid)))
+
+    def set_compute_mode(self, uuid: str, mode: int) -> None:
+        """Set the compute mode of the GPU with ``uuid`` (at once; the driver resets it to DEFAULT at reboot)."""
+        self._call("nvmlDeviceSetComputeMode", self._call("nvmlDeviceGetHandleByUUID", uuid), mode)

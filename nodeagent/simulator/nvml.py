@@ -273,6 +273,15 @@ class SimulatedNvml(TelemetryCalls, MigCalls):
         state = self._enter("nvmlDeviceGetComputeMode")
         return int(state["gpus"][self._gpu(state, handle)[1]].get("compute_mode", pynvml.NVML_COMPUTEMODE_DEFAULT))
 
+    def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> None:
+        state = self._enter("nvmlDeviceSetComputeMode")
+        index = self._gpu(state, handle)[1]
+        if mode not in (pynvml.NVML_COMPUTEMODE_DEFAULT, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_THREAD,
+                        pynvml.NVML_COMPUTEMODE_PROHIBITED, pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self.store.transaction() as st:
+            st["gpus"][index]["compute_mode"] = int(mode)
+
     # --- driver persistence mode (nvml.h: Linux only, disabled by default, set by root, lost at reboot) ------
     def nvmlDeviceGetPersistenceMode(self, handle: Any) -> int:
         state = self._enter("nvmlDeviceGetPersistenceMode")

@@ -35,6 +35,7 @@ _PRIVILEGED = frozenset(
         "nvmlGpuInstanceGetComputeInstances",
         "nvmlComputeInstanceDestroy",
         "nvmlDeviceSetMigMode",
+        "nvmlDeviceSetComputeMode",
         "nvmlDeviceSetPersistenceMode",
         "simResetGpu",
     }

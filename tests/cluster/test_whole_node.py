@@ -347,6 +347,149 @@ def test_cdi_cri_with_time_slicing_containerd_injects_the_devices(cluster: Clust
     assert "/dev/nvidia-uvm" in specs and "/host/" not in specs, specs[:4000]
 
 
+# --- MPS ---
+# NVIDIA's device-plugin config with ``sharing.mps`` through the ConfigMap: the agent runs the driver's
+# nvidia-cuda-mps-control (here the simulator's stand-in installed as the node's /usr/bin program, found by
+# the agent under /host) with its pipe directory on the node, and a pod asking for a replica gets that
+# directory, CUDA_MPS_PIPE_DIRECTORY and the node's /dev/shm, which the agent's container shares.
+
+MPS_REPLICAS = 4
+MPS_CONFIG = f"""version: v1
+flags:
+  plugin:
+    deviceListStrategy: cdi-cri
+sharing:
+  mps:
+    resources:
+      - name: nvidia.com/gpu
+        replicas: {MPS_REPLICAS}
+"""
+MPS_PIPE = "/run/nodeagent/mps/nvidia.com_gpu/pipe"  # the node's path: the agent's /host/run/nodeagent/...
+MPS_SHM_PROBE = "nodeagent-mps-probe"
+
+
+def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, check: Any) -> dict[str, Any]:
+    """Apply ``configmap``, delete the agent's pod (its new pod mounts the new files), wait for ``check``."""
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    old = running_agent(cluster)
+    assert old is not None
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
+    pod: dict[str, Any] = cluster.wait_for(what, lambda: check() and running_agent(cluster), timeout=180)
+    return pod
+
+
+def _mps_control_processes() -> dict[int, int]:
+    """pid -> parent pid of every control daemon of the stand-in on this host (the agent's pod shares the
+    host's PID namespace)."""
+    from pathlib import Path
+
+    found: dict[int, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"nodeagent.simulator.mps_control" in argv and b"-f" in argv:
+            found[int(proc.name)] = ppid
+    return found
+
+
+def _ask_mps_daemon(pipe: str, *commands: str) -> list[str]:
+    """Send control commands to the daemon listening in ``pipe`` (the node's path), as its client does."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(f"{pipe}/control")
+        with sock.makefile("rw", encoding="utf-8", newline="\n") as f:
+            answers = []
+            for command in commands:
+                f.write(command + "\n")
+                f.flush()
+                answers.append(f.readline().strip())
+    return answers
+
+
+def test_mps_pod_gets_the_agents_control_daemon(cluster: Cluster, agent: dict[str, Any]) -> None:
+    import os
+    import stat
+    from pathlib import Path
+
+    import yaml
+
+    from nodeagent.simulator.state import SimStore
+    from tests.peers.cluster import MACHINE, SIM_STATE
+
+    original = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
+    configmap = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
+    configmap["data"]["config.toml"] += '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n'
+    configmap["data"]["device-plugin.yaml"] = MPS_CONFIG
+    shared = GPU_COUNT * MPS_REPLICAS
+    agent_pod = _restart_agent_with(cluster, configmap, f"allocatable {shared} ({GPU_COUNT} GPUs x {MPS_REPLICAS})",
+                                    lambda: allocatable(cluster) == shared)
+    labels = cluster.wait_for("the MPS labels", lambda: (lambda ls: ls if ls.get("nvidia.com/mps.capable") == "true"
+                                                          else None)(cluster.node()["metadata"]["labels"]), timeout=60)
+    assert labels["nvidia.com/gpu.sharing-strategy"] == "mps", labels
+    assert labels["nvidia.com/gpu.product"].endswith("-SHARED"), labels
+    assert labels["nvidia.com/gpu.replicas"] == str(MPS_REPLICAS), labels
+
+    # the agent's control daemon runs on the node, its child, listening in the node's pipe directory with
+    # the defaults NVIDIA's plugin sets (100 / replicas % of the threads, memory / replicas pinned per GPU)
+    control = Path(MPS_PIPE) / "control"
+    assert stat.S_ISSOCK(control.stat().st_mode), control
+    daemons = _mps_control_processes()
+    assert len(daemons) == 1, daemons
+    (daemon_pid, parent), = daemons.items()
+    parent_argv = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    assert any(a.endswith(b"/nodeagent") for a in parent_argv) and b"run" in parent_argv, parent_argv
+    threads, pinned = _ask_mps_daemon(MPS_PIPE, "get_default_active_thread_percentage",
+                                      "get_default_device_pinned_mem_limit 0")
+    assert float(threads) == 100 // MPS_REPLICAS, threads
+    assert pinned == f"{int(labels['nvidia.com/gpu.memory']) // MPS_REPLICAS}M", (pinned, labels)
+    # the simulated driver shows its server on every GPU it serves, as the real one does, and the agent put
+    # them in compute mode EXCLUSIVE_PROCESS (3) through NVML before the daemon started
+    gpus = SimStore.open(MACHINE, SIM_STATE).read()["gpus"]
+    assert all(any(p["pid"] == daemon_pid and p["name"] == "nvidia-cuda-mps-server" for p in g["processes"])
+               for g in gpus), [g["processes"] for g in gpus]
+    assert [g.get("compute_mode", 0) for g in gpus] == [3] * GPU_COUNT, gpus
+
+    pod = _gpu_pod("mps-client", 1, "sleep 3600", {"terminationGracePeriodSeconds": 0})
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
+    _wait_running(cluster, "mps-client")
+    try:
+        devices = pod_devices("mps-client")
+        assert len(devices) == 1 and "::" in devices[0], devices
+        out = cluster.kubectl("exec", "mps-client", "--", "sh", "-c",
+                              'echo "$CUDA_MPS_PIPE_DIRECTORY"; [ -S "$CUDA_MPS_PIPE_DIRECTORY/control" ] && '
+                              'stat -c %i "$CUDA_MPS_PIPE_DIRECTORY/control"; ls /dev | grep -E "^nvidia[0-9]+$"; '
+                              f"echo from-the-pod > /dev/shm/{MPS_SHM_PROBE}").stdout.splitlines()
+        assert out[0] == MPS_PIPE, out
+        # the pod's control socket is the node's, the one the daemon listens on (same inode)
+        assert int(out[1]) == control.stat().st_ino, (out, control.stat())
+        assert len(out[2:]) == 1, out  # one GPU's device node, from nodeagent's CDI spec
+        # /dev/shm is the node's, and the agent's container (where the daemon runs) has the same
+        shm = Path("/dev/shm") / MPS_SHM_PROBE
+        assert shm.read_text() == "from-the-pod\n"
+        seen = cluster.kubectl("exec", "-n", "nodeagent", agent_pod["metadata"]["name"], "-c", "nodeagent", "--",
+                               "cat", f"/dev/shm/{MPS_SHM_PROBE}").stdout
+        assert seen == "from-the-pod\n", seen
+    finally:
+        Path("/dev/shm", MPS_SHM_PROBE).unlink(missing_ok=True)
+        cluster.kubectl("delete", "pod", "mps-client", "--wait=true")
+
+    # the ConfigMap back as the README installs it: the agent's exit quits its daemon and restores the GPUs'
+    # compute mode, nothing is left
+    _restart_agent_with(cluster, original, f"allocatable {GPU_COUNT} again", lambda: allocatable(cluster) == GPU_COUNT)
+    assert not _mps_control_processes()
+    assert not os.path.exists(control)
+    gpus = SimStore.open(MACHINE, SIM_STATE).read()["gpus"]
+    assert not [p for g in gpus for p in g["processes"] if p["name"] == "nvidia-cuda-mps-server"], gpus
+    assert [g.get("compute_mode", 0) for g in gpus] == [0] * GPU_COUNT, gpus  # DEFAULT again
+
+
 # --- MIG by label, DRA plane ---
 # Both reconfigure the agent through its ConfigMap (a mig-parted file beside config.toml, then the DRA plane);
 # the class's fixture puts the packaged ConfigMap back and MIG off at the end, so what follows sees the
@@ -373,22 +516,6 @@ def _packaged_configmap() -> dict[str, Any]:
 
     configmap: dict[str, Any] = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
     return configmap
-
-
-def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, ready: Any) -> dict[str, Any]:
-    """Apply ``configmap``, replace the agent pod (it reads the ConfigMap at its start) and wait for a new
-    agent pod, ready, and ``ready()``."""
-    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
-    old = running_agent(cluster)
-    assert old is not None
-    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
-
-    def back() -> dict[str, Any] | None:
-        pod = running_agent(cluster)
-        return pod if pod is not None and pod["metadata"]["name"] != old["metadata"]["name"] and ready() else None
-
-    result: dict[str, Any] = cluster.wait_for(what, back, timeout=180)
-    return result
 
 
 def _mig_state(cluster: Cluster) -> str | None:

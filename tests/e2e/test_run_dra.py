@@ -36,7 +36,7 @@ def slice_devices(server: KubeApiServer, node: str) -> dict[str, dict[str, Any]]
     if not items:
         return None
     assert {s["spec"]["driver"] for s in items} == {DRIVER}
-    return {d["name"]: d for s in items for d in s["spec"]["devices"]}
+    return {d["name"]: d for s in items for d in s["spec"].get("devices") or ()}
 
 
 def slice_versions(server: KubeApiServer, node: str) -> dict[str, str]:

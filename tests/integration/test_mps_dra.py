@@ -57,6 +57,16 @@ def allocated_claim(kube: KubeClient, node: str, devices: list[str], pod: Pod, p
     return str(created["metadata"]["uid"])
 
 
+class _Modes(dict[str, int]):
+    """The GPUs' compute modes (UUID → nvmlComputeMode_t), as the manager's NVML port sees them."""
+
+    def compute_mode(self, uuid: str) -> int:
+        return self[uuid]
+
+    def set_compute_mode(self, uuid: str, mode: int) -> None:
+        self[uuid] = mode
+
+
 def control(binary: Path, pipe: Path, *commands: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(binary)], input="".join(c + "\n" for c in commands), capture_output=True, text=True,
                           env={"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "PATH": "/usr/bin:/bin"}, timeout=20, check=False)
@@ -69,9 +79,13 @@ async def test_claim_with_mps_config_prepared_and_unprepared(
     paths = HostPaths(root)
     binary = install(paths("/usr/bin/nvidia-cuda-mps-control"))
 
+    modes = _Modes({g.uuid: 0 for g in inv.gpus})  # every GPU in compute mode DEFAULT
+    shared = [inv.gpus[1].uuid, inv.gpus[2].uuid]
+
     def component() -> DraComponent:
+        manager = MpsManager(binary, compute_modes=modes, record=paths("/run/nodeagent/mps/exclusive-gpus-dra.json"))
         return DraComponent(paths=paths, kube=kube, node_name=node_name, verify_interval_s=0.5,
-                            mps=ClaimMps(MpsManager(binary), paths))
+                            mps=ClaimMps(manager, paths))
 
     dra = component()
     await dra.start(inv)
@@ -96,6 +110,7 @@ async def test_claim_with_mps_config_prepared_and_unprepared(
             assert got.stdout.split() == ["50.0", "10240M", "4096M"], got.stderr
             first = dra.mps.manager.states()[0].pid if dra.mps else None
             assert first is not None
+            assert [modes[u] for u in shared] == [3, 3] and modes[inv.gpus[0].uuid] == 0  # EXCLUSIVE_PROCESS
 
             # the agent restarts: the daemon ends with it and comes back for the claim still prepared
             await dra.stop(withdraw_slices=False)
@@ -118,6 +133,7 @@ async def test_claim_with_mps_config_prepared_and_unprepared(
 
             await poll(unprepare)
             assert not spec_path.exists()
+            assert set(modes.values()) == {0}  # DEFAULT again once no claim daemon serves them
             assert dra.mps.manager.states() == []
             assert control(binary, paths(pipe), "get_server_list").returncode == 1
 

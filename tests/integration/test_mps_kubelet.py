@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -61,6 +62,10 @@ class MpsNode:
         return subprocess.run([str(self.binary)], input="".join(c + "\n" for c in commands), env=env,
                               capture_output=True, text=True, timeout=20, check=False)
 
+    def compute_modes(self) -> list[int]:
+        """The simulated compute mode of the GPUs MPS4 shares (0 DEFAULT, 3 EXCLUSIVE_PROCESS)."""
+        return [int(g.get("compute_mode", 0)) for g in self.store.read()["gpus"][:2]]
+
     def daemon_pid(self) -> int | None:
         states = self.service.mps_states()
         return states[0].pid if states else None
@@ -87,9 +92,9 @@ async def mps_node(kubelet_harness: KubeletHarness, short_root: Path) -> AsyncIt
     state = short_root / "sim.json"
     store = SimStore.open(MACHINE, state)
     paths = HostPaths(short_root / "root")
-    manager = mps_manager(paths, "/", MACHINE, state)
-    binary = manager.binary
     nvml = open_nvml(None, state)
+    manager = mps_manager(paths, "/", MACHINE, state, nvml)  # the adapter: it switches the GPUs' compute mode
+    binary = manager.binary
     service = DevicePluginService(
         plugin_dir=kubelet_harness.plugin_dir, plugin_config=cfg(MPS4), nvml=nvml,
         health=HealthMonitorSettings(recovery_window_s=None, poll_interval_s=0.2, event_wait_ms=100),
@@ -159,9 +164,15 @@ async def test_reload_mps_time_slicing_mps_leaves_no_daemon_behind(mps_node: Mps
     await mps_node.wait(GPU, total=8, healthy=8, registered=True)
     first = mps_node.daemon_pid()
     assert first is not None
+    # the GPUs a daemon serves are switched to EXCLUSIVE_PROCESS, as NVIDIA's MPS daemon does; recorded
+    assert mps_node.compute_modes() == [3, 3], mps_node.compute_modes()
+    record = mps_node.paths("/run/nodeagent/mps/exclusive-gpus-device-plugin.json")
+    assert len(json.loads(record.read_text())) == 2
     inventory = await asyncio.to_thread(mps_node.nvml.discover)
     await mps_node.service.update(inventory, cfg(TS2))
     await mps_node.wait(GPU, total=4, healthy=4)
+    assert mps_node.compute_modes() == [0, 0]  # back to DEFAULT: time-slicing runs many processes a GPU
+    assert json.loads(record.read_text()) == []
     assert mps_node.service.mps_states() == []
     assert not (mps_node.pipe_dir / "control").exists()
     assert mps_node.server_processes() == []
@@ -173,6 +184,7 @@ async def test_reload_mps_time_slicing_mps_leaves_no_daemon_behind(mps_node: Mps
     second = mps_node.daemon_pid()
     assert second is not None and second != first
     assert sorted(mps_node.server_processes()) == [(0, second), (1, second)]
+    assert mps_node.compute_modes() == [3, 3]
 
 
 async def test_bad_mps_config_one_line_and_nothing_changed(mps_node: MpsNode) -> None:

@@ -16,7 +16,9 @@ Parts (all built or installed by tests/testbin/setup.sh before pytest starts):
 * the GPUs: the NVML ABI stand-in (NODEAGENT_NVML_LIBRARY) installed as the host driver's
   ``/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1`` with ``nodeagent-sim.conf`` beside it (the simulated
   machine and its state file ``/var/lib/nodeagent/sim/state.json``, on the host), and ``/dev/nvidia*``
-  character devices with NVIDIA's major numbers, so runc creates them in the containers that get them.
+  character devices with NVIDIA's major numbers, so runc creates them in the containers that get them;
+  the simulator's stand-in ``nvidia-cuda-mps-control`` installed as the driver's ``/usr/bin`` program
+  (``MPS_CONTROL_STAND_IN``: the agent runs it from its container, where it finds it under ``/host``).
 
 This machine's root lacks CAP_SYS_RESOURCE, so no process may lower its oom_score_adj below 0, and the
 kubelet asks for -998 (pod sandboxes) and -997 (critical and Guaranteed pods): runc then fails with
@@ -63,6 +65,7 @@ CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
 KUBELET_DIR = Path("/var/lib/kubelet")
 DRIVER_DIR = Path("/usr/lib/x86_64-linux-gnu")
 CDI_DIR = Path("/var/run/cdi")  # where the agent writes its CDI specs (the DaemonSet's cdi-run volume)
+MPS_CONTROL = Path("/usr/bin/nvidia-cuda-mps-control")  # where NVIDIA's driver installs it
 SIM_STATE = Path("/var/lib/nodeagent/sim/state.json")
 SERVICE_IP = "10.0.0.1"
 POD_SUBNET = "10.244.77.0/24"
@@ -407,6 +410,18 @@ state = "/run/containerd"
 """
 
 
+# The driver's MPS control program, as the simulator's stand-in (nodeagent/simulator/mps_control.py). It is a
+# Python module, so it needs an interpreter with nodeagent: the one program that runs it is the agent, in its
+# own container, so the agent image's interpreter. It works on the simulated machine the stand-in NVML names
+# (its state found from where the script lies, as the node's /host/usr/bin/.. in the container), so its
+# server shows as a process on its GPUs and a compute mode MPS cannot use is refused, as the real one does.
+MPS_CONTROL_STAND_IN = """#!/bin/sh
+# nvidia-cuda-mps-control of the nodeagent test cluster (tests/peers/cluster.py): the simulator's stand-in
+root=$(cd "$(dirname "$0")/../.." && pwd)
+export NODEAGENT_SIM_MACHINE={machine} NODEAGENT_SIM_STATE="${{root%/}}{state}"
+exec /opt/nodeagent/bin/python -m nodeagent.simulator.mps_control "$@"
+"""
+
 CAP_SYS_RESOURCE = 24
 RUNC_WRAPPER = """#!/bin/sh
 # runc for the nodeagent test cluster: this host's root lacks CAP_SYS_RESOURCE, so a negative oom_score_adj
@@ -533,6 +548,9 @@ def start_cluster() -> Cluster:
                    f"# the nodeagent test cluster's simulated GPUs (tests/peers/cluster.py)\n"
                    f"machine = {MACHINE}\nstate = {state_rel}\n".encode())
         SIM_STATE.parent.mkdir(parents=True, exist_ok=True)
+        if MPS_CONTROL.exists():
+            raise RuntimeError(f"{MPS_CONTROL} exists already on this host: the test cluster installs its stand-in")
+        host.write(MPS_CONTROL, MPS_CONTROL_STAND_IN.format(machine=MACHINE, state=SIM_STATE).encode(), 0o755)
         # containerd
         bindir = workdir / "bin"
         bindir.mkdir()

@@ -222,6 +222,37 @@ async def test_bad_reload_keeps_running_config() -> None:
     await asyncio.wait_for(task, 5)
 
 
+class Live(Recorder):
+    """Takes a change of ``[metrics] interval`` while running; refuses an interval of 13 before anything changes."""
+
+    def check_reload(self, new: AgentConfig) -> None:
+        if new.metrics.interval == 13:
+            raise ConfigError("c.toml: key 'metrics.interval' 13 is refused by the running component")
+
+    async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
+        self.log.append(f"live {old.metrics.interval:g} -> {new.metrics.interval:g}")
+        return changed == {"metrics"} and old.metrics.address == new.metrics.address
+
+
+async def test_a_component_takes_a_change_live_or_refuses_it_before_anything_changes() -> None:
+    log: list[str] = []
+    configs = [AgentConfig()]
+    comps: dict[str, Component | None] = {"m": Live("m", log), "other": Recorder("other", log)}
+    d = make(AgentConfig(), comps, reload=lambda: configs[-1], sections={"m": {"metrics"}, "other": {"metrics"}})
+    task = asyncio.create_task(d.run(install_signals=False))
+    await wait_for(lambda: d._ready_sent)
+    configs.append(apply_overrides(AgentConfig(), {"metrics.interval": 7.0}))
+    await d.reload()
+    assert d.built == {"m": 1, "other": 2}  # type: ignore[attr-defined]  # taken live; the other rebuilt
+    assert f"live {AgentConfig().metrics.interval:g} -> 7" in log and d.config.metrics.interval == 7.0
+    configs.append(apply_overrides(AgentConfig(), {"metrics.interval": 13.0}))
+    await d.reload()
+    assert d.config.metrics.interval == 7.0 and d.built == {"m": 1, "other": 2}  # type: ignore[attr-defined]
+    assert "reload rejected: c.toml: key 'metrics.interval' 13 is refused" in d.status_line()
+    d.request_stop()
+    await asyncio.wait_for(task, 5)
+
+
 async def test_global_change_rebuilds_everything() -> None:
     configs = [dataclasses.replace(AgentConfig(), node_name="b")]
     d = make(AgentConfig(node_name="a"), {"x": Recorder("x", []), "y": None}, reload=lambda: configs[-1])

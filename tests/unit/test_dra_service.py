@@ -87,7 +87,7 @@ async def test_a_withdrawn_gpu_takes_no_new_claim_and_a_claim_in_flight_counts_a
     out = await p.prepare([ClaimRef("ns", "u1", "one"), ClaimRef("ns", "u3", "three")])
     assert out["u1"].error == "" and out["u1"].devices  # already prepared: still answered
     assert out["u3"].error == (
-        "cannot prepare claim ns/three now: GPU 1 is being reconfigured (MIG change); the kubelet retries"
+        "cannot prepare claim ns/three now: GPU 1 is being reconfigured (a MIG change, or a move to the device plugin); the kubelet retries"
     )
     assert "u3" not in p.checkpoint.claims and p.specs.claim_uids() == {"u1"}
     # while a claim is being written it is a holder of its GPU even before its record exists

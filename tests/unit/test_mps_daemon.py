@@ -154,3 +154,64 @@ async def test_a_daemon_left_by_a_killed_agent_is_replaced(tmp_path: Path) -> No
         await manager.stop()
     assert not (spec.pipe_dir / "control").exists()
     assert "An instance of this daemon is already running" not in (spec.log_dir / "control.log").read_text()
+
+
+def test_daemon_environment_finds_the_driver_beside_its_binary(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control daemon runs with a clean environment: the driver's binary directory (under the root) first
+    on PATH, where it finds its server; the agent's LD_LIBRARY_PATH (the DaemonSet's links to the node's driver
+    libraries) passed on; nothing else of the agent's environment."""
+    from nodeagent.gpu.mps import MpsDaemon, MpsDaemonSpec
+
+    spec = MpsDaemonSpec("nvidia.com/gpu", tmp_path / "p", tmp_path / "l", ("GPU-a", "GPU-b"), 50)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/run/nvml")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    env = MpsDaemon(spec, Path("/host/usr/bin/nvidia-cuda-mps-control")).env()
+    assert env == {"PATH": "/host/usr/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LD_LIBRARY_PATH": "/run/nvml",
+                   "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "p"), "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "l"),
+                   "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
+    monkeypatch.delenv("LD_LIBRARY_PATH")
+    assert "LD_LIBRARY_PATH" not in MpsDaemon(spec, Path("/usr/bin/nvidia-cuda-mps-control")).env()
+
+
+class _Modes:
+    """Compute modes as NVML keeps them, for the manager's port; GPU-x cannot be read (an NVML error)."""
+
+    def __init__(self, modes: dict[str, int]) -> None:
+        self.modes = modes
+        self.sets: list[tuple[str, int]] = []
+
+    def compute_mode(self, uuid: str) -> int:
+        from nodeagent.errors import NvmlError
+
+        if uuid == "GPU-x":
+            raise NvmlError("GPU-x: nvmlDeviceGetComputeMode: Unknown Error")
+        return self.modes[uuid]
+
+    def set_compute_mode(self, uuid: str, mode: int) -> None:
+        self.sets.append((uuid, mode))
+        self.modes[uuid] = mode
+
+
+async def test_compute_modes_switched_recorded_and_restored_by_the_next_agent(tmp_path: Path) -> None:
+    """Only DEFAULT GPUs go to EXCLUSIVE_PROCESS (an administrator's PROHIBITED stays, one already exclusive is
+    not the agent's to restore); the record lets an agent started after a crash switch them back."""
+    import json
+
+    from nodeagent.gpu.mps import MpsManager
+
+    modes = _Modes({"GPU-a": 0, "GPU-b": 2, "GPU-c": 3, "GPU-d": 0})
+    record = tmp_path / "run/exclusive-gpus.json"
+    first = MpsManager(tmp_path / "nvidia-cuda-mps-control", compute_modes=modes, record=record)
+    await first._compute_modes({"GPU-a", "GPU-b", "GPU-c", "GPU-x"})  # what apply does before the daemons start
+    assert modes.sets == [("GPU-a", 3)] and modes.modes["GPU-b"] == 2
+    assert json.loads(record.read_text()) == ["GPU-a"]
+    # the agent was killed (nothing restored); the next one is started without MPS
+    second = MpsManager(tmp_path / "nvidia-cuda-mps-control", compute_modes=modes, record=record)
+    await second.apply({})
+    assert modes.modes == {"GPU-a": 0, "GPU-b": 2, "GPU-c": 3, "GPU-d": 0}
+    assert json.loads(record.read_text()) == []
+    # without the port (an NVML source that cannot set modes) nothing is touched or recorded
+    record.unlink()
+    await MpsManager(tmp_path / "nvidia-cuda-mps-control", record=record)._compute_modes({"GPU-d"})
+    assert not record.exists() and modes.modes["GPU-d"] == 0

@@ -27,6 +27,7 @@ from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
     from nodeagent.adopt.detect import Conflict, Requests
+    from nodeagent.config import AgentConfig
     from nodeagent.kube.events import EventRecorder
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class AdoptComponent(Component):
     async def resync(self) -> None:
         await self.detect()
 
+    async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
+        """A move between the planes: what the device plugin serves is read from the ledger at each pass."""
+        from nodeagent.daemon.planes import only_the_split_changed
+
+        return only_the_split_changed(old, new, changed)
+
     # -- detection ---------------------------------------------------------------------------------------------
     def _wanted(self, inventory: Inventory) -> tuple[dict[str, str], dict[str, list[str]]]:
         """Resource name → the socket nodeagent serves it on, and → the device IDs it advertises (both empty
@@ -83,7 +90,8 @@ class AdoptComponent(Component):
         from nodeagent.sharing.spec import DEFAULT_CONFIG
 
         plugin = self._ctx.files.plugin_config or DEFAULT_CONFIG
-        excluded = cfg.dra.gpus if cfg.device_plugin.plane == "both" else ()
+        excluded = self._ctx.shared.planes.plugin_excluded(cfg.dra.gpus) if cfg.device_plugin.plane == "both" \
+            else ()
         try:
             resources = build_resources(inventory, plugin, withdrawn=excluded)
         except NodeAgentError:

@@ -6,7 +6,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from nodeagent.config import AgentConfig
 from nodeagent.daemon.components.conditions import report_gpu_health
+from nodeagent.daemon.planes import LEDGER_FILE, check_dra_gpus, only_the_split_changed
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
@@ -36,6 +38,9 @@ class DevicePluginComponent(Component):
         from nodeagent.gpu.health import HealthMonitorSettings
 
         cfg = ctx.config
+        ctx.shared.planes.bind(ctx.paths.state_dir / LEDGER_FILE)  # a move under way before a restart
+        if cfg.device_plugin.plane != "both" or ctx.kube is None:
+            ctx.shared.planes.split = None  # no DRA plane beside this plugin: nothing moves, nothing to keep
         self._plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
         health = HealthMonitorSettings.from_env(
             recovery_window_s=cfg.health.window, poll_interval_s=cfg.health.poll_interval
@@ -43,15 +48,17 @@ class DevicePluginComponent(Component):
         from nodeagent.nvmlsource import mps_manager
 
         mps = mps_manager(ctx.paths, cfg.cdi.driver_root, cfg.simulate.machine or None,
-                          Path(cfg.simulate.state) if cfg.simulate.state else None)
+                          Path(cfg.simulate.state) if cfg.simulate.state else None, ctx.gpu)
         self.service = DevicePluginService(
             plugin_dir=ctx.host_path(cfg.kubelet.device_plugins),
             plugin_config=self._plugin_config,
             nvml=ctx.gpu,
             health=health,
             pumps=ctx.pumps,  # the daemon's: an XID in flight while a reload rebuilds the plugin is not lost
-            # plane "both": the GPUs DRA serves are not advertised here (the monitor still watches them)
-            exclude_gpus=cfg.dra.gpus if cfg.device_plugin.plane == "both" else (),
+            # plane "both": the GPUs DRA serves, or that move between the planes, are not advertised here
+            # (the monitor still watches them)
+            exclude_gpus=ctx.shared.planes.plugin_excluded(cfg.dra.gpus) if cfg.device_plugin.plane == "both"
+            else (),
             take_over=cfg.adopt.take_over,
             mps=mps,
             under_root=ctx.host_path,
@@ -84,6 +91,8 @@ class DevicePluginComponent(Component):
 
     async def start(self, ctx: Context) -> None:
         ctx.shared.adoption.attach(self.service)  # the holds conflict detection decided, before registering
+        if ctx.config.device_plugin.plane == "both":
+            ctx.shared.planes.attach_plugin(self.service.set_excluded)  # the DRA plane moves GPUs through it
         if ctx.inventory is not None:
             await self.on_inventory(ctx.inventory)
         ctx.shared.device_plugin.attach(self)
@@ -143,7 +152,18 @@ class DevicePluginComponent(Component):
     def allocations(self) -> dict[tuple[str, str], int]:
         return self.service.allocations()
 
+    def check_reload(self, new: AgentConfig) -> None:
+        inventory = self._ctx.inventory
+        if new.device_plugin.plane == "both" and inventory is not None:
+            check_dra_gpus(new.dra.gpus, [g.index for g in inventory.gpus], new.source or "config")
+
+    async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
+        # the running DRA plane moves the GPUs through set_excluded; without one (no API) the plugin is rebuilt
+        shared = self._ctx.shared
+        return only_the_split_changed(old, new, changed) and shared.dra.attached and shared.planes.split is not None
+
     async def stop(self) -> None:
+        self._ctx.shared.planes.detach_plugin(self.service.set_excluded)
         self._ctx.shared.adoption.detach(self.service)
         self._ctx.shared.device_plugin.detach(self)
         await self.service.stop()

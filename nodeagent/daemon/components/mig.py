@@ -74,13 +74,14 @@ class GpuHolderSources:
     counts; a socket that does not answer raises, and the reconciler keeps asking until its timeout."""
 
     def __init__(self, pod_resources: PodResourcesClient, device_ids: DeviceIds, claims: PreparedClaims, *,
-                 pool: str, driver: str) -> None:
+                 pool: str, driver: str, who: str = "mig") -> None:
         self.pod_resources = pod_resources
         self.device_ids = device_ids
         self.claims = claims
         self.pool = pool
         self.driver = driver
         self._no_kubelet_logged = False
+        self.who = who  # the log lines' prefix: what waits for the holders
 
     async def __call__(self, gpu_indices: frozenset[int]) -> dict[int, tuple[Holder, ...]]:
         from nodeagent.dra.devices import device_gpu_index
@@ -105,9 +106,9 @@ class GpuHolderSources:
                         claims.setdefault(on, set()).add(use.claim)
         elif not self._no_kubelet_logged:
             self._no_kubelet_logged = True
-            log.warning("mig: no kubelet PodResources socket at %s: GPUs are changed without asking which "
-                        "pods hold them (claims prepared by the DRA plane and the NVML busy check still "
-                        "apply)", self.pod_resources.socket_path)
+            log.warning("%s: no kubelet PodResources socket at %s: GPUs are changed without asking which "
+                        "pods hold them (claims prepared by the DRA plane%s still apply)", self.who,
+                        self.pod_resources.socket_path, " and the NVML busy check" if self.who == "mig" else "")
         out: dict[int, tuple[Holder, ...]] = {}
         for gpu in sorted(set(pods) | set(claims)):
             held = tuple(ClaimHolder(c, tuple(sorted(claim_pods.get(c, ())))) for c in sorted(claims.get(gpu, ())))
@@ -176,14 +177,18 @@ class MigComponent(Component):
         cfg = self._ctx.config
         if cfg.device_plugin.plane == "device-plugin" or self._ctx.kube is None:
             return frozenset()
-        return None if cfg.device_plugin.plane == "dra" else frozenset(cfg.dra.gpus)
+        if cfg.device_plugin.plane == "dra":
+            return None
+        split = self._ctx.shared.planes.split  # a GPU leaving DRA still has its claims there
+        return split.dra_served if split is not None else frozenset(cfg.dra.gpus)
 
     def _device_ids(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         dp = self._ctx.config.device_plugin
         plugin = self._ctx.shared.device_plugin
         if not dp.enabled or dp.plane == "dra":
             return plugin.device_gpus(gpu_indices)  # no device plugin: no pod holds a device-plugin ID
-        excluded = self._ctx.config.dra.gpus if dp.plane == "both" else ()
+        split = self._ctx.shared.planes.split  # a GPU leaving the plugin still has the IDs it had there
+        excluded = (split.dra if split is not None else self._ctx.config.dra.gpus) if dp.plane == "both" else ()
         return plugin_device_ids(plugin, self.reconciler.adapter.discover(), self._ctx.files.plugin_config,
                                  gpu_indices, excluded=excluded)
 

@@ -126,6 +126,15 @@ def nvmlDeviceGetIndex(dev: int, out: int) -> int:
     return _uint_out(out, _sim().nvmlDeviceGetIndex(_h(dev)))
 
 
+def nvmlDeviceGetComputeMode(dev: int, out: int) -> int:
+    return _uint_out(out, _sim().nvmlDeviceGetComputeMode(_h(dev)))
+
+
+def nvmlDeviceSetComputeMode(dev: int, mode: int) -> int:
+    _sim().nvmlDeviceSetComputeMode(_h(dev), mode)
+    return SUCCESS
+
+
 def nvmlDeviceGetName(dev: int, buf: int, length: int) -> int:
     _put_str(buf, length, _sim().nvmlDeviceGetName(_h(dev)))
     return SUCCESS
