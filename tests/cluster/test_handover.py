@@ -7,8 +7,8 @@ run by a DaemonSet as the GPU Operator runs its operand: named ``nvidia-device-p
 ``app=nvidia-device-plugin-daemonset``), scheduled on nodes labelled ``nvidia.com/gpu.deploy.device-plugin=true``,
 registering ``nvidia.com/gpu`` on ``nvidia-gpu.sock`` (NVIDIA's socket name, nodeagent's too) with the node's GPU
 UUIDs as device IDs. Its image is the Debian base the node already has; the binary comes from a read-only
-hostPath. A preStop hook keeps it serving 10 s after its pod is told to go (a plugin that takes its time to
-stop), so the test sees nodeagent wait for it rather than race it.
+hostPath. A preStop hook keeps it serving after its pod is told to go until the test lets it stop (a plugin
+that takes its time to stop), so the test sees what nodeagent does while the other plugin still serves.
 
 Then the README's manifests, with ``[adopt] gpu_operator = true`` in the ConfigMap: nodeagent leaves the live
 socket alone and says so (GPUReady's reason, one Warning Event), switches the operand off through the label,
@@ -23,6 +23,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,7 +45,7 @@ OPERAND = "nvidia-device-plugin-daemonset"
 DEPLOY = "nvidia.com/gpu.deploy."
 SOCKET = KUBELET_DIR / "device-plugins" / "nvidia-gpu.sock"
 STUB_IN_POD = "/usr/local/bin/gpu-stub"
-STOP_DELAY_S = 10
+PRESTOP_MAX_S = 120  # the stand-in's preStop waits at most this long for the test's word
 BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
 
 
@@ -59,15 +60,19 @@ def node_uuids() -> list[str]:
         nvml.close()
 
 
-def stand_in_daemonset(stub: str, uuids: list[str]) -> dict[str, Any]:
+def stand_in_daemonset(stub: str, uuids: list[str], release_dir: Path) -> dict[str, Any]:
+    """The stand-in's DaemonSet; its pod, told to go, keeps serving until ``release_dir/stop`` exists."""
     plugin_dir = str(KUBELET_DIR / "device-plugins")
+    wait = (f"i=0; while [ ! -e /release/stop ] && [ $i -lt {PRESTOP_MAX_S * 5} ]; do sleep 0.2; i=$((i+1)); "
+            "done")
     container = {
         "name": "nvidia-device-plugin", "image": BASE_IMAGE, "imagePullPolicy": "Never",
         "command": [STUB_IN_POD, f"-socket={SOCKET}", f"-kubelet={plugin_dir}/kubelet.sock",
                     f"-resource={RESOURCE}", f"-devices={','.join(uuids)}"],
-        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sleep", str(STOP_DELAY_S)]}}},
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", wait]}}},
         "volumeMounts": [{"name": "stub", "mountPath": STUB_IN_POD, "readOnly": True},
-                         {"name": "device-plugins", "mountPath": plugin_dir}],
+                         {"name": "device-plugins", "mountPath": plugin_dir},
+                         {"name": "release", "mountPath": "/release", "readOnly": True}],
     }
     return {
         "apiVersion": "apps/v1", "kind": "DaemonSet",
@@ -79,10 +84,11 @@ def stand_in_daemonset(stub: str, uuids: list[str]) -> dict[str, Any]:
                 "spec": {
                     "nodeSelector": {DEPLOY + "device-plugin": "true"},
                     "automountServiceAccountToken": False,
-                    "terminationGracePeriodSeconds": STOP_DELAY_S + 20,
+                    "terminationGracePeriodSeconds": PRESTOP_MAX_S + 10,
                     "containers": [container],
                     "volumes": [{"name": "stub", "hostPath": {"path": stub, "type": "File"}},
-                                {"name": "device-plugins", "hostPath": {"path": plugin_dir, "type": "Directory"}}],
+                                {"name": "device-plugins", "hostPath": {"path": plugin_dir, "type": "Directory"}},
+                                {"name": "release", "hostPath": {"path": str(release_dir), "type": "Directory"}}],
                 },
             },
         },
@@ -142,9 +148,10 @@ def series(pod: dict[str, Any], name: str) -> list[str]:
 
 
 @pytest.fixture
-def operator_node(cluster: Cluster) -> Iterator[list[str]]:
+def operator_node(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[list[str], Path]]:
     """The node as the GPU Operator leaves it: its deploy labels ``true`` and the stand-in device plugin
-    serving the node's GPUs; yields the GPU UUIDs. Everything made here and by the agent is removed after."""
+    serving the node's GPUs; yields the GPU UUIDs and the file that lets the stand-in stop once its pod is
+    told to go. Everything made here and by the agent is removed after."""
     from tests.peers._resolve import peer_binary
 
     stub = peer_binary("NODEAGENT_GPU_STUB", "nodeagent_peers_harness", "kubelet device-plugin stub")
@@ -152,12 +159,15 @@ def operator_node(cluster: Cluster) -> Iterator[list[str]]:
     assert len(uuids) == GPU_COUNT
     labels = [f"{DEPLOY}{op}=true" for op in ("driver", "device-plugin", "gpu-feature-discovery",
                                               "dcgm-exporter")]
+    release = tmp_path / "release"
+    release.mkdir()
     cluster.kubectl("label", "node", cluster.node_name, *labels)
     try:
         cluster.kubectl("create", "namespace", NS)
-        cluster.kubectl("apply", "-f", "-", input_text=json.dumps(stand_in_daemonset(str(stub), uuids)))
-        yield uuids
+        cluster.kubectl("apply", "-f", "-", input_text=json.dumps(stand_in_daemonset(str(stub), uuids, release)))
+        yield uuids, release / "stop"
     finally:
+        (release / "stop").touch()
         cluster.kubectl("delete", "pod", "train", "fresh", "--ignore-not-found", "--grace-period=0", "--force",
                         check=False)
         cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true", check=False, timeout=180)
@@ -170,8 +180,9 @@ def operator_node(cluster: Cluster) -> Iterator[list[str]]:
         cluster.kubectl("annotate", "node", cluster.node_name, "nodeagent.io/handed-over-", check=False)
 
 
-def test_hand_over_from_the_gpu_operator_keeps_the_running_pod(cluster: Cluster, operator_node: list[str]) -> None:
-    uuids = operator_node
+def test_hand_over_from_the_gpu_operator_keeps_the_running_pod(
+        cluster: Cluster, operator_node: tuple[list[str], Path]) -> None:
+    uuids, let_it_stop = operator_node
     start = time.monotonic()
     # the stand-in serves: its pod Running, registered, the node's 8 GPUs allocatable through it
     cluster.wait_for("the stand-in device plugin registered", lambda: [
@@ -206,19 +217,26 @@ def test_hand_over_from_the_gpu_operator_keeps_the_running_pod(cluster: Cluster,
     labels = cluster.node()["metadata"]["labels"]
     assert labels[DEPLOY + "gpu-feature-discovery"] == "false"
     assert labels[DEPLOY + "driver"] == "true" and labels[DEPLOY + "dcgm-exporter"] == "true", labels
-    # no fight while the stand-in still serves (its pod terminating, its preStop running): nodeagent says so
-    # and leaves the socket alone
+    # no fight while the stand-in still serves (its pod told to go, its preStop waiting for the test): nodeagent
+    # says so, waits for the pod and leaves the socket alone
+    cluster.wait_for("the stand-in's pod told to go", lambda: [
+        p for p in operand_pods(cluster) if p["metadata"]["uid"] == operand["metadata"]["uid"]
+        and p["metadata"].get("deletionTimestamp")], timeout=30)
     ready = cluster.wait_for("GPUReady reason AnotherDevicePlugin", lambda: (
-        c := condition(cluster, "nodeagent.io/GPUReady")).get("reason") == "AnotherDevicePlugin" and c, timeout=30)
+        c := condition(cluster, "nodeagent.io/GPUReady")).get("reason") == "AnotherDevicePlugin" and c, timeout=60)
     assert "nvidia-gpu.sock" in ready["message"], ready
-    still = [p for p in operand_pods(cluster) if p["metadata"]["uid"] == operand["metadata"]["uid"]]
-    assert still and still[0]["metadata"].get("deletionTimestamp"), "the stand-in left before the check"
+    cluster.wait_for("one AnotherDevicePlugin Warning Event", lambda: events(cluster, "AnotherDevicePlugin"),
+                     timeout=30)
+    cluster.wait_for("the agent waiting for the stand-in's pod",
+                     lambda: f"waiting for {NS}/{OPERAND}-" in agent_log(cluster), timeout=30)
+    assert [p["metadata"]["uid"] for p in operand_pods(cluster)] == [operand["metadata"]["uid"]]
     assert SOCKET.stat().st_ino == inode, "nodeagent replaced the other plugin's socket"
-    log = agent_log(cluster)
-    assert f"registered {RESOURCE} with the kubelet" not in log, log[-3000:]
-    assert "waiting for" in log and OPERAND in log, log[-3000:]
+    assert f"registered {RESOURCE} with the kubelet" not in agent_log(cluster)
+    assert visible(cluster, "train") == held[0]
 
-    # the stand-in's pod leaves the node; nodeagent registers and serves
+    # the stand-in stops (SIGTERM after its preStop: it removes its socket) and its pod leaves the node;
+    # nodeagent registers and serves
+    let_it_stop.touch()
     cluster.wait_for("the stand-in's pod gone", lambda: not operand_pods(cluster), timeout=90)
     agent = cluster.wait_for(f"nodeagent registered {RESOURCE}", lambda: (
         f"registered {RESOURCE} with the kubelet" in agent_log(cluster) and running_agent(cluster)), timeout=90)
