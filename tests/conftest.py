@@ -28,7 +28,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadfile`` with the host-owned files as one scope (pytest-xdist's scheduler hook)."""
     if config.getvalue("dist") != "loadfile":
         return None
-    from xdist.scheduler import LoadFileScheduling
+    from xdist.scheduler import LoadFileScheduling  # type: ignore[import-untyped]
 
     class HostOwnedTogether(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
