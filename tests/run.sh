@@ -26,8 +26,9 @@ echo "== import layers"; "$VENV/bin/lint-imports"
 BASETEMP=$(mktemp -d /tmp/na-pt.XXXXXX)
 trap 'rm -rf "$BASETEMP"' EXIT
 # Two workers (one per core of the reference machine; NODEAGENT_TEST_WORKERS=0 runs in this process): a test
-# file runs whole on one worker, so its module fixtures start once; tests that own host paths (the whole-node
-# cluster, the booted systemd) take a host-wide lock (tests/peers/hostlock.py) while they run.
+# file runs whole on one worker, so its module fixtures start once; the files that own host paths (the
+# whole-node cluster, the booted systemd) form one group run on one worker (tests/conftest.py), and take a
+# host-wide lock (tests/peers/hostlock.py) against anything else on the machine.
 WORKERS=${NODEAGENT_TEST_WORKERS:-2}
 DIST=()
 [ "$WORKERS" = 0 ] || DIST=(-n "$WORKERS" --dist loadfile)
