@@ -110,6 +110,24 @@ def parse_mps(claim: Mapping[str, Any], driver: str, label: str) -> MpsClaimConf
     return found
 
 
+def with_consumed_capacity(cfg: MpsClaimConfig, devices: Sequence[DraDevice]) -> MpsClaimConfig:
+    """The claim's MPS settings with what its shares of shared GPUs consumed (pure): a share's memory becomes
+    the pinned memory limit of its GPU, and the smallest compute share the active thread percentage, unless the
+    claim's config sets them (a default or per-device limit, a thread percentage: the config wins). Devices
+    taken whole add nothing."""
+    gpus = [d for d in devices if d.kind == "gpu"]
+    per_device = dict(cfg.per_device_mib)
+    for ordinal, dev in enumerate(gpus):
+        if dev.share is None or cfg.pinned_mib is not None or str(ordinal) in per_device or dev.uuid in per_device:
+            continue
+        per_device[str(ordinal)] = max(1, dev.share.memory_bytes // (1 << 20))
+    threads = cfg.thread_percentage
+    computes = [d.share.compute_percent for d in gpus if d.share is not None and d.share.compute_percent > 0]
+    if threads is None and computes:
+        threads = min(computes)
+    return MpsClaimConfig(threads, cfg.pinned_mib, per_device)
+
+
 def daemon_spec(uid: str, devices: Sequence[DraDevice], cfg: MpsClaimConfig, label: str,
                 under_root: Callable[[str], Path]) -> MpsDaemonSpec:
     """The claim's daemon (pure); refuses MIG devices and per-device limits naming no GPU of the claim."""

@@ -46,7 +46,7 @@ from nodeagent.dra.devices import (
     with_instance,
     with_share,
 )
-from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps
+from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps, with_consumed_capacity
 from nodeagent.dra.quantity import quantity_int
 from nodeagent.errors import GpuBusyError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
@@ -352,6 +352,8 @@ class ClaimPreparer:
             raise MpsConfigError(f"ResourceClaim {ref.namespace}/{ref.name} asks for MPS, which this driver "
                                  "cannot run here")
         label = f"ResourceClaim {ref.namespace}/{ref.name}"
+        # on a shared GPU the share's consumed memory (and compute) become its limits (the config may override)
+        cfg = with_consumed_capacity(cfg, devices)
         self.specs.extra_edits[ref.uid] = await self.mps.prepare(ref.uid, devices, cfg, label)
 
     async def _stop_mps(self, uid: str) -> None:

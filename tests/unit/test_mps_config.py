@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,27 @@ def test_mps_metrics_show_daemon_state_and_limits() -> None:
     assert 'nodeagent_mps_active_thread_percentage{resource="nvidia.com/gpu"} 25.0' in text
     assert 'nodeagent_mps_pinned_memory_limit_bytes{UUID="GPU-b",resource="nvidia.com/gpu"} 6.036652032e+09' in text
     assert 5757 << 20 == 6036652032
+
+
+def test_a_share_of_a_shared_gpu_gives_its_mps_daemon_the_consumed_limits() -> None:
+    """A claim with an MPS config on shares of shared GPUs: what each share consumed becomes its GPU's pinned
+    memory limit, the smallest compute share the active thread percentage; the claim's own settings win."""
+    from nodeagent.dra.devices import DraDevice, Share, with_share
+    from nodeagent.dra.mps import MpsClaimConfig, daemon_spec, with_consumed_capacity
+
+    def dev(i: int, share: Share | None) -> DraDevice:
+        return with_share(DraDevice(f"gpu-{i}", "gpu", i, i, f"GPU-{i}", shared=share is not None), share)
+
+    gib = 1 << 30
+    devices = [dev(0, Share("a", 30 * gib, 40)), dev(1, None), dev(2, Share("b", 12 * gib, 25))]
+    derived = with_consumed_capacity(MpsClaimConfig(), devices)
+    assert derived == MpsClaimConfig(25, None, {"0": 30 * 1024, "2": 12 * 1024})
+    spec = daemon_spec("uid-1", devices, derived, "claim uid-1", lambda p: Path("/r" + p))
+    assert spec.thread_percentage == 25
+    assert spec.pinned_limits == ((0, "30720M"), (2, "12288M"))  # the whole GPU 1 has no limit
+    # the config's own values win: a default limit for every device, a per-device one, a thread percentage
+    assert with_consumed_capacity(MpsClaimConfig(50, 8192, {}), devices) == MpsClaimConfig(50, 8192, {})
+    assert with_consumed_capacity(MpsClaimConfig(None, None, {"GPU-0": 1024}), devices) == \
+        MpsClaimConfig(25, None, {"GPU-0": 1024, "2": 12 * 1024})
+    # devices taken whole: nothing added
+    assert with_consumed_capacity(MpsClaimConfig(), [dev(1, None)]) == MpsClaimConfig()
