@@ -102,6 +102,15 @@ class Observer:
         return found
 
 
+def gpu_indices(tmp_path: Path, root: Path) -> dict[str, int]:
+    """GPU UUID -> index on the simulated node (the agent's state file under ``tmp_path``)."""
+    gpu = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(root))
+    try:
+        return {g.uuid: g.index for g in gpu.discover().gpus}
+    finally:
+        gpu.close()
+
+
 def wait_split(obs: Observer, plugin: set[int], dra: set[int], what: str, timeout: float = 20) -> None:
     eventually(lambda: obs.plugin() == plugin and obs.slices() == dra, timeout, what)
 
@@ -124,11 +133,7 @@ def test_a_reload_moves_free_gpus_at_once_and_held_ones_after_their_holders(
         with node_root(kubelet_harness) as root, contextlib.ExitStack() as agents:
             agent = agents.enter_context(running_agent(tmp_path, root, args))
             agent.wait_notify("READY=1", timeout=20)
-            gpu = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(root))
-            try:
-                index_of = {g.uuid: g.index for g in gpu.discover().gpus}
-            finally:
-                gpu.close()
+            index_of = gpu_indices(tmp_path, root)
             every = set(range(8))
             obs = Observer(kube_apiserver, kubelet_harness, node, index_of)
             wait_split(obs, every - {0, 1}, {0, 1}, "GPUs 0, 1 in DRA, the others in the device plugin")
@@ -234,11 +239,7 @@ def test_a_gpu_leaving_dra_waits_for_its_slices_through_an_api_outage(
     try:
         with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
-            gpu = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(root))
-            try:
-                index_of = {g.uuid: g.index for g in gpu.discover().gpus}
-            finally:
-                gpu.close()
+            index_of = gpu_indices(tmp_path, root)
             every = set(range(8))
             obs = Observer(kube_apiserver, kubelet_harness, node, index_of)
             wait_split(obs, every - {0, 1}, {0, 1}, "GPUs 0, 1 in DRA, the others in the device plugin")
