@@ -22,14 +22,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from nodeagent.nvmlsource import open_nvml
-from tests.e2e._agent import REPO, node_root, running_agent
+from tests.e2e._agent import REPO, eventually, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer, free_port
 from tests.peers.gpustub import running_gpu_stub
 from tests.peers.harness import KubeletHarness
@@ -37,16 +37,6 @@ from tests.peers.harness import KubeletHarness
 pytestmark = pytest.mark.peers
 NS = "gpu-operator"
 OPERAND_POD = "nvidia-device-plugin-daemonset-q7x2k"
-
-
-def eventually(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout}s"
-        time.sleep(0.1)
 
 
 def _node(server: KubeApiServer, name: str) -> dict[str, Any]:
