@@ -351,16 +351,21 @@ def _what(method: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r" \1", name).lower()
 
 
-async def _request(what: str, requests: Any, context: Any, refusals: RefusalLog) -> Any:
-    """The one request of a call, read from ``requests`` (the call's request iterator) within
-    ``REQUEST_TIMEOUT_S``; a request that is no such message, comes too late or never ends the call."""
+async def _request(what: str, context: Any, refusals: RefusalLog) -> Any:
+    """The one request of a call, read through ``context`` within ``REQUEST_TIMEOUT_S``; a request that is no
+    such message, comes too late or never ends the call.
+
+    It is read with ``context.read()``, not from the call's request iterator: that iterator is an async
+    generator that, left suspended after its first message, is finalized by the cycle collector through a
+    task of its own, which made each call leave cyclic garbage behind and the collections that reclaim it
+    (pauses landing on calls) three times as costly."""
     try:
-        request = await within(anext(requests), REQUEST_TIMEOUT_S)
+        request = await within(context.read(), REQUEST_TIMEOUT_S)
     except TimeoutError:
         reason = f"no request within {REQUEST_TIMEOUT_S:g} s of the call"
         refusals.refused(what, reason)
         await arefuse(context, DEADLINE_EXCEEDED, reason)
-    except StopAsyncIteration:
+    if request is grpc.aio.EOF:
         await arefuse(context, INVALID_ARGUMENT, "the call ended without its request message")
     if isinstance(request, Malformed):
         if request.size >= LARGE_REQUEST:
@@ -416,9 +421,9 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if not inspect.isasyncgenfunction(items):
                 raise TypeError(f"{what}: a streaming method must be an async generator")
 
-            async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+            async def stream(_requests: Any, context: Any) -> AsyncIterator[Any]:
                 try:
-                    request = await _request(what, requests, context, refusals)
+                    request = await _request(what, context, refusals)
                     if _large(request):
                         _trim_soon()
                     async with contextlib.aclosing(items(request, context)) as answers:
@@ -435,10 +440,10 @@ class _Interceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if not inspect.iscoroutinefunction(method):
             raise TypeError(f"{what}: a method must be a coroutine function")
 
-        async def unary(requests: Any, context: Any) -> Any:
+        async def unary(_requests: Any, context: Any) -> Any:
             large = False
             try:
-                request = await _request(what, requests, context, refusals)
+                request = await _request(what, context, refusals)
                 large = _large(request)
                 return await method(request, context)
             except BaseException as e:

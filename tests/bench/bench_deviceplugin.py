@@ -18,6 +18,8 @@ Measures, over real Unix sockets:
     (``LoopThreadServer``, what the device-plugin sockets run on, so the floor of that stack) and grpc.aio on
     the process's main event loop (``AioServer``, what the DRA sockets run on);
   * GetPreferredAllocation on dgx-h100 for sizes 1..8;
+  * the pauses of each server child's cycle collector during those calls (count per 1000 calls, p50, max),
+    which, unlike the latencies, a busy machine does not change much;
   * ListAndWatch of 896 devices (8 GPUs x 7 MIG x 16 replicas): first list, and re-send after an XID;
   * XID -> Unhealthy seen by the kubelet's device manager; kubelet restart -> re-registered.
 Servers run in a child process so client and server do not share an interpreter.
@@ -45,7 +47,22 @@ sys.path.insert(0, str(ROOT))
 
 from nodeagent.deviceplugin.api import pb2, pb2_grpc  # noqa: E402
 
-SERVER = r"""
+# Put at the head of each server child: the pauses of Python's cycle collector, by generation, from the
+# child's "ready" on, printed as one "gc {...}" line when the child ends (each pause stops the server's calls; in Go the collector runs
+# concurrently, so these are much of the difference in the slowest Allocate answers).
+GC_PROBE = r"""
+import atexit as _atexit, gc as _gc, json as _json, time as _time
+_gc_start, _gc_pauses = [0.0], {0: [], 1: [], 2: []}
+def _gc_watch(phase, info):
+    if phase == "start":
+        _gc_start[0] = _time.perf_counter()
+    else:
+        _gc_pauses[info["generation"]].append(_time.perf_counter() - _gc_start[0])
+_gc.callbacks.append(_gc_watch)
+_atexit.register(lambda: print("gc " + _json.dumps(_gc_pauses), flush=True))
+"""
+
+SERVER = GC_PROBE + r"""
 import asyncio, sys
 from pathlib import Path
 from nodeagent.deviceplugin.service import DevicePluginService
@@ -59,7 +76,7 @@ async def main(plugin_dir, state, config):
                               health=HealthMonitorSettings(recovery_window_s=None),
                               backoff_max_s=60)
     await svc.start(nvml.discover())
-    print("ready", flush=True)
+    print("ready", flush=True); [v.clear() for v in _gc_pauses.values()]
     await asyncio.to_thread(sys.stdin.read)
     await svc.stop()
     nvml.close()
@@ -71,7 +88,7 @@ asyncio.run(main(*sys.argv[1:4]))
 # The least a server on nodeagent's stack can do per Allocate: answer a constant, through the same adapter
 # (options, request parsing) as nodeagent's servers. Measured beside nodeagent and the Go plugin, it shows how
 # much of the time is nodeagent's own work. argv: socket path, "loop" or "aio".
-CONSTANT = r"""
+CONSTANT = GC_PROBE + r"""
 import asyncio, sys
 from pathlib import Path
 from nodeagent.deviceplugin.api import pb2, pb2_grpc
@@ -95,7 +112,7 @@ if kind == "loop":
     server = LoopThreadServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, AioConstant())],
                               refusals=RefusalLog(log))
     server.start()
-    print("ready", flush=True)
+    print("ready", flush=True); [v.clear() for v in _gc_pauses.values()]
     sys.stdin.read()
     server.stop(0)
 else:
@@ -103,7 +120,7 @@ else:
         server = AioServer(path, [(pb2_grpc.add_DevicePluginServicer_to_server, AioConstant())],
                            refusals=RefusalLog(log))
         await server.start()
-        print("ready", flush=True)
+        print("ready", flush=True); [v.clear() for v in _gc_pauses.values()]
         await asyncio.to_thread(sys.stdin.read)
         await server.stop(0)
     asyncio.run(main())
@@ -152,6 +169,7 @@ class Child:
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError("device-plugin child did not start")
+        self.gc_pauses: dict[int, list[float]] = {}
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -162,7 +180,34 @@ class Child:
             self.proc.kill()
             self.proc.wait()
         if self.proc.stdout is not None:
+            for line in self.proc.stdout.read().splitlines():
+                if line.startswith("gc "):
+                    self.gc_pauses = {int(g): v for g, v in json.loads(line[3:]).items()}
             self.proc.stdout.close()
+
+
+CALLS: dict[str, int] = {}  # socket path → calls made to it (for the collector's pauses per call)
+
+
+def counted(sock: Path, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        CALLS[str(sock)] = CALLS.get(str(sock), 0) + 1
+        return fn()
+
+    return call
+
+
+def gc_figures(child: Child, sock: Path) -> dict[str, Any]:
+    """The child's collector pauses by generation: count per 1000 calls, p50 and max pause."""
+    calls = max(1, CALLS.get(str(sock), 0))
+    out: dict[str, Any] = {"calls": calls}
+    for gen, pauses in sorted(child.gc_pauses.items()):
+        if pauses:
+            out[f"gen{gen}"] = {
+                "per_1000_calls": round(len(pauses) * 1000 / calls, 2),
+                **{k: v for k, v in ms(pauses).items() if k != "p99_ms"},
+            }
+    return out
 
 
 def timed(fn: Callable[[], Any], n: int, warmup: int = 50) -> list[float]:
@@ -184,10 +229,10 @@ def bench_allocate_pair(
     channels = {name: grpc.insecure_channel(f"unix://{sock}") for name, (sock, _) in servers.items()}
     try:
         calls = {}
-        for name, (_, device) in servers.items():
+        for name, (sock, device) in servers.items():
             stub = pb2_grpc.DevicePluginStub(channels[name])
             req = pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
-            calls[name] = lambda stub=stub, req=req: stub.Allocate(req, timeout=10)
+            calls[name] = counted(sock, functools.partial(stub.Allocate, req, timeout=10))
         samples: dict[str, list[float]] = {name: [] for name in servers}
         for call in calls.values():
             timed(call, 0, warmup=100)
@@ -214,7 +259,7 @@ def bench_preferred(sock: Path, n: int) -> dict[str, Any]:
                 ]
             )
             out[str(size)] = ms(
-                timed(functools.partial(stub.GetPreferredAllocation, req, timeout=10), n, warmup=10)
+                timed(counted(sock, functools.partial(stub.GetPreferredAllocation, req, timeout=10)), n, warmup=10)
             )
     return out
 
@@ -405,6 +450,11 @@ def main() -> None:
             own_loop.close()
             aio.close()
             child.close()
+        result["gc"] = {
+            "nodeagent": gc_figures(child, pdir / "nvidia-gpu.sock"),
+            "loop_constant": gc_figures(own_loop, tmp / "loop.sock"),
+            "aio_constant": gc_figures(aio, tmp / "aio.sock"),
+        }
         result["list_and_watch_896"] = bench_list_896(tmp, args.quick)
         result.update(asyncio.run(bench_kubelet(tmp, args.quick)))
 
@@ -430,6 +480,13 @@ def main() -> None:
         f"p99 {lw['first_list']['p99_ms']} ms; XID re-send p50 {lw['xid_resend']['p50_ms']} ms "
         f"max {lw['xid_resend']['max_ms']} ms"
     )
+    for name, g in result["gc"].items():
+        gens = "; ".join(
+            f"{gen} {v['per_1000_calls']} per 1000 calls, pause p50 {v['p50_ms']} max {v['max_ms']} ms"
+            for gen, v in g.items()
+            if gen != "calls"
+        )
+        print(f"cycle collector of {name} ({g['calls']} calls): {gens}")
     x, r = result["xid_to_unhealthy"], result["restart_to_registered"]
     print(f"XID -> Unhealthy at kubelet:        p50 {x['p50_ms']} ms  max {x['max_ms']} ms")
     print(f"kubelet restart -> re-registered:   p50 {r['p50_ms']} ms  max {r['max_ms']} ms")
