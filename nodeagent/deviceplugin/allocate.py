@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from nodeagent.cdi.host import Mount
 from nodeagent.cdi.names import qualified_name
 from nodeagent.errors import InputError
+from nodeagent.gpu.mps import PIPE_ENV, SHM_DIR
 from nodeagent.logs import cut
 from nodeagent.sharing.devices import PhysicalDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
-MPS_PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
-MPS_SHM_DIR = "/dev/shm"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 # /proc/driver/nvidia-caps/mig-minors numbering: "config" 1, "monitor" 2, then per GPU 15 GPU
@@ -148,9 +147,9 @@ def container_allocation(
     if "cdi-cri" in strategies:
         cdi.extend(cdi_names)
     if resource.mps is not None:  # the control daemon's pipe directory and the shared memory it uses
-        envs[MPS_PIPE_ENV] = resource.mps.pipe_dir
+        envs[PIPE_ENV] = resource.mps.pipe_dir
         mounts.append(Mount(resource.mps.pipe_dir, resource.mps.pipe_dir_on_host, read_only=False))
-        mounts.append(Mount(MPS_SHM_DIR, resource.mps.shm_on_host, read_only=False))
+        mounts.append(Mount(SHM_DIR, resource.mps.shm_on_host, read_only=False))
     return ContainerAllocation(
         envs=envs,
         mounts=tuple(mounts),

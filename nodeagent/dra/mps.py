@@ -28,13 +28,10 @@ from typing import Any
 
 from nodeagent import fileio
 from nodeagent.dra.devices import DraDevice
-from nodeagent.gpu.mps import MpsDaemonSpec, MpsManager
+from nodeagent.gpu.mps import MPS_RUN_DIR, PIPE_ENV, SHM_DIR, MpsDaemonSpec, MpsManager
 
 API_VERSIONS = ("resource.nvidia.com/v1beta1", "resource.nodeagent.io/v1beta1")
 KIND = "GpuConfig"
-MPS_RUN_DIR = "/run/nodeagent/mps"
-SHM_DIR = "/dev/shm"
-PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 _QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _SCALE = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}

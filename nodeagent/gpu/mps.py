@@ -44,9 +44,14 @@ STOP_GRACE_S = 3.0
 RESTART_START_S = 0.2
 RESTART_MAX_S = 10.0
 SAFE_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+# Where the daemons' pipe and log directories live on the node (one directory a daemon), the shared memory
+# an MPS client and its server meet in, and the variable that tells a CUDA client its daemon's pipe directory.
+MPS_RUN_DIR = "/run/nodeagent/mps"
+SHM_DIR = "/dev/shm"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 # the GPUs a manager switched (a host path; one file per manager: the device plugin's and the DRA plane's
 # serve disjoint GPUs, and each restores only its own)
-COMPUTE_MODE_RECORD = "/run/nodeagent/mps/exclusive-gpus-{owner}.json"
+COMPUTE_MODE_RECORD = MPS_RUN_DIR + "/exclusive-gpus-{owner}.json"
 # NVML's compute modes (nvmlComputeMode_t)
 COMPUTE_DEFAULT = 0
 COMPUTE_EXCLUSIVE_PROCESS = 3

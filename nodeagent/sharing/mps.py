@@ -13,12 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nodeagent.gpu.inventory import Gpu
-from nodeagent.gpu.mps import MpsDaemonSpec
+from nodeagent.gpu.mps import MPS_RUN_DIR, SHM_DIR, MpsDaemonSpec
 from nodeagent.sharing.devices import MpsAccess, Resource
-
-MPS_RUN_DIR = "/run/nodeagent/mps"
-SHM_DIR = "/dev/shm"
-PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 
 
 def daemon_dir_name(resource: str) -> str:
