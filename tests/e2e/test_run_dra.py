@@ -1,6 +1,6 @@
 """``nodeagent run`` with the DRA plane (``[device_plugin] plane``) against the real kube-apiserver: the node's
 ResourceSlices appear, the device plugin serves only what DRA does not, and SIGHUP switches planes (the old
-one withdrawn, the new one published)."""
+one withdrawn, the new one published). Each test runs once per Kubernetes release."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import Agent, eventually, node_root, running_agent
 from tests.e2e.test_run import plugin_sockets
 from tests.e2e.test_run_cluster import make_node
+from tests.integration._releases import shared_release_apiserver
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers
+
+release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 DRIVER = "gpu.nodeagent.io"
 
@@ -85,8 +88,9 @@ def uuid_of(device: dict[str, Any]) -> str:
 
 
 def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
-    tmp_path: Path, kube_apiserver: KubeApiServer
+    tmp_path: Path, release_server: KubeApiServer
 ) -> None:
+    kube_apiserver = release_server
     node = "e2e-dra-only"
     cfg, args = dra_node(tmp_path, kube_apiserver, node, "dra")
     try:
@@ -123,8 +127,9 @@ def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
 
 
 def test_plane_both_splits_the_gpus_and_sighup_switches_planes(
-    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+    tmp_path: Path, release_server: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
+    kube_apiserver = release_server
     node = "e2e-dra-both"
     cfg, args = dra_node(tmp_path, kube_apiserver, node, "both", "gpus = [0, 1]\n")
     try:
