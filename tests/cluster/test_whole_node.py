@@ -562,8 +562,9 @@ def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[N
     _mig_off(cluster)
     _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
                         lambda: allocatable(cluster) == GPU_COUNT)
-    # the agent leaves its ResourceSlices when it exits (a restarted agent serves them on); the kubelet deletes
-    # those of a driver that stays unregistered for 30 s (its DRA manager's wiping delay)
+    # the agent leaves its ResourceSlices when it exits (a restarted agent serves them on); restarted without
+    # DRA it deletes them itself at its start (the kubelet would only after the driver has stayed unregistered
+    # for 30 s, its DRA manager's wiping delay)
     cluster.wait_for("no ResourceSlice of the node once the DRA plane is gone", lambda: not _node_slices(cluster),
                      timeout=60)
 
