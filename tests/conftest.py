@@ -6,9 +6,10 @@ from typing import Any
 import pytest
 
 import nodeagent  # noqa: F401  # first: the tests load grpc with the daemon's gRPC settings
+from tests.integration._releases import release_apiserver_pool
 from tests.peers.fixtures import containerd, containerd2, kube_apiserver, kubelet_harness
 
-__all__ = ["containerd", "containerd2", "kube_apiserver", "kubelet_harness"]
+__all__ = ["containerd", "containerd2", "kube_apiserver", "kubelet_harness", "release_apiserver_pool"]
 
 # Test files that own host paths (tests/peers/hostlock.py: the whole-node cluster, the booted Debian roots, the
 # host's NVML library): one scope, run one file after the other on ONE worker, so none of them waits for the

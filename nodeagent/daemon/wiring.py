@@ -51,10 +51,11 @@ def default_specs() -> list[ComponentSpec]:
         return DevicePluginComponent(ctx) if dp.enabled and dp.plane != "dra" else None
 
     def dra(ctx: Context) -> Component | None:
-        from nodeagent.daemon.components.dra import DraPlaneComponent
+        from nodeagent.daemon.components.dra import DraLeftoversComponent, DraPlaneComponent
 
         if ctx.config.device_plugin.plane == "device-plugin":
-            return None
+            # no DRA driver: the slices an earlier run with DRA left for this node go
+            return DraLeftoversComponent(ctx) if ctx.kube is not None else None
         if ctx.kube is None:
             log.warning("device_plugin.plane = %r needs the Kubernetes API (kube = false): the DRA driver "
                         "does not run", ctx.config.device_plugin.plane)

@@ -560,12 +560,18 @@ def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[N
     cluster.kubectl("delete", "resourceclaimtemplate", "one-gpu", "--ignore-not-found")
     cluster.kubectl("delete", "-f", "packaging/kubernetes/deviceclass.yaml", "--ignore-not-found")
     _mig_off(cluster)
-    _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
-                        lambda: allocatable(cluster) == GPU_COUNT)
-    # the agent leaves its ResourceSlices when it exits (a restarted agent serves them on); the kubelet deletes
-    # those of a driver that stays unregistered for 30 s (its DRA manager's wiping delay)
+    t0 = time.monotonic()
+    pod = _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
+                              lambda: allocatable(cluster) == GPU_COUNT)
+    # the agent leaves its ResourceSlices when it exits (a restarted agent serves them on); restarted without
+    # DRA it deletes them itself at its start, with its own token (the kubelet would only after the driver has
+    # stayed unregistered for 30 s, its DRA manager's wiping delay)
     cluster.wait_for("no ResourceSlice of the node once the DRA plane is gone", lambda: not _node_slices(cluster),
                      timeout=60)
+    gone = time.monotonic() - t0
+    log = cluster.kubectl("logs", "-n", "nodeagent", pod["metadata"]["name"]).stdout
+    assert f"DRA ResourceSlice(s) of {cluster.node_name} left by an earlier run (plane is device-plugin)" in log, log
+    print(json.dumps({"dra_slices_gone_after_the_agent_restart_s": round(gone, 1)}))
 
 
 @pytest.mark.usefixtures("packaged_config_after")

@@ -1,6 +1,6 @@
 """``nodeagent run`` with the DRA plane (``[device_plugin] plane``) against the real kube-apiserver: the node's
 ResourceSlices appear, the device plugin serves only what DRA does not, and SIGHUP switches planes (the old
-one withdrawn, the new one published)."""
+one withdrawn, the new one published). Each test runs once per Kubernetes release."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,13 @@ from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import Agent, eventually, node_root, running_agent
 from tests.e2e.test_run import plugin_sockets
 from tests.e2e.test_run_cluster import make_node
+from tests.integration._releases import shared_release_apiserver
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers
+
+release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 DRIVER = "gpu.nodeagent.io"
 
@@ -85,8 +89,9 @@ def uuid_of(device: dict[str, Any]) -> str:
 
 
 def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
-    tmp_path: Path, kube_apiserver: KubeApiServer
+    tmp_path: Path, release_server: KubeApiServer
 ) -> None:
+    kube_apiserver = release_server
     node = "e2e-dra-only"
     cfg, args = dra_node(tmp_path, kube_apiserver, node, "dra")
     try:
@@ -123,8 +128,9 @@ def test_plane_dra_publishes_resource_slices_and_serves_no_device_plugin_socket(
 
 
 def test_plane_both_splits_the_gpus_and_sighup_switches_planes(
-    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+    tmp_path: Path, release_server: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
+    kube_apiserver = release_server
     node = "e2e-dra-both"
     cfg, args = dra_node(tmp_path, kube_apiserver, node, "both", "gpus = [0, 1]\n")
     try:
@@ -167,4 +173,73 @@ def test_plane_both_splits_the_gpus_and_sighup_switches_planes(
             code, took = agent.stop()
             assert code == 0 and took < 5.0, agent.log()
     finally:
+        remove_node(kube_apiserver, node)
+
+
+def test_a_start_without_dra_deletes_the_slices_an_earlier_dra_run_left(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+) -> None:
+    """The agent runs with the token of its own pod (the packaged ClusterRoles and admission policy in force):
+    plane "dra" publishes the node's slices and leaves them on exit; the next start with plane
+    "device-plugin" deletes them at once (not after the kubelet's grace period), and only them: another
+    node's slices and another driver's slices on this node stay."""
+    from tests.e2e.test_kube_confinement import slice_obj
+    from tests.e2e.test_kube_manifests import apply_rbac, bound_token, wait_for_policy
+
+    node, other = "e2e-dra-leftover", "e2e-dra-leftover-b"
+    apply_rbac(kube_apiserver)
+    make_node(kube_apiserver, other)
+    cfg, args = dra_node(tmp_path, kube_apiserver, node, "dra")
+    token = bound_token(kube_apiserver, node)
+    wait_for_policy(kube_apiserver, token, other)
+    doc = json.loads(kube_apiserver.kubeconfig.read_text())
+    doc["users"] = [{"name": "admin", "user": {"token": token}}]  # the agent's own token, no admin certificate
+    agent_kubeconfig = tmp_path / "agent-kubeconfig"
+    agent_kubeconfig.write_text(json.dumps(doc))
+    cfg_text = cfg.read_text().replace(str(kube_apiserver.kubeconfig), str(agent_kubeconfig))
+    cfg.write_text(cfg_text)
+    kept = {f"{other}-gpu": slice_obj(f"{other}-gpu", other), f"{node}-nvidia": slice_obj(f"{node}-nvidia", node,
+                                                                                           "gpu.nvidia.com")}
+    slices = "/apis/resource.k8s.io/v1/resourceslices"
+
+    def own_devices() -> list[str]:
+        """The devices in this node's slices of the driver gpu.nodeagent.io."""
+        status, body = kube_apiserver.get(f"{slices}?fieldSelector=spec.nodeName%3D{node},spec.driver%3D{DRIVER}")
+        assert status == 200, body
+        return [d["name"] for s in json.loads(body)["items"] for d in s["spec"].get("devices") or ()]
+
+    try:
+        for name, obj in kept.items():
+            kube_apiserver.request("DELETE", f"{slices}/{name}")
+            status, body = kube_apiserver.request("POST", slices, obj)
+            assert status == 201, body
+        with node_root(kubelet_harness) as root:
+            (tmp_path / "first").mkdir()
+            with running_agent(tmp_path / "first", root, args) as agent:
+                agent.wait_notify("READY=1", timeout=20)
+                eventually(lambda: len(own_devices()) == 8, 20, "the node's 8 GPUs in its ResourceSlices")
+                code, _ = agent.stop()
+                assert code == 0, agent.log()
+            assert len(own_devices()) == 8  # left for the next start
+
+            cfg.write_text(cfg_text.replace('plane = "dra"', 'plane = "device-plugin"'))
+            (tmp_path / "second").mkdir()
+            with running_agent(tmp_path / "second", root, args) as agent:
+                t0 = time.monotonic()
+                agent.wait_notify("READY=1", timeout=20)
+                eventually(lambda: not own_devices(), 10, "the leftover slices deleted")
+                took = time.monotonic() - t0
+                line = f"deleted 1 DRA ResourceSlice(s) of {node} left by an earlier run (plane is device-plugin)"
+                eventually(lambda: line in agent.log(), 5, "the deletion logged")
+                kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, timeout=20)
+                for name in kept:
+                    assert kube_apiserver.get(f"{slices}/{name}")[0] == 200, name
+                assert "not deleted" not in agent.log()
+                code, _ = agent.stop()
+                assert code == 0, agent.log()
+        print(json.dumps({"leftover_slices_deleted_after_start_s": round(took, 3)}))
+    finally:
+        for name in kept:
+            kube_apiserver.request("DELETE", f"{slices}/{name}")
+        kube_apiserver.request("DELETE", f"/api/v1/nodes/{other}")
         remove_node(kube_apiserver, node)

@@ -1,6 +1,7 @@
 """``nodeagent run`` with ``[dra] dynamic_mig = true`` against the real kube-apiserver: a MIG-mode GPU without
 a static layout publishes its placements and a counter set, a GPU with a static layout keeps its MIG
-device, GPUs outside MIG mode stay whole; turning the knob off on SIGHUP publishes the plain pool."""
+device, GPUs outside MIG mode stay whole; turning the knob off on SIGHUP publishes the plain pool. Runs once per Kubernetes release: the counters sit in
+the slice of their devices on 1.34 and in a slice of their own from 1.35 on."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from nodeagent.simulator.open import open_sim
 from tests.e2e._agent import eventually, node_root, running_agent
 from tests.e2e.test_run_cluster import make_node
 from tests.e2e.test_run_dra import config
+from tests.integration._releases import shared_release_apiserver
 from tests.peers.apiserver import KubeApiServer
 
 pytestmark = pytest.mark.peers
+
+release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 
 def complete_slices(server: KubeApiServer, node: str) -> list[dict[str, Any]] | None:
@@ -45,7 +49,8 @@ def pool(server: KubeApiServer, node: str) -> tuple[set[str], list[str]] | None:
     return names, sets
 
 
-def test_dynamic_mig_knob_publishes_placements_and_counters(tmp_path: Path, kube_apiserver: KubeApiServer) -> None:
+def test_dynamic_mig_knob_publishes_placements_and_counters(tmp_path: Path, release_server: KubeApiServer) -> None:
+    kube_apiserver = release_server
     node = "e2e-dra-dynmig"
     make_node(kube_apiserver, node)
     state = tmp_path / "sim.json"
@@ -60,6 +65,15 @@ def test_dynamic_mig_knob_publishes_placements_and_counters(tmp_path: Path, kube
         agent.wait_notify("READY=1", timeout=20)
         names, sets = eventually(lambda: pool(kube_apiserver, node), 20, "ResourceSlices of the node")
         assert sets == ["gpu-0-counters"]
+        # the layout of the release: 1.34 keeps the counter set beside the devices consuming it, later
+        # releases put it in a slice of its own
+        items = eventually(lambda: complete_slices(kube_apiserver, node), 10, "the complete pool")
+        [with_counters] = [s["spec"] for s in items if s["spec"].get("sharedCounters")]
+        placements = {d["name"] for d in with_counters.get("devices") or ()}
+        if kube_apiserver.version == "v1.34.4":
+            assert "gpu-0-mig-7g-80gb-at-0" in placements, sorted(placements)
+        else:
+            assert not placements, sorted(placements)
         assert {"gpu-0-mig-7g-80gb-at-0", "gpu-0-mig-1g-10gb-at-6", "gpu-0-mig-3g-40gb-at-4"} <= names
         assert f"gpu-1-mig-{static.gi_id}-{static.ci_id}" in names
         assert not any(n.startswith("gpu-1-") and "-at-" in n for n in names)

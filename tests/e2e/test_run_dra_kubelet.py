@@ -4,7 +4,8 @@ The daemon runs under a sandbox ``--root R`` and registers its DRA endpoint as t
 (``/var/lib/kubelet/plugins/gpu.nodeagent.io/dra.sock``). The dra-harness (the kubelet's plugin watcher and
 DRA manager) stands for a kubelet whose host filesystem is R (``--host-root``): it finds the registration
 socket in R's ``plugins_registry`` and dials the endpoint under R. No scheduler runs: the test writes the
-claim's allocation and reservation itself, as kube-scheduler would.
+claim's allocation and reservation itself, as kube-scheduler would. Runs once per Kubernetes release (its
+kube-apiserver and the harness built from its kubelet).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import pytest
 from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import eventually, node_root, running_agent
 from tests.e2e.test_run_dra import DRIVER, dra_node, remove_node, slice_devices, uuid_of
+from tests.integration._releases import release_binary, shared_release_apiserver
 from tests.integration.test_dra_kubelet import CLAIMS, create_allocated_claim
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.cdicheck import run_cdi_check
 from tests.peers.draharness import Pod, running_dra_harness
 
 pytestmark = pytest.mark.peers
+
+release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 
 def claims_checkpoint(root: Path) -> dict[str, Any]:
@@ -33,8 +37,10 @@ def claims_checkpoint(root: Path) -> dict[str, Any]:
 
 
 def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_across_a_restart(
-    tmp_path: Path, kube_apiserver: KubeApiServer
+    tmp_path: Path, release_server: KubeApiServer
 ) -> None:
+    kube_apiserver = release_server
+    harness = release_binary(kube_apiserver.version, "dra-harness")
     node = "e2e-dra-kubelet"
     _, args = dra_node(tmp_path, kube_apiserver, node, "dra")
     kube = KubeClient(connect(kube_apiserver.kubeconfig))
@@ -50,7 +56,8 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
                 device = "gpu-3"
                 assert device in devices, sorted(devices)
                 gpu_uuid = uuid_of(devices[device])
-                with running_dra_harness(kube_apiserver.kubeconfig, registry, node, host_root=root) as h:
+                with running_dra_harness(kube_apiserver.kubeconfig, registry, node, binary=harness,
+                                        host_root=root) as h:
                     h.wait_registered(DRIVER, timeout=20)
 
                     # prepare: the per-claim CDI spec under R/var/run/cdi, resolved by the CDI library
@@ -99,7 +106,8 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
             (tmp_path / "second").mkdir()
             with running_agent(tmp_path / "second", root, args) as agent:
                 agent.wait_notify("READY=1", timeout=20)
-                with running_dra_harness(kube_apiserver.kubeconfig, registry, node, host_root=root) as h:
+                with running_dra_harness(kube_apiserver.kubeconfig, registry, node, binary=harness,
+                                        host_root=root) as h:
                     h.wait_registered(DRIVER, timeout=20)
                     assert h.prepare(kept) == kept_cdi
                     after = kept_file.stat()

@@ -3,7 +3,10 @@ planes. Real peers: the kube-apiserver (ResourceSlices, ResourceClaims, Events),
 manager (ListAndWatch, Allocate, PodResources) and the kubelet's DRA manager (prepare, unprepare). While a
 pod holds a device-plugin GPU and a claim a DRA GPU, the free GPUs move at once, the held ones wait
 withdrawn from both planes and move by themselves once released; no GPU is ever seen in the device
-plugin's list and the ResourceSlices at once."""
+plugin's list and the ResourceSlices at once.
+
+The move runs once per Kubernetes release (its kube-apiserver and the DRA harness built from its kubelet;
+the device manager is that of 1.34, whose device-plugin API v1beta1 has not changed since)."""
 
 from __future__ import annotations
 
@@ -33,12 +36,15 @@ from tests.e2e.test_run_dra import (
     slice_devices,
     uuid_of,
 )
+from tests.integration._releases import release_binary, shared_release_apiserver
 from tests.integration.test_dra_kubelet import CLAIMS, create_allocated_claim
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.draharness import Pod, running_dra_harness
 from tests.peers.harness import KubeletHarness
 
 pytestmark = pytest.mark.peers
+
+release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 RESOURCE = "nvidia.com/gpu"
 
@@ -116,8 +122,10 @@ def wait_split(obs: Observer, plugin: set[int], dra: set[int], what: str, timeou
 
 
 def test_a_reload_moves_free_gpus_at_once_and_held_ones_after_their_holders(
-    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness
+    tmp_path: Path, release_server: KubeApiServer, kubelet_harness: KubeletHarness
 ) -> None:
+    kube_apiserver = release_server
+    dra_harness = release_binary(kube_apiserver.version, "dra-harness")
     node = "e2e-planes"
     cfg, args = dra_node(tmp_path, kube_apiserver, node, "both", "gpus = [0, 1]\n")
 
@@ -139,7 +147,7 @@ def test_a_reload_moves_free_gpus_at_once_and_held_ones_after_their_holders(
             wait_split(obs, every - {0, 1}, {0, 1}, "GPUs 0, 1 in DRA, the others in the device plugin")
 
             with running_dra_harness(kube_apiserver.kubeconfig, root / "var/lib/kubelet/plugins_registry", node,
-                                     host_root=root) as dra:
+                                     binary=dra_harness, host_root=root) as dra:
                 dra.wait_registered(DRIVER, timeout=20)
                 # a claim holds GPU 0 on the DRA plane, a pod holds one device-plugin GPU
                 claim_pod = Pod("default", "planes-claim", str(uuid.uuid4()), {}, {"main": ["gpu"]})
@@ -187,7 +195,7 @@ def test_a_reload_moves_free_gpus_at_once_and_held_ones_after_their_holders(
             reasons = [e["reason"] for e in kube.request("GET", f"/api/v1/namespaces/default/events?fieldSelector="
                                                          f"involvedObject.name%3D{node}")["items"]]
             assert reasons.count("GpuPlaneMoved") == 4 and reasons.count("GpuPlaneMoveWaiting") == 4, reasons
-            print(json.dumps({"free_gpu_to_dra_s": round(moved_to_dra, 3),
+            print(json.dumps({"release": kube_apiserver.version, "free_gpu_to_dra_s": round(moved_to_dra, 3),
                               "free_gpu_to_plugin_s": round(moved_to_plugin, 3),
                               "released_gpu_to_dra_s": round(released_moved, 3), "samples": len(obs.samples)}))
 

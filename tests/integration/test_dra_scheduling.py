@@ -189,6 +189,28 @@ def claim_template(kube: KubeClient, name: str, device_class: str, cel: str | No
         "spec": {"spec": {"devices": {"requests": [req]}}}})
 
 
+def generate_claim(c: Cluster, pod: dict[str, Any]) -> str:
+    """What kube-controller-manager's resourceclaim controller does for a pod whose claim ``gpu`` comes from
+    a ResourceClaimTemplate, for the releases whose controller manager is not built: the claim made from the
+    template, owned by the pod, and its name in the pod's ``status.resourceClaimStatuses``; the claim's name."""
+    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+    [pod_claim] = pod["spec"]["resourceClaims"]
+    template = c.get(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates/"
+                     f"{pod_claim['resourceClaimTemplateName']}")
+    claim = c.kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims", body={
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"generateName": f"{name}-{pod_claim['name']}-",
+                     "annotations": {"resource.kubernetes.io/pod-claim-name": pod_claim["name"]},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid,
+                                          "controller": True, "blockOwnerDeletion": True}]},
+        "spec": template["spec"]["spec"]})
+    claim_name: str = claim["metadata"]["name"]
+    c.kube.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}/status", content_type="application/merge-patch+json",
+                   body={"status": {"resourceClaimStatuses": [{"name": pod_claim["name"],
+                                                               "resourceClaimName": claim_name}]}})
+    return claim_name
+
+
 def make_claim(kube: KubeClient, name: str, request: dict[str, Any], namespace: str = NS) -> None:
     """A ResourceClaim with the one request ``gpu`` (``request`` holds ``exactly`` or ``firstAvailable``)."""
     kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims", body={
@@ -209,15 +231,17 @@ def exactly(device_class: str, cel: str | None = None, capacity: dict[str, str] 
 
 
 def create_pod(kube: KubeClient, name: str, *, template: str | None = None, claim: str | None = None,
-               extended: dict[str, str] | None = None, namespace: str = NS) -> dict[str, Any]:
+               extended: dict[str, str] | None = None, namespace: str = NS, pod_claim: str = "gpu") -> dict[str, Any]:
+    """A pod whose container "main" uses one claim (named ``pod_claim`` in the pod) from ``template`` or the
+    ResourceClaim ``claim``, or asks for the extended resources ``extended``."""
     container: dict[str, Any] = {"name": "main", "image": "registry.k8s.io/pause:3.10"}
     spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 0}
     if template:
-        container["resources"] = {"claims": [{"name": "gpu"}]}
-        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": template}]
+        container["resources"] = {"claims": [{"name": pod_claim}]}
+        spec["resourceClaims"] = [{"name": pod_claim, "resourceClaimTemplateName": template}]
     if claim:
-        container["resources"] = {"claims": [{"name": "gpu"}]}
-        spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+        container["resources"] = {"claims": [{"name": pod_claim}]}
+        spec["resourceClaims"] = [{"name": pod_claim, "resourceClaimName": claim}]
     if extended:
         container["resources"] = {"requests": extended, "limits": extended}
     out: dict[str, Any] = kube.request("POST", f"/api/v1/namespaces/{namespace}/pods", body={
@@ -247,11 +271,16 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         bound = wait_for(lambda: (p := c.get(path))["spec"].get("nodeName") and p, 60, f"pod {name} scheduled", c)
         assert bound["spec"]["nodeName"] == NODE
         status = bound.get("status") or {}
+        hpod_claim, templates = "", {}
         if direct:
             [claim_name] = direct
+            [hpod_claim] = [r["name"] for r in pod["spec"]["resourceClaims"]]
         elif from_template:
             [entry] = status["resourceClaimStatuses"]
             claim_name = entry["resourceClaimName"]
+            hpod_claim = entry["name"]
+            templates = {hpod_claim: next(r["resourceClaimTemplateName"] for r in pod["spec"]["resourceClaims"]
+                                          if r["name"] == hpod_claim)}
         else:
             claim_name = status["extendedResourceClaimStatus"]["resourceClaimName"]
         claim_path = f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims/{claim_name}"
@@ -263,7 +292,11 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         assert (result["driver"], result["pool"]) == (DRIVER_NAME, NODE), result
         assert [r["uid"] for r in claim["status"]["reservedFor"]] == [uid]
 
-        hpod = Pod(NS, name, uid, {claim_name: claim_name}, {"main": [claim_name]})
+        # the kubelet gets the pod as the API has it: its claim under the pod's name for it, from a template
+        # (the generated claim's name in the status) or by the claim's name; an extended resource's claim
+        # under the claim's name
+        hpod_claim = hpod_claim or claim_name
+        hpod = Pod(NS, name, uid, {hpod_claim: claim_name}, {"main": [hpod_claim]}, templates)
         cdi = c.harness.prepare(hpod)
         claim_uid = claim["metadata"]["uid"]
         share = f"-{result['shareID']}" if result.get("shareID") else ""  # an allocation of a shared GPU
@@ -387,13 +420,17 @@ def test_unchanged_nvidia_gpu_pod_is_served_through_the_extended_resource_class(
     assert got.claim["metadata"]["name"] == got.pod_status["extendedResourceClaimStatus"]["resourceClaimName"]
 
 
-# Not on 1.35.4: there the kubelet code in the harness leaves allocatedResourcesStatus empty (prepare and the
-# slice taint work; the cause is not found yet).
-@pytest.mark.parametrize("cluster", [r for r in RELEASES if r.version != "v1.35.4"], ids=lambda r: r.version,
-                         indirect=True)
+@every
 def test_xid_marks_the_prepared_device_unhealthy_and_taints_it_until_recovery(cluster: Cluster) -> None:
     """The kubelet sees the allocated device Unhealthy in allocatedResourcesStatus and the slice carries the
-    device taint while the GPU has an XID; recovery clears both."""
+    device taint while the GPU has an XID; recovery clears both.
+
+    How the pod names its claim follows what each release's kubelet reports allocatedResourcesStatus for
+    (pkg/kubelet/cm/dra/manager.go, UpdateAllocatedResourcesStatus): 1.34.4 matches the container's pod
+    claim name with the ResourceClaim's name, so only a claim referenced under its own name is reported
+    (never one from a template); 1.35.4 finds the claim only in ``status.resourceClaimStatuses``, which
+    the API holds for template claims alone, so only those are reported; 1.36 and later report both. The
+    test uses a claim referenced under its own name on 1.34 and a template claim from 1.35 on."""
 
     def xid(pod: Pod, device: str, cdi_id: str) -> None:
         index = int(device.removeprefix("gpu-"))
@@ -406,9 +443,15 @@ def test_xid_marks_the_prepared_device_unhealthy_and_taints_it_until_recovery(cl
         wait_for(lambda: resource_health(cluster.harness, pod) == {cdi_id: "Healthy"}, 20, "Healthy again", cluster)
         wait_for(lambda: "taints" not in slice_device(cluster, device), 20, "taint removed", cluster)
 
-    make_claim(cluster.kube, "xid-gpu", exactly("gpu.nodeagent.io"))
-    got = schedule_and_prepare(cluster, create_pod(cluster.kube, "xid-gpu", claim="xid-gpu"), from_template=False,
-                               while_prepared=xid)
+    if cluster.release.minor == 34:
+        make_claim(cluster.kube, "xid-gpu", exactly("gpu.nodeagent.io"))
+        pod = create_pod(cluster.kube, "xid-gpu", claim="xid-gpu", pod_claim="xid-gpu")
+    else:
+        claim_template(cluster.kube, "xid-gpu", "gpu.nodeagent.io")
+        pod = create_pod(cluster.kube, "xid-gpu", template="xid-gpu")
+        if not cluster.release.controller_manager_built:
+            generate_claim(cluster, pod)
+    got = schedule_and_prepare(cluster, pod, from_template=cluster.release.minor != 34, while_prepared=xid)
     assert got.device.startswith("gpu-") and "mig" not in got.device
 
 @every

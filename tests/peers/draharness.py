@@ -27,18 +27,23 @@ class DraHarnessError(RuntimeError):
 @dataclass(frozen=True)
 class Pod:
     """A pod using ResourceClaims by name: ``claims`` maps the pod's claim name to the ResourceClaim name;
-    ``containers`` maps each container to the pod claim names it uses."""
+    ``containers`` maps each container to the pod claim names it uses. ``templates`` maps a pod claim name
+    to the ResourceClaimTemplate its claim was generated from: the pod then carries it as the API server
+    does (the template in its spec, the generated claim's name in ``status.resourceClaimStatuses``), and
+    the claim must be owned by the pod."""
 
     namespace: str
     name: str
     uid: str
     claims: dict[str, str]
     containers: dict[str, list[str]]
+    templates: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "namespace": self.namespace, "name": self.name, "uid": self.uid,
-            "claims": [{"name": n, "claim": c} for n, c in self.claims.items()],
+            "claims": [{"name": n, "claim": c, **({"template": self.templates[n]} if n in self.templates else {})}
+                       for n, c in self.claims.items()],
             "containers": [{"name": n, "claims": cs} for n, cs in self.containers.items()],
         }
 

@@ -17,7 +17,7 @@ from nodeagent.bootstrap import BootstrapParts, Options, Outcome, StepResult, bo
 from nodeagent.config import AgentConfig, apply_overrides, parse_config
 from nodeagent.daemon import ComponentSpec, Context, Daemon, default_specs
 from nodeagent.daemon.components.metrics import MetricsComponent
-from nodeagent.errors import KubeletError, RuntimeConfigError
+from nodeagent.errors import KubeError, KubeletError, RuntimeConfigError
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.podnames import CheckpointEntry, PodNameLookup, parse_checkpoint, pod_names
@@ -317,3 +317,100 @@ async def test_the_runtime_class_is_retried_at_each_resync_until_the_api_answers
     assert api.created == ["nvidia"] and check.runtime_class_done
     await check.resync()  # done: no more writes
     assert api.created == ["nvidia"]
+
+
+# -- the slices an earlier run with DRA left (plane "device-plugin") -----------------------------------
+
+
+class _SliceKube:
+    """ResourceSlices in memory; ``fail`` raises that error at the next list and is then cleared."""
+
+    def __init__(self, slices: dict[str, tuple[str, str]], fail: KubeError | None = None) -> None:
+        self.slices = slices  # name → (node, driver)
+        self.fail = fail
+        self.lists = 0
+
+    def list_resource_slices(self, *, field_selector: str | None = None) -> list[dict[str, Any]]:
+        self.lists += 1
+        if self.fail is not None:
+            e, self.fail = self.fail, None
+            raise e
+        wanted = dict(kv.split("=", 1) for kv in (field_selector or "").split(","))
+        return [{"metadata": {"name": n}} for n, (node, driver) in self.slices.items()
+                if wanted == {"spec.nodeName": node, "spec.driver": driver}]
+
+    def delete_resource_slice(self, name: str) -> bool:
+        return self.slices.pop(name, None) is not None
+
+
+class _LeftoverCtx:
+    def __init__(self, kube: _SliceKube, plane: str = "device-plugin") -> None:
+        self.kube = kube
+        self.node_name = "n1"
+        self.config = apply_overrides(AgentConfig(), {"device_plugin.plane": plane})
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        return asyncio.ensure_future(coro)
+
+
+def test_plane_device_plugin_with_the_api_builds_the_leftover_cleanup_only() -> None:
+    from nodeagent.daemon.components.dra import DraLeftoversComponent
+
+    spec = {s.name: s for s in default_specs()}["dra"]
+    assert isinstance(spec.build(_LeftoverCtx(_SliceKube({}))), DraLeftoversComponent)  # type: ignore[arg-type]
+    no_api = _LeftoverCtx(_SliceKube({}))
+    no_api.kube = None  # type: ignore[assignment]
+    assert spec.build(no_api) is None  # type: ignore[arg-type]
+
+
+async def test_leftover_slices_of_the_node_and_driver_are_deleted_after_an_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from nodeagent.daemon.components.dra import DraLeftoversComponent
+
+    kube = _SliceKube({"n1-a": ("n1", "gpu.nodeagent.io"), "n1-b": ("n1", "gpu.nodeagent.io"),
+                       "n2-a": ("n2", "gpu.nodeagent.io"), "n1-nv": ("n1", "gpu.nvidia.com")},
+                      fail=KubeError("connection refused", retryable=True))
+    comp = DraLeftoversComponent(_LeftoverCtx(kube))  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO)
+    await comp.start(_LeftoverCtx(kube))  # type: ignore[arg-type]
+    for _ in range(100):
+        if any("not deleted (tried again at the next resync): connection refused" in r.getMessage()
+               for r in caplog.records):
+            break
+        await asyncio.sleep(0.01)
+    assert len(kube.slices) == 4
+    for _ in range(100):  # the outage is over: a resync once the first attempt has ended tries again
+        await comp.resync()
+        if len(kube.slices) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(kube.slices) == ["n1-nv", "n2-a"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert "deleted 2 DRA ResourceSlice(s) of n1 left by an earlier run (plane is device-plugin)" in messages
+    lists = kube.lists
+    await comp.resync()  # done: no more requests
+    await asyncio.sleep(0.05)
+    assert kube.lists == lists
+    await comp.stop()
+
+
+@pytest.mark.parametrize("status", [403, 404])
+async def test_no_dra_role_or_api_is_nothing_to_delete_quietly(status: int, caplog: pytest.LogCaptureFixture) -> None:
+    from nodeagent.daemon.components.dra import DraLeftoversComponent
+
+    kube = _SliceKube({"n1-a": ("n1", "gpu.nodeagent.io")}, fail=KubeError("no", status=status))
+    ctx = _LeftoverCtx(kube)
+    comp = DraLeftoversComponent(ctx)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO)
+    await comp.start(ctx)  # type: ignore[arg-type]
+    for _ in range(100):
+        if kube.lists:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    await comp.resync()
+    await asyncio.sleep(0.05)
+    assert kube.lists == 1 and "n1-a" in kube.slices
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO and "ResourceSlice" in r.getMessage()]
+    await comp.stop()

@@ -303,3 +303,54 @@ class DraPlaneComponent(Component):
         await self.dra.stop(withdraw_slices=withdraw)
         if withdraw:
             log.info("DRA plane removed: ResourceSlices of node %s withdrawn", self._node_name)
+
+
+class DraLeftoversComponent(Component):
+    """Plane "device-plugin" with the Kubernetes API: the ResourceSlices an earlier run with DRA left for this
+    node (driver ``gpu.nodeagent.io``, ``spec.nodeName`` this node) are deleted once, in the background, so
+    the scheduler stops placing claims on GPUs no DRA driver serves any more (the kubelet would delete them
+    only after its grace period for a driver that does not come back). A failure the API may get over (an
+    outage) is tried again at the next resync; a token without the DRA ClusterRole (403) or an API server
+    without ``resource.k8s.io/v1`` (404) means this node never published slices: nothing to do."""
+
+    name = "dra"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        self._ctx = ctx
+        self._done = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, ctx: Context) -> None:
+        self._task = ctx.spawn(self._remove(), "DRA leftover slices")
+
+    async def resync(self) -> None:
+        if not self._done and (self._task is None or self._task.done()):
+            self._task = self._ctx.spawn(self._remove(), "DRA leftover slices")
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._task = None
+
+    async def _remove(self) -> None:
+        from nodeagent.dra.publisher import SlicePublisher
+        from nodeagent.errors import KubeError
+
+        node = self._ctx.node_name
+        try:
+            deleted = await asyncio.to_thread(SlicePublisher(self._ctx.kube, node).remove)
+        except KubeError as e:
+            if e.status in (403, 404):
+                self._done = True
+                log.debug("no DRA ResourceSlices of %s to look at (HTTP %s)", node, e.status)
+            else:
+                log.warning("DRA ResourceSlices of %s left by an earlier run not deleted (tried again at the "
+                            "next resync): %s", node, e)
+            return
+        self._done = True
+        if deleted:
+            log.info("deleted %d DRA ResourceSlice(s) of %s left by an earlier run (plane is device-plugin)",
+                     deleted, node)

@@ -21,8 +21,12 @@
 //	{"cmd": "health", "pod": POD}       -> {"ok": true, "status": {CONTAINER: [ResourceStatus]}}
 //	{"cmd": "quit"}
 //
-// POD is {"namespace", "name", "uid", "claims": [{"name", "claim"}], "containers": [{"name", "claims": [..]}]}
-// where "claim" names an existing ResourceClaim. Failures answer {"error": MESSAGE}.
+// POD is {"namespace", "name", "uid", "claims": [{"name", "claim", "template"}], "containers": [{"name",
+// "claims": [..]}]} where "claim" names an existing ResourceClaim. Without "template" the pod references it
+// by name (spec.resourceClaims[].resourceClaimName); with "template" the pod claim comes from that
+// ResourceClaimTemplate, as the API server holds such a pod: spec.resourceClaims[].resourceClaimTemplateName
+// and status.resourceClaimStatuses naming the generated claim (the kubelet then checks that the pod owns
+// it). Failures answer {"error": MESSAGE}.
 package main
 
 import (
@@ -53,8 +57,9 @@ import (
 )
 
 type podClaim struct {
-	Name  string `json:"name"`
-	Claim string `json:"claim"`
+	Name     string `json:"name"`
+	Claim    string `json:"claim"`
+	Template string `json:"template,omitempty"`
 }
 
 type podContainer struct {
@@ -181,8 +186,13 @@ func (h *harness) activePods() []*v1.Pod {
 func toPod(s *podSpec) *v1.Pod {
 	pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: s.Namespace, Name: s.Name, UID: types.UID(s.UID)}}
 	for _, c := range s.Claims {
-		name := c.Claim
-		pod.Spec.ResourceClaims = append(pod.Spec.ResourceClaims, v1.PodResourceClaim{Name: c.Name, ResourceClaimName: &name})
+		name, template := c.Claim, c.Template
+		if template == "" {
+			pod.Spec.ResourceClaims = append(pod.Spec.ResourceClaims, v1.PodResourceClaim{Name: c.Name, ResourceClaimName: &name})
+			continue
+		}
+		pod.Spec.ResourceClaims = append(pod.Spec.ResourceClaims, v1.PodResourceClaim{Name: c.Name, ResourceClaimTemplateName: &template})
+		pod.Status.ResourceClaimStatuses = append(pod.Status.ResourceClaimStatuses, v1.PodResourceClaimStatus{Name: c.Name, ResourceClaimName: &name})
 	}
 	for _, c := range s.Containers {
 		ctr := v1.Container{Name: c.Name}
