@@ -227,6 +227,28 @@ class DevicePluginService:
         self.held = dict(held)
         for name in held:
             self.failures[name] = held[name]
+            server = self._servers.get(name)
+            if server is not None and server.running:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    continue
+                loop.create_task(self._stop_held(name), name=f"stop serving {name}").add_done_callback(
+                    self._report_task)
+
+    async def _stop_held(self, name: str) -> None:
+        """Stop serving a resource put on hold while it was served: its socket goes (unless another plugin has
+        replaced it), the kubelet keeps what it allocated; served and registered again when the hold lifts."""
+        async with self._lock:
+            server = self._servers.get(name)
+            why = self.held.get(name)
+            if server is None or why is None or not server.running:
+                return
+            await self._cancel_registration(name)
+            await server.stop()
+            log.warning("%s is no longer served: %s", name, why)
+            self._last_cause[name] = why
+            self._start_registration(name)
 
     def set_take_over(self, take_over: bool) -> None:
         """Replace (True) or leave alone (False) another process's live socket at our sockets' names."""
@@ -313,7 +335,8 @@ class DevicePluginService:
                     take_over=self.take_over, on_allocate=self._count_allocate,
                 )
                 try:
-                    await server.start()
+                    if name not in self.held:  # a held resource is served once its hold lifts
+                        await server.start()
                 except ForeignPluginError as e:
                     # not a failure of the component: the register loop serves once the other one is gone
                     self.failures[name] = str(e)
