@@ -164,7 +164,7 @@ class AdoptComponent(Component):
         if operator is not None:
             # the operator's device plugin is (or is about to be) deployed here, after a release for one: every
             # resource is left to it, whatever take_over says; nodeagent serves again once handed over
-            self._ctx.shared.adoption.hold({name: operator.detail for name in wanted})
+            self._ctx.shared.adoption.hold({name: operator.detail for name in wanted}, stop=True)
             return
         take_over = self._ctx.shared.adoption.take_over
         if take_over if take_over is not None else self._ctx.config.adopt.take_over:
