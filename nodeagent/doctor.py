@@ -441,6 +441,9 @@ def _node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, re
     _handed_over(src, facts.node, report)
     for c in d.mig_manager_conflicts(facts.node):
         report.add("node", "warning", c.detail, _adopt_fix(src))
+    if not src.config.adopt.gpu_operator:  # (with it the agent hands the node over at its start)
+        for c in d.operator_conflicts(facts.node, _expected_resources(src, inventory)):
+            report.add("node", "warning", c.detail, src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
     keys = _label_keys(src, inventory)
     for c in d.feature_label_conflicts(facts.node, facts.node_features or (), keys):
         report.add("node", "warning", c.detail, _adopt_fix(src))
