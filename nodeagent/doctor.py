@@ -607,7 +607,8 @@ def _unit_activity(src: Sources, installed: bool, report: Report) -> None:
         return
     state = src.host.unit_state(UNIT)
     if state.problem:
-        report.add("agent", "ok" if not installed else "warning", f"{UNIT}: systemd's state not read: {state.problem}")
+        if installed:  # (no unit file and no systemd to ask: nothing to tell)
+            report.add("agent", "warning", f"{UNIT}: systemd's state not read: {state.problem}")
         return
     load, active, sub = state.get("LoadState"), state.get("ActiveState"), state.get("SubState")
     result, restarts = state.get("Result"), state.get("NRestarts") or "0"
