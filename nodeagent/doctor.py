@@ -38,6 +38,7 @@ from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
     from nodeagent.adopt.detect import KubeFacts
+    from nodeagent.hostcommands import ConfigVerdict, UnitState
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ class Report:
 
 
 @dataclass(frozen=True)
+class HostChecks:
+    """What doctor may run on the real host (root ``/``), through ``nodeagent.hostcommands``; ``Sources.host``
+    is None under ``--root``, where nothing is executed."""
+
+    unit_state: Callable[[str], UnitState]  # a unit name -> systemd's ActiveState, SubState, Result, NRestarts
+    containerd_loads: Callable[[str], ConfigVerdict] | None = None  # a config file -> containerd's verdict
+    containerd: str = ""  # the containerd program asked ("" when none was found)
+
+
+@dataclass(frozen=True)
 class Sources:
     """How doctor reaches the node: each a callable, so tests and the CLI hand in the same adapters."""
 
@@ -96,6 +107,7 @@ class Sources:
     sim_fix: str = ""  # the options that reach the same simulated machine ("--simulate X --sim-state F")
     now: Callable[[], float] = time.time
     config_problem: str = ""  # why the node's config file cannot be used (checked with the defaults then)
+    host: HostChecks | None = None  # None under --root: nothing is executed there
 
     def gpu_command(self, subcommand: str) -> str:
         """``command`` for a subcommand that opens the GPUs: on the same simulated machine, if any."""
@@ -244,7 +256,7 @@ def _containerd(src: Sources, report: Report) -> None:
         report.add("containerd", "ok", "not managed ([runtime] enabled = false)")
         return
     try:
-        info = rc.show(src.paths)
+        info = rc.show(src.paths, src.config.runtime.containerd_config)
         planned = rc.configure(src.paths, rc.options_from_settings(src.config.runtime, dry_run=True,
                                                                   kubelet_dir=src.config.kubelet.dir))
     except NodeAgentError as e:
@@ -257,6 +269,8 @@ def _containerd(src: Sources, report: Report) -> None:
     problem, fix = ctv.load_problem(installed, int(info["config_version"]))
     if problem and info["sources"]:
         report.add("containerd", "error", f"{info['sources'][0]}: {problem}", fix)
+    if info["sources"]:
+        _containerd_loads(src, str(info["sources"][0]), report)
     if planned.changed:
         files = ", ".join(f.path for f in planned.files if f.action != "unchanged")
         report.add("containerd", "warning", f"not wired for the NVIDIA runtime ({files} differ)",
@@ -265,6 +279,27 @@ def _containerd(src: Sources, report: Report) -> None:
         report.add("containerd", "ok", f"wired: runtimes {', '.join(info['runtimes']) or 'none'}; default "
                    f"{info['default_runtime']}; CDI {'on' if info['enable_cdi'] else 'off'}; containerd "
                    f"{info['containerd_version'] or 'version unknown'}")
+
+
+def _containerd_loads(src: Sources, config: str, report: Report) -> None:
+    """containerd's own verdict on its config file (``containerd --config FILE config dump``), on the real host
+    only: under --root nothing is executed, and the verdict is nodeagent's reading alone."""
+    if src.host is None:
+        report.add("containerd", "ok", f"{config} read by nodeagent only: containerd itself is not asked under "
+                   f"--root {src.paths.root} (nothing is executed there)")
+        return
+    if src.host.containerd_loads is None:
+        report.add("containerd", "ok", f"{config} read by nodeagent only: no containerd program on PATH to ask")
+        return
+    verdict = src.host.containerd_loads(str(src.paths(config)))
+    asked = f"{verdict.binary} --config {config} config dump"
+    if verdict.loads:
+        report.add("containerd", "ok", f"containerd loads {config} ({asked})")
+    elif verdict.loads is False:
+        report.add("containerd", "error", f"containerd refuses {config}: {verdict.message} ({asked}); containerd "
+                   "would not start with it", f"correct {config} (then: {asked})")
+    else:
+        report.add("containerd", "warning", f"containerd could not be asked about {config}: {verdict.message}")
 
 
 def _cdi(src: Sources, inventory: Inventory, report: Report) -> None:
@@ -406,6 +441,9 @@ def _node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, re
     _handed_over(src, facts.node, report)
     for c in d.mig_manager_conflicts(facts.node):
         report.add("node", "warning", c.detail, _adopt_fix(src))
+    if not src.config.adopt.gpu_operator:  # (with it the agent hands the node over at its start)
+        for c in d.operator_conflicts(facts.node, _expected_resources(src, inventory)):
+            report.add("node", "warning", c.detail, src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
     keys = _label_keys(src, inventory)
     for c in d.feature_label_conflicts(facts.node, facts.node_features or (), keys):
         report.add("node", "warning", c.detail, _adopt_fix(src))
@@ -515,6 +553,7 @@ def _agent(src: Sources, record: AgentRecord | None, record_error: str, report: 
     if record_error:
         report.add("agent", "warning", f"{record_error} (left by another version?)")
     installed, enabled = _unit_state(src.paths)
+    _unit_activity(src, installed, report)
     running: list[int] | None = list(_agent_pids(src.paths)) if src.paths.proc.is_dir() else None
     if running is None:  # a root without /proc (an image, the DaemonSet's /host)
         if record is None:
@@ -557,6 +596,41 @@ def _agent(src: Sources, record: AgentRecord | None, record_error: str, report: 
         _reload_finding(src, record, installed, live, report)
         _unclean_finding(src, record, report)
     _bootstrap_finding(src, report)
+
+
+def _unit_activity(src: Sources, installed: bool, report: Report) -> None:
+    """systemd's own state of the agent's unit (active, failed, restarting), on the real host only."""
+    if src.host is None:
+        if installed:
+            report.add("agent", "ok", f"{UNIT}: whether systemd has it active or failed is not checked under --root "
+                       f"{src.paths.root} (nothing is executed there)")
+        return
+    state = src.host.unit_state(UNIT)
+    if state.problem:
+        if installed:  # (no unit file and no systemd to ask: nothing to tell)
+            report.add("agent", "warning", f"{UNIT}: systemd's state not read: {state.problem}")
+        return
+    load, active, sub = state.get("LoadState"), state.get("ActiveState"), state.get("SubState")
+    result, restarts = state.get("Result"), state.get("NRestarts") or "0"
+    if load == "not-found":
+        if installed:
+            report.add("agent", "warning", f"{UNIT} is installed but systemd has not loaded it",
+                       "systemctl daemon-reload")
+        return
+    what = f"{UNIT} {active} ({sub}), result {result}, {restarts} restart(s) since it was started"
+    journal = "journalctl -u nodeagent -b"
+    if active == "failed":
+        report.add("agent", "error", f"{what}: systemd gave up on the agent",
+                   f"read why: {journal}; correct it, then systemctl reset-failed nodeagent && systemctl start "
+                   "nodeagent")
+    elif sub == "auto-restart" or (active in ("activating", "deactivating") and result not in ("", "success")):
+        report.add("agent", "error", f"{what}: the agent keeps failing and systemd restarts it",
+                   f"read why: {journal}")
+    elif active == "active":
+        report.add("agent", "ok" if result in ("", "success") else "warning", what,
+                   "" if result in ("", "success") else f"read why it failed before: {journal}")
+    else:
+        report.add("agent", "ok", what)
 
 
 def _reload_finding(src: Sources, record: AgentRecord, installed: bool, running: bool,

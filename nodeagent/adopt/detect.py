@@ -13,6 +13,9 @@ Four kinds, each found by a pure function over facts the adapters read:
   (the Node's ``managedFields``; nodeagent writes as ``nodeagent``).
 - ``feature-labels``: gpu-feature-discovery through NFD owns label keys nodeagent writes: they are listed in
   the Node's ``nfd.node.kubernetes.io/feature-labels`` annotation or in a NodeFeature object of this node.
+- ``gpu-operator``: the GPU Operator deploys its device plugin on this node (the Node's
+  ``nvidia.com/gpu.deploy.device-plugin`` is ``true``, e.g. after ``nodeagent adopt --release``): nodeagent leaves
+  the resources it would serve to that plugin until the node is handed over again.
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ from typing import Any, Literal, Protocol
 from nodeagent.errors import KubeError
 from nodeagent.gpu.inventory import Inventory
 
-Kind = Literal["device-plugin", "dra-driver", "mig-manager", "feature-labels"]
-KINDS: tuple[Kind, ...] = ("device-plugin", "dra-driver", "mig-manager", "feature-labels")
+Kind = Literal["device-plugin", "dra-driver", "mig-manager", "feature-labels", "gpu-operator"]
+KINDS: tuple[Kind, ...] = ("device-plugin", "dra-driver", "mig-manager", "feature-labels", "gpu-operator")
 REASONS: Mapping[Kind, str] = {
     "device-plugin": "AnotherDevicePlugin",
     "dra-driver": "AnotherDraDriver",
     "mig-manager": "AnotherMigManager",
     "feature-labels": "FeatureLabelsOwnedByNfd",
+    "gpu-operator": "GpuOperatorDevicePlugin",
 }
+OPERATOR_DEVICE_PLUGIN = "nvidia.com/gpu.deploy.device-plugin"  # the GPU Operator's switch of its device plugin
 FIELD_MANAGER = "nodeagent"  # the manager name of nodeagent's writes (its User-Agent)
 MIG_STATE_LABEL = "nvidia.com/mig.config.state"
 NFD_FEATURE_LABELS = "nfd.node.kubernetes.io/feature-labels"
@@ -161,6 +166,19 @@ def mig_manager_conflicts(node: Mapping[str, Any], ours: str = FIELD_MANAGER) ->
                      f"{MIG_STATE_LABEL}={labels[MIG_STATE_LABEL]} was written by {manager} (a MIG manager acting on "
                      "nvidia.com/mig.config as nodeagent does)")
             for manager in sorted(set(_label_owners(node, MIG_STATE_LABEL))) if manager and manager != ours]
+
+
+def operator_conflicts(node: Mapping[str, Any], resources: Iterable[str]) -> list[Conflict]:
+    """The GPU Operator deploys its device plugin here (``nvidia.com/gpu.deploy.device-plugin=true``): one
+    conflict per resource nodeagent would serve (``resources``); none while nodeagent hands the node over."""
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    if labels.get(OPERATOR_DEVICE_PLUGIN) != "true":
+        return []
+    return [Conflict("gpu-operator", name, f"{OPERATOR_DEVICE_PLUGIN}=true",
+                     f"the GPU Operator deploys its device plugin on this node ({OPERATOR_DEVICE_PLUGIN}=true): "
+                     f"nodeagent leaves {name} to it and does not serve it until the node is handed over "
+                     "(nodeagent adopt, or [adopt] gpu_operator = true)")
+            for name in sorted(set(resources))]
 
 
 def nfd_label_keys(annotation: str) -> set[str]:

@@ -25,21 +25,35 @@ if TYPE_CHECKING:
               help="kubeconfig file (default: in-cluster service account, $KUBECONFIG, ~/.kube/config).")
 @click.option("--node-name", default=None, help="Node to check (default: $NODE_NAME, else host name).")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--containerd-binary", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The containerd program asked whether its config loads (`containerd --config FILE config dump`; "
+                   "default: containerd on PATH). On the host itself only: under --root nothing is executed.")
 @click.pass_context
 def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconfig: Path | None,
-           node_name: str | None, as_json: bool) -> int:
+           node_name: str | None, as_json: bool, containerd_binary: Path | None) -> int:
     """Explain this GPU node: driver, GPUs and MIG, health, containerd, CDI, kubelet, Node, the agent.
 
     Read-only. Each finding is ok, warning or error on one line, with the command that fixes it.
     Exit 0 all ok, 1 a warning, 2 an error.
     """
     from nodeagent.config import AgentConfig, apply_overrides, load_config
-    from nodeagent.doctor import Sources, diagnose
+    from nodeagent.doctor import HostChecks, Sources, diagnose
     from nodeagent.errors import ConfigError
 
     settings = settings_of(ctx)
     opts = gpu_opts(ctx)
     paths = settings.paths
+    host = None
+    if paths.root == Path("/"):  # the real host: systemd and containerd may be asked (read-only programs)
+        from nodeagent import hostcommands as hc
+
+        binary = str(containerd_binary.absolute()) if containerd_binary is not None else hc.find_containerd()
+        host = HostChecks(unit_state=hc.unit_state,
+                          containerd_loads=(lambda config: hc.containerd_loads(binary, config)) if binary else None,
+                          containerd=binary or "")
+    elif containerd_binary is not None:
+        raise click.BadParameter(f"{containerd_binary} would be executed, and under --root {paths.root} nothing is: "
+                                 "give it only on the host itself (no --root)", param_hint="--containerd-binary")
     overrides = {
         "kube": False if no_kube else None,
         "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
@@ -76,7 +90,7 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
         paths=paths, config=config, discover=discover,
         command=lambda sub: f"{settings.command_prefix()} {sub}",
         kube=kube if config.kube else None, node_name=config.resolved_node_name(),
-        recovery=recovery, simulated=simulated, sim_fix=sim_fix, config_problem=config_problem,
+        recovery=recovery, simulated=simulated, sim_fix=sim_fix, config_problem=config_problem, host=host,
     ))
     click.echo(report.to_json() if as_json else report.render())
     return report.exit_code

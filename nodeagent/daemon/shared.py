@@ -279,7 +279,7 @@ class Registrations(Protocol):
     """What the conflict detection may tell the device plugin: which resources to hold back (another
     plugin serves them) and whether to replace another process's socket at nodeagent's names."""
 
-    def hold(self, held: dict[str, str]) -> None: ...
+    def hold(self, held: dict[str, str], *, stop: bool = False) -> None: ...
 
     def set_take_over(self, take_over: bool) -> None: ...
 
@@ -292,11 +292,12 @@ class AdoptionLink:
     def __init__(self) -> None:
         self._sink: Registrations | None = None
         self.held: dict[str, str] = {}
+        self.stop = False  # the held resources are not even served (their sockets gone), not only unregistered
         self.take_over: bool | None = None
 
     def attach(self, sink: Registrations) -> None:
         self._sink = sink
-        sink.hold(dict(self.held))
+        sink.hold(dict(self.held), stop=self.stop)
         if self.take_over is not None:
             sink.set_take_over(self.take_over)
 
@@ -304,10 +305,10 @@ class AdoptionLink:
         if self._sink is sink:
             self._sink = None
 
-    def hold(self, held: dict[str, str]) -> None:
-        self.held = dict(held)
+    def hold(self, held: dict[str, str], *, stop: bool = False) -> None:
+        self.held, self.stop = dict(held), stop
         if self._sink is not None:
-            self._sink.hold(dict(held))
+            self._sink.hold(dict(held), stop=stop)
 
     def set_take_over(self, take_over: bool) -> None:
         self.take_over = take_over

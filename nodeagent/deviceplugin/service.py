@@ -99,6 +99,7 @@ class DevicePluginService:
         self.failures: dict[str, str] = {}  # resource → why it is neither served nor registered right now
         # resource → why nodeagent holds back its registration (another plugin serves it; see ``hold``)
         self.held: dict[str, str] = {}
+        self.held_stopped: frozenset[str] = frozenset()  # held and not even served
         # (resource, "answered" | "refused") → Allocate calls since the start, across server restarts
         self._allocations: dict[tuple[str, str], int] = {}
         self._allocations_lock = threading.Lock()
@@ -220,13 +221,37 @@ class DevicePluginService:
             return {}
         return device_gpus(self._inventory, self.config, gpu_indices, excluded=self._excluded - gpu_indices)
 
-    def hold(self, held: dict[str, str]) -> None:
+    def hold(self, held: dict[str, str], *, stop: bool = False) -> None:
         """Do not serve or register these resources (resource → why) while another device plugin serves them:
         a registration already accepted stays, none is sent (no kubelet restart brings one) until the hold is
-        lifted; a lifted hold serves and registers at the next retry of the resource's register loop."""
+        lifted; a lifted hold serves and registers at the next retry of the resource's register loop. ``stop``:
+        not even served (the GPU Operator's device plugin takes the socket name): a running server stops."""
         self.held = dict(held)
+        self.held_stopped = frozenset(held) if stop else frozenset()
         for name in held:
             self.failures[name] = held[name]
+            server = self._servers.get(name)
+            if stop and server is not None and server.running:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    continue
+                loop.create_task(self._stop_held(name), name=f"stop serving {name}").add_done_callback(
+                    self._report_task)
+
+    async def _stop_held(self, name: str) -> None:
+        """Stop serving a resource put on hold while it was served: its socket goes (unless another plugin has
+        replaced it), the kubelet keeps what it allocated; served and registered again when the hold lifts."""
+        async with self._lock:
+            server = self._servers.get(name)
+            why = self.held.get(name)
+            if server is None or why is None or name not in self.held_stopped or not server.running:
+                return
+            await self._cancel_registration(name)
+            await server.stop()
+            log.warning("%s is no longer served: %s", name, why)
+            self._last_cause[name] = why
+            self._start_registration(name)
 
     def set_take_over(self, take_over: bool) -> None:
         """Replace (True) or leave alone (False) another process's live socket at our sockets' names."""
@@ -313,7 +338,8 @@ class DevicePluginService:
                     take_over=self.take_over, on_allocate=self._count_allocate,
                 )
                 try:
-                    await server.start()
+                    if name not in self.held_stopped:  # served once its hold lifts
+                        await server.start()
                 except ForeignPluginError as e:
                     # not a failure of the component: the register loop serves once the other one is gone
                     self.failures[name] = str(e)

@@ -15,6 +15,11 @@ socket alone and says so (GPUReady's reason, one Warning Event), switches the op
 the DaemonSet controller takes the stand-in's pod off the node, nodeagent registers and serves; the GPU pod
 started under the stand-in keeps running with the same device (PodResources, its environment, its container)
 and a new GPU pod gets its device from nodeagent (nodeagent's own count of the kubelet's Allocate calls).
+
+Then the README's ``nodeagent doctor`` in the agent's pod (``kubectl exec ... ds/nodeagent -- nodeagent doctor``,
+the root coming from the pod's environment), and the way back as the README tells it: ``gpu_operator = false``
+in the ConfigMap, ``nodeagent adopt --release`` from the agent's pod; the operator's labels are what they were,
+its device plugin's pod comes back and serves, and the running nodeagent leaves the socket name to it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,40 @@ SOCKET = KUBELET_DIR / "device-plugins" / "nvidia-gpu.sock"
 STUB_IN_POD = "/usr/local/bin/gpu-stub"
 PRESTOP_MAX_S = 120  # the stand-in's preStop waits at most this long for the test's word
 BASE_IMAGE = "docker.io/library/debian:bookworm-slim"
+OPERANDS = ("driver", "device-plugin", "gpu-feature-discovery", "dcgm-exporter", "mig-manager", "container-toolkit")
+MOVING_SECTION = "## Moving from the GPU Operator"
+
+
+def readme_pod_command(words: str) -> list[str]:
+    """The README's ``kubectl exec ... -- nodeagent <words>`` line of its section on moving from the operator."""
+    import re
+    import shlex
+
+    from tests.peers.cluster import REPO
+
+    section = (REPO / "README.md").read_text().split(MOVING_SECTION, 1)[1].split("\n## ", 1)[0]
+    lines = [shlex.split(m) for m in re.findall(r"`(kubectl exec [^`]+)`", section)]
+    found = [line for line in lines if " ".join(line).endswith(f"-- nodeagent {words}")]
+    assert len(found) == 1, (words, lines)
+    return found[0]
+
+
+def doctor_in_pod(cluster: Cluster) -> list[dict[str, str]]:
+    """The README's ``kubectl exec ... -- nodeagent doctor`` (with --json) and its findings."""
+    command = readme_pod_command("doctor")
+    assert command[:2] == ["kubectl", "exec"], command
+    r = cluster.kubectl(*command[1:], "--json", check=False, timeout=120)
+    assert r.returncode in (0, 1, 2) and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == r.returncode, (doc, r.stderr)
+    findings: list[dict[str, str]] = doc["findings"]
+    return findings
+
+
+def finding(findings: list[dict[str, str]], area: str, level: str, start: str) -> dict[str, str]:
+    hits = [f for f in findings if f["area"] == area and f["level"] == level and f["text"].startswith(start)]
+    assert len(hits) == 1, (area, level, start, findings)
+    return hits[0]
 
 
 def node_uuids() -> list[str]:
@@ -157,8 +196,8 @@ def operator_node(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[list[str],
     stub = peer_binary("NODEAGENT_GPU_STUB", "nodeagent_peers_harness", "kubelet device-plugin stub")
     uuids = node_uuids()
     assert len(uuids) == GPU_COUNT
-    labels = [f"{DEPLOY}{op}=true" for op in ("driver", "device-plugin", "gpu-feature-discovery",
-                                              "dcgm-exporter")]
+    # every operand switched on, as the operator labels a GPU node
+    labels = [f"{DEPLOY}{op}=true" for op in OPERANDS]
     release = tmp_path / "release"
     release.mkdir()
     cluster.kubectl("label", "node", cluster.node_name, *labels)
@@ -174,9 +213,7 @@ def operator_node(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[list[str],
         apply = readme_manifest_commands()[0]
         cluster.kubectl("delete", "--ignore-not-found", "--wait=true", *apply[2:], check=False, timeout=180)
         cluster.kubectl("label", "node", cluster.node_name, "nodeagent.io/gpu-",
-                        *(f"{DEPLOY}{op}-" for op in ("driver", "device-plugin", "gpu-feature-discovery",
-                                                      "dcgm-exporter", "mig-manager", "container-toolkit")),
-                        check=False)
+                        *(f"{DEPLOY}{op}-" for op in OPERANDS), check=False)
         cluster.kubectl("annotate", "node", cluster.node_name, "nodeagent.io/handed-over-", check=False)
 
 
@@ -272,5 +309,58 @@ def test_hand_over_from_the_gpu_operator_keeps_the_running_pod(
     assert len(events(cluster, "AnotherDevicePlugin")) == 1
     assert len(events(cluster, "GpuOperatorHandedOver")) == 1
     assert [p["metadata"]["uid"] for p in agent_pods(cluster)] == [agent["metadata"]["uid"]]  # never restarted
-    print(f"hand-over: nodeagent served {served_after:.1f}s after its manifests were applied "
+    handed = time.monotonic()
+
+    # the README's doctor in the agent's pod: what serves the node now
+    findings = doctor_in_pod(cluster)
+    finding(findings, "driver", "ok", "driver ")
+    finding(findings, "gpus", "ok", f"{GPU_COUNT} GPU(s): NVIDIA H100")
+    finding(findings, "containerd", "ok", "wired: runtimes ")
+    finding(findings, "containerd", "ok", "/etc/containerd/config.toml read by nodeagent only: containerd itself is "
+            "not asked under --root /host")
+    finding(findings, "kubelet", "ok", f"registered with the kubelet: {RESOURCE} ({GPU_COUNT} devices)")
+    finding(findings, "node", "ok", f"allocatable {RESOURCE} {GPU_COUNT} ({GPU_COUNT} GPU(s) discovered)")
+    finding(findings, "node", "ok", "handed over from the GPU Operator: container-toolkit, device-plugin, "
+            "gpu-feature-discovery, mig-manager switched off")
+    running_in = finding(findings, "agent", "ok", "nodeagent run is running (pid ")
+    assert f"in pod {agent['metadata']['uid']}" in running_in["text"], running_in
+    assert not [f for f in findings if f["level"] == "error"], findings
+    doctor_s = time.monotonic() - handed
+
+    # the way back, as the README says: gpu_operator = false, then the release from the agent's pod
+    released = time.monotonic()
+    configmap["data"]["config.toml"] = configmap["data"]["config.toml"].replace("gpu_operator = true",
+                                                                                "gpu_operator = false")
+    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    command = readme_pod_command("adopt --release")
+    out = cluster.kubectl(*command[1:], timeout=120)
+    assert json.loads(out.stdout)["labels"] == {
+        f"{DEPLOY}{op}": "true" for op in ("container-toolkit", "device-plugin", "gpu-feature-discovery",
+                                           "mig-manager")}, out.stdout
+    node = cluster.node()
+    assert {k: v for k, v in node["metadata"]["labels"].items() if k.startswith(DEPLOY)} == {
+        f"{DEPLOY}{op}": "true" for op in OPERANDS}  # what the operator had set
+    assert "nodeagent.io/handed-over" not in (node["metadata"].get("annotations") or {})
+    # the operator's device plugin comes back and serves; nodeagent stops serving and does not fight it
+    cluster.wait_for("nodeagent stopped serving", lambda: f"{RESOURCE} is no longer served: the GPU Operator "
+                     "deploys its device plugin" in agent_log(cluster), timeout=60)
+    back = cluster.wait_for("the stand-in's pod back and registered", lambda: [
+        p for p in operand_pods(cluster) if p["status"].get("phase") == "Running" and "registered" in cluster.kubectl(
+            "logs", "-n", NS, p["metadata"]["name"], check=False).stdout.split()], timeout=120)
+    assert back[0]["metadata"]["uid"] != operand["metadata"]["uid"]
+    cluster.wait_for(f"allocatable {RESOURCE}: {GPU_COUNT} from the stand-in again",
+                     lambda: allocatable(cluster) == GPU_COUNT, timeout=60)
+    cluster.wait_for("GPUReady reason GpuOperatorDevicePlugin", lambda: condition(
+        cluster, "nodeagent.io/GPUReady").get("reason") == "GpuOperatorDevicePlugin", timeout=60)
+    theirs = SOCKET.stat().st_ino
+    log_before = agent_log(cluster).count(f"registered {RESOURCE} with the kubelet")
+    time.sleep(8.0)  # a few of the agent's passes and the kubelet's syncs: nobody takes the socket back
+    assert SOCKET.stat().st_ino == theirs, "nodeagent took the socket back from the operator's plugin"
+    assert agent_log(cluster).count(f"registered {RESOURCE} with the kubelet") == log_before
+    assert [p["metadata"]["uid"] for p in operand_pods(cluster)] == [back[0]["metadata"]["uid"]]
+    assert [p["metadata"]["uid"] for p in agent_pods(cluster)] == [agent["metadata"]["uid"]]
+    assert running(cluster, "train") is not None and running(cluster, "fresh") is not None
+    assert pod_devices("train") == held
+    print(f"hand-over: nodeagent served {served_after:.1f}s after its manifests were applied; doctor in the pod "
+          f"{doctor_s:.1f}s; release to the stand-in serving again {time.monotonic() - released:.1f}s "
           f"({time.monotonic() - start:.1f}s for the whole test)")

@@ -224,27 +224,36 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
                 )
                 eventually(lambda: _conflict_series(port) == [], 20, "nodeagent_conflict gone")
                 assert len(_events(server, node, "GpuOperatorHandedOver")) == 1
-        back = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "nodeagent",
-                "adopt",
-                "--release",
-                "--node-name",
-                node,
-                "--kubeconfig",
-                str(server.kubeconfig),
-            ],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert back.returncode == 0, back.stderr
-        labels = _node(server, node)["metadata"]["labels"]
-        assert {k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu.deploy.")} == operator
+
+                # back to the operator while nodeagent still runs: the labels true again; nodeagent stops serving
+                # (its socket goes) and leaves the name to the operator's plugin when it comes back, no fight
+                back = subprocess.run(
+                    [sys.executable, "-m", "nodeagent", "adopt", "--release", "--node-name", node,
+                     "--kubeconfig", str(server.kubeconfig)],
+                    cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+                )
+                assert back.returncode == 0, back.stderr
+                labels = _node(server, node)["metadata"]["labels"]
+                assert {k: v for k, v in labels.items() if k.startswith("nvidia.com/gpu.deploy.")} == operator
+                eventually(lambda: not sock.exists(), 15, "nodeagent's socket gone after the release")
+                assert ("nvidia.com/gpu is no longer served: the GPU Operator deploys its device plugin on this node"
+                        in agent.log())
+                eventually(
+                    lambda: _condition(server, node, "nodeagent.io/GPUReady").get("reason")
+                    == "GpuOperatorDevicePlugin",
+                    20,
+                    "GPUReady reason GpuOperatorDevicePlugin",
+                )
+                again_dir = tmp_path / "operator-again"
+                again_dir.mkdir()
+                with running_gpu_stub(sock, harness.kubelet_socket, uuids, again_dir) as again:
+                    inode = sock.stat().st_ino
+                    harness.wait("nvidia.com/gpu", total=4, registered=True, timeout=15)
+                    time.sleep(5.0)  # two resyncs: nodeagent neither replaces the socket nor registers
+                    assert sock.stat().st_ino == inode and again.proc.poll() is None
+                    assert _series(port, "nodeagent_device_plugin_registered") == [
+                        'nodeagent_device_plugin_registered{resource="nvidia.com/gpu"} 0.0']
+                    assert agent.proc.poll() is None
     finally:
         server.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{OPERAND_POD}?gracePeriodSeconds=0")
         server.request("DELETE", f"/api/v1/nodes/{node}")

@@ -189,6 +189,14 @@ def test_dra_driver_mig_manager_and_nfd_on_the_api(
     assert status == 201, body
     try:
         code, findings = _findings(root, "--kubeconfig", str(server.kubeconfig), "--node-name", node)
+        # the operator's device plugin switched on again (a release): nodeagent would leave its resources to it
+        status, body = server.request(
+            "PATCH", f"/api/v1/nodes/{node}",
+            {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "true"}}},
+            content_type="application/merge-patch+json",
+        )
+        assert status == 200, body
+        _, released = _findings(root, "--kubeconfig", str(server.kubeconfig), "--node-name", node)
     finally:
         server.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{slice_name}")
         server.request("DELETE", f"/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/nfd/nodefeatures/{node}-gfd")
@@ -225,3 +233,7 @@ def test_dra_driver_mig_manager_and_nfd_on_the_api(
         "nvidia.com/gpu.deploy.gpu-feature-discovery is no longer false",
     )
     assert again["fix"] == f"nodeagent --root {root} adopt --node-name {node}"
+    operator = _one(released, "node", "warning", "the GPU Operator deploys its device plugin on this node "
+                    "(nvidia.com/gpu.deploy.device-plugin=true): nodeagent leaves nvidia.com/gpu to it")
+    assert operator["fix"] == f"nodeagent --root {root} adopt --node-name {node}"
+    assert not [f for f in findings if "deploys its device plugin" in f["text"]]  # while it was false

@@ -108,7 +108,12 @@ def test_daemonset_shape() -> None:
             "/host/var/run/cdi"} <= mounts
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert "/var/lib/kubelet" not in host_paths
-    assert main["args"][:2] == ["--root", "/host"]
+    # the root for every nodeagent command in the pod, `kubectl exec ... -- nodeagent doctor` included
+    for container in (*pod["initContainers"], *pod["containers"]):
+        roots = {e["name"]: e.get("value") for e in container["env"] if e["name"].startswith("NODEAGENT_ROOT")}
+        assert roots == {"NODEAGENT_ROOT": "/host", "NODEAGENT_ROOT_ON_HOST": "/"}, container["env"]
+        assert "--root" not in container["args"]
+    assert "/host/proc" in mounts
     # the config shipped in the ConfigMap is valid for the agent
     from nodeagent.config import parse_config
 

@@ -356,6 +356,10 @@ def test_root_never_acts_on_the_host(box: Sandbox) -> None:
     outside.mkdir()
     (outside / "secret").write_text("{{ .NotForYou }}\n")
     (root / "etc/containerd/config.toml.tmpl").symlink_to(outside / "secret")
+    (root / "lib/systemd/system").mkdir(parents=True)  # doctor: neither systemctl nor containerd is run under R
+    (root / "lib/systemd/system/nodeagent.service").write_text("[Service]\nExecStart=/usr/bin/nodeagent run\n")
+    box.check(box.traced("--root", "r", "doctor", "--simulate", "t4x1", "--no-kube", expect=1), root)
+    assert "not checked under --root" in box.output and "read by nodeagent only" in box.output, box.output
     for args in (
         ("runtime", "configure", "--dry-run"),
         ("runtime", "show"),

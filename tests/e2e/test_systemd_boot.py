@@ -464,6 +464,52 @@ def test_stop_ends_in_time_and_removes_sockets_restart_registers_again(boot2: Bo
     assert len(_plugin_sockets(boot2)) >= 1
 
 
+def _doctor_in(node: BootedRoot) -> list[dict[str, str]]:
+    """``nodeagent doctor --no-kube --json`` as an operator types it on the node (the driver's simulated machine
+    as the units' drop-in names it)."""
+    r = node.run(["nodeagent", "doctor", "--no-kube", "--json"], timeout=60, check=False,
+                 env={"NODEAGENT_SIM_MACHINE": MACHINE, "NODEAGENT_NVML_STATE": SIM_STATE})
+    assert r.returncode in (0, 1, 2) and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    findings: list[dict[str, str]] = json.loads(r.stdout)["findings"]
+    return findings
+
+
+def _unit_findings(findings: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [f for f in findings if f["area"] == "agent" and f["text"].startswith(f"{AGENT} ")]
+
+
+def test_doctor_reads_the_units_state_and_asks_containerd(boot2: BootedRoot) -> None:
+    """On the host itself doctor asks systemd for the unit's state and containerd for its verdict on its config."""
+    start = time.monotonic()
+    findings = _doctor_in(boot2)
+    unit = _unit_findings(findings)
+    assert len(unit) == 1 and unit[0]["level"] == "ok", findings
+    assert unit[0]["text"].startswith(f"{AGENT} active (running), result success"), unit
+    loads = [f for f in findings if f["area"] == "containerd" and f["text"].startswith("containerd loads ")]
+    assert loads and loads[0]["level"] == "ok", findings  # Debian's containerd 1.6 on the root's own config
+    assert loads[0]["text"] == ("containerd loads /etc/containerd/config.toml (/usr/bin/containerd --config "
+                                "/etc/containerd/config.toml config dump)"), loads
+
+    config = boot2.merged / "etc/nodeagent/config.toml"
+    try:
+        config.write_text(AGENT_CONFIG + "\n[mig]\nwith_rebot = true\n")  # the agent exits at its start
+        boot2.run(["systemctl", "restart", "--no-block", AGENT])
+
+        def failing() -> list[dict[str, str]]:
+            return [f for f in _unit_findings(_doctor_in(boot2)) if f["level"] == "error"]
+
+        (error,) = boot2.wait_for("doctor reporting the failing unit", failing, 60)
+        assert "result exit-code" in error["text"], error
+        assert error["text"].startswith((f"{AGENT} failed (failed)", f"{AGENT} activating (auto-restart)")), error
+        assert error["fix"].startswith("read why: journalctl -u nodeagent -b"), error
+    finally:
+        config.write_text(AGENT_CONFIG)
+        boot2.run(["systemctl", "reset-failed", AGENT], check=False)
+        boot2.run(["systemctl", "restart", AGENT], timeout=120)
+    assert boot2.show(AGENT, "SubState")["SubState"] == "running"
+    print(f"doctor on the booted node: {time.monotonic() - start:.1f}s")
+
+
 def _seconds(value: str) -> float:
     """A systemd time span as `systemctl show` prints it ("30s", "1min 30s", "100ms")."""
     units = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}

@@ -65,6 +65,7 @@ class AdoptComponent(Component):
             ctx.spawn(self._hand_over(), "gpu operator hand-over")
         if ctx.kube is not None:
             ctx.spawn(self.detect(), "conflict detection")
+            ctx.spawn(self._follow_operator_switch(), "gpu operator switch")
 
     async def on_inventory(self, inventory: Inventory) -> None:
         await self.detect()
@@ -124,6 +125,8 @@ class AdoptComponent(Component):
                 facts = await asyncio.to_thread(d.read_kube_facts, self._ctx.kube, self._ctx.node_name)
                 found += d.kube_conflicts(facts, our_driver=DRIVER_NAME, uuids=uuids,
                                           label_keys=self._label_keys(inv))
+                if facts.node is not None and not self.handing_over:
+                    found += d.operator_conflicts(facts.node, wanted)
                 unread = facts.unread
             elif not api:
                 found += [c for c in self.conflicts if c.kind != "device-plugin"]
@@ -157,6 +160,12 @@ class AdoptComponent(Component):
             why = "nodeagent waits until the GPU Operator's operands have left the node ([adopt] gpu_operator)"
             self._ctx.shared.adoption.hold({name: why for name in wanted})
             return
+        operator = next((c for c in conflicts if c.kind == "gpu-operator"), None)
+        if operator is not None:
+            # the operator's device plugin is (or is about to be) deployed here, after a release for one: every
+            # resource is left to it, whatever take_over says; nodeagent serves again once handed over
+            self._ctx.shared.adoption.hold({name: operator.detail for name in wanted}, stop=True)
+            return
         take_over = self._ctx.shared.adoption.take_over
         if take_over if take_over is not None else self._ctx.config.adopt.take_over:
             self._ctx.shared.adoption.hold({})
@@ -166,6 +175,23 @@ class AdoptComponent(Component):
         self._ctx.shared.adoption.hold({
             c.subject: c.detail for c in conflicts
             if c.kind == "device-plugin" and c.subject in wanted and c.owner != wanted[c.subject]})
+
+    async def _follow_operator_switch(self) -> None:
+        """A pass of detection as soon as the Node's GPU Operator switch or hand-over record changes (a release
+        or a hand-over from an admin's shell), not only at the next resync."""
+        from nodeagent import adopt as ad
+        from nodeagent.adopt.detect import OPERATOR_DEVICE_PLUGIN
+        from nodeagent.kube.node import NodeClient
+
+        node = NodeClient(self._ctx.kube, self._ctx.node_name, watches=self._ctx.node_watches)
+        last: tuple[str | None, str | None] | None = None
+        async for view in node.updates():
+            key = (view.labels.get(OPERATOR_DEVICE_PLUGIN), view.annotations.get(ad.HANDED_OVER))
+            if last is not None and key != last:
+                log.info("the Node's %s is %s now: looking for conflicts again", OPERATOR_DEVICE_PLUGIN,
+                         key[0] if key[0] is not None else "unset")
+                await self.detect()
+            last = key
 
     # -- the hand-over from the GPU Operator -----------------------------------------------------------------
     async def _hand_over(self) -> None:
