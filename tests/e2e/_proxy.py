@@ -1,4 +1,4 @@
-"""A loopback TCP forwarder the tests switch off and on to cut the agent off from the API server."""
+"""A loopback TCP forwarder the tests switch off and on to cut the agent off from the API server, or slow down."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import contextlib
 import selectors
 import socket
 import threading
+import time
 
 
 class Outage:
-    """Forwards 127.0.0.1:<port> to ``target``; ``cut()`` drops every connection and refuses new ones."""
+    """Forwards 127.0.0.1:<port> to ``target``; ``cut()`` drops every connection and refuses new ones;
+    ``latency_s`` holds each piece of the answers back that long (a slow API server)."""
 
-    def __init__(self, target: tuple[str, int]) -> None:
+    def __init__(self, target: tuple[str, int], *, latency_s: float = 0.0) -> None:
         self.target = target
+        self.latency_s = latency_s
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -72,6 +75,8 @@ class Outage:
                     data = src.recv(65536)
                     if not data:
                         return
+                    if src is b and self.latency_s:
+                        time.sleep(self.latency_s)
                     key.data.sendall(data)
         except (OSError, ValueError):
             return

@@ -21,15 +21,18 @@ import json
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from nodeagent.nvmlsource import open_nvml
 from tests.e2e._agent import REPO, eventually, node_root, running_agent
+from tests.e2e._proxy import Outage
 from tests.peers.apiserver import KubeApiServer, free_port
 from tests.peers.gpustub import running_gpu_stub
 from tests.peers.harness import KubeletHarness
@@ -437,3 +440,105 @@ def test_another_dra_driver_and_a_mig_manager_seen_by_the_agent(
         finally:
             server.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{slice_name}")
             server.request("DELETE", f"/api/v1/nodes/{node}")
+
+
+def test_the_operator_switch_on_at_start_keeps_the_agent_from_ever_serving(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
+) -> None:
+    """A node where the GPU Operator is about to deploy its device plugin (``nvidia.com/gpu.deploy.device-plugin
+    =true``, its plugin not serving yet): nodeagent, started there without a hand-over and reaching the API
+    through a slow link (each answer held back 0.15 s), never creates its socket nor registers, not even for
+    the moment between its start and its first look at the API (sampled every 20 ms from the start); once the
+    switch is off, it serves and registers."""
+    server, harness, node = kube_apiserver, kubelet_harness, "e2e-adopt-switch"
+    server.request("DELETE", f"/api/v1/nodes/{node}")
+    labels = {"nvidia.com/gpu.deploy.device-plugin": "true", "nvidia.com/gpu.deploy.driver": "true"}
+    status, body = server.request(
+        "POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}
+    )
+    assert status == 201, body
+    url = urllib.parse.urlsplit(server.url)
+    slow = Outage((url.hostname or "127.0.0.1", url.port or 443), latency_s=0.15)
+    slow.restore()
+    doc = yaml.safe_load(server.kubeconfig.read_text())
+    for c in doc["clusters"]:
+        c["cluster"]["server"] = f"https://{url.hostname}:{slow.port}"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(doc))
+    etc = root / "etc/nodeagent"
+    etc.mkdir(parents=True)
+    cfg = etc / "config.toml"
+    cfg.write_text(
+        f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
+        "[mig]\nenabled = false\n"
+    )
+    sock = harness.plugin_dir / "nvidia-gpu.sock"
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json"),
+            "--node-name", node]
+    try:
+        with running_agent(tmp_path, root, args) as agent:
+            seen: list[str] = []
+            reason = ""
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and reason != "GpuOperatorDevicePlugin":
+                if sock.exists():
+                    seen.append("socket")
+                if "nvidia.com/gpu" in harness.resources():
+                    seen.append("registered")
+                reason = str(_condition(server, node, "nodeagent.io/GPUReady").get("reason"))
+                time.sleep(0.02)
+            assert reason == "GpuOperatorDevicePlugin", agent.log()
+            settle = time.monotonic() + 2.0  # two resyncs more
+            while time.monotonic() < settle:
+                if sock.exists():
+                    seen.append("socket")
+                time.sleep(0.02)
+            assert seen == [], (seen, agent.log())
+            assert "nvidia.com/gpu" not in harness.resources()
+
+            status, body = server.request(
+                "PATCH",
+                f"/api/v1/nodes/{node}",
+                {"metadata": {"labels": {"nvidia.com/gpu.deploy.device-plugin": "false"}}},
+                content_type="application/merge-patch+json",
+            )
+            assert status == 200, body
+            harness.wait("nvidia.com/gpu", total=4, registered=True, timeout=30)
+            assert sock.exists()
+    finally:
+        slow.cut()
+        server.request("DELETE", f"/api/v1/nodes/{node}")
+
+
+def test_an_api_that_does_not_answer_does_not_hold_up_the_kubelet_side(
+    tmp_path: Path, kube_apiserver: KubeApiServer, kubelet_harness: KubeletHarness, root: Path
+) -> None:
+    """The API server accepts connections but answers nothing (a forwarder holding every answer back for
+    120 s): the conflict detection's look at the API waits in the background, and the device plugin
+    registers with the kubelet within seconds of the start all the same."""
+    server, harness = kube_apiserver, kubelet_harness
+    url = urllib.parse.urlsplit(server.url)
+    mute = Outage((url.hostname or "127.0.0.1", url.port or 443), latency_s=120.0)
+    mute.restore()
+    doc = yaml.safe_load(server.kubeconfig.read_text())
+    for c in doc["clusters"]:
+        c["cluster"]["server"] = f"https://{url.hostname}:{mute.port}"
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(doc))
+    etc = root / "etc/nodeagent"
+    etc.mkdir(parents=True)
+    cfg = etc / "config.toml"
+    cfg.write_text(
+        f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n[mig]\nenabled = false\n'
+    )
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json"),
+            "--node-name", "e2e-adopt-mute"]
+    try:
+        with running_agent(tmp_path, root, args) as agent:
+            started = time.monotonic()
+            harness.wait("nvidia.com/gpu", total=4, registered=True, timeout=20)
+            took = time.monotonic() - started
+            assert took < 10, (took, agent.log())
+            assert "component device-plugin started" in agent.log()
+    finally:
+        mute.cut()

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HANDOVER_POLL_S = 5.0
+# How long the start waits for the first pass that reads the API (the GPU Operator's switch, other drivers)
+# before the device plugin starts; an API that answers later is read in the background.
+FIRST_API_PASS_S = 3.0
 EVENT_REASON_HANDED_OVER = "GpuOperatorHandedOver"
 
 
@@ -55,23 +58,40 @@ class AdoptComponent(Component):
         self.conflicts: list[Conflict] = []  # the last pass's
         self.unread: tuple[str, ...] = ()
         self.poll_s = HANDOVER_POLL_S
+        self._looked_at: Inventory | None = None
+        self._api_reads = 0  # reads of the API begun, and the number of the last one applied
+        self._api_applied = 0
 
     async def start(self, ctx: Context) -> None:
-        # the device-plugin directory first, before the device plugin starts (it comes after this component):
-        # a resource another plugin serves is held back before it is ever registered; the API's part follows
-        # in the background (an API that does not answer must not hold up the kubelet side)
-        await self.detect(api=False)
+        # before the device plugin starts (it comes after this component), so that a resource left to another
+        # plugin is held back before it is ever served
+        await self._look()
         if self.handing_over:
             ctx.spawn(self._hand_over(), "gpu operator hand-over")
         if ctx.kube is not None:
-            ctx.spawn(self.detect(), "conflict detection")
             ctx.spawn(self._follow_operator_switch(), "gpu operator switch")
 
     async def on_inventory(self, inventory: Inventory) -> None:
-        await self.detect()
+        if inventory is not self._looked_at:  # the start has just looked with this one
+            await self._look()
 
     async def resync(self) -> None:
-        await self.detect()
+        await self._look()
+
+    async def _look(self) -> None:
+        """A pass over the device-plugin directory, then one that reads the API too, waited for at most
+        ``FIRST_API_PASS_S``: an API that does not answer by then must not hold up the kubelet side (nor
+        the other components), so its pass goes on in the background and applies what it reads when it
+        comes."""
+        self._looked_at = self._ctx.inventory
+        await self.detect(api=False)
+        if self._ctx.kube is None:
+            return
+        task = self._ctx.spawn(self.detect(), "conflict detection")
+        done, _ = await asyncio.wait({task}, timeout=FIRST_API_PASS_S)
+        if not done:
+            log.info("conflict detection: no answer from the API within %.0f s; going on, the API is read in "
+                     "the background", FIRST_API_PASS_S)
 
     async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
         """A move between the planes: what the device plugin serves is read from the ledger at each pass."""
@@ -106,14 +126,25 @@ class AdoptComponent(Component):
 
     async def detect(self, *, api: bool = True) -> None:
         """One pass: find the conflicts, report them, hold back what another plugin serves (``api`` False:
-        the device-plugin directory only, the API's conflicts of the last pass kept)."""
+        the device-plugin directory only, the API's conflicts of the last pass kept). The API is read before
+        the pass takes its lock, so a read that hangs holds up no other pass; a read that ends after a later
+        one was applied counts as none."""
         from nodeagent.adopt import detect as d
         from nodeagent.dra import DRIVER_NAME
 
         inv = self._ctx.inventory
         if inv is None or not self._ctx.config.adopt.detect:
             return
+        facts: d.KubeFacts | None = None
+        read = 0
+        if api and self._ctx.kube is not None:
+            self._api_reads += 1
+            read = self._api_reads
+            facts = await asyncio.to_thread(d.read_kube_facts, self._ctx.kube, self._ctx.node_name)
         async with self._lock:
+            if facts is not None and read < self._api_applied:
+                facts, api = None, False  # stale: a later read was applied meanwhile
+            inv = self._ctx.inventory or inv
             wanted, ids = self._wanted(inv)
             uuids = d.inventory_uuids(inv)
             directory = self._ctx.host_path(self._ctx.config.kubelet.device_plugins)
@@ -121,8 +152,8 @@ class AdoptComponent(Component):
             local = await asyncio.to_thread(d.read_plugin_dir, directory, lambda pid: pid == me)
             found = d.plugin_conflicts(local.foreign, local.checkpoint, wanted, uuids, ids)
             unread: tuple[str, ...] = self.unread
-            if self._ctx.kube is not None and api:
-                facts = await asyncio.to_thread(d.read_kube_facts, self._ctx.kube, self._ctx.node_name)
+            if facts is not None:
+                self._api_applied = read
                 found += d.kube_conflicts(facts, our_driver=DRIVER_NAME, uuids=uuids,
                                           label_keys=self._label_keys(inv))
                 if facts.node is not None and not self.handing_over:
