@@ -25,6 +25,11 @@
 #       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian 12 directory tree systemd boots)
 #       nodeagent_peers_debian13_root -> NODEAGENT_DEBIAN13_ROOT (the same on Debian 13, with a test venv)
 #       nodeagent_peers_arm64_root -> NODEAGENT_DEBIAN_ARM64_ROOT (Debian 13 arm64, run by qemu-user-static)
+#       nodeagent_peers_base_image, nodeagent_peers_pause_image, nodeagent_peers_agent_image ->
+#         NODEAGENT_BASE_IMAGE, NODEAGENT_PAUSE_IMAGE, NODEAGENT_AGENT_IMAGE (OCI archives for the cluster)
+#       nodeagent_peers_arm64_base_image -> NODEAGENT_BASE_IMAGE_ARM64
+#       nodeagent_peers_agent_image_multiarch -> NODEAGENT_AGENT_IMAGE_ARM64 (the agent image for arm64),
+#                                 NODEAGENT_AGENT_IMAGE_MULTIARCH (an OCI index of both agent images)
 #     and NODEAGENT_PEERS_READY=1 once all are set. pytest run without this setup (a developer's
 #     `pytest tests/unit/...`) still builds a missing peer on first use through tests/peers/_resolve.py.
 #   * resolves files it needs from Go modules (nvml.h) by downloading the module, never by assuming a
@@ -730,6 +735,155 @@ nodeagent_peers_agent_image() {
   export NODEAGENT_AGENT_IMAGE=$NODEAGENT_IMAGE_ARCHIVE NODEAGENT_AGENT_IMAGE_REF
 }
 
+# --- The multi-arch agent image: packaging/kubernetes/Containerfile built for linux/arm64 on this amd64 host ----
+# Its build stage runs on the build platform (FROM --platform=$BUILDPLATFORM): pip installs the aarch64 wheels
+# of every dependency natively; only the final stage's apt-get runs under qemu-aarch64-static. It is built in a
+# buildah storage of its own (${NODEAGENT_CACHE}/buildah-multiarch) holding both Debian base images; that
+# storage keeps the build's layers, so a change to nodeagent/ reruns only the build stage's pip and the COPYs.
+#   debian base arm64   mmdebstrap --architectures=arm64 of the same suite as the amd64 base
+#   nodeagent arm64     the Containerfile with --platform linux/arm64, pushed as an OCI archive
+#   nodeagent multiarch an OCI index (oci-archive) of the amd64 and arm64 agent images
+NODEAGENT_BASE_IMAGE_PYTHON=${NODEAGENT_BASE_IMAGE_PYTHON:-3.11}  # bookworm's python3
+NODEAGENT_AGENT_MULTIARCH_REF=localhost/nodeagent-test/nodeagent-multiarch:0.1.0
+NODEAGENT_MULTIARCH_BASE_REF=localhost/nodeagent-test/debian-base
+
+_buildah_multiarch() {
+  nice -n 10 buildah --root "$NODEAGENT_CACHE/buildah-multiarch/storage" \
+    --runroot "$NODEAGENT_CACHE/buildah-multiarch/run" "$@"
+}
+
+# _arm64_base_image_build OUT: the arm64 twin of _base_image_build (mmdebstrap runs its maintainer scripts
+# under qemu), committed with architecture arm64.
+_arm64_base_image_build() {
+  local out=$1 tmp c mnt
+  tmp=$(mktemp -d "$NODEAGENT_CACHE/base-image-arm64.XXXXXX") || return 1
+  mmdebstrap --variant=minbase --mode=root --format=tar --architectures=arm64 \
+    --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
+    "$NODEAGENT_DEBIAN_SUITE" "$tmp/rootfs.tar" "$NODEAGENT_DEBIAN_MIRROR" || { rm -rf "$tmp"; return 1; }
+  c=$(_buildah_multiarch from scratch) && mnt=$(_buildah_multiarch mount "$c") && tar -xf "$tmp/rootfs.tar" -C "$mnt" &&
+    _buildah_multiarch umount "$c" && _buildah_multiarch config --cmd /bin/bash --os linux --arch arm64 "$c" &&
+    _buildah_multiarch commit --rm "$c" "$NODEAGENT_BASE_IMAGE_REF-arm64" &&
+    _buildah_multiarch push "$NODEAGENT_BASE_IMAGE_REF-arm64" "oci-archive:$out:$NODEAGENT_BASE_IMAGE_REF" ||
+    { rm -rf "$tmp"; return 1; }
+  _buildah_multiarch rmi "$NODEAGENT_BASE_IMAGE_REF-arm64" >/dev/null 2>&1 || true
+  rm -rf "$tmp"
+}
+
+# qemu-bound (mmdebstrap's maintainer scripts run emulated): in the background list
+nodeagent_peers_arm64_base_image() {
+  _peers_install_debian mmdebstrap qemu-user-static buildah || return 1
+  if [ -z "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_binfmt_aarch64 || return 1
+  fi
+  local hash
+  hash=$( (echo "$NODEAGENT_DEBIAN_SUITE $NODEAGENT_DEBIAN_MIRROR $NODEAGENT_BASE_IMAGE_REF arm64" &&
+    declare -f _arm64_base_image_build) | sha256sum | cut -c1-12) || return 1
+  _image_into_cache debian-base-arm64 "$hash" _arm64_base_image_build || return 1
+  export NODEAGENT_BASE_IMAGE_ARM64=$NODEAGENT_IMAGE_ARCHIVE
+  NODEAGENT_BASE_IMAGE_ARM64_HASH=$hash
+}
+
+# _arm64_wheels DIR REQUIREMENTS: the aarch64 wheels (manylinux, the base image's CPython) of REQUIREMENTS in
+# DIR (build-deb.sh's arm64 wheel cache), from DIR alone when it has them all, else from the index.
+_arm64_wheels() {
+  local dir=$1 reqs=$2 py v=$NODEAGENT_BASE_IMAGE_PYTHON args minor
+  py=$(_abi_python)
+  args=(--only-binary=:all: --platform manylinux2014_aarch64 --implementation cp --python-version "$v"
+    --abi "cp${v/./}" --abi abi3 --abi none --find-links "$dir" -d "$dir" -r "$reqs")
+  for minor in $(seq 17 36); do args+=(--platform "manylinux_2_${minor}_aarch64"); done
+  mkdir -p "$dir" || return 1
+  "$py" -m pip download -q --disable-pip-version-check --no-index "${args[@]}" 2>/dev/null ||
+    "$py" -m pip download -q --disable-pip-version-check "${args[@]}"
+}
+
+# _multiarch_bases: in the multi-arch storage, the Containerfile's BASE_IMAGE and BUILD_IMAGE for an arm64
+# build, loaded from the base archives when missing: NODEAGENT_MULTIARCH_BASE_REF:arm64-<hash> the arm64 base,
+# and NODEAGENT_MULTIARCH_BASE_REF:build-amd64-<hash> the amd64 base with "arm64" in its configuration.
+# buildah 1.28 looks a local image up by the build's --platform even for a FROM --platform=$BUILDPLATFORM
+# stage (an amd64 image is "not known" to an arm64 build); under that label the build stage still runs the
+# amd64 programs natively, and BUILDARCH (amd64) still sends its pip down the cross-architecture path. Nothing
+# of the build stage but /opt/nodeagent reaches the image.
+_multiarch_bases() {
+  local arm64=$NODEAGENT_MULTIARCH_BASE_REF:arm64-$NODEAGENT_BASE_IMAGE_ARM64_HASH
+  local build=$NODEAGENT_MULTIARCH_BASE_REF:build-amd64-$NODEAGENT_BASE_IMAGE_HASH id c
+  if ! _buildah_multiarch inspect --type image "$arm64" >/dev/null 2>&1; then
+    id=$(_buildah_multiarch pull -q --arch arm64 "oci-archive:$NODEAGENT_BASE_IMAGE_ARM64") &&
+      _buildah_multiarch tag "$id" "$arm64" && _buildah_multiarch rmi "$NODEAGENT_BASE_IMAGE_REF" >/dev/null || return 1
+  fi
+  if ! _buildah_multiarch inspect --type image "$build" >/dev/null 2>&1; then
+    id=$(_buildah_multiarch pull -q "oci-archive:$NODEAGENT_BASE_IMAGE") && c=$(_buildah_multiarch from "$id") &&
+      _buildah_multiarch config --arch arm64 "$c" && _buildah_multiarch commit -q --rm "$c" "$build" &&
+      _buildah_multiarch rmi "$id" >/dev/null || return 1
+  fi
+}
+
+# _agent_image_arm64_build OUT REPO: `buildah bud --platform linux/arm64` of packaging/kubernetes/Containerfile
+# in the multi-arch storage, with its layers kept (the final stage's apt-get, emulated, is redone only when the
+# base changes). pip asks no index: the wheelhouse of _agent_image_build (setuptools for the build of
+# nodeagent's own wheel) and the aarch64 wheels beside it, both mounted read-only.
+_agent_image_arm64_build() {
+  local out=$1 repo=$2 py wheels=$NODEAGENT_CACHE/wheels
+  py=$(_abi_python)
+  mkdir -p "$wheels" || return 1
+  "$py" -c 'import tomllib, sys; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
+    "$repo/pyproject.toml" >"$out.requirements" || return 1
+  { "$py" -m pip wheel -q --disable-pip-version-check -w "$wheels" 'setuptools>=68' wheel &&
+    _arm64_wheels "$wheels/arm64" "$out.requirements"; } || { rm -f "$out.requirements"; return 1; }
+  rm -f "$out.requirements"
+  _multiarch_bases || return 1
+  (cd "$repo" && _buildah_multiarch bud --isolation chroot --pull-never --layers --platform linux/arm64 \
+    --build-arg "BUILD_IMAGE=$NODEAGENT_MULTIARCH_BASE_REF:build-amd64-$NODEAGENT_BASE_IMAGE_HASH" \
+    --build-arg "BASE_IMAGE=$NODEAGENT_MULTIARCH_BASE_REF:arm64-$NODEAGENT_BASE_IMAGE_ARM64_HASH" \
+    -v "$wheels:/wheels:ro" --build-arg PIP_NO_INDEX=1 --build-arg "PIP_FIND_LINKS=/wheels /wheels/arm64" \
+    -f packaging/kubernetes/Containerfile -t "$NODEAGENT_AGENT_IMAGE_REF-arm64" .) || return 1
+  _buildah_multiarch push "$NODEAGENT_AGENT_IMAGE_REF-arm64" "oci-archive:$out:$NODEAGENT_AGENT_IMAGE_REF" || return 1
+  # The newest image keeps its name, so its layers (the emulated apt-get among them) stay as the next build's
+  # cache; the layers of older builds go once the storage passes 2 GiB (a prune also drops the build stage's
+  # layers, which costs the next build its native apt-get, some 25 s).
+  if [ "$(du -sm "$NODEAGENT_CACHE/buildah-multiarch/storage" | cut -f1)" -gt 2048 ]; then
+    _buildah_multiarch rmi --prune >/dev/null || true
+  fi
+}
+
+nodeagent_peers_agent_image_arm64() {
+  nodeagent_peers_base_image || return 1
+  nodeagent_peers_arm64_base_image || return 1
+  local repo hash
+  repo=$(cd "$NODEAGENT_TESTBIN/../.." && pwd)
+  hash=$( (echo "$NODEAGENT_BASE_IMAGE_HASH $NODEAGENT_BASE_IMAGE_ARM64_HASH $NODEAGENT_AGENT_IMAGE_REF" &&
+    echo "$NODEAGENT_BASE_IMAGE_PYTHON" && declare -f _agent_image_arm64_build _multiarch_bases _arm64_wheels &&
+    _agent_image_inputs "$repo" | (cd "$repo" && xargs -d '\n' sha256sum)) | sha256sum | cut -c1-12) || return 1
+  _image_into_cache nodeagent-arm64 "$hash" _agent_image_arm64_build "$repo" || return 1
+  export NODEAGENT_AGENT_IMAGE_ARM64=$NODEAGENT_IMAGE_ARCHIVE
+}
+
+# _agent_image_index_build OUT: an OCI index (manifest list) of the amd64 and arm64 agent images, as
+# `buildah build --platform linux/amd64,linux/arm64 --manifest` makes it, pushed with both images to OUT.
+_agent_image_index_build() {
+  local out=$1 list=$NODEAGENT_AGENT_MULTIARCH_REF a b
+  _buildah_multiarch manifest rm "$list" >/dev/null 2>&1 || true
+  a=$(_buildah_multiarch pull -q "oci-archive:$NODEAGENT_AGENT_IMAGE") &&
+    b=$(_buildah_multiarch pull -q "oci-archive:$NODEAGENT_AGENT_IMAGE_ARM64") &&
+    _buildah_multiarch manifest create "$list" &&
+    _buildah_multiarch manifest add "$list" "containers-storage:$a" &&
+    _buildah_multiarch manifest add "$list" "containers-storage:$b" &&
+    _buildah_multiarch manifest push --all --format oci "$list" "oci-archive:$out:$list" || return 1
+  _buildah_multiarch manifest rm "$list" >/dev/null 2>&1 || true
+  # both pulls named their image NODEAGENT_AGENT_IMAGE_REF: the arm64 one keeps only the name of its build
+  _buildah_multiarch rmi "$NODEAGENT_AGENT_IMAGE_REF" >/dev/null 2>&1 || true
+  [ "$a" = "$b" ] || _buildah_multiarch rmi "$a" >/dev/null 2>&1 || true
+}
+
+nodeagent_peers_agent_image_multiarch() {
+  nodeagent_peers_agent_image || return 1
+  nodeagent_peers_agent_image_arm64 || return 1
+  local hash
+  hash=$( (echo "${NODEAGENT_AGENT_IMAGE##*/} ${NODEAGENT_AGENT_IMAGE_ARM64##*/} $NODEAGENT_AGENT_MULTIARCH_REF" &&
+    declare -f _agent_image_index_build) | sha256sum | cut -c1-12) || return 1
+  _image_into_cache nodeagent-multiarch "$hash" _agent_image_index_build || return 1
+  export NODEAGENT_AGENT_IMAGE_MULTIARCH=$NODEAGENT_IMAGE_ARCHIVE
+}
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -757,6 +911,8 @@ NODEAGENT_PEERS_STEPS=(
   "Debian base image (mmdebstrap, buildah):nodeagent_peers_base_image"
   "pause image (buildah):nodeagent_peers_pause_image"
   "nodeagent image (packaging/kubernetes/Containerfile, buildah):nodeagent_peers_agent_image"
+  "Debian base image for arm64 (mmdebstrap, qemu-user-static, buildah):nodeagent_peers_arm64_base_image"
+  "nodeagent arm64 image + amd64/arm64 index (buildah --platform):nodeagent_peers_agent_image_multiarch"
 )
 
 # Steps run in the background beside the others (not in plan mode, nor with NODEAGENT_PEERS_SERIAL=1): the
@@ -764,7 +920,8 @@ NODEAGENT_PEERS_STEPS=(
 # qemu for arm64), while most other steps compile Go; overlapping them shortens a cold setup. They run one
 # after the other in one background job (its log: ${NODEAGENT_CACHE}/logs/background-steps.log); once it has
 # ended, each is run again in the foreground, which finds its root in the cache and only exports its path.
-NODEAGENT_PEERS_BACKGROUND=(nodeagent_peers_arm64_root nodeagent_peers_debian13_root nodeagent_peers_debian_root)
+NODEAGENT_PEERS_BACKGROUND=(nodeagent_peers_arm64_base_image nodeagent_peers_arm64_root nodeagent_peers_debian13_root
+  nodeagent_peers_debian_root)
 # Every Debian package a step installs, installed once before anything runs in the background (apt-get holds
 # dpkg's lock: two steps must never install at the same time).
 NODEAGENT_PEERS_DEBIAN_PACKAGES=(containerd runc openssl strace systemd util-linux dpkg gcc libc6-dev prometheus
