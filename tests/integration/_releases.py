@@ -7,7 +7,9 @@ fails the test (built on first use through tests/testbin/setup.sh), never skips.
 ``shared_release_apiserver`` also runs a module once per release, on API servers shared by every module of
 the session that uses it (the one of 1.34 is the session's ``kube_apiserver``): for tests that isolate by
 node and object names, so that each release's server starts once per pytest worker, not once per module.
-``release_binary(release, "dra-harness")`` is the kubelet DRA harness built from that release's kubelet."""
+``release_binary(release, "dra-harness")`` is the kubelet DRA harness built from that release's kubelet;
+``release_binary(release, "kube-controller-manager")`` (also kube-apiserver, kube-scheduler) that release's
+component."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tests.peers.apiserver import KubeApiServer, start_apiserver
 # release → suffix of the NODEAGENT_* variables
 RELEASES = {"v1.34.4": "", "v1.35.4": "_1_35", "v1.36.3": "_1_36", "v1.37.2": "_1_37"}
 _SETUP_134 = {"kube-apiserver": "nodeagent_peers_apiserver", "kube-scheduler": "nodeagent_peers_kube_control_plane",
+              "kube-controller-manager": "nodeagent_peers_kube_control_plane",
               "dra-harness": "nodeagent_peers_dra_harness"}
 
 
@@ -64,13 +67,6 @@ def _apiserver(release: str) -> Iterator[KubeApiServer]:
 @pytest.fixture(scope="module", params=sorted(RELEASES))
 def release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
     """The API server of every release."""
-    yield from _apiserver(request.param)
-
-
-@pytest.fixture(scope="module", params=["v1.34.4", "v1.37.2"])
-def full_release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]:
-    """The API server of the oldest and the newest release only (suites whose subject does not change
-    between releases, within the CI budget)."""
     yield from _apiserver(request.param)
 
 

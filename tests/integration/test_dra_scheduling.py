@@ -1,5 +1,5 @@
-"""Pods with DRA claims go through the REAL control plane and the kubelet's DRA code, on two Kubernetes
-releases (v1.34.4, the v1 API floor, and v1.37.2; tests/peers/controlplane.py):
+"""Pods with DRA claims go through the REAL control plane and the kubelet's DRA code, on four Kubernetes
+releases (v1.34.4, the v1 API floor, v1.35.4, v1.36.3 and v1.37.2; tests/peers/controlplane.py):
 
 kube-controller-manager creates each pod's ResourceClaim from its ResourceClaimTemplate, kube-scheduler
 allocates a device from the ResourceSlices nodeagent's DRA component publishes for a simulated node and
@@ -34,7 +34,7 @@ from nodeagent.kube.client import KubeClient, connect
 from tests.e2e._agent import eventually
 from tests.integration.test_dra_kubelet import resource_health
 from tests.peers.cdicheck import run_cdi_check
-from tests.peers.controlplane import FULL_RELEASES, RELEASES, ControlPlane, KubeRelease, running_control_plane
+from tests.peers.controlplane import RELEASES, ControlPlane, KubeRelease, running_control_plane
 from tests.peers.draharness import DraHarness, Pod, running_dra_harness
 from tests.unit._dp_inventories import gpu, mig_box
 
@@ -133,9 +133,8 @@ def slice_devices(kube: KubeClient) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for s in items for d in s["spec"]["devices"]}
 
 
-# Every test names the releases it runs on: ``full`` ones on 1.34 and 1.37 (claims from templates need the
-# controller manager), ``every`` one on all four releases with claims it creates itself.
-full = pytest.mark.parametrize("cluster", FULL_RELEASES, ids=[r.version for r in FULL_RELEASES], indirect=True)
+# Every test names the releases it runs on: ``every`` one on all four (the device-taint eviction test on
+# the releases whose controller manager runs that controller).
 every = pytest.mark.parametrize("cluster", RELEASES, ids=[r.version for r in RELEASES], indirect=True)
 
 
@@ -187,28 +186,6 @@ def claim_template(kube: KubeClient, name: str, device_class: str, cel: str | No
     kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates", body={
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
         "spec": {"spec": {"devices": {"requests": [req]}}}})
-
-
-def generate_claim(c: Cluster, pod: dict[str, Any]) -> str:
-    """What kube-controller-manager's resourceclaim controller does for a pod whose claim ``gpu`` comes from
-    a ResourceClaimTemplate, for the releases whose controller manager is not built: the claim made from the
-    template, owned by the pod, and its name in the pod's ``status.resourceClaimStatuses``; the claim's name."""
-    name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-    [pod_claim] = pod["spec"]["resourceClaims"]
-    template = c.get(f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates/"
-                     f"{pod_claim['resourceClaimTemplateName']}")
-    claim = c.kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims", body={
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"generateName": f"{name}-{pod_claim['name']}-",
-                     "annotations": {"resource.kubernetes.io/pod-claim-name": pod_claim["name"]},
-                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid,
-                                          "controller": True, "blockOwnerDeletion": True}]},
-        "spec": template["spec"]["spec"]})
-    claim_name: str = claim["metadata"]["name"]
-    c.kube.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}/status", content_type="application/merge-patch+json",
-                   body={"status": {"resourceClaimStatuses": [{"name": pod_claim["name"],
-                                                               "resourceClaimName": claim_name}]}})
-    return claim_name
 
 
 def make_claim(kube: KubeClient, name: str, request: dict[str, Any], namespace: str = NS) -> None:
@@ -325,30 +302,15 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         assert gone["injections"][0]["unresolved"] == cdi["main"]
         return Prepared(status, claim, str(result["device"]), cdi["main"], env)
     finally:
-        delete_pod_and_release(c, name, claim_path, owned=not direct, extended=not direct and not from_template)
+        delete_pod_and_release(c, name, claim_path, extended=not direct and not from_template)
 
 
-def delete_pod_and_release(c: Cluster, pod_name: str, claim_path: str, *, owned: bool, extended: bool = False,
+def delete_pod_and_release(c: Cluster, pod_name: str, claim_path: str, *, extended: bool = False,
                            namespace: str = NS) -> None:
-    """Delete the pod; wait until its claim (at ``claim_path``, if any) is deallocated, or gone when the pod
-    owned it. Releases without a controller manager: the test does what its resourceclaim controller does
-    once the pod is gone (drop the reservation and the allocation; an owned claim is deleted, its
-    protection finalizer lifted)."""
+    """Delete the pod; wait until its claim (at ``claim_path``, if any) is deallocated by the controller
+    manager's resourceclaim controller, or gone."""
     c.plane.apiserver.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{pod_name}?gracePeriodSeconds=0")
     if not claim_path:
-        return
-    if not c.release.controller_manager_built:
-        wait_for(lambda: c.plane.apiserver.get(f"/api/v1/namespaces/{namespace}/pods/{pod_name}")[0] == 404, 30,
-                 f"pod {pod_name} gone", c)
-        claim = c.get(claim_path)
-        claim["status"] = {}
-        c.kube.request("PUT", f"{claim_path}/status", body=claim)
-        if owned:
-            c.kube.request("DELETE", claim_path)
-            claim = c.get(claim_path)
-            claim["metadata"]["finalizers"] = []
-            c.kube.request("PUT", claim_path, body=claim)
-            wait_for(lambda: c.plane.apiserver.get(claim_path)[0] == 404, 30, f"claim of {pod_name} gone", c)
         return
     if extended and c.release.minor < 35:
         # The 1.34 resourceclaim controller does not look at pod.status.extendedResourceClaimStatus when
@@ -373,7 +335,7 @@ def uuid_of(c: Cluster, device: str) -> str:
     return str(slice_device(c, device)["attributes"]["uuid"]["string"])
 
 
-@full
+@every
 def test_claim_template_for_one_whole_gpu(cluster: Cluster) -> None:
     claim_template(cluster.kube, "one-gpu", "gpu.nodeagent.io")
     pod = create_pod(cluster.kube, "one-gpu", template="one-gpu")
@@ -383,7 +345,7 @@ def test_claim_template_for_one_whole_gpu(cluster: Cluster) -> None:
     assert got.claim["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"] == "gpu"
 
 
-@full
+@every
 def test_gpu_chosen_by_uuid_and_by_product_name(cluster: Cluster) -> None:
     by_uuid = uuid_of(cluster, "gpu-2")
     claim_template(cluster.kube, "by-uuid", "gpu.nodeagent.io",
@@ -398,7 +360,7 @@ def test_gpu_chosen_by_uuid_and_by_product_name(cluster: Cluster) -> None:
     assert got.device == "gpu-4", got
 
 
-@full
+@every
 def test_claim_template_for_a_mig_device(cluster: Cluster) -> None:
     claim_template(cluster.kube, "one-mig", "mig.gpu.nodeagent.io",
                    f'device.attributes["{DRIVER_NAME}"].profile == "1g.10gb"')
@@ -449,8 +411,6 @@ def test_xid_marks_the_prepared_device_unhealthy_and_taints_it_until_recovery(cl
     else:
         claim_template(cluster.kube, "xid-gpu", "gpu.nodeagent.io")
         pod = create_pod(cluster.kube, "xid-gpu", template="xid-gpu")
-        if not cluster.release.controller_manager_built:
-            generate_claim(cluster, pod)
     got = schedule_and_prepare(cluster, pod, from_template=cluster.release.minor != 34, while_prepared=xid)
     assert got.device.startswith("gpu-") and "mig" not in got.device
 
@@ -512,7 +472,7 @@ def test_an_admin_access_claim_reaches_a_gpu_in_use_without_holding_it(cluster: 
             assert [(r.namespace, r.name) for r in holders[3]] == [(NS, pod.claims[next(iter(pod.claims))])], holders
             cluster.harness.unprepare(hpod)
         finally:
-            delete_pod_and_release(cluster, "monitor", claim_path, owned=False, namespace=mon)
+            delete_pod_and_release(cluster, "monitor", claim_path, namespace=mon)
 
     schedule_and_prepare(cluster, create_pod(cluster.kube, "user-gpu3", claim="user-gpu3"), from_template=False,
                          while_prepared=user_holds)
@@ -666,7 +626,7 @@ def test_a_shared_gpu_takes_claims_until_its_memory_is_used_up(cluster: Cluster)
 
         # release one: its claim is deallocated and the waiting pod is scheduled onto the same GPU
         cluster.harness.unprepare(prepared.pop(bound[0]))
-        delete_pod_and_release(cluster, bound[0], claim_path_of(bound[0]), owned=False)
+        delete_pod_and_release(cluster, bound[0], claim_path_of(bound[0]))
         wait_for(lambda: cluster.get(f"/api/v1/namespaces/{NS}/pods/{waiting}")["spec"].get("nodeName"), 60,
                  f"{waiting} scheduled once a share is released", cluster)
         share_id, env = prepare(waiting)
@@ -676,7 +636,7 @@ def test_a_shared_gpu_takes_claims_until_its_memory_is_used_up(cluster: Cluster)
             cluster.harness.unprepare(hpod)
         for n in names:
             if cluster.plane.apiserver.get(f"/api/v1/namespaces/{NS}/pods/{n}")[0] != 404:
-                delete_pod_and_release(cluster, n, claim_path_of(n), owned=False)
+                delete_pod_and_release(cluster, n, claim_path_of(n))
 
 
 AGENT_CHILD = """
@@ -705,7 +665,7 @@ asyncio.run(main())
 """
 
 
-@full
+@every
 def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster: Cluster) -> None:
     """The DRA driver process dies (kill -9) inside NodePrepareResources of a scheduler-allocated claim;
     the restarted agent cleans up what was half done and the kubelet's retry prepares the claim."""

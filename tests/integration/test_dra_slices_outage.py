@@ -1,6 +1,6 @@
-"""The DRA pool through an API outage, on the oldest and newest release the DRA tests run against (v1.34.4 and v1.37.2,
-tests/integration/_releases.py): a failed slice write is retried and the pool catches up once the API is
-back."""
+"""The DRA pool through an API outage, on every release the DRA tests run against (v1.34.4 to v1.37.2, the
+session's shared API servers of tests/integration/_releases.py): a failed slice write is retried and the
+pool catches up once the API is back. Only the forwarder between the agent and the server is cut."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 import yaml
 
 from nodeagent.kube.client import KubeClient, connect
-from tests.integration._releases import full_release_apiserver
+from tests.integration._releases import shared_release_apiserver
 from tests.integration.test_dra_slices import slices_of
 from tests.peers.apiserver import KubeApiServer
 from tests.unit._dp_inventories import nvswitch_box
 
 pytestmark = pytest.mark.peers
 
-kube_apiserver = full_release_apiserver
+kube_apiserver = shared_release_apiserver
 
 
 async def test_component_resyncs_slices_after_an_api_outage(

@@ -1,7 +1,8 @@
 """The kubelet's PodResources v1 ``List`` with dynamic resources, as nodeagent reads it to find which pods
 and ResourceClaims hold a GPU before a MIG change.
 
-Real: the kube-apiserver (v1.34.4, and v1.37.2 with its own API server), nodeagent's DRA driver
+Real: the kube-apiserver of each release (v1.34.4 to v1.37.2, the session's shared API servers of
+tests/integration/_releases.py), nodeagent's DRA driver
 (DraComponent on a simulated inventory), the kubelet's DRA manager and plugin watcher of the same release
 (tests/testbin/dra-harness), and the kubelet's own PodResources v1 server code (pkg/kubelet/apis/
 podresources) that the harness serves. The harness stands in for the kubelet's container manager: its
@@ -30,37 +31,21 @@ from nodeagent.kube.podresources import ClaimAssignment, PodResourcesClient
 from nodeagent.kube.podresources_api import podresources_pb2 as pb
 from nodeagent.kube.podresources_api import podresources_pb2_grpc as pb_grpc
 from nodeagent.mig.reconciler import ClaimHolder
+from tests.integration._releases import release_binary, shared_release_apiserver
 from tests.integration.test_dra_kubelet import component, create_allocated_claim, poll, slice_devices
-from tests.peers.apiserver import KubeApiServer, start_apiserver
-from tests.peers.controlplane import FULL_RELEASES, KubeRelease
+from tests.peers.apiserver import KubeApiServer
 from tests.peers.draharness import Pod, running_dra_harness
 from tests.unit._dp_inventories import mig_box
 
 pytestmark = pytest.mark.peers
 
-
-@pytest.fixture(scope="module", params=FULL_RELEASES, ids=[r.version for r in FULL_RELEASES])
-def release(request: pytest.FixtureRequest) -> KubeRelease:
-    r: KubeRelease = request.param
-    return r
+kube_apiserver = shared_release_apiserver
 
 
 @pytest.fixture(scope="module")
-def kube_apiserver(kube_apiserver: KubeApiServer, release: KubeRelease) -> Iterator[KubeApiServer]:
-    """The API server of the release under test (``kube`` and ``node_name`` use it): the session's own for
-    the peers' release, one started for this module otherwise."""
-    if kube_apiserver.version == release.version:
-        yield kube_apiserver
-        return
-    server = start_apiserver(
-        binary=release.apiserver(), feature_gates=release.feature_gates, extra_args=release.apiserver_args
-    )
-    try:
-        assert server.version == release.version, (server.version, release.version)
-        yield server
-    finally:
-        server.stop()
-        shutil.rmtree(server.workdir, ignore_errors=True)
+def harness_binary(kube_apiserver: KubeApiServer) -> Path:
+    """The kubelet DRA harness of the API server's release."""
+    return release_binary(kube_apiserver.version, "dra-harness")
 
 
 @pytest.fixture
@@ -93,7 +78,7 @@ def claim_uses(client: PodResourcesClient) -> list[ClaimAssignment]:
 
 
 async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find_them(
-    kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, root: Path, release: KubeRelease
+    kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, root: Path, harness_binary: Path
 ) -> None:
     """Three pods with claims on devices of our driver (whole GPU 2; a MIG device of GPU 0; GPU 1 and the
     other MIG device of GPU 0 in one claim): once the kubelet code prepared them, ``List`` names pod,
@@ -110,7 +95,7 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
             kube_apiserver.kubeconfig,
             root / "var/lib/kubelet/plugins_registry",
             node_name,
-            binary=release.dra_harness(),
+            binary=harness_binary,
             pod_resources_socket=socket,
         ) as h:
             await asyncio.to_thread(h.wait_registered, DRIVER_NAME)

@@ -57,9 +57,10 @@ Fixtures (registered by tests/conftest.py):
     kubelet makes, and ``.version_tuple()``.
 
 ``tests.peers.controlplane`` (used by tests/integration/test_dra_scheduling.py, module-scoped there)
-    ``RELEASES`` (v1.34.4 and v1.37.2, each with its binaries and feature gates) and
+    ``RELEASES`` (v1.34.4, v1.35.4, v1.36.3 and v1.37.2, each with its binaries and feature gates) and
     ``running_control_plane(release)`` -> ``ControlPlane``: its own etcd + kube-apiserver (``.apiserver``),
-    kube-controller-manager running only ``resourceclaim-controller``, and kube-scheduler, each waited for
+    kube-controller-manager running only ``resourceclaim-controller`` (from 1.37 also the device-taint
+    eviction controller), and kube-scheduler, each waited for
     on /healthz. ``release.dra_harness()`` is that release's kubelet DRA harness (tests/peers/draharness.py).
 
 Outside pytest: ``running_apiserver()``, ``running_harness()``, ``containerd_peer()`` context managers

@@ -12,19 +12,20 @@ Releases (``RELEASES``), all built by tests/testbin/setup.sh from one set of Go 
 ``v1.35.4`` (go-1.35.mod), ``v1.36.3`` (go-1.36.mod)
     NODEAGENT_KUBE_APISERVER_1_35, ..._KUBE_SCHEDULER_1_35, ..._KUBE_CONTROLLER_MANAGER_1_35,
     ..._DRA_HARNESS_1_35 (and _1_36). Feature gates: 1.35 turns on DRADeviceTaints and DRAExtendedResource
-    (alpha) and serves resource.k8s.io/v1alpha3; 1.36 runs with its defaults (both beta and on,
-    consumable capacity and partitionable devices beta and on).
+    (still alpha there; its resourceclaim controller reads DRAAdminAccess and DRAPrioritizedList, beta and
+    on) and serves resource.k8s.io/v1alpha3; 1.36 runs with its defaults (DRADeviceTaints,
+    DRAExtendedResource, consumable capacity and partitionable devices beta and on; admin access and
+    prioritized lists GA).
 ``v1.37.2`` (go-1.37.mod beside each go.mod)
     NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37, NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37,
     NODEAGENT_DRA_HARNESS_1_37. Feature gates: none, the release's defaults (DRAExtendedResource and
     DRADeviceTaints are GA, DRAPartitionableDevices and DRAConsumableCapacity beta, all on); the API
     server runs with --endpoint-reconciler-type=none (1.37 rejects the loopback advertise address otherwise).
 
-``running_control_plane(release)`` starts etcd + kube-apiserver, the controller manager where the release
-has one built (only ``resourceclaim-controller``: ResourceClaims from pod templates, reservations released
-when pods go; not for 1.35 and 1.36, whose tests create claims themselves) and
-the scheduler (default profile, DynamicResources plugin included), each serving /healthz on a loopback
-port; it returns once all answer. Missing binaries are built on first use (setup.sh functions).
+``running_control_plane(release)`` starts etcd + kube-apiserver, the controller manager (only
+``resourceclaim-controller``: ResourceClaims from pod templates, reservations released when pods go; from
+1.37 also the device-taint eviction controller) and the scheduler (default profile, DynamicResources plugin
+included), each serving /healthz on a loopback port; it returns once all answer. Missing binaries are built on first use (setup.sh functions).
 """
 
 from __future__ import annotations
@@ -60,9 +61,6 @@ class KubeRelease:
     harness_setup: str
     feature_gates: str
     apiserver_args: tuple[str, ...] = ()
-    # False: no kube-controller-manager is built for this release (its tests create their claims
-    # themselves and release them as its resourceclaim controller would)
-    controller_manager_built: bool = True
 
     @property
     def minor(self) -> int:
@@ -91,17 +89,14 @@ RELEASES = (
                 ("--runtime-config=resource.k8s.io/v1alpha3=true",)),
     KubeRelease("v1.35.4", "_1_35", "nodeagent_peers_k8s135", "nodeagent_peers_k8s135", "nodeagent_peers_k8s135",
                 "DRADeviceTaints=true,DRAExtendedResource=true",
-                ("--runtime-config=resource.k8s.io/v1alpha3=true", "--endpoint-reconciler-type=none"), False),
+                ("--runtime-config=resource.k8s.io/v1alpha3=true", "--endpoint-reconciler-type=none")),
     KubeRelease("v1.36.3", "_1_36", "nodeagent_peers_k8s136", "nodeagent_peers_k8s136", "nodeagent_peers_k8s136",
-                "", ("--endpoint-reconciler-type=none",), False),
+                "", ("--endpoint-reconciler-type=none",)),
     KubeRelease("v1.37.2", "_1_37", "nodeagent_peers_k8s137", "nodeagent_peers_k8s137",
                 "nodeagent_peers_k8s137", "",
                 # 1.37 refuses a loopback advertise address while it reconciles the kubernetes Endpoints
                 ("--endpoint-reconciler-type=none",)),
 )
-# The releases every DRA suite runs on; the others (1.35, 1.36) run the scheduler flow of
-# tests/integration/test_dra_scheduling.py, the CI budget's representative subset.
-FULL_RELEASES = tuple(r for r in RELEASES if r.version in ("v1.34.4", "v1.37.2"))
 
 
 @dataclass
@@ -171,19 +166,17 @@ def _wait_healthy(plane: ControlPlane, ports: dict[str, int]) -> None:
 
 def start_control_plane(release: KubeRelease) -> ControlPlane:
     scheduler = release.scheduler()
-    manager = release.controller_manager() if release.controller_manager_built else None
+    manager = release.controller_manager()
     server = start_apiserver(binary=release.apiserver(), feature_gates=release.feature_gates,
                              extra_args=release.apiserver_args)
     plane = ControlPlane(release, server, Path(tempfile.mkdtemp(prefix="nodeagent-control-plane-")))
     try:
         assert server.version == release.version, (server.version, release.version)
         ports = {"kube-scheduler": _start(plane, "kube-scheduler", [str(scheduler)])}
-        if manager is not None:
-            # from 1.37 (device taints GA) also the eviction of pods whose devices carry a NoExecute taint
-            controllers = "resourceclaim-controller" + (",device-taint-eviction-controller"
-                                                        if release.minor >= 37 else "")
-            ports["kube-controller-manager"] = _start(plane, "kube-controller-manager", [
-                str(manager), f"--controllers={controllers}", "--use-service-account-credentials=false"])
+        # from 1.37 (device taints GA) also the eviction of pods whose devices carry a NoExecute taint
+        controllers = "resourceclaim-controller" + (",device-taint-eviction-controller" if release.minor >= 37 else "")
+        ports["kube-controller-manager"] = _start(plane, "kube-controller-manager", [
+            str(manager), f"--controllers={controllers}", "--use-service-account-credentials=false"])
         _wait_healthy(plane, ports)
     except BaseException:
         plane.stop()

@@ -17,8 +17,7 @@
 #       nodeagent_peers_dra_harness -> NODEAGENT_DRA_HARNESS
 #       nodeagent_peers_k8s137 -> NODEAGENT_KUBE_APISERVER_1_37, NODEAGENT_KUBE_SCHEDULER_1_37,
 #                                 NODEAGENT_KUBE_CONTROLLER_MANAGER_1_37, NODEAGENT_DRA_HARNESS_1_37
-#       nodeagent_peers_k8s136 -> NODEAGENT_KUBE_APISERVER_1_36, NODEAGENT_KUBE_SCHEDULER_1_36,
-#                                 NODEAGENT_DRA_HARNESS_1_36 (and k8s135 the same for 1.35)
+#                                 (and k8s136, k8s135 the same for 1.36 and 1.35)
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 #       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
@@ -317,19 +316,18 @@ _peers_k8s_release() {
   done
 }
 
-# v1.37.2: the full set (every DRA suite runs on it).
+# v1.35.4, v1.36.3, v1.37.2: the same set for each (the DRA suites run on every release; the controller
+# manager creates the ResourceClaims of pod templates).
 nodeagent_peers_k8s137() {
   _peers_k8s_release 37 k8s137 kube-apiserver kube-scheduler kube-controller-manager dra-harness
 }
 
-# v1.35.4 and v1.36.3: the commands their DRA subset uses (no controller manager: those tests create their
-# ResourceClaims themselves).
-nodeagent_peers_k8s135() {
-  _peers_k8s_release 35 k8s135 kube-apiserver kube-scheduler dra-harness
+nodeagent_peers_k8s136() {
+  _peers_k8s_release 36 k8s136 kube-apiserver kube-scheduler kube-controller-manager dra-harness
 }
 
-nodeagent_peers_k8s136() {
-  _peers_k8s_release 36 k8s136 kube-apiserver kube-scheduler dra-harness
+nodeagent_peers_k8s135() {
+  _peers_k8s_release 35 k8s135 kube-apiserver kube-scheduler kube-controller-manager dra-harness
 }
 
 # The kubelet's DRA manager and plugin watcher (tests/testbin/dra-harness, same Kubernetes release as
@@ -898,8 +896,8 @@ NODEAGENT_PEERS_STEPS=(
   "kube-scheduler + kube-controller-manager v1.34:nodeagent_peers_kube_control_plane"
   "kubelet DRA harness v1.34:nodeagent_peers_dra_harness"
   "Kubernetes v1.37 peers:nodeagent_peers_k8s137"
-  "Kubernetes v1.36 peers (DRA subset):nodeagent_peers_k8s136"
-  "Kubernetes v1.35 peers (DRA subset):nodeagent_peers_k8s135"
+  "Kubernetes v1.36 peers:nodeagent_peers_k8s136"
+  "Kubernetes v1.35 peers:nodeagent_peers_k8s135"
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
