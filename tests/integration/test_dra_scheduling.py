@@ -497,8 +497,11 @@ def test_an_admins_noexecute_device_taint_rule_evicts_the_pod_using_the_device(c
             path = f"/api/v1/namespaces/{NS}/pods/tainted-gpu"
             # the eviction controller deletes the pod (no kubelet runs to finish a graceful deletion: it is gone
             # at once or marked deleted)
-            wait_for(lambda: cluster.plane.apiserver.get(path)[0] == 404
-                     or cluster.get(path)["metadata"].get("deletionTimestamp"), 60, "pod evicted", cluster)
+            def evicted() -> bool:  # one read: the pod may go between two
+                status, body = cluster.plane.apiserver.get(path)
+                return status == 404 or (status == 200 and bool(yaml.safe_load(body)["metadata"].get("deletionTimestamp")))
+
+            wait_for(evicted, 60, "pod evicted", cluster)
         finally:
             cluster.kube.request("DELETE", f"{rules}/drain-gpu-2")
 
