@@ -7,6 +7,10 @@ import selectors
 import socket
 import threading
 import time
+import urllib.parse
+from pathlib import Path
+
+import yaml
 
 
 class Outage:
@@ -87,3 +91,16 @@ class Outage:
                     s.close()
             with self._lock:
                 self._conns -= {a, b}
+
+
+def forwarded(url: str, kubeconfig: Path, dest: Path, *, latency_s: float = 0.0) -> Outage:
+    """An ``Outage`` forwarder to the API server at ``url``, running, and at ``dest`` a copy of ``kubeconfig``
+    whose clusters reach the server through it."""
+    parts = urllib.parse.urlsplit(url)
+    forwarder = Outage((parts.hostname or "127.0.0.1", parts.port or 443), latency_s=latency_s)
+    forwarder.restore()
+    doc = yaml.safe_load(kubeconfig.read_text())
+    for c in doc["clusters"]:
+        c["cluster"]["server"] = f"https://{parts.hostname}:{forwarder.port}"
+    dest.write_text(yaml.safe_dump(doc))
+    return forwarder

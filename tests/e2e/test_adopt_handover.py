@@ -21,18 +21,16 @@ import json
 import subprocess
 import sys
 import time
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from nodeagent.nvmlsource import open_nvml
 from tests.e2e._agent import REPO, eventually, node_root, running_agent
-from tests.e2e._proxy import Outage
+from tests.e2e._proxy import forwarded
 from tests.peers.apiserver import KubeApiServer, free_port
 from tests.peers.gpustub import running_gpu_stub
 from tests.peers.harness import KubeletHarness
@@ -457,14 +455,8 @@ def test_the_operator_switch_on_at_start_keeps_the_agent_from_ever_serving(
         "POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node, "labels": labels}}
     )
     assert status == 201, body
-    url = urllib.parse.urlsplit(server.url)
-    slow = Outage((url.hostname or "127.0.0.1", url.port or 443), latency_s=0.15)
-    slow.restore()
-    doc = yaml.safe_load(server.kubeconfig.read_text())
-    for c in doc["clusters"]:
-        c["cluster"]["server"] = f"https://{url.hostname}:{slow.port}"
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(doc))
+    slow = forwarded(server.url, server.kubeconfig, kubeconfig, latency_s=0.15)
     etc = root / "etc/nodeagent"
     etc.mkdir(parents=True)
     cfg = etc / "config.toml"
@@ -517,14 +509,8 @@ def test_an_api_that_does_not_answer_does_not_hold_up_the_kubelet_side(
     120 s): the conflict detection's look at the API waits in the background, and the device plugin
     registers with the kubelet within seconds of the start all the same."""
     server, harness = kube_apiserver, kubelet_harness
-    url = urllib.parse.urlsplit(server.url)
-    mute = Outage((url.hostname or "127.0.0.1", url.port or 443), latency_s=120.0)
-    mute.restore()
-    doc = yaml.safe_load(server.kubeconfig.read_text())
-    for c in doc["clusters"]:
-        c["cluster"]["server"] = f"https://{url.hostname}:{mute.port}"
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(doc))
+    mute = forwarded(server.url, server.kubeconfig, kubeconfig, latency_s=120.0)
     etc = root / "etc/nodeagent"
     etc.mkdir(parents=True)
     cfg = etc / "config.toml"

@@ -8,7 +8,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
 from nodeagent.kube.client import KubeClient, connect
 from tests.integration._releases import shared_release_apiserver
@@ -28,20 +27,13 @@ async def test_component_resyncs_slices_after_an_api_outage(
     import asyncio
     import shutil
     import tempfile
-    import urllib.parse
 
     from nodeagent.dra.component import DraComponent
     from nodeagent.hostpaths import HostPaths
-    from tests.e2e._proxy import Outage
+    from tests.e2e._proxy import forwarded
 
-    url = urllib.parse.urlsplit(kube_apiserver.url)
-    outage = Outage((url.hostname or "127.0.0.1", url.port or 443))
-    outage.restore()
-    doc = yaml.safe_load(kube_apiserver.kubeconfig.read_text())
-    for c in doc["clusters"]:
-        c["cluster"]["server"] = f"https://{url.hostname}:{outage.port}"
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(doc))
+    outage = forwarded(kube_apiserver.url, kube_apiserver.kubeconfig, kubeconfig)
     agent_kube = KubeClient(connect(kubeconfig))
     root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
     dra = DraComponent(paths=HostPaths(root), kube=agent_kube, node_name=node_name, verify_interval_s=60)
