@@ -72,6 +72,18 @@ def _conflict_series(port: int) -> list[str]:
     return _series(port, "nodeagent_conflict")
 
 
+def _device_plugin_only_config(root: Path, kubeconfig: Path) -> Path:
+    """The agent's config under ``root``: the API through ``kubeconfig``, resync every 2 s, containerd and MIG
+    left alone."""
+    etc = root / "etc/nodeagent"
+    etc.mkdir(parents=True)
+    cfg = etc / "config.toml"
+    cfg.write_text(
+        f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n[mig]\nenabled = false\n'
+    )
+    return cfg
+
+
 @pytest.fixture
 def root(kubelet_harness: KubeletHarness) -> Iterator[Path]:
     with node_root(kubelet_harness) as path:
@@ -457,13 +469,7 @@ def test_the_operator_switch_on_at_start_keeps_the_agent_from_ever_serving(
     assert status == 201, body
     kubeconfig = tmp_path / "kubeconfig"
     slow = forwarded(server.url, server.kubeconfig, kubeconfig, latency_s=0.15)
-    etc = root / "etc/nodeagent"
-    etc.mkdir(parents=True)
-    cfg = etc / "config.toml"
-    cfg.write_text(
-        f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
-        "[mig]\nenabled = false\n"
-    )
+    cfg = _device_plugin_only_config(root, kubeconfig)
     sock = harness.plugin_dir / "nvidia-gpu.sock"
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json"),
             "--node-name", node]
@@ -511,12 +517,7 @@ def test_an_api_that_does_not_answer_does_not_hold_up_the_kubelet_side(
     server, harness = kube_apiserver, kubelet_harness
     kubeconfig = tmp_path / "kubeconfig"
     mute = forwarded(server.url, server.kubeconfig, kubeconfig, latency_s=120.0)
-    etc = root / "etc/nodeagent"
-    etc.mkdir(parents=True)
-    cfg = etc / "config.toml"
-    cfg.write_text(
-        f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n[mig]\nenabled = false\n'
-    )
+    cfg = _device_plugin_only_config(root, kubeconfig)
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json"),
             "--node-name", "e2e-adopt-mute"]
     try:
