@@ -71,6 +71,10 @@ def bootstrap(
         },
     )
     settings.simulated_by_config(config.simulate.machine, config.simulate.state)
+    if config.kube and not no_kube and config.kubeconfig:  # a malformed one is refused before any step runs
+        from nodeagent.kube.kubeconfig import read_kubeconfig
+
+        read_kubeconfig(Path(config.kubeconfig))
     under_root = settings.paths.root != Path("/")
     if restart_mode == "systemd" and under_root:
         raise click.UsageError(f"--restart systemd restarts this host's containerd, not the one of --root "

@@ -24,8 +24,10 @@ from typing import Any
 import urllib3
 
 from nodeagent import __version__
-from nodeagent.errors import KubeError
+from nodeagent.errors import ConfigError, KubeError
+from nodeagent.kube.kubeconfig import read_kubeconfig
 from nodeagent.lazyimport import defer_modules, package_on_demand
+from nodeagent.logs import one_line
 
 # ``kubernetes/__init__.py`` imports the dynamic client, informers, leader election, watch and the
 # websocket ``stream`` client (~35 modules, ~1 MiB resident) that nodeagent never uses. Registering the
@@ -83,10 +85,11 @@ def connect(kubeconfig: Path | None = None) -> k8s.ApiClient:
 
 
 def _readable_file(path: Path) -> tuple[bool, str]:
-    """(True, "") when ``path`` is a file, else (False, why): "not found", or the error of looking (a home
-    directory a systemd unit hides with ProtectHome= answers EACCES)."""
+    """(True, "") when something is at ``path`` (a FIFO or a directory there is the reader's to refuse), else
+    (False, why): "not found", or the error of looking (a home directory a systemd unit hides with
+    ProtectHome= answers EACCES)."""
     try:
-        return (True, "") if path.is_file() else (False, "not found")
+        return (True, "") if path.exists() else (False, "not found")
     except OSError as e:
         return False, f"cannot look: {e.strerror or e}"
 
@@ -95,13 +98,24 @@ def _from_kubeconfig(path: Path) -> k8s.ApiClient:
     found, why = _readable_file(path)
     if not found:
         raise KubeError(f"kubeconfig {path}: {why}", subject=str(path))
+    read_kubeconfig(path)  # bounded, and of the shape the client reads: else one ConfigError naming the file
     try:
         api: k8s.ApiClient = k8s_config.new_client_from_config(  # type: ignore[no-untyped-call]
             config_file=str(path)
         )
         return api
     except (k8s_config.ConfigException, OSError, ValueError) as e:
-        raise KubeError(f"cannot load Kubernetes credentials from {path}: {e}", subject=str(path)) from e
+        raise KubeError(f"cannot load Kubernetes credentials from {path}: {shown_error(e)}",
+                        subject=str(path)) from e
+    except (TypeError, KeyError, AttributeError, IndexError) as e:  # a shape the check above does not know
+        raise ConfigError(f"kubeconfig {path}: the kubernetes client cannot read it: {type(e).__name__}: "
+                          f"{shown_error(e)}", subject=str(path)) from e
+
+
+def shown_error(e: BaseException) -> str:
+    """An exception's text for an error line: its first line, cut (a library may quote a whole value)."""
+    lines = str(e).splitlines()
+    return one_line(lines[0] if lines else "", 300)
 
 
 def is_transient(e: ApiException) -> bool:
