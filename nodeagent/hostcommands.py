@@ -1,5 +1,6 @@
 """Read-only programs run on the host itself, each bounded in time and output: systemd's view of a unit
 (``systemctl show``) and containerd's own reading of its config (``containerd --config FILE config dump``).
+``run_bounded`` also runs the MIG hooks (``nodeagent.mig.hooks``).
 
 The one adapter through which ``nodeagent doctor`` executes anything. Its callers build it only when the root
 is the real host (``/``): under ``--root`` (an image, another machine's disk, the DaemonSet's ``/host``)
@@ -12,7 +13,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -33,22 +34,29 @@ class Ran:
     problem: str = ""
 
 
-def run_bounded(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, max_output: int = MAX_OUTPUT) -> Ran:
-    """Run ``argv`` with no input, a clean C locale, and at most ``timeout`` seconds; keep at most
-    ``max_output`` bytes of each stream (a program that writes without end is not buffered whole)."""
-    env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C", "LC_ALL": "C",
-           "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
+def run_bounded(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, max_output: int = MAX_OUTPUT,
+                env: Mapping[str, str] | None = None, cwd: str | None = None, keep_tail: bool = False) -> Ran:
+    """Run ``argv`` with no input, a clean C locale (or ``env``), in ``cwd``, and at most ``timeout`` seconds;
+    keep at most ``max_output`` bytes of each stream, its head (or its tail with ``keep_tail``: where a
+    program says why it failed), so a program that writes without end is not buffered whole."""
+    if env is None:
+        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C", "LC_ALL": "C",
+               "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
     try:
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True)
+                                stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
     except OSError as e:
-        return Ran(None, "", "", f"{argv[0]} cannot be run: {e.strerror or e}")
+        where = f" ({e.filename})" if e.filename is not None and e.filename != argv[0] else ""
+        return Ran(None, "", "", f"{argv[0]} cannot be run: {e.strerror or e}{where}")
     kept: dict[str, bytes] = {}
 
     def drain(name: str, stream: IO[bytes]) -> None:
         buf = bytearray()
         while chunk := stream.read(65536):
-            if len(buf) < max_output:
+            if keep_tail:
+                buf += chunk
+                del buf[: max(0, len(buf) - max_output)]
+            elif len(buf) < max_output:
                 buf += chunk[: max_output - len(buf)]
         kept[name] = bytes(buf)
 

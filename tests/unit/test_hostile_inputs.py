@@ -133,6 +133,63 @@ def test_hooks_deep_nesting_and_huge_values_are_one_line() -> None:
     assert "an integer of" in refused(parse_hooks, f"version: {BIG}\n", "hooks.yaml")
 
 
+def hooks_file(entry: str) -> str:
+    return "version: v1\nhooks:\n  apply-start:\n" + entry
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ('  - command: "/bin/tr\\0ue"\n', "'command' holds a NUL byte: '/bin/tr\\x00ue'"),
+        ('  - command: /bin/true\n    args: [ok, "a\\0b"]\n', "args[1] holds a NUL byte"),
+        ('  - command: /bin/true\n    envs: {A: "x\\0y"}\n', "envs.A holds a NUL byte"),
+        ('  - command: /bin/true\n    workdir: "/tm\\0p"\n', "'workdir' holds a NUL byte"),
+        ('  - command: /bin/true\n    envs: {"A=B": x}\n', "envs: 'A=B' is not a variable name"),
+        ('  - command: /bin/true\n    envs: {"": x}\n', "envs: '' is not a variable name"),
+        ('  - command: /bin/true\n    envs: {A: [1, 2]}\n', "envs.A must be a string, got [1, 2]"),
+        ('  - command: /bin/true\n    args: ["\\ud800"]\n', "args[0] is not valid UTF-8 text"),
+        ('  - command: /bin/echo\n    args: ["' + "a" * 200_000 + '"]\n',
+         "args[0] is 200000 bytes, more than the 131071 Linux passes"),
+        ('  - command: /bin/true\n    envs: {A: "' + "a" * 140_000 + '"}\n', "envs.A is 140002 bytes"),
+    ],
+)
+def test_hooks_a_program_cannot_be_given_are_refused_at_load(entry: str, expected: str) -> None:
+    msg = refused(parse_hooks, hooks_file(entry), "hooks.yaml")
+    assert msg.startswith("hooks.yaml: hook apply-start[0]: ") and expected in msg, msg
+
+
+def run_hook(command: str, *args: str) -> str:
+    """The one-line error of running ``command ARGS`` as an apply-start hook (it must fail)."""
+    from nodeagent.errors import OperationError
+    from nodeagent.mig.hooks import Hook, HookRunner, Hooks
+
+    runner = HookRunner(Hooks({"apply-start": (Hook(command, args),)}), {}, timeout_s=60)
+    with pytest.raises(OperationError) as err:
+        runner.run("apply-start")
+    return one_line(err.value)
+
+
+def test_a_hook_printing_undecodable_bytes_fails_in_one_line() -> None:
+    msg = run_hook(sys.executable, "-c", "import os, sys; sys.stderr.buffer.write(os.urandom(3000)); sys.exit(1)")
+    assert msg.startswith("hook apply-start[0] (") and " exited 1: " in msg
+
+
+def test_a_hook_printing_without_end_is_read_bounded() -> None:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    msg = run_hook("/bin/sh", "-c", "head -c 134217728 /dev/zero; echo; echo the last line >&2; exit 3")
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert msg.endswith(" exited 3: the last line"), msg
+    assert grown_mib < 32, grown_mib  # 128 MiB written; only its tail kept
+
+
+def test_a_hook_with_a_long_command_line_fails_in_one_short_line() -> None:
+    msg = run_hook("/nonexistent/hook", "a" * 100_000)
+    assert "could not run: /nonexistent/hook cannot be run: No such file or directory" in msg
+    assert "more characters" in msg
+
+
 # --- logs: bounded, one line, escaped ---------------------------------------------------------------------
 
 
