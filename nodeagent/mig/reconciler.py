@@ -52,6 +52,7 @@ from nodeagent.gpu.ports import MigAdministration
 from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
 from nodeagent.mig.planner import GpuPlan, Plan
+from nodeagent.mig.spec import name_list
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ class MigReconciler:
         pipeline = self._pipeline(sources)
         inventory = await asyncio.to_thread(self.adapter.discover)
         if not name:
-            known = ", ".join(sources.configs_for(inventory).names)
+            known = name_list(sources.configs_for(inventory).names)
             raise ConfigError(f"label {CONFIG_LABEL} has the empty value '': set it to the name of a MIG "
                               f"config (known: {known})", subject=CONFIG_LABEL)
         _, the_plan = pipeline.plan(name, inventory)  # unknown name, bad layout: ConfigError, nothing touched

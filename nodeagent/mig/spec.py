@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 
-from nodeagent.boundedyaml import load_document, shown
+from nodeagent.boundedyaml import load_document, plain, shown
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.mig.layout import fits
@@ -76,12 +76,12 @@ class MigConfigFile:
                 only = next(iter(self.configs))
                 return only, self.configs[only]
             raise ConfigError(
-                f"{self.source}: holds {len(self.configs)} configs ({_list(self.names)}); choose one with -c",
+                f"{self.source}: holds {len(self.configs)} configs ({name_list(self.names)}); choose one with -c",
                 subject=self.source,
             )
         if name not in self.configs:
             raise ConfigError(
-                f"{self.source}: no config named {shown(name)} (known: {_list(self.names)})", subject=name
+                f"{self.source}: no config named {shown(name)} (known: {name_list(self.names)})", subject=name
             )
         return name, self.configs[name]
 
@@ -112,8 +112,16 @@ class Selection:
 # Parsing and validation
 
 
-def _list(items: tuple[str, ...] | list[str]) -> str:
-    return ", ".join(items) if items else "none"
+MAX_LISTED = 12  # names listed in a message before "and N more"
+
+
+def name_list(items: tuple[str, ...] | list[str]) -> str:
+    """Names for a message: the first ``MAX_LISTED``, each quoted in bounded space, then how many more (a file
+    may name 20,000 configs; an error line lists a few)."""
+    if not items:
+        return "none"
+    more = len(items) - MAX_LISTED
+    return ", ".join(plain(n) for n in items[:MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
 
 
 def parse_config(text: str, source: str = "<config>") -> MigConfigFile:
@@ -161,7 +169,7 @@ def _entry(raw: Any, pos: int, where: str) -> MigEntry:
     for key in raw:
         if key not in ENTRY_KEYS:
             raise ConfigError(
-                f"{here}: unknown key {shown(key)} (allowed: {_list(sorted(ENTRY_KEYS))})", subject=here
+                f"{here}: unknown key {shown(key)} (allowed: {name_list(sorted(ENTRY_KEYS))})", subject=here
             )
     for key in REQUIRED_ENTRY_KEYS:
         if key not in raw:
@@ -303,7 +311,7 @@ def resolve(name: str, entries: tuple[MigEntry, ...], inventory: Inventory, sour
                 )
             for prof, _ in entry.mig_devices:
                 if gpu.profile(prof) is None:
-                    offered = _list([p.name for p in gpu.mig_profiles])
+                    offered = ", ".join(p.name for p in gpu.mig_profiles) or "none"
                     raise ConfigError(
                         f"{here}: GPU {gpu.index} ({gpu.name}) has no MIG profile {prof!r} (offers: {offered})",
                         subject=here,

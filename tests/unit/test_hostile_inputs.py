@@ -110,6 +110,21 @@ def test_mig_parted_integers_beyond_the_limit(entry: str) -> None:
     assert "an integer of" in msg and msg.startswith("mig.yaml:")
 
 
+def test_a_mig_config_of_20000_names_lists_a_few_in_an_error() -> None:
+    from nodeagent.mig.spec import MigConfigFile
+
+    configs = MigConfigFile({f"c{i:05d}": () for i in range(20_000)}, "mig.yaml")  # (parsing it takes 11 s)
+    with pytest.raises(ConfigError) as err:
+        configs.select("nope")
+    msg = one_line(err.value)
+    assert msg.endswith("(known: c00000, c00001, c00002, c00003, c00004, c00005, c00006, c00007, c00008, c00009, "
+                        "c00010, c00011 and 19988 more)"), msg
+    with pytest.raises(ConfigError) as err:
+        configs.select(None)
+    msg = one_line(err.value)
+    assert "holds 20000 configs (c00000, " in msg and msg.endswith(" and 19988 more); choose one with -c"), msg
+
+
 # --- MIG hooks: the bounded loader --------------------------------------------------------------------
 
 
