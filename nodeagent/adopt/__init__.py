@@ -24,7 +24,8 @@ from typing import Any
 from urllib.parse import quote
 
 from nodeagent.adopt.detect import Requests
-from nodeagent.errors import KubeError, OperationError
+from nodeagent.boundedyaml import shown
+from nodeagent.errors import KubeError, LabelValueError, OperationError
 
 DEPLOY_PREFIX = "nvidia.com/gpu.deploy."
 # operand -> the pods it runs (their app label in the operator's DaemonSets)
@@ -36,6 +37,7 @@ REPLACED: Mapping[str, str] = {
 }
 OPTIONAL: Mapping[str, str] = {"dcgm-exporter": "nvidia-dcgm-exporter"}
 HANDED_OVER = "nodeagent.io/handed-over"  # annotation: the operand labels the hand-over switched off
+MAX_RECORD_CHARS = 1024  # of that annotation: a JSON list of at most five operand names is ~100
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -61,7 +63,7 @@ def switch_off(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -
     current = _node(kube, node)
     labels = (current.get("metadata") or {}).get("labels") or {}
     switched = sorted(op for op in operands(with_dcgm_exporter) if labels.get(DEPLOY_PREFIX + op) != "false")
-    earlier = handed_over(current)
+    earlier = recorded(current, node)
     patch: dict[str, Any] = {"labels": {DEPLOY_PREFIX + op: "false" for op in switched}}
     if switched:
         patch["annotations"] = {HANDED_OVER: json.dumps(sorted(set(earlier) | set(switched)))}
@@ -111,7 +113,7 @@ def hand_over(kube: Requests, node: str, *, with_dcgm_exporter: bool = False, ti
 def release(kube: Requests, node: str) -> Result:
     """Give the operands a hand-over switched off back to the GPU Operator (labels ``true`` again)."""
     current = _node(kube, node)
-    earlier = handed_over(current)
+    earlier = recorded(current, node)
     if not earlier:
         return Result(node, {}, 0.0, ())
     labels: dict[str, str | None] = {DEPLOY_PREFIX + op: "true" for op in earlier}
@@ -130,13 +132,41 @@ def _node(kube: Requests, node: str) -> dict[str, Any]:
 
 
 def handed_over(node: Mapping[str, Any]) -> list[str]:
-    """The operands a hand-over switched off on ``node`` (its annotation)."""
-    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(HANDED_OVER, "[]")
+    """The operands a hand-over switched off on ``node`` (its annotation); none when the annotation is not such a
+    record (``recorded`` says why)."""
+    return _record(node)[0]
+
+
+def recorded(node: Mapping[str, Any], name: str) -> list[str]:
+    """``handed_over``, for a command about to act on the record: an annotation that is not one is
+    ``LabelValueError``, one line naming it and saying how to clear it, and nothing is changed."""
+    operands, why = _record(node)
+    if why:
+        raw = ((node.get("metadata") or {}).get("annotations") or {}).get(HANDED_OVER)
+        raise LabelValueError(
+            f"node {name}: annotation {HANDED_OVER} {why} ({shown(raw)}); it records the GPU Operator operands a "
+            f"hand-over switched off: correct it (e.g. '[\"device-plugin\"]') or remove it "
+            f"(kubectl annotate node {name} {HANDED_OVER}-) and run again", subject=HANDED_OVER)
+    return operands
+
+
+def _record(node: Mapping[str, Any]) -> tuple[list[str], str]:
+    """(the operands the annotation names, ""), or ([], why it is not a record of them)."""
+    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(HANDED_OVER)
+    if raw is None:
+        return [], ""
+    if not isinstance(raw, str):
+        return [], "is not a string"
+    if len(raw) > MAX_RECORD_CHARS:  # parsed only when it is a record's size: never deep enough to recurse far
+        return [], f"is {len(raw)} characters long, more than the {MAX_RECORD_CHARS} a record takes"
     try:
         names = json.loads(raw)
-    except ValueError:
-        return []
-    return [n for n in names if isinstance(n, str) and n in {**REPLACED, **OPTIONAL}] if isinstance(names, list) else []
+    except (ValueError, RecursionError):
+        return [], "is not JSON"
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return [], "is not a JSON list of operand names"
+    known = {**REPLACED, **OPTIONAL}
+    return [n for n in names if n in known], ""
 
 
 def _operand_pods(kube: Requests, node: str, apps: Iterable[str]) -> list[str]:

@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING
 
 from nodeagent.daemon.supervisor import Component, Context
-from nodeagent.errors import NodeAgentError
+from nodeagent.errors import LabelValueError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
@@ -229,14 +229,20 @@ class AdoptComponent(Component):
         from nodeagent import adopt as ad
 
         cfg, kube, node = self._ctx.config.adopt, self._ctx.kube, self._ctx.node_name
+        refused = ""
         while True:
             try:
                 switched = await asyncio.to_thread(ad.switch_off, kube, node, with_dcgm_exporter=cfg.dcgm_exporter)
                 break
+            except LabelValueError as e:  # the hand-over record on the Node is not one: said once, until it changes
+                self._ctx.set_status(self.name, f"hand-over: {e}")
+                if str(e) != refused:
+                    log.warning("GPU Operator hand-over refused: %s", e)
+                refused = str(e)
             except NodeAgentError as e:
                 self._ctx.set_status(self.name, f"hand-over: {e}")
                 log.warning("GPU Operator hand-over: the Node cannot be patched yet: %s", e)
-                await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(self.poll_s)
         if switched:
             log.info("GPU Operator hand-over: %s switched off on node %s", ", ".join(
                 ad.DEPLOY_PREFIX + op + "=false" for op in switched), node)
