@@ -66,6 +66,7 @@ _SHARING_KEYS = frozenset({"timeSlicing", "mps"})
 _REPLICATED_KEYS = frozenset({"renameByDefault", "failRequestsGreaterThanOne", "resources"})
 _RESOURCE_KEYS = frozenset({"name", "rename", "devices", "replicas"})
 _PATTERN_KEYS = frozenset({"pattern", "name"})
+_IMEX_KEYS = frozenset({"channelIDs", "required"})
 
 
 @dataclass(frozen=True)
@@ -385,12 +386,29 @@ def _parse_patterns(raw: Any, source: str, path: str) -> tuple[ResourcePattern, 
     return tuple(out)
 
 
+def _check_imex(raw: Any, source: str) -> None:
+    """``imex``, as NVIDIA's plugin reads it (``api/config/v1/imex.go``): ``channelIDs`` a list of integers that is
+    ``[]`` or ``[0]`` (``AssertChannelIDsValid``), ``required`` a boolean. Checked, then left to NVIDIA's
+    binaries: nodeagent injects no IMEX channel."""
+    m = _mapping(raw, source, "imex", _IMEX_KEYS)
+    ids = m.get("channelIDs")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ConfigError(f"{_where(source, 'imex.channelIDs')} must be a list of channel numbers, got {shown(ids)}",
+                              subject=source)
+        if ids not in ([], [0]):
+            raise ConfigError(f"{_where(source, 'imex.channelIDs')} must be [] or [0] (the one IMEX channel NVIDIA's "
+                              f"plugin injects), got {shown(ids)}", subject=source)
+    _bool(m.get("required"), False, source, "imex.required")
+
+
 def plugin_config_from_dict(
     data: Any, *, source: str = "<config>", allocation_policy: str = "distributed"
 ) -> PluginConfig:
     """Validate an already-decoded config document."""
     if data is None:
-        data = {}
+        raise ConfigError(f"{source}: the device-plugin config is empty (it needs at least 'version: v1')",
+                          subject=source)
     top = _mapping(data, source, "<top level>", _TOP_KEYS)
     version = top.get("version")
     if version != "v1":
@@ -416,6 +434,7 @@ def plugin_config_from_dict(
                 "(MPS shares whole GPUs only; NVIDIA's plugin refuses this pairing too)",
                 subject=source,
             )
+    _check_imex(top.get("imex"), source)
     resources = _mapping(top.get("resources"), source, "resources", frozenset({"gpus", "mig"}))
     if allocation_policy not in ALLOCATION_POLICIES:
         raise ConfigError(f"allocation policy {shown(allocation_policy)} is not one of {', '.join(ALLOCATION_POLICIES)}")

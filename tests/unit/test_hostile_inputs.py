@@ -98,6 +98,37 @@ def test_device_plugin_integers_beyond_the_limit(doc: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("imex", "expected"),
+    [
+        ("{a: 1}", "imex: unknown key(s) a (allowed: channelIDs, required)"),
+        ("[0]", "imex must be a mapping, got list"),
+        ('"' + "x" * 100_000 + '"', "imex must be a mapping, got str"),
+        ("{channelIDs: [-1]}", "imex.channelIDs must be [] or [0] (the one IMEX channel NVIDIA's plugin injects), "
+                               "got [-1]"),
+        ("{channelIDs: [0, 1]}", "imex.channelIDs must be [] or [0]"),
+        ("{channelIDs: [2048]}", "imex.channelIDs must be [] or [0]"),
+        ("{channelIDs: 0}", "imex.channelIDs must be a list of channel numbers, got 0"),
+        ("{channelIDs: [true]}", "imex.channelIDs must be a list of channel numbers, got [True]"),
+        ("{channelIDs: ['0']}", "imex.channelIDs must be a list of channel numbers"),
+        ("{required: 'yes'}", "imex.required must be true or false, got 'yes'"),
+    ],
+)
+def test_device_plugin_imex_is_checked_as_nvidia_does(imex: str, expected: str) -> None:
+    msg = refused(lambda: parse_plugin_config(f"version: v1\nimex: {imex}\n", source="dp.yaml"))
+    assert msg.startswith("dp.yaml: imex") and expected in msg, msg
+
+
+def test_device_plugin_imex_nvidia_accepts_and_an_empty_file() -> None:
+    for imex in ("{}", "null", "{channelIDs: null}", "{channelIDs: []}", "{channelIDs: [0], required: true}"):
+        assert parse_plugin_config(f"version: v1\nimex: {imex}\n", source="dp.yaml").source == "dp.yaml"
+    for text in ("", "# nothing yet\n"):
+        with pytest.raises(ConfigError) as err:
+            parse_plugin_config(text, source="dp.yaml")
+        msg = one_line(err.value)
+        assert msg == "dp.yaml: the device-plugin config is empty (it needs at least 'version: v1')", msg
+
+
+@pytest.mark.parametrize(
     "entry",
     [
         f"  - devices: all\n    mig-enabled: true\n    mig-devices:\n      1g.10gb: {BIG}\n",
