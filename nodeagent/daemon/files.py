@@ -11,6 +11,7 @@ from nodeagent.config import AgentConfig, require_named_file
 from nodeagent.hostpaths import HostPaths
 
 if TYPE_CHECKING:
+    from nodeagent.gpu.inventory import Inventory
     from nodeagent.mig.pipeline import MigSources
 
 
@@ -26,6 +27,16 @@ class ConfigFiles:
     plugin_config: Any = None  # sharing.spec.PluginConfig; None = the built-in defaults
     mig: MigSources | None = None  # None = the MIG reconciler does not run
     digests: Mapping[str, str] = field(default_factory=dict)
+
+    def check(self, inventory: Inventory) -> None:
+        """Refuse (``ConfigError``) what the node's GPUs can never give, whatever their MIG layout: MPS replicas
+        beyond what one MPS server accepts on a GPU of its compute capability. The daemon asks at start, once
+        the GPUs are known (a refusal stops it, exit 2), and on reload (a refusal changes nothing)."""
+        from nodeagent.sharing.devices import check_mps_replicas
+        from nodeagent.sharing.spec import PluginConfig
+
+        if isinstance(self.plugin_config, PluginConfig):
+            check_mps_replicas(inventory, self.plugin_config)
 
 
 def read_config_files(config: AgentConfig, paths: HostPaths) -> ConfigFiles:

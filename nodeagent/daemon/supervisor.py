@@ -350,6 +350,8 @@ class Daemon:
         )
         self.notifier.status("discovering GPUs")
         await self._discover()
+        if self.inventory is not None:  # a config these GPUs can never serve stops the start (exit 2)
+            self.files.check(self.inventory)
         self.scheduler.start()
         self._schedule_core_jobs()
         for slot in self._slots:
@@ -580,6 +582,8 @@ class Daemon:
             read_files = self._read_files
             files = await asyncio.to_thread(read_files, new, self.paths) if read_files is not None \
                 else ConfigFiles()
+            if self.inventory is not None:
+                files.check(self.inventory)
         except Exception as e:
             self._reject_reload(e)
             return

@@ -226,14 +226,40 @@ def _check_mps_device(config: PluginConfig, entry: ReplicatedResource, dev: Phys
             "(use flags.migStrategy none, or time-slicing for MIG devices)",
             subject=entry.name,
         )
-    limit = mps_max_clients(dev.gpu)
+    _check_mps_replicas(config, entry, dev.gpu)
+
+
+def _check_mps_replicas(config: PluginConfig, entry: ReplicatedResource, gpu: Gpu) -> None:
+    limit = mps_max_clients(gpu)
     if entry.replicas > limit:
         raise ConfigError(
             f"{_entry_label(config, entry)}: replicas {entry.replicas} is more than the {limit} clients one MPS "
-            f"server accepts on GPU {dev.gpu.index} ({dev.gpu.name}, compute capability "
-            f"{dev.gpu.compute_major}.{dev.gpu.compute_minor})",
+            f"server accepts on GPU {gpu.index} ({gpu.name}, compute capability "
+            f"{gpu.compute_major}.{gpu.compute_minor})",
             subject=entry.name,
         )
+
+
+def check_mps_replicas(inventory: Inventory, config: PluginConfig) -> None:
+    """Refuse (``ConfigError``, as ``build_resources`` would) MPS replicas beyond what one MPS server accepts
+    on a GPU the entry selects. A GPU's compute capability never changes, so such a config can never be
+    served on this node, whatever the MIG layout: the agent refuses it at start and on reload instead of
+    retrying its device plugin for ever. What depends on the layout (MIG devices, missing devices) is left
+    to ``build_resources``."""
+    if config.sharing.strategy != "mps":
+        return
+    try:
+        base = base_resources(inventory, config)
+    except ConfigError:
+        return  # a MIG layout problem: the device plugin reports it (and the layout may change)
+    for entry in config.sharing.resources:
+        try:
+            selected = _select(entry, base.get(entry.name, []), config)
+        except ConfigError:
+            continue
+        for dev in selected:
+            if dev.mig is None:
+                _check_mps_replicas(config, entry, dev.gpu)
 
 
 def _check_id(device_id: str, resource: str) -> str:

@@ -179,3 +179,70 @@ def test_errors_in_a_configmap_volume_name_the_file_not_its_timestamp_directory(
                                      "mig.hooks_file": "/etc/nodeagent/hooks.yaml"}), paths)
     assert str(e.value).startswith(f"{tmp_path}/etc/nodeagent/{name}"), str(e.value)
     assert "..data" not in str(e.value) and "..2026" not in str(e.value), str(e.value)
+
+
+def mps(replicas: int) -> str:
+    return f"version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: {replicas}\n"
+
+
+UNSERVABLE = ("/etc/dp.yaml: sharing.mps.resources[0] (nvidia.com/gpu): replicas 100 is more than the 48 clients "
+              "one MPS server accepts on GPU 0 (Test GPU, compute capability 9.0)")
+
+
+async def test_mps_replicas_no_gpu_can_serve_stop_the_start_before_any_component() -> None:
+    from nodeagent.sharing.spec import parse_plugin_config
+
+    def read(config: AgentConfig, paths: HostPaths) -> ConfigFiles:
+        return ConfigFiles(plugin_config=parse_plugin_config(mps(100), source="/etc/dp.yaml"))
+
+    log: list[str] = []
+    d = Daemon(AgentConfig(), HostPaths(Path("/")), gpu_factory=lambda c, p: Gpus(),
+               specs=[ComponentSpec("dp", frozenset({"device_plugin"}), lambda ctx: Recorder("dp", log))],
+               notifier=Notifier({}), ready_fallback=5, read_files=read)
+    with pytest.raises(ConfigError) as e:
+        await asyncio.wait_for(d.run(install_signals=False), 5)
+    assert str(e.value) == UNSERVABLE and e.value.exit_code == 2
+    assert log == []
+
+
+async def test_a_reload_to_mps_replicas_no_gpu_can_serve_is_rejected_and_changes_nothing() -> None:
+    from nodeagent.sharing.spec import parse_plugin_config
+
+    text = [mps(4)]
+
+    def read(config: AgentConfig, paths: HostPaths) -> ConfigFiles:
+        return ConfigFiles(plugin_config=parse_plugin_config(text[-1], source="/etc/dp.yaml"),
+                           digests={"device_plugin": text[-1]})
+
+    log: list[str] = []
+    d = Daemon(AgentConfig(), HostPaths(Path("/")), gpu_factory=lambda c, p: Gpus(),
+               specs=[ComponentSpec("dp", frozenset({"device_plugin"}), lambda ctx: Recorder("dp", log))],
+               notifier=Notifier({}), reload_config=AgentConfig, ready_fallback=5, read_files=read)
+    task = asyncio.create_task(d.run(install_signals=False))
+    await wait_for(lambda: d._ready_sent)
+    running = d.files
+    text.append(mps(100))
+    await d.reload()
+    assert d.files is running and d.files.plugin_config.sharing.resources[0].replicas == 4
+    assert f"reload rejected: {UNSERVABLE}" in d.status_line()
+    assert [x for x in log if x.startswith(("start", "stop"))] == [f"start dp node={d.node_name}"]
+    d.request_stop()
+    await asyncio.wait_for(task, 5)
+
+
+def test_run_refuses_an_mps_config_the_gpus_cannot_serve_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nodeagent.cli import main
+
+    dp = write(tmp_path, "/etc/dp.yaml", mps(100))
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(tmp_path), "run", "--simulate", "dgx-h100", "--no-kube", "--metrics-address", "",
+              "--device-plugin-config", str(dp)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"error: {dp}: sharing.mps.resources[0] (nvidia.com/gpu): replicas 100 is more "
+                                    "than the 48 clients one MPS server accepts on GPU 0 (NVIDIA H100 80GB HBM3, "
+                                    "compute capability 9.0)"), err
+    assert not (tmp_path / "var/lib/kubelet/device-plugins").exists() or not any(
+        (tmp_path / "var/lib/kubelet/device-plugins").glob("nvidia-*.sock"))

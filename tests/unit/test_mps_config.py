@@ -96,6 +96,21 @@ def test_replicas_beyond_the_mps_client_limit_refused() -> None:
         build_resources(nvswitch_box(1), parse_plugin_config(text.format(49), source="dp.yaml"))
 
 
+def test_the_start_check_judges_only_the_gpus_an_entry_selects() -> None:
+    from nodeagent.sharing.devices import check_mps_replicas
+
+    volta = dataclasses.replace(gpu(0), compute_major=7, compute_minor=0, name="Tesla V100-SXM2-16GB")
+    box = nvswitch_box(2)
+    inv = dataclasses.replace(box, gpus=(volta, box.gpus[1]), links=())
+    text = ("version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 20\n"
+            "      devices: [{}]\n")
+    check_mps_replicas(inv, parse_plugin_config(text.format(1), source="dp.yaml"))  # the Hopper GPU: 48
+    with pytest.raises(ConfigError, match=r"replicas 20 is more than the 16 clients one MPS server accepts on GPU 0 "
+                       r"\(Tesla V100-SXM2-16GB, compute capability 7.0\)$"):
+        check_mps_replicas(inv, parse_plugin_config(text.format(0), source="dp.yaml"))
+    check_mps_replicas(inv, parse_plugin_config(text.format(7), source="dp.yaml"))  # no GPU 7: left to the plugin
+
+
 def test_gfd_labels_for_mps() -> None:
     from nodeagent.kube.labels import desired_labels, sharing_facts
 
