@@ -105,14 +105,14 @@ def _from_kubeconfig(path: Path) -> k8s.ApiClient:
         )
         return api
     except (k8s_config.ConfigException, OSError, ValueError) as e:
-        raise KubeError(f"cannot load Kubernetes credentials from {path}: {shown_error(e)}",
+        raise KubeError(f"cannot load Kubernetes credentials from {path}: {_shown_error(e)}",
                         subject=str(path)) from e
     except (TypeError, KeyError, AttributeError, IndexError) as e:  # a shape the check above does not know
         raise ConfigError(f"kubeconfig {path}: the kubernetes client cannot read it: {type(e).__name__}: "
-                          f"{shown_error(e)}", subject=str(path)) from e
+                          f"{_shown_error(e)}", subject=str(path)) from e
 
 
-def shown_error(e: BaseException) -> str:
+def _shown_error(e: BaseException) -> str:
     """An exception's text for an error line: its first line, cut (a library may quote a whole value)."""
     lines = str(e).splitlines()
     return one_line(lines[0] if lines else "", 300)
