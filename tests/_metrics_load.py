@@ -23,11 +23,12 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
 HALF_REQUEST = b"GET /metrics HTTP/1.1\r\nX-a: "
+L = TypeVar("L", bound="_Load")
 
 
 def raise_fd_limit(need: int) -> int:
@@ -66,7 +67,7 @@ class _Load:
         t.start()
         self._threads.append(t)
 
-    def __enter__(self) -> _Load:
+    def __enter__(self: L) -> L:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -133,8 +134,7 @@ class IdleFlood(_Load):
             end = time.monotonic() + timeout
             while pending and not self._stop.is_set() and time.monotonic() < end:
                 for key, _ in sel.select(0.2):
-                    s = key.fileobj
-                    assert isinstance(s, socket.socket)
+                    s = cast(socket.socket, key.fileobj)
                     sel.unregister(s)
                     del pending[s]
                     if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
