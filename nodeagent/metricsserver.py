@@ -3,12 +3,15 @@
 A client costs a socket and a few kilobytes while it sends its request, never a thread, so the bounds can be
 generous where a scraper needs them and still cheap:
 
-- at most ``MAX_CONNECTIONS`` open connections, at most ``MAX_PER_CLIENT`` from one address; when a new
-  connection would pass either bound, the oldest connection that has not sent its whole request yet (of that
-  address for the per-address bound) is closed to make room. A connection whose request is in is never closed
-  for another; with none to close, the new connection is closed instead. A scraper sends its request as soon
-  as it is connected, so it is read long before as many newer connections have come: clients that connect
-  and never finish their request cannot keep it out, however many they open and at whatever rate;
+- at most ``MAX_CONNECTIONS`` open connections, at most ``MAX_PER_CLIENT`` from one address. A new
+  connection past either bound closes the oldest "waiting" connection (of its own address, for the
+  per-address bound): one that was read at least once and has not sent its whole request. A connection
+  is read once before it can wait (the loop polls its socket after accepting it), and a scraper has sent
+  its request by then: it is answered, and a connection whose request is in is never closed for another.
+  With no waiting connection to close, the new one is closed. So clients that connect and never finish
+  their request cannot keep a scraper out, however many they open and at whatever rate, even from the
+  scraper's own address and with the loop held up meanwhile (the connections that queued then are
+  accepted together, the scraper's among them, and none of them can push it out before it is read);
 - the request line and headers at most ``MAX_HEADER_BYTES`` (more: 431 and the connection closed), and all of
   them within ``REQUEST_TIMEOUT_S`` of the connection (a client sending a header line every second is cut off
   as surely as a silent one);
@@ -77,7 +80,8 @@ class _Connection(asyncio.Protocol):
         self._server = server
         self.transport: asyncio.Transport | None = None
         self.client = ""
-        self.waiting = True  # the request is not in yet: may give way to a newer connection
+        self.waiting = True  # the request is not in yet
+        self.fresh = True  # not read once yet: cannot give way
         self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=server.limits.max_header_bytes)
         self._timer: asyncio.TimerHandle | None = None
 
@@ -91,6 +95,14 @@ class _Connection(asyncio.Protocol):
             return
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self._server.limits.request_timeout_s, self._expire)
+        # The transport registers its socket with the loop in this iteration (after this call); a callback
+        # scheduled now runs in the next iteration before the reads that iteration's poll found, and one it
+        # schedules runs after them: only then has the loop read whatever the client sent at once.
+        loop.call_soon(loop.call_soon, self._settle)
+
+    def _settle(self) -> None:
+        if self.fresh and self.waiting and self.transport is not None and not self.transport.is_closing():
+            self._server.settle(self)
 
     def data_received(self, data: bytes) -> None:
         if not self.waiting:
@@ -191,7 +203,7 @@ class _Server:
         self._waiting_of: dict[str, dict[_Connection, None]] = {}
 
     def admit(self, conn: _Connection) -> bool:
-        """Room for ``conn``, making it by closing the oldest unfinished request if need be."""
+        """Room for the new ``conn``, made by closing the oldest waiting connection if need be."""
         if self._per_client.get(conn.client, 0) >= self.limits.max_per_client and not self._evict(
                 self._waiting_of.get(conn.client, {})):
             self.counts.refused += 1
@@ -201,9 +213,13 @@ class _Server:
             return False
         self._open.add(conn)
         self._per_client[conn.client] = self._per_client.get(conn.client, 0) + 1
+        return True
+
+    def settle(self, conn: _Connection) -> None:
+        """``conn`` was read once and its request is not in: it waits, and may give way from now on."""
+        conn.fresh = False
         self._waiting[conn] = None
         self._waiting_of.setdefault(conn.client, {})[conn] = None
-        return True
 
     def _evict(self, waiting: dict[_Connection, None]) -> bool:
         if not waiting:
@@ -244,6 +260,10 @@ class _Server:
     @property
     def open_connections(self) -> int:
         return len(self._open)
+
+    @property
+    def waiting_connections(self) -> int:
+        return len(self._waiting)
 
     def call_app(self, request: h11.Request, client: str) -> tuple[str, list[tuple[str, str]], bytes]:
         """The WSGI application's answer to ``request``: status ("200 OK"), headers, body."""
@@ -339,6 +359,16 @@ class MetricsServer:
     @property
     def counts(self) -> Counts:
         return self._server.counts
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (read from another thread: a rough figure)."""
+        return self._server.open_connections
+
+    @property
+    def waiting_connections(self) -> int:
+        """Connections read once and still sending their request (a rough figure, as above)."""
+        return self._server.waiting_connections
 
     def _run(self) -> None:
         loop = self._loop
