@@ -64,7 +64,8 @@ class Limits:
 
 @dataclass
 class Counts:
-    """What the server turned away since it started (read on the loop's thread or as a rough figure)."""
+    """What the server did with its connections since it started (exact on the loop's thread, a rough figure
+    elsewhere)."""
 
     served: int = 0
     evicted: int = 0  # closed, request unfinished, to make room for a newer connection
