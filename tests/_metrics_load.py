@@ -104,47 +104,53 @@ class Trickle(_Load):
 
 
 class IdleFlood(_Load):
-    """``count`` connections that send nothing, from ``sources`` loopback addresses 127.0.2.1 onwards, all
-    begun at once (non-blocking connects, so that the kernel's retries of handshakes that met a full listen
-    queue run side by side); ``opened`` is set once each has connected or failed."""
+    """``count`` connections that send nothing, from ``sources`` loopback addresses 127.0.2.1 onwards, begun
+    ``rate`` a second in steps of a tenth of a second (``rate`` 0: all at once), non-blocking, so that the
+    kernel's retries of handshakes that met a full listen queue run side by side; ``opened`` is set once each
+    has connected or failed."""
 
     name = "idle"
 
-    def __init__(self, port: int, count: int = 3000, sources: int = 100, timeout: float = 30.0) -> None:
+    def __init__(self, port: int, count: int = 3000, sources: int = 100, rate: float = 0.0,
+                 timeout: float = 30.0) -> None:
         super().__init__()
         self.opened = threading.Event()
         self.failed = 0
-        self._spawn(self._run, port, [f"127.0.2.{1 + i % sources}" for i in range(count)], timeout)
+        self._spawn(self._run, port, [f"127.0.2.{1 + i % sources}" for i in range(count)], rate, timeout)
 
-    def _run(self, port: int, sources: list[str], timeout: float) -> None:
-        pending: dict[socket.socket, None] = {}
+    def _begin(self, sel: selectors.BaseSelector, port: int, source: str) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind((source, 0))
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            sel.register(s, selectors.EVENT_WRITE)
+        except OSError:
+            s.close()
+            self.failed += 1
+
+    def _run(self, port: int, sources: list[str], rate: float, timeout: float) -> None:
+        step = max(1, round(rate / 10)) if rate > 0 else len(sources)
         with selectors.DefaultSelector() as sel:
-            for source in sources:
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                try:
-                    s.bind((source, 0))
-                    s.setblocking(False)
-                    s.connect_ex(("127.0.0.1", port))
-                    sel.register(s, selectors.EVENT_WRITE)
-                except OSError:
-                    s.close()
-                    self.failed += 1
-                    continue
-                pending[s] = None
-            end = time.monotonic() + timeout
-            while pending and not self._stop.is_set() and time.monotonic() < end:
-                for key, _ in sel.select(0.2):
+            start = time.monotonic()
+            end = start + timeout
+            begun = 0
+            while (begun < len(sources) or sel.get_map()) and not self._stop.is_set() and time.monotonic() < end:
+                if begun < len(sources) and time.monotonic() >= start + begun / (rate or float("inf")):
+                    for source in sources[begun:begun + step]:
+                        self._begin(sel, port, source)
+                    begun += step
+                for key, _ in sel.select(0.02):
                     s = cast(socket.socket, key.fileobj)
                     sel.unregister(s)
-                    del pending[s]
                     if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
                         self._keep(s)
                     else:
                         s.close()
                         self.failed += 1
-            for s in pending:
-                s.close()
-            self.failed += len(pending)
+            for key in list(sel.get_map().values()):
+                cast(socket.socket, key.fileobj).close()
+                self.failed += 1
         self.opened.set()
 
 

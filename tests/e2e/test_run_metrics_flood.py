@@ -5,7 +5,7 @@ scraper on 127.0.0.1 makes 20 scrapes:
 
 - a steady trickle of 100 new connections a second from the scraper's own address, each sending
   ``GET /metrics HTTP/1.1\\r\\nX-a: `` and never the rest, all kept open;
-- 3,000 idle connections from 100 loopback addresses, begun at once;
+- 3,000 idle connections from 100 loopback addresses, begun 1,500 a second, scraped from the first on;
 - 40 clients sending one header line a second.
 
 Each scrape's answer must be a 200 whose whole body parses as the text format and holds the GPU temperatures.
@@ -54,15 +54,15 @@ def test_scrapes_answered_under_connection_floods(tmp_path: Path) -> None:
         eventually(lambda: scrape_once(port, METRIC, 5).ok, 30, f"{METRIC} scraped")
         with Trickle(port, rate=100) as trickle:
             time.sleep(0.5)  # 50 half-sent requests in before the first scrape
-            results["trickle_100_per_s"] = scrape_many(port, SCRAPES, METRIC, interval=0.05)
+            results["trickle_100_per_s"] = scrape_many(port, SCRAPES, METRIC, interval=0.02)
             trickled = trickle.connected
-        with IdleFlood(port, count=3000, sources=100) as idle:
+        with IdleFlood(port, count=3000, sources=100, rate=1500) as idle:  # scraped while they come and stay
+            results["idle_3000"] = scrape_many(port, SCRAPES, METRIC, interval=0.1)
             assert idle.opened.wait(60)
-            results["idle_3000"] = scrape_many(port, SCRAPES, METRIC, interval=0.05)
             idle_connected = idle.connected
         with SlowHeaders(port, clients=40) as slow:
-            time.sleep(1.0)
-            results["slow_headers_40"] = scrape_many(port, SCRAPES, METRIC, interval=0.05)
+            time.sleep(0.5)  # the 40 connected and sending
+            results["slow_headers_40"] = scrape_many(port, SCRAPES, METRIC, interval=0.02)
         figures = {name: r.summary() for name, r in results.items()}
         print(json.dumps({"trickle_connections": trickled, "idle_connected": idle_connected,
                           "slow_reconnects": slow.reconnects, **figures}))
