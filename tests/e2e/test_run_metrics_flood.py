@@ -9,8 +9,8 @@ scraper on 127.0.0.1 makes 20 scrapes:
 - 40 clients sending one header line a second.
 
 Each scrape's answer must be a 200 whose whole body parses as the text format and holds the GPU temperatures.
-The threaded server before (16 threads, the slowest reader evicted after 1 s) answered 2, 4 and 1 of the 20
-here. The figures print with ``pytest -s``; no bound on the latencies is asserted (the machine is shared).
+The threaded server before (16 threads, the slowest reader evicted after 1 s) answered 0-1, 2-6 and 0-19 of
+the 20 here (two runs). The figures print with ``pytest -s``; no bound on the latencies is asserted (the machine is shared).
 """
 
 from __future__ import annotations
