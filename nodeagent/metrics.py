@@ -2,22 +2,16 @@
 
 Everything lives in one dedicated ``CollectorRegistry`` per ``Metrics`` object (never the global one).
 GPU values are pushed in with ``update_gpus`` (a snapshot swapped atomically) and rendered at scrape
-time; pod/namespace/container come from the kubelet PodResources assignments. The HTTP listener is
-only started by ``serve`` and binds 127.0.0.1:9400 unless told otherwise.
+time; pod/namespace/container come from the kubelet PodResources assignments. The HTTP listener
+(``nodeagent.metricsserver``) is only started by ``serve`` and binds 127.0.0.1:9400 unless told otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,11 +22,9 @@ from nodeagent.gpu.mps import MpsDaemonState
 from nodeagent.kube.conditions import ConditionSnapshot, build_conditions
 from nodeagent.kube.gpuobjects import gpu_of_device
 from nodeagent.kube.podresources import Assignment
+from nodeagent.metricsserver import MetricsServer, start_bounded_server
 
 DEFAULT_ADDRESS = "127.0.0.1:9400"
-MAX_CONNECTIONS = 16  # connections served at once; more are closed at once (a scraper needs one)
-CONNECTION_TIMEOUT_S = 5.0  # per write, and for the whole request (line and headers) from the connection on
-EVICT_AFTER_S = 1.0  # with every slot taken, a client still sending its request after this long yields its slot
 
 DCGM_LABELS = (
     "gpu", "UUID", "pci_bus_id", "device", "modelName", "GPU_I_PROFILE", "GPU_I_ID", "Hostname",
@@ -499,143 +491,3 @@ class Metrics:
             raise ValueError(f"metrics address must be HOST:PORT, got {address!r}")
         host = host.strip("[]")
         return start_bounded_server(host, int(port), make_wsgi_app(self.registry))
-
-
-class _DeadlineReader(io.RawIOBase):
-    """The connection's reading side with one deadline for everything read: each read waits at most for what
-    is left of it, so a client sending a header line every few seconds is cut off as surely as a silent one."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock = sock
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("request not received in time")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """One request per connection (HTTP/1.0), ``timeout`` seconds for the whole request and per write, no
-    access log."""
-
-    timeout = CONNECTION_TIMEOUT_S
-    server: _BoundedServer
-
-    def setup(self) -> None:
-        super().setup()
-        deadline = time.monotonic() + float(self.timeout or CONNECTION_TIMEOUT_S)
-        self.rfile.close()  # the plain reader socketserver made: replaced by one with the request's deadline
-        size = self.rbufsize if self.rbufsize > 0 else io.DEFAULT_BUFFER_SIZE
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline), size)
-        self.server.reading(self.connection)
-
-    def parse_request(self) -> bool:
-        ok = super().parse_request()
-        self.server.read_done(self.connection)  # the request is in: no longer a candidate for eviction
-        self.connection.settimeout(float(self.timeout or CONNECTION_TIMEOUT_S))
-        return ok
-
-    def finish(self) -> None:
-        self.server.read_done(self.connection)
-        super().finish()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _BoundedServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most ``max_connections`` of them: a connection beyond that is closed
-    without an answer, so idle clients can hold a few threads for a few seconds, never thousands. When every
-    slot is taken, the connection that has been sending its request longest (more than ``EVICT_AFTER_S``: a
-    scraper sends its request at once) is closed to make room, so slow clients cannot lock scrapers out."""
-
-    daemon_threads = True
-    request_queue_size = 64
-    max_connections = MAX_CONNECTIONS
-
-    def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(self.max_connections)
-        self._readers: dict[socket.socket, float] = {}  # connections still sending their request, since when
-        self._readers_lock = threading.Lock()
-        self.refused = 0
-        self.evicted = 0
-        super().server_activate()
-
-    def reading(self, conn: socket.socket) -> None:
-        with self._readers_lock:
-            self._readers[conn] = time.monotonic()
-
-    def read_done(self, conn: socket.socket) -> None:
-        with self._readers_lock:
-            self._readers.pop(conn, None)
-
-    def _evict_slowest(self) -> bool:
-        with self._readers_lock:
-            if not self._readers:
-                return False
-            conn, since = min(self._readers.items(), key=lambda kv: kv[1])
-            if time.monotonic() - since < EVICT_AFTER_S:
-                return False
-            del self._readers[conn]
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)  # its thread's read ends now and the slot is released
-        self.evicted += 1
-        return True
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False) and not (
-                self._evict_slowest() and self._slots.acquire(timeout=1.0)):
-            self.refused += 1
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a client that timed out or went away is not the agent's error
-
-
-def start_bounded_server(
-    host: str, port: int, app: Any, *, max_connections: int = MAX_CONNECTIONS, timeout_s: float = CONNECTION_TIMEOUT_S
-) -> MetricsServer:
-    """Serve ``app`` on ``host:port`` in a daemon thread with bounded connections and timeouts."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    handler = type("_Handler", (_QuietHandler,), {"timeout": timeout_s})
-    server_class = type("_Server", (_BoundedServer,), {"address_family": family, "max_connections": max_connections})
-    server = server_class((sockaddr[0], port), handler)
-    server.set_app(app)
-    thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
-    thread.start()
-    return MetricsServer(server, thread)
-
-
-class MetricsServer:
-    """A running exposition listener; ``stop`` shuts it down and joins its thread."""
-
-    def __init__(self, server: Any, thread: threading.Thread) -> None:
-        self._server = server
-        self._thread = thread
-
-    @property
-    def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)

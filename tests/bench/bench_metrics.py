@@ -1,8 +1,15 @@
 """dcgm-exporter-style metrics: what one sample and one scrape cost on a big node.
 
 Run: .venv/bin/python tests/bench/bench_metrics.py [--rounds 20] [--abi]
+     .venv/bin/python tests/bench/bench_metrics.py --floods [--rounds 5]
 (--abi: the adapter on the real pynvml over the stand-in libnvidia-ml.so.1, as on a GPU node; needs
 NODEAGENT_NVML_LIBRARY from `source tests/testbin/setup.sh`.)
+
+--floods: the real agent (``nodeagent run --simulate dgx-h100 --no-kube``) scraped 20 times in each of
+``--rounds`` rounds of each load of tests/_metrics_load.py (a trickle of 100 half-sent requests a second
+from the scraper's address, 3,000 idle connections from 100 addresses begun 1,500 a second and scraped from the first on, 40 clients sending one header line a
+second) and without one: scrapes answered, latency p50/p99, the agent's threads and open files at the
+end of each load's rounds; prints figures and one JSON line.
 Machine: dgx-h100 with 7x 1g.10gb on each of its 8 GPUs (56 MIG devices, GPM per GPU instance) and a process
 in every GPU instance. Measures, on the Python-level simulator:
   * one sample: ``NvmlAdapter.metrics`` for the 8 GPUs (one reading of each GPU and its GPU instances, GPM
@@ -16,15 +23,19 @@ Prints figures and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -40,12 +51,59 @@ def ms(values: list[float]) -> dict[str, float]:
     return {"median_ms": round(statistics.median(values) * 1000, 2), "max_ms": round(max(values) * 1000, 2)}
 
 
+def floods(rounds: int) -> int:
+    from tests._metrics_load import IdleFlood, Scrapes, SlowHeaders, Trickle, raise_fd_limit, scrape_many
+    from tests.e2e._agent import eventually, node_root, running_agent
+
+    metric = "DCGM_FI_DEV_GPU_TEMP"
+    raise_fd_limit(3000 + 1024)
+    work = Path(tempfile.mkdtemp(prefix="bench-metrics-floods-"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cfg = work / "config.toml"
+    cfg.write_text("resync_interval = 300.0\n[runtime]\nenabled = false\n[metrics]\ninterval = 60.0\n")
+    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(work / "sim.json"), "--no-kube"]
+
+    def quiet(_: int) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    loads: dict[str, tuple[Callable[[int], contextlib.AbstractContextManager[Any]], float]] = {
+        "quiet": (quiet, 0.0),
+        "trickle_100_per_s": (lambda p: Trickle(p, rate=100), 0.5),
+        "idle_3000": (lambda p: IdleFlood(p, count=3000, sources=100, rate=1500), 0.0),
+        "slow_headers_40": (lambda p: SlowHeaders(p, clients=40), 1.0),
+    }
+    figures: dict[str, Any] = {"machine": "dgx-h100", "rounds": rounds, "scrapes_per_round": 20}
+    try:
+        with node_root() as root, running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
+            eventually(lambda: scrape_many(port, 1, metric, 0).answered, 30, f"{metric} scraped")
+            for name, (make, warm) in loads.items():
+                total = Scrapes()
+                for _ in range(rounds):
+                    with make(port):
+                        time.sleep(warm)
+                        total.results += scrape_many(port, 20, metric, interval=0.05).results
+                figures[name] = {**total.summary(), "agent_threads": agent.threads(), "agent_fds": agent.fds()}
+            agent.stop(timeout=30)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("metrics endpoint of the real agent (dgx-h100) under connection floods")
+    for k, v in figures.items():
+        print(f"{k:20s} {v}")
+    print(json.dumps({"bench": "metrics_floods", **figures}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--abi", action="store_true")
+    ap.add_argument("--floods", action="store_true")
     opts = ap.parse_args()
-    rounds = opts.rounds
+    if opts.floods:
+        return floods(opts.rounds or 5)
+    rounds = opts.rounds or 20
     if opts.abi:
         if not os.environ.get("NODEAGENT_NVML_LIBRARY"):
             print("--abi needs NODEAGENT_NVML_LIBRARY (source tests/testbin/setup.sh)", file=sys.stderr)

@@ -42,7 +42,7 @@ def test_default_address_is_loopback() -> None:
     # what ``serve`` binds is the loopback interface only, never the wildcard address
     server = Metrics("n").serve("127.0.0.1:0")
     try:
-        assert server._server.server_address[0] == "127.0.0.1"
+        assert server.address[0] == "127.0.0.1"
     finally:
         server.stop()
 
