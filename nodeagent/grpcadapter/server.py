@@ -476,6 +476,7 @@ class _PrivateSocket:
         if self._dir is None:
             raise OSError(errno.EEXIST, f"no free private directory name beside {path}")
         self.bound = self._dir / "s"
+        self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file, once bound
         if len(os.fsencode(self.bound)) > MAX_SOCKET_PATH:
             self.discard()
             raise OSError(errno.ENAMETOOLONG, f"socket path {self.bound} is too long for a Unix socket")
@@ -486,6 +487,8 @@ class _PrivateSocket:
         except RuntimeError as e:  # grpcio's way of saying the bind failed
             raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {self.path}: {e}") from e
         os.chmod(self.bound, 0o600)
+        st = os.lstat(self.bound)
+        self.file_id = (st.st_dev, st.st_ino)
 
     def publish(self) -> None:
         os.rename(self.bound, self.path)
@@ -512,6 +515,9 @@ class AioServer:
 
     def __init__(self, path: Path, servicers: Servicers, *, refusals: RefusalLog) -> None:
         self.path = path
+        # (st_dev, st_ino) of the socket file this server bound (kept by the rename into place): how its owner
+        # tells its own socket at ``path`` from one another process put there
+        self.socket_id: tuple[int, int] | None = None
         bound_grpc_log()
         self._server = grpc.aio.server(interceptors=(_Interceptor(refusals),), options=options())
         _add(self._server, servicers)
@@ -522,6 +528,7 @@ class AioServer:
         try:
             sock.bind(self._server)
             await self._server.start()
+            self.socket_id = sock.file_id
             sock.publish()
         except BaseException:
             await self._server.stop(None)
@@ -561,6 +568,11 @@ class LoopThreadServer:
         self._refusals = refusals
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: AioServer | None = None
+
+    @property
+    def socket_id(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the socket file this server bound (None before it started)."""
+        return self._server.socket_id if self._server is not None else None
 
     def start(self) -> None:
         """Bind, start and put the socket in place, on the servers' loop (blocking: run it in a thread;
