@@ -13,8 +13,6 @@ import contextlib
 import logging
 import os
 import re
-import socket
-import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -24,6 +22,7 @@ from typing import Any
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
+from nodeagent.deviceplugin.probe import peer_pid
 from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
 from nodeagent.grpcadapter.server import (
@@ -59,15 +58,8 @@ def foreign_listener(path: Path, timeout_s: float = 1.0) -> int | None:
     """The pid of another process accepting connections on the Unix socket ``path`` (0: one the kernel cannot
     name here, in another pid namespace); None when nobody accepts them (a stale file) or this process does
     (an earlier server of its own, stopping or not: never another plugin). The kernel names the listener
-    (``SO_PEERCRED`` of the connection), so no socket of this process is ever taken for a foreign one."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect(str(path))
-            raw = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        except OSError:
-            return None
-    pid: int = struct.unpack("3i", raw)[0]
+    (``SO_PEERCRED`` of a connection), so no socket of this process is ever taken for a foreign one."""
+    pid = peer_pid(path, timeout_s)
     return None if pid == os.getpid() else pid
 
 

@@ -265,7 +265,6 @@ class ClaimPreparer:
         self._unknown: OrderedDict[ClaimRef, tuple[float, str]] = OrderedDict()
         self.refusals = RefusalLog(log)  # every refused claim (the DRA sockets' refusals too): cut, rate-limited
         self._pending: dict[ClaimRef, asyncio.Future[Mapping[str, Any]]] = {}  # reads under way
-        self.reads = 0  # ResourceClaim reads begun
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
@@ -414,7 +413,6 @@ class ClaimPreparer:
             task.exception()  # retrieved here: every caller may have gone
 
     async def _read(self, ref: ClaimRef) -> Mapping[str, Any]:
-        self.reads += 1
         try:
             async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
                 return await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
