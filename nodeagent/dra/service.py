@@ -16,9 +16,12 @@ drops a ``prepared`` MIG record whose instance is gone (a reboot): the kubelet p
 
 What a caller of the socket can make the driver do is bounded: a claim whose UID, namespace or name cannot be
 a Kubernetes object's is refused with a short error and no API read; a claim the API server does not know (or
-knows under another UID) is answered from a short negative cache for ``UNKNOWN_TTL_S``; the API reads of
-claims are rate-limited (``LOOKUP_BURST``, then ``LOOKUPS_PER_S``; beyond, the claim is refused unread and the
-kubelet retries); every refusal goes through one ``RefusalLog`` (cut lines, at most a burst a minute).
+knows under another UID) is answered from a short negative cache for ``UNKNOWN_TTL_S``; calls asking for one
+claim at once share one read; reads that give no claim this node can prepare (unknown, another node's, not
+allocated, an API error) draw on a budget (``FAILED_READS_BURST``, refilled ``FAILED_READS_PER_S`` a second):
+while it is spent a claim is refused unread and the kubelet retries. Reads of claims that prepare never draw
+on it, so the kubelet's own claims are held up only while such a flood goes on. Every refusal goes through one
+``RefusalLog`` (cut lines, at most a burst a minute).
 """
 
 from __future__ import annotations
@@ -71,10 +74,10 @@ OnPrepared = Callable[["ClaimRef", "tuple[PreparedDevice, ...]"], None]
 # answered for the first MAX_CLAIMS_PER_CALL and refused for the rest without an API read or a log line each.
 MAX_CLAIMS_PER_CALL = 128
 MAX_CONCURRENT_READS = 8  # ResourceClaim GETs in flight at once, over all calls
-# ResourceClaim GETs over all calls: a burst of this many, then this many a second (a kubelet reads one pod's
-# claims per call, a few at a time); beyond, a claim is refused unread ("the kubelet retries").
-LOOKUP_BURST = 128
-LOOKUPS_PER_S = 32.0
+# ResourceClaim GETs that gave no claim this node can prepare: a burst of this many, then this many a second;
+# while they are spent, a claim is refused unread ("the kubelet retries"). Reads that prepare a claim are free.
+FAILED_READS_BURST = 64
+FAILED_READS_PER_S = 8.0
 # A claim the API server does not know (404), or knows under another UID, is answered from memory this long
 # (at most MAX_UNKNOWN claims remembered, the oldest forgotten first).
 UNKNOWN_TTL_S = 10.0
@@ -114,6 +117,9 @@ class ClaimError(Exception):
     """This claim cannot be prepared here; the message goes back to the kubelet."""
 
 
+Resolved = tuple[list[Wanted], MpsClaimConfig | None]  # what a claim is prepared with: devices, MPS
+
+
 class UnknownClaim(ClaimError):
     """The API server has no such claim, or has it under another UID (remembered for ``UNKNOWN_TTL_S``)."""
 
@@ -138,7 +144,8 @@ def ref_error(ref: ClaimRef) -> str | None:
 
 
 class TokenBucket:
-    """``burst`` takes at once, then ``per_s`` a second (for a clock that can be injected)."""
+    """``burst`` tokens, refilled ``per_s`` a second (on a clock that can be injected); a token taken may be
+    given back (a read that turned out well)."""
 
     def __init__(self, burst: int, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.burst = burst
@@ -147,14 +154,22 @@ class TokenBucket:
         self._tokens = float(burst)
         self._at = clock()
 
-    def take(self) -> bool:
+    def _refill(self) -> None:
         now = self._clock()
         self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
         self._at = now
+
+    def take(self) -> bool:
+        """Take one token, if there is one."""
+        self._refill()
         if self._tokens < 1.0:
             return False
         self._tokens -= 1.0
         return True
+
+    def give_back(self) -> None:
+        self._refill()
+        self._tokens = min(float(self.burst), self._tokens + 1.0)
 
 
 @dataclass(frozen=True)
@@ -259,12 +274,12 @@ class ClaimPreparer:
         # thread): counted by ``claims_on`` so a MIG change waiting for its GPUs cannot miss them
         self._inflight: dict[str, tuple[ClaimRef, frozenset[int]]] = {}
         self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
-        self._lookups = TokenBucket(LOOKUP_BURST, LOOKUPS_PER_S, clock)
+        self._failed_reads = TokenBucket(FAILED_READS_BURST, FAILED_READS_PER_S, clock)
         self._clock = clock
         # (namespace, name, uid) → (until when, the error): claims the API server does not know as named
         self._unknown: OrderedDict[ClaimRef, tuple[float, str]] = OrderedDict()
         self.refusals = RefusalLog(log)  # every refused claim (the DRA sockets' refusals too): cut, rate-limited
-        self._pending: dict[ClaimRef, asyncio.Future[Mapping[str, Any]]] = {}  # reads under way
+        self._pending: dict[ClaimRef, asyncio.Future[Resolved]] = {}  # reads under way
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
@@ -389,37 +404,50 @@ class ClaimPreparer:
         while len(self._unknown) > MAX_UNKNOWN:
             self._unknown.popitem(last=False)
 
-    async def _lookup(self, ref: ClaimRef) -> Mapping[str, Any]:
-        """The claim from the API server, within the bounds on reads: a claim the API server did not know a
-        moment ago is not asked for again, calls asking for one claim at once share one read, and reads beyond
-        the rate are refused (raises ``ClaimError``, ``NodeAgentError``)."""
+    async def _lookup(self, ref: ClaimRef) -> Resolved:
+        """What the claim is prepared with, read from the API server within the bounds on reads: a claim the API
+        server did not know a moment ago is not asked for again, calls asking for one claim at once share one
+        read, and while the budget of failed reads is spent nothing is read (raises ``ClaimError``,
+        ``NodeAgentError``, ``ValueError``)."""
         known = self._known_unknown(ref)
         if known is not None:
             raise UnknownClaim(known)
         pending = self._pending.get(ref)
         if pending is None:
-            if not self._lookups.take():
-                raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} not read: more than {LOOKUP_BURST} "
-                                 f"reads of claims at once, or {LOOKUPS_PER_S:g} a second; the kubelet retries")
             pending = asyncio.ensure_future(self._read(ref))
             self._pending[ref] = pending
             pending.add_done_callback(lambda t: self._read_done(ref, t))
         return await asyncio.shield(pending)  # one caller cancelled leaves the read to the others
 
-    def _read_done(self, ref: ClaimRef, task: asyncio.Future[Mapping[str, Any]]) -> None:
+    def _read_done(self, ref: ClaimRef, task: asyncio.Future[Resolved]) -> None:
         if self._pending.get(ref) is task:
             del self._pending[ref]
         if not task.cancelled():
             task.exception()  # retrieved here: every caller may have gone
 
-    async def _read(self, ref: ClaimRef) -> Mapping[str, Any]:
+    async def _read(self, ref: ClaimRef) -> Resolved:
+        """One read, paid with a token of the failed-read budget (taken when the read starts, not when it
+        queued), which a claim this node can prepare gives back."""
+        async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
+            if not self._failed_reads.take():
+                raise ClaimError(
+                    f"ResourceClaim {ref.namespace}/{ref.name} not read: more than {FAILED_READS_BURST} reads "
+                    f"gave no claim this node can prepare ({FAILED_READS_PER_S:g} a second allowed after); "
+                    "the kubelet retries")
+            try:
+                claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
+            except KubeError as e:
+                if e.status == 404:
+                    self._remember_unknown(ref, str(e))
+                raise
         try:
-            async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
-                return await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
-        except KubeError as e:
-            if e.status == 404:
-                self._remember_unknown(ref, str(e))
+            resolved = (self._resolve(claim, ref),
+                        parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}"))
+        except UnknownClaim as e:
+            self._remember_unknown(ref, str(e))
             raise
+        self._failed_reads.give_back()
+        return resolved
 
     async def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         rec = self.checkpoint.claims.get(ref.uid)
@@ -434,13 +462,7 @@ class ClaimPreparer:
                                 "NodeUnprepareResources has to finish first")
         try:
             self.specs.path(ref.uid)  # rejects a UID unusable in a file or CDI name before anything else
-            claim = await self._lookup(ref)
-            try:
-                wanted = self._resolve(claim, ref)
-            except UnknownClaim as e:
-                self._remember_unknown(ref, str(e))
-                raise
-            mps = parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}")
+            wanted, mps = await self._lookup(ref)
         except (ClaimError, NodeAgentError, ValueError) as e:
             return self._refuse(ref, str(e))
         async with self._lock:

@@ -18,8 +18,8 @@ from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import Checkpoint
 from nodeagent.dra.devices import build_devices
 from nodeagent.dra.service import (
-    LOOKUP_BURST,
-    LOOKUPS_PER_S,
+    FAILED_READS_BURST,
+    FAILED_READS_PER_S,
     MAX_CLAIMS_PER_CALL,
     MAX_CONCURRENT_READS,
     UNKNOWN_TTL_S,
@@ -70,7 +70,10 @@ async def test_a_flood_of_claims_is_bounded(tmp_path: Path, caplog: pytest.LogCa
     results = await preparer.prepare(refs)
     took = time.monotonic() - t0
     assert len(results) == FLOOD and all(r.error for r in results.values())
-    assert api.reads == MAX_CLAIMS_PER_CALL  # was one GET per claim: 20,000
+    # was one GET per claim: 20,000; then the first 128 (the per-call bound); now the failed-read budget
+    assert api.reads <= FAILED_READS_BURST + FAILED_READS_PER_S * took + 1, api.reads
+    assert sum("not read: more than" in results[r.uid].error for r in refs[:MAX_CLAIMS_PER_CALL]) \
+        == MAX_CLAIMS_PER_CALL - api.reads
     assert api.peak <= MAX_CONCURRENT_READS
     beyond = [results[r.uid].error for r in refs[MAX_CLAIMS_PER_CALL:]]
     assert all("more than the" in e for e in beyond)
@@ -97,12 +100,13 @@ def counting_preparer(tmp_path: Path, api: Any, clock: Clock) -> ClaimPreparer:
     return preparer
 
 
-async def test_unknown_claims_are_remembered_and_reads_are_rate_limited(
+async def test_unknown_claims_are_remembered_and_failed_reads_are_rate_limited(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A claim the API server does not know is not read again for ``UNKNOWN_TTL_S``; calls asking for one claim
-    at once share one read; beyond ``LOOKUP_BURST`` reads, ``LOOKUPS_PER_S`` a second, a claim is refused
-    unread; every refusal is one line of the rate-limited refusal log."""
+    at once share one read; after ``FAILED_READS_BURST`` reads that gave nothing to prepare, then
+    ``FAILED_READS_PER_S`` a second, a claim is refused unread (the kubelet's own too, until the budget
+    refills); every refusal is one line of the rate-limited refusal log."""
     api, clock = Claims(claim("u1", "one", [("gpu", "gpu-1")])), Clock()
     preparer = counting_preparer(tmp_path, api, clock)
     caplog.set_level(logging.INFO, logger="nodeagent")
@@ -120,21 +124,34 @@ async def test_unknown_claims_are_remembered_and_reads_are_rate_limited(
     for _ in range(3):
         assert "(the claim was replaced)" in (await preparer.prepare([replaced]))["u1-old"].error
     assert api.reads == 3
-    # distinct unknown claims: the burst (refilled after a quiet while), then the rate
-    clock.now += LOOKUP_BURST / LOOKUPS_PER_S
+    # distinct unknown claims: the budget (refilled after a quiet while), then its rate
+    clock.now += FAILED_READS_BURST / FAILED_READS_PER_S
     for i in range(1000):
         await preparer.prepare([ClaimRef("ns", f"uid-{i:05d}", f"claim-{i}")])
-    assert api.reads == 3 + LOOKUP_BURST
-    refused = (await preparer.prepare([ClaimRef("ns", "uid-late", "late")]))["uid-late"].error
-    assert refused.startswith("ResourceClaim ns/late not read: more than") and refused.endswith("the kubelet retries")
+    assert api.reads == 3 + FAILED_READS_BURST
+    refused = (await preparer.prepare([ClaimRef("ns", "u1", "one")]))["u1"].error  # the kubelet's, meanwhile
+    assert refused.startswith("ResourceClaim ns/one not read: more than") and refused.endswith("the kubelet retries")
     clock.now += 1.0
     for i in range(1000, 1100):
         await preparer.prepare([ClaimRef("ns", f"uid-{i:05d}", f"claim-{i}")])
-    assert api.reads == 3 + LOOKUP_BURST + int(LOOKUPS_PER_S)
-    clock.now += 1.0
-    assert (await preparer.prepare([ClaimRef("ns", "u1", "one")]))["u1"].error == ""  # the kubelet's claim
+    assert api.reads == 3 + FAILED_READS_BURST + int(FAILED_READS_PER_S)
+    clock.now += 1 / FAILED_READS_PER_S
+    assert (await preparer.prepare([ClaimRef("ns", "u1", "one")]))["u1"].error == ""  # once the flood paused
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 20 and all(ln.startswith("NodePrepareResources refused: claim ns/") for ln in lines)
+
+
+async def test_reads_of_claims_that_prepare_spend_no_budget(tmp_path: Path) -> None:
+    """Twice the failed-read budget of distinct claims of this node, each prepared and unprepared, back to back
+    (the clock stands still): each is read and prepared; none is held back by the budget."""
+    n = 2 * FAILED_READS_BURST
+    api = Claims(*(claim(f"u{i}", f"c{i}", [("gpu", "gpu-1")]) for i in range(n)))
+    preparer = counting_preparer(tmp_path, api, Clock())
+    for i in range(n):
+        ref = ClaimRef("ns", f"u{i}", f"c{i}")
+        assert (await preparer.prepare([ref]))[ref.uid].error == ""
+        assert await preparer.unprepare([ref]) == {ref.uid: ""}
+    assert api.reads == n
 
 
 @pytest.mark.parametrize(("namespace", "uid", "name", "error"), [
