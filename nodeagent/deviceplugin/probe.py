@@ -37,8 +37,9 @@ class PluginSocket:
     pid: int | None = None
 
 
-def listener_pid(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
-    """The pid of the process listening on the Unix socket ``path`` (None: nobody accepts connections)."""
+def peer_pid(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
+    """The pid of the process listening on the Unix socket ``path`` as the kernel names it (``SO_PEERCRED``):
+    0 for a process of another pid namespace; None when nobody accepts connections (a stale file)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
@@ -47,7 +48,13 @@ def listener_pid(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
         except OSError:
             return None
     pid: int = struct.unpack("3i", raw)[0]
-    return pid or None
+    return pid
+
+
+def listener_pid(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
+    """The pid of the process listening on the Unix socket ``path`` (None: nobody accepts connections, or the
+    kernel cannot name it here)."""
+    return peer_pid(path, timeout_s) or None
 
 
 def probe(path: Path, timeout_s: float = PROBE_TIMEOUT_S) -> PluginSocket:

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -23,6 +22,7 @@ from typing import Any
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
+from nodeagent.deviceplugin.probe import peer_pid
 from nodeagent.errors import InputError, KubeletError
 from nodeagent.gpu.topology import best_gpu_set, spread_pick
 from nodeagent.grpcadapter.server import (
@@ -54,15 +54,13 @@ class ForeignPluginError(KubeletError):
     """Our socket's name is held by a live socket of another process."""
 
 
-def someone_listens(path: Path, timeout_s: float = 1.0) -> bool:
-    """Whether a process accepts connections on the Unix socket ``path`` (a stale file refuses them)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-        return True
+def foreign_listener(path: Path, timeout_s: float = 1.0) -> int | None:
+    """The pid of another process accepting connections on the Unix socket ``path`` (0: one the kernel cannot
+    name here, in another pid namespace); None when nobody accepts them (a stale file) or this process does
+    (an earlier server of its own, stopping or not: never another plugin). The kernel names the listener
+    (``SO_PEERCRED`` of a connection), so no socket of this process is ever taken for a foreign one."""
+    pid = peer_pid(path, timeout_s)
+    return None if pid == os.getpid() else pid
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
@@ -368,6 +366,10 @@ class ResourceServer:
         return self._publish()
 
     async def start(self) -> None:
+        """Serve on the socket path. A live socket of another process there is left alone (``ForeignPluginError``)
+        unless ``take_over``; one of this process (this server's last, or any server of the agent's) is
+        replaced. Cancelling the caller never leaves a server running unknown to this object: a start under way
+        in the servers' thread is waited for and kept (``stop`` ends it)."""
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         path = self.socket_path
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
@@ -376,19 +378,24 @@ class ResourceServer:
                 f"socket allows ({MAX_SOCKET_PATH}); use a shorter --root or --kubelet-dir",
                 subject=str(path),
             )
+        if self._server is not None:  # already serving: a new start replaces it
+            await self.stop()
         if path.is_dir() and not path.is_symlink():
             raise KubeletError(
                 f"cannot serve {self.name}: {path} is a directory, not a socket; remove it", subject=str(path)
             )
-        if path.is_socket() and not self.take_over and someone_listens(path):
-            # Another device plugin (NVIDIA's uses the same name) serves here: replacing its socket would
-            # make the kubelet flip between the two. Left alone until it is gone (or take_over is set).
-            raise ForeignPluginError(
-                f"{path} is served by another process (another device plugin?): nodeagent does not replace it "
-                f"and does not register {self.name} until it is gone; stop that plugin, or set "
-                "[adopt] take_over = true",
-                subject=str(path),
-            )
+        if path.is_socket() and not self.take_over:
+            pid = await asyncio.to_thread(foreign_listener, path)
+            if pid is not None:
+                # Another device plugin (NVIDIA's uses the same name) serves here: replacing its socket would
+                # make the kubelet flip between the two. Left alone until it is gone (or take_over is set).
+                who = f"process {pid}" if pid else "a process of another pid namespace"
+                raise ForeignPluginError(
+                    f"{path} is served by another process ({who}; another device plugin?): nodeagent does not "
+                    f"replace it and does not register {self.name} until it is gone; stop that plugin, or set "
+                    "[adopt] take_over = true",
+                    subject=str(path),
+                )
         try:
             path.unlink(missing_ok=True)
         except OSError as e:
@@ -403,15 +410,29 @@ class ResourceServer:
             [(api_pb2_grpc.add_DevicePluginServicer_to_server, _Servicer(self))],
             refusals=self.refusals,
         )
+        # The start runs on in its thread whatever happens to this coroutine: shielded, and when this one is
+        # cancelled (a kubelet restart while serving again after the last one) the server it brings up is
+        # still recorded here, so that the caller's ``stop`` ends it and its socket is known as ours.
+        starting = asyncio.ensure_future(asyncio.to_thread(server.start))
         try:
-            await asyncio.to_thread(server.start)
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            while not starting.done():  # a second cancel must not leave it unknown either
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(starting)
+            if starting.exception() is None:
+                self._started(server)
+            raise
         except OSError as e:
             raise KubeletError(
                 f"cannot serve {self.name} on {path}: {e.strerror or e}", subject=str(path)
             ) from e
-        self._server = server
-        self._socket_id = _file_id(path)
+        self._started(server)
         log.info("serving %s on %s (%d devices)", self.name, path, len(self.resource.devices))
+
+    def _started(self, server: LoopThreadServer) -> None:
+        self._server = server
+        self._socket_id = server.socket_id
 
     async def stop(self) -> None:
         server, self._server = self._server, None

@@ -224,7 +224,7 @@ class DraServer:
         self.registered = False
         self.registration_error = ""
         self.registration_changed = asyncio.Event()
-        self.refusals = RefusalLog(log)
+        self.refusals = preparer.refusals  # one bound for every refusal of the driver's sockets
         self.watches = StreamSlots(MAX_WATCHES, "NodeWatchResources", self.refusals)
         self._dra: AioServer | None = None
         self._reg: AioServer | None = None

@@ -13,6 +13,15 @@ first, then each GPU instance is created at its allocated placement with one com
 ``unpreparing``, destroys the instances, removes the spec and drops the record. ``recover()`` at start
 undoes a ``preparing`` record and finishes an ``unpreparing`` one (see ``nodeagent.dra.checkpoint``), and
 drops a ``prepared`` MIG record whose instance is gone (a reboot): the kubelet prepares it again.
+
+What a caller of the socket can make the driver do is bounded: a claim whose UID, namespace or name cannot be
+a Kubernetes object's is refused with a short error and no API read; a claim the API server does not know (or
+knows under another UID) is answered from a short negative cache for ``UNKNOWN_TTL_S``; calls asking for one
+claim at once share one read; reads that give no claim this node can prepare (unknown, another node's, not
+allocated, an API error) draw on a budget (``FAILED_READS_BURST``, refilled ``FAILED_READS_PER_S`` a second):
+while it is spent a claim is refused unread and the kubelet retries. Reads of claims that prepare never draw
+on it, so the kubelet's own claims are held up only while such a flood goes on. Every refusal goes through one
+``RefusalLog`` (cut lines, at most a burst a minute).
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import asyncio
 import dataclasses
 import logging
 import re
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -48,9 +59,10 @@ from nodeagent.dra.devices import (
 )
 from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps, with_consumed_capacity
 from nodeagent.dra.quantity import quantity_int
-from nodeagent.errors import GpuBusyError, NodeAgentError
+from nodeagent.errors import GpuBusyError, KubeError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
+from nodeagent.logs import RefusalLog
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,21 @@ OnPrepared = Callable[["ClaimRef", "tuple[PreparedDevice, ...]"], None]
 # answered for the first MAX_CLAIMS_PER_CALL and refused for the rest without an API read or a log line each.
 MAX_CLAIMS_PER_CALL = 128
 MAX_CONCURRENT_READS = 8  # ResourceClaim GETs in flight at once, over all calls
+# ResourceClaim GETs that gave no claim this node can prepare: a burst of this many, then this many a second;
+# while they are spent, a claim is refused unread ("the kubelet retries"). Reads that prepare a claim are free.
+FAILED_READS_BURST = 64
+FAILED_READS_PER_S = 8.0
+# A claim the API server does not know (404), or knows under another UID, is answered from memory this long
+# (at most MAX_UNKNOWN claims remembered, the oldest forgotten first).
+UNKNOWN_TTL_S = 10.0
+MAX_UNKNOWN = 4096
+# What a claim reference must look like to be looked up: a UID as the API server assigns them (a UUID, 36
+# characters; letters, digits and dashes up to MAX_UID taken), a namespace a DNS label, a name a DNS subdomain.
+MAX_UID = 64
+_UID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?")
+_DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*")
+QUOTED = 60  # characters of a bad value an error quotes
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,61 @@ class ClaimError(Exception):
     """This claim cannot be prepared here; the message goes back to the kubelet."""
 
 
+Resolved = tuple[list[Wanted], MpsClaimConfig | None]  # what a claim is prepared with: devices, MPS
+
+
+class UnknownClaim(ClaimError):
+    """The API server has no such claim, or has it under another UID (remembered for ``UNKNOWN_TTL_S``)."""
+
+
+def quoted(value: str) -> str:
+    """``value`` escaped (``repr``) in at most ``QUOTED`` characters, and its length when cut."""
+    text = repr(value)
+    if len(text) <= QUOTED:
+        return text
+    return f"{text[:QUOTED]}... ({len(value)} characters)"
+
+
+def ref_error(ref: ClaimRef) -> str | None:
+    """Why ``ref`` cannot name a ResourceClaim (None: it can), in a short line."""
+    if len(ref.uid) > MAX_UID or not _UID.fullmatch(ref.uid):
+        return f"claim UID {quoted(ref.uid)} is not a Kubernetes UID"
+    if len(ref.namespace) > 63 or not _DNS_LABEL.fullmatch(ref.namespace):
+        return f"claim namespace {quoted(ref.namespace)} is not a Kubernetes namespace name"
+    if len(ref.name) > 253 or not _DNS_SUBDOMAIN.fullmatch(ref.name):
+        return f"claim name {quoted(ref.name)} is not a Kubernetes object name"
+    return None
+
+
+class TokenBucket:
+    """``burst`` tokens, refilled ``per_s`` a second (on a clock that can be injected); a token taken may be
+    given back (a read that turned out well)."""
+
+    def __init__(self, burst: int, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+
+    def take(self) -> bool:
+        """Take one token, if there is one."""
+        self._refill()
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def give_back(self) -> None:
+        self._refill()
+        self._tokens = min(float(self.burst), self._tokens + 1.0)
+
+
 @dataclass(frozen=True)
 class Allocated:
     """One allocation result of this driver in a claim."""
@@ -106,7 +188,7 @@ def _allocated(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[All
     """Every allocation result of ``driver``."""
     meta = claim.get("metadata") or {}
     if meta.get("uid") != ref.uid:
-        raise ClaimError(f"ResourceClaim {ref.namespace}/{ref.name} has UID {meta.get('uid')}, "
+        raise UnknownClaim(f"ResourceClaim {ref.namespace}/{ref.name} has UID {meta.get('uid')}, "
                          f"not {ref.uid} (the claim was replaced)")
     alloc = (claim.get("status") or {}).get("allocation")
     if not alloc:
@@ -174,7 +256,8 @@ def _instance_of(inv: Inventory, m: MigInstance) -> MigDevice | None:
 class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
                  *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None,
-                 mps: ClaimMps | None = None, on_prepared: OnPrepared | None = None) -> None:
+                 mps: ClaimMps | None = None, on_prepared: OnPrepared | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.checkpoint = checkpoint
         self.mps = mps  # MPS daemons of claims asking for MPS (none: such claims are refused)
         self.specs = specs
@@ -191,6 +274,12 @@ class ClaimPreparer:
         # thread): counted by ``claims_on`` so a MIG change waiting for its GPUs cannot miss them
         self._inflight: dict[str, tuple[ClaimRef, frozenset[int]]] = {}
         self._reads = asyncio.Semaphore(MAX_CONCURRENT_READS)
+        self._failed_reads = TokenBucket(FAILED_READS_BURST, FAILED_READS_PER_S, clock)
+        self._clock = clock
+        # (namespace, name, uid) → (until when, the error): claims the API server does not know as named
+        self._unknown: OrderedDict[ClaimRef, tuple[float, str]] = OrderedDict()
+        self.refusals = RefusalLog(log)  # every refused claim (the DRA sockets' refusals too): cut, rate-limited
+        self._pending: dict[ClaimRef, asyncio.Future[Resolved]] = {}  # reads under way
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
@@ -287,31 +376,95 @@ class ClaimPreparer:
         if refused:
             msg = (f"NodePrepareResources names {len(claims)} claims, more than the {MAX_CLAIMS_PER_CALL} one "
                    "call may name; this claim was not prepared")
-            log.warning("NodePrepareResources: %d claims in one call, the %d beyond %d refused", len(claims),
-                        len(refused), MAX_CLAIMS_PER_CALL)
+            self.refusals.refused("NodePrepareResources", f"{len(claims)} claims in one call, the {len(refused)} "
+                                  f"beyond {MAX_CLAIMS_PER_CALL} refused")
             out = {c.uid: PrepareResult(error=msg) for c in refused}
         results = await asyncio.gather(*(self._prepare_one(c) for c in served))
         out.update({c.uid: r for c, r in zip(served, results, strict=True)})
         return out
 
+    def _refuse(self, ref: ClaimRef, msg: str) -> PrepareResult:
+        """One claim refused: ``msg`` goes back to the kubelet, and into the rate-limited refusal log."""
+        self.refusals.refused("NodePrepareResources", f"claim {ref.namespace}/{ref.name} ({ref.uid}): {msg}")
+        return PrepareResult(error=msg)
+
+    def _known_unknown(self, ref: ClaimRef) -> str | None:
+        """The error the API server's last answer about ``ref`` gave, while it is remembered."""
+        entry = self._unknown.get(ref)
+        if entry is None:
+            return None
+        if entry[0] <= self._clock():
+            del self._unknown[ref]
+            return None
+        return entry[1]
+
+    def _remember_unknown(self, ref: ClaimRef, error: str) -> None:
+        self._unknown[ref] = (self._clock() + UNKNOWN_TTL_S, error)
+        self._unknown.move_to_end(ref)
+        while len(self._unknown) > MAX_UNKNOWN:
+            self._unknown.popitem(last=False)
+
+    async def _lookup(self, ref: ClaimRef) -> Resolved:
+        """What the claim is prepared with, read from the API server within the bounds on reads: a claim the API
+        server did not know a moment ago is not asked for again, calls asking for one claim at once share one
+        read, and while the budget of failed reads is spent nothing is read (raises ``ClaimError``,
+        ``NodeAgentError``, ``ValueError``)."""
+        known = self._known_unknown(ref)
+        if known is not None:
+            raise UnknownClaim(known)
+        pending = self._pending.get(ref)
+        if pending is None:
+            pending = asyncio.ensure_future(self._read(ref))
+            self._pending[ref] = pending
+            pending.add_done_callback(lambda t: self._read_done(ref, t))
+        return await asyncio.shield(pending)  # one caller cancelled leaves the read to the others
+
+    def _read_done(self, ref: ClaimRef, task: asyncio.Future[Resolved]) -> None:
+        if self._pending.get(ref) is task:
+            del self._pending[ref]
+        if not task.cancelled():
+            task.exception()  # retrieved here: every caller may have gone
+
+    async def _read(self, ref: ClaimRef) -> Resolved:
+        """One read, paid with a token of the failed-read budget (taken when the read starts, not when it
+        queued), which a claim this node can prepare gives back."""
+        async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
+            if not self._failed_reads.take():
+                raise ClaimError(
+                    f"ResourceClaim {ref.namespace}/{ref.name} not read: more than {FAILED_READS_BURST} reads "
+                    f"gave no claim this node can prepare ({FAILED_READS_PER_S:g} a second allowed after); "
+                    "the kubelet retries")
+            try:
+                claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
+            except KubeError as e:
+                if e.status == 404:
+                    self._remember_unknown(ref, str(e))
+                raise
+        try:
+            resolved = (self._resolve(claim, ref),
+                        parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}"))
+        except UnknownClaim as e:
+            self._remember_unknown(ref, str(e))
+            raise
+        self._failed_reads.give_back()
+        return resolved
+
     async def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
         rec = self.checkpoint.claims.get(ref.uid)
         if rec is not None and rec.state == PREPARED:
             return PrepareResult(rec.devices)
+        bad = ref_error(ref)
+        if bad is not None:  # no API read, and the log line quotes the reference cut and escaped
+            self.refusals.refused("NodePrepareResources", bad)
+            return PrepareResult(error=bad)
         if rec is not None:  # an unprepare that could not finish (instance busy): it must complete first
-            msg = (f"claim {ref.namespace}/{ref.name} is being unprepared ({rec.state}); "
-                   "NodeUnprepareResources has to finish first")
-            log.warning("NodePrepareResources: %s", msg)
-            return PrepareResult(error=msg)
+            return self._refuse(ref, f"claim {ref.namespace}/{ref.name} is being unprepared ({rec.state}); "
+                                "NodeUnprepareResources has to finish first")
         try:
             self.specs.path(ref.uid)  # rejects a UID unusable in a file or CDI name before anything else
-            async with self._reads:  # a bounded number of GETs at once, whatever the kubelet sends
-                claim = await asyncio.to_thread(self.read_claim, ref.namespace, ref.name)
-            wanted = self._resolve(claim, ref)
-            mps = parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}")
+            wanted, mps = await self._lookup(ref)
         except (ClaimError, NodeAgentError, ValueError) as e:
-            log.warning("NodePrepareResources %s/%s (%s): %s", ref.namespace, ref.name, ref.uid, e)
-            return PrepareResult(error=str(e))
+            return self._refuse(ref, str(e))
         async with self._lock:
             rec = self.checkpoint.claims.get(ref.uid)
             if rec is not None and rec.state == PREPARED:  # a concurrent call got there first
@@ -320,10 +473,9 @@ class ClaimPreparer:
             gpus = frozenset(w.dev.gpu_index for w in wanted if not w.admin)
             if gpus & self.withdrawn:
                 busy = ", ".join(str(g) for g in sorted(gpus & self.withdrawn))
-                msg = (f"cannot prepare claim {ref.namespace}/{ref.name} now: GPU {busy} is being "
-                       "reconfigured (a MIG change, or a move to the device plugin); the kubelet retries")
-                log.warning("NodePrepareResources: %s", msg)
-                return PrepareResult(error=msg)
+                return self._refuse(ref, f"cannot prepare claim {ref.namespace}/{ref.name} now: GPU {busy} is "
+                                    "being reconfigured (a MIG change, or a move to the device plugin); the "
+                                    "kubelet retries")
             self._inflight[ref.uid] = (ref, gpus)
             try:
                 if mps is not None:
@@ -479,13 +631,18 @@ class ClaimPreparer:
         """Claim UID → error ("" when done or never prepared)."""
         out: dict[str, str] = {}
         if len(claims) > MAX_CLAIMS_PER_CALL:
-            log.warning("NodeUnprepareResources: %d claims in one call, the %d beyond %d refused", len(claims),
-                        len(claims) - MAX_CLAIMS_PER_CALL, MAX_CLAIMS_PER_CALL)
+            self.refusals.refused("NodeUnprepareResources", f"{len(claims)} claims in one call, the "
+                                  f"{len(claims) - MAX_CLAIMS_PER_CALL} beyond {MAX_CLAIMS_PER_CALL} refused")
             msg = f"NodeUnprepareResources names more than the {MAX_CLAIMS_PER_CALL} claims one call may name"
             out = {ref.uid: msg for ref in claims[MAX_CLAIMS_PER_CALL:]}
             claims = claims[:MAX_CLAIMS_PER_CALL]
         async with self._lock:
             for ref in claims:
+                bad = None if ref.uid in self.checkpoint.claims else ref_error(ref)
+                if bad is not None:  # nothing of it can be prepared here: nothing touched
+                    self.refusals.refused("NodeUnprepareResources", bad)
+                    out[ref.uid] = bad
+                    continue
                 try:
                     await asyncio.to_thread(self._unprepare_one, ref)
                     await self._stop_mps(ref.uid)

@@ -46,6 +46,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from nodeagent.deadline import within
+from nodeagent.logs import MAX_REASON as MAX_LOGGED
+from nodeagent.logs import LineBudget as LineBudget
+from nodeagent.logs import RefusalLog as RefusalLog
+from nodeagent.logs import cut_within
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,6 @@ MAX_CONNECTION_IDLE_MS = 60_000  # a connection without calls this long gets GOA
 MAX_CONNECTION_AGE_MS = 60 * 60_000  # any connection this old gets GOAWAY (no new calls on it) ...
 MAX_CONNECTION_AGE_GRACE_MS = 2**31 - 1  # ... but its calls run on: a kubelet's watch stream is never cut
 MAX_DETAILS = 1024  # characters of a status message
-MAX_LOGGED = 512  # characters of a reason in a refusal log line
 PRIVATE_DIR_TRIES = 16
 MAX_SOCKET_PATH = 107  # bytes of sun_path (108) less the terminating NUL
 
@@ -87,6 +90,8 @@ def options() -> list[tuple[str, int]]:
     ]
 
 
+cut = cut_within  # a status message or log text of at most so many characters
+
 # What servers use without importing grpc.
 AioServicerContext = grpc.aio.ServicerContext
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
@@ -97,80 +102,10 @@ AddServicer = Callable[[Any, Any], None]
 Servicers = Sequence[tuple[AddServicer, object]]
 
 
-def cut(text: str, limit: int) -> str:
-    """``text`` of at most ``limit`` characters (the rest replaced by a count of what was left out)."""
-    if len(text) <= limit:
-        return text
-    tail = f"… ({len(text) - limit} more characters)"
-    return text[: max(0, limit - len(tail))] + tail
-
-
 async def arefuse(context: Any, code: Any, details: str) -> NoReturn:
     """End a call with ``code`` (an error status) and ``details`` (cut to a bound)."""
     await context.abort(code, cut(details, MAX_DETAILS))
     raise AssertionError("abort returned")
-
-
-class LineBudget:
-    """At most ``burst`` lines in any ``window_s`` seconds. ``take()`` says whether one more may be written
-    now and, when it may, how many were refused since the last one written (to be told in that line). Safe
-    from any thread."""
-
-    def __init__(self, burst: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._burst = burst
-        self._window_s = window_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._window_start = -window_s
-        self._written = 0
-        self.left_out = 0
-
-    def take(self) -> int | None:
-        """None: over the budget (counted as left out); else the count left out before this line."""
-        with self._lock:
-            now = self._clock()
-            if now - self._window_start >= self._window_s:
-                self._window_start, self._written = now, 0
-            if self._written >= self._burst:
-                self.left_out += 1
-                return None
-            self._written += 1
-            left_out, self.left_out = self.left_out, 0
-            return left_out
-
-
-class RefusalLog:
-    """Warnings about refused requests (``<what> refused: <reason>``): each reason cut to ``MAX_LOGGED``
-    characters, at most ``burst`` lines in any ``window_s`` seconds; the next line logged after a quiet
-    stretch tells how many were left out. Safe from any thread."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        *,
-        burst: int = 20,
-        window_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._log = logger
-        self._budget = LineBudget(burst, window_s, clock)
-
-    def refused(self, what: str, reason: str) -> None:
-        self._warn(what, "refused", reason)
-
-    def ended(self, what: str, reason: str) -> None:
-        """A stream ended by the server (``<what> ended: <reason>``), within the same bounds."""
-        self._warn(what, "ended", reason)
-
-    def _warn(self, what: str, done: str, reason: str) -> None:
-        left_out = self._budget.take()
-        if left_out is None:
-            return
-        text = cut(reason, MAX_LOGGED)
-        if left_out:
-            self._log.warning("%s %s: %s (%d lines before it not logged)", what, done, text, left_out)
-        else:
-            self._log.warning("%s %s: %s", what, done, text)
 
 
 GRPC_LOGGER = "grpc._cython.cygrpc"  # where grpc.aio logs a call that failed in its own code
@@ -476,6 +411,7 @@ class _PrivateSocket:
         if self._dir is None:
             raise OSError(errno.EEXIST, f"no free private directory name beside {path}")
         self.bound = self._dir / "s"
+        self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file, once bound
         if len(os.fsencode(self.bound)) > MAX_SOCKET_PATH:
             self.discard()
             raise OSError(errno.ENAMETOOLONG, f"socket path {self.bound} is too long for a Unix socket")
@@ -486,6 +422,8 @@ class _PrivateSocket:
         except RuntimeError as e:  # grpcio's way of saying the bind failed
             raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {self.path}: {e}") from e
         os.chmod(self.bound, 0o600)
+        st = os.lstat(self.bound)
+        self.file_id = (st.st_dev, st.st_ino)
 
     def publish(self) -> None:
         os.rename(self.bound, self.path)
@@ -512,6 +450,9 @@ class AioServer:
 
     def __init__(self, path: Path, servicers: Servicers, *, refusals: RefusalLog) -> None:
         self.path = path
+        # (st_dev, st_ino) of the socket file this server bound (kept by the rename into place): how its owner
+        # tells its own socket at ``path`` from one another process put there
+        self.socket_id: tuple[int, int] | None = None
         bound_grpc_log()
         self._server = grpc.aio.server(interceptors=(_Interceptor(refusals),), options=options())
         _add(self._server, servicers)
@@ -522,6 +463,7 @@ class AioServer:
         try:
             sock.bind(self._server)
             await self._server.start()
+            self.socket_id = sock.file_id
             sock.publish()
         except BaseException:
             await self._server.stop(None)
@@ -561,6 +503,11 @@ class LoopThreadServer:
         self._refusals = refusals
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: AioServer | None = None
+
+    @property
+    def socket_id(self) -> tuple[int, int] | None:
+        """(st_dev, st_ino) of the socket file this server bound (None before it started)."""
+        return self._server.socket_id if self._server is not None else None
 
     def start(self) -> None:
         """Bind, start and put the socket in place, on the servers' loop (blocking: run it in a thread;

@@ -162,6 +162,56 @@ def test_kubelet_restarts_reregister_without_leaks(tmp_path: Path, kubelet_harne
         assert code == 0 and took_stop < 5.0
 
 
+# Pauses between the two quick restarts of each sequence: every quarter millisecond up to 12 ms, where the
+# second restart lands while the agent serves again after the first (on the 2-core machine the old race hit at
+# 2-3 ms in about half the tries), then a few longer ones.
+QUICK_PAUSES_S = (*(i * 0.00025 for i in range(48)), 0.05, 0.2, 1.0)
+
+
+def served_again(harness: KubeletHarness, resource: str, devices: int = 8, timeout: float = 15.0) -> float:
+    """Seconds until the kubelet's current device manager (the one the last restart started: it begins with
+    the resource empty) lists the resource's devices allocatable again and the plugin's socket is there."""
+    t0 = time.monotonic()
+    while True:
+        state = harness.resources().get(resource)
+        if state is not None and state.registered and state.capacity == state.allocatable == devices \
+                and plugin_sockets(harness):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{resource} not served again within {timeout}s of a kubelet restart: {state}")
+        time.sleep(0.01)
+
+
+def test_quick_kubelet_restarts_never_look_like_another_plugin(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
+    """The kubelet restarted, again after a short pause, one Allocate, restarted once more, 51 times over:
+    after each restart the resource is served and registered again with its 8 devices, and the agent never
+    takes its own socket for another plugin's. A restart that cancelled the agent's start of its server after
+    the previous restart left that server running unseen; the next start found the socket live, logged
+    "served by another process" and registered nothing until the kubelet removed the file."""
+    gpu = "nvidia.com/gpu"
+    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
+        agent.wait_notify("READY=1")
+        served_again(kubelet_harness, gpu)
+        took: list[float] = []
+        for i, pause in enumerate(QUICK_PAUSES_S):
+            kubelet_harness.restart()
+            time.sleep(pause)
+            kubelet_harness.restart()
+            took.append(served_again(kubelet_harness, gpu))
+            alloc = kubelet_harness.allocate(gpu, 1, pod=f"quick-{i}")
+            assert len(alloc.device_ids) == 1
+            kubelet_harness.release(alloc.pod_uid)
+            kubelet_harness.restart()
+            took.append(served_again(kubelet_harness, gpu))
+            assert plugin_sockets(kubelet_harness) == {"nvidia-gpu.sock"}, f"sequence {i + 1}"
+            assert "served by another process" not in agent.log(), f"sequence {i + 1} (pause {pause} s)"
+        print(f"{len(QUICK_PAUSES_S)} sequences of quick kubelet restarts: served and registered again after "
+              f"{sorted(took)[len(took) // 2] * 1e3:.0f} ms (median), {max(took) * 1e3:.0f} ms (max)")
+        assert "Traceback" not in agent.log()
+        code, _ = agent.stop()
+        assert code == 0
+
+
 def test_kubelet_restarts_seen_through_a_symlinked_device_plugins_dir(
     tmp_path: Path, kubelet_harness: KubeletHarness
 ) -> None:

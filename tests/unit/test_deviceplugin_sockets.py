@@ -73,3 +73,86 @@ async def test_stopping_leaves_a_socket_another_plugin_put_at_our_name() -> None
         await service.start(nvswitch_box(1))
         await service.stop()
         assert not path.exists()  # its own socket goes with it
+
+
+async def test_a_start_cancelled_midway_is_still_the_servers_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kubelet restart cancels the registration of the last one while its server is being started in the
+    servers' thread: that start used to go on unseen (``running`` False) and publish its socket, which the
+    next start then took for another plugin's ("served by another process", nothing registered until the
+    kubelet removed it). Now the server so started is the server's own: stopped by ``stop``, replaced by
+    ``start``."""
+    import asyncio
+    import contextlib
+    import tempfile
+    import threading
+
+    import nodeagent.deviceplugin.server as dp_server
+    from nodeagent.grpcadapter.server import LoopThreadServer
+    from nodeagent.sharing.devices import build_resources
+    from nodeagent.sharing.spec import DEFAULT_CONFIG
+
+    entered, go = threading.Event(), threading.Event()
+    real_start = LoopThreadServer.start
+
+    def held_start(self: LoopThreadServer) -> None:
+        entered.set()
+        go.wait(10)
+        real_start(self)
+
+    with tempfile.TemporaryDirectory(prefix="na-sock-", dir="/tmp") as d:
+        resource = build_resources(nvswitch_box(1), DEFAULT_CONFIG)["nvidia.com/gpu"]
+        server = dp_server.ResourceServer(Path(d), resource, DEFAULT_CONFIG.flags.plugin, scores={},
+                                          policy=DEFAULT_CONFIG.allocation_policy, health_of=lambda _: True)
+        monkeypatch.setattr(LoopThreadServer, "start", held_start)
+        task = asyncio.create_task(server.start())
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        await asyncio.sleep(0)
+        go.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+        monkeypatch.setattr(LoopThreadServer, "start", real_start)
+        assert server.running  # the server the cancelled start brought up is known
+        await server.stop()
+        assert not server.socket_path.exists()  # and stopped with its socket
+        await server.start()  # a start after it meets no "other process"
+        assert server.running and dp_server.foreign_listener(server.socket_path) is None
+        # a socket of this process left at the path (not this server's) is no other plugin's either
+        await server.stop()
+        stray = LoopThreadServer(server.socket_path, [], refusals=server.refusals)
+        await asyncio.to_thread(stray.start)
+        try:
+            await server.start()
+            assert server.running
+        finally:
+            await asyncio.to_thread(stray.stop, 0)
+        await server.stop()
+        assert not server.socket_path.exists()
+
+
+async def test_a_live_socket_of_another_process_is_left_alone() -> None:
+    """The no-fight rule: a socket another process listens on at our name is never replaced."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from nodeagent.deviceplugin.server import ForeignPluginError, foreign_listener
+
+    with tempfile.TemporaryDirectory(prefix="na-sock-", dir="/tmp") as d:
+        path = Path(d) / "nvidia-gpu.sock"
+        with subprocess.Popen(
+            [sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+             "s.listen(); print('up', flush=True); sys.stdin.read()", str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as other:
+            assert other.stdout is not None and other.stdout.readline() == "up\n"
+            assert foreign_listener(path) == other.pid
+            service = DevicePluginService(plugin_dir=Path(d))
+            await service.start(nvswitch_box(1))
+            assert not service.server("nvidia.com/gpu").running
+            assert "is served by another process (process" in service.failures["nvidia.com/gpu"]
+            with pytest.raises(ForeignPluginError):
+                await service.server("nvidia.com/gpu").start()
+            await service.stop()
+            assert path.is_socket() and foreign_listener(path) == other.pid
+            other.kill()

@@ -38,6 +38,7 @@ from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.dra.api import reg_pb2, reg_pb2_grpc, v1_pb2, v1_pb2_grpc
 from nodeagent.dra.health import HealthFeed
 from nodeagent.dra.server import DraServer
+from nodeagent.dra.service import FAILED_READS_BURST, FAILED_READS_PER_S
 from nodeagent.sharing.spec import parse_plugin_config
 from tests.unit._dp_inventories import nvswitch_box
 from tests.unit.test_dra_service import Claims, claim, make_preparer
@@ -45,7 +46,9 @@ from tests.unit.test_dra_service import Claims, claim, make_preparer
 REPO = Path(__file__).resolve().parents[2]
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
-PREPARE = "/v1.DRAPlugin/NodePrepareResources"
+# the method the kubelet calls (its gRPC client's full method name, as in Kubernetes' own DRA e2e tests);
+# "/v1.DRAPlugin/..." is no method of the server and was answered UNIMPLEMENTED at once
+PREPARE = "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources"
 GET_INFO = "/pluginregistration.Registration/GetInfo"
 
 
@@ -408,10 +411,16 @@ async def test_over_4_mib_is_resource_exhausted_on_the_dra_socket(short_dir: Pat
         await server.stop()
 
 
-async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(short_dir: Path) -> None:
+async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The DRA driver's sockets (grpc.aio on the daemon's loop): 3 connections to each with 31 calls each left
-    without their request; the kubelet's GetInfo (its plugin watcher registering the driver; 64 such calls
-    locked it out) and NodePrepareResources are answered at once."""
+    without their request (GetInfo and the kubelet's NodePrepareResources method); the kubelet's GetInfo (its
+    plugin watcher registering the driver; 64 such calls locked it out) and NodePrepareResources are answered
+    while they are held open, and each held call ends DEADLINE_EXCEEDED once its request is late."""
+    monkeypatch.setattr(grpc_server, "REQUEST_TIMEOUT_S", 3.0)
+    served = v1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+    assert PREPARE.split("/")[1] == served  # the service nodeagent registers
     p = make_preparer(short_dir, Claims(claim("u1", "one", [("gpu", "gpu-1")])))
     feed = HealthFeed()
     await feed.update(sorted(p.devices), {})
@@ -419,10 +428,12 @@ async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(s
     await server.start()
     clients = [H2(server.reg_path) for _ in range(3)] + [H2(server.dra_path) for _ in range(3)]
     try:
-        for c, method in zip(clients, [GET_INFO] * 3 + [PREPARE] * 3, strict=True):
-            for _ in range(grpc_server.MAX_STREAMS - 1):
-                c.open(method, None)
+        opened = {id(c): [c.open(method, None) for _ in range(grpc_server.MAX_STREAMS - 1)]
+                  for c, method in zip(clients, [GET_INFO] * 3 + [PREPARE] * 3, strict=True)}
         await asyncio.sleep(0.2)
+        for c in clients:
+            await asyncio.to_thread(c.read, 0.05)
+        assert [c.status for c in clients] == [{}] * 6  # every call is open (an unknown method ends at once)
         t0 = time.monotonic()
         async with grpc.aio.insecure_channel(f"unix://{server.reg_path}") as ch:
             info = await reg_pb2_grpc.RegistrationStub(ch).GetInfo(reg_pb2.InfoRequest(), timeout=5)
@@ -432,12 +443,70 @@ async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(s
                 v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")]),
                 timeout=5,
             )
+        took = time.monotonic() - t0
         assert ok.claims["u1"].devices[0].device_name == "gpu-1"
-        assert time.monotonic() - t0 < 2.0
+        print(f"{sum(map(len, opened.values()))} DRA calls without their request: GetInfo and "
+              f"NodePrepareResources in {took * 1e3:.1f} ms")
+        assert took < 2.0
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(len(c.status) < len(opened[id(c)]) for c in clients):
+            for c in clients:
+                await asyncio.to_thread(c.read, 0.05)
+        statuses = [c.status.get(sid) for c in clients for sid in opened[id(c)]]
+        assert statuses == [str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])] * len(statuses)
     finally:
         for c in clients:
             c.close()
         await server.stop()
+
+
+async def test_a_flood_of_unknown_claims_makes_few_lines_and_few_api_reads(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """3,000 NodePrepareResources calls, each naming a claim the API server does not know, and one naming a
+    claim whose UID is 1,000 NULs: a few cut, escaped log lines and a bounded number of ResourceClaim reads
+    (counted at the driver's read of the API); the kubelet's own claim is prepared after it."""
+    caplog.set_level(logging.INFO, logger="nodeagent")
+    claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]))
+    p = make_preparer(short_dir, claims)
+    feed = HealthFeed()
+    await feed.update(sorted(p.devices), {})
+    server = DraServer(short_dir / "kubelet", p, feed)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
+            stub = v1_pb2_grpc.DRAPluginStub(ch)
+
+            async def prepare(namespace: str, uid: str, name: str) -> str:
+                answer = await stub.NodePrepareResources(
+                    v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace=namespace, uid=uid, name=name)]),
+                    timeout=30)
+                return str(answer.claims[uid].error)
+
+            nul = await prepare("ns", "\x00" * 1000, "claim")
+            assert claims.reads == 0 and nul.startswith("claim UID '\\x00") and len(nul) < 400, nul
+            t0 = time.monotonic()
+            at_once = asyncio.Semaphore(16)
+
+            async def unknown(i: int) -> str:
+                async with at_once:
+                    return await prepare("ns", f"uid-{i:05d}", f"claim-{i}")
+
+            errors = await asyncio.gather(*(unknown(i) for i in range(3000)))
+            took = time.monotonic() - t0
+            assert all(errors)
+            reads = claims.reads
+            await asyncio.sleep(2 / FAILED_READS_PER_S)  # the budget of failed reads refills: one more read
+            assert await prepare("ns", "u1", "one") == ""
+    finally:
+        await server.stop()
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    print(f"3,000 calls naming unknown claims in {took:.1f} s: {reads} ResourceClaim reads, {len(lines)} log "
+          f"lines, the longest {max(map(len, lines))} characters")
+    assert reads <= FAILED_READS_BURST + FAILED_READS_PER_S * took + 1, reads  # was 3,000
+    assert 1 <= len(lines) <= 20, len(lines)  # was 3,004
+    assert max(map(len, lines)) < 700 and not any(c in ln for ln in lines for c in "\x00\n")
+    assert any(ln.startswith("NodePrepareResources refused: claim UID '\\x00") for ln in lines)
 
 
 # The server in a process of its own, so that its resident memory is its own.
