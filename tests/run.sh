@@ -32,4 +32,5 @@ trap 'rm -rf "$BASETEMP"' EXIT
 WORKERS=${NODEAGENT_TEST_WORKERS:-2}
 DIST=()
 [ "$WORKERS" = 0 ] || DIST=(-n "$WORKERS" --dist loadfile)
-echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider --basetemp "$BASETEMP" "${DIST[@]}" "$@"
+# --durations: the slowest tests of the run, printed at its end, where room is made when the suite grows.
+echo "== pytest"; "$VENV/bin/pytest" -p no:cacheprovider --durations=30 --basetemp "$BASETEMP" "${DIST[@]}" "$@"
