@@ -1,4 +1,4 @@
-"""``nodeagent doctor``: one read-only command that explains a GPU node (see nodeagent/doctor.py)."""
+"""``nodeagent doctor``: one read-only command that explains a GPU node (see nodeagent/doctor/)."""
 
 from __future__ import annotations
 
