@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from nodeagent.agentrecord import Fault
+from nodeagent.agentrecord import Fault, OtherAgent, Registration
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
@@ -144,6 +144,11 @@ class Context:
         """Ask for a rediscovery pass soon (after a MIG apply, a health change, ...)."""
         self._daemon.request_resync()
 
+    def record_state(self) -> None:
+        """What the agent's record holds of the components changed (a registration with the kubelet, why one
+        is not made): written to it now, for doctor."""
+        self._daemon.record_state()
+
     def set_status(self, component: str, text: str) -> None:
         self._daemon.set_status(component, text)
 
@@ -249,8 +254,8 @@ class Daemon:
         self.started_at = time.monotonic()
         self.reloads = 0
         self.resyncs = 0
-        if recorder is not None:  # the GPUs' health as the components report it, for doctor
-            self.shared.conditions.subscribe(self._record_health)
+        if recorder is not None:  # the GPUs' health and the conflicts as the components report them, for doctor
+            self.shared.conditions.subscribe(self.record_state)
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -311,6 +316,7 @@ class Daemon:
             self._recorder.started(self.config.source)
         try:
             await self._start()
+            self.record_state()
             await self._main_loop()
         finally:
             await self._shutdown()
@@ -561,12 +567,17 @@ class Daemon:
         self.set_status("config", f"reload rejected: {e}")
         self._record_reload("rejected", _one_line(e))
 
-    def _record_health(self) -> None:
-        health = self.shared.conditions.health
-        faults = () if health is None else tuple(
-            Fault(gpu=f.index, xid=f.xid, gi=f.gi_id, recovery=f.recovery, lost=f.lost) for f in health.faults)
-        if self._recorder is not None:
-            self._recorder.health(faults)
+    def record_state(self) -> None:
+        """The GPUs' health, the other agents found and the device plugin's registrations, into the agent's
+        record (each written only when it changed)."""
+        if self._recorder is None:
+            return
+        conditions = self.shared.conditions
+        health = conditions.health
+        self._recorder.health(() if health is None else tuple(
+            Fault(gpu=f.index, xid=f.xid, gi=f.gi_id, recovery=f.recovery, lost=f.lost) for f in health.faults))
+        self._recorder.observed(tuple(OtherAgent(c.kind, c.subject, c.owner, c.detail) for c in conditions.conflicts),
+                                self.shared.device_plugin.registrations())
 
     def _record_reload(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str) -> None:
         if self._recorder is not None:
@@ -682,6 +693,8 @@ class RunRecorder(Protocol):
                  config_source: str | None = None) -> None: ...
 
     def health(self, unhealthy: tuple[Fault, ...]) -> None: ...
+
+    def observed(self, conflicts: tuple[OtherAgent, ...], resources: tuple[Registration, ...]) -> None: ...
 
     def stopped(self) -> None: ...
 

@@ -18,7 +18,7 @@ Exit code: 0 all ok, 1 a warning, 2 an error.
 
 from __future__ import annotations
 
-from nodeagent.doctor.agent import check_agent, live_record, read_agent_record
+from nodeagent.doctor.agent import check_agent, look_at_agent
 from nodeagent.doctor.findings import AREAS, Finding, HostChecks, Level, Report, Sources
 from nodeagent.doctor.gpus import check_driver, check_gpus, check_health
 from nodeagent.doctor.kubelet import check_kubelet
@@ -30,18 +30,17 @@ __all__ = ["AREAS", "Finding", "HostChecks", "Level", "Report", "Sources", "diag
 
 def diagnose(src: Sources) -> Report:
     report = Report()
-    record, record_error = read_agent_record(src)
-    live = live_record(src, record)
+    agent = look_at_agent(src)
     inventory = check_driver(src, report)
     if inventory is not None:
         check_gpus(src, inventory, report)
-        check_health(src, inventory, live, report)
+        check_health(src, inventory, agent.live, report)
     check_containerd(src, report)
     if inventory is not None:
         check_cdi(src, inventory, report)
     facts = read_kube(src, report)
-    check_kubelet(src, inventory, facts, report)
-    check_node(src, inventory, facts, report)
-    check_agent(src, record, record_error, report)
+    check_kubelet(src, inventory, facts, agent, report)
+    check_node(src, inventory, facts, agent, report)
+    check_agent(src, agent, report)
     return report
 

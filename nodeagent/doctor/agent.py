@@ -9,9 +9,10 @@ import posixpath
 import re
 import shlex
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from nodeagent import fileio
-from nodeagent.agentrecord import RECORD, AgentRecord, read_record
+from nodeagent.agentrecord import RECORD, AgentRecord, lock_holder, read_record
 from nodeagent.doctor.findings import Report, Sources, when
 from nodeagent.errors import NodeAgentError
 from nodeagent.hostpaths import HostPaths
@@ -25,26 +26,52 @@ UNIT_WANTS = "/etc/systemd/system/multi-user.target.wants"
 RECENT_S = 3600.0  # an unclean end of the agent older than this is told as history, not as a warning
 
 
-def read_agent_record(src: Sources) -> tuple[AgentRecord | None, str]:
-    """The running agent's record under the root (None when there is none), or why it cannot be used."""
+@dataclass(frozen=True)
+class AgentView:
+    """What doctor knows of ``nodeagent run`` on this root: its record (or why it cannot be read), and the
+    agents running: the holder of the record's lock (``agentrecord.LOCK``) and those the root's /proc shows
+    (None: neither can tell, a root without /proc and without the lock)."""
+
+    record: AgentRecord | None
+    record_error: str
+    running: tuple[int, ...] | None
+
+    @property
+    def live(self) -> AgentRecord | None:
+        """The record when its run is on: no clean stop in it and its pid running (taken as running when
+        nothing can tell)."""
+        r = self.record
+        if r is None or r.stopped is not None or (self.running is not None and r.pid not in self.running):
+            return None
+        return r
+
+    @property
+    def record_pid(self) -> int:
+        return self.record.pid if self.record is not None else 0
+
+    def is_agent(self, pid: int) -> bool:
+        """Whether a process (a socket's listener) is a running agent; False when nothing can tell."""
+        return self.running is not None and pid in self.running
+
+
+def look_at_agent(src: Sources) -> AgentView:
     try:
-        return read_record(src.paths), ""
+        record, error = read_record(src.paths), ""
     except NodeAgentError as e:
-        return None, str(e)
+        record, error = None, str(e)
+    lock = lock_holder(src.paths)
+    running: set[int] | None = set(agent_pids(src.paths)) if src.paths.proc.is_dir() else None
+    if lock.present:  # the lock tells the record's run from any root, a sandbox's without its pids in /proc
+        running = running or set()
+        if lock.holder:
+            running.add(lock.holder)
+        elif lock.holder == 0 and record is not None:  # held by a process of another pid namespace
+            running.add(record.pid)
+    return AgentView(record, error, None if running is None else tuple(sorted(running)))
 
 
-def live_record(src: Sources, record: AgentRecord | None) -> AgentRecord | None:
-    """The record when it is of a run that is not over: no clean stop in it, and its pid among the agents
-    /proc shows (without /proc under the root, taken as running)."""
-    if record is None or record.stopped is not None:
-        return None
-    if src.paths.proc.is_dir() and record.pid not in set(agent_pids(src.paths)):
-        return None
-    return record
-
-
-
-def check_agent(src: Sources, record: AgentRecord | None, record_error: str, report: Report) -> None:
+def check_agent(src: Sources, view: AgentView, report: Report) -> None:
+    record, record_error = view.record, view.record_error
     if src.config_problem:
         report.add("agent", "error", f"the agent's config cannot be used: {src.config_problem} (doctor checked "
                    "with the defaults; a running agent keeps the config it had, a starting one exits)",
@@ -53,8 +80,8 @@ def check_agent(src: Sources, record: AgentRecord | None, record_error: str, rep
         report.add("agent", "warning", f"{record_error} (left by another version?)")
     installed, enabled = _unit_state(src.paths)
     _unit_activity(src, installed, report)
-    running: list[int] | None = list(agent_pids(src.paths)) if src.paths.proc.is_dir() else None
-    if running is None:  # a root without /proc (an image, the DaemonSet's /host)
+    running = view.running
+    if running is None:  # a root without /proc (an image, the DaemonSet's /host) and no lock to ask
         if record is None:
             report.add("agent", "ok", f"not checked: no /proc under {src.paths.root} and no {RECORD}")
         elif record.stopped is not None:
@@ -90,9 +117,8 @@ def check_agent(src: Sources, record: AgentRecord | None, record_error: str, rep
         unit = (f" ({UNIT} installed, {'enabled' if enabled else 'not enabled'})" if installed else "")
         report.add("agent", "warning", f"nodeagent run is not running on this host{unit}{ended}", fix)
     if record is not None:
-        # the record's run is over when it says so, or when /proc shows no agent
-        live = record.stopped is None and (running is None or record.pid in running)
-        _reload_finding(src, record, installed, live, report)
+        # the record's run is over when it says so, or when neither its lock nor /proc shows it
+        _reload_finding(src, record, installed, view.live is not None, report)
         _unclean_finding(src, record, report)
     _bootstrap_finding(src, report)
 

@@ -7,7 +7,7 @@ import posixpath
 import shlex
 from typing import TYPE_CHECKING
 
-from nodeagent.doctor.agent import agent_pids
+from nodeagent.doctor.agent import AgentView
 from nodeagent.doctor.findings import Report, Sources
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
@@ -18,9 +18,16 @@ if TYPE_CHECKING:
 KUBELET_SOCKET = "kubelet.sock"
 
 
-def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, report: Report) -> dict[str, int]:
+DRA_FIX = ("remove that DRA driver from this node (its Helm release or node selector), or leave the GPUs to it and "
+           "set [device_plugin] enabled = false")
+
+
+def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, agent: AgentView,
+                  report: Report) -> dict[str, int]:
     """Findings about the kubelet's device-plugin directory and the other agents serving this node's GPUs
-    (another device plugin, another DRA driver); the devices registered per resource name."""
+    (another device plugin, another DRA driver); the devices registered per resource name. What the running
+    agent records (the other agents it found, its resources and their registration) comes first; the sockets
+    and the kubelet's checkpoint add what it does not say."""
     from nodeagent.adopt import detect as d
     from nodeagent.deviceplugin.server import socket_name
     from nodeagent.dra import DRIVER_NAME
@@ -28,31 +35,41 @@ def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | 
     plugin_dir = src.config.kubelet.device_plugins
     directory = src.paths(plugin_dir)
     uuids = d.inventory_uuids(inventory) if inventory is not None else set()
+    told = agent_conflicts(src, agent, "kubelet", ("device-plugin", "dra-driver"), report)
     if facts is not None and facts.slices is not None:
         for c in d.dra_conflicts(facts.slices, DRIVER_NAME, uuids):
-            report.add("kubelet", "warning", c.detail, "remove that DRA driver from this node (its Helm release "
-                       "or node selector), or leave the GPUs to it and set [device_plugin] enabled = false")
+            if c.key() not in told:
+                report.add("kubelet", "warning", c.detail, DRA_FIX)
     if not directory.is_dir():
         report.add("kubelet", "warning", f"{plugin_dir} does not exist: no kubelet on this node yet")
         return {}
     names = sorted(p.name for p in directory.iterdir() if p.is_socket())
-    if KUBELET_SOCKET not in names:
+    kubelet_up = KUBELET_SOCKET in names
+    if not kubelet_up:
         report.add("kubelet", "warning", f"no {posixpath.join(plugin_dir, KUBELET_SOCKET)}: the kubelet is not "
                    "running (nodeagent registers as soon as it is)")
+    live = agent.live
+    for r in live.resources if live is not None else ():
+        sock = posixpath.join(plugin_dir, r.socket)
+        if r.registered:
+            report.add("kubelet", "ok", f"{r.resource}: served on {sock} by the running agent (pid "
+                       f"{agent.record_pid}), registered with the kubelet")
+            continue
+        # waiting for a kubelet that is not there is said above; anything else keeps the resource from pods
+        held = [c for c in (live.conflicts if live is not None else ()) if c.subject == r.resource]
+        report.add("kubelet", "ok" if not kubelet_up and not held else "warning",
+                   f"{r.resource} ({sock}) is not registered with the kubelet by the running agent (pid "
+                   f"{agent.record_pid}): {r.why or 'registering'}", adopt_fix(src) if held else "")
     ids = expected_resources(src, inventory)
     wanted = {n: socket_name(n) for n in ids}
-    agents = set(agent_pids(src.paths)) if src.paths.proc.is_dir() else None
-
-    def is_ours(pid: int) -> bool:
-        return pid in agents if agents is not None else False
-
-    local = d.read_plugin_dir(directory, is_ours)
-    # without /proc under the root the listener of a socket at nodeagent's own name cannot be named: taken as
-    # nodeagent's
-    foreign = [s for s in local.foreign if agents is not None or s.name not in wanted.values()]
+    local = d.read_plugin_dir(directory, agent.is_agent)
+    # with neither /proc nor the agent's lock under the root the listener of a socket at nodeagent's own name
+    # cannot be named: taken as nodeagent's
+    foreign = [s for s in local.foreign if agent.running is not None or s.name not in wanted.values()]
     conflicts = d.plugin_conflicts(foreign, local.checkpoint, wanted, uuids, ids)
     for c in conflicts:
-        report.add("kubelet", "warning", c.detail, adopt_fix(src))
+        if c.key() not in told:
+            report.add("kubelet", "warning", c.detail, adopt_fix(src))
     named = {c.owner for c in conflicts}
     for s in foreign:
         if s.name not in named:
@@ -67,10 +84,26 @@ def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | 
     if registered:
         listed = ", ".join(f"{k} ({v} devices)" for k, v in sorted(registered.items()))
         report.add("kubelet", "ok", f"registered with the kubelet: {listed}")
-    elif KUBELET_SOCKET in names:
+    elif kubelet_up and not (live is not None and live.resources):  # (else the agent's own lines say why)
         report.add("kubelet", "warning", "the kubelet has no GPU resource registered",
                    src.gpu_command("run") + ("" if src.simulated else " (or start the nodeagent service)"))
     return registered
+
+
+def agent_conflicts(src: Sources, agent: AgentView, area: str, kinds: tuple[str, ...],
+                    report: Report) -> set[tuple[str, str, str]]:
+    """The other agents the running agent's conflict detection found, of these kinds, as findings; their keys
+    (kind, subject, owner), so that doctor's own look does not tell them twice."""
+    live = agent.live
+    told: set[tuple[str, str, str]] = set()
+    for c in live.conflicts if live is not None else ():
+        if c.kind in kinds and (c.kind, c.subject, c.owner) not in told:
+            fix = DRA_FIX if c.kind == "dra-driver" else adopt_fix(src) if c.kind != "gpu-operator" else (
+                src.command(f"adopt --node-name {shlex.quote(src.node_name)}") if src.kube is not None else
+                "hand the node over again from a shell with the cluster's credentials (nodeagent adopt)")
+            report.add(area, "warning", f"{c.detail} (found by the running agent, pid {agent.record_pid})", fix)
+            told.add((c.kind, c.subject, c.owner))
+    return told
 
 
 def adopt_fix(src: Sources) -> str:

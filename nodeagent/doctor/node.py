@@ -6,8 +6,9 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from nodeagent.doctor.agent import AgentView
 from nodeagent.doctor.findings import Report, Sources
-from nodeagent.doctor.kubelet import adopt_fix, expected_resources
+from nodeagent.doctor.kubelet import adopt_fix, agent_conflicts, expected_resources
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.inventory import Inventory
 
@@ -34,9 +35,11 @@ def read_kube(src: Sources, report: Report) -> KubeFacts | None:
             close()
 
 
-def check_node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, report: Report) -> None:
+def check_node(src: Sources, inventory: Inventory | None, facts: KubeFacts | None, agent: AgentView,
+               report: Report) -> None:
     from nodeagent.adopt import detect as d
 
+    told = agent_conflicts(src, agent, "node", ("mig-manager", "feature-labels", "gpu-operator"), report)
     if src.kube is None:
         report.add("node", "ok", "not checked (--no-kube)")
         return
@@ -49,13 +52,17 @@ def check_node(src: Sources, inventory: Inventory | None, facts: KubeFacts | Non
     _node_findings(src, facts.node, inventory, report)
     _handed_over(src, facts.node, report)
     for c in d.mig_manager_conflicts(facts.node):
-        report.add("node", "warning", c.detail, adopt_fix(src))
+        if c.key() not in told:
+            report.add("node", "warning", c.detail, adopt_fix(src))
     if not src.config.adopt.gpu_operator:  # (with it the agent hands the node over at its start)
         for c in d.operator_conflicts(facts.node, expected_resources(src, inventory)):
-            report.add("node", "warning", c.detail, src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
+            if c.key() not in told:
+                report.add("node", "warning", c.detail,
+                           src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
     keys = _label_keys(src, inventory)
     for c in d.feature_label_conflicts(facts.node, facts.node_features or (), keys):
-        report.add("node", "warning", c.detail, adopt_fix(src))
+        if c.key() not in told:
+            report.add("node", "warning", c.detail, adopt_fix(src))
     for what in facts.unread:
         if not what.startswith("Node"):
             report.add("node", "ok", f"not checked: {what}")
