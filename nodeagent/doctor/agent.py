@@ -108,12 +108,12 @@ def check_agent(src: Sources, view: AgentView, report: Report) -> None:
                      f"; the last one (pid {record.pid}, started {when(record.started, src)}) ended without a "
                      "clean stop (killed or crashed)")
         if src.simulated:
-            fix = src.gpu_command("run")
+            fix = src.agent_command("run")
         elif installed:
             fix = _systemctl(src, "enable --now" if not enabled else "start")
         else:
             fix = ("systemctl start nodeagent (bare metal), the DaemonSet's pod (Kubernetes), or "
-                   + src.command("run"))
+                   + src.agent_command("run"))
         unit = (f" ({UNIT} installed, {'enabled' if enabled else 'not enabled'})" if installed else "")
         report.add("agent", "warning", f"nodeagent run is not running on this host{unit}{ended}", fix)
     if record is not None:
@@ -203,7 +203,8 @@ def _bootstrap_finding(src: Sources, report: Report) -> None:
         failed = [s.get("step") for s in last.get("steps") or [] if isinstance(s, dict) and s.get("result") == "failed"]
         report.add("agent", "ok" if code in (0, 3) else "warning", f"last bootstrap: exit {code}"
                    + (f", failed: {', '.join(map(str, failed))}" if failed else ""),
-                   "" if code in (0, 3) else src.gpu_command("bootstrap"))
+                   "" if code in (0, 3) else
+                   f"{src.agent_command('bootstrap')} --output {src.shell_path(BOOTSTRAP_REPORT)}")
 
 
 def _unit_state(paths: HostPaths) -> tuple[bool, bool]:

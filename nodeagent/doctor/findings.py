@@ -4,6 +4,7 @@ what it may run on the real host (``HostChecks``), and how a time is told."""
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,10 +79,30 @@ class Sources:
     now: Callable[[], float] = time.time
     config_problem: str = ""  # why the node's config file cannot be used (checked with the defaults then)
     host: HostChecks | None = None  # None under --root: nothing is executed there
+    # the options in use that ``run``, ``bootstrap`` and ``doctor`` take alike ("--config F --no-kube
+    # --kubeconfig K --node-name N", those given), and the kubeconfig alone (for ``adopt``)
+    agent_opts: str = ""
+    kubeconfig_opt: str = ""
 
     def gpu_command(self, subcommand: str) -> str:
         """``command`` for a subcommand that opens the GPUs: on the same simulated machine, if any."""
         return self.command(f"{subcommand} {self.sim_fix}".strip())
+
+    def agent_command(self, subcommand: str, *, sim: bool = True) -> str:
+        """``command`` for ``run``, ``bootstrap`` or ``doctor``: the simulated machine (unless ``sim`` is
+        False), the config, --no-kube and the API options as this doctor was given them, so that it runs as
+        printed (``run`` without --no-kube would want credentials this doctor did without)."""
+        words = [subcommand, self.sim_fix if sim else "", self.agent_opts]
+        return self.command(" ".join(w for w in words if w))
+
+    def adopt_command(self, extra: str = "") -> str:
+        """``adopt`` for this node, through the kubeconfig doctor was given (adopt works only through the API)."""
+        words = ["adopt", "--node-name", shlex.quote(self.node_name), self.kubeconfig_opt, extra]
+        return self.command(" ".join(w for w in words if w))
+
+    def shell_path(self, host_path: str) -> str:
+        """A host path as the user's shell names it: under the root (a path flag's form)."""
+        return shlex.quote(str(self.paths.root / host_path.lstrip("/")))
 
 
 

@@ -15,7 +15,7 @@ def check_driver(src: Sources, report: Report) -> Inventory | None:
     except NodeAgentError as e:
         report.add("driver", "error", f"NVML cannot be used: {e}",
                    "" if src.simulated else "install or load the NVIDIA driver, or try "
-                   + src.command("doctor --simulate dgx-h100"))
+                   + src.agent_command("doctor --simulate dgx-h100", sim=False))
         return None
     cuda = inventory.cuda_driver_version
     report.add("driver", "ok", f"driver {inventory.driver_version}, CUDA {cuda // 1000}.{cuda % 1000 // 10}"
@@ -60,7 +60,8 @@ def check_gpus(src: Sources, inventory: Inventory, report: Report) -> None:
         if g.bare_gpu_instances:
             report.add("gpus", "warning", f"GPU {g.index}: {len(g.bare_gpu_instances)} GPU instance(s) without a "
                        "compute instance (a MIG change left half done?)",
-                       src.gpu_command("mig apply -c <your config>"))
+                       "apply the layout the GPU should have again (mig apply resolves a change left half "
+                       "done first): " + src.gpu_command("mig apply -f FILE -c CONFIG"))
         if g.processes:
             procs = ", ".join(f"{p.pid} ({p.name})" for p in g.processes[:5])
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")

@@ -4,7 +4,6 @@ drivers on this node's GPUs."""
 from __future__ import annotations
 
 import posixpath
-import shlex
 from typing import TYPE_CHECKING
 
 from nodeagent.doctor.agent import AgentView
@@ -86,7 +85,8 @@ def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | 
         report.add("kubelet", "ok", f"registered with the kubelet: {listed}")
     elif kubelet_up and not (live is not None and live.resources):  # (else the agent's own lines say why)
         report.add("kubelet", "warning", "the kubelet has no GPU resource registered",
-                   src.gpu_command("run") + ("" if src.simulated else " (or start the nodeagent service)"))
+                   src.agent_command("run") if src.simulated else
+                   "start the nodeagent service (systemctl start nodeagent), or " + src.agent_command("run"))
     return registered
 
 
@@ -99,7 +99,7 @@ def agent_conflicts(src: Sources, agent: AgentView, area: str, kinds: tuple[str,
     for c in live.conflicts if live is not None else ():
         if c.kind in kinds and (c.kind, c.subject, c.owner) not in told:
             fix = DRA_FIX if c.kind == "dra-driver" else adopt_fix(src) if c.kind != "gpu-operator" else (
-                src.command(f"adopt --node-name {shlex.quote(src.node_name)}") if src.kube is not None else
+                src.adopt_command() if src.kube is not None else
                 "hand the node over again from a shell with the cluster's credentials (nodeagent adopt)")
             report.add(area, "warning", f"{c.detail} (found by the running agent, pid {agent.record_pid})", fix)
             told.add((c.kind, c.subject, c.owner))
@@ -108,7 +108,7 @@ def agent_conflicts(src: Sources, agent: AgentView, area: str, kinds: tuple[str,
 
 def adopt_fix(src: Sources) -> str:
     """The fix for another agent on the node: the GPU Operator's hand-over, else the config switch."""
-    hand_over = src.command(f"adopt --node-name {shlex.quote(src.node_name)}") if src.kube is not None else ""
+    hand_over = src.adopt_command() if src.kube is not None else ""
     return (f"{hand_over} (the GPU Operator's operands), or stop the other agent on this node" if hand_over else
             "stop the other agent on this node (the GPU Operator: nodeagent adopt), or set [adopt] take_over = true")
 

@@ -3,7 +3,6 @@ Operator hand-over, a MIG manager or NFD on nodeagent's labels."""
 
 from __future__ import annotations
 
-import shlex
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.doctor.agent import AgentView
@@ -58,7 +57,7 @@ def check_node(src: Sources, inventory: Inventory | None, facts: KubeFacts | Non
         for c in d.operator_conflicts(facts.node, expected_resources(src, inventory)):
             if c.key() not in told:
                 report.add("node", "warning", c.detail,
-                           src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
+                           src.adopt_command())
     keys = _label_keys(src, inventory)
     for c in d.feature_label_conflicts(facts.node, facts.node_features or (), keys):
         if c.key() not in told:
@@ -80,10 +79,10 @@ def _handed_over(src: Sources, node: Any, report: Report) -> None:
     if back_on:
         report.add("node", "warning", f"handed over from the GPU Operator ({HANDED_OVER}), but "
                    f"{', '.join(DEPLOY_PREFIX + op for op in back_on)} is no longer false: the operator may deploy "
-                   "those operands again", src.command(f"adopt --node-name {shlex.quote(src.node_name)}"))
+                   "those operands again", src.adopt_command())
     else:
         report.add("node", "ok", f"handed over from the GPU Operator: {', '.join(operands)} switched off "
-                   f"({src.command(f'adopt --node-name {shlex.quote(src.node_name)} --release')} gives them back)")
+                   f"({src.adopt_command('--release')} gives them back)")
 
 
 def _label_keys(src: Sources, inventory: Inventory | None) -> set[str]:
@@ -111,7 +110,7 @@ def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report:
                    f"{labels.get('nvidia.com/gpu.product', '?')}, count {labels.get('nvidia.com/gpu.count', '?')})")
     else:
         report.add("node", "warning", f"Node {src.node_name} has no nvidia.com/gpu.* labels: is the agent running?",
-                   src.gpu_command("run"))
+                   src.agent_command("run"))
     state = labels.get("nvidia.com/mig.config.state")
     if state == "failed":
         report.add("node", "error", f"nvidia.com/mig.config={labels.get('nvidia.com/mig.config', '')} failed "

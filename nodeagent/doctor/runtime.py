@@ -35,7 +35,7 @@ def check_containerd(src: Sources, report: Report) -> None:
     if planned.changed:
         files = ", ".join(f.path for f in planned.files if f.action != "unchanged")
         report.add("containerd", "warning", f"not wired for the NVIDIA runtime ({files} differ)",
-                   src.command("runtime configure"))
+                   _configure_command(src))
     else:
         report.add("containerd", "ok", f"wired: runtimes {', '.join(info['runtimes']) or 'none'}; default "
                    f"{info['default_runtime']}; CDI {'on' if info['enable_cdi'] else 'off'}; containerd "
@@ -86,3 +86,20 @@ def check_cdi(src: Sources, inventory: Inventory, report: Report) -> None:
     else:
         report.add("cdi", "ok", f"{writer.spec_path} is current")
 
+
+
+def _configure_command(src: Sources) -> str:
+    """``runtime configure`` with the agent config's ``[runtime]`` wiring (what this check planned)."""
+    from nodeagent.config import RuntimeSettings
+
+    rt, default = src.config.runtime, RuntimeSettings()
+    words = ["runtime configure"]
+    if rt.containerd_config != default.containerd_config:
+        words += ["--containerd-config", src.shell_path(rt.containerd_config)]
+    if rt.mode == "in-place":
+        words.append("--in-place")
+    elif rt.dropin != default.dropin:
+        words += ["--drop-in", src.shell_path(rt.dropin)]
+    words += [flag for flag, on in (("--set-as-default", rt.set_as_default), ("--cdi", rt.cdi),
+                                    ("--no-leak-guard", not rt.leak_guard)) if on]
+    return src.command(" ".join(words))
