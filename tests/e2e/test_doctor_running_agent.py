@@ -91,7 +91,8 @@ def _paths(box: Sandbox) -> HostPaths:
 
 def test_doctor_knows_its_own_agent_in_the_default_sandbox(sandbox: Sandbox) -> None:
     root = _paths(sandbox).root
-    _recorded(_paths(sandbox), sandbox.agent, "the agent's socket in its record", lambda r: r.resources)
+    _recorded(_paths(sandbox), sandbox.agent, "the agent's socket and why it is not registered in its record",
+              lambda r: r.resources and r.resources[0].why)
     pid = sandbox.agent.pid
     assert not (root / "proc" / str(pid)).exists()  # the sandbox's /proc has the simulator's files only
     findings = sandbox.doctor("--simulate", "t4x1", "--sim-state", str(sandbox.state), "--no-kube")
