@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from nodeagent.agentrecord import AgentRecord, read_record
+from nodeagent.agentrecord import RECORD, AgentRecord, read_record
+from nodeagent.errors import NodeAgentError
 from nodeagent.hostpaths import HostPaths
 from tests.e2e._agent import REPO, eventually
 from tests.e2e.test_doctor import _one
@@ -65,7 +66,10 @@ def _start(base: Path, args: list[str]) -> Sandbox:
 def _recorded(paths: HostPaths, agent: subprocess.Popen[bytes], what: str, cond: Any) -> AgentRecord:
     def ready() -> AgentRecord | None:
         assert agent.poll() is None, f"the agent exited {agent.returncode}"
-        record = read_record(paths)
+        try:
+            record = read_record(paths)
+        except NodeAgentError:  # (what the agent replaces at its start)
+            return None
         return record if record is not None and record.pid == agent.pid and cond(record) else None
 
     found: AgentRecord = eventually(ready, 30, what)
@@ -126,7 +130,8 @@ def test_a_killed_agent_is_not_running_and_what_it_held_is_history(sandbox: Sand
 
 def test_the_agent_waiting_beside_another_device_plugin_on_its_socket() -> None:
     """Another device plugin holds nvidia-gpu.sock (not registered with the kubelet yet) and the agent rightly
-    waits: doctor names that plugin and why the agent does not register, and says the agent runs."""
+    waits: doctor names that plugin and why the agent does not register, and says the agent runs. A link loop at
+the record's name is replaced with one warning."""
     base = Path(tempfile.mkdtemp(prefix="nadr-", dir="/tmp"))
     root = base / "node"
     plugins = root / "var/lib/kubelet/device-plugins"
@@ -136,11 +141,16 @@ def test_the_agent_waiting_beside_another_device_plugin_on_its_socket() -> None:
     kubelet.listen()
     other = SampleDevicePlugin(plugins, "nvidia.com/gpu", {T4_UUID: "Healthy"}, socket_name="nvidia-gpu.sock")
     other.start()
+    # and a link loop where the agent keeps its record: its own file never stops it (it made run exit 2)
+    record = root / RECORD.lstrip("/")
+    record.parent.mkdir(parents=True)
+    record.symlink_to(record.name)
     box = _start(base, ["--root", str(root)])
     try:
         _recorded(HostPaths(root), box.agent, "the conflict and the waiting resource in the agent's record",
                   lambda r: r.conflicts and r.resources and r.resources[0].why)
         findings = box.doctor("--root", str(root), "--simulate", "t4x1", "--no-kube")
+        log = (base / "agent.log").read_text()
     finally:
         box.agent.kill()
         box.agent.wait()
@@ -157,4 +167,5 @@ def test_the_agent_waiting_beside_another_device_plugin_on_its_socket() -> None:
                    "is served by another process")
     assert waiting["fix"] == found["fix"]
     _one(findings, "agent", "ok", f"nodeagent run is running (pid {pid})")
+    assert log.count(f"{RECORD} was a symbolic link, not the agent's file: replaced") == 1, log
     assert not [f for f in findings if "no GPU resource registered" in f["text"] or "nodeagent run is not running" in f["text"]]
