@@ -6,6 +6,7 @@ from __future__ import annotations
 import posixpath
 from typing import TYPE_CHECKING
 
+from nodeagent.agentrecord import AgentRecord
 from nodeagent.doctor.agent import AgentView
 from nodeagent.doctor.findings import Report, Sources
 from nodeagent.errors import NodeAgentError
@@ -48,17 +49,8 @@ def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | 
         report.add("kubelet", "warning", f"no {posixpath.join(plugin_dir, KUBELET_SOCKET)}: the kubelet is not "
                    "running (nodeagent registers as soon as it is)")
     live = agent.live
-    for r in live.resources if live is not None else ():
-        sock = posixpath.join(plugin_dir, r.socket)
-        if r.registered:
-            report.add("kubelet", "ok", f"{r.resource}: served on {sock} by the running agent (pid "
-                       f"{agent.record_pid}), registered with the kubelet")
-            continue
-        # waiting for a kubelet that is not there is said above; anything else keeps the resource from pods
-        held = [c for c in (live.conflicts if live is not None else ()) if c.subject == r.resource]
-        report.add("kubelet", "ok" if not kubelet_up and not held else "warning",
-                   f"{r.resource} ({sock}) is not registered with the kubelet by the running agent (pid "
-                   f"{agent.record_pid}): {r.why or 'registering'}", adopt_fix(src) if held else "")
+    if live is not None:
+        _registrations(src, live, agent.record_pid, plugin_dir, kubelet_up, report)
     ids = expected_resources(src, inventory)
     wanted = {n: socket_name(n) for n in ids}
     local = d.read_plugin_dir(directory, agent.is_agent)
@@ -88,6 +80,22 @@ def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | 
                    src.agent_command("run") if src.simulated else
                    "start the nodeagent service (systemctl start nodeagent), or " + src.agent_command("run"))
     return registered
+
+
+def _registrations(src: Sources, live: AgentRecord, pid: int, plugin_dir: str, kubelet_up: bool,
+                   report: Report) -> None:
+    """The running agent's resources: served on which socket, registered with the kubelet or why not."""
+    for r in live.resources:
+        sock = posixpath.join(plugin_dir, r.socket)
+        if r.registered:
+            report.add("kubelet", "ok", f"{r.resource}: served on {sock} by the running agent (pid {pid}), "
+                       "registered with the kubelet")
+            continue
+        # waiting for a kubelet that is not there is said above; anything else keeps the resource from pods
+        held = [c for c in live.conflicts if c.subject == r.resource]
+        report.add("kubelet", "ok" if not kubelet_up and not held else "warning",
+                   f"{r.resource} ({sock}) is not registered with the kubelet by the running agent (pid {pid}): "
+                   f"{r.why or 'registering'}", adopt_fix(src) if held else "")
 
 
 def agent_conflicts(src: Sources, agent: AgentView, area: str, kinds: tuple[str, ...],
