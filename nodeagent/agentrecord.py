@@ -43,6 +43,7 @@ LOCK = "/run/nodeagent/agent.lock"  # locked by the running agent (fcntl), empty
 VERSION = 1
 MAX_RECORD_BYTES = 64 << 10
 MAX_DETAIL = 300
+MAX_LISTED = 32  # conflicts, and resources, kept in the record
 ReloadOutcome = Literal["applied", "unchanged", "rejected", "failed"]
 OUTCOMES = ("applied", "unchanged", "rejected", "failed")
 
@@ -175,6 +176,11 @@ def _text(doc: dict[str, Any], key: str) -> str:
     return "" if value is None else " ".join(str(value).split())[:1000]
 
 
+def _cut(text: str, limit: int = 2 * MAX_DETAIL) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _int_or_none(doc: dict[str, Any], key: str) -> int | None:
     value = _number(doc, key, optional=True)
     return None if value is None else int(value)
@@ -281,6 +287,9 @@ class AgentRecorder:
     def observed(self, conflicts: tuple[OtherAgent, ...], resources: tuple[Registration, ...]) -> None:
         """The other agents the conflict detection finds now and the device plugin's resources with their
         registration (written only when either changed)."""
+        # bounded, so that the record stays well within what doctor reads (MAX_RECORD_BYTES)
+        conflicts = tuple(replace(c, detail=_cut(c.detail)) for c in conflicts[:MAX_LISTED])
+        resources = tuple(replace(r, why=_cut(r.why)) for r in resources[:MAX_LISTED])
         if self._record is not None and (conflicts, resources) != (self._record.conflicts, self._record.resources):
             self._write(replace(self._record, conflicts=conflicts, resources=resources))
 

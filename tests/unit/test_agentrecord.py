@@ -17,6 +17,7 @@ import pytest
 
 from nodeagent.agentrecord import (
     LOCK,
+    MAX_RECORD_BYTES,
     RECORD,
     AgentRecorder,
     Fault,
@@ -206,3 +207,16 @@ def test_the_running_agent_holds_its_lock_until_its_clean_stop(tmp_path: Path) -
     assert seen_from_another_process() == repr(LockView(True, os.getpid()))
     recorder.stopped()
     assert seen_from_another_process() == repr(LockView(True, None))
+
+
+def test_what_the_agent_observed_stays_within_what_doctor_reads(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path)
+    recorder = AgentRecorder(paths, pid=9)
+    recorder.started("")
+    many = tuple(OtherAgent("feature-labels", f"label-{i}", "nfd", "x" * 5000) for i in range(100))
+    waiting = tuple(Registration(f"nvidia.com/mig-{i}g", f"nvidia-mig-{i}g.sock", False, "y" * 5000) for i in range(100))
+    recorder.observed(many, waiting)
+    assert (tmp_path / RECORD.lstrip("/")).stat().st_size < MAX_RECORD_BYTES
+    record = read_record(paths)
+    assert record is not None and len(record.conflicts) == len(record.resources) == 32
+    assert len(record.conflicts[0].detail) == len(record.resources[0].why) == 600
