@@ -2,7 +2,8 @@
 simulator's sandbox has a /proc of its own files only, so doctor tells its agent by the record's lock and
 takes what the agent sees from its record. One agent in the simulator's default sandbox (no --root, as the
 README's first commands) serves every case but the last, which needs another device plugin there before the
-agent starts: its own agent recognised (its pid, its socket), an XID it holds, a kill -9; and the agent
+agent starts: its own agent recognised (its pid, its socket), an XID it holds, a registration a kubelet
+took, a kill -9; and the agent
 waiting beside another device plugin that holds its socket name."""
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from nodeagent.agentrecord import RECORD, AgentRecord, read_record
+from nodeagent.deviceplugin.api import pb2, pb2_grpc
 from nodeagent.errors import NodeAgentError
 from nodeagent.hostpaths import HostPaths
 from tests.e2e._agent import REPO, eventually
@@ -116,6 +120,31 @@ def test_an_xid_the_running_agent_holds_is_the_nodes_health(sandbox: Sandbox) ->
     held = _one(findings, "health", "error", "GPU 0 is served Unhealthy to the kubelet after XID 48")
     assert held["fix"] == ""
     assert not [f for f in findings if "serves every GPU as Healthy" in f["text"]], findings
+
+
+class Kubelet:
+    """The kubelet's Registration service, taking every registration."""
+
+    def Register(self, request: Any, context: Any) -> Any:
+        return pb2.Empty()
+
+
+def test_a_registration_the_kubelet_took(sandbox: Sandbox) -> None:
+    """A kubelet comes up: the agent registers, its record says so, doctor tells the resource registered by it."""
+    root = _paths(sandbox).root
+    kubelet = grpc.server(ThreadPoolExecutor(max_workers=2))
+    pb2_grpc.add_RegistrationServicer_to_server(Kubelet(), kubelet)
+    kubelet.add_insecure_port(f"unix://{root}/var/lib/kubelet/device-plugins/kubelet.sock")
+    kubelet.start()
+    try:
+        _recorded(_paths(sandbox), sandbox.agent, "the registration in the agent's record",
+                  lambda r: r.resources and r.resources[0].registered)
+        findings = sandbox.doctor("--simulate", "t4x1", "--no-kube")
+    finally:
+        kubelet.stop(None)
+    _one(findings, "kubelet", "ok", "nvidia.com/gpu: served on /var/lib/kubelet/device-plugins/nvidia-gpu.sock by the "
+         f"running agent (pid {sandbox.agent.pid}), registered with the kubelet")
+    assert not [f for f in findings if "not registered" in f["text"] or "no GPU resource registered" in f["text"]]
 
 
 def test_a_killed_agent_is_not_running_and_what_it_held_is_history(sandbox: Sandbox) -> None:
