@@ -1,6 +1,12 @@
 """The running agent's record, ``/run/nodeagent/agent.json``: its pid and start, its last config reload with
-the outcome, the GPUs its health monitor holds unhealthy (with their last XID), whether it stopped cleanly,
-and how many of its runs since boot ended without a clean stop.
+the outcome, the GPUs its health monitor holds unhealthy (with their last XID), the other agents its conflict
+detection found, the resources its device plugin serves (registered with the kubelet, or why not), whether it
+stopped cleanly, and how many of its runs since boot ended without a clean stop.
+
+While it runs the agent holds a POSIX lock on ``/run/nodeagent/agent.lock`` (``lock_holder`` names the holder):
+doctor learns from it whether the record's run is still on, and its pid, without a ``/proc`` under the root
+(a sandbox's has only the simulator's files) and without reading anything outside the root. The kernel drops
+the lock when the process ends, however it ends.
 
 ``nodeagent run`` writes it (``AgentRecorder``) at its start, after each SIGHUP reload, at each change of the
 GPUs' health and at a clean stop;
@@ -13,23 +19,31 @@ is logged once and never stops the agent.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
+import posixpath
+import stat
+import struct
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from nodeagent import fileio
-from nodeagent.errors import InputError
+from nodeagent.errors import InputError, NodeAgentError
 from nodeagent.hostpaths import HostPaths
 
 log = logging.getLogger(__name__)
 
 RECORD = "/run/nodeagent/agent.json"
+LOCK = "/run/nodeagent/agent.lock"  # locked by the running agent (fcntl), empty
 VERSION = 1
 MAX_RECORD_BYTES = 64 << 10
 MAX_DETAIL = 300
+MAX_LISTED = 32  # conflicts, and resources, kept in the record
 ReloadOutcome = Literal["applied", "unchanged", "rejected", "failed"]
 OUTCOMES = ("applied", "unchanged", "rejected", "failed")
 
@@ -53,6 +67,29 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class OtherAgent:
+    """Another agent acting on what this one acts on, as the agent's conflict detection found it
+    (``nodeagent.adopt.detect.Conflict``: kind, what both act on, who the other is, one line)."""
+
+    kind: str
+    subject: str
+    owner: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A resource the agent's device plugin serves or would serve: its socket's name in the device-plugin
+    directory, whether the kubelet holds its registration, and why not (held back for another plugin, no
+    kubelet, the socket taken, ...)."""
+
+    resource: str
+    socket: str
+    registered: bool = False
+    why: str = ""
+
+
+@dataclass(frozen=True)
 class AgentRecord:
     pid: int
     started: float  # seconds since the epoch
@@ -65,6 +102,8 @@ class AgentRecord:
     last_unclean: dict[str, Any] = field(default_factory=dict)  # {"pid", "started", "seen"} of the latest
     unhealthy: tuple[Fault, ...] = ()
     health_changed: float | None = None  # when ``unhealthy`` last changed
+    conflicts: tuple[OtherAgent, ...] = ()
+    resources: tuple[Registration, ...] = ()
 
     def to_json(self) -> str:
         doc = {"version": VERSION, **asdict(self)}
@@ -103,6 +142,10 @@ def parse_record(raw: bytes) -> AgentRecord:
     unhealthy = tuple(Fault(gpu=int(_number(f, "gpu")), xid=_int_or_none(f, "xid"), gi=_int_or_none(f, "gi"),
                             recovery=None if f.get("recovery") is None else str(f["recovery"])[:100],
                             lost=f.get("lost") is True) for f in faults[:1024])
+    conflicts = tuple(OtherAgent(*(_text(c, k) for k in ("kind", "subject", "owner", "detail")))
+                      for c in _objects(doc, "conflicts"))
+    resources = tuple(Registration(_text(r, "resource"), _text(r, "socket"), r.get("registered") is True,
+                                   _text(r, "why")) for r in _objects(doc, "resources"))
     return AgentRecord(
         pid=int(_number(doc, "pid")),
         started=float(_number(doc, "started")),
@@ -116,7 +159,26 @@ def parse_record(raw: bytes) -> AgentRecord:
                       if isinstance(unclean.get(k), int | float) and not isinstance(unclean.get(k), bool)},
         unhealthy=unhealthy,
         health_changed=_number(doc, "health_changed", optional=True),
+        conflicts=conflicts,
+        resources=resources,
     )
+
+
+def _objects(doc: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    items = doc.get(key) or []
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ValueError(f"{key} must be a list of objects")
+    return items[:256]
+
+
+def _text(doc: dict[str, Any], key: str) -> str:
+    value = doc.get(key)
+    return "" if value is None else " ".join(str(value).split())[:1000]
+
+
+def _cut(text: str, limit: int = 2 * MAX_DETAIL) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _int_or_none(doc: dict[str, Any], key: str) -> int | None:
@@ -139,15 +201,51 @@ def read_record(paths: HostPaths) -> AgentRecord | None:
         raise InputError(f"{RECORD} is no agent record: {e}", subject=RECORD) from None
 
 
+_FLOCK = "hhqqi4x"  # struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid
+
+
+@dataclass(frozen=True)
+class LockView:
+    """What ``LOCK`` says: ``present`` False when there is no lock file (no agent of this version ran since
+    boot: nothing can be told from it); ``holder`` the pid that holds it (0: a process that doctor's pid
+    namespace does not show), None when none does (the run is over, however it ended)."""
+
+    present: bool
+    holder: int | None = None
+
+
+def lock_holder(paths: HostPaths) -> LockView:
+    """Who holds the running agent's lock under the root (read-only: ``F_GETLK`` on a read-only descriptor)."""
+    try:
+        fd = os.open(paths(posixpath.dirname(LOCK)) / posixpath.basename(LOCK),
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except (OSError, NodeAgentError):
+        return LockView(False)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return LockView(False)
+        answer = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    except OSError:
+        return LockView(False)
+    finally:
+        os.close(fd)
+    kind, _, _, _, pid = struct.unpack(_FLOCK, answer)
+    return LockView(True, None if kind == fcntl.F_UNLCK else max(pid, 0))
+
+
 class AgentRecorder:
-    """Writes the running agent's record (the daemon's one writer of ``RECORD``)."""
+    """Writes the running agent's record (the daemon's one writer of ``RECORD``); a recorder of this process
+    (no ``pid`` given) also holds ``LOCK`` from its start to its clean stop."""
 
     def __init__(self, paths: HostPaths, *, clock: Any = time.time, pid: int | None = None) -> None:
         self._paths = paths
         self._clock = clock
+        self._own = pid is None
         self._pid = os.getpid() if pid is None else pid
         self._record: AgentRecord | None = None
         self._failed = False
+        self._replaced = False
+        self._lock_fd: int | None = None
 
     @property
     def record(self) -> AgentRecord | None:
@@ -157,9 +255,11 @@ class AgentRecorder:
         now = self._clock()
         try:
             previous = read_record(self._paths)
-        except InputError as e:
+        except NodeAgentError as e:  # junk, a FIFO, a link loop: the agent's own file never stops the agent
             log.debug("previous agent record ignored: %s", e)
             previous = None
+        if self._own:
+            self._hold_lock()
         starts, unclean, last_unclean = 1, 0, {}
         if previous is not None:
             starts = previous.starts + 1
@@ -184,17 +284,70 @@ class AgentRecorder:
         if self._record is not None and unhealthy != self._record.unhealthy:
             self._write(replace(self._record, unhealthy=unhealthy, health_changed=self._clock()))
 
+    def observed(self, conflicts: tuple[OtherAgent, ...], resources: tuple[Registration, ...]) -> None:
+        """The other agents the conflict detection finds now and the device plugin's resources with their
+        registration (written only when either changed)."""
+        # bounded, so that the record stays well within what doctor reads (MAX_RECORD_BYTES)
+        conflicts = tuple(replace(c, detail=_cut(c.detail)) for c in conflicts[:MAX_LISTED])
+        resources = tuple(replace(r, why=_cut(r.why)) for r in resources[:MAX_LISTED])
+        if self._record is not None and (conflicts, resources) != (self._record.conflicts, self._record.resources):
+            self._write(replace(self._record, conflicts=conflicts, resources=resources))
+
     def stopped(self) -> None:
         if self._record is not None:
             self._write(replace(self._record, stopped=self._clock()))
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _hold_lock(self) -> None:
+        """Lock ``LOCK`` for this run (an entry that is no regular file is replaced); a lock that cannot be
+        had is one warning: doctor then tells the run from /proc as before."""
+        try:
+            path = self._paths(posixpath.dirname(LOCK)) / posixpath.basename(LOCK)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._clear(path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                         0o644)
+        except (OSError, NodeAgentError) as e:
+            log.warning("cannot lock %s (doctor will tell this run from /proc only): %s", LOCK, e)
+            return
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            held = lock_holder(self._paths).holder
+            why = (f"pid {held} holds it: another nodeagent run on this root?" if held
+                   else e.strerror if e.errno not in (errno.EAGAIN, errno.EACCES) else "another process holds it")
+            log.warning("cannot lock %s (%s); doctor will tell this run from /proc only", LOCK, why)
+            return
+        self._lock_fd = fd
+
+    def _clear(self, path: Path) -> None:
+        """Remove what is at one of the agent's own file names and is no regular file (a link, a FIFO, a
+        socket): replaced by the next write, with one warning."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+            return  # (a directory is not removed: the write fails and says so)
+        os.unlink(path)
+        if not self._replaced:
+            kind = next((name for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                                                 (stat.S_ISSOCK, "a socket")) if test(st.st_mode)), "a device")
+            log.warning("%s was %s, not the agent's file: replaced", self._paths.to_host(path), kind)
+        self._replaced = True
 
     def _write(self, record: AgentRecord) -> None:
         self._record = record
-        path = self._paths(RECORD)
         try:
+            # the record's own name is never followed: a link (a loop) or a FIFO there is replaced
+            path = self._paths(posixpath.dirname(RECORD)) / posixpath.basename(RECORD)
             path.parent.mkdir(parents=True, exist_ok=True)
+            self._clear(path)
             fileio.atomic_write(path, record.to_json(), mode=0o644, backup=False, durable=False)
-        except OSError as e:
+        except (OSError, NodeAgentError) as e:
             if not self._failed:
                 log.warning("cannot write the agent record %s (doctor will not see this run): %s", RECORD, e)
             self._failed = True

@@ -98,6 +98,7 @@ class Report:
 class Options:
     mig_config: str | None = None  # a name from the MIG config file; None = leave MIG alone
     restart_containerd: bool = True  # False for image builds (nothing runs under --root)
+    restart_off: str = "--no-restart"  # why, when restart_containerd is False
     kube: bool = True  # try RuntimeClass and labels when the API answers
 
 
@@ -194,7 +195,7 @@ def bootstrap(config: AgentConfig, paths: HostPaths, options: Options, parts: Bo
             skip("containerd-restart", "containerd config unchanged" if rt.outcome is Outcome.UNCHANGED
                  else "runtime step did not succeed")
         elif not options.restart_containerd:
-            skip("containerd-restart", "restart disabled (image build or --no-restart)")
+            skip("containerd-restart", f"restart disabled ({options.restart_off})")
         elif config.runtime.restart == "none":
             skip("containerd-restart", "runtime.restart = none")
         else:
@@ -335,7 +336,8 @@ def _configure_runtime(config: AgentConfig, paths: HostPaths) -> StepResult:
         if dp.enabled and dp.config else ()
     result = configure(paths, options_from_settings(config.runtime, kubelet_dir=config.kubelet.dir,
                                                     device_list_strategies=strategies))
-    changed = [f"{f.path} ({f.action})" for f in result.files if f.action != "unchanged"]
+    # the files as the user's shell names them (under the root), as the CDI step names its spec
+    changed = [f"{paths.root / f.path.lstrip('/')} ({f.action})" for f in result.files if f.action != "unchanged"]
     details: dict[str, Any] = {"mode": result.mode, "restart_needed": result.restart_needed,
                                "containerd_files": list(result.containerd_files)}
     if result.warnings:

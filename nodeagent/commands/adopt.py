@@ -7,6 +7,10 @@ from pathlib import Path
 
 import click
 
+NO_KUBE_ADVICE = "Give --kubeconfig FILE, or --no-kube to run without the API"
+ADOPT_ADVICE = ("Give --kubeconfig FILE (adopt works only through the API: run it where the cluster's credentials "
+                "are, or in the agent's pod)")
+
 
 @click.command()
 @click.option("--node-name", default=None, help="Node to hand over (default: $NODE_NAME, else host name).")
@@ -29,10 +33,20 @@ def adopt(node_name: str | None, kubeconfig: Path | None, release: bool, with_dc
     import socket
 
     from nodeagent import adopt as ad
+    from nodeagent.errors import KubeError
     from nodeagent.kube.client import KubeClient, connect
 
     node = node_name or os.environ.get("NODE_NAME") or socket.gethostname()
-    kube = KubeClient(connect(kubeconfig))
+    try:
+        api = connect(kubeconfig)
+    except KubeError as e:
+        # the client's advice names --no-kube, which the commands that can do without the API take; adopt
+        # works only through the API
+        text = str(e)
+        if NO_KUBE_ADVICE not in text:
+            raise
+        raise KubeError(text.replace(NO_KUBE_ADVICE, ADOPT_ADVICE), subject=e.subject) from None
+    kube = KubeClient(api)
     try:
         result = ad.release(kube, node) if release else ad.hand_over(
             kube, node, with_dcgm_exporter=with_dcgm_exporter, timeout_s=timeout_s)

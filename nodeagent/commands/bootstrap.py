@@ -83,8 +83,9 @@ def bootstrap(
         config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, restart=restart_mode))
     # a root (an image, a sandbox) is never acted on from outside unless --restart says how
     restart = not no_restart and (restart_mode is not None or not under_root)
-    options = bs.Options(mig_config=mig_config, restart_containerd=restart,
-                         kube=not no_kube)
+    options = bs.Options(mig_config=mig_config, restart_containerd=restart, kube=not no_kube,
+                         restart_off="--no-restart" if no_restart else f"under --root {settings.paths.root} nothing "
+                         "is restarted unless --restart says how")
     report = bs.bootstrap(config, settings.paths, options, bs.default_parts())
     text = json.dumps(report.to_dict(), indent=2)
     click.echo(text)

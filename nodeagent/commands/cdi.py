@@ -128,7 +128,7 @@ def show(ctx: click.Context, check: bool, driver_root: str, as_json: bool) -> No
         click.echo(json.dumps(out, indent=2))
     else:
         if text is None:
-            click.echo(f"{writer.file}: no CDI spec")
+            click.echo(f"no CDI spec at {writer.file}")
         else:
             click.echo(f"{writer.file}: cdiVersion {out['cdiVersion']}, kind {out['kind']}, "
                        f"{len(out['devices'])} device names")
@@ -155,4 +155,10 @@ def list_cmd(ctx: click.Context, driver_root: str) -> None:
 
     paths = _paths(ctx)
     writer = CdiWriter(paths, driver_root=_driver_root(driver_root))
-    click.echo("\n".join(device_names(_load_spec(writer, fileio.read_text(paths(writer.spec_path))))))
+    text = fileio.read_text(paths(writer.spec_path))
+    if text is None:  # no device names: nothing on stdout, and why on stderr (exit 0, as `cdi show`)
+        click.echo(f"no CDI spec at {writer.file}", err=True)
+        return
+    names = device_names(_load_spec(writer, text))
+    if names:
+        click.echo("\n".join(names))

@@ -1,4 +1,4 @@
-"""``nodeagent doctor``: one read-only command that explains a GPU node (see nodeagent/doctor.py)."""
+"""``nodeagent doctor``: one read-only command that explains a GPU node (see nodeagent/doctor/)."""
 
 from __future__ import annotations
 
@@ -86,11 +86,18 @@ def doctor(ctx: click.Context, config_file: Path | None, no_kube: bool, kubeconf
 
         return KubeClient(connect(Path(config.kubeconfig) if config.kubeconfig else None))
 
+    # the options in use that the printed run/bootstrap/doctor command lines need to run as printed
+    agent_opts = [*(["--config", shlex.quote(str(config_file))] if config_file is not None else []),
+                  *(["--no-kube"] if no_kube else []),
+                  *(["--kubeconfig", shlex.quote(str(kubeconfig))] if kubeconfig is not None else []),
+                  *(["--node-name", shlex.quote(node_name)] if node_name else [])]
     report = diagnose(Sources(
         paths=paths, config=config, discover=discover,
         command=lambda sub: f"{settings.command_prefix()} {sub}",
         kube=kube if config.kube else None, node_name=config.resolved_node_name(),
         recovery=recovery, simulated=simulated, sim_fix=sim_fix, config_problem=config_problem, host=host,
+        agent_opts=" ".join(agent_opts),
+        kubeconfig_opt=f"--kubeconfig {shlex.quote(str(kubeconfig))}" if kubeconfig is not None else "",
     ))
     click.echo(report.to_json() if as_json else report.render())
     return report.exit_code

@@ -1,6 +1,8 @@
 """The long-running agent (``nodeagent run``).
 
-    supervisor   Daemon, Context, Component, ComponentSpec: start, resync, reload (SIGHUP), READY, stop
+    supervisor   Daemon: start, resync, reload (SIGHUP), READY, stop; run_daemon
+    component    Component, ComponentSpec, Context, GpuSource: what the daemon runs, and what a part may use
+    support      RunRecorder, close_quietly, trim_heap: the daemon's small helpers
     files        ConfigFiles, read_config_files: the files the config names, validated with it
     shared       the typed links between components (device plugin, DRA, CDI, metrics, health, the Node
                  conditions and status), owned by the daemon

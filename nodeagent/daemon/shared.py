@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from nodeagent import fileio
+from nodeagent.agentrecord import Registration
 from nodeagent.daemon.planes import PlaneSplit
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import HealthKey
@@ -122,6 +123,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
 
     def allocations(self) -> dict[tuple[str, str], int]:
         return self._held.allocations() if self._held is not None else {}
+
+    def registrations(self) -> tuple[Registration, ...]:
+        """The resources the plugin serves with their registration with the kubelet (none while none runs)."""
+        states = getattr(self._held, "registrations", None)
+        return tuple(states()) if states is not None else ()
 
     def mps(self) -> list[Any]:
         """The MPS control daemons the plugin runs (``gpu.mps.MpsDaemonState``; none from a plugin without them)."""

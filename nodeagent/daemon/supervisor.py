@@ -33,163 +33,35 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
-from nodeagent.agentrecord import Fault
+from nodeagent.agentrecord import Fault, OtherAgent
 from nodeagent.config import AgentConfig
+from nodeagent.daemon.component import Component, ComponentSpec, Context, GpuSource
 from nodeagent.daemon.files import ConfigFiles
 from nodeagent.daemon.shared import Shared
+from nodeagent.daemon.support import TRIM_AFTER_READY_S, RunRecorder, close_quietly, one_line, trim_heap
 from nodeagent.deadline import within
 from nodeagent.errors import NodeAgentError
-from nodeagent.gpu.health import EventPumps, HealthSource
+from nodeagent.gpu.health import EventPumps
 from nodeagent.gpu.inventory import Inventory
-from nodeagent.gpu.ports import GpuDiscovery, GpuTelemetry, MigAdministration
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
 from nodeagent.sdnotify import Notifier
 
 if TYPE_CHECKING:
     from nodeagent.kube.node import NodeWatchHub
-    from nodeagent.kube.podresources import PodResourcesClient
+
+# (the parts and helpers that moved to ``component`` and ``support``, importable from here as before)
+__all__ = ["GLOBAL_SECTIONS", "READY_FALLBACK", "STOP_TIMEOUT", "Component", "ComponentSpec", "Context", "Daemon",
+           "GpuSource", "RunRecorder", "close_quietly", "run_daemon", "trim_heap"]
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 3.0  # seconds all components together get to stop (the unit allows 5)
 READY_FALLBACK = 60.0  # READY=1 is sent after this long even if the kubelet never answered
-
-
-class GpuSource(GpuDiscovery, MigAdministration, HealthSource, GpuTelemetry, Protocol):
-    """What the daemon and its components use of the NVML adapter: the ports of ``nodeagent.gpu.ports``
-    (discovery and MIG administration, health events, telemetry) and ``close``. ``open_nvml`` and
-    ``adapter_for_sim`` return one; tests hand in small fakes of the same shape."""
-
-    def discover(self, *, partial: bool = False) -> Inventory: ...
-
-    def close(self) -> None: ...
-
-
-class Context:
-    """What a component may use from the daemon: config, paths, the scheduler and a few callbacks."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self._daemon = daemon
-
-    @property
-    def config(self) -> AgentConfig:
-        return self._daemon.config
-
-    @property
-    def paths(self) -> HostPaths:
-        return self._daemon.paths
-
-    @property
-    def gpu(self) -> GpuSource:
-        return self._daemon.gpu
-
-    @property
-    def exiting(self) -> bool:
-        """True once the process is on its way out (components stop for good, not for a reload)."""
-        return self._daemon.exiting
-
-    @property
-    def pumps(self) -> EventPumps:
-        """The NVML event pumps of every health monitor; owned by the daemon, kept across reloads."""
-        return self._daemon.pumps
-
-    @property
-    def inventory(self) -> Inventory | None:
-        return self._daemon.inventory
-
-    @property
-    def node_name(self) -> str:
-        return self._daemon.node_name
-
-    @property
-    def scheduler(self) -> AsyncIOScheduler:
-        return self._daemon.scheduler
-
-    @property
-    def files(self) -> ConfigFiles:
-        """The validated contents of the files the config names (device-plugin config, MIG config)."""
-        return self._daemon.files
-
-    @property
-    def kube(self) -> Any:
-        """The shared ``KubeClient`` (None with ``kube = false``)."""
-        return self._daemon.kube
-
-    @property
-    def shared(self) -> Shared:
-        """The links between components (device plugin, metrics); they outlive reloads."""
-        return self._daemon.shared
-
-    @property
-    def node_watches(self) -> NodeWatchHub:
-        """The one watch of the own Node every component subscribes to (owned by the daemon)."""
-        return self._daemon.node_watches()
-
-    def host_path(self, host_path: str) -> Path:
-        return self._daemon.paths(host_path)
-
-    def pod_resources_client(self) -> PodResourcesClient:
-        """A client of the kubelet's PodResources socket (``[kubelet]``'s, under the root); its channel opens
-        at the first call. The caller closes it (``close_quietly``)."""
-        from nodeagent.kube.podresources import PodResourcesClient
-
-        return PodResourcesClient(self.host_path(self.config.kubelet.pod_resources()))
-
-    def request_resync(self) -> None:
-        """Ask for a rediscovery pass soon (after a MIG apply, a health change, ...)."""
-        self._daemon.request_resync()
-
-    def set_status(self, component: str, text: str) -> None:
-        self._daemon.set_status(component, text)
-
-    def spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
-        """A background task owned by the daemon (cancelled on stop, logged if it dies)."""
-        return self._daemon.spawn(coro, name)
-
-
-class Component:
-    """One part of the node. Override what applies; every hook is awaited on the daemon's loop."""
-
-    name = "component"
-    gates_ready = False  # READY=1 waits for ``ready`` of every component that sets this
-
-    def __init__(self) -> None:
-        self.ready = asyncio.Event()
-
-    async def start(self, ctx: Context) -> None:
-        """Start serving; return quickly (long work goes to ``ctx.spawn`` tasks)."""
-
-    async def on_inventory(self, inventory: Inventory) -> None:
-        """A new Inventory (first discovery, or the GPUs changed)."""
-
-    async def resync(self) -> None:
-        """The periodic full pass: re-publish what may have drifted."""
-
-    async def stop(self) -> None:
-        """Stop serving and release every socket, task and thread."""
-
-    def check_reload(self, new: AgentConfig) -> None:
-        """Refuse (``NodeAgentError``) a reloaded config this running component could not take, before
-        anything changes (e.g. a GPU index the node does not have)."""
-
-    async def reconfigure(self, old: AgentConfig, new: AgentConfig, changed: frozenset[str]) -> bool:
-        """Take the change of ``changed`` sections while running (``ctx.config`` is ``new`` already);
-        True: done, the component is not rebuilt. The default rebuilds."""
-        return False
-
-
-@dataclass(frozen=True)
-class ComponentSpec:
-    """How to build one component from the config, and which config sections it depends on."""
-
-    name: str
-    sections: frozenset[str]
-    build: Callable[[Context], Component | None]  # None = disabled by this config
 
 
 @dataclass
@@ -249,8 +121,8 @@ class Daemon:
         self.started_at = time.monotonic()
         self.reloads = 0
         self.resyncs = 0
-        if recorder is not None:  # the GPUs' health as the components report it, for doctor
-            self.shared.conditions.subscribe(self._record_health)
+        if recorder is not None:  # the GPUs' health and the conflicts as the components report them, for doctor
+            self.shared.conditions.subscribe(self.record_state)
 
     # -- public -----------------------------------------------------------------------------------------
 
@@ -311,6 +183,7 @@ class Daemon:
             self._recorder.started(self.config.source)
         try:
             await self._start()
+            self.record_state()
             await self._main_loop()
         finally:
             await self._shutdown()
@@ -392,7 +265,7 @@ class Daemon:
             return
         except Exception as e:
             log.debug("component %s could not be built", slot.spec.name, exc_info=True)
-            self._slot_failed(slot, f"cannot build: {_one_line(e)}")
+            self._slot_failed(slot, f"cannot build: {one_line(e)}")
             return
         if slot.component is None:
             self._status.pop(slot.spec.name, None)
@@ -403,7 +276,7 @@ class Daemon:
                 await slot.component.on_inventory(self.inventory)
         except Exception as e:
             log.debug("component %s failed to start", slot.spec.name, exc_info=True)
-            self._slot_failed(slot, f"failed to start: {_one_line(e)}")
+            self._slot_failed(slot, f"failed to start: {one_line(e)}")
             with contextlib.suppress(Exception):
                 await within(slot.component.stop(), STOP_TIMEOUT)
             slot.component = None
@@ -428,7 +301,7 @@ class Daemon:
             log.warning("component %s did not stop within %.1fs", slot.spec.name, timeout)
         except Exception as e:
             log.debug("component %s failed while stopping", slot.spec.name, exc_info=True)
-            log.error("component %s failed while stopping: %s", slot.spec.name, _one_line(e))
+            log.error("component %s failed while stopping: %s", slot.spec.name, one_line(e))
 
     async def _shutdown(self) -> None:
         log.info("stopping")
@@ -486,8 +359,8 @@ class Daemon:
                     await slot.component.resync()
                 except Exception as e:
                     log.debug("component %s resync failed", slot.spec.name, exc_info=True)
-                    log.warning("component %s resync failed: %s", slot.spec.name, _one_line(e))
-                    self.set_status(slot.spec.name, f"resync failed: {_one_line(e)}")
+                    log.warning("component %s resync failed: %s", slot.spec.name, one_line(e))
+                    self.set_status(slot.spec.name, f"resync failed: {one_line(e)}")
 
     async def _discover(self) -> bool:
         """Rediscover; True when the Inventory differs from the previous one."""
@@ -549,7 +422,7 @@ class Daemon:
         except Exception as e:  # a bug must not leave systemd waiting in "reloading" for good
             log.exception("reload failed")
             self.set_status("config", f"reload failed: {e}")
-            self._record_reload("failed", _one_line(e))
+            self._record_reload("failed", one_line(e))
         finally:
             self.notifier.ready(self.status_line())
 
@@ -561,14 +434,19 @@ class Daemon:
         else:
             log.exception("reload rejected, keeping the running config")
         self.set_status("config", f"reload rejected: {e}")
-        self._record_reload("rejected", _one_line(e))
+        self._record_reload("rejected", one_line(e))
 
-    def _record_health(self) -> None:
-        health = self.shared.conditions.health
-        faults = () if health is None else tuple(
-            Fault(gpu=f.index, xid=f.xid, gi=f.gi_id, recovery=f.recovery, lost=f.lost) for f in health.faults)
-        if self._recorder is not None:
-            self._recorder.health(faults)
+    def record_state(self) -> None:
+        """The GPUs' health, the other agents found and the device plugin's registrations, into the agent's
+        record (each written only when it changed)."""
+        if self._recorder is None:
+            return
+        conditions = self.shared.conditions
+        health = conditions.health
+        self._recorder.health(() if health is None else tuple(
+            Fault(gpu=f.index, xid=f.xid, gi=f.gi_id, recovery=f.recovery, lost=f.lost) for f in health.faults))
+        self._recorder.observed(tuple(OtherAgent(c.kind, c.subject, c.owner, c.detail) for c in conditions.conflicts),
+                                self.shared.device_plugin.registrations())
 
     def _record_reload(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str) -> None:
         if self._recorder is not None:
@@ -640,7 +518,7 @@ class Daemon:
             return await slot.component.reconfigure(old, new, changed)
         except Exception as e:
             log.debug("component %s could not take the change", slot.spec.name, exc_info=True)
-            log.warning("component %s could not take the change live (rebuilt): %s", slot.spec.name, _one_line(e))
+            log.warning("component %s could not take the change live (rebuilt): %s", slot.spec.name, one_line(e))
             return False
 
     def _open_sources(self, config: AgentConfig) -> tuple[GpuSource, Any]:
@@ -677,47 +555,6 @@ class Daemon:
             log.error("background task %s failed: %s", task.get_name(), exc, exc_info=exc)
 
 
-class RunRecorder(Protocol):
-    """Where the daemon leaves its start, reloads and stop for ``nodeagent doctor`` (``agentrecord``)."""
-
-    def started(self, config_source: str) -> None: ...
-
-    def reloaded(self, outcome: Literal["applied", "unchanged", "rejected", "failed"], detail: str = "",
-                 config_source: str | None = None) -> None: ...
-
-    def health(self, unhealthy: tuple[Fault, ...]) -> None: ...
-
-    def stopped(self) -> None: ...
-
-
-class Closable(Protocol):
-    def close(self) -> None: ...
-
-
-def close_quietly(obj: Closable) -> None:
-    """Close a client on the way out (a GPU source or API client being replaced, a component's channel);
-    a failure there changes nothing anymore."""
-    with contextlib.suppress(Exception):
-        obj.close()
-
-
-TRIM_AFTER_READY_S = 5.0  # start-up publishing has settled by then
-
-
-def trim_heap() -> bool:
-    """Hand the C heap's free pages back to the kernel (glibc ``malloc_trim``). Start-up (imports, the first
-    discovery and publish) frees about 1 MiB that glibc would otherwise keep resident for good in an idle
-    daemon. False where the C library has no ``malloc_trim``."""
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True
-
-
 def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = True) -> int:
     """Run the daemon on a new loop; returns its exit code.
 
@@ -742,11 +579,3 @@ def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = T
         sys.stderr.flush()
         os._exit(code)
     return code
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception as one bounded line for the log (its traceback goes to the debug level): nodeagent's
-    own errors as their message, anything else with its type (``OSError: [Errno 5] ...``)."""
-    text = str(e) if isinstance(e, NodeAgentError) else f"{type(e).__name__}: {e}"
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -498,7 +498,11 @@ class HealthMonitor:
             where = f"GPU {ev.gpu_index}" + (f" GI {ev.gi_id}" if ev.gi_id is not None else "")
             fault = self.faults.get(key)
             if fault is None:
-                log.warning("%s: critical XID %d, marking unhealthy", where, ev.xid)
+                window = self.settings.recovery_window_s
+                log.warning("%s: critical XID %d, marking unhealthy (%s)", where, ev.xid,
+                            "until the agent restarts: no [health] window" if window is None else
+                            f"Healthy again once NVML has shown it healthy for {window:.0f}s without another "
+                            f"critical XID; checked every {self.settings.poll_interval_s:.0f}s")
                 self.faults[key] = _Fault(reason=f"XID {ev.xid}", last_bad=now)
                 changed = True
             else:
@@ -550,11 +554,21 @@ class HealthMonitor:
                         fault.reason = f"{fault.reason.split(_RECOVERY_NOTE)[0]}{_RECOVERY_NOTE}{what})"
                     continue
             if window is None:
+                for k in keys:
+                    self._log_once(f"never:{k}", "GPU %d%s: NVML reports it healthy, but it stays Unhealthy until the "
+                                   "agent restarts (no [health] window: NVIDIA's behaviour)", index,
+                                   f" GI {k[1]}" if k[1] is not None else "")
                 continue
             for k in keys:
                 fault = self.faults[k]
                 if fault.healthy_since is None:
                     fault.healthy_since = now
+                    # said once per episode: the GPU answers again (after an XID, a loss, the driver's recovery
+                    # action), and when it will be served Healthy again
+                    log.info("GPU %d%s: NVML reports it healthy; it stays Unhealthy until %.0fs pass without a "
+                             "critical XID ([health] window): Healthy again in %.0fs unless one comes", index,
+                             f" GI {k[1]}" if k[1] is not None else "", window,
+                             max(0.0, max(now, fault.last_bad) + window - now))
                 if now - max(fault.healthy_since, fault.last_bad) >= window:
                     log.info("GPU %d%s healthy again after %.1fs without critical events", index,
                              f" GI {k[1]}" if k[1] is not None else "", window)

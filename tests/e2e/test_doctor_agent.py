@@ -79,7 +79,7 @@ def test_the_running_agent_in_its_unit_its_reloads_and_its_stop(tmp_path: Path) 
         agent_findings = _agent_findings(root)
         gone = _one(agent_findings, "agent", "warning", "nodeagent run is not running on this host "
                     f"(nodeagent.service installed, enabled); the last one (pid {agent.pid}) stopped at 20")
-        assert gone["fix"] == f"nodeagent --root {root} run --simulate t4x1"
+        assert gone["fix"] == f"nodeagent --root {root} run --simulate t4x1 --no-kube"
         _one(agent_findings, "agent", "ok", "applied (changed log_level) (a run that is over)")
 
 

@@ -232,8 +232,8 @@ def test_dra_driver_mig_manager_and_nfd_on_the_api(
         "handed over from the GPU Operator (nodeagent.io/handed-over), but "
         "nvidia.com/gpu.deploy.gpu-feature-discovery is no longer false",
     )
-    assert again["fix"] == f"nodeagent --root {root} adopt --node-name {node}"
+    assert again["fix"] == f"nodeagent --root {root} adopt --node-name {node} --kubeconfig {server.kubeconfig}"
     operator = _one(released, "node", "warning", "the GPU Operator deploys its device plugin on this node "
                     "(nvidia.com/gpu.deploy.device-plugin=true): nodeagent leaves nvidia.com/gpu to it")
-    assert operator["fix"] == f"nodeagent --root {root} adopt --node-name {node}"
+    assert operator["fix"] == f"nodeagent --root {root} adopt --node-name {node} --kubeconfig {server.kubeconfig}"
     assert not [f for f in findings if "deploys its device plugin" in f["text"]]  # while it was false

@@ -65,7 +65,7 @@ def test_agent_and_kubelet_states(root: Path) -> None:
         "no /var/lib/kubelet/device-plugins/kubelet.sock: the kubelet is not running",
     )
     agent = _one(findings, "agent", "warning", "nodeagent run is not running on this host")
-    assert agent["fix"] == f"nodeagent --root {root} run --simulate t4x1"
+    assert agent["fix"] == f"nodeagent --root {root} run --simulate t4x1 --no-kube"
 
     kubelet = socket.socket(socket.AF_UNIX)
     kubelet.bind(str(plugins / "kubelet.sock"))
@@ -87,7 +87,7 @@ def test_agent_and_kubelet_states(root: Path) -> None:
         kubelet.close()
     assert code == 1  # warnings only
     none = _one(findings, "kubelet", "warning", "the kubelet has no GPU resource registered")
-    assert none["fix"] == f"nodeagent --root {root} run --simulate t4x1"
+    assert none["fix"] == f"nodeagent --root {root} run --simulate t4x1 --no-kube"
     _one(findings, "agent", "ok", "nodeagent run is running (pid 777) in unit nodeagent.service")
     # the DaemonSet's container instead (cgroup v2, systemd driver): named by its pod's UID
     (root / "proc/777/cgroup").write_text(
@@ -102,7 +102,7 @@ def test_agent_and_kubelet_states(root: Path) -> None:
         "nodeagent run is running (pid 777) in pod 0f5e8a3c-2b1d-4e6f-9a7b-3c2d1e0f9a8b",
     )
     last = _one(findings, "agent", "warning", "last bootstrap: exit 1, failed: runtime")
-    assert last["fix"] == f"nodeagent --root {root} bootstrap --simulate t4x1"
+    assert last["fix"] == f"nodeagent --root {root} bootstrap --simulate t4x1 --no-kube --output {root}/run/nodeagent/bootstrap.json"
 
 
 def test_the_agents_node_conditions_and_an_unreachable_api(root: Path, kube_apiserver: KubeApiServer) -> None:
@@ -176,6 +176,6 @@ def test_no_driver(root: Path) -> None:
     nvml = _one(findings, "driver", "error", "NVML cannot be used")
     assert (
         nvml["fix"]
-        == f"install or load the NVIDIA driver, or try nodeagent --root {root} doctor --simulate dgx-h100"
+        == f"install or load the NVIDIA driver, or try nodeagent --root {root} doctor --simulate dgx-h100 --no-kube"
     )
     assert {f["area"] for f in findings} >= {"driver", "containerd", "kubelet", "node", "agent"}

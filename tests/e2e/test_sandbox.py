@@ -408,10 +408,11 @@ def test_the_trace_sees_what_leaves_a_sandbox(box: Sandbox) -> None:
 
 
 def test_hints_carry_the_root_and_the_simulator(box: Sandbox) -> None:
-    """A hint run literally acts where the command that printed it acted: never on the host instead."""
+    """A hint run literally acts where the command that printed it acted: never on the host instead; and it
+    runs as printed (the agent without the API hints bootstrap without it too)."""
     demo = (box.tmp / "demo").resolve()
     box.traced(*DEMO_RUN, long_running=DEMO_SOCKET, said="bootstrap --simulate")
-    assert f"run `nodeagent --root {demo} bootstrap --simulate dgx-h100`" in box.output, box.output[-3000:]
+    assert f"run `nodeagent --root {demo} bootstrap --simulate dgx-h100 --no-kube`" in box.output, box.output[-3000:]
     (demo / "var/run/cdi").mkdir(parents=True, exist_ok=True)
     (demo / "var/run/cdi/nvidia.yaml").write_text("cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices: []\n")
     box.traced("--root", "./demo", "cdi", "show", "--simulate", "dgx-h100", "--check", expect=1)

@@ -8,11 +8,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from nodeagent.agentrecord import RECORD, AgentRecorder, Fault, read_record
+from nodeagent.agentrecord import (
+    LOCK,
+    MAX_RECORD_BYTES,
+    RECORD,
+    AgentRecorder,
+    Fault,
+    LockView,
+    OtherAgent,
+    Registration,
+    lock_holder,
+    read_record,
+)
 from nodeagent.config import AgentConfig, apply_overrides
 from nodeagent.daemon import Component, ComponentSpec, Daemon
 from nodeagent.errors import ConfigError, InputError
@@ -37,7 +51,7 @@ def test_start_reloads_stop_and_unclean_ends(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / RECORD.lstrip("/")).read_text())
     assert doc == {"version": 1, "pid": 100, "started": 1_790_000_001.0, "config": "/etc/nodeagent/config.toml",
                    "starts": 1, "reloads": 0, "last_reload": None, "stopped": None, "unclean_ends": 0,
-                   "last_unclean": {}, "unhealthy": [], "health_changed": None}
+                   "last_unclean": {}, "unhealthy": [], "health_changed": None, "conflicts": [], "resources": []}
     first.reloaded("rejected", "/etc/nodeagent/config.toml:\n unknown key 'x'")
     first.reloaded("applied", "changed metrics", "/etc/nodeagent/other.toml")
     record = read_record(paths)
@@ -66,6 +80,11 @@ def test_start_reloads_stop_and_unclean_ends(tmp_path: Path) -> None:
     assert (read_record(paths) or record).health_changed == changed
     third.health(())
     assert (read_record(paths) or record).unhealthy == ()
+    conflict = OtherAgent("device-plugin", "nvidia.com/gpu", "nvidia-gpu.sock", "another device plugin serves ...")
+    waiting = Registration("nvidia.com/gpu", "nvidia-gpu.sock", False, "kubelet.sock does not exist")
+    third.observed((conflict,), (waiting,))
+    record = read_record(paths)
+    assert record is not None and (record.conflicts, record.resources) == ((conflict,), (waiting,))
     third.reloaded("failed", "x" * 1000)
     record = read_record(paths)
     assert record is not None and record.last_reload is not None and len(record.last_reload.detail) == 300
@@ -141,3 +160,63 @@ async def test_the_daemon_records_each_reload_with_its_outcome(tmp_path: Path) -
     await asyncio.wait_for(task, 5)
     record = read_record(paths)
     assert record is not None and record.reloads == 5 and record.stopped is not None
+
+
+@pytest.mark.parametrize("entry", ["loop", "fifo", "dangling"])
+def test_the_agents_own_record_never_stops_it(tmp_path: Path, entry: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A link loop, a FIFO or a dangling link at the record's name: replaced by the record with one warning
+    (a loop made ``run`` exit 2 before it started)."""
+    path = tmp_path / RECORD.lstrip("/")
+    path.parent.mkdir(parents=True)
+    if entry == "loop":
+        path.symlink_to(path.name)
+    elif entry == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/nowhere/agent.json")
+    recorder = AgentRecorder(HostPaths(tmp_path), pid=7)
+    with caplog.at_level(logging.WARNING):
+        recorder.started("")
+        recorder.reloaded("unchanged")
+        recorder.stopped()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    kind = "a FIFO" if entry == "fifo" else "a symbolic link"
+    assert warnings == [f"{RECORD} was {kind}, not the agent's file: replaced"], warnings
+    assert not path.is_symlink() and path.is_file()
+    record = read_record(HostPaths(tmp_path))
+    assert record is not None and record.pid == 7 and record.reloads == 1 and record.stopped is not None
+
+
+def test_the_running_agent_holds_its_lock_until_its_clean_stop(tmp_path: Path) -> None:
+    """doctor tells the record's run from the lock: held by this process while it runs, free after its stop;
+    no lock file at all says nothing (a recorder of another pid takes none)."""
+    paths = HostPaths(tmp_path)
+    AgentRecorder(paths, pid=4242).started("")
+    assert not lock_holder(paths).present
+    lock = tmp_path / LOCK.lstrip("/")
+    lock.symlink_to(lock.name)  # a loop at the lock's name is replaced too
+    recorder = AgentRecorder(paths)
+    recorder.started("")
+
+    def seen_from_another_process() -> str:  # (F_GETLK never reports the asking process's own lock)
+        code = ("import sys; from nodeagent.agentrecord import lock_holder; from nodeagent.hostpaths import HostPaths; "
+                "print(lock_holder(HostPaths(sys.argv[1])))")
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert seen_from_another_process() == repr(LockView(True, os.getpid()))
+    recorder.stopped()
+    assert seen_from_another_process() == repr(LockView(True, None))
+
+
+def test_what_the_agent_observed_stays_within_what_doctor_reads(tmp_path: Path) -> None:
+    paths = HostPaths(tmp_path)
+    recorder = AgentRecorder(paths, pid=9)
+    recorder.started("")
+    many = tuple(OtherAgent("feature-labels", f"label-{i}", "nfd", "x" * 5000) for i in range(100))
+    waiting = tuple(Registration(f"nvidia.com/mig-{i}g", f"nvidia-mig-{i}g.sock", False, "y" * 5000) for i in range(100))
+    recorder.observed(many, waiting)
+    assert (tmp_path / RECORD.lstrip("/")).stat().st_size < MAX_RECORD_BYTES
+    record = read_record(paths)
+    assert record is not None and len(record.conflicts) == len(record.resources) == 32
+    assert len(record.conflicts[0].detail) == len(record.resources[0].why) == 600

@@ -12,7 +12,8 @@ import pytest
 
 from nodeagent.adopt.detect import operator_conflicts
 from nodeagent.config import AgentConfig
-from nodeagent.doctor import HostChecks, Report, Sources, _unit_activity
+from nodeagent.doctor import HostChecks, Report, Sources
+from nodeagent.doctor.agent import _unit_activity
 from nodeagent.errors import NodeAgentError
 from nodeagent.hostcommands import ConfigVerdict, UnitState, run_bounded
 from nodeagent.hostpaths import HostPaths

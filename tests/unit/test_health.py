@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -208,3 +209,35 @@ async def test_event_pumps_are_owned_by_their_creator() -> None:
         assert m3.is_healthy(1)  # another owner's registry knows nothing of it
     finally:
         await m3.stop()
+
+
+async def test_what_keeps_a_gpu_unhealthy_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The XID says when the GPU can come back; the first poll that finds it healthy again (after a loss, or
+    after the simulator's ``recover``) says that it stays out for the [health] window, and for how long; with
+    no window, that it stays out until the agent restarts."""
+    m, src, clock = monitor()
+    with caplog.at_level(logging.INFO, logger="nodeagent.gpu.health"):
+        await m.handle_events([{"gpu_index": 0, "xid": 79}])
+        src.healthy[0] = False
+        await m.poll_once()
+        src.healthy[0] = True  # recovered
+        clock.now += 4
+        await m.poll_once()
+        clock.now += 3
+        await m.poll_once()  # (said once per episode)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == ("GPU 0: critical XID 79, marking unhealthy (Healthy again once NVML has shown it healthy "
+                        "for 10s without another critical XID; checked every 1s)"), lines
+    assert lines[1:] == ["GPU 0: NVML reports it healthy; it stays Unhealthy until 10s pass without a critical "
+                         "XID ([health] window): Healthy again in 10s unless one comes"], lines
+
+    m, src, clock = monitor(window=None)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nodeagent.gpu.health"):
+        await m.handle_events([{"gpu_index": 1, "xid": 48}])
+        await m.poll_once()
+        await m.poll_once()
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1: critical XID 48, marking unhealthy (until the agent restarts: no [health] window)",
+        "GPU 1: NVML reports it healthy, but it stays Unhealthy until the agent restarts (no [health] window: "
+        "NVIDIA's behaviour)"]

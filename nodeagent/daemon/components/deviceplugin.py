@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nodeagent.agentrecord import Registration
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.components.conditions import report_gpu_health
 from nodeagent.daemon.planes import LEDGER_FILE, check_dra_gpus, only_the_split_changed
@@ -13,16 +15,47 @@ from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.gpu.inventory import Inventory
 
 
+def _soon(record: Callable[[], None]) -> None:
+    """Record once the service's step that made the change is over (a registration is done only once its
+    task has left the service's registering set, right after the count)."""
+    try:
+        asyncio.get_running_loop().call_soon(record)
+    except RuntimeError:
+        record()
+
+
 class _Registrations(dict[str, int]):
     """The service's count of successful Register calls per resource, waking a waiter on every change."""
 
-    def __init__(self, changed: asyncio.Event) -> None:
+    def __init__(self, changed: asyncio.Event, record: Callable[[], None]) -> None:
         super().__init__()
         self._changed = changed
+        self._record = record
 
     def __setitem__(self, key: str, value: int) -> None:
         super().__setitem__(key, value)
         self._changed.set()
+        _soon(self._record)
+
+
+class _Failures(dict[str, str]):
+    """The service's reasons why a resource is not registered, told to the agent's record when one changes."""
+
+    def __init__(self, record: Callable[[], None]) -> None:
+        super().__init__()
+        self._record = record
+
+    def __setitem__(self, key: str, value: str) -> None:
+        if self.get(key) != value:
+            super().__setitem__(key, value)
+            _soon(self._record)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            value = super().pop(key)
+            _soon(self._record)
+            return value
+        return super().pop(key, *default)
 
 
 class DevicePluginComponent(Component):
@@ -65,7 +98,8 @@ class DevicePluginComponent(Component):
             publish=ctx.paths.publish,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
-        self.service.registrations = _Registrations(self._changed)
+        self.service.registrations = _Registrations(self._changed, ctx.record_state)
+        self.service.failures = _Failures(ctx.record_state)
         self._ctx = ctx
         self._started = False
         monitor = self.service.monitor
@@ -148,6 +182,14 @@ class DevicePluginComponent(Component):
 
     def registered(self) -> dict[str, bool]:
         return self.service.registered()
+
+    def registrations(self) -> list[Registration]:
+        """Each resource served (or held back) with its socket, whether the kubelet holds its registration,
+        and why not (the agent's record)."""
+        registered = self.service.registered()
+        return [Registration(name, self.service.server(name).endpoint, registered.get(name, False),
+                             "" if registered.get(name) else self.service.failures.get(name, ""))
+                for name in sorted(self.service.resources())]
 
     def allocations(self) -> dict[tuple[str, str], int]:
         return self.service.allocations()

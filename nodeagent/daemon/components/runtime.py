@@ -69,7 +69,8 @@ class RuntimeCheckComponent(Component):
                 files = ", ".join(f.path for f in result.files if f.action != "unchanged")
                 sim = self._ctx.config.simulate
                 flags = (f" --simulate {shlex.quote(sim.machine)}" if sim.machine else "") + (
-                    f" --sim-state {shlex.quote(sim.state)}" if sim.state else "")
+                    f" --sim-state {shlex.quote(sim.state)}" if sim.state else "") + (
+                    "" if self._ctx.config.kube else " --no-kube")  # (else bootstrap wants credentials)
                 log.warning("containerd is not wired for the NVIDIA runtime (%s); run `%s`", files,
                             self._ctx.paths.command("bootstrap" + flags))
             else:
