@@ -192,8 +192,8 @@ class AgentRecorder:
         self._record = record
         path = self._paths(RECORD)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fileio.atomic_write(path, record.to_json(), mode=0o644, backup=False, durable=False)
+            fileio.atomic_write(path, record.to_json(), mode=0o644, backup=False, durable=False, root=self._paths,
+                                parents=True)
         except OSError as e:
             if not self._failed:
                 log.warning("cannot write the agent record %s (doctor will not see this run): %s", RECORD, e)

@@ -355,7 +355,7 @@ def _kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | None,
     def is_ours(pid: int) -> bool:
         return pid in agents if agents is not None else False
 
-    local = d.read_plugin_dir(directory, is_ours)
+    local = d.read_plugin_dir(directory, is_ours, root=src.paths)
     # without /proc under the root the listener of a socket at nodeagent's own name cannot be named: taken as
     # nodeagent's
     foreign = [s for s in local.foreign if agents is not None or s.name not in wanted.values()]

@@ -58,9 +58,10 @@ def gpu_options(f: F) -> F:
 
 
 def gpu_opts(ctx: click.Context) -> GpuOptions:
-    """The --simulate/--sim-state values given to this command."""
+    """The --simulate/--sim-state values of this command, the state file as ``Settings.sim_state`` makes it
+    (inside ``--root``; the default sandbox's own when none is given)."""
     opts: GpuOptions = ctx.meta.get(_META_KEY, GpuOptions())
-    return opts
+    return GpuOptions(opts.simulate, settings_of(ctx).sim_state(opts.sim_state))
 
 
 def open_adapter(ctx: click.Context) -> NvmlAdapter:

@@ -23,7 +23,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str, stdin: str | None = None
 
 def test_plan_apply_assert_export(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    state = str(tmp_path / "sim.json")
+    state = str(tmp_path / "root" / "sim.json")
     root = ["--root", str(tmp_path / "root")]
     sim = ["--simulate", "a30x4", "--sim-state", state]
     code, out, _ = run(capsys, *root, "mig", "plan", *sim, "-c", "all-balanced")
