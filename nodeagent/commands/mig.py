@@ -85,7 +85,7 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
     left half-changed is put back to its previous layout, then the plan is made from what is there.
     """
     paths = settings_of(ctx).paths
-    state = MigStateFile(paths.mig_state_dir)
+    state = MigStateFile(paths.mig_state_dir, paths)
     sources = load_sources(config_file, hooks_file)  # a missing or broken file stops here: nothing changed
     with _adapter(ctx) as adapter:
         pipeline = MigPipeline(adapter, sources, state=state, proc_root=paths.proc)

@@ -127,11 +127,11 @@ class MigStateFile:
 
     def __init__(self, state_dir: Path, root: Root | None = None) -> None:
         self.path = state_dir / self.NAME
-        self._root = root  # the path is resolved inside it at each read and write
+        self.root = root  # the path (and /proc, for the busy GPUs' processes) resolved inside it at each use
 
     def load(self) -> dict[str, Any] | None:
         try:
-            text = read_text(self.path, root=self._root)
+            text = read_text(self.path, root=self.root)
             if text is None:
                 return None
             doc = json.loads(text)
@@ -144,7 +144,7 @@ class MigStateFile:
 
     def save(self, doc: Mapping[str, Any]) -> None:
         atomic_write(self.path, json.dumps(dict(doc), indent=1, sort_keys=True) + "\n", mode=0o600, backup=False,
-                     root=self._root, parents=True)
+                     root=self.root, parents=True)
 
     def update(self, **changes: Any) -> None:
         doc = self.load() or {}
@@ -246,7 +246,8 @@ class Applier:
                 continue  # only new instances: running work is not disturbed
             procs = self.adapter.processes(g.index)
             if procs:
-                names = "; ".join(describe_process(p, self.proc_root, self.pod_name) for p in procs)
+                names = "; ".join(describe_process(p, self.proc_root, self.pod_name,
+                                                    self.state.root if self.state else None) for p in procs)
                 busy.append(f"GPU {g.index}: {names}")
         if busy:
             raise GpuBusyError(

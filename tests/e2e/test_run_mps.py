@@ -68,7 +68,8 @@ def test_run_serves_mps_and_ties_the_daemon_to_the_agent(tmp_path: Path, kubelet
             assert len(pids) == 1, pids  # one daemon for the resource, its server on all 8 GPUs
             first = pids.pop()
             assert alive(first)
-            assert (root / "usr/bin/nvidia-cuda-mps-control").is_file()  # the stand-in, inside the root
+            # the simulator's stand-in is the agent's own module: nothing is installed in (or run from) the root
+            assert not (root / "usr/bin/nvidia-cuda-mps-control").exists()
             a = kubelet_harness.allocate("nvidia.com/gpu", 1, pod="mps")
             assert a.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/nodeagent/mps/nvidia.com_gpu/pipe"
 
