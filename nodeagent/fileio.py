@@ -24,6 +24,7 @@ would block the reader; a device may do anything on open), and so is a file larg
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -47,8 +48,17 @@ class Root(Protocol):
     def within(self, path: Path | str) -> Path: ...
 
 
+def _within(root: Root, path: Path | str) -> Path:
+    try:
+        return root.within(path)
+    except ValueError as e:  # a loop of links under the root: what the kernel would say of it
+        if "symbolic links" in str(e):
+            raise OSError(errno.ELOOP, str(e), str(path)) from e
+        raise
+
+
 def _at(path: Path | str, root: Root | None) -> Path:
-    return Path(path) if root is None else root.within(path)
+    return Path(path) if root is None else _within(root, path)
 
 
 class UnreadableFileError(ConfigError):
@@ -67,7 +77,10 @@ def _kind(mode: int) -> str:
 def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, root: Root | None = None) -> bytes | None:
     """The bytes of a regular file, ``None`` when it does not exist; never blocks, never reads more than
     ``max_bytes``. Anything else raises ``UnreadableFileError`` with one line naming the file."""
-    p = _at(path, root)
+    try:
+        p = _at(path, root)
+    except OSError as e:  # a loop of links under the root
+        raise UnreadableFileError(f"{path}: cannot read: {e.strerror}", subject=str(path)) from e
     try:
         st = os.stat(p)
     except FileNotFoundError:
@@ -186,7 +199,7 @@ def _target(path: Path, root: Root | None) -> Path:
     # Writing through a symlink replaces the file it points to, not the link itself: under a root the link
     # is followed inside the root (every component, the directory of the temporary file included).
     if root is not None:
-        return root.within(path)
+        return _within(root, path)
     return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
@@ -277,7 +290,7 @@ def atomic_write(
 def remove(path: Path | str, *, durable: bool = True, root: Root | None = None) -> bool:
     """Delete a file durably (directory flushed unless ``durable=False``); ``False`` when it was already
     gone. Under ``root`` the directory is resolved inside it, never the file's own link (the link goes)."""
-    p = Path(path) if root is None else root.within(Path(path).parent) / Path(path).name
+    p = Path(path) if root is None else _within(root, Path(path).parent) / Path(path).name
     try:
         p.unlink()
     except FileNotFoundError:

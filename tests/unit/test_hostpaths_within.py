@@ -100,3 +100,17 @@ def test_mig_state_behind_a_dotdot_link_is_kept_inside_the_root(tmp_path: Path) 
     assert _files(outside) == ["victim.json"]  # no temporary file made or renamed there
     assert (root / str(outside).lstrip("/") / "victim.json").is_file()
     assert state.load() is not None
+
+
+def test_a_loop_of_links_is_an_os_error_for_the_file_functions(tmp_path: Path) -> None:
+    """A loop planted under the root is what the kernel says of it (ELOOP), which the callers handle as any
+    unreadable or unwritable file, not an exception they do not expect."""
+    root, _outside, paths = _layout(tmp_path)
+    os.symlink("/var/lib/nodeagent/b", root / "var/lib/nodeagent/a")
+    os.symlink("/var/lib/nodeagent/a", root / "var/lib/nodeagent/b")
+    with pytest.raises(HostPathError, match="too many levels"):
+        paths.within(root / "var/lib/nodeagent/a")
+    with pytest.raises(fileio.UnreadableFileError, match="too many levels"):
+        fileio.read_text(root / "var/lib/nodeagent/a", root=paths)
+    with pytest.raises(OSError, match="too many levels"):
+        fileio.atomic_write(root / "var/lib/nodeagent/a", "x", root=paths)
