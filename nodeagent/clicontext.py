@@ -110,6 +110,7 @@ class Settings:
             return Path(os.path.abspath(given))
         from nodeagent import fileio
         from nodeagent.config import flag_path
+        from nodeagent.errors import InputError
 
         paths = self._paths
         host = flag_path(paths, Path(given), flag)
@@ -119,7 +120,7 @@ class Settings:
             try:
                 fileio.makedirs(resolved.parent, root=paths)
             except OSError as e:
-                raise click.UsageError(f"{flag} {given}: cannot make its directory ({e.strerror})") from e
+                raise InputError(f"{flag} {given}: cannot make its directory: {e.strerror}", subject=flag) from e
         return resolved
 
     def simulated_by_config(self, machine: str, state: str) -> None:
