@@ -78,3 +78,14 @@ def test_busy_refusal_exit_1_and_reboot_exit_3(tmp_path: Path, capsys: pytest.Ca
     inject.fail_next(store, "simResetGpu", 16)
     code, _, err = run(capsys, *base, "mig", "apply", *sim, "-c", "all-3g.40gb")
     assert code == 3 and "reboot" in err
+
+
+def test_apply_on_a_simulated_machine_without_its_state_file_says_it_is_not_kept(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under --root without --sim-state the machine lives in the command's process: one warning line says the
+    change is gone at the next command (without --root the default sandbox keeps it: tests/e2e/test_sandbox.py)."""
+    code, out, err = run(capsys, "--root", str(tmp_path), "mig", "apply", "--simulate", "a30x4", "-c", "all-balanced")
+    assert code == 0 and "applied all-balanced" in out, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: the simulated machine is not kept without --sim-state FILE: this change is gone "
+                        "at the next command"], err
