@@ -89,3 +89,14 @@ def test_apply_on_a_simulated_machine_without_its_state_file_says_it_is_not_kept
     warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
     assert warnings == ["warning: the simulated machine is not kept without --sim-state FILE: this change is gone "
                         "at the next command"], err
+
+
+def test_the_default_sandbox_keeps_the_simulated_machine_between_commands(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --root and --sim-state the machine's sandbox holds its state: an apply is there for the next
+    command, whether --simulate is repeated or not (the file records the machine)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert run(capsys, "mig", "apply", "--simulate", "a30x4", "-c", "all-balanced")[0] == 0
+    code, out, err = run(capsys, "mig", "assert", "--simulate", "a30x4", "-c", "all-balanced")
+    assert (code, out.strip()) == (0, "config all-balanced is applied"), err
+    assert (tmp_path / "nodeagent-sim/a30x4/sim-state.json").is_file()
