@@ -344,9 +344,9 @@ class AgentRecorder:
         try:
             # the record's own name is never followed: a link (a loop) or a FIFO there is replaced
             path = self._paths(posixpath.dirname(RECORD)) / posixpath.basename(RECORD)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            fileio.makedirs(path.parent, root=self._paths)
             self._clear(path)
-            fileio.atomic_write(path, record.to_json(), mode=0o644, backup=False, durable=False)
+            fileio.atomic_write(path, record.to_json(), mode=0o644, backup=False, durable=False, root=self._paths)
         except (OSError, NodeAgentError) as e:
             if not self._failed:
                 log.warning("cannot write the agent record %s (doctor will not see this run): %s", RECORD, e)

@@ -304,7 +304,7 @@ def _apply_mig(config: AgentConfig, paths: HostPaths, inventory: Inventory, name
     sim_state = Path(config.simulate.state) if config.simulate.state else None
     adapter = open_nvml(config.simulate.machine or None, sim_state, paths)
     try:
-        pipeline = MigPipeline(adapter, sources, state=MigStateFile(paths.mig_state_dir),
+        pipeline = MigPipeline(adapter, sources, state=MigStateFile(paths.mig_state_dir, paths),
                                proc_root=paths.proc)
         # an apply interrupted earlier (a killed agent) is resolved before the real plan: every GPU it left
         # half-changed goes back to its previous layout; a failure there fails the step (exit 1)

@@ -88,15 +88,47 @@ class Settings:
         self._check_simulated_root()
 
     def simulate(self, label: str) -> None:
-        """The command runs on the NVML simulator (``label``: the machine, or the state file's name)."""
-        if self._simulator is None:
+        """The command runs on the NVML simulator (``label``: the state file's name, else the machine). A
+        later, more precise label (the state file given after ``--simulate``) replaces the first one until
+        the sandbox is made, so the sandbox never depends on which of the two flags came first."""
+        if self._simulator is None or not self.sandbox_default:
             self._simulator = label
         self._check_simulated_root()
+
+    def sim_state(self, given: Path | str | None, flag: str = "--sim-state") -> Path | None:
+        """The simulator's state file for a command. Given under ``--root``: a file of the (simulated) node,
+        which nodeagent writes, so it must lie inside the root (else ``ConfigError`` naming ``flag``); it is
+        resolved there as a chroot would and its directory made. Given without ``--root``: the path as the
+        shell sees it. Not given, on the simulator's default sandbox: ``sim-state.json`` in that sandbox, so
+        the machine's MIG layout and faults are there for the next command as on a real node. Otherwise
+        None (a machine in memory, gone with the process)."""
+        if given is None:
+            if self._simulator is not None and not self.root_given:
+                return self.paths.root / SANDBOX_STATE
+            return None
+        if not self.root_given:
+            return Path(os.path.abspath(given))
+        from nodeagent import fileio
+        from nodeagent.config import flag_path
+        from nodeagent.errors import InputError
+
+        paths = self._paths
+        host = flag_path(paths, Path(given), flag)
+        assert host is not None
+        resolved = paths(host)
+        if host != "/" and resolved != paths.root:
+            try:
+                fileio.makedirs(resolved.parent, root=paths)
+            except OSError as e:
+                raise InputError(f"{flag} {given}: cannot make its directory: {e.strerror}", subject=flag) from e
+        return resolved
 
     def simulated_by_config(self, machine: str, state: str) -> None:
         """A config file's ``[simulate]`` (not a flag) asks for the simulator: it needs a root given on the
         command line, since that config was itself read through the root."""
         label = simulation_label(machine or None, Path(state) if state else None)
+        if state and self.root_given:
+            self.sim_state(state, "simulate.state")  # the node's state: inside the root, as the flag
         if label is None or self._simulator is not None:
             return
         if not self.root_given:
@@ -122,6 +154,9 @@ class Settings:
         return " ".join(parts)
 
 
+SANDBOX_STATE = "sim-state.json"  # the state file of the simulator's default sandbox, in the sandbox
+
+
 def default_sim_root(label: str) -> Path:
     """The simulator's sandbox when no ``--root`` is given: ``$XDG_RUNTIME_DIR/nodeagent-sim/<label>``
     (else under ``~/.local/state``), never the host's ``/``."""
@@ -140,9 +175,10 @@ def settings_of(ctx: click.Context) -> Settings:
 
 
 def simulation_label(machine: str | None, state: Path | None) -> str | None:
-    """What names a simulated machine's sandbox: the machine, else the state file; None: no simulator."""
-    if machine:
-        return machine
+    """What names a simulated machine's sandbox: the state file when one is given (the same file gives the
+    same sandbox, whether ``--simulate`` is repeated or not), else the machine; None: no simulator."""
     if state is not None:
         return "state-" + state.stem
+    if machine:
+        return machine
     return None

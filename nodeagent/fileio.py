@@ -11,6 +11,11 @@ Backups: with ``backup=True`` the exact previous bytes are kept next to the file
 version is kept; callers that need the original across several writes (``runtime unconfigure``) keep it
 in their own state file.
 
+Under a root: every function here takes ``root`` (the ``HostPaths`` of the command, or anything with its
+``within``) and then resolves the path inside that root at the moment it opens, creates, lists or renames it,
+as a chroot would: a symlink under the root never leads out of it, whatever it was when the path was built.
+Without ``root`` a path is the host's (the user's own input files, the real node's ``/``).
+
 Reading input: ``read_regular`` reads only regular files and at most a given number of bytes. A FIFO,
 device, socket or directory where a file is expected is refused with one line before it is opened (a FIFO
 would block the reader; a device may do anything on open), and so is a file larger than the cap.
@@ -19,12 +24,13 @@ would block the reader; a device may do anything on open), and so is a file larg
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from nodeagent.errors import ConfigError
 
@@ -34,6 +40,25 @@ DEFAULT_MODE = 0o644
 # Default cap of ``read_regular``: far above any config or state file nodeagent reads (a few KiB).
 MAX_READ_BYTES = 4 << 20
 _CHUNK = 1 << 16
+
+
+class Root(Protocol):
+    """Where host paths live (``HostPaths``): ``within`` resolves a path under it, inside it, now."""
+
+    def within(self, path: Path | str) -> Path: ...
+
+
+def _within(root: Root, path: Path | str) -> Path:
+    try:
+        return root.within(path)
+    except ValueError as e:  # a loop of links under the root: what the kernel would say of it
+        if "symbolic links" in str(e):
+            raise OSError(errno.ELOOP, str(e), str(path)) from e
+        raise
+
+
+def _at(path: Path | str, root: Root | None) -> Path:
+    return Path(path) if root is None else _within(root, path)
 
 
 class UnreadableFileError(ConfigError):
@@ -49,10 +74,13 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES) -> bytes | None:
+def read_regular(path: Path | str, *, max_bytes: int = MAX_READ_BYTES, root: Root | None = None) -> bytes | None:
     """The bytes of a regular file, ``None`` when it does not exist; never blocks, never reads more than
     ``max_bytes``. Anything else raises ``UnreadableFileError`` with one line naming the file."""
-    p = Path(path)
+    try:
+        p = _at(path, root)
+    except OSError as e:  # a loop of links under the root
+        raise UnreadableFileError(f"{path}: cannot read: {e.strerror}", subject=str(path)) from e
     try:
         st = os.stat(p)
     except FileNotFoundError:
@@ -104,12 +132,12 @@ def read_stream(stream: BinaryIO, name: str, *, max_bytes: int = MAX_READ_BYTES)
     raise UnreadableFileError(f"{name}: more than the {max_bytes} bytes nodeagent reads", subject=name)
 
 
-def check_writable(path: Path | str) -> None:
+def check_writable(path: Path | str, *, root: Root | None = None) -> None:
     """Raise ``UnreadableFileError`` unless ``atomic_write``/``remove`` could replace ``path`` now: the
     existing file opens for writing (not immutable, not on a read-only mount) and its directory (or the
     nearest existing parent, for a directory still to be created) takes a new file. Writes nothing that
     stays."""
-    p = Path(path)
+    p = _at(path, root)
     try:
         st = os.stat(p)
     except FileNotFoundError:
@@ -139,16 +167,16 @@ def backup_path(path: Path) -> Path:
     return path.with_name(path.name + BACKUP_SUFFIX)
 
 
-def read_bytes(path: Path, *, max_bytes: int = MAX_READ_BYTES) -> bytes | None:
+def read_bytes(path: Path, *, max_bytes: int = MAX_READ_BYTES, root: Root | None = None) -> bytes | None:
     """The bytes of a regular file (``read_regular``: never blocks, bounded), ``None`` when it does not
     exist."""
-    return read_regular(path, max_bytes=max_bytes)
+    return read_regular(path, max_bytes=max_bytes, root=root)
 
 
-def read_text(path: Path, *, max_bytes: int = MAX_READ_BYTES) -> str | None:
+def read_text(path: Path, *, max_bytes: int = MAX_READ_BYTES, root: Root | None = None) -> str | None:
     """The file's text (UTF-8, newlines untouched), or ``None`` when it does not exist; a file that is not
     UTF-8 is ``UnreadableFileError`` too."""
-    data = read_bytes(path, max_bytes=max_bytes)
+    data = read_bytes(path, max_bytes=max_bytes, root=root)
     if data is None:
         return None
     try:
@@ -167,9 +195,20 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _target(path: Path) -> Path:
-    # Writing through a symlink replaces the file it points to, not the link itself.
+def _target(path: Path, root: Root | None) -> Path:
+    # Writing through a symlink replaces the file it points to, not the link itself: under a root the link
+    # is followed inside the root (every component, the directory of the temporary file included).
+    if root is not None:
+        return _within(root, path)
     return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def makedirs(path: Path | str, *, mode: int = 0o777, root: Root | None = None) -> Path:
+    """``mkdir -p`` (existing directories kept); under ``root`` each component is resolved inside it first.
+    Returns the directory as made."""
+    p = _at(path, root)
+    p.mkdir(parents=True, exist_ok=True, mode=mode)
+    return p
 
 
 def _write_replace(
@@ -212,6 +251,8 @@ def atomic_write(
     backup: bool = True,
     before_rename: Callable[[Path], None] | None = None,
     durable: bool = True,
+    root: Root | None = None,
+    parents: bool = False,
 ) -> Path | None:
     """Replace ``path`` with ``data`` atomically; return the backup path if a backup was written.
 
@@ -221,9 +262,12 @@ def atomic_write(
     fully written temporary file just before it replaces the target. ``durable=False`` skips the
     fsyncs: the replacement is still atomic for readers and against a killed process (the page cache
     survives it), but a power loss may bring back the previous file; only for files whose content ends
-    with the boot anyway.
+    with the boot anyway. ``root``: the path is resolved inside it (see the module's text); ``parents``:
+    make the missing directories first (inside the root too).
     """
-    target = _target(Path(path))
+    target = _target(Path(path), root)
+    if parents:
+        target.parent.mkdir(parents=True, exist_ok=True)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     try:
         st: os.stat_result | None = os.stat(target)
@@ -243,10 +287,10 @@ def atomic_write(
     return written_backup
 
 
-def remove(path: Path | str, *, durable: bool = True) -> bool:
+def remove(path: Path | str, *, durable: bool = True, root: Root | None = None) -> bool:
     """Delete a file durably (directory flushed unless ``durable=False``); ``False`` when it was already
-    gone."""
-    p = Path(path)
+    gone. Under ``root`` the directory is resolved inside it, never the file's own link (the link goes)."""
+    p = Path(path) if root is None else _within(root, Path(path).parent) / Path(path).name
     try:
         p.unlink()
     except FileNotFoundError:

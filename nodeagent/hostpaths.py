@@ -76,9 +76,38 @@ class HostPaths:
             return Path("/", *parts)
         return self.root.joinpath(*_resolve_inside(self.root, parts, text))
 
+    @property
+    def is_node_root(self) -> bool:
+        """Whether the root is the node's own ``/``: the host's, or the node's root mounted into nodeagent's
+        container (``--root-on-host /``). Only then does nodeagent execute a program of the node's driver;
+        a sandbox root's files are never executed."""
+        return str(self.root) == "/" or self.on_host == "/"
+
+    def within(self, path: Path | str) -> Path:
+        """A path under the root, resolved inside the root *now*: the chroot-style resolution ``__call__``
+        does, applied again to a path that was built from a resolved directory and may have had components
+        joined to it since (``paths.state_dir / "mig" / "mig-state.json"``), or whose links changed since it
+        was resolved. Every open, listing, mkdir, rename, socket bind and directory handed to a child goes
+        through this at the moment of use, so a link made under the root after the directory was resolved
+        still cannot lead out of it. With the root ``/`` the path is returned as it is (the host's own
+        resolution is the chroot's). A path that is not under the root is refused."""
+        text = os.fspath(path)
+        if "\0" in text:
+            raise HostPathError(f"path contains a NUL byte: {text!r}", subject=text)
+        if str(self.root) == "/":
+            return Path(text)
+        root = str(self.root)
+        if not text.startswith("/"):
+            text = os.path.join(os.getcwd(), text)
+        if text != root and not text.startswith(root + "/"):
+            raise HostPathError(f"{text} is not under the root {root}", subject=text)
+        rest = text[len(root):]
+        return self.root.joinpath(*_resolve_inside(self.root, rest.split("/"), "/" + rest.lstrip("/")))
+
     def to_host(self, path: Path) -> str:
         """The host path for a path under the root (inverse of ``__call__``)."""
-        rel = Path(os.path.realpath(path)).relative_to(self.root)
+        resolved = Path(os.path.realpath(path)) if str(self.root) == "/" else self.within(path)
+        rel = resolved.relative_to(self.root)
         return "/" + str(rel) if str(rel) != "." else "/"
 
     def published(self, path: Path | str) -> str:

@@ -61,25 +61,33 @@ def adapter_for_sim(sim: SimulatedNvml, paths: HostPaths | None = None) -> NvmlA
 
 def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_state: Path | None,
                 gpu: object = None, owner: str = "device-plugin") -> MpsManager:
-    """The MPS daemons' manager: ``nvidia-cuda-mps-control`` under the driver root; on the simulator the
-    stand-in is installed there when the first daemon is wanted and told which simulated state to use (only
-    a state file is shared with it; an in-memory machine shows no MPS server process). ``gpu``: the NVML
-    adapter, which switches the daemons' GPUs to EXCLUSIVE_PROCESS (anything else: compute modes untouched);
-    ``owner``: whose daemons these are (``device-plugin``, ``dra``), which names the record of those GPUs."""
+    """The MPS daemons' manager: ``nvidia-cuda-mps-control`` under the driver root, executed only when the
+    root is the node's own ``/`` (the host's, or the DaemonSet's ``--root /host --root-on-host /``): nothing
+    is ever executed from a sandbox root. On the simulator the stand-in is this interpreter running
+    ``nodeagent.simulator.mps_control`` (nothing of the root is executed), told which simulated state to use
+    (only a state file is shared with it; an in-memory machine shows no MPS server process). ``gpu``: the
+    NVML adapter, which switches the daemons' GPUs to EXCLUSIVE_PROCESS (anything else: compute modes
+    untouched); ``owner``: whose daemons these are (``device-plugin``, ``dra``), which names the record of
+    those GPUs."""
+    import sys
+
     from nodeagent.gpu.mps import COMPUTE_MODE_RECORD, CONTROL_BINARY, ComputeModes, MpsManager
 
     binary = paths(driver_root.rstrip("/") + CONTROL_BINARY)
     modes: ComputeModes | None = gpu if isinstance(gpu, ComputeModes) else None
     record = paths(COMPUTE_MODE_RECORD.format(owner=owner))
     if simulate is None and sim_state is None:
-        return MpsManager(binary, compute_modes=modes, record=record)
+        if not paths.is_node_root:
+            # a sandbox root with the real driver: its binary is the sandbox's file, never run
+            return MpsManager(binary, compute_modes=modes, record=record, root=paths,
+                              command=None, install=None, runnable=False)
+        return MpsManager(binary, compute_modes=modes, record=record, root=paths)
     if paths.root == Path("/"):
         raise InputError("the NVML simulator never acts on the real host: give it a sandbox root (--root DIR), not /")
-    from nodeagent.simulator.mps_control import install
-
     env: dict[str, str] = {}
     if sim_state is not None:
         env["NODEAGENT_SIM_STATE"] = str(sim_state.absolute())
         if simulate:
             env["NODEAGENT_SIM_MACHINE"] = simulate
-    return MpsManager(binary, extra_env=env, install=install, compute_modes=modes, record=record)
+    return MpsManager(binary, extra_env=env, compute_modes=modes, record=record, root=paths,
+                      command=(sys.executable, "-m", "nodeagent.simulator.mps_control"))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from nodeagent.errors import KubeError
+from nodeagent.fileio import Root
 from nodeagent.gpu.inventory import Inventory
 
 Kind = Literal["device-plugin", "dra-driver", "mig-manager", "feature-labels", "gpu-operator"]
@@ -282,7 +283,8 @@ class PluginDirFacts:
     silent: tuple[str, ...]
 
 
-def read_plugin_dir(directory: Path, is_ours: Callable[[int], bool], timeout_s: float = 1.0) -> PluginDirFacts:
+def read_plugin_dir(directory: Path, is_ours: Callable[[int], bool], timeout_s: float = 1.0,
+                    root: Root | None = None) -> PluginDirFacts:
     """Probe every socket of ``directory`` but kubelet.sock; ``is_ours(pid)`` says whether a
     listening process is nodeagent."""
     from nodeagent.deviceplugin.probe import registered_devices, scan
@@ -296,7 +298,7 @@ def read_plugin_dir(directory: Path, is_ours: Callable[[int], bool], timeout_s: 
             foreign.append(ForeignSocket(s.name, s.device_ids, s.pid))
         else:
             silent.append(s.name)
-    return PluginDirFacts(tuple(foreign), registered_devices(directory), tuple(silent))
+    return PluginDirFacts(tuple(foreign), registered_devices(directory, root), tuple(silent))
 
 
 def inventory_uuids(inventory: Inventory) -> set[str]:

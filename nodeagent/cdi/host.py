@@ -193,15 +193,18 @@ def _mounts_in(paths: HostPaths, base: Path, directories: tuple[str, ...], keep:
     out: list[Mount] = []
     seen: set[str] = set()
     for d in directories:
-        host_dir = base.joinpath(*PurePosixPath(d).parts[1:])
+        host_dir = paths.within(base.joinpath(*PurePosixPath(d).parts[1:]))  # its links followed inside the root
         try:
             entries = sorted(os.scandir(host_dir), key=lambda e: e.name)
         except (FileNotFoundError, NotADirectoryError):
             continue
         for e in entries:
             # Libraries: the versioned file itself (its .so.1 links are the loader's business); tools may
-            # be links (alternatives), which the bind mount follows.
-            if (keep is not None and e.is_symlink()) or not e.is_file():
+            # be links (alternatives), followed inside the root, whose target is what gets mounted.
+            if keep is not None and e.is_symlink():
+                continue
+            target = paths.within(e.path) if e.is_symlink() else Path(e.path)
+            if not target.is_file():
                 continue
             if keep is not None:
                 m = keep.fullmatch(e.name)
@@ -212,7 +215,7 @@ def _mounts_in(paths: HostPaths, base: Path, directories: tuple[str, ...], keep:
             if e.name in seen:  # the first directory that has a file wins, as on the loader path
                 continue
             seen.add(e.name)
-            out.append(Mount(f"{d}/{e.name}", paths.published(e.path)))
+            out.append(Mount(f"{d}/{e.name}", paths.published(target)))
     return out
 
 
@@ -234,8 +237,8 @@ def driver_key(paths: HostPaths, driver_version: str, driver_root: str = "/") ->
     within the last second. A few stats instead of listing the library directories, which on a real host
     hold thousands of files."""
     root = paths(driver_root)
-    dirs = [root.joinpath(*PurePosixPath(d).parts[1:]) for d in (*LIBRARY_DIRS, *BINARY_DIRS)]
-    dirs.append(root.joinpath("lib", "firmware", "nvidia", driver_version))
+    dirs = [paths.within(root.joinpath(*PurePosixPath(d).parts[1:])) for d in (*LIBRARY_DIRS, *BINARY_DIRS)]
+    dirs.append(paths.within(root.joinpath("lib", "firmware", "nvidia", driver_version)))
     dirs += [paths(posixpath.dirname(p)) for p in (*IPC_SOCKETS, *HOOK_CANDIDATES)]
     key: list[object] = [driver_version, driver_root]
     young = time.time_ns() - 1_000_000_000
@@ -260,10 +263,10 @@ def collect_driver(paths: HostPaths, driver_version: str, driver_root: str = "/"
     binaries = _mounts_in(paths, root, BINARY_DIRS, None, BINARIES, driver_version)
     firmware: list[Mount] = []
     fw_dir = f"/lib/firmware/nvidia/{driver_version}"
-    host_fw = root.joinpath(*PurePosixPath(fw_dir).parts[1:])
+    host_fw = paths.within(root.joinpath(*PurePosixPath(fw_dir).parts[1:]))
     if host_fw.is_dir():
         firmware = [Mount(f"{fw_dir}/{p.name}", paths.published(p)) for p in sorted(host_fw.iterdir())
-                    if p.is_file()]
+                    if not p.is_symlink() and p.is_file()]
     sockets = [Mount(s, paths.publish(s)) for s in IPC_SOCKETS if paths(s).exists()]
     hook = next(
         (paths.publish(h) for h in HOOK_CANDIDATES if paths(h).is_file() and os.access(paths(h), os.X_OK)), None

@@ -59,11 +59,14 @@ def mig_minors_text(gpu_minors: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if fileio.read_text(path) != text:
-        path.write_text(text)
-    os.chmod(path, mode)
+def _write(paths: HostPaths, path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``path`` (under the root) unless it holds ``text``; every component is resolved inside the root
+    as it is written, whatever links were made under it since the directory was named."""
+    target = fileio.makedirs(path.parent, root=paths) / path.name
+    target = paths.within(target)
+    if fileio.read_text(target) != text:
+        target.write_text(text)
+    os.chmod(target, mode)
 
 
 def _cap_text(minor: int) -> str:
@@ -81,40 +84,41 @@ class SimHostFiles:
 def materialise(paths: HostPaths, inventory: Inventory) -> SimHostFiles:
     """Lay out the ``/proc`` and ``/dev`` facts of ``inventory`` under ``paths`` (idempotent)."""
     _write(
+        paths,
         paths("/proc/devices"),
         "Character devices:\n  1 mem\n  4 tty\n195 nvidia-frontend\n"
         f"{SIM_UVM_MAJOR} nvidia-uvm\n{SIM_CAPS_MAJOR} nvidia-caps\n\nBlock devices:\n  8 sd\n",
     )
     minors = [g.minor_number for g in inventory.gpus]
-    _write(paths("/proc/driver/nvidia-caps/mig-minors"), mig_minors_text(minors), 0o444)
+    _write(paths, paths("/proc/driver/nvidia-caps/mig-minors"), mig_minors_text(minors), 0o444)
     caps_root = paths("/proc/driver/nvidia/capabilities")
-    _write(caps_root / "mig" / "config", _cap_text(1), 0o444)
-    _write(caps_root / "mig" / "monitor", _cap_text(2), 0o444)
+    _write(paths, caps_root / "mig" / "config", _cap_text(1), 0o444)
+    _write(paths, caps_root / "mig" / "monitor", _cap_text(2), 0o444)
     dev = paths("/dev")
     gpu_nodes: list[Path] = []
     for name in ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset"):
-        _write(dev / name, "", 0o666)
+        _write(paths, dev / name, "", 0o666)
     wanted_caps: set[str] = set()
     for g in inventory.gpus:
         node = dev / f"nvidia{g.minor_number}"
-        _write(node, "", 0o666)
+        _write(paths, node, "", 0o666)
         gpu_nodes.append(node)
         mig_dir = caps_root / f"gpu{g.minor_number}" / "mig"
-        if mig_dir.exists():
-            shutil.rmtree(mig_dir)
+        old = paths.within(mig_dir)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
         for m in g.mig_devices:
             gm, cm = gi_minor(g.minor_number, m.gi_id), ci_minor(g.minor_number, m.gi_id, m.ci_id)
-            _write(mig_dir / f"gi{m.gi_id}" / "access", _cap_text(gm), 0o444)
-            _write(mig_dir / f"gi{m.gi_id}" / f"ci{m.ci_id}" / "access", _cap_text(cm), 0o444)
+            _write(paths, mig_dir / f"gi{m.gi_id}" / "access", _cap_text(gm), 0o444)
+            _write(paths, mig_dir / f"gi{m.gi_id}" / f"ci{m.ci_id}" / "access", _cap_text(cm), 0o444)
             wanted_caps.update((f"nvidia-cap{gm}", f"nvidia-cap{cm}"))
     caps_dev = dev / "nvidia-caps"
-    caps_dev.mkdir(parents=True, exist_ok=True)
-    for p in caps_dev.iterdir():
+    for p in fileio.makedirs(caps_dev, root=paths).iterdir():
         if p.name.startswith("nvidia-cap") and p.name not in wanted_caps:
             p.unlink()
     cap_nodes = []
     for name in sorted(wanted_caps):
-        _write(caps_dev / name, "", 0o400)
+        _write(paths, caps_dev / name, "", 0o400)
         cap_nodes.append(caps_dev / name)
     return SimHostFiles(tuple(gpu_nodes), tuple(cap_nodes))
 
@@ -126,20 +130,19 @@ def make_driver_root(paths: HostPaths, driver_version: str, *, driver_root: str 
     ``nvidia-cdi-hook`` that does nothing (on the host's ``/usr/bin``). Returns the driver root's path."""
     root = paths(driver_root)
     libdir = root.joinpath(*PurePosixPath(LIB_DIR).parts[1:])
-    libdir.mkdir(parents=True, exist_ok=True)
     for lib in FAKE_LIBRARIES:
         real = libdir / f"{lib}.{driver_version}"
-        _write(real, f"fake {lib} {driver_version}\n")
-        link = libdir / f"{lib}.1"
+        _write(paths, real, f"fake {lib} {driver_version}\n")
+        link = paths.within(libdir) / f"{lib}.1"
         if link.is_symlink() or link.exists():
             link.unlink()
         link.symlink_to(real.name)
-    _write(libdir / "libcuda.so.1.0.0-old", "not the driver's version\n")
-    _write(libdir / "libnvidia-ml.so.470.82.01", "an older driver's library\n")
+    _write(paths, libdir / "libcuda.so.1.0.0-old", "not the driver's version\n")
+    _write(paths, libdir / "libnvidia-ml.so.470.82.01", "an older driver's library\n")
     bindir = root / "usr" / "bin"
     for b in FAKE_BINARIES:
-        _write(bindir / b, f"#!/bin/sh\necho fake {b}\n", 0o755)
-    _write(root / "lib" / "firmware" / "nvidia" / driver_version / "gsp_ga10x.bin", "fake firmware\n")
+        _write(paths, bindir / b, f"#!/bin/sh\necho fake {b}\n", 0o755)
+    _write(paths, root / "lib" / "firmware" / "nvidia" / driver_version / "gsp_ga10x.bin", "fake firmware\n")
     if hook:
-        _write(paths("/usr/bin/nvidia-cdi-hook"), "#!/bin/sh\nexit 0\n", 0o755)
+        _write(paths, paths("/usr/bin/nvidia-cdi-hook"), "#!/bin/sh\nexit 0\n", 0o755)
     return root

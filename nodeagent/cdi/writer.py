@@ -111,7 +111,7 @@ class CdiWriter:
             materialise(self.paths, inventory)
         facts = collect(self.paths, inventory, self.driver_root, self._driver_facts(inventory.driver_version))
         try:
-            old = fileio.read_bytes(target)  # a FIFO or device in its place is refused, never waited on
+            old = fileio.read_bytes(target, root=self.paths)  # a FIFO or device in its place is refused, never waited on
         except fileio.UnreadableFileError as e:
             raise CdiError(str(e), subject=str(target)) from e
         except OSError as e:
@@ -129,7 +129,7 @@ class CdiWriter:
             action: Literal["written", "unchanged", "removed", "absent"] = "absent"
             if old is not None:
                 try:
-                    fileio.remove(target)
+                    fileio.remove(target, root=self.paths)
                 except OSError as e:
                     raise CdiError(f"cannot remove {target}: {e}", subject=str(target)) from e
                 action = "removed"
@@ -139,8 +139,7 @@ class CdiWriter:
             action = "unchanged"
             if data != old:
                 try:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    fileio.atomic_write(target, data, mode=SPEC_MODE, backup=False)
+                    fileio.atomic_write(target, data, mode=SPEC_MODE, backup=False, root=self.paths, parents=True)
                 except OSError as e:
                     raise CdiError(f"cannot write {target}: {e}", subject=str(target)) from e
                 action = "written"

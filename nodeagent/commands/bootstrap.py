@@ -63,7 +63,7 @@ def bootstrap(
         config_file,
         {
             "simulate.machine": simulate,
-            "simulate.state": None if sim_state is None else str(sim_state.absolute()),
+            "simulate.state": _str_or_none(settings.sim_state(sim_state)),
             "kube": False if no_kube else None,
             "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
             "node_name": node_name,
@@ -92,3 +92,7 @@ def bootstrap(
     if output is not None:
         output.write_text(text + "\n", encoding="utf-8")
     return report.exit_code
+
+
+def _str_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)

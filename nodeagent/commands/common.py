@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
@@ -36,7 +37,16 @@ def _store(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
 
 
 def gpu_options(f: F) -> F:
-    """Add ``--simulate MACHINE`` and ``--sim-state FILE`` to a command (read them with ``gpu_opts``)."""
+    """Add ``--simulate MACHINE`` and ``--sim-state FILE`` to a command (read them with ``gpu_opts``). The
+    state file is checked (inside ``--root``) before the command does anything else."""
+    command = f
+
+    @functools.wraps(command)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        gpu_opts(click.get_current_context())
+        return command(*args, **kwargs)
+
+    f = cast(F, checked)
     f = click.option(
         "--sim-state",
         type=click.Path(dir_okay=False, path_type=Path),
@@ -58,9 +68,10 @@ def gpu_options(f: F) -> F:
 
 
 def gpu_opts(ctx: click.Context) -> GpuOptions:
-    """The --simulate/--sim-state values given to this command."""
+    """The --simulate/--sim-state values of this command, the state file as ``Settings.sim_state`` makes it
+    (inside ``--root``; the default sandbox's own when none is given)."""
     opts: GpuOptions = ctx.meta.get(_META_KEY, GpuOptions())
-    return opts
+    return GpuOptions(opts.simulate, settings_of(ctx).sim_state(opts.sim_state))
 
 
 def open_adapter(ctx: click.Context) -> NvmlAdapter:

@@ -85,7 +85,7 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
     left half-changed is put back to its previous layout, then the plan is made from what is there.
     """
     paths = settings_of(ctx).paths
-    state = MigStateFile(paths.mig_state_dir)
+    state = MigStateFile(paths.mig_state_dir, paths)
     sources = load_sources(config_file, hooks_file)  # a missing or broken file stops here: nothing changed
     with _adapter(ctx) as adapter:
         pipeline = MigPipeline(adapter, sources, state=state, proc_root=paths.proc)
@@ -103,6 +103,10 @@ def apply_cmd(ctx: click.Context, config_file: str | None, selected: str | None,
             raise RebootRequired(f"reboot required: {e}; {_after_reboot(ctx)}", subject=e.subject) from e
     resets = f"; reset GPU {', '.join(str(i) for i in result.resets)}" if result.resets else ""
     click.echo(f"applied {the_plan.config} to GPU {', '.join(str(i) for i in result.touched)}{resets}")
+    if gpu_opts(ctx).sim_state is None and gpu_opts(ctx).simulate is not None:
+        # under --root without --sim-state the simulated machine lived in this process only
+        click.echo("warning: the simulated machine is not kept without --sim-state FILE: this change is gone "
+                   "at the next command", err=True)
 
 
 def _after_reboot(ctx: click.Context) -> str:

@@ -74,7 +74,7 @@ def run(
     paths = settings.paths
     overrides: dict[str, object] = {
         "simulate.machine": simulate,
-        "simulate.state": None if sim_state is None else str(sim_state.absolute()),
+        "simulate.state": _str_or_none(settings.sim_state(sim_state)),
         "kube": False if no_kube else None,
         "kubeconfig": None if kubeconfig is None else str(kubeconfig.absolute()),
         "node_name": node_name,
@@ -102,3 +102,7 @@ def run(
     setup_logging(config.log_format, config.log_level)
     daemon = build_daemon(config, settings.paths, reload_config=reload)
     return run_daemon(daemon)
+
+
+def _str_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)

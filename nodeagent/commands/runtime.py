@@ -171,6 +171,7 @@ def configure_cmd(
         raise click.UsageError("--drop-in and --in-place exclude each other")
     settings = _settings(ctx)
     mode = _restart_mode(settings, restart_mode)
+    socket_path = _host_flag(settings, socket, DEFAULT_SOCKET, "--socket")  # checked before anything is written
     opts = rc.Options(
         containerd_config=_host_flag(settings, containerd_config, DEFAULT_CONFIG, "--containerd-config"),
         mode="in-place" if in_place else "drop-in" if dropin is not None else "auto",
@@ -189,8 +190,7 @@ def configure_cmd(
         kube = KubeClient(connect(kubeconfig))
     try:
         result = rc.configure(settings.paths, opts)
-        extra = _restart(settings, result, mode, _host_flag(settings, socket, DEFAULT_SOCKET, "--socket"),
-                         restart_timeout)
+        extra = _restart(settings, result, mode, socket_path, restart_timeout)
         if kube is not None:
             from nodeagent.kube.runtimeclass import desired_classes, ensure_runtime_classes
 
@@ -212,9 +212,9 @@ def unconfigure_cmd(
     """Put back the files `runtime configure` changed (exact previous bytes when untouched since)."""
     settings = _settings(ctx)
     mode = _restart_mode(settings, restart_mode)
+    socket_path = _host_flag(settings, socket, DEFAULT_SOCKET, "--socket")  # checked before anything changes
     result = rc.unconfigure(settings.paths, dry_run=dry_run)
-    extra = _restart(settings, result, mode, _host_flag(settings, socket, DEFAULT_SOCKET, "--socket"),
-                     restart_timeout)
+    extra = _restart(settings, result, mode, socket_path, restart_timeout)
     _echo_result(result, as_json, extra)
 
 

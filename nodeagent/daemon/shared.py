@@ -332,18 +332,20 @@ class PlaneLedger:
     def __init__(self) -> None:
         self._split: PlaneSplit | None = None
         self._path: Path | None = None
+        self._root: fileio.Root | None = None
         self._exclude: Callable[[frozenset[int]], Awaitable[None]] | None = None
 
-    def bind(self, path: Path) -> None:
+    def bind(self, path: Path, root: fileio.Root | None = None) -> None:
         """The ledger's file (the state directory's ``planes.json``): read once, then written at every
-        change. A damaged file is one error line and is not used (the config's split stands)."""
+        change, resolved inside ``root`` each time. A damaged file is one error line and is not used (the
+        config's split stands)."""
         if self._path is not None:
             return
-        self._path = path
+        self._path, self._root = path, root
         if self._split is not None:
             return
         try:
-            text = fileio.read_text(path)
+            text = fileio.read_text(path, root=root)
             if text is None:
                 return
             self._split = PlaneSplit.from_dict(json.loads(text))
@@ -363,10 +365,10 @@ class PlaneLedger:
             return
         try:
             if split is None:
-                fileio.remove(self._path)
+                fileio.remove(self._path, root=self._root)
             else:
-                self._path.parent.mkdir(parents=True, exist_ok=True)
-                fileio.atomic_write(self._path, json.dumps(split.to_dict()) + "\n", mode=0o600, backup=False)
+                fileio.atomic_write(self._path, json.dumps(split.to_dict()) + "\n", mode=0o600, backup=False,
+                                    root=self._root, parents=True)
         except OSError as e:
             log.error("planes: %s not written (%s): a restart now would take the split of [dra] gpus",
                       self._path, e)

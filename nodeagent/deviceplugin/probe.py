@@ -85,11 +85,11 @@ def scan(directory: Path, skip: frozenset[str] = frozenset(), timeout_s: float =
     return [probe(directory / n, timeout_s) for n in names if n != KUBELET_SOCKET and n not in skip]
 
 
-def registered_devices(directory: Path) -> dict[str, tuple[str, ...]]:
+def registered_devices(directory: Path, root: fileio.Root | None = None) -> dict[str, tuple[str, ...]]:
     """The kubelet's checkpoint in ``directory``: resource name → the device IDs registered for it
-    ({} when there is none or it cannot be read)."""
+    ({} when there is none or it cannot be read); resolved inside ``root`` as it is read."""
     try:
-        data = fileio.read_regular(directory / CHECKPOINT, max_bytes=MAX_CHECKPOINT)
+        data = fileio.read_regular(directory / CHECKPOINT, max_bytes=MAX_CHECKPOINT, root=root)
         doc = json.loads(data or b"{}")
     except (NodeAgentError, ValueError):
         return {}

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nodeagent import fileio
 from nodeagent.deviceplugin.allocate import AllocationError, ContainerAllocation, allocate
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
@@ -260,8 +261,10 @@ class ResourceServer:
         health_of: Callable[[AdvertisedDevice], bool],
         take_over: bool = False,
         on_allocate: Callable[[str, bool], None] | None = None,
+        root: fileio.Root | None = None,
     ) -> None:
         self.plugin_dir = plugin_dir.absolute()
+        self._root = root  # the directory is resolved inside it whenever the socket is made or removed
         # told of every Allocate answered (resource, True) or refused (resource, False), from the server's threads
         self._on_allocate = on_allocate
         # a live socket of another process at our socket's name is replaced only when this is set
@@ -365,13 +368,18 @@ class ResourceServer:
         """Re-send the list if any device's health flipped."""
         return self._publish()
 
+    def _socket_now(self) -> Path:
+        """The socket's path with its directory resolved inside the root now."""
+        directory = self.plugin_dir if self._root is None else self._root.within(self.plugin_dir)
+        return directory / self.endpoint
+
     async def start(self) -> None:
         """Serve on the socket path. A live socket of another process there is left alone (``ForeignPluginError``)
         unless ``take_over``; one of this process (this server's last, or any server of the agent's) is
         replaced. Cancelling the caller never leaves a server running unknown to this object: a start under way
         in the servers' thread is waited for and kept (``stop`` ends it)."""
-        self.plugin_dir.mkdir(parents=True, exist_ok=True)
-        path = self.socket_path
+        fileio.makedirs(self.plugin_dir, root=self._root)
+        path = self._socket_now()
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise InputError(
                 f"device-plugin socket path {path} is {len(os.fsencode(path))} bytes, more than a Unix "
@@ -442,7 +450,7 @@ class ResourceServer:
             self.closing = True
         server.call_soon(self._wake_streams)
         await asyncio.to_thread(server.stop, STOP_GRACE_S)
-        path = self.socket_path
+        path = self._socket_now()
         mine, self._socket_id = self._socket_id, None
         # only the socket file this server made: another plugin that replaced it meanwhile (NVIDIA's removes
         # the file at its socket name when it starts) keeps its own

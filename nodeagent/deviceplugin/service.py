@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeagent import fileio
 from nodeagent.backoff import Backoff
 from nodeagent.deviceplugin.registrar import KubeletWatcher, register
 from nodeagent.deviceplugin.server import ForeignPluginError, ResourceServer, socket_name
@@ -76,7 +77,9 @@ class DevicePluginService:
         mps: MpsManager | None = None,
         under_root: Callable[[str], Path] | None = None,
         publish: Callable[[str], str] | None = None,
+        root: fileio.Root | None = None,
     ) -> None:
+        self._root = root  # the sockets' directory is resolved inside it whenever a socket is made
         self.take_over = take_over  # replace another process's live socket at our socket's name
         self.plugin_dir = plugin_dir.absolute()  # a relative --root must still give unix:///abs/path
         self.config = plugin_config or DEFAULT_CONFIG
@@ -138,12 +141,10 @@ class DevicePluginService:
             if self._mps is None:
                 raise ConfigError(f"{config.source}: sharing.mps is not available here (no MPS control daemon "
                                   "can be run by this process)", subject=config.source)
-            if not self._mps.available():
-                raise ConfigError(
-                    f"{config.source}: sharing.mps needs the MPS control daemon, but {self._mps.binary} does not "
-                    "exist (install the NVIDIA driver's compute utilities)",
-                    subject=config.source,
-                )
+            why = self._mps.unavailable()
+            if why:
+                raise ConfigError(f"{config.source}: sharing.mps needs the MPS control daemon, but {why}",
+                                  subject=config.source)
             resources = with_access(resources, self._publish)
         return resources
 
@@ -335,7 +336,7 @@ class DevicePluginService:
                 server = ResourceServer(
                     self.plugin_dir, resource, flags, scores=self._scores, policy=policy,
                     health_of=self._health_for(name),
-                    take_over=self.take_over, on_allocate=self._count_allocate,
+                    take_over=self.take_over, on_allocate=self._count_allocate, root=self._root,
                 )
                 try:
                     if name not in self.held_stopped:  # served once its hold lifts

@@ -53,7 +53,7 @@ def check_kubelet(src: Sources, inventory: Inventory | None, facts: KubeFacts | 
         _registrations(src, live, agent.record_pid, plugin_dir, kubelet_up, report)
     ids = expected_resources(src, inventory)
     wanted = {n: socket_name(n) for n in ids}
-    local = d.read_plugin_dir(directory, agent.is_agent)
+    local = d.read_plugin_dir(directory, agent.is_agent, root=src.paths)
     # with neither /proc nor the agent's lock under the root the listener of a socket at nodeagent's own name
     # cannot be named: taken as nodeagent's
     foreign = [s for s in local.foreign if agent.running is not None or s.name not in wanted.values()]

@@ -126,8 +126,9 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
 class ClaimSpecs:
     """The per-claim spec files in one CDI directory."""
 
-    def __init__(self, cdi_dir: Path) -> None:
+    def __init__(self, cdi_dir: Path, root: fileio.Root | None = None) -> None:
         self.dir = cdi_dir
+        self.root = root  # every file and the directory are resolved inside it as they are used
         self.node_facts: Mapping[str, NodeFact] = {}  # set from the host facts on each inventory
         self.extra_edits: dict[str, Mapping[str, Any]] = {}  # claim UID → container edits beyond its devices
 
@@ -140,8 +141,7 @@ class ClaimSpecs:
         data = self.render(claim_uid, devices)
         path = self.path(claim_uid)
         if self.current(claim_uid) != data:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fileio.atomic_write(path, data, mode=0o644, backup=False, durable=False)
+            fileio.atomic_write(path, data, mode=0o644, backup=False, durable=False, root=self.root, parents=True)
         return [cdi_device_id(claim_uid, d.name, d.share.share_id if d.share is not None else None)
                 for d in devices]
 
@@ -152,18 +152,19 @@ class ClaimSpecs:
     def current(self, claim_uid: str) -> str | None:
         """The claim's spec file as it is on disk (None when missing or unreadable)."""
         try:
-            return fileio.read_text(self.path(claim_uid))
+            return fileio.read_text(self.path(claim_uid), root=self.root)
         except (OSError, fileio.UnreadableFileError):
             return None
 
     def remove(self, claim_uid: str) -> bool:
-        return fileio.remove(self.path(claim_uid), durable=False)
+        return fileio.remove(self.path(claim_uid), durable=False, root=self.root)
 
     def claim_uids(self) -> set[str]:
         """The claims that have a spec file here."""
-        if not self.dir.is_dir():
+        directory = self.dir if self.root is None else self.root.within(self.dir)
+        if not directory.is_dir():
             return set()
         out = set()
-        for p in self.dir.glob(f"{SPEC_PREFIX}*.json"):
+        for p in directory.glob(f"{SPEC_PREFIX}*.json"):
             out.add(p.name[len(SPEC_PREFIX):-len(".json")])
         return out

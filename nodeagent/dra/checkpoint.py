@@ -110,12 +110,13 @@ class ClaimRecord:
 class Checkpoint:
     path: Path
     claims: dict[str, ClaimRecord] = field(default_factory=dict)
+    root: fileio.Root | None = field(default=None, compare=False)  # the path is resolved inside it at each use
 
     @classmethod
-    def load(cls, path: Path) -> Checkpoint:
+    def load(cls, path: Path, root: fileio.Root | None = None) -> Checkpoint:
         """Read the file (missing = empty); a damaged file raises ``InputError`` naming it."""
-        text = fileio.read_text(path)
-        cp = cls(path)
+        text = fileio.read_text(path, root=root)
+        cp = cls(path, root=root)
         if text is None:
             return cp
         try:
@@ -134,10 +135,9 @@ class Checkpoint:
 
     def save(self) -> None:
         data = {"version": VERSION, "claims": {u: c.to_dict() for u, c in sorted(self.claims.items())}}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         # compact: without indent the json module encodes in C (the file is rewritten at every prepare)
         text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
-        fileio.atomic_write(self.path, text, mode=0o600, backup=False)
+        fileio.atomic_write(self.path, text, mode=0o600, backup=False, root=self.root, parents=True)
 
     def put(self, record: ClaimRecord) -> None:
         self.claims[record.uid] = record

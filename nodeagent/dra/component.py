@@ -182,8 +182,8 @@ class DraComponent:
 
     async def start(self, inventory: Inventory) -> None:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
-        checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path)
-        self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir), self._read_claim, self.node_name,
+        checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path, self.paths)
+        self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir, self.paths), self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
                                       mps=self.mps, on_prepared=self._report_prepared)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
@@ -196,7 +196,7 @@ class DraComponent:
             await self.mps.resume(set(self.preparer.checkpoint.claims))
         self.server = DraServer(self.kubelet_dir, self.preparer, self.feed, driver=self.driver,
                                 on_registered=self.reverify, kubelet_host_dir=self.kubelet_host_dir,
-                                on_claims_changed=self._claims_changed)
+                                on_claims_changed=self._claims_changed, root=self.paths)
         await self.server.start()
         self._tasks.append(asyncio.create_task(self._publish_loop(), name="dra-slices"))
         self._schedule_verify()

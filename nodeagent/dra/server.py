@@ -36,6 +36,7 @@ from nodeagent.dra.api import (
 )
 from nodeagent.dra.health import HealthFeed
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
+from nodeagent.fileio import Root, makedirs
 from nodeagent.grpcadapter.server import (
     DEADLINE_EXCEEDED,
     AioServer,
@@ -187,9 +188,10 @@ def _check_socket_path(path: Path) -> None:
         raise ValueError(f"socket path too long for a Unix socket ({len(os.fsencode(path))} bytes): {path}")
 
 
-async def _serve(path: Path, servicers: Servicers, refusals: RefusalLog) -> AioServer:
+async def _serve(path: Path, servicers: Servicers, refusals: RefusalLog, root: Root | None = None) -> AioServer:
+    # the directory is resolved (inside the root) and made at the moment the socket is bound
+    path = makedirs(path.parent, root=root) / path.name
     _check_socket_path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # a socket left by a previous process
     server = AioServer(path, servicers, refusals=refusals)
@@ -208,8 +210,10 @@ class DraServer:
         on_registered: Callable[[], None] | None = None,
         kubelet_host_dir: Path | None = None,
         on_claims_changed: Callable[[], Awaitable[None]] | None = None,
+        root: Root | None = None,
     ) -> None:
         self.driver = driver
+        self.root = root  # the sockets' directories are resolved inside it as they are bound and removed
         self.on_registered = on_registered  # called on every successful (re-)registration
         self.on_claims_changed = on_claims_changed  # awaited after every prepare and unprepare
         self.reg_path = registration_socket(kubelet_dir, driver)
@@ -245,21 +249,20 @@ class DraServer:
             ),
         ]
         reg: Servicers = [(reg_pb2_grpc.add_RegistrationServicer_to_server, _RegistrationServicer(self))]
-        self._dra = await _serve(self.dra_path, dra, self.refusals)
+        self._dra = await _serve(self.dra_path, dra, self.refusals, self.root)
         try:
-            self._reg = await _serve(self.reg_path, reg, self.refusals)
+            self._reg = await _serve(self.reg_path, reg, self.refusals, self.root)
         except BaseException:
             await self._stop_one(self._dra, self.dra_path)
             self._dra = None
             raise
         log.info("DRA driver %s serving on %s (registration %s)", self.driver, self.dra_path, self.reg_path)
 
-    @staticmethod
-    async def _stop_one(server: AioServer | None, path: Path) -> None:
+    async def _stop_one(self, server: AioServer | None, path: Path) -> None:
         if server is not None:
             await server.stop(STOP_GRACE_S)
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            (path if self.root is None else self.root.within(path.parent) / path.name).unlink()
 
     async def stop(self) -> None:
         await self._stop_one(self._reg, self.reg_path)

@@ -106,9 +106,15 @@ class MpsDaemon:
 
     def __init__(self, spec: MpsDaemonSpec, binary: Path, *, extra_env: Mapping[str, str] | None = None,
                  on_change: Callable[[], Awaitable[None]] | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S, command: Sequence[str] | None = None,
+                 root: fileio.Root | None = None) -> None:
         self.spec = spec
         self.binary = binary
+        # what is executed: the driver's binary, or (``command``) the simulator's stand-in, never a file of a
+        # sandbox root
+        self._argv = tuple(command) if command else (str(binary),)
+        self._root = root  # the pipe and log directories are resolved inside it at every start
+        self._dirs = (spec.pipe_dir, spec.log_dir)
         self._extra_env = dict(extra_env or {})
         self._on_change = on_change
         self._ready_timeout = ready_timeout_s
@@ -128,13 +134,13 @@ class MpsDaemon:
         search path (where the control daemon finds ``nvidia-cuda-mps-server``, beside it), the agent's
         ``LD_LIBRARY_PATH`` (how the agent itself reaches the driver's libraries, e.g. the DaemonSet's links
         to the node's ``libnvidia-ml.so.1`` and ``libcuda.so.1``), the extra variables and MPS's own."""
-        env = {"PATH": f"{self.binary.parent}:{SAFE_PATH}"}
+        env = {"PATH": SAFE_PATH if self._argv[0] != str(self.binary) else f"{self.binary.parent}:{SAFE_PATH}"}
         library_path = os.environ.get("LD_LIBRARY_PATH")
         if library_path:
             env["LD_LIBRARY_PATH"] = library_path
         env.update(self._extra_env)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.spec.pipe_dir)
-        env["CUDA_MPS_LOG_DIRECTORY"] = str(self.spec.log_dir)
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self._dirs[0])
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(self._dirs[1])
         env["CUDA_VISIBLE_DEVICES"] = ",".join(self.spec.gpu_uuids)
         return env
 
@@ -150,7 +156,7 @@ class MpsDaemon:
         """Send commands on the control channel (the binary in client mode); raises MpsError on failure."""
         try:
             proc = await asyncio.create_subprocess_exec(
-                str(self.binary), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                *self._argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, env=self.env(), start_new_session=True,
             )
         except OSError as e:
@@ -169,23 +175,25 @@ class MpsDaemon:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         try:
-            for d in (self.spec.pipe_dir, self.spec.log_dir):
-                d.mkdir(parents=True, exist_ok=True)
+            # resolved (inside the root) and made now: a directory replaced by a link since the last start
+            # leads nowhere outside; the child gets the directories as resolved
+            self._dirs = (fileio.makedirs(self.spec.pipe_dir, root=self._root),
+                          fileio.makedirs(self.spec.log_dir, root=self._root))
         except OSError as e:
             raise MpsError(f"cannot create {e.filename}: {e.strerror}") from e
-        if (self.spec.pipe_dir / "control").exists():
+        if (self._dirs[0] / "control").exists():
             # a daemon left by an agent that was killed: this pipe directory is ours, so it is told to quit
             with contextlib.suppress(MpsError):
                 await self.command(["quit"])
                 log.warning("MPS daemon for %s: a daemon left on %s was told to quit", self.spec.name,
                             self.spec.pipe_dir)
                 for _ in range(60):
-                    if not (self.spec.pipe_dir / "control").exists():
+                    if not (self._dirs[0] / "control").exists():
                         break
                     await asyncio.sleep(0.05)
         try:
             return await asyncio.create_subprocess_exec(
-                str(self.binary), "-f", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                *self._argv, "-f", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE, env=self.env(), start_new_session=True,
             )
         except OSError as e:
@@ -201,7 +209,7 @@ class MpsDaemon:
                     err = await proc.stderr.read()
                 why = (err.decode(errors="replace").strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
                 raise MpsError(f"the control daemon exited at start: {why}")
-            if (self.spec.pipe_dir / "control").exists():
+            if (self._dirs[0] / "control").exists():
                 try:
                     await self.command(["get_default_active_thread_percentage"])
                     return
@@ -299,15 +307,22 @@ class MpsDaemon:
 class MpsManager:
     """The set of daemons the current config asks for, started, swapped and stopped as it changes.
 
-    ``install`` (the simulator's) puts a stand-in binary in place the first time a daemon is wanted."""
+    ``install`` puts a stand-in binary in place the first time a daemon is wanted (tests); ``command``: what
+    runs instead of ``binary`` (the simulator's stand-in, ``python -m nodeagent.simulator.mps_control``);
+    ``root``: the directories and the record are resolved inside it at each use."""
 
     def __init__(self, binary: Path, *, extra_env: Mapping[str, str] | None = None,
                  on_change: Callable[[], Awaitable[None]] | None = None,
                  ready_timeout_s: float = READY_TIMEOUT_S,
                  install: Callable[[Path], object] | None = None,
-                 compute_modes: ComputeModes | None = None, record: Path | None = None) -> None:
+                 compute_modes: ComputeModes | None = None, record: Path | None = None,
+                 command: Sequence[str] | None = None, root: fileio.Root | None = None,
+                 runnable: bool = True) -> None:
         self.binary = binary
+        self._runnable = runnable  # False: the binary is a sandbox's file, which is never executed
         self._install = install
+        self._command = tuple(command) if command else None
+        self._root = root
         self._modes = compute_modes
         self._record = record  # where the GPUs switched to EXCLUSIVE_PROCESS are kept (None: not kept)
         self._extra_env = dict(extra_env or {})
@@ -322,13 +337,13 @@ class MpsManager:
             await self._daemons.pop(name).stop()
         wanted = {u for spec in specs.values() for u in spec.gpu_uuids}
         await self._compute_modes(wanted)
-        if specs and self._install is not None and not self.binary.is_file():
+        if specs and self._command is None and self._install is not None and not self.binary.is_file():
             self._install(self.binary)
         started = []
         for name, spec in specs.items():
             if name not in self._daemons:
                 daemon = MpsDaemon(spec, self.binary, extra_env=self._extra_env, on_change=self._changed,
-                                   ready_timeout_s=self._ready_timeout)
+                                   ready_timeout_s=self._ready_timeout, command=self._command, root=self._root)
                 self._daemons[name] = daemon
                 started.append(daemon.start())
         if started:
@@ -342,7 +357,7 @@ class MpsManager:
         if self._record is None:
             return set()
         try:
-            raw = json.loads(fileio.read_text(self._record) or "[]")
+            raw = json.loads(fileio.read_text(self._record, root=self._root) or "[]")
         except (OSError, ValueError, fileio.UnreadableFileError):
             return set()
         return {u for u in raw if isinstance(u, str)} if isinstance(raw, list) else set()
@@ -351,9 +366,8 @@ class MpsManager:
         if self._record is None:
             return
         try:
-            self._record.parent.mkdir(parents=True, exist_ok=True)
             fileio.atomic_write(self._record, json.dumps(sorted(switched)) + "\n", mode=0o600, backup=False,
-                                durable=False)
+                                durable=False, root=self._root, parents=True)
         except OSError as e:
             log.warning("MPS: cannot record the GPUs in EXCLUSIVE_PROCESS in %s: %s", self._record, e.strerror or e)
 
@@ -390,7 +404,17 @@ class MpsManager:
 
     def available(self) -> bool:
         """Whether daemons can be run: the binary is there (or will be installed)."""
-        return self._install is not None or self.binary.is_file()
+        return self.unavailable() == ""
+
+    def unavailable(self) -> str:
+        """Why no daemon can be run ("" when one can)."""
+        if self._command is not None or self._install is not None:
+            return ""
+        if not self._runnable:
+            return f"{self.binary} is a file of the sandbox root, which nodeagent never executes"
+        if not self.binary.is_file():
+            return f"{self.binary} does not exist (install the NVIDIA driver's compute utilities)"
+        return ""
 
     def ready(self, name: str) -> bool:
         daemon = self._daemons.get(name)

@@ -149,7 +149,7 @@ class NvmlDiscovery(NvmlSession):
         # sysfs names devices "0000:07:00.0" (4-digit domain, lower case); NVML says "00000000:07:00.0"
         sysfs = self.paths.sys_pci_devices / bus_id[-12:].lower() / "numa_node"
         try:
-            value = int((fileio.read_text(sysfs, max_bytes=64) or "").strip())
+            value = int((fileio.read_text(sysfs, max_bytes=64, root=self.paths) or "").strip())
             return value if value >= 0 else None
         except (OSError, ValueError, fileio.UnreadableFileError):
             pass
@@ -336,7 +336,8 @@ class NvmlDiscovery(NvmlSession):
 
     def _process_name(self, pid: int) -> str:
         try:
-            return (fileio.read_text(self.paths.proc / str(pid) / "comm", max_bytes=4096) or "").strip()
+            return (fileio.read_text(self.paths.proc / str(pid) / "comm", max_bytes=4096,
+                                              root=self.paths) or "").strip()
         except (OSError, fileio.UnreadableFileError):
             return ""
 

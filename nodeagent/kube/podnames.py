@@ -89,8 +89,10 @@ class PodNameLookup:
     """
 
     def __init__(self, checkpoint: Path, list_assignments: Callable[[], list[Assignment]],
-                 *, max_age_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, max_age_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 root: fileio.Root | None = None) -> None:
         self.checkpoint = checkpoint
+        self._root = root  # the checkpoint is resolved inside it at each read
         self._list = list_assignments
         self._max_age = max_age_s
         self._clock = clock
@@ -100,7 +102,7 @@ class PodNameLookup:
 
     def _refresh(self) -> dict[str, str]:
         try:
-            entries = parse_checkpoint(fileio.read_text(self.checkpoint) or "")
+            entries = parse_checkpoint(fileio.read_text(self.checkpoint, root=self._root) or "")
         except (OSError, fileio.UnreadableFileError) as e:
             log.debug("no kubelet device checkpoint at %s: %s", self.checkpoint, e)
             return {}

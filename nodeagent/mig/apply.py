@@ -45,7 +45,7 @@ from nodeagent.errors import (
     RebootRequired,
     ResetRequiredError,
 )
-from nodeagent.fileio import UnreadableFileError, atomic_write, read_bytes, read_text
+from nodeagent.fileio import Root, UnreadableFileError, atomic_write, read_bytes, read_text
 from nodeagent.gpu.inventory import Gpu, GpuProcess, Inventory
 from nodeagent.gpu.ports import MigAdministration
 from nodeagent.mig.hooks import HookRunner
@@ -125,12 +125,13 @@ class MigStateFile:
 
     NAME = "mig-state.json"
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, root: Root | None = None) -> None:
         self.path = state_dir / self.NAME
+        self.root = root  # the path (and /proc, for the busy GPUs' processes) resolved inside it at each use
 
     def load(self) -> dict[str, Any] | None:
         try:
-            text = read_text(self.path)
+            text = read_text(self.path, root=self.root)
             if text is None:
                 return None
             doc = json.loads(text)
@@ -142,8 +143,8 @@ class MigStateFile:
         return doc if isinstance(doc, dict) else None
 
     def save(self, doc: Mapping[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.path, json.dumps(dict(doc), indent=1, sort_keys=True) + "\n", mode=0o600, backup=False)
+        atomic_write(self.path, json.dumps(dict(doc), indent=1, sort_keys=True) + "\n", mode=0o600, backup=False,
+                     root=self.root, parents=True)
 
     def update(self, **changes: Any) -> None:
         doc = self.load() or {}
@@ -177,12 +178,13 @@ def pod_uid_from_cgroup(text: str) -> str | None:
     return m.group(1).replace("_", "-") if m else None
 
 
-def describe_process(proc: GpuProcess, proc_root: Path, pod_name: Callable[[str], str | None] | None = None) -> str:
+def describe_process(proc: GpuProcess, proc_root: Path, pod_name: Callable[[str], str | None] | None = None,
+                     root: Root | None = None) -> str:
     """``pid 42 (python train.py) in pod default/train-0`` from /proc under the host root."""
     base = proc_root / str(proc.pid)
     command = proc.name
     try:
-        raw = read_bytes(base / "cmdline") or b""
+        raw = read_bytes(base / "cmdline", root=root) or b""
         argv = [a for a in raw.decode(errors="replace").split("\0") if a]
         if argv:
             command = " ".join(argv)
@@ -190,7 +192,7 @@ def describe_process(proc: GpuProcess, proc_root: Path, pod_name: Callable[[str]
         pass
     where = ""
     try:
-        uid = pod_uid_from_cgroup(read_text(base / "cgroup") or "")
+        uid = pod_uid_from_cgroup(read_text(base / "cgroup", root=root) or "")
     except (OSError, UnreadableFileError):
         uid = None
     if uid:
@@ -244,7 +246,8 @@ class Applier:
                 continue  # only new instances: running work is not disturbed
             procs = self.adapter.processes(g.index)
             if procs:
-                names = "; ".join(describe_process(p, self.proc_root, self.pod_name) for p in procs)
+                names = "; ".join(describe_process(p, self.proc_root, self.pod_name,
+                                                    self.state.root if self.state else None) for p in procs)
                 busy.append(f"GPU {g.index}: {names}")
         if busy:
             raise GpuBusyError(

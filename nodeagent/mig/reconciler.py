@@ -46,7 +46,7 @@ from typing import Any, Protocol
 from nodeagent.backoff import Backoff
 from nodeagent.deadline import within
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
-from nodeagent.fileio import read_text
+from nodeagent.fileio import Root, read_text
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.ports import MigAdministration
 from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
@@ -175,10 +175,12 @@ class MigReconciler:
         pod_name: Callable[[str], str | None] | None = None,
         holders: GpuHolders | None = None,
         on_state: Callable[[str], None] | None = None,
+        root: Root | None = None,
     ) -> None:
         self.node = node
         self.adapter = adapter
-        self.state = MigStateFile(state_dir)
+        self.root = root  # host paths (the state file, /proc) are resolved inside it at each use
+        self.state = MigStateFile(state_dir, root)
         self.publisher = publisher
         self.options = options or MigReconcilerOptions()
         self.reboot = reboot
@@ -442,7 +444,7 @@ class MigReconciler:
                 continue
             if procs:
                 out.append(f"GPU {index}: "
-                           + "; ".join(describe_process(p, self.proc_root, self.pod_name) for p in procs))
+                           + "; ".join(describe_process(p, self.proc_root, self.pod_name, self.root) for p in procs))
         return " | ".join(out)
 
     async def _publish(self, inventory: Inventory, withdrawn: set[int] | frozenset[int]) -> None:
@@ -503,8 +505,8 @@ def _outcome(changed: list[GpuPlan], touched: set[int]) -> str:
     return f"GPU(s) {', '.join(map(str, done))} were changed, GPU(s) {', '.join(map(str, left))} were not"
 
 
-def read_boot_id(proc_root: Path) -> str:
+def read_boot_id(proc_root: Path, root: Root | None = None) -> str:
     """The kernel's boot id (changes at every boot), or "" when unreadable."""
-    text = read_text(proc_root / "sys/kernel/random/boot_id")
+    text = read_text(proc_root / "sys/kernel/random/boot_id", root=root)
     return text.strip() if text else ""
 

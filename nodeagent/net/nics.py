@@ -144,14 +144,14 @@ def sysfs_links(paths: HostPaths) -> list[Link]:
     if not base.is_dir():
         return out
     for d in sorted(base.iterdir()):
-        state = _read(d / "operstate")
+        state = _read(d / "operstate", paths)
         out.append(Link(d.name, state == "up", d.name == "lo"))
     return out
 
 
-def _read(p: Path) -> str | None:
+def _read(p: Path, paths: HostPaths) -> str | None:
     try:
-        text = fileio.read_text(p, max_bytes=4096)
+        text = fileio.read_text(p, max_bytes=4096, root=paths)  # resolved inside the root (sysfs is links)
     except (OSError, fileio.UnreadableFileError):  # EINVAL for the speed of a down link
         return None
     return None if text is None else text.strip()  # None: ENOENT for virtual ones
@@ -189,9 +189,9 @@ def read_nics(paths: HostPaths, links: list[Link] | None = None) -> NetSummary:
     for link in links:
         if link.loopback:
             continue
-        sys_dir = paths("/sys/class/net") / link.name
-        physical = (sys_dir / "device").exists()
-        raw = _read(sys_dir / "speed")
+        sys_dir = paths(f"/sys/class/net/{link.name}")
+        physical = paths.within(sys_dir / "device").exists()
+        raw = _read(sys_dir / "speed", paths)
         speed = int(raw) if raw is not None and raw.lstrip("-").isdigit() and int(raw) > 0 else None
         nics.append(Nic(link.name, link.up, physical, speed, tuple(netdev_rdma.get(link.name, ()))))
     return summarize(nics, rdma)

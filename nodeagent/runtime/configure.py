@@ -134,7 +134,7 @@ def _read(paths: HostPaths, host_path: str, max_bytes: int = MAX_CONFIG_BYTES) -
 
 
 def _state_path(paths: HostPaths) -> Path:
-    return paths.state_dir / STATE_FILE
+    return paths(f"/var/lib/nodeagent/{STATE_FILE}")  # resolved inside the root now, file name included
 
 
 def _host_path_entry(paths: HostPaths, value: Any, where: str) -> str:
@@ -192,7 +192,7 @@ def _check_state(paths: HostPaths, state: Any) -> dict[str, Any]:
 def load_state(paths: HostPaths) -> dict[str, Any] | None:
     """nodeagent's record of what ``configure`` changed (``None``: nothing); a malformed one is one error line."""
     where = _state_path(paths)
-    data = fileio.read_regular(where, max_bytes=MAX_STATE_BYTES)
+    data = fileio.read_regular(where, max_bytes=MAX_STATE_BYTES, root=paths)
     if data is None:
         return None
     try:
@@ -206,8 +206,8 @@ def load_state(paths: HostPaths) -> dict[str, Any] | None:
 
 def _save_state(paths: HostPaths, state: dict[str, Any]) -> None:
     p = _state_path(paths)
-    p.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-    fileio.atomic_write(p, json.dumps(state, indent=2, sort_keys=True) + "\n", mode=0o600, backup=False)
+    fileio.makedirs(p.parent, mode=0o755, root=paths)
+    fileio.atomic_write(p, json.dumps(state, indent=2, sort_keys=True) + "\n", mode=0o600, backup=False, root=paths)
 
 
 def _check_not_template(paths: HostPaths, config: str) -> None:
@@ -429,8 +429,8 @@ def configure(paths: HostPaths, opts: Options, *, _after_write: Any = None) -> R
     for p in _write_order(changed, opts.containerd_config):
         assert p.new is not None
         target = paths(p.path)
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        bak = fileio.atomic_write(target, p.new)
+        fileio.makedirs(target.parent, mode=0o755, root=paths)
+        bak = fileio.atomic_write(target, p.new, root=paths)
         by_path[p.path].backup = str(bak) if bak is not None else None
         if _after_write is not None:
             _after_write(p.path)
@@ -527,15 +527,15 @@ def unconfigure(paths: HostPaths, *, dry_run: bool = False, _after_write: Any = 
         if old_b == new_b:
             continue
         if new_b is None:
-            fileio.remove(paths(host_path))
+            fileio.remove(paths(host_path), root=paths)
         else:
             # Back to the original: the copy of what configure wrote is worth nothing; a partial undo
             # (the file was edited since) keeps the edited file as a backup and says where.
-            bak = fileio.atomic_write(paths(host_path), new_b, backup=new_b != original)
+            bak = fileio.atomic_write(paths(host_path), new_b, backup=new_b != original, root=paths)
             by_path[host_path].backup = str(bak) if bak is not None else None
         if _after_write is not None:
             _after_write(host_path)
-    fileio.remove(_state_path(paths))
+    fileio.remove(_state_path(paths), root=paths)
     if exact:
         _remove_configure_leftovers(paths, [h for h, *_ in steps], state.get("created_dirs", []))
     return result

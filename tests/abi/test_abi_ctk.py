@@ -121,7 +121,9 @@ def _common(spec: dict[str, Any]) -> dict[str, Any]:
 def test_cdi_generate_matches_nodeagents_spec_file(
     tmp_path: Path, machine: str, layout: dict[int, list[str]]
 ) -> None:
-    state, root = tmp_path / "state.json", tmp_path / "root"
+    root = tmp_path / "root"
+    root.mkdir()
+    state = root / "state.json"  # the simulated node's state, inside its root
     node = discover(state, machine, abi=False)
     for gpu, profiles in layout.items():
         nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", str(gpu), *profiles, env=abi_env(state))

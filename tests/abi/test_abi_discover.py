@@ -84,7 +84,8 @@ def test_layout_written_by_the_simulator(tmp_path: Path, machine: str) -> None:
 def test_layout_applied_by_nodeagent_through_the_c_abi(tmp_path: Path, machine: str) -> None:
     """``nodeagent mig apply`` on the real pynvml: MIG mode (with a GPU reset on Ampere, via the nvidia-smi
     stand-in), GPU and compute instances, all through ctypes and the C library."""
-    state = tmp_path / "state.json"
+    (tmp_path / "root").mkdir()
+    state = tmp_path / "root/state.json"  # the simulated node's state, inside its root
     sim = ["--simulate", machine, "--sim-state", str(state)]
     root = ["--root", str(tmp_path / "root")]
     env = abi_env(state, machine)
@@ -166,7 +167,8 @@ def test_unprivileged_caller_gets_no_permission_through_the_c_abi_and_go(tmp_pat
     """NODEAGENT_SIM_UNPRIVILEGED=1 (NVML as a non-root user): nodeagent's discover over the real pynvml
     shows what the Python simulator shows and names the facts that need root; ``mig apply`` fails with one
     line on both paths and changes nothing; go-nvml gets NVML's NO_PERMISSION."""
-    state = tmp_path / "state.json"
+    (tmp_path / "root").mkdir()
+    state = tmp_path / "root/state.json"  # the simulated node's state, inside its root
     discover(state, "dgx-h100", abi=False)
     nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", "0", "3g.40gb", env=abi_env(state))
     before = discover(state, None, abi=True)
@@ -183,6 +185,7 @@ def test_unprivileged_caller_gets_no_permission_through_the_c_abi_and_go(tmp_pat
         proc = nodeagent(*root, "mig", "apply", *sim, "-c", "all-1g.10gb", env=env, check=False)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         refusals.append([line for line in proc.stderr.splitlines() if "root" in line])
+        assert "not inside --root" not in proc.stderr, proc.stderr
     assert refusals[0] == refusals[1] and len(refusals[0]) == 1, refusals
     assert discover(state, None, abi=True) == before
     for go_args in (["create", "0", "1g.10gb"], ["mig-mode", "1", "on"]):

@@ -37,7 +37,9 @@ def _setter(state: Path, index: int, mode: int, **extra: str) -> dict[str, objec
 
 
 def test_persistence_mode_through_the_c_abi_and_doctor_on_it(tmp_path: Path) -> None:
-    state = tmp_path / "state.json"
+    root = tmp_path / "root"
+    root.mkdir()
+    state = root / "state.json"  # the simulated node's state, inside its root
     discover(state, "dgx-h100", abi=False)  # the state file of a fresh DGX H100
     done = _setter(state, 3, 0)
     assert done == {"before": [1] * 8, "set": 0, "after": [1, 1, 1, 0, 1, 1, 1, 1]}
@@ -48,8 +50,6 @@ def test_persistence_mode_through_the_c_abi_and_doctor_on_it(tmp_path: Path) -> 
     assert abi == discover(state, None, abi=False)
     assert [g["persistence_mode"] for g in abi["gpus"]] == [True, True, True, False, True, True, True, True]
 
-    root = tmp_path / "root"
-    root.mkdir()
     r = nodeagent("--root", str(root), "doctor", "--sim-state", str(state), "--no-kube", "--json",
                   env=abi_env(state), check=False)
     findings = json.loads(r.stdout)["findings"]

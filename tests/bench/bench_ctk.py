@@ -80,7 +80,9 @@ def bench_runtime(tmp: Path, rounds: int) -> dict[str, Any]:
 
 
 def bench_cdi(tmp: Path, rounds: int) -> dict[str, Any]:
-    state, root = tmp / "cdi-state.json", tmp / "cdi-root"
+    root = tmp / "cdi-root"
+    root.mkdir()
+    state = root / "state.json"  # the simulated node's state, inside its root
     node = discover(state, "dgx-h100", abi=False)
     nodeagent("sim", "mig", "--sim-state", str(state), "--gpu", "all", *["1g.10gb"] * 7, env=abi_env(state))
     as_driver_host(root, nodeagent_spec(root, state, "--sim-host-files"), node["driver_version"])

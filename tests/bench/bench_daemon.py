@@ -116,7 +116,7 @@ def idle_hour(window: float) -> dict[str, Any]:
             '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
         with running_harness() as harness, node_root(harness) as root:
             wire_containerd(root)
-            args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(work / "sim.json")]
+            args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json")]
             _, offset = server.audit_writes()
             port = _free_port()
             with running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
@@ -204,10 +204,10 @@ def main() -> None:
         else:
             lines.insert(0, "kube = false")
         cfg.write_text("\n".join(lines) + "\n")
-        with running_harness() as harness, node_root(harness) as root:
+        with running_harness() as harness, node_root(harness, sim_state=sim) as root:
             (root / "etc/nodeagent").mkdir(parents=True)
             (root / "etc/nodeagent/dp.yaml").write_text(DP_CONFIG)
-            args = ["run", "--config", str(cfg), "--sim-state", str(sim)]
+            args = ["run", "--config", str(cfg), "--sim-state", str(root / "sim.json")]
             t_start = time.time()
             # Measured as deployed by default: with the metrics endpoint listening on localhost.
             with running_agent(work, root, args, metrics=f"127.0.0.1:{_free_port()}") as agent:

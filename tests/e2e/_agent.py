@@ -104,8 +104,13 @@ class Agent:
         return len(os.listdir(f"/proc/{self.pid}/task"))
 
 
+# In the arguments of ``running_agent``: the agent's root (``--sim-state {root}/sim.json``: the simulated node's
+# state lies inside its root), for arguments made before ``node_root`` made the root.
+ROOT = "{root}"
+
+
 @contextmanager
-def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
+def node_root(harness: KubeletHarness | None = None, *, sim_state: Path | None = None) -> Iterator[Path]:
     """A throw-away host root for ``--root``: the agent's state, config and containerd files stay inside it.
 
     With a kubelet harness the root is the harness's own directory, and ``/var/lib/kubelet`` under it is a
@@ -114,9 +119,12 @@ def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
     link to a directory outside it would be read as a path inside). The harness serves PodResources at
     ``/var/lib/kubelet/pod-resources.sock`` (set ``kubelet.pod_resources_socket`` to that host path). The root
     is a short path under the system temp directory: unix socket paths below it must stay within the
-    kernel's 108 bytes.
+    kernel's 108 bytes. ``sim_state``: a simulator state prepared before the root, copied to ``sim.json`` in
+    it (the simulated node's state lies inside its root).
     """
     if harness is not None:
+        if sim_state is not None:
+            shutil.copyfile(sim_state, harness.workdir / "sim.json")
         assert harness.plugin_dir.parent == harness.workdir and harness.pod_resources_socket.parent == harness.workdir
         root = harness.workdir
         (root / "var/lib").mkdir(parents=True, exist_ok=True)
@@ -126,6 +134,8 @@ def node_root(harness: KubeletHarness | None = None) -> Iterator[Path]:
         return
     root = Path(tempfile.mkdtemp(prefix="na-root-"))
     try:
+        if sim_state is not None:
+            shutil.copyfile(sim_state, root / "sim.json")
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -140,7 +150,9 @@ def running_agent(workdir: Path, root: Path, args: Sequence[str],
     ``metrics`` becomes ``run --metrics-address`` (which overrides the config file): "" (the default here)
     turns the listener off, because the agent's own default 127.0.0.1:9400 is one port shared by every
     agent that tests (and other sessions on this machine) start at once; a test that checks metrics gives
-    its own free port, and None leaves the address to the config file and the built-in default."""
+    its own free port, and None leaves the address to the config file and the built-in default. ``ROOT`` in an
+    argument is replaced by the root."""
+    args = [a.replace(ROOT, str(root)) for a in args]  # a path under the root, for arguments made before it
     if metrics is not None and args and args[0] == "run" and not any(a.startswith("--metrics-address")
                                                                        for a in args):
         args = [*args, f"--metrics-address={metrics}"]

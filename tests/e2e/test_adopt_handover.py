@@ -18,6 +18,7 @@ answered). ``nodeagent adopt --release`` gives the operands back.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -136,7 +137,7 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
     )
     assert status == 201, body
 
-    sim = tmp_path / "sim.json"
+    sim = root / "sim.json"  # the simulated node's state: inside its root
     nvml = open_nvml("a30x4", sim)
     try:
         uuids = sorted(g.uuid for g in nvml.discover().gpus)
@@ -285,7 +286,7 @@ def test_a_plugin_under_another_socket_name_is_not_fought(
         "POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}
     )
     assert status == 201, body
-    sim = tmp_path / "sim.json"
+    sim = root / "sim.json"  # the simulated node's state: inside its root
     nvml = open_nvml("a30x4", sim)
     try:
         uuids = sorted(g.uuid for g in nvml.discover().gpus)
@@ -405,6 +406,7 @@ def test_another_dra_driver_and_a_mig_manager_seen_by_the_agent(
             f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
             "[mig]\nenabled = false\n"
         )
+        shutil.copyfile(sim, root / "sim.json")  # the simulated node's state: inside its root
         args = [
             "run",
             "--config",
@@ -412,7 +414,7 @@ def test_another_dra_driver_and_a_mig_manager_seen_by_the_agent(
             "--simulate",
             "a30x4",
             "--sim-state",
-            str(sim),
+            str(root / "sim.json"),
             "--node-name",
             node,
         ]
@@ -471,7 +473,7 @@ def test_the_operator_switch_on_at_start_keeps_the_agent_from_ever_serving(
     slow = forwarded(server.url, server.kubeconfig, kubeconfig, latency_s=0.15)
     cfg = _device_plugin_only_config(root, kubeconfig)
     sock = harness.plugin_dir / "nvidia-gpu.sock"
-    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json"),
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(root / "sim.json"),
             "--node-name", node]
     try:
         with running_agent(tmp_path, root, args) as agent:
@@ -518,7 +520,7 @@ def test_an_api_that_does_not_answer_does_not_hold_up_the_kubelet_side(
     kubeconfig = tmp_path / "kubeconfig"
     mute = forwarded(server.url, server.kubeconfig, kubeconfig, latency_s=120.0)
     cfg = _device_plugin_only_config(root, kubeconfig)
-    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json"),
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(root / "sim.json"),
             "--node-name", "e2e-adopt-mute"]
     try:
         with running_agent(tmp_path, root, args) as agent:

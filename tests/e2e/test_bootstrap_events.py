@@ -30,7 +30,7 @@ def test_runtime_events_on_the_node(tmp_path: Path, kube_apiserver: KubeApiServe
     assert status == 201, body
     root = tmp_path / "r"
     root.mkdir()
-    args = ["--root", str(root), "bootstrap", "--simulate", "t4x1", "--sim-state", str(tmp_path / "sim.json"),
+    args = ["--root", str(root), "bootstrap", "--simulate", "t4x1", "--sim-state", str(root / "sim.json"),
             "--kubeconfig", str(kube_apiserver.kubeconfig), "--node-name", node]
     try:
         code, report, err = bootstrap(*args)

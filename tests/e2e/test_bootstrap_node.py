@@ -45,7 +45,7 @@ def rerooted(root: Path, config: Path, out: Path) -> Path:
 def test_image_build_under_root_is_idempotent_and_loads_in_containerd(tmp_path: Path, containerd: Containerd) -> None:
     root = tmp_path / "image"
     root.mkdir()
-    args = ["--root", str(root), "bootstrap", "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+    args = ["--root", str(root), "bootstrap", "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"),
             "--no-kube"]
     code, report, err = bootstrap(*args)
     assert code == 0, err
@@ -72,7 +72,7 @@ def test_image_build_under_root_is_idempotent_and_loads_in_containerd(tmp_path: 
 def test_mig_config_applied_once_and_unknown_name_exits_2(tmp_path: Path) -> None:
     root = tmp_path / "r"
     root.mkdir()
-    base = ["--root", str(root), "bootstrap", "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+    base = ["--root", str(root), "bootstrap", "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"),
             "--no-kube"]
     code, report, err = bootstrap(*base, "--mig-config", "all-1g.10gb")
     assert code == 0, err
@@ -98,7 +98,7 @@ def test_reboot_required_exits_3_and_the_next_boot_finishes(tmp_path: Path) -> N
     rebooted, the same command finishes the MIG config with exit 0."""
     root = tmp_path / "r"
     root.mkdir()
-    state = str(tmp_path / "sim.json")
+    state = str(root / "sim.json")
     sim = ["--simulate", "vm-a100-passthrough", "--sim-state", state]
     base = ["--root", str(root), "bootstrap", *sim, "--no-kube", "--mig-config", "all-1g.10gb"]
     code, report, err = bootstrap(*base)
@@ -124,7 +124,7 @@ def test_runtimeclass_and_labels_against_the_apiserver(tmp_path: Path, kube_apis
     assert status in (201, 409)
     root = tmp_path / "r"
     root.mkdir()
-    args = ["--root", str(root), "bootstrap", "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+    args = ["--root", str(root), "bootstrap", "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"),
             "--kubeconfig", str(kube_apiserver.kubeconfig), "--node-name", node]
     code, report, err = bootstrap(*args)
     assert code == 0, err

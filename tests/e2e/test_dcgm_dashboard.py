@@ -8,6 +8,7 @@ The agent runs on a simulated DGX H100 (Hopper: GPM is there) without Kubernetes
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,16 +78,27 @@ def agent_scrape(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, f
     inject_process(store, 0, 4100, "infer", 3000, gi_id=small)
     inject_process(store, 1, 4200, "train", 20000)
     port = free_port()
-    args = ["run", "--config", str(cfg), "--simulate", MACHINE, "--sim-state", str(state), "--no-kube"]
-    with node_root() as root, running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
-        def busy_gpm() -> str | None:
-            text = _get(port, "DCGM_FI_PROF_GR_ENGINE_ACTIVE{")
-            return text if text and _series(text, "DCGM_FI_PROF_GR_ENGINE_ACTIVE").get(("1", ""), 0) > 0 else None
-
-        text: str = eventually(busy_gpm, 30, "GPM of the busy GPU in the scrape")
-        when = time.monotonic()
-        assert "Traceback" not in agent.log()
+    with node_root() as root:
+        shutil.copyfile(state, root / "sim.json")  # the simulated node's state lies inside its root
+        args = ["run", "--config", str(cfg), "--simulate", MACHINE, "--sim-state", str(root / "sim.json"),
+                "--no-kube"]
+        with running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
+            text = _busy_scrape(port)
+            when = time.monotonic()
+            assert "Traceback" not in agent.log()
+        shutil.copyfile(root / "sim.json", state)  # as the agent left it, for the tests
     return text, state, when
+
+
+def _busy_scrape(port: int) -> str:
+    """The scrape once GPM shows the busy GPU."""
+
+    def busy_gpm() -> str | None:
+        text = _get(port, "DCGM_FI_PROF_GR_ENGINE_ACTIVE{")
+        return text if text and _series(text, "DCGM_FI_PROF_GR_ENGINE_ACTIVE").get(("1", ""), 0) > 0 else None
+
+    found: str = eventually(busy_gpm, 30, "GPM of the busy GPU in the scrape")
+    return found
 
 
 def _series(text: str, name: str) -> dict[tuple[str, str], float]:
@@ -166,10 +178,10 @@ def test_pods_holding_a_gpu_and_a_mig_device_label_their_own_series(
         tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
     """PodResources (the kubelet's device manager, served by the harness): a pod holding a 1g.10gb MIG device
     labels that GPU instance's series, a pod holding a whole GPU labels that GPU's; nothing else."""
-    state = tmp_path / "sim.json"
-    _sim("mig", "--simulate", MACHINE, "--sim-state", str(state), "--gpu", "0", "3g.40gb", "1g.10gb")
     port = free_port()
     with node_root(kubelet_harness) as root:
+        state = root / "sim.json"  # the simulated node's state lies inside its root
+        _sim("mig", "--simulate", MACHINE, "--sim-state", str(state), "--gpu", "0", "3g.40gb", "1g.10gb")
         etc = root / "etc/nodeagent"
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "dp.yaml").write_text("version: v1\nflags:\n  migStrategy: mixed\n")

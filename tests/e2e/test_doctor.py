@@ -89,7 +89,7 @@ def test_fresh_node_then_bootstrapped(root: Path) -> None:
 
 
 def test_stale_cdi_lost_gpu_and_pending_mig(root: Path) -> None:
-    state = str(root.parent / "a100.json")
+    state = str(root / "a100.json")  # the simulated node's state, inside its root
     sim = ["--simulate", "dgx-a100-80gb", "--sim-state", state]
     assert _na(root, "bootstrap", *sim, "--no-kube").returncode == 0
     assert _na(root, "sim", "mig", *sim, "--gpu", "0", "3g.40gb", "3g.40gb").returncode == 0
@@ -105,9 +105,9 @@ def test_stale_cdi_lost_gpu_and_pending_mig(root: Path) -> None:
     assert code == 2
     _one(findings, "health", "error", "GPU 3 has fallen off the bus")
 
-    vm_state = str(root.parent / "vm.json")
-    vm = ["--simulate", "vm-a100-passthrough", "--sim-state", vm_state]
     vm_root = root.parent / "vm"
+    vm_state = str(vm_root / "vm.json")
+    vm = ["--simulate", "vm-a100-passthrough", "--sim-state", vm_state]
     assert _na(vm_root, "mig", "apply", *vm, "-c", "all-enabled").returncode == 3
     code, findings = _doctor(vm_root, *vm)
     pending = _one(findings, "gpus", "warning", "GPU 0: MIG mode on is pending (now off)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nodeagent.agentrecord import RECORD, AgentRecorder, read_record
 from nodeagent.hostpaths import HostPaths
-from tests.e2e._agent import eventually, node_root, running_agent
+from tests.e2e._agent import ROOT, eventually, node_root, running_agent
 from tests.e2e.test_doctor import _doctor, _na, _one
 
 SIM = ["--simulate", "t4x1"]
@@ -121,9 +121,10 @@ def test_a_broken_config_given_on_the_command_line_is_a_bad_input(tmp_path: Path
 def test_an_xid_the_running_agent_holds(tmp_path: Path) -> None:
     """An XID is an event: only the running agent saw it, and its record is how doctor learns of it (a GPU
     served Unhealthy to the kubelet), also without the API."""
-    state = tmp_path / "t4.json"
-    sim = [*SIM, "--sim-state", str(state)]
-    with node_root() as root, running_agent(tmp_path, root, ["run", *sim, "--no-kube"]) as agent:
+    run = ["run", *SIM, "--sim-state", f"{ROOT}/t4.json", "--no-kube"]  # the state inside the node's root
+    with node_root() as root, running_agent(tmp_path, root, run) as agent:
+        state = root / "t4.json"
+        sim = [*SIM, "--sim-state", str(state)]
         eventually(lambda: "component runtime started" in agent.log(), 30, "the agent's components started")
         proc = root / "proc" / str(agent.pid)
         proc.mkdir(parents=True)

@@ -27,7 +27,7 @@ def root() -> Iterator[Path]:
 
 
 def test_recovery_action_and_processes(root: Path) -> None:
-    state = root.parent / "a100.json"
+    state = root / "a100.json"  # the simulated node's state, inside its root
     sim = ["--simulate", "dgx-a100-80gb", "--sim-state", str(state)]
     assert (
         _na(

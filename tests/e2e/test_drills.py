@@ -192,7 +192,7 @@ def kill_during_mig_apply(tmp_path: Path, root: Path, kube_apiserver: KubeApiSer
     """Both agent runs share ``root``: the second finds the first one's in-flight MIG record there."""
     node = "e2e-drill-mig-" + point.replace(".", "-")[:40]
     make_node(kube_apiserver, node)
-    sim = tmp_path / "sim.json"
+    sim = root / "sim.json"
     store = SimStore.open("dgx-h100", sim)
     for i in range(8):  # the old layout: 2 x 3g.40gb on every GPU
         inject.write_mig_layout(store, i, list(OLD))

@@ -385,7 +385,7 @@ def test_the_agent_does_its_whole_job_with_the_cluster_role(
         cfg = agent_config(root, kubeconfig).read_text().replace("[runtime]\nenabled = false\n", "")
         (root / "etc/nodeagent/config.toml").write_text(cfg + "[runtime]\ncheck_interval = 0.0\n")
         args = ["run", "--config", str(root / "etc/nodeagent/config.toml"), "--simulate", "dgx-h100",
-                "--sim-state", str(tmp_path / "sim.json"), "--node-name", node]
+                "--sim-state", str(root / "sim.json"), "--node-name", node]
         with running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
 

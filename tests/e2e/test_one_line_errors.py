@@ -212,7 +212,7 @@ def test_mig_apply_without_the_rights_to_its_state_is_one_line(short_tmp: Path) 
     state_dir.mkdir(parents=True)
     (root / "var/lib/nodeagent").chmod(0o700)
     os.chown(root / "var/lib/nodeagent", NOBODY, NOBODY)  # another user's, closed to the command below
-    sim = short_tmp / "sim.json"
+    sim = root / "sim.json"
     args = [
         "--root",
         str(root),

@@ -16,9 +16,10 @@ from tests.peers.harness import KubeletHarness
 pytestmark = pytest.mark.peers
 
 
-def demo_args(workdir: Path, *extra: str) -> list[str]:
-    """A simulated dgx-h100 without the API; run under a ``node_root`` whose kubelet paths are the harness's."""
-    return ["run", "--simulate", "dgx-h100", "--sim-state", str(workdir / "sim.json"), "--no-kube", *extra]
+def demo_args(root: Path, *extra: str) -> list[str]:
+    """A simulated dgx-h100 without the API, its state file in the root; run under a ``node_root`` whose kubelet
+    paths are the harness's."""
+    return ["run", "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"), "--no-kube", *extra]
 
 
 def plugin_sockets(harness: KubeletHarness) -> set[str]:
@@ -48,7 +49,7 @@ def restart_and_wait_registration(harness: KubeletHarness, resource: str, device
 
 
 def test_demo_registers_ready_and_sigterm_exits_clean(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
-    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
+    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, demo_args(root)) as agent:
         ready = agent.wait_notify("READY=1")
         assert "8 GPU(s)" in ready
         _, res = kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, healthy=8)
@@ -64,7 +65,7 @@ def test_demo_registers_ready_and_sigterm_exits_clean(tmp_path: Path, kubelet_ha
 
 def test_sigint_exits_zero_and_json_logs(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
     with node_root(kubelet_harness) as root, \
-            running_agent(tmp_path, root, demo_args(tmp_path, "--log-format", "json")) as agent:
+            running_agent(tmp_path, root, demo_args(root, "--log-format", "json")) as agent:
         agent.wait_notify("READY=1")
         code, took = agent.stop(signal.SIGINT)
         assert code == 0 and took < 5.0
@@ -79,7 +80,7 @@ def test_sighup_applies_the_new_config_live(tmp_path: Path, kubelet_harness: Kub
     config = tmp_path / "config.toml"
     config.write_text("[health]\nwindow = 30.0\n")
     with node_root(kubelet_harness) as root, \
-            running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+            running_agent(tmp_path, root, demo_args(root, "--config", str(config))) as agent:
         dp_config = root / "etc/nodeagent/dp.yaml"  # config paths are host paths, resolved under --root
         dp_config.parent.mkdir(parents=True)
         dp_config.write_text(
@@ -136,7 +137,7 @@ RESTARTS = 100
 def test_kubelet_restarts_reregister_without_leaks(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
     """Issue 8's drill: the kubelet restarted 100 times in a row; the plugin registers again every time and
     nothing grows: plugin sockets, the agent's asyncio tasks, threads and file descriptors."""
-    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
+    with node_root(kubelet_harness) as root, running_agent(tmp_path, root, demo_args(root)) as agent:
         agent.wait_notify("READY=1")
         kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
         # settle, then take the baseline after one restart (lazily created resources exist by then)
@@ -223,7 +224,7 @@ def test_kubelet_restarts_seen_through_a_symlinked_device_plugins_dir(
         kubelet.mkdir()
         # relative, so it stays inside the root: /var/lib/kubelet/device-plugins -> /device-plugins
         (kubelet / "device-plugins").symlink_to("../../../device-plugins", target_is_directory=True)
-        with running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
+        with running_agent(tmp_path, root, demo_args(root)) as agent:
             agent.wait_notify("READY=1")
             kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
             for i in range(3):
@@ -244,7 +245,7 @@ def test_flags_override_the_config_file(tmp_path: Path) -> None:
         config.write_text('log_format = "json"\n[kubelet]\ndir = "/var/lib/kubelet-from-file"\n'
                           "[runtime]\nenabled = false\n")
         flag_dir = root / "var/lib/kubelet-from-flag"
-        args = ["--log-format", "text", *demo_args(tmp_path, "--kubelet-dir", str(flag_dir))]
+        args = ["--log-format", "text", *demo_args(root, "--kubelet-dir", str(flag_dir))]
         with running_agent(tmp_path, root, args) as agent:
             sock = flag_dir / "device-plugins/nvidia-gpu.sock"
             deadline = time.monotonic() + 15

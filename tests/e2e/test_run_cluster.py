@@ -95,7 +95,7 @@ def test_labels_mig_change_to_success_and_labels_survive_stop(
     node = "e2e-run-mig"
     make_node(kube_apiserver, node)
     cfg = agent_config(root, kube_apiserver.kubeconfig)
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"),
             "--node-name", node]
     with running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
@@ -140,7 +140,7 @@ def _agent_behind_outage(
     kubeconfig = proxied_kubeconfig(kube_apiserver, outage, tmp_path / "kubeconfig")
     cfg = agent_config(root, kubeconfig)
     return outage, ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state",
-                    str(tmp_path / "sim.json"), "--node-name", node]
+                    str(root / "sim.json"), "--node-name", node]
 
 
 def test_api_outage_device_plugin_keeps_serving_and_labels_catch_up(

@@ -84,7 +84,7 @@ def test_condition_transitions_one_write_each_none_idle(
                                           {"status": {"conditions": [KUBELET_READY]}},
                                           content_type="application/merge-patch+json")
     assert status == 200, body
-    sim_state = tmp_path / "sim.json"
+    sim_state = kubelet_harness.workdir / "sim.json"  # inside the root node_root gives
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
                    "[runtime]\nenabled = true\ncheck_interval = 1.0\n"

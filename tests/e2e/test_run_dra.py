@@ -18,7 +18,7 @@ import pytest
 from nodeagent.dra.api import reg_pb2, reg_pb2_grpc
 from nodeagent.dra.slices import UNHEALTHY_TAINT_KEY
 from nodeagent.kube.client import KubeClient, connect
-from tests.e2e._agent import Agent, eventually, node_root, running_agent
+from tests.e2e._agent import ROOT, Agent, eventually, node_root, running_agent
 from tests.e2e.test_run import plugin_sockets
 from tests.e2e.test_run_cluster import make_node
 from tests.integration._releases import shared_release_apiserver
@@ -66,10 +66,10 @@ def reload_and_wait(agent: Agent) -> None:
 
 def dra_node(tmp_path: Path, server: KubeApiServer, node: str, plane: str, gpus: str = "") -> tuple[Path, list[str]]:
     """Node ``node`` created anew, a config with ``plane`` written in ``tmp_path``; the config's path and the
-    arguments of ``nodeagent run`` on the simulated dgx-h100 (state in ``tmp_path``) as that node."""
+    arguments of ``nodeagent run`` on the simulated dgx-h100 (its state in the agent's root) as that node."""
     make_node(server, node)
     cfg = config(tmp_path / "config.toml", server, plane, gpus)
-    return cfg, ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+    return cfg, ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", f"{ROOT}/sim.json",
                  "--node-name", node]
 
 
@@ -145,7 +145,7 @@ def test_plane_both_splits_the_gpus_and_sighup_switches_planes(
 
             # one health monitor (the device plugin's) watches every GPU: an XID on a DRA GPU taints its device
             injected = subprocess.run([sys.executable, "-m", "nodeagent", "sim", "inject", "xid", "--sim-state",
-                                       str(tmp_path / "sim.json"), "--gpu", "1", "--code", "48"],
+                                       str(root / "sim.json"), "--gpu", "1", "--code", "48"],
                                       capture_output=True, text=True, timeout=30)
             assert injected.returncode == 0, injected.stderr
 

@@ -14,7 +14,7 @@ import pytest
 
 from nodeagent.nvmlsource import adapter_for_sim
 from nodeagent.simulator.open import open_sim
-from tests.e2e._agent import eventually, node_root, running_agent
+from tests.e2e._agent import ROOT, eventually, node_root, running_agent
 from tests.e2e.test_run_cluster import make_node
 from tests.e2e.test_run_dra import config
 from tests.integration._releases import shared_release_apiserver
@@ -60,8 +60,9 @@ def test_dynamic_mig_knob_publishes_placements_and_counters(tmp_path: Path, rele
             adapter.reset_gpu(i)
     static = adapter.create_mig_device(1, "3g.40gb", 0)
     cfg = config(tmp_path / "config.toml", kube_apiserver, "dra", "dynamic_mig = true\n")
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(state), "--node-name", node]
-    with node_root() as root, running_agent(tmp_path, root, args) as agent:
+    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", f"{ROOT}/sim.json", "--node-name",
+            node]
+    with node_root(sim_state=state) as root, running_agent(tmp_path, root, args) as agent:
         agent.wait_notify("READY=1", timeout=20)
         names, sets = eventually(lambda: pool(kube_apiserver, node), 20, "ResourceSlices of the node")
         assert sets == ["gpu-0-counters"]

@@ -56,7 +56,7 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(
     kube = KubeClient(connect(kube_apiserver.kubeconfig))
     claim_names: list[str] = []
     try:
-        with node_root() as root:
+        with node_root(sim_state=tmp_path / "sim.json") as root:
             registry = root / "var/lib/kubelet/plugins_registry"
             with running_agent(tmp_path, root, args) as agent:
                 agent.wait_notify("READY=1", timeout=20)
@@ -77,7 +77,7 @@ def test_an_xid_on_a_created_instance_marks_only_its_placement(
                     gi = record[big_uid]["devices"][0]["mig"]["gi_id"]
                     assert isinstance(gi, int) and record[small_uid]["devices"][0]["mig"]["gi_id"] != gi
 
-                    store = SimStore.open("dgx-h100", tmp_path / "sim.json")
+                    store = SimStore.open("dgx-h100", root / "sim.json")
                     small_gi = record[small_uid]["devices"][0]["mig"]["gi_id"]
 
                     def taints() -> dict[str, bool] | None:

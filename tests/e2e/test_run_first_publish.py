@@ -84,8 +84,8 @@ def test_first_publish_is_ten_writes_then_none(
                    "[runtime]\nenabled = true\ncheck_interval = 1.0\n"
                    "[health]\nwindow = 2.0\npoll_interval = 1.0\n"
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
-    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
-            "--node-name", NODE]
+    args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state",
+            str(kubelet_harness.workdir / "sim.json"), "--node-name", NODE]  # in the root node_root gives
     with node_root(kubelet_harness) as root:
         wire_containerd(root)
         _, offset = kube_apiserver.audit_writes()  # after the set-up writes are flushed

@@ -24,7 +24,7 @@ def test_a_fifo_at_the_cdi_spec_path_does_not_hang_run(
         spec.parent.mkdir(parents=True, exist_ok=True)
         os.mkfifo(spec)
         try:
-            with running_agent(tmp_path, root, demo_args(tmp_path)) as agent:
+            with running_agent(tmp_path, root, demo_args(root)) as agent:
                 agent.wait_notify("READY=1", timeout=20)
                 kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8, healthy=8)
                 code, took = agent.stop(signal.SIGTERM)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tests._metrics import scrape_or_none
-from tests.e2e._agent import eventually, node_root, running_agent
+from tests.e2e._agent import ROOT, eventually, node_root, running_agent
 
 
 def _free_port() -> int:
@@ -21,11 +21,10 @@ def _free_port() -> int:
 
 
 def test_xid_reaches_the_metrics_at_once(tmp_path: Path) -> None:
-    sim_state = tmp_path / "sim.json"
     cfg = tmp_path / "config.toml"
     cfg.write_text("resync_interval = 300.0\n[runtime]\nenabled = false\n[metrics]\ninterval = 60.0\n")
     port = _free_port()
-    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--no-kube"]
+    args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", f"{ROOT}/sim.json", "--no-kube"]
     with node_root() as root, running_agent(tmp_path, root, args, metrics=f"127.0.0.1:{port}") as agent:
 
         def healthy() -> dict[str, float] | None:
@@ -46,7 +45,7 @@ def test_xid_reaches_the_metrics_at_once(tmp_path: Path) -> None:
                 "inject",
                 "xid",
                 "--sim-state",
-                str(sim_state),
+                str(root / "sim.json"),
                 "--gpu",
                 "2",
                 "--code",

@@ -56,19 +56,20 @@ def alive(pid: int) -> bool:
 def test_run_serves_mps_and_ties_the_daemon_to_the_agent(tmp_path: Path, kubelet_harness: KubeletHarness) -> None:
     config = tmp_path / "config.toml"
     config.write_text('[device_plugin]\nconfig = "/etc/nodeagent/dp.yaml"\n')
-    state = tmp_path / "sim.json"
     with node_root(kubelet_harness) as root:
+        state = root / "sim.json"
         dp = root / "etc/nodeagent/dp.yaml"
         dp.parent.mkdir(parents=True)
         dp.write_text(MPS)
-        with running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+        with running_agent(tmp_path, root, demo_args(root, "--config", str(config))) as agent:
             agent.wait_notify("READY=1")
             kubelet_harness.wait("nvidia.com/gpu", registered=True, total=16, healthy=16, timeout=20)
             pids = server_pids(state)
             assert len(pids) == 1, pids  # one daemon for the resource, its server on all 8 GPUs
             first = pids.pop()
             assert alive(first)
-            assert (root / "usr/bin/nvidia-cuda-mps-control").is_file()  # the stand-in, inside the root
+            # the simulator's stand-in is the agent's own module: nothing is installed in (or run from) the root
+            assert not (root / "usr/bin/nvidia-cuda-mps-control").exists()
             a = kubelet_harness.allocate("nvidia.com/gpu", 1, pod="mps")
             assert a.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/nodeagent/mps/nvidia.com_gpu/pipe"
 

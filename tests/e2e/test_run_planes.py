@@ -109,8 +109,8 @@ class Observer:
 
 
 def gpu_indices(tmp_path: Path, root: Path) -> dict[str, int]:
-    """GPU UUID -> index on the simulated node (the agent's state file under ``tmp_path``)."""
-    gpu = open_nvml("dgx-h100", tmp_path / "sim.json", HostPaths(root))
+    """GPU UUID -> index on the simulated node (the agent's state file in its root)."""
+    gpu = open_nvml("dgx-h100", root / "sim.json", HostPaths(root))
     try:
         return {g.uuid: g.index for g in gpu.discover().gpus}
     finally:

@@ -40,7 +40,8 @@ def test_allocated_device_reaches_gpu_object_and_metrics(
                    f'[metrics]\naddress = "127.0.0.1:{port}"\ninterval = 1.0\n'
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
     # /var/lib/kubelet under the root is the harness's directory (see node_root)
-    args = ["run", "--simulate", "dgx-a100-40gb", "--sim-state", str(tmp_path / "sim.json"), "--config", str(cfg),
+    args = ["run", "--simulate", "dgx-a100-40gb", "--sim-state",
+            str(kubelet_harness.workdir / "sim.json"), "--config", str(cfg),  # in the root node_root gives
             "--node-name", node]
     with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args, metrics=None) as agent:
         agent.wait_notify("READY=1", 20)

@@ -70,7 +70,7 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
 ) -> None:
     node = "e2e-publishing"
     fresh_node_with_gpu_crd(kube_apiserver, node)
-    sim_state = tmp_path / "sim.json"
+    sim_state = kubelet_harness.workdir / "sim.json"  # inside the root node_root gives
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
                    "[runtime]\nenabled = false\n[metrics]\naddress = \"\"\n"

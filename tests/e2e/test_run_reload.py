@@ -44,7 +44,7 @@ def test_invalid_device_plugin_config_exits_2_and_serves_nothing(tmp_path: Path,
         dp.parent.mkdir(parents=True)
         if text is not None:
             dp.write_text(text)
-        args = demo_args(tmp_path, "--device-plugin-config", str(dp))
+        args = demo_args(root, "--device-plugin-config", str(dp))
         with running_agent(tmp_path, root, args) as agent:
             assert agent.proc.wait(15) == 2, agent.log()
             lines = agent.log().splitlines()
@@ -65,7 +65,7 @@ def test_sighup_refuses_a_broken_device_plugin_config_and_applies_a_good_one(
         dp = root / "etc/nodeagent/dp.yaml"  # a host path in the config, resolved under --root
         dp.parent.mkdir(parents=True)
         dp.write_text(REPLICAS.format(n=4))
-        with running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+        with running_agent(tmp_path, root, demo_args(root, "--config", str(config))) as agent:
             agent.wait_notify("READY=1")
             kubelet_harness.wait("nvidia.com/gpu", registered=True, total=32)
             huge = REPLICAS.format(n="9" * 5000)  # past Python's 4300-digit limit of int(str)
@@ -118,7 +118,7 @@ def test_invalid_mig_config_file_exits_2(tmp_path: Path, kube_apiserver: KubeApi
                 mig.write_text(text)
             elif mig.exists():
                 mig.unlink()
-            args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+            args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"),
                     "--node-name", "e2e-mig-invalid"]
             with running_agent(tmp_path, root, args) as agent:
                 assert agent.proc.wait(15) == 2, agent.log()
@@ -147,7 +147,7 @@ def test_sighup_refuses_a_broken_mig_config_and_keeps_the_running_one(
         cfg = agent_config(root, kube_apiserver.kubeconfig, '[mig]\nconfig_file = "/etc/nodeagent/mig.yaml"\n')
         mig = root / "etc/nodeagent/mig.yaml"
         mig.write_text(MIG_CONFIGS)
-        args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
+        args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json"),
                 "--node-name", node]
         with running_agent(tmp_path, root, args) as agent:
             agent.wait_notify("READY=1", timeout=20)
@@ -199,7 +199,7 @@ def _make_unreadable(path: Path, case: str) -> None:
 def test_a_config_path_that_is_no_readable_toml_file_exits_2_in_one_line(tmp_path: Path, case: str) -> None:
     config = tmp_path / "config.toml"
     _make_unreadable(config, case)
-    with node_root() as root, running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+    with node_root() as root, running_agent(tmp_path, root, demo_args(root, "--config", str(config))) as agent:
         assert agent.proc.wait(15) == 2, agent.log()
         lines = agent.log().splitlines()
         assert len(lines) == 1, lines  # one line: no usage text, no traceback
@@ -214,7 +214,7 @@ def test_sighup_with_a_fifo_in_place_of_the_config_is_refused_without_freezing_t
     config = tmp_path / "config.toml"
     config.write_text("resync_interval = 30\n")
     with node_root(kubelet_harness) as root, \
-            running_agent(tmp_path, root, demo_args(tmp_path, "--config", str(config))) as agent:
+            running_agent(tmp_path, root, demo_args(root, "--config", str(config))) as agent:
         agent.wait_notify("READY=1")
         kubelet_harness.wait("nvidia.com/gpu", registered=True, total=8)
         config.unlink()

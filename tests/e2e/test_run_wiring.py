@@ -20,7 +20,7 @@ from nodeagent.kube.gpuobjects import API_PATH
 from nodeagent.simulator.inject import inject_process
 from nodeagent.simulator.state import SimStore
 from tests._metrics import scrape_or_none
-from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
+from tests.e2e._agent import ROOT, eventually, fresh_node_with_gpu_crd, node_root, running_agent
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.harness import KubeletHarness
 
@@ -44,7 +44,7 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
-    sim_state = tmp_path / "sim.json"
+    sim_state = kubelet_harness.workdir / "sim.json"  # inside the root node_root gives
     cfg = tmp_path / "config.toml"
     cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 300.0\n'
                    "[runtime]\nenabled = false\n[metrics]\ninterval = 1.0\n"
@@ -130,7 +130,7 @@ def test_port_in_use_busy_gpu_names_the_pod_and_health_reaches_the_node_at_once(
 def test_default_metrics_listen_on_localhost_only(tmp_path: Path) -> None:
     """No metrics setting anywhere: the listener is 127.0.0.1:9400 and nothing else. Another process may hold
     9400 on this shared machine; then the one clear error is the expected outcome and nothing listens."""
-    args = ["run", "--simulate", "t4x1", "--sim-state", str(tmp_path / "sim.json"), "--no-kube"]
+    args = ["run", "--simulate", "t4x1", "--sim-state", f"{ROOT}/sim.json", "--no-kube"]
     with node_root() as root, running_agent(tmp_path, root, args, metrics=None) as agent:
         agent.wait_notify("STATUS=", timeout=20)
         eventually(lambda: "metrics on http://127.0.0.1:9400/metrics" in agent.log()

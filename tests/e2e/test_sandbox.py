@@ -223,6 +223,11 @@ class Sandbox:
             check=False,
         )
 
+    def untouched(self, accesses: list[Access], outside: Path) -> None:
+        """Nothing under ``outside`` was opened, listed, looked up, written or executed."""
+        seen = [a.line for a in accesses if _inside(a.path, (outside.resolve(),))]
+        assert not seen, "\n".join(["reached out of the root:", *seen[:40]])
+
     def check(self, accesses: list[Access], sandbox: Path, *, active: bool = True) -> None:
         allowed = (sandbox.resolve(), self.tmp.resolve())
         bad: list[str] = []
@@ -237,7 +242,7 @@ class Sandbox:
             if (
                 a.write
                 and not _inside(a.path, allowed)
-                and "/__pycache__/" not in a.path
+                and "/__pycache__" not in a.path  # the interpreter's byte-code cache (the directory too)
                 and not a.path.startswith(ALLOWED_WRITES)
             ):
                 bad.append(f"wrote outside: {a.line}")
@@ -274,6 +279,45 @@ def _box(tmp_path: Path, strace: str) -> Sandbox:
     return Sandbox(tmp_path, env, strace)
 
 
+@pytest.fixture
+def outside() -> Iterator[Path]:
+    """A directory out of every sandbox (not under the test's directory, which ``check`` allows)."""
+    d = Path(tempfile.mkdtemp(prefix="nasb-out-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _up(root: Path) -> str:
+    """A relative ``../`` chain from anywhere below ``root`` to ``/`` (more than enough ``..``)."""
+    return "/".join([".."] * (len(root.resolve().parts) + 6))
+
+
+def plant_links(root: Path, outside: Path) -> dict[Path, bytes]:
+    """The attack run's links out of ``root`` (absolute ones and a ``../`` chain), each to something in
+    ``outside``; returns what ``outside`` holds, which must stay as it is."""
+    (outside / "lib").mkdir()
+    (outside / "lib/libcuda.so.550.54.15").write_text("the host's library\n")
+    (outside / "mig-state.json").write_text('{"phase": "outside"}\n')
+    (outside / "checkpoint").write_text('{"Data": {"RegisteredDevices": {"nvidia.com/gpu": ["outside"]}}}\n')
+    (outside / "planes.json").write_text('{"outside": true}\n')
+    links = {
+        "usr/lib/x86_64-linux-gnu": str(outside / "lib"),
+        "var/lib/nodeagent/mig/mig-state.json": f"{_up(root)}{outside}/mig-state.json",
+        "var/lib/kubelet/device-plugins/kubelet_internal_checkpoint": str(outside / "checkpoint"),
+        "var/lib/nodeagent/planes.json": str(outside / "planes.json"),
+    }
+    for name, target in links.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(target)
+    return {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+
+
+def unchanged(outside: Path, before: dict[Path, bytes]) -> None:
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
 # the README's quick start, without the metrics listener (tests run in parallel with other agents)
 DEMO_RUN = ("--root", "./demo", "run", "--simulate", "dgx-h100", "--no-kube", "--metrics-address", "")
 DEMO_SOCKET = "demo/var/lib/kubelet/device-plugins/nvidia-gpu.sock"
@@ -283,24 +327,34 @@ def _default_sandbox(box: Sandbox, machine: str) -> Path:
     return box.tmp / "xdg" / "nodeagent-sim" / machine
 
 
-def test_readme_quick_start_commands_stay_in_their_sandboxes(box: Sandbox) -> None:
+def test_readme_quick_start_commands_stay_in_their_sandboxes(box: Sandbox, outside: Path) -> None:
+    """The README's commands, in a demo root where links out of it were planted (the driver's library
+    directory, the kubelet's checkpoint, the planes ledger, the MIG state): ``run`` and ``bootstrap`` list,
+    read and write inside the root only."""
     demo = box.tmp / "demo"
-    box.check(
-        box.traced(*DEMO_RUN, long_running=DEMO_SOCKET),
-        demo,
-    )
+    before = plant_links(demo, outside)
+    accesses = box.traced(*DEMO_RUN, long_running=DEMO_SOCKET)
+    box.check(accesses, demo)
+    box.untouched(accesses, outside)
     box.check(
         box.traced("discover", "--simulate", "dgx-h100", "--topology"), _default_sandbox(box, "dgx-h100")
     )
-    box.check(box.traced("--root", "./demo", "bootstrap", "--simulate", "dgx-h100", "--no-kube"), demo)
+    accesses = box.traced("--root", "./demo", "bootstrap", "--simulate", "dgx-h100", "--no-kube")
+    box.check(accesses, demo)
+    box.untouched(accesses, outside)
+    unchanged(outside, before)
     box.check(
         box.traced("mig", "plan", "--simulate", "dgx-a100-80gb", "-c", "all-balanced"),
         _default_sandbox(box, "dgx-a100-80gb"),
     )
 
 
-def test_simulator_without_root_gets_a_default_sandbox(box: Sandbox) -> None:
+def test_simulator_without_root_gets_a_default_sandbox(box: Sandbox, outside: Path) -> None:
+    """The default sandbox is a root like any other (links in it are followed inside it); it is named by
+    the state file when one is given, else by the machine (that it keeps the machine's state between commands:
+    tests/unit/test_mig_cli.py)."""
     sandbox = _default_sandbox(box, "dgx-h100")
+    before = plant_links(sandbox, outside)
     box.check(
         box.traced(
             "run",
@@ -313,21 +367,27 @@ def test_simulator_without_root_gets_a_default_sandbox(box: Sandbox) -> None:
         ),
         sandbox,
     )
-    box.check(box.traced("cdi", "generate", "--simulate", "dgx-h100", "--sim-host-files"), sandbox)
+    accesses = box.traced("cdi", "generate", "--simulate", "dgx-h100", "--sim-host-files")
+    box.check(accesses, sandbox)
+    box.untouched(accesses, outside)
     assert (sandbox / "var/run/cdi/nvidia.yaml").is_file()
+    assert (sandbox / str(outside).lstrip("/") / "lib/libcuda.so.1").is_symlink()  # the driver, inside
     box.check(box.traced("cdi", "show", "--simulate", "dgx-h100", "--check"), sandbox)
     box.check(box.traced("cdi", "generate", "--simulate", "dgx-h100", "--stdout"), sandbox)
-    a100 = _default_sandbox(box, "dgx-a100-80gb")
+    a100 = _default_sandbox(box, "state-a100")  # the state file names it, --simulate repeated or not
+    (a100 / "var/lib/nodeagent/mig").mkdir(parents=True)
+    (a100 / "var/lib/nodeagent/mig/mig-state.json").symlink_to(f"{_up(a100)}{outside}/mig-state.json")
     for args in (
-        ("mig", "apply", "-c", "all-1g.10gb"),
+        ("mig", "apply", "--simulate", "dgx-a100-80gb", "-c", "all-1g.10gb"),
         ("mig", "assert", "-c", "all-1g.10gb"),
-        ("mig", "plan", "-c", "all-disabled"),
+        ("mig", "plan", "--simulate", "dgx-a100-80gb", "-c", "all-disabled"),
     ):
-        box.check(
-            box.traced(*args, "--simulate", "dgx-a100-80gb", "--sim-state", "a100.json", expect=None), a100
-        )
-    assert (a100 / "var/lib/nodeagent/mig/mig-state.json").exists() or not (box.tmp / "var").exists()
+        accesses = box.traced(*args, "--sim-state", "a100.json")
+        box.check(accesses, a100)
+        box.untouched(accesses, outside)
+    assert (a100 / str(outside).lstrip("/") / "mig-state.json").is_file()  # the ../ chain stopped at the root
     box.check(box.traced("bootstrap", "--simulate", "dgx-h100", "--no-kube"), sandbox)
+    unchanged(outside, before)
 
 
 def test_sim_subcommands_touch_only_their_state_file(box: Sandbox) -> None:
@@ -343,22 +403,26 @@ def test_sim_subcommands_touch_only_their_state_file(box: Sandbox) -> None:
     assert not (box.tmp / "xdg" / "nodeagent-sim").exists()  # no host path was needed: no sandbox made
 
 
-def test_root_never_acts_on_the_host(box: Sandbox) -> None:
-    """``--root R`` other than /: no restart, no exec of R's binaries, nothing read outside R."""
+def test_root_never_acts_on_the_host(box: Sandbox, outside: Path) -> None:
+    """``--root R`` other than /: no restart, no exec of R's binaries, nothing read outside R (links out of
+    it are followed inside it)."""
     root = box.tmp / "r"
+    before = plant_links(root, outside)
     (root / "etc/containerd").mkdir(parents=True)
     (root / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n')
     marker = box.tmp / "ran"
     (root / "usr/bin").mkdir(parents=True)
     (root / "usr/bin/containerd").write_text(f"#!/bin/sh\ntouch {marker}\n")
     (root / "usr/bin/containerd").chmod(0o755)
-    outside = box.tmp / "outside"
-    outside.mkdir()
-    (outside / "secret").write_text("{{ .NotForYou }}\n")
-    (root / "etc/containerd/config.toml.tmpl").symlink_to(outside / "secret")
+    secrets = box.tmp / "secrets"
+    secrets.mkdir()
+    (secrets / "secret").write_text("{{ .NotForYou }}\n")
+    (root / "etc/containerd/config.toml.tmpl").symlink_to(secrets / "secret")
     (root / "lib/systemd/system").mkdir(parents=True)  # doctor: neither systemctl nor containerd is run under R
     (root / "lib/systemd/system/nodeagent.service").write_text("[Service]\nExecStart=/usr/bin/nodeagent run\n")
-    box.check(box.traced("--root", "r", "doctor", "--simulate", "t4x1", "--no-kube", expect=1), root)
+    accesses = box.traced("--root", "r", "doctor", "--simulate", "t4x1", "--no-kube", expect=1)
+    box.check(accesses, root)
+    box.untouched(accesses, outside)
     assert "not checked under --root" in box.output and "read by nodeagent only" in box.output, box.output
     for args in (
         ("runtime", "configure", "--dry-run"),
@@ -369,17 +433,25 @@ def test_root_never_acts_on_the_host(box: Sandbox) -> None:
     ):
         box.check(box.traced("--root", "r", *args), root)
     assert not marker.exists()
+    unchanged(outside, before)
     r = box.run("--root", "r", "runtime", "configure", "--restart", "systemd")
     assert r.returncode == 2 and "--restart systemd restarts this host's containerd" in r.stderr, r.stderr
 
 
 def test_root_slash_with_the_simulator_is_refused(box: Sandbox) -> None:
+    """... and so is a state file out of the root (nodeagent writes it: a file of the simulated node)."""
     for args in (
         ("--root", "/", "run", "--simulate", "dgx-h100", "--no-kube"),
         ("--root", "/", "cdi", "generate", "--simulate", "dgx-h100"),
         ("mig", "apply", "--root", "/", "--simulate", "dgx-a100-80gb", "-c", "all-1g.10gb"),
+        ("--root", "r", "cdi", "generate", "--simulate", "l4x2", "--sim-state", "r/../outside/x.json"),
+        ("--root", "r", "mig", "apply", "--simulate", "dgx-a100-80gb", "--sim-state", "r/../x.json", "-c",
+         "all-1g.10gb"),
     ):
         accesses = box.traced(*args, expect=2)
+        if "--sim-state" in args:  # one line naming the flag
+            assert box.output.count("\n") == 1 and "--sim-state" in box.output and "not inside --root" in \
+                box.output, box.output
         assert not [
             a
             for a in accesses
@@ -438,3 +510,37 @@ def test_bootstrap_under_a_root_restarts_only_when_asked(box: Sandbox) -> None:
     assert "no process is serving" in steps["containerd-restart"]["reason"], steps
     refused = box.run(*args, "--restart", "systemd")
     assert refused.returncode == 2 and "--restart systemd restarts this host's containerd" in refused.stderr
+
+
+MPS_CONFIG = "version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 2\n"
+
+
+def test_mps_on_the_simulator_runs_nothing_of_the_root_and_stays_inside(box: Sandbox, outside: Path) -> None:
+    """``run`` with ``sharing.mps`` on the simulator: the MPS control daemon is the simulator's stand-in (this
+    interpreter), never the root's ``nvidia-cuda-mps-control``; its pipe and log directories, links out of
+    the root here, are followed inside the root, where its control socket and log are made."""
+    root = box.tmp / "r"
+    (root / "usr/bin").mkdir(parents=True)
+    marker = box.tmp / "ran"
+    (root / "usr/bin/nvidia-cuda-mps-control").write_text(f"#!/bin/sh\ntouch {marker}\n")
+    (root / "usr/bin/nvidia-cuda-mps-control").chmod(0o755)
+    (root / "etc/nodeagent").mkdir(parents=True)
+    (root / "etc/nodeagent/dp.yaml").write_text(MPS_CONFIG)
+    daemon_dir = root / "run/nodeagent/mps/nvidia.com_gpu"
+    daemon_dir.mkdir(parents=True)
+    (outside / "pipe").mkdir()
+    (outside / "log").mkdir()
+    (daemon_dir / "pipe").symlink_to(outside / "pipe")
+    (daemon_dir / "log").symlink_to(f"{_up(root)}{outside}/log")
+    control = root / str(outside).lstrip("/") / "pipe/control"
+    accesses = box.traced(
+        "--root", "r", "run", "--simulate", "t4x1", "--sim-state", "r/sim.json", "--no-kube",
+        "--device-plugin-config", "r/etc/nodeagent/dp.yaml", "--metrics-address", "",
+        long_running=str(control), said="MPS daemon for nvidia.com/gpu ready",
+    )
+    box.check(accesses, root)  # executed: this interpreter only (the stand-in), never the root's program
+    box.untouched(accesses, outside)
+    assert not marker.exists()
+    assert (root / str(outside).lstrip("/") / "log/control.log").is_file()
+    assert sorted(p.name for p in outside.rglob("*")) == ["log", "pipe"]  # both left empty
+

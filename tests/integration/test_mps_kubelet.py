@@ -1,7 +1,7 @@
 """MPS on the device-plugin plane, judged by the kubelet's own device manager (the Go harness).
 
-The agent runs the stand-in ``nvidia-cuda-mps-control`` installed under the sandbox root, over the
-simulator's state file, so the control daemon shows its server as a process on the simulated GPUs.
+The agent runs the simulator's stand-in ``nvidia-cuda-mps-control`` (its own module, nothing of the sandbox
+root), over the simulator's state file, so the control daemon shows its server as a process on the simulated GPUs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class MpsNode:
 
     def control(self, *commands: str) -> subprocess.CompletedProcess[str]:
         env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "PATH": "/usr/bin:/bin"}
-        return subprocess.run([str(self.binary)], input="".join(c + "\n" for c in commands), env=env,
+        stand_in = [sys.executable, "-m", "nodeagent.simulator.mps_control"]  # what the agent runs on the simulator
+        return subprocess.run(stand_in, input="".join(c + "\n" for c in commands), env=env,
                               capture_output=True, text=True, timeout=20, check=False)
 
     def compute_modes(self) -> list[int]:

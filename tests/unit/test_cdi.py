@@ -273,7 +273,7 @@ def test_driver_root_is_resolved_under_the_root(tmp_path: Path) -> None:
 
 
 def test_cli_generate_show_check(tmp_path: Path) -> None:
-    root, state = tmp_path / "root", tmp_path / "sim.json"
+    root, state = tmp_path / "root", tmp_path / "root" / "sim.json"
     runner = CliRunner()
     base = ["--root", str(root), "cdi"]
     sim = ["--sim-state", str(state), "--simulate", "dgx-h100"]
@@ -339,11 +339,11 @@ def test_linked_tool_is_mounted_but_library_links_are_not(tmp_path: Path) -> Non
     real = tmp_path / "opt/nvidia/nvidia-smi"
     real.parent.mkdir(parents=True)
     smi.rename(real)
-    smi.symlink_to(real)
+    smi.symlink_to("/opt/nvidia/nvidia-smi")  # the node's path: followed inside the root, as a chroot would
     spec = generate(inv, collect(paths, inv))
     assert spec is not None
-    mounts = {m["containerPath"] for m in spec["containerEdits"]["mounts"]}
-    assert "/usr/bin/nvidia-smi" in mounts
+    mounts = {m["containerPath"]: m["hostPath"] for m in spec["containerEdits"]["mounts"]}
+    assert mounts["/usr/bin/nvidia-smi"] == str(real)
     assert "/usr/lib/x86_64-linux-gnu/libcuda.so.1" not in mounts
 
 

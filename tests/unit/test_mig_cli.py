@@ -23,7 +23,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str, stdin: str | None = None
 
 def test_plan_apply_assert_export(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    state = str(tmp_path / "sim.json")
+    state = str(tmp_path / "root" / "sim.json")
     root = ["--root", str(tmp_path / "root")]
     sim = ["--simulate", "a30x4", "--sim-state", state]
     code, out, _ = run(capsys, *root, "mig", "plan", *sim, "-c", "all-balanced")
@@ -78,3 +78,25 @@ def test_busy_refusal_exit_1_and_reboot_exit_3(tmp_path: Path, capsys: pytest.Ca
     inject.fail_next(store, "simResetGpu", 16)
     code, _, err = run(capsys, *base, "mig", "apply", *sim, "-c", "all-3g.40gb")
     assert code == 3 and "reboot" in err
+
+
+def test_apply_on_a_simulated_machine_without_its_state_file_says_it_is_not_kept(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under --root without --sim-state the machine lives in the command's process: one warning line says the
+    change is gone at the next command (without --root the default sandbox keeps it: tests/e2e/test_sandbox.py)."""
+    code, out, err = run(capsys, "--root", str(tmp_path), "mig", "apply", "--simulate", "a30x4", "-c", "all-balanced")
+    assert code == 0 and "applied all-balanced" in out, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: the simulated machine is not kept without --sim-state FILE: this change is gone "
+                        "at the next command"], err
+
+
+def test_the_default_sandbox_keeps_the_simulated_machine_between_commands(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --root and --sim-state the machine's sandbox holds its state: an apply is there for the next
+    command, whether --simulate is repeated or not (the file records the machine)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert run(capsys, "mig", "apply", "--simulate", "a30x4", "-c", "all-balanced")[0] == 0
+    code, out, err = run(capsys, "mig", "assert", "--simulate", "a30x4", "-c", "all-balanced")
+    assert (code, out.strip()) == (0, "config all-balanced is applied"), err
+    assert (tmp_path / "nodeagent-sim/a30x4/sim-state.json").is_file()

@@ -34,7 +34,7 @@ MISSING_INDEX = "version: v1\nmig-configs:\n  nine:\n  - devices: [9]\n    mig-e
 
 
 def sim_args(tmp_path: Path) -> list[str]:
-    return ["--simulate", "a30x4", "--sim-state", str(tmp_path / "sim.json")]
+    return ["--simulate", "a30x4", "--sim-state", str(tmp_path / "root" / "sim.json")]
 
 
 def test_missing_hooks_file_is_exit_2_from_the_cli_and_changes_nothing(

@@ -29,6 +29,7 @@ def killed_mid_apply(root: Path, sim_state: Path) -> tuple[dict[int, GpuCheckpoi
     The apply dies inside the 10th create: GPU 0 done, GPU 1 half built (a GPU instance without compute
     instance), GPU 2 in MIG mode without instances.
     Returns the old and the new layouts."""
+    sim_state.parent.mkdir(parents=True, exist_ok=True)
     nvml = open_sim("dgx-h100", sim_state)
     store = nvml.store
     inject.write_mig_layout(store, 0, OLD)
@@ -59,7 +60,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_mig_apply_recovers_the_record_of_a_killed_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    root, sim_state = tmp_path / "root", tmp_path / "sim.json"
+    root, sim_state = tmp_path / "root", tmp_path / "root" / "sim.json"
     old, new = killed_mid_apply(root, sim_state)
     config = tmp_path / "mig.yaml"
     config.write_text(CONFIG)
@@ -81,7 +82,7 @@ def test_mig_apply_recovers_the_record_of_a_killed_agent(tmp_path: Path, capsys:
 def test_mig_apply_of_the_old_layout_after_a_crash_gets_the_old_layout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root, sim_state = tmp_path / "root", tmp_path / "sim.json"
+    root, sim_state = tmp_path / "root", tmp_path / "root" / "sim.json"
     old, _ = killed_mid_apply(root, sim_state)
     config = tmp_path / "old.yaml"
     config.write_text("version: v1\nmig-configs:\n  old:\n    - devices: [0, 1]\n      mig-enabled: true\n"
@@ -94,7 +95,7 @@ def test_mig_apply_of_the_old_layout_after_a_crash_gets_the_old_layout(
 
 
 def test_bootstrap_recovers_the_record_of_a_killed_agent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    root, sim_state = tmp_path / "root", tmp_path / "sim.json"
+    root, sim_state = tmp_path / "root", tmp_path / "root" / "sim.json"
     _, new = killed_mid_apply(root, sim_state)
     etc = root / "etc/nodeagent"
     etc.mkdir(parents=True)
@@ -117,7 +118,7 @@ def test_bootstrap_recovers_the_record_of_a_killed_agent(tmp_path: Path, capsys:
 def test_bad_input_leaves_the_crash_record_and_the_gpus_alone(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root, sim_state = tmp_path / "root", tmp_path / "sim.json"
+    root, sim_state = tmp_path / "root", tmp_path / "root" / "sim.json"
     killed_mid_apply(root, sim_state)
     before = layouts(sim_state)
     code, _, err = run(capsys, "--root", str(root), "mig", "apply", "--sim-state", str(sim_state), "-c", "nope")

@@ -43,7 +43,7 @@ def test_discover_every_machine(machine: str, tmp_path: Path, capsys: pytest.Cap
 def test_generated_configs_plan_apply_assert_export(machine: str, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--root", str(tmp_path / "root")]
-    sim = ["--simulate", machine, "--sim-state", str(tmp_path / "sim.json")]
+    sim = ["--simulate", machine, "--sim-state", str(tmp_path / "root" / "sim.json")]
     spec = load_machine(machine)
     product = next(g.mig_product for g in spec.gpus if g.mig_product is not None)
     offered = {s.name for s in product.specs_for_driver(spec.driver_version)}
@@ -54,7 +54,7 @@ def test_generated_configs_plan_apply_assert_export(machine: str, tmp_path: Path
         code, out, err = run(capsys, *base, "mig", "apply", *sim, "-c", name)
         if spec.passthrough and code == 3:  # a VM: a MIG mode change needs a reboot, then apply again
             assert "needs a reboot" in err and "error" not in err, err
-            assert f"run `nodeagent sim reboot --sim-state {tmp_path / 'sim.json'}`" in err, err
+            assert f"run `nodeagent sim reboot --sim-state {tmp_path / 'root' / 'sim.json'}`" in err, err
             assert run(capsys, *base, "sim", "reboot", *sim)[0] == 0
             code, out, err = run(capsys, *base, "mig", "apply", *sim, "-c", name)
         assert code == 0, (name, err)

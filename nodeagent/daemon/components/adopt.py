@@ -149,7 +149,7 @@ class AdoptComponent(Component):
             uuids = d.inventory_uuids(inv)
             directory = self._ctx.host_path(self._ctx.config.kubelet.device_plugins)
             me = os.getpid()
-            local = await asyncio.to_thread(d.read_plugin_dir, directory, lambda pid: pid == me)
+            local = await asyncio.to_thread(d.read_plugin_dir, directory, lambda pid: pid == me, 1.0, self._ctx.paths)
             found = d.plugin_conflicts(local.foreign, local.checkpoint, wanted, uuids, ids)
             unread: tuple[str, ...] = self.unread
             if facts is not None:

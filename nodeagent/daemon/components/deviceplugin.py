@@ -71,7 +71,7 @@ class DevicePluginComponent(Component):
         from nodeagent.gpu.health import HealthMonitorSettings
 
         cfg = ctx.config
-        ctx.shared.planes.bind(ctx.paths.state_dir / LEDGER_FILE)  # a move under way before a restart
+        ctx.shared.planes.bind(ctx.paths.state_dir / LEDGER_FILE, ctx.paths)  # a move under way before a restart
         if cfg.device_plugin.plane != "both" or ctx.kube is None:
             ctx.shared.planes.split = None  # no DRA plane beside this plugin: nothing moves, nothing to keep
         self._plugin_config = ctx.files.plugin_config  # read and validated with the config (start / SIGHUP)
@@ -96,6 +96,7 @@ class DevicePluginComponent(Component):
             mps=mps,
             under_root=ctx.host_path,
             publish=ctx.paths.publish,
+            root=ctx.paths,
         )
         self._changed = asyncio.Event()  # a registration succeeded or the served resources changed
         self.service.registrations = _Registrations(self._changed, ctx.record_state)

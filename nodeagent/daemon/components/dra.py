@@ -66,7 +66,7 @@ class DraPlaneComponent(Component):
         alone = self._plane == "dra"
         # plane "both": the ledger says which GPUs are DRA's (a move under way survives this rebuild)
         ledger = ctx.shared.planes
-        ledger.bind(ctx.paths.state_dir / LEDGER_FILE)  # a move under way before a restart
+        ledger.bind(ctx.paths.state_dir / LEDGER_FILE, ctx.paths)  # a move under way before a restart
         split = None
         if not alone:
             wanted = frozenset(cfg.dra.gpus)

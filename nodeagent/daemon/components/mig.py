@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from nodeagent import fileio
 from nodeagent.daemon.shared import DevicePluginLink, DraLink, PreparedClaims
 from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.gpu.inventory import Inventory
@@ -156,11 +157,12 @@ class MigComponent(Component):
             options=MigReconcilerOptions(sources=sources, with_reboot=cfg.with_reboot,
                                          release_timeout_s=cfg.release_timeout),
             reboot=reboot_host,
-            boot_id=lambda: read_boot_id(proc),
+            boot_id=lambda: read_boot_id(proc, ctx.paths),
             proc_root=proc,
             on_inventory=self._after_apply,
             on_result=self._on_result,
-            pod_name=PodNameLookup(checkpoint, self.pod_resources.list),
+            pod_name=PodNameLookup(checkpoint, self.pod_resources.list, root=ctx.paths),
+            root=ctx.paths,
             holders=holders,
             on_state=self._on_state,
         )
@@ -208,7 +210,7 @@ class MigComponent(Component):
         self._ctx.request_resync()
 
     async def start(self, ctx: Context) -> None:
-        (ctx.paths.mig_state_dir).mkdir(parents=True, exist_ok=True)
+        fileio.makedirs(ctx.paths.mig_state_dir, root=ctx.paths)
         self._task = ctx.spawn(self.reconciler.run(), "mig reconciler")
 
     async def resync(self) -> None:
