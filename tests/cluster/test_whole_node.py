@@ -699,6 +699,15 @@ class TestMigByLabelAndDraPlane:
         # the claim's own CDI spec, written by the agent when the kubelet prepared the claim
         spec = CDI_DIR / f"{DRA_DRIVER}-claim_{claim['metadata']['uid']}.json"
         assert spec.is_file(), sorted(p.name for p in CDI_DIR.iterdir())
+
+        # and its device status, written with the agent pod's own token under rbac-dra.yaml and the policy
+        def device_status() -> list[dict[str, Any]] | None:
+            found: list[dict[str, Any]] = cluster.get_json("resourceclaim", claim_name)["status"].get("devices") or []
+            return found or None
+
+        written = cluster.wait_for("the claim's status.devices written by the agent", device_status, timeout=30)
+        assert [(e["driver"], e["pool"], e["device"]) for e in written] == [
+            (DRA_DRIVER, cluster.node_name, results[0]["device"])], written
         cluster.kubectl("exec", "dra-one", "--", "touch", "/tmp/done")
 
         def ended() -> dict[str, Any] | None:

@@ -148,6 +148,10 @@ def apply_rbac(server: KubeApiServer, *, crd: bool = False, dra: bool = False) -
     if not dra:
         code, raw = server.request("DELETE", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/nodeagent-dra")
         assert code in (200, 404), raw
+        deadline = time.monotonic() + 20
+        while code == 200 and can(server, "create", "resourceslices", "resource.k8s.io"):
+            assert time.monotonic() < deadline, "the DRA role's binding was deleted but still grants"
+            time.sleep(0.1)
 
 
 def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
@@ -166,6 +170,7 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("patch", "gpus", "nodeagent.io", "", "", ""), ("delete", "gpus", "nodeagent.io", "", "", ""),
         ("patch", "gpus", "nodeagent.io", "status", "", ""),
         ("list", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),  # conflict detection (nodeagent/adopt)
+        ("list", "resourceslices", "resource.k8s.io", "", "", ""),  # the same, for another DRA driver
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -189,6 +194,11 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("create", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
         ("get", "configmaps", "", "", "nodeagent", ""),
         ("create", "validatingadmissionpolicybindings", "admissionregistration.k8s.io", "", "", ""),
+        # without the DRA plane's rbac-dra.yaml: no slice writes, no claims
+        ("create", "resourceslices", "resource.k8s.io", "", "", ""),
+        ("delete", "resourceslices", "resource.k8s.io", "", "", ""),
+        ("get", "resourceclaims", "resource.k8s.io", "", "default", ""),
+        ("update", "resourceclaims", "resource.k8s.io", "status", "default", ""),
     ]
     for verb, res, group, sub, ns, name in denied:
         assert not can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
