@@ -494,7 +494,9 @@ def test_two_nodes_each_confined_to_its_own(kube_apiserver: KubeApiServer) -> No
 # -- ResourceClaims, on every release ----------------------------------------------------------------------
 # node-a's pool holds gpu-0 (of the driver gpu.nodeagent.io and of gpu.nvidia.com), node-b's gpu-0 and gpu-1.
 # "own" is allocated from node-a's pool (a device of each driver, node-a's pod in status.reservedFor, the
-# other driver's entry in status.devices), "other" from node-b's pool for node-b's pod, "new" not at all.
+# other driver's entry in status.devices), "other" from node-b's pool for node-b's pod, "new" not at all;
+# "mixed" holds node-b's gpu-1 under a node selector naming node-a (what an allocator could write for a
+# slice that node-a published in a pool named after node-b, before the policy refused such slices).
 CA, CB = "claim-a", "claim-b"
 CLAIM_NS = "claim-tenant"
 NVIDIA = "gpu.nvidia.com"
@@ -505,11 +507,13 @@ def on_node(node: str) -> dict[str, Any]:
     return {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}
 
 
-def allocation(node: str, device: str = "gpu-0", *, nvidia: bool = False) -> dict[str, Any]:
+def allocation(node: str, device: str = "gpu-0", *, nvidia: bool = False, selector: str = "") -> dict[str, Any]:
+    """As a scheduler writes it: the devices of ``node``'s pool, the node selector naming ``node`` (or
+    ``selector``)."""
     results = [{"request": "gpu", "driver": DRIVER, "pool": node, "device": device}]
     if nvidia:
         results.append({"request": "other", "driver": NVIDIA, "pool": node, "device": "gpu-0"})
-    return {"devices": {"results": results}, "nodeSelector": on_node(node)}
+    return {"devices": {"results": results}, "nodeSelector": on_node(selector or node)}
 
 
 def consumer(pod: str) -> dict[str, str]:
@@ -567,6 +571,8 @@ CLAIM_CASES: tuple[ClaimCase, ...] = (
     ClaimCase("add a pod to status.reservedFor of a claim allocated from its pool", CA, "own", add_consumer),
     ClaimCase("write status.devices of another node's claim", CA, "other",
               set_status(devices=[entry(CB, uuid="GPU-from-a")])),
+    ClaimCase("write status.devices of another node's device in a claim whose node selector names its node", CA,
+              "mixed", set_status(devices=[entry(CB, device="gpu-1", uuid="GPU-from-a")])),
     ClaimCase("change another driver's status.devices entry of a claim allocated from its pool", CA, "own",
               change_nvidia_entry),
     ClaimCase("write status.devices of node-a's claim with a token without node claim", "unbound", "own",
@@ -575,7 +581,7 @@ CLAIM_CASES: tuple[ClaimCase, ...] = (
     ClaimCase("empty the status (status: {}) of a claim allocated from its pool", CA, "own", replace_status({})),
     ClaimCase("create a ResourceSlice of its node in a pool named after another node", CA, "", None),
 )
-CLAIM_NAMES = {"own": "claim-own", "other": "claim-other", "new": "claim-new"}
+CLAIM_NAMES = {"own": "claim-own", "other": "claim-other", "new": "claim-new", "mixed": "claim-mixed"}
 POOL_SLICE = f"{CA}-pool-{CB}"  # what the ResourceSlice case tries to create
 
 
@@ -607,6 +613,7 @@ def claim_cluster(server: KubeApiServer, tmp: Path) -> tuple[dict[str, str], dic
                 "devices": [entry(CA, NVIDIA, uuid="GPU-nv0")]},
         "other": {"allocation": allocation(CB), "reservedFor": [consumer("pod-on-b")]},
         "new": {},
+        "mixed": {"allocation": allocation(CB, "gpu-1", selector=CA), "reservedFor": [consumer("pod-on-a")]},
     }
     stored: dict[str, Claim] = {}
     for key, name in CLAIM_NAMES.items():
@@ -675,9 +682,10 @@ def test_claim_status_only_its_pools_device_status_on_every_release(release_serv
     assert not wrong, f"{server.version}:\n" + "\n".join(wrong)
     # what the refusals left as it was, and what the two writes wrote
     now = {key: json.loads(server.get(f"{claims}/{name}")[1]) for key, name in CLAIM_NAMES.items()}
-    for key in ("own", "other"):
+    for key in ("own", "other", "mixed"):
         for field in ("allocation", "reservedFor"):
             assert now[key]["status"][field] == stored[key]["status"][field], (key, field)
+    assert "devices" not in now["mixed"]["status"], now["mixed"]
     assert "status" not in now["new"] or not now["new"]["status"].get("allocation"), now["new"]
     def devices(claim: Claim) -> list[dict[str, Any]]:
         return [{k: v for k, v in e.items() if v is not None} for e in claim["status"].get("devices", [])]
