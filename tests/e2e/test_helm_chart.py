@@ -178,9 +178,9 @@ def test_dra_variants_render_the_plain_dra_role_and_device_classes(helm: Path) -
     assert dra_role == {"nodeagent-dra"}
     default = render(helm)
     assert not [d for d in default if d["kind"] == "DeviceClass" or d["metadata"]["name"] in dra_role]
-    # the chart's only grants on resource.k8s.io are the DRA role's
-    assert not [r for d in default if d["kind"] == "ClusterRole" for r in d["rules"]
-                if "resource.k8s.io" in r["apiGroups"]]
+    # without DRA the only grant on resource.k8s.io is the slices' list (conflict detection): no writes, no claims
+    granted = [r for d in default if d["kind"] == "ClusterRole" for r in d["rules"] if "resource.k8s.io" in r["apiGroups"]]
+    assert granted == [{"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list"]}], granted
 
 
 def agent_config(docs: list[Doc]) -> tuple[str, dict[str, str]]:
