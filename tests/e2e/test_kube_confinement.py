@@ -1,7 +1,8 @@
 """The admission policy and the ClusterRoles judged by the real kube-apiserver with the bound tokens of TWO nodes:
 each node's agent may write its own node's ResourceSlices, GPU objects and Node metadata and the RuntimeClasses
-in the one shape nodeagent writes them, and nothing of the other node. docs/security.md lists
-every case of ``CASES`` in the same words (``test_readme_lists_every_case``)."""
+in the one shape nodeagent writes them, and nothing of the other node; and, on every release, only the device
+status of ResourceClaims allocated from its own node's pool (``CLAIM_CASES``). docs/security.md lists every
+case of ``CASES`` and ``CLAIM_CASES`` in the same words (``test_docs_list_every_case``)."""
 
 from __future__ import annotations
 
