@@ -554,7 +554,8 @@ def _mig_off(cluster: Cluster) -> None:
 @pytest.fixture(scope="class")
 def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[None]:
     """After the class: no DeviceClass of the DRA test left, MIG off, the packaged ConfigMap, the agent
-    restarted with it (allocatable 8 again)."""
+    restarted with it (allocatable 8 again; with the DRA role still bound it deletes its leftover slices), then
+    no DRA role."""
     yield
     cluster.kubectl("delete", "pod", "mig-holder", "mig-one", "dra-one", "--ignore-not-found", "--wait=true")
     cluster.kubectl("delete", "resourceclaimtemplate", "one-gpu", "--ignore-not-found")
@@ -572,6 +573,8 @@ def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[N
     log = cluster.kubectl("logs", "-n", "nodeagent", pod["metadata"]["name"]).stdout
     assert f"DRA ResourceSlice(s) of {cluster.node_name} left by an earlier run (plane is device-plugin)" in log, log
     print(json.dumps({"dra_slices_gone_after_the_agent_restart_s": round(gone, 1)}))
+    # back to what the README's lines installed: no DRA role
+    cluster.kubectl("delete", "-f", "packaging/kubernetes/rbac-dra.yaml", "--ignore-not-found")
 
 
 @pytest.mark.usefixtures("packaged_config_after")
@@ -656,6 +659,8 @@ class TestMigByLabelAndDraPlane:
                        for d in s["spec"]["devices"]]
             return sum(1 for d in devices if d["attributes"]["type"]["string"] == "gpu") == GPU_COUNT
 
+        # what the README adds for the DRA plane: the agent's DRA role, then the DeviceClasses
+        cluster.kubectl("apply", "-f", "packaging/kubernetes/rbac-dra.yaml")
         _restart_agent_with(cluster, configmap, f"the DRA plane: {GPU_COUNT} GPUs in the node's ResourceSlices",
                             whole_gpus_published)
         cluster.kubectl("apply", "-f", "packaging/kubernetes/deviceclass.yaml")
@@ -694,6 +699,15 @@ class TestMigByLabelAndDraPlane:
         # the claim's own CDI spec, written by the agent when the kubelet prepared the claim
         spec = CDI_DIR / f"{DRA_DRIVER}-claim_{claim['metadata']['uid']}.json"
         assert spec.is_file(), sorted(p.name for p in CDI_DIR.iterdir())
+
+        # and its device status, written with the agent pod's own token under rbac-dra.yaml and the policy
+        def device_status() -> list[dict[str, Any]] | None:
+            found: list[dict[str, Any]] = cluster.get_json("resourceclaim", claim_name)["status"].get("devices") or []
+            return found or None
+
+        written = cluster.wait_for("the claim's status.devices written by the agent", device_status, timeout=30)
+        assert [(e["driver"], e["pool"], e["device"]) for e in written] == [
+            (DRA_DRIVER, cluster.node_name, results[0]["device"])], written
         cluster.kubectl("exec", "dra-one", "--", "touch", "/tmp/done")
 
         def ended() -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.e2e._agent import REPO
-from tests.e2e.test_kube_manifests import MANIFESTS, ORDER
+from tests.e2e.test_kube_manifests import DRA_ORDER, MANIFESTS, ORDER
 from tests.peers._resolve import peer_binary
 from tests.peers.apiserver import KubeApiServer
 
@@ -165,12 +165,22 @@ def test_a_changed_config_rolls_the_pods(helm: Path) -> None:
         assert (pod_checksum(docs) == pod_checksum(plain)) == (data == default), name
 
 
-def test_dra_variant_renders_the_plain_device_classes(helm: Path) -> None:
-    rendered = by_key(render(helm, *VARIANTS["plane-dra"]))
-    for name in ("deviceclass.yaml", "deviceclass-extended-resource.yaml"):
-        for doc in yaml.safe_load_all((MANIFESTS / name).read_text()):
-            assert rendered[key(doc)] == doc, name
-    assert not [d for d in render(helm) if d["kind"] == "DeviceClass"]
+def test_dra_variants_render_the_plain_dra_role_and_device_classes(helm: Path) -> None:
+    """What the README adds to the plain manifests for the DRA plane (rbac-dra.yaml, the DeviceClasses) is what
+    the chart renders with plane dra or both, object for object, and never with the default plane."""
+    for variant in ("plane-dra", "plane-both"):
+        rendered = by_key(render(helm, *VARIANTS[variant]))
+        names = [*DRA_ORDER, "deviceclass-extended-resource.yaml"] if variant == "plane-dra" else [*DRA_ORDER]
+        for name in names:
+            for doc in yaml.safe_load_all((MANIFESTS / name).read_text()):
+                assert rendered[key(doc)] == doc, (variant, name)
+    dra_role = {d["metadata"]["name"] for d in yaml.safe_load_all((MANIFESTS / "rbac-dra.yaml").read_text())}
+    assert dra_role == {"nodeagent-dra"}
+    default = render(helm)
+    assert not [d for d in default if d["kind"] == "DeviceClass" or d["metadata"]["name"] in dra_role]
+    # without DRA the only grant on resource.k8s.io is the slices' list (conflict detection): no writes, no claims
+    granted = [r for d in default if d["kind"] == "ClusterRole" for r in d["rules"] if "resource.k8s.io" in r["apiGroups"]]
+    assert granted == [{"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list"]}], granted
 
 
 def agent_config(docs: list[Doc]) -> tuple[str, dict[str, str]]:
@@ -462,15 +472,18 @@ def test_install_upgrade_uninstall(helm: Path, kube_apiserver: KubeApiServer, tm
     assert "'system:serviceaccount:gpu-system:gpu-agent'" in vap["spec"]["matchConditions"][0]["expression"]
     assert get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io")[0] == 200
     assert get(dc)[0] == 404
-    # upgrade to the DRA plane: the DeviceClasses appear, the agent's config follows
+    dra_role = "/apis/rbac.authorization.k8s.io/v1/clusterroles/gpu-agent-dra"
+    assert get(dra_role)[0] == 404
+    # upgrade to the DRA plane: the DeviceClasses and the DRA role appear, the agent's config follows
     out = run("upgrade", "gpu-agent", str(CHART), "--namespace", "gpu-system", "--set", "plane=dra")
     assert "REVISION: 2" in out, out
     assert get(dc)[0] == 200
+    assert get(dra_role)[0] == 200
     assert 'plane = "dra"' in get(cm)[1]["data"]["config.toml"]
     history = json.loads(run("history", "gpu-agent", "--namespace", "gpu-system", "--output", "json"))
     assert [h["revision"] for h in history] == [1, 2]
     run("uninstall", "gpu-agent", "--namespace", "gpu-system", "--wait")
-    for path in (ds, cm, dc, policy):
+    for path in (ds, cm, dc, policy, dra_role):
         assert get(path)[0] == 404, path
     assert not (REPO / ".kube").exists()  # nothing of the client's cache in the checkout
     # helm never deletes a CRD it installed: the GPU objects of every node outlive the release

@@ -1,7 +1,8 @@
 """The admission policy and the ClusterRoles judged by the real kube-apiserver with the bound tokens of TWO nodes:
 each node's agent may write its own node's ResourceSlices, GPU objects and Node metadata and the RuntimeClasses
-in the one shape nodeagent writes them, and nothing of the other node. docs/security.md lists
-every case of ``CASES`` in the same words (``test_readme_lists_every_case``)."""
+in the one shape nodeagent writes them, and nothing of the other node; and, on every release, only the device
+status of ResourceClaims allocated from its own node's pool (``CLAIM_CASES``). docs/security.md lists every
+case of ``CASES`` and ``CLAIM_CASES`` in the same words (``test_docs_list_every_case``)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e._agent import REPO
 from tests.e2e.test_kube_manifests import apply_rbac, as_agent, bound_token, token_request
+from tests.integration._releases import shared_release_apiserver
 from tests.peers.apiserver import KubeApiServer
 
 pytestmark = pytest.mark.peers
+
+release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 A, B = "conf-a", "conf-b"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -397,7 +403,7 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
     """Both nodes, their slices and GPU objects, the RuntimeClasses and a tenant's claim; the two nodes' tokens."""
     from tests.e2e.test_run_cluster import make_node
 
-    apply_rbac(server, crd=True)
+    apply_rbac(server, crd=True, dra=True)
     for n in (A, B):
         make_node(server, n)
         admin(server, "PATCH", f"{NODES}/{n}", {"metadata": {"labels": {"kubernetes.io/hostname": n}}})
@@ -486,13 +492,243 @@ def test_two_nodes_each_confined_to_its_own(kube_apiserver: KubeApiServer) -> No
     assert kube_apiserver.get(f"{GPUS}/x6")[0] == 404 and kube_apiserver.get(f"{GPUS}/x7")[0] == 404
 
 
+# -- ResourceClaims, on every release ----------------------------------------------------------------------
+# node-a's pool holds gpu-0 (of the driver gpu.nodeagent.io and of gpu.nvidia.com), node-b's gpu-0 and gpu-1.
+# "own" is allocated from node-a's pool (a device of each driver, node-a's pod in status.reservedFor, the
+# other driver's entry in status.devices), "other" from node-b's pool for node-b's pod, "new" not at all;
+# "mixed" holds node-b's gpu-1 under a node selector naming node-a (what an allocator could write for a
+# slice that node-a published in a pool named after node-b, before the policy refused such slices).
+CA, CB = "claim-a", "claim-b"
+CLAIM_NS = "claim-tenant"
+NVIDIA = "gpu.nvidia.com"
+Claim = dict[str, Any]
+
+
+def on_node(node: str) -> dict[str, Any]:
+    return {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}
+
+
+def allocation(node: str, device: str = "gpu-0", *, nvidia: bool = False, selector: str = "") -> dict[str, Any]:
+    """As a scheduler writes it: the devices of ``node``'s pool, the node selector naming ``node`` (or
+    ``selector``)."""
+    results = [{"request": "gpu", "driver": DRIVER, "pool": node, "device": device}]
+    if nvidia:
+        results.append({"request": "other", "driver": NVIDIA, "pool": node, "device": "gpu-0"})
+    return {"devices": {"results": results}, "nodeSelector": on_node(selector or node)}
+
+
+def consumer(pod: str) -> dict[str, str]:
+    return {"resource": "pods", "name": pod, "uid": f"00000000-0000-0000-0000-{sum(map(ord, pod)):012d}"}
+
+
+def entry(node: str, driver: str = DRIVER, device: str = "gpu-0", uuid: str = "GPU-0") -> dict[str, Any]:
+    return {"driver": driver, "pool": node, "device": device, "data": {"uuid": uuid}}
+
+
+def set_status(**status: Any) -> Callable[[Claim], Claim]:
+    def change(claim: Claim) -> Claim:
+        claim["status"] = {**claim.get("status", {}), **status}
+        return claim
+
+    return change
+
+
+def replace_status(status: dict[str, Any]) -> Callable[[Claim], Claim]:
+    def change(claim: Claim) -> Claim:
+        claim["status"] = status
+        return claim
+
+    return change
+
+
+def add_consumer(claim: Claim) -> Claim:
+    claim["status"]["reservedFor"] = [*claim["status"]["reservedFor"], consumer("second-pod")]
+    return claim
+
+
+def change_nvidia_entry(claim: Claim) -> Claim:
+    claim["status"]["devices"] = [{**e, "data": {"uuid": "GPU-changed"}} if e["driver"] == NVIDIA else e
+                                  for e in claim["status"]["devices"]]
+    return claim
+
+
+@dataclass(frozen=True)
+class ClaimCase:
+    what: str
+    token: str  # CA, CB or "unbound"
+    claim: str  # own, other, new, mixed; "" for the ResourceSlice case
+    change: Callable[[Claim], Claim] | None  # of the stored claim, PUT to its status; None: ClaimStatusWriter
+    want: int = 403
+    # refused by the API server itself from 1.36 (DRAResourceClaimGranularStatusAuthorization: the role has
+    # no resourceclaims/binding, and resourceclaims/driver only for its driver and node), before admission:
+    # 422 naming that synthetic subresource
+    native: bool = False
+
+    def wanted(self, minor: int) -> int:
+        return 422 if self.native and minor >= 36 else self.want
+
+
+# Run in this order, each on what the ones before left (the setup is in ``claim_cluster``).
+CLAIM_CASES: tuple[ClaimCase, ...] = (
+    ClaimCase("write status.devices of a claim allocated from its pool, as the driver does", CA, "own", None,
+              want=200),
+    ClaimCase("write status.devices of a claim allocated from its pool", CB, "other",
+              set_status(devices=[entry(CB, uuid="GPU-b0")]), want=200),
+    ClaimCase("allocate an unallocated claim to another node's device", CA, "new",
+              set_status(allocation=allocation(CB, "gpu-1")), native=True),
+    ClaimCase("add a pod to status.reservedFor of a claim allocated from its pool", CA, "own", add_consumer, native=True),
+    ClaimCase("write status.devices of another node's claim", CA, "other",
+              set_status(devices=[entry(CB, uuid="GPU-from-a")]), native=True),
+    ClaimCase("write status.devices of another node's device in a claim whose node selector names its node", CA,
+              "mixed", set_status(devices=[entry(CB, device="gpu-1", uuid="GPU-from-a")])),
+    ClaimCase("change another driver's status.devices entry of a claim allocated from its pool", CA, "own",
+              change_nvidia_entry, native=True),
+    ClaimCase("write status.devices of node-a's claim with a token without node claim", "unbound", "own",
+              set_status(devices=[entry(CA, NVIDIA, uuid="GPU-nv0"), entry(CA, uuid="GPU-unbound")]), native=True),
+    ClaimCase("empty the status (status: {}) of another node's reserved claim", CA, "other", replace_status({}), native=True),
+    ClaimCase("empty the status (status: {}) of a claim allocated from its pool", CA, "own", replace_status({}), native=True),
+    ClaimCase("create a ResourceSlice of its node in a pool named after another node", CA, "", None),
+)
+CLAIM_NAMES = {"own": "claim-own", "other": "claim-other", "new": "claim-new", "mixed": "claim-mixed"}
+POOL_SLICE = f"{CA}-pool-{CB}"  # what the ResourceSlice case tries to create
+
+
+def pool_slice() -> dict[str, Any]:
+    obj = slice_obj(POOL_SLICE, CA)
+    obj["spec"]["pool"]["name"] = CB
+    return obj
+
+
+def claim_cluster(server: KubeApiServer, tmp: Path) -> tuple[dict[str, str], dict[str, Claim]]:
+    """Two nodes with their pools, the three claims allocated as a scheduler would; the tokens (and node-a's
+    kubeconfig, for the agent's own writer). Returns the tokens and the claims as stored."""
+    from tests.e2e.test_kube_manifests import service_account_kubeconfig
+    from tests.e2e.test_run_cluster import make_node
+
+    apply_rbac(server, dra=True)
+    for n in (CA, CB):
+        make_node(server, n)
+    for name in (f"{CA}-gpu", f"{CA}-nvidia", f"{CB}-gpu", POOL_SLICE):
+        server.request("DELETE", f"{SLICES}/{name}")
+    for obj in (slice_obj(f"{CA}-gpu", CA), slice_obj(f"{CA}-nvidia", CA, NVIDIA), slice_obj(f"{CB}-gpu", CB)):
+        admin(server, "POST", SLICES, obj)
+    server.request(
+        "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": CLAIM_NS}}
+    )
+    claims = CLAIMS.format(ns=CLAIM_NS)
+    status = {
+        "own": {"allocation": allocation(CA, nvidia=True), "reservedFor": [consumer("pod-on-a")],
+                "devices": [entry(CA, NVIDIA, uuid="GPU-nv0")]},
+        "other": {"allocation": allocation(CB), "reservedFor": [consumer("pod-on-b")]},
+        "new": {},
+        "mixed": {"allocation": allocation(CB, "gpu-1", selector=CA), "reservedFor": [consumer("pod-on-a")]},
+    }
+    stored: dict[str, Claim] = {}
+    for key, name in CLAIM_NAMES.items():
+        server.request("DELETE", f"{claims}/{name}")
+        requests = [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}},
+                    {"name": "other", "exactly": {"deviceClassName": NVIDIA}}]
+        code, raw = server.request("POST", claims, {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": requests}}})
+        assert code == 201, raw
+        claim = json.loads(raw)
+        if status[key]:
+            claim["status"] = status[key]
+            code, raw = server.request("PUT", f"{claims}/{name}/status", claim)
+            assert code == 200, raw
+        stored[key] = json.loads(raw)
+    kubeconfig = service_account_kubeconfig(server, tmp / "agent-kubeconfig", CA)
+    tokens = {CA: yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"], CB: bound_token(server, CB),
+              "unbound": token_request(server), "kubeconfig": str(kubeconfig)}
+    # the policy as this file has it takes effect once the API server has loaded it: probe (dry run) with a
+    # refusal the policy's earlier versions did not make
+    deadline = time.monotonic() + 30
+    while as_agent(server, tokens[CA], "POST", f"{SLICES}?dryRun=All", pool_slice(), JSON)[0] != 403:
+        assert time.monotonic() < deadline, "the admission policy never refused a slice of another node's pool"
+        time.sleep(0.2)
+    return tokens, stored
+
+
+def test_claim_status_only_its_pools_device_status_on_every_release(release_server: KubeApiServer,
+                                                                       tmp_path: Path) -> None:
+    """ResourceClaim status writes with the agent's role (rbac-dra.yaml) and the policy, on each release: a
+    node's token writes status.devices of claims allocated from its own pool, through nodeagent's own writer;
+    never an allocation or a reservation, another node's claim, another driver's entry, nor without a node
+    claim. Refusals leave the claims as they were."""
+    from nodeagent.dra.status import ClaimStatusWriter
+    from nodeagent.kube.client import KubeClient, connect
+
+    server = release_server
+    minor = int(server.version.split(".")[1])
+    tokens, stored = claim_cluster(server, tmp_path)
+    claims = CLAIMS.format(ns=CLAIM_NS)
+    ours = entry(CA, uuid="GPU-a0") | {"data": {"uuid": "GPU-a0", "gpuIndex": 0}}
+    wrong: list[str] = []
+    answers: dict[str, int] = {}
+    for case in CLAIM_CASES:
+        if not case.claim:  # the ResourceSlice
+            status, msg = as_agent(server, tokens[case.token], "POST", SLICES, pool_slice(), JSON)
+        elif case.change is None:  # nodeagent's own writer, with the agent's kubeconfig
+            kube = KubeClient(connect(Path(tokens["kubeconfig"])))
+            try:
+                own = stored["own"]
+                wrote = ClaimStatusWriter(kube, DRIVER).write(CLAIM_NS, own["metadata"]["name"],
+                                                              own["metadata"]["uid"], [ours])
+            finally:
+                kube.close()
+            status, msg = (200, "") if wrote else (403, "ClaimStatusWriter did not write (see the log)")
+        else:
+            name = CLAIM_NAMES[case.claim]
+            code, raw = server.get(f"{claims}/{name}")
+            assert code == 200, raw
+            body = case.change(json.loads(raw))
+            status, msg = as_agent(server, tokens[case.token], "PUT", f"{claims}/{name}/status", body, JSON)
+        answers[f"{case.what} ({case.token})"] = status
+        want = case.wanted(minor)
+        # a refusal by a failing expression proves nothing; the API server's own names its subresource
+        if status != want or "evaluat" in msg or (status == 422 and "requires resource=\"resourceclaims/" not in msg):
+            wrong.append(f"{case.what} ({case.token}): {status}, wanted {want}: {msg[:300]}")
+    print(json.dumps({"release": server.version, "answers": answers}))
+    assert not wrong, f"{server.version}:\n" + "\n".join(wrong)
+    # what the refusals left as it was, and what the two writes wrote
+    now = {key: json.loads(server.get(f"{claims}/{name}")[1]) for key, name in CLAIM_NAMES.items()}
+    for key in ("own", "other", "mixed"):
+        for field in ("allocation", "reservedFor"):
+            assert now[key]["status"][field] == stored[key]["status"][field], (key, field)
+    assert "devices" not in now["mixed"]["status"], now["mixed"]
+    assert "status" not in now["new"] or not now["new"]["status"].get("allocation"), now["new"]
+    def devices(claim: Claim) -> list[dict[str, Any]]:
+        return [{k: v for k, v in e.items() if v is not None} for e in claim["status"].get("devices", [])]
+
+    assert devices(now["own"]) == [entry(CA, NVIDIA, uuid="GPU-nv0"), ours]
+    assert devices(now["other"]) == [entry(CB, uuid="GPU-b0")]
+    assert server.get(f"{SLICES}/{POOL_SLICE}")[0] == 404
+
+
 def readme_row(case: Case) -> str:
     who = {A: "node-a", B: "node-b", "unbound": "none"}[case.token]
     verdict = "allowed" if case.want < 300 else "refused"
     return f"| {case.what} | {who} | {case.want} {verdict} |"
 
 
+def claim_row(case: ClaimCase) -> tuple[str, str]:
+    """The start and the end of the case's row in docs/security.md: what, whose token; the answers now on
+    1.34/1.35 and on 1.36/1.37 (the columns between: before this policy)."""
+    who = {CA: "node-a", CB: "node-b", "unbound": "none"}[case.token]
+
+    def answer(status: int) -> str:
+        return f"{status} allowed" if status < 300 else f"{status} refused"
+
+    return f"| {case.what} | {who} |", f"| {answer(case.wanted(35))} | {answer(case.wanted(36))} |"
+
+
 def test_docs_list_every_case() -> None:
     security = (REPO / "docs/security.md").read_text()
     missing = [readme_row(c) for c in CASES if readme_row(c) not in security]
+    lines = security.splitlines()
+    for case in CLAIM_CASES:
+        start, end = claim_row(case)
+        if not any(line.startswith(start) and line.endswith(end) for line in lines):
+            missing.append(f"{start} ... {end}")
     assert not missing, "docs/security.md lacks:\n" + "\n".join(missing)

@@ -24,8 +24,9 @@ from tests.peers.harness import KubeletHarness
 pytestmark = pytest.mark.peers
 
 MANIFESTS = REPO / "packaging/kubernetes"
-ORDER = ("namespace.yaml", "gpu-crd.yaml", "rbac.yaml", "rbac-dra.yaml", "admission-policy.yaml", "configmap.yaml",
-         "daemonset.yaml")
+ORDER = ("namespace.yaml", "gpu-crd.yaml", "rbac.yaml", "admission-policy.yaml", "configmap.yaml", "daemonset.yaml")
+# what the DRA plane (plane "dra" or "both") needs besides: the chart renders them with plane dra or both only
+DRA_ORDER = ("rbac-dra.yaml", "deviceclass.yaml")
 RBAC_KINDS = ("Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
@@ -46,12 +47,13 @@ PATHS = {
     ("apps/v1", "DaemonSet"): "/apis/apps/v1/namespaces/{ns}/daemonsets/{name}",
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"):
         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
+    ("resource.k8s.io/v1", "DeviceClass"): "/apis/resource.k8s.io/v1/deviceclasses/{name}",
 }
 
 
-def documents() -> list[dict[str, Any]]:
+def documents(names: tuple[str, ...] = ORDER) -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
-    for name in ORDER:
+    for name in names:
         path = MANIFESTS / name
         if not path.exists():
             pytest.fail(f"{path} is missing", pytrace=False)
@@ -70,11 +72,11 @@ def apply(server: KubeApiServer, doc: dict[str, Any], *, dry_run: bool) -> tuple
 
 
 def test_every_manifest_is_accepted_by_server_side_dry_run(kube_apiserver: KubeApiServer) -> None:
-    docs = documents()
+    docs = documents((*ORDER, *DRA_ORDER))
     kinds = [d["kind"] for d in docs]
     for kind in ("Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
                  "Role", "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                 "ConfigMap", "DaemonSet"):
+                 "ConfigMap", "DaemonSet", "DeviceClass"):
         assert kind in kinds
     # namespaced objects need their namespace: it is the only object created for real here
     ns = next(d for d in docs if d["kind"] == "Namespace")
@@ -136,11 +138,20 @@ def can(server: KubeApiServer, verb: str, resource: str, group: str = "", sub: s
     return bool(json.loads(body)["status"].get("allowed"))
 
 
-def apply_rbac(server: KubeApiServer, *, crd: bool = False) -> None:
-    for doc in documents():
+def apply_rbac(server: KubeApiServer, *, crd: bool = False, dra: bool = False) -> None:
+    """The ServiceAccount, ClusterRoles and admission policy of the plain manifests (``dra``: with the DRA
+    plane's rbac-dra.yaml; else its binding is deleted, as where the DRA plane is not installed)."""
+    for doc in documents((*ORDER, "rbac-dra.yaml") if dra else ORDER):
         if doc["kind"] in RBAC_KINDS or (crd and doc["kind"] == "CustomResourceDefinition"):
             status, body = apply(server, doc, dry_run=False)
             assert status in (200, 201), body
+    if not dra:
+        code, raw = server.request("DELETE", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/nodeagent-dra")
+        assert code in (200, 404), raw
+        deadline = time.monotonic() + 20
+        while code == 200 and can(server, "create", "resourceslices", "resource.k8s.io"):
+            assert time.monotonic() < deadline, "the DRA role's binding was deleted but still grants"
+            time.sleep(0.1)
 
 
 def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
@@ -159,6 +170,7 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("patch", "gpus", "nodeagent.io", "", "", ""), ("delete", "gpus", "nodeagent.io", "", "", ""),
         ("patch", "gpus", "nodeagent.io", "status", "", ""),
         ("list", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),  # conflict detection (nodeagent/adopt)
+        ("list", "resourceslices", "resource.k8s.io", "", "", ""),  # the same, for another DRA driver
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -182,6 +194,11 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("create", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
         ("get", "configmaps", "", "", "nodeagent", ""),
         ("create", "validatingadmissionpolicybindings", "admissionregistration.k8s.io", "", "", ""),
+        # without the DRA plane's rbac-dra.yaml: no slice writes, no claims
+        ("create", "resourceslices", "resource.k8s.io", "", "", ""),
+        ("delete", "resourceslices", "resource.k8s.io", "", "", ""),
+        ("get", "resourceclaims", "resource.k8s.io", "", "default", ""),
+        ("update", "resourceclaims", "resource.k8s.io", "status", "default", ""),
     ]
     for verb, res, group, sub, ns, name in denied:
         assert not can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -448,3 +465,7 @@ def test_readme_applies_every_manifest_the_agent_needs() -> None:
     block = block[:block.index("\n```")]
     applied = re.findall(r"-f packaging/kubernetes/([a-z-]+\.yaml)", block)
     assert applied == list(ORDER), applied
+    # and, for the DRA plane, what it needs besides
+    para = readme[readme.index(block) + len(block):].split("```", 1)[1].strip().split("\n\n", 1)[0]
+    assert para.startswith("For the DRA plane"), para
+    assert re.findall(r"`packaging/kubernetes/([a-z-]+\.yaml)`", para) == list(DRA_ORDER), para

@@ -187,7 +187,7 @@ def test_a_start_without_dra_deletes_the_slices_an_earlier_dra_run_left(
     from tests.e2e.test_kube_manifests import apply_rbac, bound_token, wait_for_policy
 
     node, other = "e2e-dra-leftover", "e2e-dra-leftover-b"
-    apply_rbac(kube_apiserver)
+    apply_rbac(kube_apiserver, dra=True)  # a DRA plane installed before
     make_node(kube_apiserver, other)
     cfg, args = dra_node(tmp_path, kube_apiserver, node, "dra")
     token = bound_token(kube_apiserver, node)

@@ -511,9 +511,11 @@ def test_an_admins_noexecute_device_taint_rule_evicts_the_pod_using_the_device(c
 
 @every
 def test_rbac_dra_writes_device_status_and_from_1_36_only_for_claims_on_its_own_node(cluster: Cluster) -> None:
-    """The agent's role (rbac-dra.yaml) writes a claim's status.devices; from 1.36 the API server checks the
-    write per driver (resourceclaims/driver) and the role's associated-node verb refuses a token of another
-    node. Earlier releases do not check per driver: there any token with the role may write it."""
+    """The agent's role (rbac-dra.yaml) alone, without the admission policy, writes a claim's status.devices;
+    from 1.36 the API server checks the write per driver (resourceclaims/driver) and the role's associated-node
+    verb refuses a token of another node. Earlier releases do not check per driver: there any token with the
+    role may write it, which is why admission-policy.yaml confines these writes on every release
+    (tests/e2e/test_kube_confinement.py)."""
     import json
 
     from nodeagent.dra.status import ClaimStatusWriter
