@@ -114,7 +114,7 @@ class Registry:
                 f'# the nodeagent tests\' registry (tests/peers/registry.py): plain HTTP on loopback\n'
                 f'[[registry]]\nlocation = "{self.host}"\ninsecure = true\n')
             (conf / "storage.conf").write_text(
-                f'[storage]\ndriver = "vfs"\ngraphroot = "{self.workdir / "storage"}"\n'
+                f'[storage]\ndriver = "overlay"\ngraphroot = "{self.workdir / "storage"}"\n'
                 f'runroot = "{self.workdir / "storage-run"}"\n')
         return {**base, "CONTAINERS_REGISTRIES_CONF": str(conf / "registries.conf"),
                 "CONTAINERS_STORAGE_CONF": str(conf / "storage.conf"), "BUILDAH_ISOLATION": "chroot"}
@@ -162,7 +162,11 @@ def running_registry() -> Iterator[Registry]:
     finally:
         stop_process(proc)
         log.close()
-        # buildah's vfs storage holds files only root may remove as they are; rm copes
+        # buildah's overlay storage may have mounted its directory on itself (a private mount)
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            mounts = [line.split()[1] for line in f if line.split()[1].startswith(f"{workdir}/")]
+        for target in sorted(mounts, key=len, reverse=True):
+            subprocess.run(["umount", "-l", target], check=False, capture_output=True, timeout=30)
         subprocess.run(["rm", "-rf", "--one-file-system", str(workdir)], check=False, timeout=120)
         shutil.rmtree(workdir, ignore_errors=True)
 
