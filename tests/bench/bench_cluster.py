@@ -23,6 +23,8 @@ from tests.cluster.test_whole_node import (
     _gpu_pod,
     agent_pods,
     allocatable,
+    imported_registry,
+    readme_args,
     readme_manifest_commands,
 )
 from tests.peers.cluster import GPU_COUNT, Cluster, running_cluster
@@ -86,7 +88,7 @@ def main() -> None:
         start = time.monotonic()
         applied_at = time.time()
         for command in readme_manifest_commands():
-            cluster.kubectl(*[a.replace("<gpu-node>", cluster.node_name) for a in command[1:]])
+            cluster.kubectl(*readme_args(command, cluster, imported_registry(cluster)))
         first = _gpu_pod("first-gpu-pod", 1, "sleep 3600", {"terminationGracePeriodSeconds": 0})
         cluster.kubectl("apply", "-f", "-", input_text=json.dumps(first))
         cluster.wait_for("allocatable", lambda: allocatable(cluster) == GPU_COUNT, timeout=300, poll=0.1)

@@ -36,7 +36,9 @@ import pytest
 from tests.cluster.test_whole_node import (
     agent_pods,
     allocatable,
+    imported_registry,
     pod_devices,
+    readme_args,
     readme_manifest_commands,
     running_agent,
 )
@@ -239,14 +241,15 @@ def test_hand_over_from_the_gpu_operator_keeps_the_running_pod(
     # nodeagent from the README's manifests, its ConfigMap with [adopt] gpu_operator = true
     import yaml
 
-    commands = readme_manifest_commands()
-    assert [c[:2] for c in commands] == [["kubectl", "apply"], ["kubectl", "label"]], commands
-    cluster.kubectl(*commands[0][1:])
+    # (the README's registry: where this cluster's imported agent image is named)
+    apply, set_image, label = (readme_args(c, cluster, imported_registry(cluster)) for c in readme_manifest_commands())
+    cluster.kubectl(*apply)
+    cluster.kubectl(*set_image)
     configmap = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
     configmap["data"]["config.toml"] += "[adopt]\ngpu_operator = true\n"
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
     installed = time.monotonic()
-    cluster.kubectl(*[a.replace("<gpu-node>", cluster.node_name) for a in commands[1][1:]])
+    cluster.kubectl(*label)
 
     # the hand-over goes through the operator's label; the driver and dcgm-exporter stay NVIDIA's
     cluster.wait_for(f"{DEPLOY}device-plugin=false", lambda: cluster.node()["metadata"]["labels"].get(

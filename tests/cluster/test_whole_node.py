@@ -4,37 +4,69 @@ packaging/kubernetes/Containerfile), the real kubelet serving GPU pods through i
 
 The tests run in file order on one cluster: first on one installation of the agent from the plain manifests
 (module fixture ``agent``), which test_kubectl_delete_leaves_the_node_clean deletes; then the README's Helm
-lines install, upgrade and uninstall the chart (the block "Helm" at the end)."""
+lines install, upgrade and uninstall the chart (the block "Helm" at the end).
+
+The agent's image is never imported into this cluster's containerd: the README's push of the image's manifest
+list runs into a registry on 127.0.0.1 (module fixture ``registry``, Debian's docker-registry), which stands
+for the README's ``registry.example.com``, and containerd pulls the image from it when the README's lines
+deploy the DaemonSet with that name."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import tarfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.peers.cluster import GPU_COUNT, MANIFESTS, Cluster
+from tests.peers.registry import INDEX_TYPES, Registry, running_registry
 
 pytestmark = pytest.mark.timeout(600)
 
 README_SECTION = "## Kubernetes"
+README_REGISTRY = "registry.example.com"  # the README's name of the registry the nodes pull from
 RESOURCE = "nvidia.com/gpu"
+# the agent's image comes from the registry below, pulled by containerd (tests/cluster/conftest.py)
+CLUSTER_IMPORTS = ("pause", "base")
+
+
+def readme_blocks() -> list[list[list[str]]]:
+    """The README's Kubernetes section: each ``sh`` block as its command lines, each line split as sh would."""
+    from tests.peers.cluster import REPO
+
+    section = (REPO / "README.md").read_text().split(README_SECTION, 1)[1].split("\n## ", 1)[0]
+    return [[shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines() if line.strip()]
+            for block in re.findall(r"```sh\n(.*?)```", section, flags=re.S)]
+
+
+def readme_args(command: list[str], cluster: Cluster, registry: str) -> list[str]:
+    """A README line's arguments after its program, for this cluster: its node's name for ``<gpu-node>`` and
+    ``registry`` for the README's registry."""
+    return [a.replace("<gpu-node>", cluster.node_name).replace(README_REGISTRY, registry) for a in command[1:]]
+
+
+def imported_registry(cluster: Cluster) -> str:
+    """Where the README's image name leads to the agent's image a cluster imported from its archive
+    (``docker.io/library`` for ``docker.io/library/nodeagent:0.1.0``): for the modules that import it."""
+    registry, name = cluster.images["agent"].rsplit("/", 1)
+    assert name == "nodeagent:0.1.0" and "agent" in cluster.imported, (cluster.images, cluster.imported)
+    return registry
 
 
 def readme_manifest_commands() -> list[list[str]]:
-    """The shell lines of the README's "Without Helm" block (kubectl apply ..., kubectl label node ...)."""
-    from tests.peers.cluster import REPO
-
-    text = (REPO / "README.md").read_text()
-    section = text.split(README_SECTION, 1)[1]
-    blocks = re.findall(r"```sh\n(.*?)```", section, flags=re.S)
-    block = next(b for b in blocks if "kubectl apply -f packaging/kubernetes/" in b)
-    lines = block.replace("\\\n", " ").strip().splitlines()
-    return [shlex.split(line) for line in lines if line.strip()]
+    """The shell lines of the README's "Without Helm" block (kubectl apply ..., kubectl set image ...,
+    kubectl label node ...)."""
+    block = next(b for b in readme_blocks() if b[0][:3] == ["kubectl", "apply", "-f"])
+    assert [c[:3] for c in block] == [["kubectl", "apply", "-f"], ["kubectl", "set", "image"],
+                                      ["kubectl", "label", "node"]], block
+    return block
 
 
 def agent_pods(cluster: Cluster) -> list[dict[str, Any]]:
@@ -56,15 +88,48 @@ def allocatable(cluster: Cluster, resource: str = RESOURCE) -> int:
     return int(cluster.node().get("status", {}).get("allocatable", {}).get(resource, "0"))
 
 
+ARCHIVES = {"amd64": "NODEAGENT_AGENT_IMAGE", "arm64": "NODEAGENT_AGENT_IMAGE_ARM64"}
+
+
+def _archive(var: str) -> str:
+    value = os.environ.get(var, "")
+    if not Path(value).is_file():
+        pytest.fail(f"{var} is not set or not a file ({value!r}): run `bash tests/testbin/setup.sh` (step "
+                    "nodeagent_peers_agent_image_multiarch)", pytrace=False)
+    return value
+
+
 @pytest.fixture(scope="module")
-def agent(cluster: Cluster) -> Iterator[dict[str, Any]]:
-    """The README's lines run verbatim (with the cluster's node name), the agent Running and ready."""
+def registry() -> Iterator[Registry]:
+    """A registry on 127.0.0.1 holding the agent's image as the README pushes it for amd64 and arm64 nodes: its
+    ``buildah manifest push --all`` line run as printed (the registry's address for registry.example.com) on
+    the manifest list its ``buildah build --platform ... --manifest`` line makes, here of the amd64 and arm64
+    images the setup built from the same Containerfile (the build is the setup's: no registry, no base image
+    pulled)."""
+    block = next(b for b in readme_blocks() if any(c[:3] == ["buildah", "manifest", "push"] for c in b))
+    assert [c[:2] for c in block] == [["buildah", "build"], ["buildah", "manifest"]], block
+    build, push = block
+    assert build[build.index("--platform") + 1] == "linux/amd64,linux/arm64", build
+    with running_registry() as reg:
+        start = time.monotonic()
+        name = build[build.index("--manifest") + 1].replace(README_REGISTRY, reg.host)
+        reg.buildah("manifest", "create", name)
+        for var in ARCHIVES.values():
+            reg.buildah("manifest", "add", name, f"oci-archive:{_archive(var)}")
+        listed = time.monotonic()
+        reg.buildah(*[a.replace(README_REGISTRY, reg.host) for a in push[1:]])
+        print(f"the agent's manifest list: made in {listed - start:.1f}s, pushed in {time.monotonic() - listed:.1f}s")
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def agent(cluster: Cluster, registry: Registry) -> Iterator[dict[str, Any]]:
+    """The README's lines run verbatim (with the cluster's node name and the registry's address), the agent
+    Running and ready: its image pulled from the registry."""
     commands = readme_manifest_commands()
-    assert [c[:2] for c in commands] == [["kubectl", "apply"], ["kubectl", "label"]], commands
     start = time.monotonic()
     for command in commands:
-        args = [a.replace("<gpu-node>", cluster.node_name) for a in command[1:]]
-        cluster.kubectl(*args)
+        cluster.kubectl(*readme_args(command, cluster, registry.host))
     pod = cluster.wait_for("the agent pod Running and ready", lambda: running_agent(cluster), timeout=180)
     cluster.wait_for(f"allocatable {RESOURCE}: {GPU_COUNT}", lambda: allocatable(cluster) == GPU_COUNT, timeout=60)
     pod["readyAfter"] = time.monotonic() - start
@@ -105,6 +170,54 @@ def test_readme_manifests_make_the_node_gpu_ready(cluster: Cluster, agent: dict[
     # one GPU object per card, written by the agent
     gpus = cluster.get_json("gpus")["items"]
     assert sorted(g["spec"]["index"] for g in gpus) == list(range(GPU_COUNT))
+
+
+def _archive_layers(path: str) -> list[str]:
+    """The layer digests of the one image an OCI archive of the setup holds."""
+    with tarfile.open(path) as tar:
+        def blob(digest: str) -> Any:
+            member = tar.extractfile(f"blobs/{digest.replace(':', '/', 1)}")
+            assert member is not None, (path, digest)
+            return json.load(member)
+
+        member = tar.extractfile("index.json")
+        assert member is not None, path
+        (entry,) = json.load(member)["manifests"]
+        return [layer["digest"] for layer in blob(entry["digest"])["layers"]]
+
+
+def test_containerd_pulled_the_agent_image_from_the_registry(
+        cluster: Cluster, registry: Registry, agent: dict[str, Any]) -> None:
+    """Both containers of the agent's pod run the image the README pushed, by the name the README's `kubectl set
+    image` gave them; containerd resolved that name in the registry (plain HTTP on 127.0.0.1, without any
+    registry configuration), took the amd64 image of the manifest list and fetched its layers from there: nothing
+    of the agent's image was imported, and nothing of the arm64 image was fetched."""
+    name = f"{registry.host}/nodeagent:0.1.0"
+    containers = agent["spec"]["initContainers"] + agent["spec"]["containers"]
+    assert [(c["name"], c["image"]) for c in containers] == [("bootstrap", name), ("nodeagent", name)]
+    digest, index = registry.manifest("nodeagent", "0.1.0")
+    assert index["mediaType"] in INDEX_TYPES, index
+    platforms = {(m["platform"]["os"], m["platform"]["architecture"]): m["digest"] for m in index["manifests"]}
+    assert set(platforms) == {("linux", "amd64"), ("linux", "arm64")}, index
+    statuses = agent["status"]["initContainerStatuses"] + agent["status"]["containerStatuses"]
+    assert {s["imageID"] for s in statuses} == {f"{registry.host}/nodeagent@{digest}"}, statuses
+    # containerd holds the image by the pushed name and the manifest list's digest, and never got the imported one
+    images = {line.split()[0]: line.split()[2] for line in cluster.ctr("images", "ls").stdout.splitlines()[1:]}
+    assert images.get(name) == digest, images
+    assert cluster.images["agent"] not in images and "agent" not in cluster.imported, images
+    # what containerd fetched: the amd64 image's manifest, config and every layer the Debian base image (imported)
+    # did not already bring; nothing of the arm64 image
+    amd64 = registry.manifest("nodeagent", platforms["linux", "amd64"])[1]
+    arm64 = registry.manifest("nodeagent", platforms["linux", "arm64"])[1]
+    amd64_blobs = {amd64["config"]["digest"], *(layer["digest"] for layer in amd64["layers"])}
+    arm64_blobs = {arm64["config"]["digest"], *(layer["digest"] for layer in arm64["layers"])} - amd64_blobs
+    fetched = {r.path.rsplit("/", 1)[1] for r in registry.requests()
+               if r.agent.startswith("containerd/") and r.method == "GET" and r.status in (200, 206)}
+    base = set(_archive_layers(os.environ["NODEAGENT_BASE_IMAGE"]))
+    assert platforms["linux", "amd64"] in fetched, sorted(fetched)
+    assert amd64_blobs - base <= fetched, (sorted(amd64_blobs - base - fetched), sorted(fetched))
+    assert len(amd64_blobs - base) >= 2, amd64  # the config and the agent's own layers at least
+    assert not fetched & (arm64_blobs | {platforms["linux", "arm64"]}), sorted(fetched & arm64_blobs)
 
 
 def test_agent_writes_with_its_own_service_account_token(cluster: Cluster, agent: dict[str, Any]) -> None:
@@ -762,11 +875,7 @@ sharing:
 
 def readme_helm_commands() -> list[list[str]]:
     """The shell lines of the README's Helm block (kubectl create namespace ..., helm install ..., ...)."""
-    from tests.peers.cluster import REPO
-
-    section = (REPO / "README.md").read_text().split(README_SECTION, 1)[1]
-    block = next(b for b in re.findall(r"```sh\n(.*?)```", section, flags=re.S) if "helm install" in b)
-    return [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines() if line.strip()]
+    return next(b for b in readme_blocks() if any(c[:2] == ["helm", "install"] for c in b))
 
 
 @pytest.fixture(scope="module")
@@ -792,28 +901,32 @@ def helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Callable
     return run
 
 
-def _image_values(cluster: Cluster) -> list[str]:
-    """--set lines naming the agent image the cluster's containerd holds (imported, never pulled)."""
-    repository, tag = cluster.images["agent"].rsplit(":", 1)
-    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}"]
+def _image_values(cluster: Cluster, registry: Registry) -> list[str]:
+    """The README's `helm install` values that name the image (``--set image.repository=... --set
+    image.tag=...``), for the registry: an upgrade keeps them."""
+    (install,) = [c for c in readme_helm_commands() if c[:2] == ["helm", "install"]]
+    args = readme_args(install, cluster, registry.host)
+    values = [args[i:i + 2] for i, a in enumerate(args) if a == "--set" and args[i + 1].startswith("image.")]
+    assert [v[1].split("=", 1)[0] for v in values] == ["image.repository", "image.tag"], install
+    return [a for v in values for a in v]
 
 
 def _daemonset(cluster: Cluster) -> dict[str, Any]:
     return cluster.get_json("daemonset", "-n", "nodeagent", "nodeagent")
 
 
-def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, helm: Callable[..., str]) -> None:
-    """The README's Helm lines as written (the image values added); the node label is removed first, so the
-    README's own label line is what schedules the agent."""
+def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, registry: Registry, helm: Callable[..., str]) -> None:
+    """The README's Helm lines as written (the registry's address for registry.example.com); the node label is
+    removed first, so the README's own label line is what schedules the agent."""
     commands = readme_helm_commands()
     assert [c[0] for c in commands] == ["kubectl", "kubectl", "helm", "kubectl"], commands
     cluster.kubectl("label", "node", cluster.node_name, "nodeagent.io/gpu-")
     assert agent_pods(cluster) == [] and allocatable(cluster) == 0
     start = time.monotonic()
     for command in commands:
-        args = [a.replace("<gpu-node>", cluster.node_name) for a in command[1:]]
+        args = readme_args(command, cluster, registry.host)
         if command[0] == "helm":
-            out = helm(*args, *_image_values(cluster))
+            out = helm(*args)
             assert "STATUS: deployed" in out and "REVISION: 1" in out, out
         else:
             cluster.kubectl(*args)
@@ -823,21 +936,23 @@ def test_helm_install_makes_the_node_gpu_ready(cluster: Cluster, helm: Callable[
     print(f"helm install: the node shows {GPU_COUNT} GPUs after {time.monotonic() - start:.1f}s")
     daemonset = _daemonset(cluster)
     assert daemonset["metadata"]["annotations"]["meta.helm.sh/release-name"] == "nodeagent"
-    assert [c["image"] for c in pod["spec"]["containers"]] == [cluster.images["agent"]]
+    name = f"{registry.host}/nodeagent:0.1.0"
+    assert [c["image"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]] == [name, name]
     assert pod["metadata"]["ownerReferences"][0]["uid"] == daemonset["metadata"]["uid"]
     # the agent wrote its GPU objects again (the plain installation's CRD went with its files)
     cluster.wait_for("one GPU object per card", lambda: len(cluster.get_json("gpus")["items"]) == GPU_COUNT,
                      timeout=60)
 
 
-def test_helm_upgrade_with_time_slicing_rolls_the_agent(cluster: Cluster, helm: Callable[..., str]) -> None:
+def test_helm_upgrade_with_time_slicing_rolls_the_agent(
+        cluster: Cluster, registry: Registry, helm: Callable[..., str]) -> None:
     """A new devicePlugin.config changes the pods' checksum/config: the upgrade replaces the agent pod and the
     Node's allocatable follows the new config (two replicas per GPU)."""
     old = running_agent(cluster)
     assert old is not None and allocatable(cluster) == GPU_COUNT
     old_checksum = _daemonset(cluster)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     start = time.monotonic()
-    out = helm("upgrade", "nodeagent", CHART, "--namespace", "nodeagent", *_image_values(cluster),
+    out = helm("upgrade", "nodeagent", CHART, "--namespace", "nodeagent", *_image_values(cluster, registry),
                "--set-string", f"devicePlugin.config={TIME_SLICING}")
     assert "REVISION: 2" in out, out
     assert _daemonset(cluster)["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != old_checksum

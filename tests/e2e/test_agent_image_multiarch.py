@@ -149,6 +149,50 @@ def test_extension_modules_are_of_the_image_architecture(rootfs: dict[str, Path]
         assert _elf_machine(_inside(root, "/opt/nodeagent/bin/python3")) == MACHINES[arch], arch
 
 
+def test_images_hold_no_package_downloads_and_no_installer(rootfs: dict[str, Path]) -> None:
+    """What the Containerfile leaves out, in each image: the .deb archives and package lists of the final stage's
+    apt-get (removed in the RUN that installed them: the base image need not have Docker's apt-get clean hook),
+    and the installers of the venv (pip and setuptools, whose scripts, modules and metadata nothing in the image
+    uses: the agent never installs anything at run time)."""
+    for arch, root in rootfs.items():
+        assert not sorted((root / "var/cache/apt/archives").glob("*.deb")), arch
+        assert not sorted((root / "var/cache/apt").glob("*.bin")), arch
+        assert not [p.name for p in (root / "var/lib/apt/lists").glob("*") if p.name not in ("lock", "partial")], arch
+        site = next(root.glob("opt/nodeagent/lib/python3*/site-packages"))
+        installers = sorted(p.name for p in site.iterdir()
+                            if p.name.split("-")[0].lower() in ("pip", "setuptools", "wheel", "_distutils_hack",
+                                                                "pkg_resources", "distutils"))
+        assert installers == [], (arch, installers)
+        assert not sorted((root / "opt/nodeagent/bin").glob("pip*")), arch
+        # what the agent does need is there: its own distribution and its dependencies' (grpc, the Kubernetes client)
+        names = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
+        assert {"nodeagent", "grpcio", "kubernetes", "protobuf"} <= names, (arch, sorted(names))
+
+
+def test_venv_carries_the_bytecode_of_its_modules(rootfs: dict[str, Path]) -> None:
+    """The agent starts from bytecode the image holds (compiled in the build, hash-based and never checked against
+    the sources, which never change in the image; PYTHONDONTWRITEBYTECODE keeps a container from writing any):
+    every module of nodeagent and of its dependencies has its .pyc, but for the Kubernetes client's generated API
+    and model classes, compiled when first imported; the client's unused asyncio twin is not in the image."""
+    for arch, root in rootfs.items():
+        site = next(root.glob("opt/nodeagent/lib/python3*/site-packages"))
+        tag = "cpython-" + site.parent.name.removeprefix("python").replace(".", "")
+        missing, checked = [], []
+        for source in sorted(site.rglob("*.py")):
+            rel = source.relative_to(site).as_posix()
+            if rel.startswith(("kubernetes/client/api/", "kubernetes/client/models/")):
+                continue
+            pyc = source.parent / "__pycache__" / f"{source.stem}.{tag}.pyc"
+            if not pyc.is_file():
+                missing.append(rel)
+            elif int.from_bytes(pyc.read_bytes()[4:8], "little") != 0b01:  # flags: hash-based, unchecked
+                checked.append(rel)
+        assert not missing and not checked, (arch, missing[:20], checked[:20])
+        assert (site / "nodeagent" / "__pycache__" / f"cli.{tag}.pyc").is_file(), arch
+        assert not (site / "kubernetes" / "aio").exists(), arch
+        assert not list((site / "kubernetes/client/models").glob("__pycache__")), arch
+
+
 def _inside(root: Path, path: str) -> Path:
     """``path`` in the image with its symbolic links followed inside ``root`` (absolute ones included)."""
     current = Path("/")

@@ -29,6 +29,14 @@ ELSEWHERE = {
     "apt-get install ./dist/nodeagent_": "tests/e2e/test_systemd_boot.py and test_distros.py (Debian 12 and 13 roots)",
     "kubectl apply -f packaging/kubernetes/": "tests/e2e/test_kube_manifests.py (server-side dry run)",
     "kubectl label node": "tests/e2e/test_kube_manifests.py",
+    "buildah build -f packaging/kubernetes/Containerfile": "tests/testbin/setup.sh (nodeagent_peers_agent_image: the "
+                                                          "same build from local base images and a wheelhouse)",
+    "buildah push registry.example.com/": "tests/e2e/test_image_push.py (into a registry on 127.0.0.1)",
+    "buildah build --platform linux/amd64,linux/arm64 --manifest": "tests/testbin/setup.sh (each platform's image "
+                                                                   "and the index of both)",
+    "buildah manifest push --all": "tests/cluster/test_whole_node.py (into a registry on 127.0.0.1 that the "
+                                   "cluster's containerd pulls the agent from)",
+    "kubectl set image -n nodeagent daemonset/nodeagent": "tests/cluster/test_whole_node.py, test_handover.py",
     "kubectl create namespace nodeagent": "tests/cluster/test_whole_node.py (the README's Helm lines)",
     "kubectl label namespace nodeagent": "tests/cluster/test_whole_node.py (the README's Helm lines)",
     "helm install nodeagent packaging/helm/nodeagent": "tests/cluster/test_whole_node.py (on the whole-node "

@@ -12,7 +12,8 @@ Parts (all built or installed by tests/testbin/setup.sh before pytest starts):
   ``/run/containerd/containerd.sock`` with its config in ``/etc/containerd/config.toml`` (the paths the
   DaemonSet mounts), restarted whenever it exits as systemd would (the agent's bootstrap restarts it with a
   signal); Debian's CNI plugins with a bridge network; the pause, Debian base and nodeagent images imported
-  from their archives (no registry is reachable; nothing is pulled);
+  from their archives (``running_cluster(imported=...)`` names the ones to import: a test that lets containerd
+  pull the agent's image from a registry of its own, tests/peers/registry.py, imports the other two);
 * the GPUs: the NVML ABI stand-in (NODEAGENT_NVML_LIBRARY) installed as the host driver's
   ``/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1`` with ``nodeagent-sim.conf`` beside it (the simulated
   machine and its state file ``/var/lib/nodeagent/sim/state.json``, on the host), and ``/dev/nvidia*``
@@ -205,7 +206,8 @@ class Cluster:
     kubelet_bin: Path
     node_name: str
     host_ip: str
-    images: dict[str, str]  # role ("agent", "base", "pause") -> image reference in containerd
+    images: dict[str, str]  # role ("agent", "base", "pause") -> image reference of its archive
+    imported: tuple[str, ...] = ("pause", "base", "agent")  # the roles whose archives containerd imported
     _host: _HostChanges = field(default_factory=_HostChanges, repr=False)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
     _logs: list[IO[bytes]] = field(default_factory=list, repr=False)
@@ -499,7 +501,11 @@ def _import_image(ctr_base: list[str], archive: str, ref: str) -> None:
         raise RuntimeError(f"{archive} imported, but containerd lists no image {ref} (it lists {listed})")
 
 
-def start_cluster() -> Cluster:
+def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Cluster:
+    """The cluster, its containerd holding the images of the roles ``imported`` (the pause image always: the
+    kubelet's sandboxes use it)."""
+    if "pause" not in imported or not set(imported) <= {"pause", "base", "agent"}:
+        raise ValueError(f"imported images: {imported!r} (roles pause, base, agent; pause among them)")
     for tool in ("iptables", "ip", "ctr"):
         system_binary(tool, {"ip": "iproute2", "ctr": "containerd"}.get(tool, tool))
     kubelet = peer_binary("NODEAGENT_KUBELET", "nodeagent_peers_kubelet", "kubelet v1.34")
@@ -532,7 +538,8 @@ def start_cluster() -> Cluster:
             bind_address="0.0.0.0", advertise_address=host_ip, service_accounts=True)
         cluster = Cluster(apiserver=server, workdir=workdir, kubectl_bin=kubectl, kubelet_bin=kubelet,
                           node_name=NODE_NAME, host_ip=host_ip,
-                          images={role: ref for role, (_, ref) in images.items()}, _host=host)
+                          images={role: ref for role, (_, ref) in images.items()}, imported=tuple(imported),
+                          _host=host)
         api_port = server.url.rsplit(":", 1)[1]
         # the `kubernetes` Service for pods, as kube-proxy would route it
         rule = ["PREROUTING", "-d", f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "443", "-j", "DNAT",
@@ -575,8 +582,9 @@ def start_cluster() -> Cluster:
                     "k8s.io"]
         cluster.wait_for("containerd serves its API",
                          lambda: _run([*ctr_base, "version"], check=False).returncode == 0, timeout=60)
-        for archive, ref in images.values():
-            _import_image(ctr_base, archive, ref)
+        for role, (archive, ref) in images.items():
+            if role in imported:
+                _import_image(ctr_base, archive, ref)
         # the kubelet
         (workdir / "kubelet.yaml").write_text(_kubelet_config(free_port(), free_port()))
         cluster.start_kubelet()
@@ -626,8 +634,8 @@ def node_ready(cluster: Cluster) -> bool:
 
 
 @contextlib.contextmanager
-def running_cluster() -> Iterator[Cluster]:
-    cluster = start_cluster()
+def running_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Iterator[Cluster]:
+    cluster = start_cluster(imported)
     try:
         yield cluster
     finally:

@@ -599,6 +599,8 @@ _debian_root_build() {
 #   pause         the sandbox image: cdi-pause (tests/testbin/cdi-check/cmd/pause) alone in a layer
 #   nodeagent     packaging/kubernetes/Containerfile on the repository, FROM the debian base above
 # buildah keeps its own storage under ${NODEAGENT_CACHE}/buildah (never the host's /var/lib/containers).
+# Debian's docker-registry (the Distribution registry 2.8) is the registry tests/cluster/test_whole_node.py starts
+# on 127.0.0.1 to push the agent's image into as the README says, for the cluster's containerd to pull.
 NODEAGENT_BASE_IMAGE_REF=docker.io/library/debian:bookworm-slim
 NODEAGENT_PAUSE_IMAGE_REF=localhost/nodeagent-test/pause:1
 NODEAGENT_AGENT_IMAGE_REF=docker.io/library/nodeagent:0.1.0
@@ -647,7 +649,7 @@ _image_into_cache() {
 }
 
 nodeagent_peers_cluster_tools() {
-  _peers_install_debian containernetworking-plugins buildah mmdebstrap iptables || return 1
+  _peers_install_debian containernetworking-plugins buildah mmdebstrap iptables docker-registry || return 1
   export NODEAGENT_CNI_BIN_DIR=/usr/lib/cni
 }
 
@@ -923,7 +925,8 @@ NODEAGENT_PEERS_BACKGROUND=(nodeagent_peers_arm64_base_image nodeagent_peers_arm
 # Every Debian package a step installs, installed once before anything runs in the background (apt-get holds
 # dpkg's lock: two steps must never install at the same time).
 NODEAGENT_PEERS_DEBIAN_PACKAGES=(containerd runc openssl strace systemd util-linux dpkg gcc libc6-dev prometheus
-  mmdebstrap systemd-container qemu-user-static arch-test containernetworking-plugins buildah iptables)
+  mmdebstrap systemd-container qemu-user-static arch-test containernetworking-plugins buildah iptables
+  docker-registry)
 
 _peers_in_background() {
   local f
