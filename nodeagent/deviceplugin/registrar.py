@@ -17,6 +17,7 @@ from typing import Any
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from nodeagent import fileio
 from nodeagent.deviceplugin.api import pb2 as api_pb2
 from nodeagent.deviceplugin.api import pb2_grpc as api_pb2_grpc
 from nodeagent.errors import KubeletError
@@ -80,17 +81,22 @@ class _Handler(FileSystemEventHandler):
 class KubeletWatcher:
     """Calls ``on_kubelet_start`` (on the event loop) each time ``kubelet.sock`` appears."""
 
-    def __init__(self, plugin_dir: Path, on_kubelet_start: Callable[[], None]) -> None:
+    def __init__(self, plugin_dir: Path, on_kubelet_start: Callable[[], None], root: fileio.Root | None = None) -> None:
         self._dir = plugin_dir
+        self._root = root  # under a root the directory (and any link above it) is resolved inside it
         self._callback = on_kubelet_start
         self._observer: Any = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._dir.mkdir(parents=True, exist_ok=True)
         # Watch what the path points at: a symlinked device-plugins directory (or a symlink anywhere
-        # above it) must still report kubelet.sock being created in the real directory.
-        watched = self._dir.resolve()
+        # above it) must still report kubelet.sock being created in the real directory; under a root, the
+        # directory it points at inside the root.
+        if self._root is not None:
+            watched = fileio.makedirs(self._dir, root=self._root)
+        else:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            watched = self._dir.resolve()
 
         def notify() -> None:
             loop.call_soon_threadsafe(self._callback)

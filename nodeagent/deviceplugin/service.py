@@ -93,7 +93,7 @@ class DevicePluginService:
         self._registering: dict[str, asyncio.Task[None]] = {}
         self._last_cause: dict[str, str] = {}
         self._lock = asyncio.Lock()
-        self._watcher = KubeletWatcher(plugin_dir, self._on_kubelet_start)
+        self._watcher = KubeletWatcher(plugin_dir, self._on_kubelet_start, root)
         self._restart_task: asyncio.Task[None] | None = None
         self._restart_pending = False
         self._scores: dict[tuple[int, int], int] = {}

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,37 @@ async def test_other_files_are_ignored(tmp_path: Path) -> None:
     finally:
         await watcher.stop()
     assert calls == []
+
+
+async def test_under_a_root_an_absolute_link_is_followed_inside_the_root(tmp_path: Path) -> None:
+    """The device-plugins directory as an absolute link out of the root: the watcher makes and watches the
+    directory the link names inside the root, as a chroot would, and never the one outside."""
+    from nodeagent.hostpaths import HostPaths
+
+    # short directories of their own: the socket inside the root repeats the outside path below the root
+    root, outside = Path(tempfile.mkdtemp(prefix="r", dir="/tmp")), Path(tempfile.mkdtemp(prefix="o", dir="/tmp"))
+    (root / "var/lib/kubelet").mkdir(parents=True)
+    link = root / "var/lib/kubelet/device-plugins"
+    link.symlink_to(outside, target_is_directory=True)
+    inside = root / str(outside).lstrip("/")
+    calls: list[int] = []
+    watcher = KubeletWatcher(link, lambda: calls.append(1), HostPaths(root))
+    watcher.start()
+    try:
+        assert inside.is_dir()
+        outer = _bind(outside / KUBELET_SOCKET)  # a kubelet of the host, outside the root: not ours to see
+        await asyncio.sleep(0.3)
+        outer.close()
+        assert calls == []
+        inner = _bind(inside / KUBELET_SOCKET)
+        for _ in range(50):
+            if calls:
+                break
+            await asyncio.sleep(0.1)
+        inner.close()
+        assert calls, "kubelet.sock made inside the root was not seen"
+        assert os.listdir(outside) == [KUBELET_SOCKET]  # nothing of the watcher's outside
+    finally:
+        await watcher.stop()
+        shutil.rmtree(root)
+        shutil.rmtree(outside)
