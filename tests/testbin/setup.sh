@@ -653,11 +653,27 @@ nodeagent_peers_cluster_tools() {
   export NODEAGENT_CNI_BIN_DIR=/usr/lib/cni
 }
 
+# _slim_base_opts: what makes mmdebstrap's minbase the image the Containerfile's FROM names, Debian's "slim"
+# image: /usr merged by the hook (no usrmerge, which pulls in perl), and dpkg told to leave out manuals, docs
+# (but their copyright files), locales and info pages, a rule kept in the image's dpkg config so that a later
+# apt-get install (the Containerfile's python3) leaves them out too.
+_slim_base_opts() {
+  local path
+  printf '%s\n' --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
+  for path in /usr/share/man/'*' /usr/share/locale/'*' /usr/share/doc/'*' /usr/share/info/'*' \
+    /usr/share/groff/'*' /usr/share/lintian/'*' /usr/share/linda/'*'; do
+    printf '%s\n' "--dpkgopt=path-exclude=$path"
+  done
+  printf '%s\n' --dpkgopt=path-include=/usr/share/locale/locale.alias "--dpkgopt=path-include=/usr/share/doc/*/copyright"
+}
+
 # _base_image_build OUT: mmdebstrap's tarball committed by buildah as NODEAGENT_BASE_IMAGE_REF, pushed to OUT.
 _base_image_build() {
   local out=$1 tmp c mnt
   tmp=$(mktemp -d "$NODEAGENT_CACHE/base-image.XXXXXX") || return 1
-  mmdebstrap --variant=minbase --mode=root --format=tar \
+  local -a slim
+  mapfile -t slim < <(_slim_base_opts)
+  mmdebstrap --variant=minbase --mode=root --format=tar "${slim[@]}" \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
     "$NODEAGENT_DEBIAN_SUITE" "$tmp/rootfs.tar" "$NODEAGENT_DEBIAN_MIRROR" || { rm -rf "$tmp"; return 1; }
   c=$(_buildah from scratch) && mnt=$(_buildah mount "$c") && tar -xf "$tmp/rootfs.tar" -C "$mnt" &&
@@ -670,7 +686,7 @@ _base_image_build() {
 nodeagent_peers_base_image() {
   local hash
   hash=$( (echo "$NODEAGENT_DEBIAN_SUITE $NODEAGENT_DEBIAN_MIRROR $NODEAGENT_BASE_IMAGE_REF" &&
-    declare -f _base_image_build) | sha256sum | cut -c1-12) || return 1
+    declare -f _base_image_build _slim_base_opts) | sha256sum | cut -c1-12) || return 1
   _image_into_cache debian-base "$hash" _base_image_build || return 1
   export NODEAGENT_BASE_IMAGE=$NODEAGENT_IMAGE_ARCHIVE NODEAGENT_BASE_IMAGE_REF
   NODEAGENT_BASE_IMAGE_HASH=$hash
@@ -757,7 +773,9 @@ _buildah_multiarch() {
 _arm64_base_image_build() {
   local out=$1 tmp c mnt
   tmp=$(mktemp -d "$NODEAGENT_CACHE/base-image-arm64.XXXXXX") || return 1
-  mmdebstrap --variant=minbase --mode=root --format=tar --architectures=arm64 \
+  local -a slim
+  mapfile -t slim < <(_slim_base_opts)
+  mmdebstrap --variant=minbase --mode=root --format=tar --architectures=arm64 "${slim[@]}" \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin' \
     "$NODEAGENT_DEBIAN_SUITE" "$tmp/rootfs.tar" "$NODEAGENT_DEBIAN_MIRROR" || { rm -rf "$tmp"; return 1; }
   c=$(_buildah_multiarch from scratch) && mnt=$(_buildah_multiarch mount "$c") && tar -xf "$tmp/rootfs.tar" -C "$mnt" &&
@@ -777,7 +795,7 @@ nodeagent_peers_arm64_base_image() {
   fi
   local hash
   hash=$( (echo "$NODEAGENT_DEBIAN_SUITE $NODEAGENT_DEBIAN_MIRROR $NODEAGENT_BASE_IMAGE_REF arm64" &&
-    declare -f _arm64_base_image_build) | sha256sum | cut -c1-12) || return 1
+    declare -f _arm64_base_image_build _slim_base_opts) | sha256sum | cut -c1-12) || return 1
   _image_into_cache debian-base-arm64 "$hash" _arm64_base_image_build || return 1
   export NODEAGENT_BASE_IMAGE_ARM64=$NODEAGENT_IMAGE_ARCHIVE
   NODEAGENT_BASE_IMAGE_ARM64_HASH=$hash
