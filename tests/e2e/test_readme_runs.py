@@ -124,3 +124,21 @@ def test_the_elsewhere_list_names_only_readme_lines() -> None:
         assert any(line.startswith(prefix) for line in lines), (
             f"ELSEWHERE names a line the README lost: {prefix}"
         )
+
+
+def test_the_run_the_agent_line_runs_in_a_fresh_directory(fresh_dir: Path) -> None:
+    """The "Run the agent" section's command on its own, in a directory where nothing ran before it (its
+    ``--root`` and the directory of its ``--sim-state`` made by the agent)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Run the agent\n", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```sh\n(.*?)```", section, re.S)[0]
+    lines = [ln.strip() for ln in block.replace("\\\n", " ").splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("nodeagent "), lines
+    args = shlex.split(lines[0])[1:]
+    assert "--sim-state" in args and "run" in args, args
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NODEAGENT_", "KUBERNETES_", "KUBECONFIG"))}
+    env.update(HOME=str(fresh_dir / "home"), XDG_RUNTIME_DIR=str(fresh_dir / "xdg"), PYTHONPATH=str(REPO))
+    assert not any(fresh_dir.iterdir())
+    out = _run_agent(args, fresh_dir, env)
+    assert "Traceback" not in out and "error:" not in out, out[-3000:]
+    assert (fresh_dir / args[args.index("--sim-state") + 1]).is_file()  # the simulator's state, kept
