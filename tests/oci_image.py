@@ -1,4 +1,5 @@
-"""A one-layer OCI image archive written in Python (no registry, no build tool), for ``ctr images import``."""
+"""OCI image archives: a one-layer one written in Python (no registry, no build tool), for ``ctr images import``;
+and the manifest and config of the one image an archive of the setup holds."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 
 def _blob(tar: tarfile.TarFile, data: bytes) -> str:
@@ -75,3 +77,18 @@ def write_image(archive: Path, ref: str, files: dict[str, tuple[bytes, int]], cm
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return manifest_ref
+
+
+def archive_image(path: str | Path) -> tuple[Any, Any]:
+    """(manifest, config) of the one image an OCI archive (``buildah push oci-archive:``) holds."""
+    with tarfile.open(path) as tar:
+        def blob(digest: str) -> Any:
+            member = tar.extractfile(f"blobs/{digest.replace(':', '/', 1)}")
+            assert member is not None, (path, digest)
+            return json.load(member)
+
+        member = tar.extractfile("index.json")
+        assert member is not None, path
+        (entry,) = json.load(member)["manifests"]
+        manifest = blob(entry["digest"])
+        return manifest, blob(manifest["config"]["digest"])

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import tarfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.oci_image import archive_image
 from tests.peers.cluster import GPU_COUNT, MANIFESTS, Cluster
 from tests.peers.registry import INDEX_TYPES, Registry, running_registry
 
@@ -172,19 +172,6 @@ def test_readme_manifests_make_the_node_gpu_ready(cluster: Cluster, agent: dict[
     assert sorted(g["spec"]["index"] for g in gpus) == list(range(GPU_COUNT))
 
 
-def _archive_layers(path: str) -> list[str]:
-    """The layer digests of the one image an OCI archive of the setup holds."""
-    with tarfile.open(path) as tar:
-        def blob(digest: str) -> Any:
-            member = tar.extractfile(f"blobs/{digest.replace(':', '/', 1)}")
-            assert member is not None, (path, digest)
-            return json.load(member)
-
-        member = tar.extractfile("index.json")
-        assert member is not None, path
-        (entry,) = json.load(member)["manifests"]
-        return [layer["digest"] for layer in blob(entry["digest"])["layers"]]
-
 
 def test_containerd_pulled_the_agent_image_from_the_registry(
         cluster: Cluster, registry: Registry, agent: dict[str, Any]) -> None:
@@ -213,7 +200,7 @@ def test_containerd_pulled_the_agent_image_from_the_registry(
     arm64_blobs = {arm64["config"]["digest"], *(layer["digest"] for layer in arm64["layers"])} - amd64_blobs
     fetched = {r.path.rsplit("/", 1)[1] for r in registry.requests()
                if r.agent.startswith("containerd/") and r.method == "GET" and r.status in (200, 206)}
-    base = set(_archive_layers(os.environ["NODEAGENT_BASE_IMAGE"]))
+    base = set(layer["digest"] for layer in archive_image(os.environ["NODEAGENT_BASE_IMAGE"])[0]["layers"])
     assert platforms["linux", "amd64"] in fetched, sorted(fetched)
     assert amd64_blobs - base <= fetched, (sorted(amd64_blobs - base - fetched), sorted(fetched))
     assert len(amd64_blobs - base) >= 2, amd64  # the config and the agent's own layers at least

@@ -9,30 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import tarfile
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.cluster.test_whole_node import README_REGISTRY, readme_blocks
+from tests.oci_image import archive_image
 from tests.peers.registry import MANIFEST_TYPES, running_registry
-
-
-def _archive_image(path: str) -> tuple[Any, Any]:
-    """(manifest, config) of the one image an OCI archive of the setup holds."""
-    with tarfile.open(path) as tar:
-        def blob(digest: str) -> Any:
-            member = tar.extractfile(f"blobs/{digest.replace(':', '/', 1)}")
-            assert member is not None, (path, digest)
-            return json.load(member)
-
-        member = tar.extractfile("index.json")
-        assert member is not None, path
-        (entry,) = json.load(member)["manifests"]
-        manifest = blob(entry["digest"])
-        return manifest, blob(manifest["config"]["digest"])
 
 
 def test_readme_push_puts_the_image_in_the_registry() -> None:
@@ -44,7 +28,7 @@ def test_readme_push_puts_the_image_in_the_registry() -> None:
     assert [c[:2] for c in block] == [["buildah", "build"], ["buildah", "push"]], block
     build, push = block
     assert "--platform" not in build and "--manifest" not in build, build
-    _, built = _archive_image(archive)
+    _, built = archive_image(archive)
     with running_registry() as registry:
         start = time.monotonic()
         name = build[build.index("-t") + 1].replace(README_REGISTRY, registry.host)

@@ -190,6 +190,17 @@ def replicas(n: int) -> Any:
     )
 
 
+
+async def _all_end_past_their_deadline(clients: list[Any], opened: dict[int, list[int]], wait_s: float) -> None:
+    """Read the clients until every call they opened has its status (at most ``wait_s``): each must have ended
+    DEADLINE_EXCEEDED, the server's answer to a request that never came."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(len(c.status) < len(opened[id(c)]) for c in clients):
+        for c in clients:
+            await asyncio.to_thread(c.read, 0.05)
+    statuses = [c.status.get(sid) for c in clients for sid in opened[id(c)]]
+    assert statuses == [str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])] * len(statuses)
+
 async def test_a_zero_window_client_on_16_connections_holds_no_thread(service: DevicePluginService) -> None:
     """16 connections that open no flow-control window, each with every call a connection may carry (a
     ListAndWatch and Allocates), while the device list changes: the process's thread count stays where it
@@ -283,12 +294,7 @@ async def test_calls_whose_request_never_comes_do_not_lock_the_kubelet_out(
         took = await asyncio.to_thread(allocate_took, service)
         print(f"{sum(map(len, opened.values()))} calls without their request: Allocate in {took * 1e3:.1f} ms")
         assert took < 2.0
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(len(c.status) < len(opened[id(c)]) for c in clients):
-            for c in clients:
-                await asyncio.to_thread(c.read, 0.05)
-        statuses = [c.status.get(sid) for c in clients for sid in opened[id(c)]]
-        assert statuses == [str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])] * len(statuses)
+        await _all_end_past_their_deadline(clients, opened, 5)
         assert await asyncio.to_thread(allocate_took, service) < 2.0
     finally:
         for c in clients:
@@ -448,12 +454,7 @@ async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(
         print(f"{sum(map(len, opened.values()))} DRA calls without their request: GetInfo and "
               f"NodePrepareResources in {took * 1e3:.1f} ms")
         assert took < 2.0
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(len(c.status) < len(opened[id(c)]) for c in clients):
-            for c in clients:
-                await asyncio.to_thread(c.read, 0.05)
-        statuses = [c.status.get(sid) for c in clients for sid in opened[id(c)]]
-        assert statuses == [str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])] * len(statuses)
+        await _all_end_past_their_deadline(clients, opened, 15)
     finally:
         for c in clients:
             c.close()
