@@ -96,9 +96,10 @@ class Settings:
         self._check_simulated_root()
 
     def sim_state(self, given: Path | str | None, flag: str = "--sim-state") -> Path | None:
-        """The simulator's state file for a command. Given under ``--root``: a file of the (simulated) node,
-        which nodeagent writes, so it must lie inside the root (else ``ConfigError`` naming ``flag``); it is
-        resolved there as a chroot would and its directory made. Given without ``--root``: the path as the
+        """The simulator's state file for a command. Given under ``--root`` as a path into the root: a file of
+        the (simulated) node, resolved there as a chroot would, its directory made; a path that climbs out of
+        the root (``ROOT/../x``) is refused (``ConfigError`` naming ``flag``). Given outside the root without
+        ``..``: the user's own file, used where it is (its directory made). Given without ``--root``: the path as the
         shell sees it. Not given, on the simulator's default sandbox: ``sim-state.json`` in that sandbox, so
         the machine's MIG layout and faults are there for the next command as on a real node. Otherwise
         None (a machine in memory, gone with the process)."""
@@ -113,6 +114,15 @@ class Settings:
         from nodeagent.errors import InputError
 
         paths = self._paths
+        plain = Path(os.path.abspath(given))
+        if ".." not in Path(given).parts and plain != paths.root and paths.root not in plain.parents:
+            # a file named outside the root, as the shell sees it: the simulator's own state (like --config or
+            # --output, the user's file), used where it is; only a path that climbs out of the root is refused
+            try:
+                fileio.makedirs(plain.parent)
+            except OSError as e:
+                raise InputError(f"{flag} {given}: cannot make its directory: {e.strerror}", subject=flag) from e
+            return plain
         host = flag_path(paths, Path(given), flag)
         assert host is not None
         resolved = paths(host)

@@ -134,7 +134,7 @@ def _read(paths: HostPaths, host_path: str, max_bytes: int = MAX_CONFIG_BYTES) -
 
 
 def _state_path(paths: HostPaths) -> Path:
-    return paths(f"/var/lib/nodeagent/{STATE_FILE}")  # resolved inside the root now, file name included
+    return paths.within(paths.state_dir / STATE_FILE)  # resolved inside the root now, file name included
 
 
 def _host_path_entry(paths: HostPaths, value: Any, where: str) -> str:
