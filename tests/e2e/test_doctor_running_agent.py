@@ -94,7 +94,8 @@ def sandbox() -> Iterator[Sandbox]:
 
 
 def _paths(box: Sandbox) -> HostPaths:
-    return HostPaths(Path(box.env["XDG_RUNTIME_DIR"]) / "nodeagent-sim" / "t4x1")
+    # the default sandbox of a command given the state file: named after that file, whatever --simulate says
+    return HostPaths(Path(box.env["XDG_RUNTIME_DIR"]) / "nodeagent-sim" / "state-t4")
 
 
 def test_doctor_knows_its_own_agent_in_the_default_sandbox(sandbox: Sandbox) -> None:
@@ -116,7 +117,7 @@ def test_an_xid_the_running_agent_holds_is_the_nodes_health(sandbox: Sandbox) ->
     r = sandbox.na("sim", "inject", "xid", "--sim-state", str(sandbox.state), "--gpu", "0", "--code", "48")
     assert r.returncode == 0, r.stderr
     _recorded(_paths(sandbox), sandbox.agent, "the XID in the agent's record", lambda r: r.unhealthy)
-    findings = sandbox.doctor("--simulate", "t4x1", "--no-kube")  # the machine alone names the same sandbox
+    findings = sandbox.doctor("--sim-state", str(sandbox.state), "--no-kube")  # the state file names the sandbox
     held = _one(findings, "health", "error", "GPU 0 is served Unhealthy to the kubelet after XID 48")
     assert held["fix"] == ""
     assert not [f for f in findings if "serves every GPU as Healthy" in f["text"]], findings
@@ -139,7 +140,7 @@ def test_a_registration_the_kubelet_took(sandbox: Sandbox) -> None:
     try:
         _recorded(_paths(sandbox), sandbox.agent, "the registration in the agent's record",
                   lambda r: r.resources and r.resources[0].registered)
-        findings = sandbox.doctor("--simulate", "t4x1", "--no-kube")
+        findings = sandbox.doctor("--simulate", "t4x1", "--sim-state", str(sandbox.state), "--no-kube")
     finally:
         kubelet.stop(None)
     _one(findings, "kubelet", "ok", "nvidia.com/gpu: served on /var/lib/kubelet/device-plugins/nvidia-gpu.sock by the "
