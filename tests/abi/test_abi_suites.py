@@ -26,6 +26,13 @@ DESELECTED = {
         "real pynvml nodeagent reads /proc/<pid>/comm, which a made-up pid lacks; and it fails simResetGpu "
         "with RESET_REQUIRED, which the nvidia-smi reset path cannot report as an NVML code"
     ),
+    "tests/unit/test_mig_cli.py::test_apply_on_a_simulated_machine_without_its_state_file_says_it_is_not_kept": (
+        "opens another machine (a30x4) in a process whose stand-in library already holds an earlier test's "
+        "machine and state file: the library, loaded once, serves one machine per process as a host has one"
+    ),
+    "tests/unit/test_mig_cli.py::test_the_default_sandbox_keeps_the_simulated_machine_between_commands": (
+        "the same: another machine and a sandbox state file in a process whose library holds another's"
+    ),
     "tests/unit/test_health_reload.py::test_simulated_xid_injected_during_replacement_marks_the_gpu": (
         "injects through adapter.nvml.store, the simulator object, which the real pynvml module has not"
     ),
