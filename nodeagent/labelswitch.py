@@ -228,7 +228,8 @@ class SwitchReconciler(Generic[T]):
 
     def __init__(self, node: NodeApi, switch: Switch[T], *, holders: GpuHolders | None = None,
                  budget: DisruptionBudget | None = None, options: SwitchOptions | None = None,
-                 on_state: Callable[[str, str], None] | None = None) -> None:
+                 on_state: Callable[[str, str], None] | None = None,
+                 after: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.node = node
         self.switch = switch
         self.holders = holders
@@ -236,6 +237,7 @@ class SwitchReconciler(Generic[T]):
         self.options = options or SwitchOptions()
         self.report = NodeReporter(node, switch.name, self.options.kube_timeout_s)
         self.on_state = on_state  # (label, value) of every state written, e.g. for doctor's record
+        self.after = after  # awaited with the state after it is written (e.g. serve the node's new devices)
         self.last_value: str | None = None
         self.last_state: str | None = None
         self.last_error: str | None = None
@@ -307,3 +309,8 @@ class SwitchReconciler(Generic[T]):
             except Exception:
                 log.exception("%s: state callback failed", self.switch.name)
         await self.report.labels(labels)
+        if self.after is not None and state is not None:
+            try:
+                await self.after(state)
+            except Exception:
+                log.exception("%s: after %s", self.switch.name, state)

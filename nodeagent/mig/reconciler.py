@@ -53,13 +53,15 @@ from nodeagent.labelswitch import (
 )
 from nodeagent.labelswitch import (
     GpuHolders,
-    Holder as Holder,
     NodeApi,
     NodeReporter,
     NodeViewLike,
+    describe_holders,
     wait_released,
 )
-from nodeagent.labelswitch import describe_holders
+from nodeagent.labelswitch import (
+    Holder as Holder,
+)
 from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
 from nodeagent.mig.planner import GpuPlan, Plan

@@ -24,6 +24,8 @@ from nodeagent import fileio
 from nodeagent.errors import GpuBusyError, NodeAgentError, OperationError
 from nodeagent.gpu.inventory import GpuProcess, Inventory
 from nodeagent.hostpaths import HostPaths
+from nodeagent.vfio.allocate import VfioDevice
+from nodeagent.vfio.names import PCI_IDS_PATHS, parse_pci_ids, resource_name
 from nodeagent.vfio.plan import (
     CONTAINER,
     GRACE_VFIO,
@@ -45,6 +47,7 @@ from nodeagent.vfio.sysfs import PciSysfs
 log = logging.getLogger(__name__)
 
 STATE_FILE = "vfio-state.json"
+MAX_PCI_IDS = 8 << 20  # the whole database is about 1.4 MB
 
 
 class VfioGpus(Protocol):
@@ -102,6 +105,30 @@ class VfioSwitch:
         self.gpu = gpus
         self.sysfs = sysfs or PciSysfs(paths)
         self.state_path = (state_dir or paths.state_dir) / STATE_FILE
+
+    # -- what the device plugin serves --------------------------------------------------------------
+    def pci_names(self) -> dict[str, str]:
+        """The NVIDIA section of the root's PCI ID database (empty without one)."""
+        for path in PCI_IDS_PATHS:
+            try:
+                text = fileio.read_text(self.paths(path), root=self.paths, max_bytes=MAX_PCI_IDS)
+            except NodeAgentError:
+                continue
+            if text:
+                return parse_pci_ids(text)
+        return {}
+
+    def resources(self) -> dict[str, dict[str, VfioDevice]]:
+        """Resource name → bus id → device, for the GPUs on a VFIO driver (the sandbox plugin's grouping)."""
+        names = self.pci_names()
+        out: dict[str, dict[str, VfioDevice]] = {}
+        for f in self.sysfs.functions():
+            if not f.is_gpu or f.driver not in VFIO_DRIVERS or f.iommu_group is None:
+                continue
+            numa = self.sysfs.numa(f.bdf)
+            out.setdefault(resource_name(f.device, names), {})[f.bdf] = VfioDevice(
+                f.bdf, f.iommu_group, self.sysfs.vfio_cdev(f.bdf), numa)
+        return out
 
     # -- the Switch protocol --------------------------------------------------------------------
     def parse(self, value: str) -> str:

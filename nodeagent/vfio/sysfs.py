@@ -70,6 +70,12 @@ class PciSysfs:
         except OSError:
             return []
 
+    def numa(self, bdf: str) -> int | None:
+        try:
+            return int(_read(self._dir(f"{SYS_DEVICES}/{bdf}") / "numa_node"))
+        except ValueError:
+            return None
+
     def vfio_cdev(self, bdf: str) -> str | None:
         """``vfio3`` when the function has an iommufd character device."""
         try:
