@@ -24,3 +24,24 @@ def test_applied_failed_pending_and_absent() -> None:
     assert _said({"nvidia.com/cc.mode": "on", "nvidia.com/cc.mode.state": "on",
                   "nvidia.com/cc.ready.state": "true"}) == [
         ("ok", "nvidia.com/cc.mode.state=on, nvidia.com/cc.ready.state=true")]
+
+
+def test_switch_components_are_opt_in_and_need_the_api() -> None:
+    from nodeagent.config import AgentConfig, apply_overrides, parse_config
+    from nodeagent.daemon import default_specs
+
+    specs = {s.name: s for s in default_specs()}
+    assert specs["vfio"].sections == frozenset({"vfio"}) and specs["cc"].sections == frozenset({"cc"})
+    assert not AgentConfig().vfio.enabled and not AgentConfig().cc.enabled
+
+    class Ctx:
+        config = apply_overrides(AgentConfig(), {"vfio.enabled": True, "cc.enabled": True})
+        kube = None
+
+    assert specs["vfio"].build(Ctx()) is None  # type: ignore[arg-type]
+    assert specs["cc"].build(Ctx()) is None  # type: ignore[arg-type]
+    Ctx.config = AgentConfig()
+    Ctx.kube = object()  # type: ignore[assignment]
+    assert specs["vfio"].build(Ctx()) is None  # type: ignore[arg-type]
+    cfg = parse_config('[cc]\nenabled = true\ntool = "/opt/gpu-admin-tools/nvidia_gpu_tools.py"\n', "c.toml")
+    assert cfg.cc.tool == "/opt/gpu-admin-tools/nvidia_gpu_tools.py"
