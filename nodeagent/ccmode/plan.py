@@ -123,3 +123,11 @@ def steps(current: str, wanted: str, bdfs: Sequence[str]) -> list[list[ToolStep]
     elif wanted != current:
         rounds.append([ToolStep(b, "cc", wanted) for b in bdfs])
     return rounds
+
+
+def restore_steps(mode: str, bdfs: Sequence[str]) -> list[list[ToolStep]]:
+    """The rounds that set every GPU to ``mode`` whatever a failed switch left set (pending or current):
+    protected PCIe and CC each written explicitly."""
+    if mode == PPCIE:
+        return [[ToolStep(b, "cc", OFF) for b in bdfs], [ToolStep(b, "ppcie", ON) for b in bdfs]]
+    return [[ToolStep(b, "ppcie", OFF) for b in bdfs], [ToolStep(b, "cc", mode) for b in bdfs]]

@@ -21,8 +21,10 @@ from nodeagent.ccmode.plan import (
     OFF,
     TEE_FILES,
     CcReading,
+    ToolStep,
     parse_mode,
     refusal,
+    restore_steps,
     state_labels,
     steps,
     tee_of,
@@ -140,19 +142,23 @@ class CcSwitch:
                 raise OperationError(f"after the switch and reset NVML reports mode {after}, not {wanted}",
                                      subject=CC_LABEL)
         except NodeAgentError as e:
-            undo = ""
             try:
-                now = self.current() or wanted
-                self._run(now, before, indices)
-                undo = f"the GPUs are back in mode {before}"
+                self._rounds(restore_steps(before, sorted(indices)), indices)
+                back = self.current()
+                undo = (f"the GPUs are back in mode {before}" if back == before
+                        else f"the GPUs read mode {back} after putting them back to {before}")
             except NodeAgentError as ue:
                 undo = f"putting the GPUs back to mode {before} failed too: {ue}"
             raise OperationError(f"switching to CC mode {wanted} failed: {e}; {undo}", subject=CC_LABEL) from e
         return f"CC mode {before} → {wanted} on GPU(s) {', '.join(str(i) for i in sorted(indices.values()))}"
 
     def _run(self, current: str, wanted: str, indices: Mapping[str, int]) -> None:
+        self._rounds(steps(current, wanted, sorted(indices)), indices)
+
+    def _rounds(self, rounds: list[list[ToolStep]], indices: Mapping[str, int]) -> None:
+        """Each round: the tool for every GPU, then a reset of every GPU (a mode takes effect at the reset)."""
         assert self.tool is not None
-        for round_ in steps(current, wanted, sorted(indices)):
+        for round_ in rounds:
             for step in round_:
                 ran = run_bounded([*self.tool, *step.argv()], timeout=self.tool_timeout_s,
                                   env=self.tool_env or None, keep_tail=True)

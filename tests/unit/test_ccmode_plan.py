@@ -12,6 +12,7 @@ from nodeagent.ccmode.plan import (
     ToolStep,
     parse_mode,
     refusal,
+    restore_steps,
     state_labels,
     steps,
     tee_of,
@@ -64,3 +65,6 @@ def test_rounds() -> None:
         [["--set-cc-mode=off", "--gpu-bdf=0000:18:00.0"]], [["--set-ppcie-mode=on", "--gpu-bdf=0000:18:00.0"]]]
     assert steps("ppcie", "devtools", b[:1]) == [[ToolStep(b[0], "ppcie", "off")], [ToolStep(b[0], "cc", "devtools")]]
     assert steps("ppcie", "off", b[:1]) == [[ToolStep(b[0], "ppcie", "off")]]
+    # putting a failed switch back writes both settings, whatever was left pending
+    assert restore_steps("off", b[:1]) == [[ToolStep(b[0], "ppcie", "off")], [ToolStep(b[0], "cc", "off")]]
+    assert restore_steps("ppcie", b[:1]) == [[ToolStep(b[0], "cc", "off")], [ToolStep(b[0], "ppcie", "on")]]

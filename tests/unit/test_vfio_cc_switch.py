@@ -164,15 +164,25 @@ def test_cc_refused_on_gpus_without_cc(tmp_path: Path) -> None:
 
 
 def test_cc_busy_and_failing_tool(tmp_path: Path) -> None:
-    paths, adapter, store, sw = _cc(tmp_path)
-    inject.inject_process(store, 5, 99, "cuda-app")
-    with pytest.raises(GpuBusyError, match=r"GPU 5: pid 99 \(cuda-app\); nothing was changed"):
+    paths, adapter, store, sw = _cc(tmp_path, "h100-nvl")
+    inject.inject_process(store, 3, 99, "cuda-app")
+    with pytest.raises(GpuBusyError, match=r"GPU 3: pid 99 \(cuda-app\); nothing was changed"):
         sw.apply("on")
-    inject.kill_process(store, 5)
-    broken = CcSwitch(paths, adapter, ["/bin/false"], sw.tool_env)
-    with pytest.raises(OperationError, match=r"--set-cc-mode=on --gpu-bdf=0000:18:00.0: exit 1; the GPUs are back in mode off"):
+    inject.kill_process(store, 3)
+    assert sw.tool is not None
+    # the tool fails on the second GPU, after it set CC on (pending) on the first
+    flaky = tmp_path / "flaky-tool"
+    flaky.write_text("#!/bin/sh\n"
+                     'case "$*" in *--set-cc-mode=on*--gpu-bdf=0000:18:00.0*) echo "register write failed" >&2; exit 1;; esac\n'
+                     f'exec {" ".join(sw.tool)} "$@"\n')
+    flaky.chmod(0o755)
+    broken = CcSwitch(paths, adapter, [str(flaky)], sw.tool_env)
+    with pytest.raises(OperationError) as e:
         broken.apply("on")
+    assert str(e.value) == ("switching to CC mode on failed: --set-cc-mode=on --gpu-bdf=0000:18:00.0: register write "
+                            "failed; the GPUs are back in mode off")
     assert sw.current() == "off"
+    assert all(gs.get("cc_pending", "off") == "off" for gs in store.read()["gpus"])  # nothing left to apply
     none = CcSwitch(paths, adapter, None)
     with pytest.raises(OperationError, match="no CC-mode tool is installed"):
         none.apply("on")
