@@ -185,6 +185,8 @@ class VfioSwitch:
                     self.gpu.set_persistence_mode(index, True)
                 except NodeAgentError as pe:
                     undo.append(f"persistence mode of GPU {index}: {pe}")
+            if not undo:
+                self._save({})  # back as before: nothing to restore later
             raise OperationError(f"binding the GPUs to {driver} failed: {e}; " + _undo_said(undo),
                                  subject=WORKLOAD_LABEL) from e
         gpus = [f.bdf for f in before if f.is_gpu]

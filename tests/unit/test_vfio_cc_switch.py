@@ -108,6 +108,7 @@ def test_failed_bind_puts_everything_back(tmp_path: Path) -> None:
     sysfs.write = real_write  # type: ignore[method-assign]
     assert _drivers(sysfs) == before
     assert all(adapter.persistence_mode(i) for i in range(4))
+    assert paths("/var/lib/nodeagent/vfio-state.json").read_text() == "{}\n"  # nothing left to restore
 
 
 def test_missing_vfio_driver_refused(tmp_path: Path) -> None:
