@@ -26,7 +26,7 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.simulator.abi import bridge_telemetry, mig
+from nodeagent.simulator.abi import bridge_cc, bridge_telemetry, mig
 from nodeagent.simulator.abi.cmem import (
     ARGUMENT_VERSION_MISMATCH,
     INSUFFICIENT_SIZE,
@@ -326,6 +326,7 @@ _FUNCTIONS: dict[str, Callable[..., int]] = {
     if name.startswith("nvml") and callable(fn)
 }
 _FUNCTIONS.update(bridge_telemetry.functions(_sim))
+_FUNCTIONS.update(bridge_cc.functions(_sim))
 _TRACE = os.environ.get("NODEAGENT_NVML_TRACE", "") not in ("", "0")
 
 
