@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from nodeagent.gpu.mps import ComputeModes, MpsManager
     from nodeagent.gpu.nvml import NvmlAdapter
     from nodeagent.simulator.nvml import SimulatedNvml
+    from nodeagent.simulator.state import SimStore
 
 
 def open_nvml(simulate: str | None, sim_state: Path | None = None, paths: HostPaths | None = None) -> NvmlAdapter:
@@ -94,9 +95,12 @@ def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_st
                       command=(sys.executable, "-m", "nodeagent.simulator.mps_control"))
 
 
-def pci_kernel(paths: HostPaths, simulate: str | None, sim_state: Path | None) -> Callable[[], None] | None:
+def pci_kernel(paths: HostPaths, simulate: str | None, sim_state: Path | None,
+               store: SimStore | None = None) -> Callable[[], None] | None:
     """What reacts to writes into the root's PCI tree in sysfs: the kernel itself on a host (None); on the
-    simulator the simulated kernel of the machine's tree, laid out under the sandbox root on first use."""
+    simulator the simulated kernel of the machine's tree, laid out under the sandbox root on first use. It
+    tells the simulated NVML which GPUs the nvidia driver owns through ``store`` (an in-memory machine's:
+    give the NVML's own) or, without one, the ``sim_state`` file."""
     if simulate is None and sim_state is None:
         return None
     if paths.root == Path("/"):
@@ -108,9 +112,15 @@ def pci_kernel(paths: HostPaths, simulate: str | None, sim_state: Path | None) -
     name = simulate or (read_state_machine_name(sim_state) if sim_state is not None else None)
     if name is None:
         raise InputError(f"sim-state file {sim_state} does not exist yet; name the machine with --simulate MACHINE")
-    tree = SimPciTree(paths, load_machine(name))
+    if store is None and sim_state is not None:
+        from nodeagent.simulator.state import SimStore as _Store
+
+        store = _Store.open(name, sim_state)
+    tree = SimPciTree(paths, store.machine if store is not None else load_machine(name), store)
     if not tree.materialised:
         tree.materialise()
+    else:
+        tree.settle()  # a tree laid out before: NVML learns the drivers it shows
     return tree.settle
 
 

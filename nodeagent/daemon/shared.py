@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -28,6 +28,7 @@ from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
+    from nodeagent.dra.devices import DraDevice
     from nodeagent.dra.service import ClaimRef
     from nodeagent.kube.conditions import ConditionSnapshot, ConflictInput, GpuHealthInput, StatusStage
 
@@ -231,7 +232,18 @@ class DraPool(PreparedClaims, Protocol):
 
 class DraLink(_Slot[DraPool]):
     """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops and no claim is
-    known."""
+    known. ``vfio`` keeps the node's GPUs on a VFIO driver (the workload switch's) for a plane that starts
+    later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vfio: tuple[DraDevice, ...] = ()
+
+    async def set_vfio(self, devices: Sequence[DraDevice]) -> None:
+        self.vfio = tuple(devices)
+        setter = getattr(self._held, "set_vfio", None)  # the daemon's DRA plane (a MIG-only pool has none)
+        if setter is not None:
+            await setter(self.vfio)
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         return self._held.claims_on(gpu_indices) if self._held is not None else {}

@@ -3,7 +3,10 @@
 One spec per prepared claim, kind ``gpu.nodeagent.io/claim``, one CDI device per allocated device named
 ``<claim uid>-<device name>``. The spec-wide edits carry what every GPU container needs (control device
 nodes, ``NVIDIA_VISIBLE_DEVICES`` listing the claim's device UUIDs); each device adds its own device
-nodes (``/dev/nvidiaN``, and for a MIG device its GPU- and compute-instance access nodes). A node the
+nodes (``/dev/nvidiaN``, and for a MIG device its GPU- and compute-instance access nodes). A claim of
+GPUs on a VFIO driver (``vm-passthrough``) gets what NVIDIA's sandbox device plugin gives instead: the
+VFIO container device ``/dev/vfio/vfio`` spec-wide, each GPU's IOMMU group device ``/dev/vfio/<group>``,
+and ``PCI_RESOURCE_NVIDIA_COM_<NAME>`` listing the bus ids per resource name. A node the
 host facts know (nodeagent.cdi.host: the node's host path under ``--root``, the numbers of a simulated
 host's stand-in file) is written as the node-wide CDI spec writes it, so both specs resolve alike. Files
 are written atomically, so a runtime reading the directory never sees half a spec, but without fsync:
@@ -25,6 +28,8 @@ from nodeagent.cdi.spec import node_entry
 from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, VISIBLE_DEVICES_ENV, mig_cap_minors
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.devices import DraDevice
+from nodeagent.vfio.allocate import VFIO_CONTAINER
+from nodeagent.vfio.names import env_name
 
 CDI_VERSION = "0.6.0"
 CDI_KIND = f"{DRIVER_NAME}/claim"
@@ -89,11 +94,26 @@ def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
 
 
 def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[str, Any]]:
+    if dev.vfio is not None:
+        return [_node(f"/dev/vfio/{dev.vfio.iommu_group}", facts)]
     nodes = [_node(f"/dev/nvidia{dev.minor}", facts)]
     if dev.gi_id is not None and dev.ci_id is not None:
         for minor in mig_cap_minors(dev.minor, dev.gi_id, dev.ci_id):
             nodes.append(_node(f"/dev/nvidia-caps/nvidia-cap{minor}", facts))
     return nodes
+
+
+def _vfio_edits(devices: Sequence[DraDevice], facts: Mapping[str, NodeFact]) -> dict[str, Any]:
+    """The claim-wide edits of VFIO devices: the container device and the bus ids per resource (KubeVirt
+    finds the VM's host devices there), bus ids in device order."""
+    if any(d.vfio is None for d in devices):
+        raise ValueError("a claim cannot hold GPUs on a VFIO driver and GPUs on the nvidia driver together")
+    by_resource: dict[str, list[str]] = {}
+    for d in devices:
+        assert d.vfio is not None
+        by_resource.setdefault(d.vfio_resource, []).append(d.vfio.bdf)
+    return {"env": [f"{env_name(r)}={','.join(b)}" for r, b in sorted(by_resource.items())],
+            "deviceNodes": [_node(VFIO_CONTAINER, facts)]}
 
 
 def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
@@ -110,7 +130,7 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
              "containerEdits": {"deviceNodes": _device_nodes(d, facts)}}
             for d in devices
         ],
-        "containerEdits": {
+        "containerEdits": _vfio_edits(devices, facts) if any(d.vfio is not None for d in devices) else {
             "env": [f"{VISIBLE_DEVICES_ENV}={','.join(_visible(devices))}", *share_env(devices)],
             "deviceNodes": [_node(p, facts) for p in CONTROL_DEVICES],
         },

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,6 +136,8 @@ class DraComponent:
         self._inventory: Inventory | None = None
         self.feed = HealthFeed()
         self.devices: list[DraDevice] = []
+        # the GPUs on a VFIO driver while the node is in vm-passthrough (``set_vfio``), beside the inventory's
+        self.vfio_devices: list[DraDevice] = []
         self._unhealthy: dict[HealthKey, str] = {}
         self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until re-advertised
         # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
@@ -210,7 +212,7 @@ class DraComponent:
         self._inventory = inventory
         self.devices = build_devices(inventory, roots, self.gpu_filter,
                                      self._dynamic if self.dynamic_mig else None,
-                                     self._shared if self.shared_gpus else None)
+                                     self._shared if self.shared_gpus else None) + self.vfio_devices
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -269,6 +271,13 @@ class DraComponent:
         self.gpu_filter = lambda gpu: gpu.index in served
         self._leaving = frozenset(leaving)
         self._set_withdrawn(self._withdrawn)
+        if self._inventory is not None and self.preparer is not None:
+            await self._set_inventory(self._inventory)
+
+    async def set_vfio(self, devices: Sequence[DraDevice]) -> None:
+        """The node's GPUs on a VFIO driver (``dra.devices.build_vfio_devices``; empty: none), published
+        with the inventory's devices from now on."""
+        self.vfio_devices = list(devices)
         if self._inventory is not None and self.preparer is not None:
             await self._set_inventory(self._inventory)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice, MigProfile
+from nodeagent.vfio.allocate import VfioDevice
 
 # Standard attribute names (resource.kubernetes.io): PCI address and PCIe root complex.
 PCI_BUS_ID_ATTR = "resource.kubernetes.io/pciBusID"
@@ -90,6 +91,8 @@ class DraDevice:
     consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # counter set → counter → amount
     shared: bool = False  # allows multiple allocations, each consuming part of its capacity
     share: Share | None = None  # a prepared allocation of a shared device: what this one consumed
+    vfio: VfioDevice | None = None  # kind "vfio": the GPU on a VFIO driver (bus id, IOMMU group)
+    vfio_resource: str = ""  # kind "vfio": the sandbox plugin's resource name (names PCI_RESOURCE_…)
 
     @property
     def dynamic(self) -> bool:
@@ -136,12 +139,16 @@ def mig_device_name(index: int, gi_id: int, ci_id: int) -> str:
     return f"gpu-{index}-mig-{gi_id}-{ci_id}"
 
 
-_DEVICE_GPU_RE = re.compile(r"^gpu-(\d+)(?:-mig-[a-z0-9-]+)?$")
+def vfio_device_name(slot: int) -> str:
+    return f"gpu-{slot}-vfio"
+
+
+_DEVICE_GPU_RE = re.compile(r"^gpu-(\d+)(?:-mig-[a-z0-9-]+|-vfio)?$")
 
 
 def device_gpu_index(name: str) -> int | None:
-    """The GPU index a device name of this pool carries (``gpu-3``, ``gpu-3-mig-…`` → 3); None for any
-    other name."""
+    """The GPU index a device name of this pool carries (``gpu-3``, ``gpu-3-mig-…``, ``gpu-3-vfio`` → 3);
+    None for any other name."""
     m = _DEVICE_GPU_RE.match(name)
     return int(m.group(1)) if m else None
 
@@ -374,3 +381,34 @@ def with_share(dev: DraDevice, share: Share | None) -> DraDevice:
 def with_instance(dev: DraDevice, mig: MigDevice) -> DraDevice:
     """A dynamic MIG device once its GPU instance exists: what its CDI spec names (uuid, instance ids)."""
     return dataclasses.replace(dev, uuid=mig.uuid, gi_id=mig.gi_id, ci_id=mig.ci_id)
+
+
+def build_vfio_devices(resources: Mapping[str, Mapping[str, VfioDevice]], slots: Mapping[str, int],
+                       product_names: Mapping[str, str] | None = None) -> list[DraDevice]:
+    """The devices of GPUs on a VFIO driver (the workload config ``vm-passthrough``), one per GPU, in slot
+    order: ``resources`` is what the sandbox device plugin would serve (resource name → bus id → device),
+    ``slots`` a GPU's bus id → its index among the node's NVIDIA GPUs in bus order (the GPU index the
+    device name carries: NVML, which no longer sees these GPUs, gives none), ``product_names`` the resource
+    → its PCI ID database entry. Attribute ``type`` is ``vfio`` (the class ``vfio.gpu.nodeagent.io``)."""
+    out: list[DraDevice] = []
+    for resource, devices in sorted(resources.items()):
+        for bdf, dev in sorted(devices.items()):
+            slot = slots.get(bdf)
+            if slot is None:
+                continue
+            attrs: dict[str, Any] = {
+                "type": _str("vfio"),
+                "index": {"int": slot},
+                "resourceName": _str(resource),
+                "iommuGroup": {"int": int(dev.iommu_group)} if dev.iommu_group.isdigit() else _str(dev.iommu_group),
+                PCI_BUS_ID_ATTR: _str(bdf),
+            }
+            name = (product_names or {}).get(resource)
+            if name:
+                attrs["productName"] = _str(name)
+            if dev.numa is not None and dev.numa >= 0:
+                attrs["numaNode"] = {"int": dev.numa}
+                attrs[NUMA_NODE_ATTR] = {"int": dev.numa}
+            out.append(DraDevice(name=vfio_device_name(slot), kind="vfio", gpu_index=slot, minor=-1, uuid="",
+                                 attributes=attrs, vfio=dev, vfio_resource=resource))
+    return sorted(out, key=lambda d: d.gpu_index)

@@ -44,8 +44,10 @@ from nodeagent.simulator.nvml_base import (
     _mig_device_mib,
     _ptr,
     _reset_gpu_state,
+    nvidia_owns,
     persistence_mode,
     reboot_state,
+    visible_gpus,
 )
 from nodeagent.simulator.nvml_cc import CcCalls
 from nodeagent.simulator.nvml_mig import MigCalls
@@ -86,25 +88,34 @@ class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls):
 
     # --- device identity ----------------------------------------------------------------------
     def nvmlDeviceGetCount(self) -> int:
-        self._enter("nvmlDeviceGetCount")
-        return len(self.machine.gpus)
+        state = self._enter("nvmlDeviceGetCount")
+        return len(visible_gpus(state, len(self.machine.gpus)))
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
-        self._enter("nvmlDeviceGetHandleByIndex")
-        self._spec(index)  # a lost GPU still has a handle; calls on it fail with GPU_IS_LOST
-        return _ptr(_key(_DEV, index), pynvml.c_nvmlDevice_t)
+        state = self._enter("nvmlDeviceGetHandleByIndex")
+        visible = visible_gpus(state, len(self.machine.gpus))
+        if not 0 <= index < len(visible):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        # a lost GPU still has a handle (calls on it fail with GPU_IS_LOST); the handle names the machine's GPU
+        return _ptr(_key(_DEV, visible[index]), pynvml.c_nvmlDevice_t)
+
+    def _handle_of(self, state: State, gpu: int) -> Any:
+        """The handle of the machine's GPU ``gpu``; NOT_FOUND while the nvidia driver does not own it."""
+        if not nvidia_owns(state, gpu):
+            raise _err(pynvml.NVML_ERROR_NOT_FOUND)
+        return _ptr(_key(_DEV, gpu), pynvml.c_nvmlDevice_t)
 
     def nvmlDeviceGetHandleByUUID(self, uuid_str: str | bytes) -> Any:
         self._enter("nvmlDeviceGetHandleByUUID")
         want = uuid_str.decode() if isinstance(uuid_str, bytes) else uuid_str
+        state = self.store.read()
         for g in self.machine.gpus:
             if g.uuid == want:
-                return self.nvmlDeviceGetHandleByIndex(g.index)
+                return self._handle_of(state, g.index)
         if want.startswith("MIG-"):  # NVML hands out MIG device handles by MIG UUID too
-            state = self.store.read()
             for g in self.machine.gpus:
                 gs = state["gpus"][g.index]
-                if gs["lost"] or not gs["mig_current"]:
+                if gs["lost"] or not gs["mig_current"] or not nvidia_owns(state, g.index):
                     continue
                 for gi, ci in self._mig_pairs(gs):
                     if self._mig_uuid(g.index, gi, ci) == want:
@@ -114,14 +125,15 @@ class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls):
     def nvmlDeviceGetHandleByPciBusId(self, bus_id: str | bytes) -> Any:
         self._enter("nvmlDeviceGetHandleByPciBusId")
         want = (bus_id.decode() if isinstance(bus_id, bytes) else bus_id).upper()
+        state = self.store.read()
         for g in self.machine.gpus:
             if g.bus_id == want or g.bus_id[4:] == want:
-                return self.nvmlDeviceGetHandleByIndex(g.index)
+                return self._handle_of(state, g.index)
         raise _err(pynvml.NVML_ERROR_NOT_FOUND)
 
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
         state = self._enter("nvmlDeviceGetIndex")
-        return self._gpu(state, handle)[1]
+        return visible_gpus(state, len(self.machine.gpus)).index(self._gpu(state, handle)[1])
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
         state = self._enter("nvmlDeviceGetName")

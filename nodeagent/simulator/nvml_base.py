@@ -235,6 +235,17 @@ def _reset_gpu_state(gs: dict[str, Any], spec: SimGpuSpec) -> None:
         gs["mig_current"] = gs["mig_pending"] = False
 
 
+def nvidia_owns(state: State, gpu: int) -> bool:
+    """Whether the nvidia driver owns the machine's GPU ``gpu``: the simulated kernel records another driver
+    (``vfio-pci`` after a bind for passthrough) in the GPU's ``driver``; NVML does not see such a GPU."""
+    return str(state["gpus"][gpu].get("driver", "nvidia")) == "nvidia"
+
+
+def visible_gpus(state: State, count: int) -> list[int]:
+    """The machine's GPUs NVML enumerates, in order: NVML index ``i`` is the ``i``-th of them."""
+    return [i for i in range(count) if nvidia_owns(state, i)]
+
+
 def persistence_mode(gs: dict[str, Any], machine: SimMachine) -> int:
     """A GPU's driver persistence mode (NVML_FEATURE_ENABLED/DISABLED): as last set since the boot, else the
     boot state (enabled by the host's nvidia-persistenced, disabled, the driver's default, without it)."""

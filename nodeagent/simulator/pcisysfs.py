@@ -16,8 +16,9 @@ snd_hda_intel in the GPU's IOMMU group. ``settle`` is the kernel: it acts on wha
 ``bind``, ``unbind``, ``drivers_probe`` and ``reset`` (then empties them), honouring ``driver_override``
 as the kernel does (a device with an override binds only to that driver; vfio-pci binds nothing
 without one), and keeps the stand-in ``/dev/vfio/vfio`` and ``/dev/vfio/<group>`` files for the groups
-with a function on vfio-pci. Regular files stand in for the sysfs attributes; the simulated NVML keeps
-listing a GPU bound to vfio-pci (a real driver would no longer see it).
+with a function on vfio-pci. Regular files stand in for the sysfs attributes. Given the simulator's
+store, the kernel also records in each GPU's state which driver owns it (``driver``, absent while it is
+``nvidia``): the simulated NVML, like the real one, no longer enumerates a GPU the nvidia driver lost.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from nodeagent.hostpaths import HostPaths
 from nodeagent.simulator.machine import SimMachine
+from nodeagent.simulator.state import SimStore
 
 NVIDIA, VFIO, HDA, GRACE_VFIO = "nvidia", "vfio-pci", "snd_hda_intel", "nvgrace_gpu_vfio_pci"
 GRACE_MARKS = ("GH200", "GB200", "GB300")  # superchips: NVIDIA's Grace variant of vfio-pci is loaded there
@@ -60,6 +62,7 @@ class _Function:
     group: int
     numa: int | None
     subsystem: int
+    gpu: int | None = None  # the machine's GPU index of a GPU function
 
 
 def _functions(machine: SimMachine) -> list[_Function]:
@@ -69,7 +72,7 @@ def _functions(machine: SimMachine) -> list[_Function]:
         group = IOMMU_GROUP_BASE + g.index
         device = g.pci_device_id >> 16
         out.append(_Function(bdf, device, GPU_CLASS["vga" if g.audio_device_id else "3d"], NVIDIA, group,
-                             g.numa, g.pci_subsystem_id))
+                             g.numa, g.pci_subsystem_id, g.index))
         if g.audio_device_id:
             out.append(_Function(bdf[:-1] + "1", g.audio_device_id, AUDIO_CLASS, HDA, group, g.numa,
                                  g.pci_subsystem_id))
@@ -77,9 +80,10 @@ def _functions(machine: SimMachine) -> list[_Function]:
 
 
 class SimPciTree:
-    def __init__(self, paths: HostPaths, machine: SimMachine) -> None:
+    def __init__(self, paths: HostPaths, machine: SimMachine, store: SimStore | None = None) -> None:
         self.paths = paths
         self.machine = machine
+        self.store = store
         self.functions = {f.bdf: f for f in _functions(machine)}
         grace = any(m in g.name for g in machine.gpus for m in GRACE_MARKS)
         self.drivers = (NVIDIA, VFIO, HDA) + ((GRACE_VFIO,) if grace else ())
@@ -129,6 +133,7 @@ class SimPciTree:
                   if any(f.device_id == d for f in self.functions.values())]
         ids.write_text("\n".join(lines) + "\n")
         self._vfio_nodes()
+        self._sync_nvml()
 
     # -- links -----------------------------------------------------------------------------------
     def _link(self, at: Path, target: Path) -> None:
@@ -203,6 +208,22 @@ class SimPciTree:
                 (dev / "driver_override").write_text("(null)\n")  # an empty line clears the override
             self._take(dev / "reset")
         self._vfio_nodes()
+        self._sync_nvml()
+
+    def _sync_nvml(self) -> None:
+        """Record in the simulator's state the driver of every GPU not on ``nvidia`` (what NVML sees)."""
+        if self.store is None:
+            return
+        owners = {f.gpu: self.driver_of(f.bdf) or "" for f in self.functions.values() if f.gpu is not None}
+        state = self.store.read()
+        if all(state["gpus"][i].get("driver", NVIDIA) == d for i, d in owners.items()):
+            return
+        with self.store.transaction() as st:
+            for i, driver in owners.items():
+                if driver == NVIDIA:
+                    st["gpus"][i].pop("driver", None)
+                else:
+                    st["gpus"][i]["driver"] = driver
 
     def _vfio_nodes(self) -> None:
         vfio = self._p("/dev/vfio")

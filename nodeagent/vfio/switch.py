@@ -130,6 +130,22 @@ class VfioSwitch:
                 f.bdf, f.iommu_group, self.sysfs.vfio_cdev(f.bdf), numa)
         return out
 
+    def slots(self) -> dict[str, int]:
+        """Bus id → the GPU's index among the node's NVIDIA GPUs in bus order, whichever driver has it: the
+        GPU index of a GPU NVML does not see (on a VFIO driver), and NVML's own index while it does (NVML
+        enumerates the GPUs in bus order too)."""
+        gpus = sorted(f.bdf for f in self.sysfs.functions() if f.is_gpu)
+        return {bdf: i for i, bdf in enumerate(gpus)}
+
+    def product_names(self) -> dict[str, str]:
+        """Resource name → the PCI ID database's name of its device (``AD102GL [L40S]``)."""
+        names = self.pci_names()
+        out: dict[str, str] = {}
+        for f in self.sysfs.functions():
+            if f.is_gpu and f.device in names:
+                out[resource_name(f.device, names)] = names[f.device]
+        return out
+
     # -- the Switch protocol --------------------------------------------------------------------
     def parse(self, value: str) -> str:
         return parse_workload(value)
@@ -138,10 +154,13 @@ class VfioSwitch:
         return workload_of(self.sysfs.functions())
 
     def gpus(self) -> frozenset[int]:
+        """Every GPU of the node: the ones NVML sees and, by their slot (``slots``), the ones on a VFIO
+        driver it does not see (pods and claims holding those are waited for too)."""
         try:
-            return frozenset(g.index for g in self.gpu.discover().gpus)
+            seen = frozenset(g.index for g in self.gpu.discover().gpus)
         except NodeAgentError:
-            return frozenset()
+            seen = frozenset()
+        return seen | frozenset(self.slots().values())
 
     def state_labels(self, applied: str | None) -> Mapping[str, str | None]:
         return {WORKLOAD_STATE_LABEL: applied if applied is not None else "failed"}

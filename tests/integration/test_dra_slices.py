@@ -169,7 +169,8 @@ def test_rbac_dra_is_enough_for_publishing_and_preparing(sa_kube: KubeClient, ku
 
 def test_device_classes_apply(kube_apiserver: KubeApiServer) -> None:
     docs = [d for d in yaml.safe_load_all((MANIFESTS / "deviceclass.yaml").read_text()) if d]
-    assert {d["metadata"]["name"] for d in docs} == {"gpu.nodeagent.io", "mig.gpu.nodeagent.io"}
+    assert {d["metadata"]["name"] for d in docs} == {"gpu.nodeagent.io", "mig.gpu.nodeagent.io",
+                                                 "vfio.gpu.nodeagent.io"}
     for doc in docs:
         status, body = apply(kube_apiserver, doc)
         assert status in (200, 201), body

@@ -74,8 +74,9 @@ def vfio_switch(tmp_path: Path) -> VfioSwitch:
     root = tmp_path / "root"
     root.mkdir()
     paths = HostPaths(root)
-    adapter = adapter_for_sim(open_sim("l40s-x4"), paths)
-    return VfioSwitch(paths, adapter, PciSysfs(paths, after_write=pci_kernel(paths, "l40s-x4", None)))
+    sim = open_sim("l40s-x4")
+    adapter = adapter_for_sim(sim, paths)
+    return VfioSwitch(paths, adapter, PciSysfs(paths, after_write=pci_kernel(paths, "l40s-x4", None, sim.store)))
 
 
 class CountingBudget:

@@ -30,7 +30,7 @@ def _setup(tmp_path: Path, machine: str, state: bool = False) -> tuple[HostPaths
     state_file = tmp_path / "sim.json" if state else None
     nvml = open_sim(machine, state_file)
     adapter = adapter_for_sim(nvml, paths)
-    sysfs = PciSysfs(paths, after_write=pci_kernel(paths, machine, state_file))
+    sysfs = PciSysfs(paths, after_write=pci_kernel(paths, machine, state_file, nvml.store))
     sysfs.bind_wait_s = 0.3
     return paths, adapter, nvml.store, sysfs
 
@@ -40,7 +40,7 @@ def _drivers(sysfs: PciSysfs) -> dict[str, str | None]:
 
 
 def test_workload_both_ways_with_audio_and_persistence(tmp_path: Path) -> None:
-    paths, adapter, _, sysfs = _setup(tmp_path, "l40s-x4")
+    paths, adapter, store, sysfs = _setup(tmp_path, "l40s-x4")
     sw = VfioSwitch(paths, adapter, sysfs)
     before = _drivers(sysfs)
     assert len(before) == 8 and set(before.values()) == {"nvidia", "snd_hda_intel"}
@@ -51,7 +51,9 @@ def test_workload_both_ways_with_audio_and_persistence(tmp_path: Path) -> None:
     assert "with 4 auxiliary function(s)" in message and "persistence mode turned off on 4" in message
     assert set(_drivers(sysfs).values()) == {"vfio-pci"}
     assert sw.current() == "vm-passthrough"
-    assert not any(adapter.persistence_mode(i) for i in range(4))
+    assert adapter.discover().gpus == ()  # NVML no longer sees GPUs the nvidia driver lost
+    assert [g["driver"] for g in store.read()["gpus"]] == ["vfio-pci"] * 4
+    assert not any(g["persistence_mode"] for g in store.read()["gpus"])
     groups = sorted(os.listdir(paths("/dev/vfio")))
     assert groups == ["20", "21", "22", "23", "vfio"]
     names = parse_pci_ids(paths("/usr/share/misc/pci.ids").read_text())

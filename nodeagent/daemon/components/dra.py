@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from nodeagent.gpu.health import HealthKey
 from nodeagent.gpu.inventory import Gpu, Inventory
 
 if TYPE_CHECKING:
+    from nodeagent.dra.devices import DraDevice
     from nodeagent.dra.service import ClaimRef
     from nodeagent.kube.podresources import PodResourcesClient
 
@@ -118,6 +119,7 @@ class DraPlaneComponent(Component):
         await self._start(ctx.inventory)
 
     async def _start(self, inventory: Inventory) -> None:
+        self.dra.vfio_devices = list(self._ctx.shared.dra.vfio)  # the workload switch's, if it ran first
         await self.dra.start(inventory)
         self._started = True
         if self._plane == "both":
@@ -162,6 +164,13 @@ class DraPlaneComponent(Component):
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         return self.dra.claims_on(gpu_indices) if self._started else {}
+
+    async def set_vfio(self, devices: Sequence[DraDevice]) -> None:
+        if self._started:
+            await self.dra.set_vfio(devices)
+            self._ctx.set_status(self.name, f"{len(self.dra.devices)} device(s)")
+        else:
+            self.dra.vfio_devices = list(devices)
 
     async def resync(self) -> None:
         if self._started:

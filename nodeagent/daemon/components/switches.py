@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,22 @@ def _dra_gpus(ctx: Context) -> frozenset[int] | None:
         return None
     split = ctx.shared.planes.split
     return split.dra_served if split is not None else frozenset(cfg.dra.gpus)
+
+
+def _vfio_to_dra(ctx: Context, slots: Mapping[str, int]) -> frozenset[str]:
+    """The bus ids of the VFIO GPUs the DRA plane publishes (the others the device plugin serves): all with
+    plane "dra", none with "device-plugin" or without the API, with "both" the GPUs of ``[dra] gpus`` (by
+    the GPU index, which for GPUs on a VFIO driver is their slot)."""
+    served = _dra_gpus(ctx)
+    return frozenset(b for b, slot in slots.items() if served is None or slot in served)
+
+
+def vfio_device_ids(resources: Mapping[str, Mapping[str, Any]], slots: Mapping[str, int],
+                    gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+    """(resource, device ID) → GPU index of the VFIO resources' devices (the device ID is the bus id, the
+    GPU index its slot): what PodResources names for a pod holding a GPU on vfio-pci."""
+    return {(r, bdf): slots[bdf] for r, devs in resources.items() for bdf in devs
+            if bdf in slots and slots[bdf] in gpu_indices}
 
 
 class SwitchComponent(Component):
@@ -50,7 +67,9 @@ class SwitchComponent(Component):
             from nodeagent.vfio.switch import VfioSwitch
             from nodeagent.vfio.sysfs import PciSysfs
 
-            switch = VfioSwitch(paths, gpu, PciSysfs(paths, after_write=pci_kernel(paths, machine, state)))
+            store = getattr(getattr(gpu, "nvml", None), "store", None)  # an in-memory simulated machine's
+            kernel = pci_kernel(paths, machine, state, store if state is None else None)
+            switch = VfioSwitch(paths, gpu, PciSysfs(paths, after_write=kernel))
             timeout = ctx.config.vfio.release_timeout
             self.vfio_plugin: Any = VfioDevicePlugin(ctx.host_path(ctx.config.kubelet.device_plugins), root=paths)
         else:
@@ -76,22 +95,36 @@ class SwitchComponent(Component):
         dp = self._ctx.config.device_plugin
         plugin = self._ctx.shared.device_plugin
         if not dp.enabled or dp.plane == "dra":
-            return plugin.device_gpus(gpu_indices)
-        return plugin_device_ids(plugin, self._ctx.gpu.discover(), self._ctx.files.plugin_config, gpu_indices)
+            ids = dict(plugin.device_gpus(gpu_indices))
+        else:
+            ids = plugin_device_ids(plugin, self._ctx.gpu.discover(), self._ctx.files.plugin_config, gpu_indices)
+        if self.name == "vfio":
+            ids.update(vfio_device_ids(self.switch.resources(), self.switch.slots(), gpu_indices))
+        return ids
 
     def _on_state(self, label: str, value: str) -> None:
         self._ctx.set_status(self.name, f"{label}={value}")
         self._ctx.request_resync()  # the GPUs NVML shows, and so what the plugin and the labels say, changed
 
     async def _after(self, state: str) -> None:
-        """vm-passthrough: the VFIO resources are served (anew); container: they go."""
+        """vm-passthrough: the VFIO resources are served (anew) by the device plugin and/or the DRA plane,
+        as the plane config splits the GPUs; container: they go."""
+        from nodeagent.dra.devices import build_vfio_devices
         from nodeagent.errors import NodeAgentError
 
         if state == "container":
             await self.vfio_plugin.stop()
+            await self._ctx.shared.dra.set_vfio(())
         elif state == "vm-passthrough":
             try:
-                await self.vfio_plugin.serve(await asyncio.to_thread(self.switch.resources))
+                resources, slots, names = await asyncio.to_thread(
+                    lambda: (self.switch.resources(), self.switch.slots(), self.switch.product_names()))
+                to_dra = _vfio_to_dra(self._ctx, slots)
+                await self.vfio_plugin.serve(
+                    {r: kept for r, devs in resources.items()
+                     if (kept := {b: d for b, d in devs.items() if b not in to_dra})})
+                await self._ctx.shared.dra.set_vfio(build_vfio_devices(
+                    {r: {b: d for b, d in devs.items() if b in to_dra} for r, devs in resources.items()}, slots, names))
             except NodeAgentError as e:
                 log.error("vfio: the VFIO resources are not served: %s", e)
 
