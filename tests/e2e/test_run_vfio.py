@@ -1,0 +1,96 @@
+"""``nodeagent run`` with ``[vfio] enabled`` on a simulated L40S node, the real kube-apiserver and the real
+kubelet device manager (harness, PodResources): the switches component starts and follows
+``nvidia.com/gpu.workload.config`` both ways — the state label and one Event per change, ``nvidia.com/gpu``
+left with nothing allocatable while the VFIO resource is served, a pod holding a VFIO device keeping the
+node in vm-passthrough (its wait names the pod, ends ``failed``, nothing changed), and the return once the
+pod is gone."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e._agent import eventually, fresh_node_with_gpu_crd, node_root, running_agent
+from tests.peers.apiserver import KubeApiServer
+from tests.peers.harness import running_harness
+
+pytestmark = pytest.mark.peers
+
+MACHINE = "l40s-x4"
+NODE = "e2e-run-vfio"
+GPU = "nvidia.com/gpu"
+VFIO = "nvidia.com/AD102GL_L40S"
+LABEL = "nvidia.com/gpu.workload.config"
+STATE = "nvidia.com/gpu.workload.config.state"
+
+
+def _labels(server: KubeApiServer) -> dict[str, str]:
+    status, body = server.get(f"/api/v1/nodes/{NODE}")
+    assert status == 200, body
+    found: dict[str, str] = json.loads(body)["metadata"].get("labels") or {}
+    return found
+
+
+def _set(server: KubeApiServer, value: str) -> None:
+    status, body = server.request("PATCH", f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {LABEL: value}}},
+                                  content_type="application/merge-patch+json")
+    assert status == 200, body
+
+
+def _events(server: KubeApiServer, prefix: str) -> list[dict[str, Any]]:
+    status, body = server.get(f"/api/v1/namespaces/default/events?fieldSelector=involvedObject.name%3D{NODE}")
+    assert status == 200, body
+    return [e for e in json.loads(body)["items"] if e["reason"].startswith(prefix)]
+
+
+def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer, tmp_path: Path) -> None:
+    started = time.monotonic()
+    fresh_node_with_gpu_crd(kube_apiserver, NODE)
+    with running_harness() as harness, node_root(harness) as root:
+        etc = root / "etc/nodeagent"
+        etc.mkdir(parents=True, exist_ok=True)
+        cfg = etc / "config.toml"
+        cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
+                       "[vfio]\nenabled = true\nrelease_timeout = 1.5\n"
+                       "[runtime]\nenabled = false\n"
+                       '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
+        args = ["run", "--config", str(cfg), "--simulate", MACHINE, "--sim-state", str(tmp_path / "sim.json"),
+                "--node-name", NODE]
+        with running_agent(tmp_path, root, args) as agent:
+            agent.wait_notify("READY=1", timeout=30)
+            harness.wait(GPU, registered=True, total=4, healthy=4, timeout=20)
+
+            _set(kube_apiserver, "vm-passthrough")
+            eventually(lambda: _labels(kube_apiserver).get(STATE) == "vm-passthrough", 20, "state vm-passthrough")
+            _, served = harness.wait(VFIO, registered=True, total=4, healthy=4, timeout=20)
+            assert all(d.id.startswith("0000:") for d in served.devices)  # bus ids
+            harness.wait(GPU, healthy=0, timeout=20)  # NVML sees no GPU: the plugin stopped serving them
+            assert [e["type"] for e in _events(kube_apiserver, "WorkloadConfigApplied")] == ["Normal"]
+            assert all((root / "sys/bus/pci/devices" / d.id / "driver").readlink().name == "vfio-pci"
+                       for d in served.devices)
+
+            # a VM's pod holds one GPU: the way back waits for it, gives up after release_timeout, changes nothing
+            pod = harness.allocate(VFIO, 1, pod="virt-launcher-vm", namespace="vms", pod_uid="vm-pod-uid")
+            _set(kube_apiserver, "container")
+            eventually(lambda: _labels(kube_apiserver).get(STATE) == "failed", 20, "state failed")
+            [waiting] = _events(kube_apiserver, "WorkloadConfigWaitingForPods")
+            assert "is held by pod vms/virt-launcher-vm" in waiting["message"], waiting
+            [failed] = _events(kube_apiserver, "WorkloadConfigFailed")
+            assert "held by pod vms/virt-launcher-vm after waiting 1.5s" in failed["message"], failed
+            assert (root / "sys/bus/pci/devices" / pod.device_ids[0] / "driver").readlink().name == "vfio-pci"
+
+            # the pod is gone; the label asked again (another value first: the same value is no new request)
+            harness.release(pod.pod_uid)
+            _set(kube_apiserver, "vm-passthrough")
+            eventually(lambda: _labels(kube_apiserver).get(STATE) == "vm-passthrough", 20, "state vm-passthrough")
+            _set(kube_apiserver, "container")
+            eventually(lambda: _labels(kube_apiserver).get(STATE) == "container", 20, "state container")
+            harness.wait(GPU, registered=True, total=4, healthy=4, timeout=20)
+            harness.wait(VFIO, healthy=0, timeout=20)
+            assert len(_events(kube_apiserver, "WorkloadConfigApplied")) == 2
+            assert agent.proc.poll() is None, agent.log()
+    print(f"test_run_vfio: {time.monotonic() - started:.1f}s")
