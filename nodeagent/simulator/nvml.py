@@ -133,7 +133,11 @@ class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls):
 
     def nvmlDeviceGetIndex(self, handle: Any) -> int:
         state = self._enter("nvmlDeviceGetIndex")
-        return visible_gpus(state, len(self.machine.gpus)).index(self._gpu(state, handle)[1])
+        gpu = self._gpu(state, handle)[1]
+        visible = visible_gpus(state, len(self.machine.gpus))
+        if gpu not in visible:  # a handle kept from before the nvidia driver lost the GPU
+            raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return visible.index(gpu)
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
         state = self._enter("nvmlDeviceGetName")

@@ -73,3 +73,20 @@ def test_pod_resources_ids_of_vfio_devices() -> None:
     assert vfio_device_ids(RESOURCES, SLOTS, frozenset({1, 3})) == {
         (RES, "0000:2a:00.0"): 1, (RES, "0000:ab:00.0"): 3}
     assert vfio_device_ids(RESOURCES, SLOTS, frozenset()) == {}
+
+
+def test_plane_config_splits_the_vfio_gpus_between_plugin_and_dra() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from nodeagent.daemon.components.switches import _vfio_to_dra
+
+    def ctx(plane: str, gpus: tuple[int, ...] = (), kube: bool = True) -> Any:
+        cfg = SimpleNamespace(device_plugin=SimpleNamespace(plane=plane), dra=SimpleNamespace(gpus=gpus))
+        return SimpleNamespace(config=cfg, kube=object() if kube else None,
+                               shared=SimpleNamespace(planes=SimpleNamespace(split=None)))
+
+    assert _vfio_to_dra(ctx("dra"), SLOTS) == frozenset(SLOTS)
+    assert _vfio_to_dra(ctx("device-plugin"), SLOTS) == frozenset()
+    assert _vfio_to_dra(ctx("dra", kube=False), SLOTS) == frozenset()
+    assert _vfio_to_dra(ctx("both", (1, 3)), SLOTS) == {"0000:2a:00.0", "0000:ab:00.0"}

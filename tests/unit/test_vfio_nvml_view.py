@@ -57,8 +57,12 @@ def test_gpu_on_vfio_is_invisible_to_nvml_and_comes_back(tmp_path: Path) -> None
     gone_uuid, gone_bus = before[1][1], before[1][2]
     bdf = gone_bus.lower()[4:]  # 00000000:xx:00.0 → 0000:xx:00.0
 
+    kept = sim.nvmlDeviceGetHandleByIndex(1)  # a handle from before
     _move(sysfs, bdf, to_vfio=True)
     assert sysfs.function(bdf).driver == "vfio-pci"
+    with pytest.raises(pynvml.NVMLError) as lost:
+        sim.nvmlDeviceGetIndex(kept)
+    assert lost.value.value == pynvml.NVML_ERROR_GPU_IS_LOST
     assert sim.nvmlDeviceGetCount() == 3
     after = _ids(sim)
     # the remaining GPUs close up: NVML index 1 is now the machine's third GPU
