@@ -52,6 +52,7 @@ from nodeagent.dra.devices import (
     build_counter_sets,
     build_devices,
     dynamic_mig_gpu,
+    pci_bus_id,
     read_pcie_roots,
 )
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthUpdates, unhealthy_devices
@@ -210,9 +211,13 @@ class DraComponent:
     async def _set_inventory(self, inventory: Inventory) -> None:
         roots = await asyncio.to_thread(read_pcie_roots, inventory, self.paths.sys_pci_devices)
         self._inventory = inventory
-        self.devices = build_devices(inventory, roots, self.gpu_filter,
-                                     self._dynamic if self.dynamic_mig else None,
-                                     self._shared if self.shared_gpus else None) + self.vfio_devices
+        # a GPU on a VFIO driver is offered only as such (an inventory from before its switch still has it)
+        on_vfio = {d.vfio.bdf for d in self.vfio_devices if d.vfio is not None}
+        by_index = {g.index: pci_bus_id(g.pci_bus_id) for g in inventory.gpus}
+        self.devices = [d for d in build_devices(inventory, roots, self.gpu_filter,
+                                                 self._dynamic if self.dynamic_mig else None,
+                                                 self._shared if self.shared_gpus else None)
+                        if by_index.get(d.gpu_index) not in on_vfio] + self.vfio_devices
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)

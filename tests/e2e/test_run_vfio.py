@@ -94,3 +94,51 @@ def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer,
             assert len(_events(kube_apiserver, "WorkloadConfigApplied")) == 2
             assert agent.proc.poll() is None, agent.log()
     print(f"test_run_vfio: {time.monotonic() - started:.1f}s")
+
+
+def test_run_with_the_dra_plane_publishes_vfio_devices(kube_apiserver: KubeApiServer, tmp_path: Path) -> None:
+    """Plane ``dra``: in vm-passthrough the node's pool offers the GPUs as ``gpu-<i>-vfio`` devices only (no
+    VFIO device-plugin socket, no nvidia-driver device of the same GPU); back in container ``gpu-<i>``."""
+    from tests.e2e.test_run_dra import remove_node, slice_devices
+
+    node = "e2e-run-vfio-dra"
+    fresh_node_with_gpu_crd(kube_apiserver, node)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
+                   "[vfio]\nenabled = true\nrelease_timeout = 5\n[runtime]\nenabled = false\n"
+                   '[device_plugin]\nplane = "dra"\n[dra]\nverify_interval = 5.0\n')
+    args = ["run", "--config", str(cfg), "--simulate", MACHINE, "--sim-state", str(tmp_path / "sim.json"),
+            "--node-name", node]
+
+    def devices() -> list[str]:
+        return sorted(slice_devices(kube_apiserver, node) or {})
+
+    try:
+        with node_root() as root, running_agent(tmp_path, root, args) as agent:
+            agent.wait_notify("READY=1", timeout=30)
+            eventually(lambda: devices() == [f"gpu-{i}" for i in range(4)], 20, "the GPUs in the slices")
+            status, body = kube_apiserver.request(
+                "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {LABEL: "vm-passthrough"}}},
+                content_type="application/merge-patch+json")
+            assert status == 200, body
+            seen: list[list[str]] = []
+
+            def vfio_only() -> bool:
+                seen.append(devices())
+                return seen[-1] == [f"gpu-{i}-vfio" for i in range(4)]
+
+            eventually(vfio_only, 20, "the VFIO devices in the slices")
+            # never both kinds of device for one GPU at once
+            assert not [s for s in seen if any(d.endswith("-vfio") for d in s) and "gpu-0" in s], seen
+            published = slice_devices(kube_apiserver, node) or {}
+            assert published["gpu-2-vfio"]["attributes"]["type"] == {"string": "vfio"}
+            plugin_dir = root / "var/lib/kubelet/device-plugins"
+            assert not plugin_dir.exists() or not list(plugin_dir.glob("*.sock"))
+            status, body = kube_apiserver.request(
+                "PATCH", f"/api/v1/nodes/{node}", {"metadata": {"labels": {LABEL: "container"}}},
+                content_type="application/merge-patch+json")
+            assert status == 200, body
+            eventually(lambda: devices() == [f"gpu-{i}" for i in range(4)], 20, "the GPUs back in the slices")
+            assert agent.proc.poll() is None, agent.log()
+    finally:
+        remove_node(kube_apiserver, node)

@@ -14,6 +14,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -28,7 +29,7 @@ from nodeagent.nvmlsource import adapter_for_sim, pci_kernel
 from nodeagent.simulator.open import open_sim
 from nodeagent.vfio.switch import VfioSwitch
 from nodeagent.vfio.sysfs import PciSysfs
-from tests.integration.test_dra_kubelet import CLAIMS, poll, slice_devices
+from tests.integration.test_dra_kubelet import CLAIMS, poll
 from tests.peers.apiserver import KubeApiServer
 from tests.peers.draharness import Pod, running_dra_harness
 
@@ -43,6 +44,12 @@ def root() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="vdra-", dir="/tmp"))  # socket paths must stay under 108 bytes
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def slice_devices(kube: KubeClient, node: str) -> dict[str, dict[str, Any]]:
+    """The devices of the node's slices (none while the pool has no slice)."""
+    items = kube.list_resource_slices(field_selector=f"spec.nodeName={node}") or []
+    return {d["name"]: d for s in items for d in s["spec"].get("devices") or ()}
 
 
 def vfio_claim(kube: KubeClient, node: str, device: str, pod: Pod) -> str:
