@@ -93,6 +93,7 @@ def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer,
             harness.wait(VFIO, healthy=0, timeout=20)
             assert len(_events(kube_apiserver, "WorkloadConfigApplied")) == 2
             assert agent.proc.poll() is None, agent.log()
+            assert "Traceback" not in agent.log(), agent.log()
     print(f"test_run_vfio: {time.monotonic() - started:.1f}s")
 
 
@@ -140,5 +141,6 @@ def test_run_with_the_dra_plane_publishes_vfio_devices(kube_apiserver: KubeApiSe
             assert status == 200, body
             eventually(lambda: devices() == [f"gpu-{i}" for i in range(4)], 20, "the GPUs back in the slices")
             assert agent.proc.poll() is None, agent.log()
+            assert "Traceback" not in agent.log(), agent.log()
     finally:
         remove_node(kube_apiserver, node)
