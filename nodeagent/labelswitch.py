@@ -183,6 +183,7 @@ async def wait_released(holders: GpuHolders | None, gpus: frozenset[int], *, tim
 
 
 T = TypeVar("T")
+_NOTHING_HELD = object()  # the reconcile ended before it held the GPUs
 
 
 class Switch(Protocol, Generic[T]):
@@ -222,6 +223,16 @@ class SwitchOptions:
     release_poll_s: float = 1.0
 
 
+class GpuHold(Protocol):
+    """Keeps new pods and claims off the GPUs of a switch from before its wait until it is over: ``hold`` is
+    awaited with the wanted setting before the wait, ``release`` once the switch ended (``applied`` False:
+    it failed and the node is as it was)."""
+
+    async def hold(self, wanted: Any) -> None: ...
+
+    async def release(self, wanted: Any, applied: bool) -> None: ...
+
+
 class SwitchReconciler(Generic[T]):
     """Follows ``switch.desired_label`` on the own Node; one reconcile at a time. A label that is absent is
     no request at all; an empty or unknown value is refused."""
@@ -229,7 +240,7 @@ class SwitchReconciler(Generic[T]):
     def __init__(self, node: NodeApi, switch: Switch[T], *, holders: GpuHolders | None = None,
                  budget: DisruptionBudget | None = None, options: SwitchOptions | None = None,
                  on_state: Callable[[str, str], None] | None = None,
-                 after: Callable[[str], Awaitable[None]] | None = None) -> None:
+                 after: Callable[[str], Awaitable[None]] | None = None, hold: GpuHold | None = None) -> None:
         self.node = node
         self.switch = switch
         self.holders = holders
@@ -238,6 +249,7 @@ class SwitchReconciler(Generic[T]):
         self.report = NodeReporter(node, switch.name, self.options.kube_timeout_s)
         self.on_state = on_state  # (label, value) of every state written, e.g. for doctor's record
         self.after = after  # awaited with the state after it is written (e.g. serve the node's new devices)
+        self.hold = hold
         self.last_value: str | None = None
         self.last_state: str | None = None
         self.last_error: str | None = None
@@ -259,12 +271,16 @@ class SwitchReconciler(Generic[T]):
         """Bring the node to ``value``; returns the state written (the applied value, or ``failed``)."""
         self.last_value = value
         label = self.switch.desired_label
+        held: Any = _NOTHING_HELD
         try:
             wanted = self.switch.parse(value)
             now = await asyncio.to_thread(self.switch.current)
             if now == wanted:
                 return await self._done(wanted, None)
             gpus = await asyncio.to_thread(self.switch.gpus)
+            if self.hold is not None:
+                held = wanted
+                await self.hold.hold(wanted)
             await wait_released(
                 self.holders, gpus, timeout_s=self.options.release_timeout_s,
                 poll_s=self.options.release_poll_s, what_waits=f"{label}={value}",
@@ -277,13 +293,25 @@ class SwitchReconciler(Generic[T]):
             finally:
                 await self.budget.release(action)
         except TimeoutError:
+            await self._release(held, False)
             return await self._failed(value, f"took longer than {self.options.apply_timeout_s:g}s")
         except NodeAgentError as e:
+            await self._release(held, False)
             return await self._failed(value, str(e))
         except Exception as e:  # never leave the state behind, whatever broke
             log.exception("%s: unexpected error applying %s", self.switch.name, value)
+            await self._release(held, False)
             return await self._failed(value, f"internal error {e!r}")
+        await self._release(held, True)
         return await self._done(wanted, message)
+
+    async def _release(self, held: Any, applied: bool) -> None:
+        if self.hold is None or held is _NOTHING_HELD:
+            return
+        try:
+            await self.hold.release(held, applied)
+        except Exception:
+            log.exception("%s: releasing the GPUs after %s", self.switch.name, held)
 
     async def _done(self, applied: T, message: str | None) -> str:
         self.last_error = None

@@ -2,8 +2,8 @@
 kubelet device manager (harness, PodResources): the switches component starts and follows
 ``nvidia.com/gpu.workload.config`` both ways — the state label and one Event per change, ``nvidia.com/gpu``
 left with nothing allocatable while the VFIO resource is served, a pod holding a VFIO device keeping the
-node in vm-passthrough (its wait names the pod, ends ``failed``, nothing changed), and the return once the
-pod is gone."""
+node in vm-passthrough (its wait names the pod with the VFIO resource withdrawn meanwhile, ends ``failed``,
+nothing changed, the resource served again), and the return once the pod is gone."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer,
         etc.mkdir(parents=True, exist_ok=True)
         cfg = etc / "config.toml"
         cfg.write_text(f'kubeconfig = "{kube_apiserver.kubeconfig}"\nresync_interval = 1.0\n'
-                       "[vfio]\nenabled = true\nrelease_timeout = 1.5\n"
+                       "[vfio]\nenabled = true\nrelease_timeout = 4\n"
                        "[runtime]\nenabled = false\n"
                        '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
         args = ["run", "--config", str(cfg), "--simulate", MACHINE, "--sim-state", str(tmp_path / "sim.json"),
@@ -76,12 +76,15 @@ def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer,
             # a VM's pod holds one GPU: the way back waits for it, gives up after release_timeout, changes nothing
             pod = harness.allocate(VFIO, 1, pod="virt-launcher-vm", namespace="vms", pod_uid="vm-pod-uid")
             _set(kube_apiserver, "container")
-            eventually(lambda: _labels(kube_apiserver).get(STATE) == "failed", 20, "state failed")
-            [waiting] = _events(kube_apiserver, "WorkloadConfigWaitingForPods")
+            [waiting] = eventually(lambda: _events(kube_apiserver, "WorkloadConfigWaitingForPods"), 20, "the wait")
             assert "is held by pod vms/virt-launcher-vm" in waiting["message"], waiting
+            # while it waits no new VM gets one of the GPUs: the VFIO resource is withdrawn
+            harness.wait(VFIO, healthy=0, timeout=3)
+            eventually(lambda: _labels(kube_apiserver).get(STATE) == "failed", 20, "state failed")
             [failed] = _events(kube_apiserver, "WorkloadConfigFailed")
-            assert "held by pod vms/virt-launcher-vm after waiting 1.5s" in failed["message"], failed
+            assert "held by pod vms/virt-launcher-vm after waiting 4s" in failed["message"], failed
             assert (root / "sys/bus/pci/devices" / pod.device_ids[0] / "driver").readlink().name == "vfio-pci"
+            harness.wait(VFIO, registered=True, total=4, healthy=4, timeout=20)  # served again, as it was
 
             # the pod is gone; the label asked again (another value first: the same value is no new request)
             harness.release(pod.pod_uid)

@@ -88,8 +88,9 @@ class SwitchComponent(Component):
         self.reconciler: Any = SwitchReconciler(
             NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches), switch, holders=holders,
             options=SwitchOptions(release_timeout_s=timeout), on_state=self._on_state,
-            after=self._after if kind == "vfio" else None)
+            after=self._after if kind == "vfio" else None, hold=self if kind == "vfio" else None)
         self._task: asyncio.Task[Any] | None = None
+        self._held: set[int] = set()
 
     def _device_ids(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         dp = self._ctx.config.device_plugin
@@ -105,6 +106,25 @@ class SwitchComponent(Component):
     def _on_state(self, label: str, value: str) -> None:
         self._ctx.set_status(self.name, f"{label}={value}")
         self._ctx.request_resync()  # the GPUs NVML shows, and so what the plugin and the labels say, changed
+
+    # -- labelswitch.GpuHold: nothing new lands on the GPUs from before the wait until the switch is over ----
+    async def hold(self, wanted: Any) -> None:
+        """Withdraw the GPUs from the device plugin and the DRA plane and, on the way back to container, stop
+        serving them to VMs."""
+        self._held = set(await asyncio.to_thread(self.switch.gpus))
+        await self._ctx.shared.advertiser.withdraw(self._held)
+        if wanted == "container":
+            await self.vfio_plugin.stop()
+            await self._ctx.shared.dra.set_vfio(())
+
+    async def release(self, wanted: Any, applied: bool) -> None:
+        """Offer the GPUs again: as NVML shows them now when the switch applied, as before when it failed."""
+        held, self._held = self._held, set()
+        if applied:
+            await self._ctx.shared.advertiser.update(await asyncio.to_thread(self._ctx.gpu.discover))
+        await self._ctx.shared.advertiser.readvertise(held)
+        if not applied and wanted == "container":
+            await self._after("vm-passthrough")  # still there: serve the VMs again
 
     async def _after(self, state: str) -> None:
         """vm-passthrough: the VFIO resources are served (anew) by the device plugin and/or the DRA plane,
