@@ -88,6 +88,8 @@ class ImexSupervisor:
     def for_node(cls, paths: HostPaths, settings: DaemonSettings, *, simulate: bool, driver_root: str = "/",
                  on_change: Callable[[], Awaitable[None]] | None = None, poll_s: float = POLL_S) -> ImexSupervisor:
         """The driver's binaries (under the driver root, on the node's root only) or the stand-ins."""
+        daemon: tuple[str, ...]
+        ctl: tuple[str, ...]
         if simulate or not paths.is_node_root:
             daemon, ctl = STAND_IN_DAEMON, STAND_IN_CTL
         else:
