@@ -146,6 +146,17 @@ class AdoptSettings:
 
 
 @dataclass(frozen=True)
+class ImexSettings:
+    # run the host-managed nvidia-imex for the node's NVLink clique (the peers: the Nodes with the same
+    # nvidia.com/gpu.clique label, by InternalIP) and make the IMEX channel devices of ``channels``
+    enabled: bool = False
+    address: str = ""  # the address the daemon binds and is known by; "" = the own Node's InternalIP
+    server_port: int = 50000  # SERVER_PORT: daemons reach each other here
+    cmd_port: int = 50005  # IMEX_CMD_PORT: the command service (nvidia-imex-ctl)
+    channels: tuple[int, ...] = (0,)  # /dev/nvidia-caps-imex-channels/channel<N> made at start
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     node_name: str = ""  # "" = $NODE_NAME, else the host name
     kube: bool = True  # False = no Kubernetes API at all (demos, kubelet-only nodes)
@@ -164,6 +175,7 @@ class AgentConfig:
     cdi: CdiSettings = field(default_factory=CdiSettings)
     simulate: SimulateSettings = field(default_factory=SimulateSettings)
     adopt: AdoptSettings = field(default_factory=AdoptSettings)
+    imex: ImexSettings = field(default_factory=ImexSettings)
     source: str = field(default="", compare=False)  # where it was read from (for messages)
 
     def resolved_node_name(self) -> str:
@@ -333,6 +345,18 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
             twice = sorted({v for v in value if value.count(v) > 1}) if len(value) <= 4096 else []
             which = f" (GPU {shown(twice[0])})" if twice else ""
             raise ConfigError(f"{where}: key '{key}' lists a GPU twice{which}: {shown(list(value))}", subject=key)
+    if key in ("imex.server_port", "imex.cmd_port") and not 1 <= value <= 65535:
+        raise ConfigError(f"{where}: key '{key}' must be a TCP port (1..65535), got {shown(value)}", subject=key)
+    if key == "imex.address" and value:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ConfigError(f"{where}: key '{key}' is not an IP address: {shown(value)}", subject=key) from None
+    if key == "imex.channels" and any(not 0 <= v < (1 << 20) for v in value):
+        raise ConfigError(f"{where}: key '{key}' lists a channel outside 0..{(1 << 20) - 1}: {shown(list(value))}",
+                          subject=key)
     if key == "node_name" and value and (len(value) > 253 or not value.isprintable() or
                                          any(c.isspace() for c in value)):
         raise ConfigError(f"{where}: key '{key}' is not a valid node name: {shown(value)}", subject=key)

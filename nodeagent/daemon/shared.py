@@ -29,7 +29,13 @@ from nodeagent.gpu.inventory import Inventory
 
 if TYPE_CHECKING:
     from nodeagent.dra.service import ClaimRef
-    from nodeagent.kube.conditions import ConditionSnapshot, ConflictInput, GpuHealthInput, StatusStage
+    from nodeagent.kube.conditions import (
+        ConditionSnapshot,
+        ConflictInput,
+        GpuHealthInput,
+        ImexInput,
+        StatusStage,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -431,6 +437,7 @@ class ConditionInputs:
         self.mig = MigInput()
         self.runtime = RuntimeInput()
         self.conflicts: tuple[ConflictInput, ...] = ()
+        self.imex: ImexInput | None = None
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -447,7 +454,12 @@ class ConditionInputs:
     def snapshot(self) -> ConditionSnapshot:
         from nodeagent.kube.conditions import ConditionSnapshot
 
-        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts)
+        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts, imex=self.imex)
+
+    def report_imex(self, imex: ImexInput | None) -> None:
+        if imex != self.imex:
+            self.imex = imex
+            self._changed()
 
     def report_health(self, health: GpuHealthInput | None) -> None:
         if health != self.health:

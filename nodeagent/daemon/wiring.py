@@ -98,6 +98,11 @@ def default_specs() -> list[ComponentSpec]:
 
         return ConditionsComponent(ctx) if ctx.kube is not None else None
 
+    def racks(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.racks import RacksComponent
+
+        return RacksComponent(ctx)
+
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
         # before the device plugin: its first look at the device-plugin directory decides what is held back
@@ -111,6 +116,7 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
         ComponentSpec("conditions", frozenset({"publish"}), conditions),
+        ComponentSpec("racks", frozenset({"imex", "publish"}), racks),
     ]
 
 
