@@ -83,9 +83,10 @@ def render_text(inv: Inventory, topology: bool) -> str:
             assert f is not None
             rows.append([str(g.index), fab.state_name(f.state), str(f.status), fab.clique_id(f),
                          fab.summary_name(f.health_summary), "; ".join(fab.health_problems(f)) or "-"])
-        d = fab.decide(inv)
-        verdict = (f"{fab.CLIQUE_LABEL}={d.value}" if d.value else
-                   f"{fab.CLIQUE_LABEL} withheld: {d.message}" if d.applicable else d.message)
+        decision = fab.decide(inv)
+        verdict = (f"{fab.CLIQUE_LABEL}={decision.value}" if decision.value else
+                   f"{fab.CLIQUE_LABEL} withheld: {decision.message}" if decision.applicable
+                   else decision.message)
         lines += ["", "NVLink fabric:", *_table(rows), verdict]
     migs = [d for g in inv.gpus for d in (*g.mig_devices, *g.bare_gpu_instances)]
     if migs:

@@ -76,8 +76,7 @@ def _clique(src: Sources, inventory: Inventory, report: Report) -> None:
     if not d.applicable:
         return
     if d.value is not None:
-        level = "warning" if d.degraded else "ok"
-        report.add("gpus", level, f"{CLIQUE_LABEL}={d.value}" + (f" (fabric health: {'; '.join(d.degraded)})"
+        report.add("gpus", "warning" if d.degraded else "ok", f"{CLIQUE_LABEL}={d.value}" + (f" (fabric health: {'; '.join(d.degraded)})"
                                                                   if d.degraded else ""))
         return
     fix = (src.gpu_command("sim inject fabric --heal") if src.simulated
