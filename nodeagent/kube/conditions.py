@@ -434,7 +434,7 @@ class ConditionWriter:
             if self._known is None:
                 view = self.node.get()
                 self._known = {str(c.get("type", "")): dict(c) for c in view.conditions
-                               if str(c.get("type", "")) in CONDITION_TYPES}
+                               if str(c.get("type", "")) in CONDITION_TYPES + RACK_CONDITION_TYPES}
             changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock())
             fields = self.stage.peek() if self.stage is not None else {}
             if not changes and not fields:
@@ -464,7 +464,7 @@ class ConditionWriter:
             if self._known is None or _rv(view.resource_version) < self._written_rv:
                 return False
             seen = {str(c.get("type", "")): dict(c) for c in view.conditions
-                    if str(c.get("type", "")) in CONDITION_TYPES}
+                    if str(c.get("type", "")) in CONDITION_TYPES + RACK_CONDITION_TYPES}
             fields = ("status", "reason", "message")
             if all(t in seen and all(seen[t].get(f) == c.get(f) for f in fields) for t, c in self._known.items()):
                 return False
