@@ -40,7 +40,7 @@ def test_every_strategy_carries_the_channel(strategy: str) -> None:
         assert ("/var/run/nvidia-container-devices/imex/0", "/dev/null") in [
             (m.container_path, m.host_path) for m in a.mounts]
     elif strategy == "cdi-annotations":
-        assert list(a.annotations.values())[0].split(",")[-1] == "nvidia.com/imex-channel=0"
+        assert next(iter(a.annotations.values())).split(",")[-1] == "nvidia.com/imex-channel=0"
     else:
         assert a.cdi_devices[-1] == "nvidia.com/imex-channel=0"
     assert (CH0.path, CH0.host_path, "rw") in [(d.container_path, d.host_path, d.permissions) for d in a.devices]
