@@ -12,7 +12,13 @@ from nodeagent.cli import main
 from nodeagent.errors import InputError
 from nodeagent.gpu.fabric import CliqueReason, decide
 from nodeagent.gpu.nvml import NvmlAdapter
-from nodeagent.kube.conditions import IMEX_READY, NVLINK_CLIQUE_READY, ConditionSnapshot, ImexInput, build_conditions
+from nodeagent.kube.conditions import (
+    IMEX_READY,
+    NVLINK_CLIQUE_READY,
+    ConditionSnapshot,
+    ImexInput,
+    build_conditions,
+)
 from nodeagent.metrics import fabric_families
 from nodeagent.simulator import nvml_fabric
 from nodeagent.simulator.nvml import SimulatedNvml
