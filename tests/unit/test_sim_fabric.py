@@ -48,7 +48,7 @@ def test_racks_and_cliques_share_or_split_the_cluster() -> None:
     assert va and vb and vc
     assert va.rsplit(".", 1)[0] == vb.rsplit(".", 1)[0] and va.endswith(".1") and vb.endswith(".2")
     assert vc.rsplit(".", 1)[0] != va.rsplit(".", 1)[0]
-    with pytest.raises(InputError, match="node slot must be 1..18"):
+    with pytest.raises(InputError, match=r"node slot must be 1\.\.18"):
         nvml_fabric.place(a, node=19)
     with pytest.raises(InputError, match="not a compute tray"):
         nvml_fabric.place(SimStore.open("dgx-h100", None), clique=1)
