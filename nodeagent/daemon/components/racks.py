@@ -37,6 +37,7 @@ class RacksComponent(Component):
         self._last: CliqueDecision | None = None
         self._supervisor: Any = None
         self._label: str | None = None
+        self._clique: str | None = None  # the clique the daemon runs for
         self._lock = asyncio.Lock()
 
     async def start(self, ctx: Context) -> None:
@@ -107,6 +108,7 @@ class RacksComponent(Component):
 
         async with self._lock:
             ctx = self._ctx
+            self._clique = d.value
             if d.value is None:
                 if self._supervisor is not None:
                     await self._supervisor.set_peers([])
@@ -126,7 +128,7 @@ class RacksComponent(Component):
                 settings = DaemonSettings(bind_ip=own, server_port=cfg.server_port, cmd_port=cfg.cmd_port)
                 self._supervisor = ImexSupervisor.for_node(
                     ctx.paths, settings, simulate=bool(ctx.config.simulate.machine),
-                    driver_root=ctx.config.cdi.driver_root, on_change=lambda: self._report(d.value))
+                    driver_root=ctx.config.cdi.driver_root, on_change=lambda: self._report(self._clique))
             await self._supervisor.set_peers(clique_members(nodes, ctx.node_name, own))
 
     async def _report(self, clique: str | None) -> None:
