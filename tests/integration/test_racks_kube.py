@@ -4,11 +4,19 @@ label with their InternalIPs (the IMEX daemon's peers)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
-from nodeagent.config import PublishSettings
+from nodeagent.config import AgentConfig, ImexSettings, PublishSettings, SimulateSettings
+from nodeagent.daemon.components.racks import IMEX_READY_LABEL, RacksComponent
+from nodeagent.daemon.shared import ConditionInputs
 from nodeagent.gpu.fabric import CLIQUE_LABEL, decide
 from nodeagent.gpu.inventory import Fabric, Gpu, Inventory
+from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import JSON_PATCH, KubeClient
 from nodeagent.kube.conditions import NVLINK_CLIQUE_READY, ConditionSnapshot, ConditionWriter
 from nodeagent.kube.node import NodeClient, internal_ips
@@ -60,3 +68,47 @@ def test_clique_label_condition_and_peers(kube: KubeClient, node_name: str) -> N
     assert (cond["status"], cond["reason"]) == ("False", "FabricInProgress")
     assert "GPU 0" in cond["message"]
     assert writer.sync(ConditionSnapshot(fabric=decide(_inv(starting)))) == []  # nothing new, nothing written
+
+
+def test_racks_component_runs_imex_for_the_clique(kube: KubeClient, node_name: str, tmp_path: Path) -> None:
+    """The daemon component on the real apiserver: channel made, the stand-in IMEX daemon started for the clique
+    (peers from the labelled Nodes), IMEXReady and nodeagent.io/imex.ready; the fabric restarting gives one
+    Warning Event naming why and stops the daemon."""
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/devices").write_text("Character devices:\n511 nvidia-caps-imex-channels\n")
+    ip = "127.0.0.6"
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    cfg = AgentConfig(imex=ImexSettings(enabled=True, address=ip, server_port=port, cmd_port=port + 1 if port < 65535
+                                        else port - 1), simulate=SimulateSettings(machine="gb200-nvl"))
+    shared = SimpleNamespace(conditions=ConditionInputs())
+    ctx = SimpleNamespace(config=cfg, paths=HostPaths(tmp_path), kube=kube, node_name=node_name, shared=shared,
+                          set_status=lambda component, text: None)
+    nc = NodeClient(kube, node_name)
+    comp = RacksComponent(ctx)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await comp.start(ctx)  # type: ignore[arg-type]
+        assert (tmp_path / "dev/nvidia-caps-imex-channels/channel0").is_file()
+        assert "nvidia.com/imex-channel" in (tmp_path / "var/run/cdi/nvidia-imex-channels.yaml").read_text()
+        try:
+            await comp.on_inventory(_inv(HEALTHY))
+            deadline = time.monotonic() + 20
+            while not (shared.conditions.imex and shared.conditions.imex.ready):
+                assert time.monotonic() < deadline, shared.conditions.imex
+                await asyncio.sleep(0.05)
+            assert nc.get().labels[IMEX_READY_LABEL] == "true"
+            starting = dataclasses.replace(HEALTHY, state=1, status=27, clique_id=0,
+                                           cluster_uuid="00000000-0000-0000-0000-000000000000")
+            await comp.on_inventory(_inv(starting))
+            await comp.on_inventory(_inv(starting))  # the same reason again: no second Event
+            imex = shared.conditions.imex
+            assert imex is not None and not imex.running and imex.clique is None
+            assert nc.get().labels[IMEX_READY_LABEL] == "false"
+        finally:
+            await comp.stop()
+
+    asyncio.run(scenario())
+    events = [e for e in nc.list_events() if e.get("reason") == "FabricNotStarted"]
+    assert len(events) == 1 and events[0]["type"] == "Warning" and CLIQUE_LABEL in events[0]["message"]
