@@ -41,8 +41,7 @@ print(json.dumps(out))
 
 def test_fabric_info_same_through_the_c_abi(tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    discover(state, "gb200-nvl", abi=False)
-    sim = ["--sim-state", str(state)]
+    sim = ["--simulate", "gb200-nvl", "--sim-state", str(state)]  # the fresh state file is made here
     nodeagent("sim", "inject", "fabric", "--route-unhealthy", "--gpu", "2", "--clique", "7", *sim, env=plain_env())
     got = json.loads(run([sys.executable, "-c", READER], abi_env(state)).stdout)
     plain = discover(state, None, abi=False)
