@@ -1,0 +1,86 @@
+"""IMEX channel devices of nodeagent's DRA driver, as NVIDIA's compute-domain driver models them (pure).
+
+A node whose GPUs are fabric-attached (it carries a ``nvidia.com/gpu.clique`` value) publishes ONE device,
+``channel-0``, in its pool, with the attributes ``type`` = "channel", ``id`` = 0 and ``clique`` = the node's
+clique (``<cluster uuid>.<clique id>``). A ComputeDomain's ResourceClaimTemplate (made by ``nodeagent
+controller``) asks for that device through the DeviceClass ``CHANNEL_CLASS`` and pins the ``clique``
+attribute to one clique, so every pod of the domain lands on nodes of one NVLink clique. The claim's opaque
+config (NVIDIA's ``ComputeDomainChannelConfig``: ``domainID``, ``allocationMode``) says what the container
+gets when the claim is prepared: channel 0 (``Single``) or every channel of the node (``All``), as CDI
+``deviceNodes`` entries for ``/dev/nvidia-caps-imex-channels/channel<N>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nodeagent.errors import ConfigError
+
+DRIVER = "gpu.nodeagent.io"
+CHANNEL_CLASS = "imex-channel.nodeagent.io"
+CHANNEL_DEVICE = "channel-0"
+CHANNEL_TYPE = "channel"
+CLIQUE_ATTR = "clique"
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
+# NVIDIA's opaque claim config for a channel (resource.nvidia.com/v1beta1), read unchanged
+CONFIG_API_VERSION = "resource.nvidia.com/v1beta1"
+CONFIG_KIND = "ComputeDomainChannelConfig"
+SINGLE, ALL = "Single", "All"
+CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
+# NVIDIA's driver hands out this many channels for "All" (the kernel module's NVreg_ImexChannelCount default)
+DEFAULT_CHANNEL_COUNT = 2048
+
+
+def channel_device(clique: str) -> dict[str, Any]:
+    """The ResourceSlice device entry of a node in ``clique``."""
+    return {
+        "name": CHANNEL_DEVICE,
+        "attributes": {
+            "type": {"string": CHANNEL_TYPE},
+            "id": {"int": 0},
+            CLIQUE_ATTR: {"string": clique},
+        },
+    }
+
+
+def clique_selector(clique: str) -> str:
+    """The CEL selector that keeps a channel request to the devices of ``clique``."""
+    quoted = clique.replace("\\", "\\\\").replace('"', '\\"')
+    return f'device.attributes["{DRIVER}"].{CLIQUE_ATTR} == "{quoted}"'
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    domain_id: str
+    allocation_mode: str
+
+
+def parse_channel_config(params: Mapping[str, Any], where: str) -> ChannelConfig:
+    """NVIDIA's ``ComputeDomainChannelConfig`` from a claim's opaque parameters; one ``ConfigError`` naming
+    ``where`` and the field for anything else."""
+    if params.get("apiVersion") != CONFIG_API_VERSION or params.get("kind") != CONFIG_KIND:
+        raise ConfigError(f"{where}: parameters must be {CONFIG_API_VERSION} {CONFIG_KIND}, got "
+                          f"{params.get('apiVersion')!r} {params.get('kind')!r}", subject=where)
+    domain = params.get("domainID")
+    if not isinstance(domain, str) or not domain:
+        raise ConfigError(f"{where}: domainID must be the ComputeDomain's UID, got {domain!r}", subject=where)
+    mode = params.get("allocationMode", SINGLE) or SINGLE
+    if mode not in (SINGLE, ALL):
+        raise ConfigError(f"{where}: allocationMode must be Single or All, got {mode!r}", subject=where)
+    unknown = sorted(set(params) - {"apiVersion", "kind", "domainID", "allocationMode"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}", subject=where)
+    return ChannelConfig(domain, mode)
+
+
+def channel_ids(mode: str, count: int = DEFAULT_CHANNEL_COUNT) -> range:
+    """The channels a container gets: channel 0 for ``Single``, 0..count-1 for ``All``."""
+    return range(count) if mode == ALL else range(1)
+
+
+def device_nodes(mode: str, major: int, count: int = DEFAULT_CHANNEL_COUNT) -> list[dict[str, Any]]:
+    """CDI ``deviceNodes`` entries for the channels of ``mode`` (major from ``/proc/devices``)."""
+    return [{"path": f"{CHANNEL_DIR}/channel{n}", "type": "c", "major": major, "minor": n, "fileMode": 0o666}
+            for n in channel_ids(mode, count)]
