@@ -24,6 +24,7 @@ from nodeagent.cdi.host import NodeFact
 from nodeagent.cdi.spec import node_entry
 from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, VISIBLE_DEVICES_ENV, mig_cap_minors
 from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.channels import CHANNEL_DIR
 from nodeagent.dra.devices import DraDevice
 
 CDI_VERSION = "0.6.0"
@@ -79,8 +80,8 @@ def share_env(devices: Sequence[DraDevice]) -> list[str]:
 
 
 def _visible(devices: Sequence[DraDevice]) -> list[str]:
-    """The claim's device UUIDs, each once, in device order."""
-    return list(dict.fromkeys(d.uuid for d in devices))
+    """The claim's device UUIDs, each once, in device order (IMEX channels are no GPU)."""
+    return list(dict.fromkeys(d.uuid for d in devices if d.kind != "channel"))
 
 
 def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
@@ -89,6 +90,8 @@ def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
 
 
 def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[str, Any]]:
+    if dev.kind == "channel":  # channel 0 (Single) or every channel (All) of the IMEX channel device
+        return [_node(f"{CHANNEL_DIR}/channel{n}", facts) for n in range(max(dev.channels, 1))]
     nodes = [_node(f"/dev/nvidia{dev.minor}", facts)]
     if dev.gi_id is not None and dev.ci_id is not None:
         for minor in mig_cap_minors(dev.minor, dev.gi_id, dev.ci_id):
@@ -115,6 +118,9 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
             "deviceNodes": [_node(p, facts) for p in CONTROL_DEVICES],
         },
     }
+    if devices and all(d.kind == "channel" for d in devices):
+        del spec["containerEdits"]  # a claim of IMEX channels alone brings no GPU and no control device
+        return spec
     if extra:
         edits: dict[str, Any] = spec["containerEdits"]  # type: ignore[assignment]
         edits["env"] = [*edits["env"], *extra.get("env", ())]

@@ -16,9 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nodeagent.dra import DRIVER_NAME
+from nodeagent.dra.devices import DraDevice
 from nodeagent.errors import ConfigError
 
-DRIVER = "gpu.nodeagent.io"
+DRIVER = DRIVER_NAME
 CHANNEL_CLASS = "imex-channel.nodeagent.io"
 CHANNEL_DEVICE = "channel-0"
 CHANNEL_TYPE = "channel"
@@ -84,3 +86,29 @@ def device_nodes(mode: str, major: int, count: int = DEFAULT_CHANNEL_COUNT) -> l
     """CDI ``deviceNodes`` entries for the channels of ``mode`` (major from ``/proc/devices``)."""
     return [{"path": f"{CHANNEL_DIR}/channel{n}", "type": "c", "major": major, "minor": n, "fileMode": 0o666}
             for n in channel_ids(mode, count)]
+
+
+def channel_dra_device(clique: str) -> DraDevice:
+    """The node's channel device as the DRA plane holds it (no GPU: index and minor -1)."""
+    return DraDevice(name=CHANNEL_DEVICE, kind="channel", gpu_index=-1, minor=-1, uuid="",
+                     attributes=channel_device(clique)["attributes"])
+
+
+def claim_channel_config(claim: Mapping[str, Any], driver: str, label: str) -> ChannelConfig | None:
+    """The ``ComputeDomainChannelConfig`` among the claim's allocated opaque configs for ``driver`` (None
+    when it has none); ``ConfigError`` for a malformed one or two that disagree."""
+    alloc = (claim.get("status") or {}).get("allocation") or {}
+    configs = (alloc.get("devices") or {}).get("config") or []
+    found: ChannelConfig | None = None
+    for i, c in enumerate(configs if isinstance(configs, list) else []):
+        opaque = c.get("opaque") if isinstance(c, Mapping) else None
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+            continue
+        params = opaque.get("parameters")
+        if not isinstance(params, Mapping) or params.get("kind") != CONFIG_KIND:
+            continue
+        cfg = parse_channel_config(params, f"{label}: allocation config[{i}]")
+        if found is not None and cfg != found:
+            raise ConfigError(f"{label}: two ComputeDomainChannelConfigs that disagree", subject=label)
+        found = cfg
+    return found

@@ -46,6 +46,7 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
+from nodeagent.dra.channels import channel_dra_device
 from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
 from nodeagent.dra.devices import (
     DraDevice,
@@ -141,6 +142,8 @@ class DraComponent:
         # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
         self._leaving: frozenset[int] = frozenset(leaving)
         self.on_claims_changed: Callable[[], None] | None = None  # after every prepare and unprepare
+        # the node's NVLink clique (nvidia.com/gpu.clique): with one, the pool holds the IMEX channel device
+        self.clique: str | None = None
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -211,6 +214,8 @@ class DraComponent:
         self.devices = build_devices(inventory, roots, self.gpu_filter,
                                      self._dynamic if self.dynamic_mig else None,
                                      self._shared if self.shared_gpus else None)
+        if self.clique:
+            self.devices.append(channel_dra_device(self.clique))
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -221,6 +226,19 @@ class DraComponent:
             log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
             self.preparer.specs.node_facts = {}
         await self._refresh()
+
+    async def set_clique(self, clique: str | None) -> None:
+        """The node's clique changed (fabric info): publish the IMEX channel device in it, or withdraw it
+        (claims already prepared keep their channels)."""
+        if clique == self.clique:
+            return
+        self.clique = clique
+        if self._inventory is not None and self.preparer is not None:
+            await self._set_inventory(self._inventory)
+
+    def compute_domains(self) -> set[str]:
+        """The ComputeDomains (UIDs) whose channel claims are prepared on this node."""
+        return self.preparer.domains() if self.preparer is not None else set()
 
     def _dynamic(self, gpu: Gpu) -> bool:
         """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""

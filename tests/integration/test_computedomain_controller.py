@@ -207,3 +207,24 @@ def test_foreign_template_untouched_and_bad_domain_skipped(kube: KubeClient, clu
         kube.request("DELETE", f"{CDS}/{name}")
         kube.request("DELETE", f"{RCT}/{name}")
     assert json.dumps(res.created) == "[]"
+
+
+def test_node_reporter_writes_its_own_report_only_when_changed(kube: KubeClient, cluster: list[str]) -> None:
+    """The agent's side: its report on its own Node, written once per change, removed when empty; the
+    controller reads exactly that value."""
+    from nodeagent.computedomain.report import NodeReporter
+
+    node = cluster[0]
+    ready = [True]
+    rep = NodeReporter(kube, node, imex_ready=lambda: ready[0])
+    writes = kube.stats.writes
+    assert rep.sync({"u2", "u1"}) and not rep.sync(["u1", "u2"])
+    assert kube.stats.writes == writes + 1
+    got = kube.request("GET", f"/api/v1/nodes/{node}")
+    assert rc.node_facts(got)[0].reports == {"u1": "Ready", "u2": "Ready"}
+    ready[0] = False
+    assert rep.sync({"u1"})
+    assert rc.node_facts(kube.request("GET", f"/api/v1/nodes/{node}"))[0].reports == {"u1": "NotReady"}
+    assert rep.sync(set())
+    got = kube.request("GET", f"/api/v1/nodes/{node}")
+    assert rc.REPORT_ANNOTATION not in (got["metadata"].get("annotations") or {})
