@@ -70,6 +70,8 @@ class SimMachine:
     # the host starts nvidia-persistenced at boot (its default --persistence-mode enables persistence mode on
     # every GPU); without it the driver's own default holds after each boot: persistence mode disabled
     persistenced: bool = True
+    # nodes of the NVLink rack this machine is one compute tray of (18 for GB200/GB300 NVL72); 0: no rack
+    rack_nodes: int = 0
 
     @property
     def passthrough(self) -> bool:
@@ -147,6 +149,9 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
         virtualization = str(doc.get("virtualization", "baremetal"))
         if virtualization not in VIRTUALIZATION:
             raise ValueError(f"virtualization must be one of {VIRTUALIZATION}")
+        rack_nodes = doc.get("rack_nodes", 0)
+        if isinstance(rack_nodes, bool) or not isinstance(rack_nodes, int) or not 0 <= rack_nodes <= 576:
+            raise ValueError(f"rack_nodes must be an integer 0..576, not {shown(rack_nodes)}")
         return SimMachine(
             name=name,
             description=str(doc.get("description", name)),
@@ -159,6 +164,7 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
             virtualization=virtualization,
             missing_functions=frozenset(str(f) for f in doc.get("missing_functions", ())),
             persistenced=persistenced,
+            rack_nodes=rack_nodes,
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise InputError(f"simulated machine {name!r} is malformed: {e}", subject=name) from e
