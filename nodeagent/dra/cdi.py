@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ from nodeagent.cdi.host import NodeFact
 from nodeagent.cdi.spec import node_entry
 from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, VISIBLE_DEVICES_ENV, mig_cap_minors
 from nodeagent.dra import DRIVER_NAME
-from nodeagent.dra.channels import CHANNEL_DIR
 from nodeagent.dra.devices import DraDevice
+from nodeagent.imex.channels import CHANNEL_DIR
 
 CDI_VERSION = "0.6.0"
 CDI_KIND = f"{DRIVER_NAME}/claim"
@@ -89,9 +89,16 @@ def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
     return {"path": path} if fact is None else node_entry(fact)
 
 
-def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[str, Any]]:
+ChannelNodes = Callable[[int], list[dict[str, Any]]]  # channel count → CDI entries of channels 0..count-1
+
+
+def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact],
+                  channel_nodes: ChannelNodes | None = None) -> list[dict[str, Any]]:
     if dev.kind == "channel":  # channel 0 (Single) or every channel (All) of the IMEX channel device
-        return [_node(f"{CHANNEL_DIR}/channel{n}", facts) for n in range(max(dev.channels, 1))]
+        count = max(dev.channels, 1)
+        if channel_nodes is not None:
+            return channel_nodes(count)
+        return [_node(f"{CHANNEL_DIR}/channel{n}", facts) for n in range(count)]
     nodes = [_node(f"/dev/nvidia{dev.minor}", facts)]
     if dev.gi_id is not None and dev.ci_id is not None:
         for minor in mig_cap_minors(dev.minor, dev.gi_id, dev.ci_id):
@@ -100,7 +107,8 @@ def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[st
 
 
 def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
-               facts: Mapping[str, NodeFact] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+               facts: Mapping[str, NodeFact] | None = None, extra: Mapping[str, Any] | None = None,
+               channel_nodes: ChannelNodes | None = None) -> dict[str, Any]:
     """The CDI spec for one claim (pure); ``facts`` are the host's device nodes by container path; ``extra``
     adds container edits (``env``, ``mounts``: the claim's MPS daemon)."""
     facts = facts or {}
@@ -110,7 +118,7 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
         "kind": CDI_KIND,
         "devices": [
             {"name": cdi_device_name(claim_uid, d.name, d.share.share_id if d.share is not None else None),
-             "containerEdits": {"deviceNodes": _device_nodes(d, facts)}}
+             "containerEdits": {"deviceNodes": _device_nodes(d, facts, channel_nodes)}}
             for d in devices
         ],
         "containerEdits": {
@@ -137,6 +145,7 @@ class ClaimSpecs:
         self.root = root  # every file and the directory are resolved inside it as they are used
         self.node_facts: Mapping[str, NodeFact] = {}  # set from the host facts on each inventory
         self.extra_edits: dict[str, Mapping[str, Any]] = {}  # claim UID → container edits beyond its devices
+        self.channel_nodes: ChannelNodes | None = None  # IMEX channels made and described (else by path)
 
     def path(self, claim_uid: str) -> Path:
         _check_uid(claim_uid)
@@ -152,7 +161,8 @@ class ClaimSpecs:
                 for d in devices]
 
     def render(self, claim_uid: str, devices: Sequence[DraDevice]) -> str:
-        return json.dumps(claim_spec(claim_uid, devices, self.node_facts, self.extra_edits.get(claim_uid)),
+        return json.dumps(claim_spec(claim_uid, devices, self.node_facts, self.extra_edits.get(claim_uid),
+                                     self.channel_nodes),
                           indent=2, sort_keys=True) + "\n"
 
     def current(self, claim_uid: str) -> str | None:

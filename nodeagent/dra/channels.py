@@ -7,18 +7,21 @@ controller``) asks for that device through the DeviceClass ``CHANNEL_CLASS`` and
 attribute to one clique, so every pod of the domain lands on nodes of one NVLink clique. The claim's opaque
 config (NVIDIA's ``ComputeDomainChannelConfig``: ``domainID``, ``allocationMode``) says what the container
 gets when the claim is prepared: channel 0 (``Single``) or every channel of the node (``All``), as CDI
-``deviceNodes`` entries for ``/dev/nvidia-caps-imex-channels/channel<N>``.
+``deviceNodes`` entries for ``/dev/nvidia-caps-imex-channels/channel<N>`` (made and described by
+``nodeagent.imex.channels``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.devices import DraDevice
 from nodeagent.errors import ConfigError
+from nodeagent.hostpaths import HostPaths
+from nodeagent.imex.channels import DEFAULT_CHANNEL_COUNT, cdi_device_node, ensure_channels
 
 DRIVER = DRIVER_NAME
 CHANNEL_CLASS = "imex-channel.nodeagent.io"
@@ -30,9 +33,6 @@ CLIQUE_LABEL = "nvidia.com/gpu.clique"
 CONFIG_API_VERSION = "resource.nvidia.com/v1beta1"
 CONFIG_KIND = "ComputeDomainChannelConfig"
 SINGLE, ALL = "Single", "All"
-CHANNEL_DIR = "/dev/nvidia-caps-imex-channels"
-# NVIDIA's driver hands out this many channels for "All" (the kernel module's NVreg_ImexChannelCount default)
-DEFAULT_CHANNEL_COUNT = 2048
 
 
 def channel_device(clique: str) -> dict[str, Any]:
@@ -82,10 +82,12 @@ def channel_ids(mode: str, count: int = DEFAULT_CHANNEL_COUNT) -> range:
     return range(count) if mode == ALL else range(1)
 
 
-def device_nodes(mode: str, major: int, count: int = DEFAULT_CHANNEL_COUNT) -> list[dict[str, Any]]:
-    """CDI ``deviceNodes`` entries for the channels of ``mode`` (major from ``/proc/devices``)."""
-    return [{"path": f"{CHANNEL_DIR}/channel{n}", "type": "c", "major": major, "minor": n, "fileMode": 0o666}
-            for n in channel_ids(mode, count)]
+def channel_nodes(paths: HostPaths) -> Callable[[int], list[dict[str, Any]]]:
+    """CDI ``deviceNodes`` entries of channels 0..count-1, each channel device made on the node first if it is
+    missing (``nodeagent.imex.channels``, as nvidia-modprobe makes them; major from ``/proc/devices``)."""
+    def nodes(count: int) -> list[dict[str, Any]]:
+        return [cdi_device_node(ch) for ch in ensure_channels(paths, range(count))]
+    return nodes
 
 
 def channel_dra_device(clique: str) -> DraDevice:

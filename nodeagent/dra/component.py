@@ -46,7 +46,7 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
-from nodeagent.dra.channels import channel_dra_device
+from nodeagent.dra.channels import channel_dra_device, channel_nodes
 from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
 from nodeagent.dra.devices import (
     DraDevice,
@@ -186,7 +186,9 @@ class DraComponent:
     async def start(self, inventory: Inventory) -> None:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path, self.paths)
-        self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir, self.paths), self._read_claim, self.node_name,
+        specs = ClaimSpecs(self.cdi_dir, self.paths)
+        specs.channel_nodes = channel_nodes(self.paths)  # IMEX channels made on the node as claims need them
+        self.preparer = ClaimPreparer(checkpoint, specs, self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
                                       mps=self.mps, on_prepared=self._report_prepared)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs, cdi_device_id
 from nodeagent.dra.channels import CONFIG_KIND as CHANNEL_CONFIG_KIND
-from nodeagent.dra.channels import DEFAULT_CHANNEL_COUNT, channel_ids, claim_channel_config
+from nodeagent.dra.channels import channel_ids, claim_channel_config
 from nodeagent.dra.checkpoint import (
     PREPARED,
     PREPARING,
@@ -64,6 +64,7 @@ from nodeagent.dra.quantity import quantity_int
 from nodeagent.errors import ConfigError, GpuBusyError, KubeError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
+from nodeagent.imex.channels import DEFAULT_CHANNEL_COUNT
 from nodeagent.logs import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -365,9 +366,12 @@ class ClaimPreparer:
             devs = [self._spec_device(d) for d in rec.devices]
             if all(d is not None for d in devs):
                 wanted = [d for d in devs if d is not None]
-                if self.specs.current(uid) != self.specs.render(uid, wanted):
-                    self.specs.write(uid, wanted)
-                    done.append(f"rewrote the CDI spec of {label}")
+                try:
+                    if self.specs.current(uid) != self.specs.render(uid, wanted):
+                        self.specs.write(uid, wanted)
+                        done.append(f"rewrote the CDI spec of {label}")
+                except NodeAgentError as e:  # e.g. an IMEX channel that cannot be made: the spec stays
+                    log.warning("%s: CDI spec not rewritten: %s", label, e)
             elif not self.specs.path(uid).exists():
                 log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten",
                             rec.namespace, rec.name, uid)

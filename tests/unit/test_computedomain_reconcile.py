@@ -3,6 +3,7 @@ device model of the DRA driver (nodeagent/dra/channels.py), pure."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from nodeagent.computedomain import reconcile as rc
 from nodeagent.dra import channels
 from nodeagent.errors import ConfigError
+from nodeagent.hostpaths import HostPaths
 
 CLIQUE_A = "7b968a6d-c8aa-45e1-9e07-e1e51be99c31.1"
 CLIQUE_B = "7b968a6d-c8aa-45e1-9e07-e1e51be99c31.2"
@@ -125,16 +127,19 @@ def test_report_round_trip() -> None:
     assert v == '{"a":"Ready","b":"NotReady"}' and rc.parse_report(v) == {"a": "Ready", "b": "NotReady"}
 
 
-def test_channel_devices_and_cdi_nodes() -> None:
+def test_channel_devices_and_cdi_nodes(tmp_path: Path) -> None:
     dev = channels.channel_device(CLIQUE_A)
     assert dev["name"] == "channel-0"
     assert dev["attributes"] == {"type": {"string": "channel"}, "id": {"int": 0}, "clique": {"string": CLIQUE_A}}
-    single = channels.device_nodes("Single", 234)
-    assert single == [{"path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 234,
-                       "minor": 0, "fileMode": 0o666}]
-    every = channels.device_nodes("All", 234)
-    assert len(every) == 2048 and every[-1]["minor"] == 2047
-    assert every[-1]["path"].endswith("/channel2047")
+    assert list(channels.channel_ids("Single")) == [0] and list(channels.channel_ids("All")) == list(range(2048))
+    # the entries come from nodeagent.imex.channels, which makes the channels (stand-ins under a sandbox root)
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/devices").write_text("Character devices:\n195 nvidia-frontend\n234 nvidia-caps-imex-channels\n")
+    nodes = channels.channel_nodes(HostPaths(tmp_path))(3)
+    assert [(n["path"], n["type"], n["major"], n["minor"], n["fileMode"]) for n in nodes] == [
+        (f"/dev/nvidia-caps-imex-channels/channel{i}", "c", 234, i, 0o666) for i in range(3)]
+    assert sorted(p.name for p in (tmp_path / "dev/nvidia-caps-imex-channels").iterdir()) == [
+        "channel0", "channel1", "channel2"]
 
 
 @pytest.mark.parametrize(("params", "field"), [

@@ -78,3 +78,29 @@ async def test_single_all_restart_and_refusal(tmp_path: Path) -> None:
     assert again.domains() == {"cd-u1", "cd-u2", "cd-u4"}
     assert (await again.unprepare([ClaimRef("ns", "u2", "all")])) == {"u2": ""}
     assert again.domains() == {"cd-u1", "cd-u4"} and again.specs.current("u2") is None
+
+
+async def test_channels_made_on_the_node_and_named_with_their_numbers(tmp_path: Path) -> None:
+    """With the component's channel maker (nodeagent.imex.channels) the channels a claim needs are made under
+    the root and its spec carries their numbers, as NVIDIA's driver writes them."""
+    from nodeagent.dra.channels import channel_nodes
+    from nodeagent.hostpaths import HostPaths
+
+    root = tmp_path / "root"
+    (root / "proc").mkdir(parents=True)
+    (root / "proc/devices").write_text("Character devices:\n195 nvidia-frontend\n511 nvidia-caps-imex-channels\n")
+    claims = Claims(channel_claim("u5", "all", "All"))
+    p = preparer(tmp_path, claims)
+    p.specs.channel_nodes = channel_nodes(HostPaths(root))
+    assert (await p.prepare([ClaimRef("ns", "u5", "all")]))["u5"].error == ""
+    entries = spec(p, "u5")["devices"][0]["containerEdits"]["deviceNodes"]
+    assert [(e["path"], e["major"], e["minor"], e["type"], e["fileMode"]) for e in entries] == [
+        (f"/dev/nvidia-caps-imex-channels/channel{n}", 511, n, "c", 0o666) for n in range(8)]
+    assert all(e["hostPath"].startswith(str(root)) for e in entries)  # stand-ins under a sandbox root
+    assert len(list((root / "dev/nvidia-caps-imex-channels").iterdir())) == 8
+    # no IMEX channels on the node (no /proc/devices line): the claim is refused, nothing recorded
+    (root / "proc/devices").write_text("Character devices:\n195 nvidia-frontend\n")
+    bad = preparer(tmp_path / "other", Claims(channel_claim("u6", "one", "Single")))
+    bad.specs.channel_nodes = channel_nodes(HostPaths(root))
+    out = await bad.prepare([ClaimRef("ns", "u6", "one")])
+    assert "nvidia-caps-imex-channels" in out["u6"].error and "u6" not in bad.checkpoint.claims
