@@ -63,6 +63,7 @@ from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.dra.status import ClaimStatusWriter, device_status
 from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.fabric import decide as decide_clique
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
@@ -142,8 +143,7 @@ class DraComponent:
         # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
         self._leaving: frozenset[int] = frozenset(leaving)
         self.on_claims_changed: Callable[[], None] | None = None  # after every prepare and unprepare
-        # the node's NVLink clique (nvidia.com/gpu.clique): with one, the pool holds the IMEX channel device
-        self.clique: str | None = None
+        self.clique: str | None = None  # the node's NVLink clique (nvidia.com/gpu.clique), from the inventory
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -216,6 +216,8 @@ class DraComponent:
         self.devices = build_devices(inventory, roots, self.gpu_filter,
                                      self._dynamic if self.dynamic_mig else None,
                                      self._shared if self.shared_gpus else None)
+        # the node's NVLink clique from its GPUs' fabric info: with one, the pool holds the IMEX channel device
+        self.clique = decide_clique(inventory).value
         if self.clique:
             self.devices.append(channel_dra_device(self.clique))
         assert self.preparer is not None
@@ -228,15 +230,6 @@ class DraComponent:
             log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
             self.preparer.specs.node_facts = {}
         await self._refresh()
-
-    async def set_clique(self, clique: str | None) -> None:
-        """The node's clique changed (fabric info): publish the IMEX channel device in it, or withdraw it
-        (claims already prepared keep their channels)."""
-        if clique == self.clique:
-            return
-        self.clique = clique
-        if self._inventory is not None and self.preparer is not None:
-            await self._set_inventory(self._inventory)
 
     def compute_domains(self) -> set[str]:
         """The ComputeDomains (UIDs) whose channel claims are prepared on this node."""

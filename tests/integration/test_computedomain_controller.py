@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -228,3 +230,41 @@ def test_node_reporter_writes_its_own_report_only_when_changed(kube: KubeClient,
     assert rep.sync(set())
     got = kube.request("GET", f"/api/v1/nodes/{node}")
     assert rc.REPORT_ANNOTATION not in (got["metadata"].get("annotations") or {})
+
+
+async def test_dra_plane_publishes_the_channel_device_of_its_clique(kube: KubeClient) -> None:
+    """A node whose GPUs report one NVLink clique publishes ``channel-0`` with that clique in its pool beside its
+    GPUs; when the fabric stops agreeing (a GPU in another clique) the channel device leaves the pool."""
+    import dataclasses
+
+    from nodeagent.dra.component import DraComponent
+    from nodeagent.gpu.inventory import Fabric
+    from nodeagent.hostpaths import HostPaths
+    from tests.integration._kube import throwaway_node
+    from tests.unit._dp_inventories import nvswitch_box
+
+    cluster_uuid = "7b968a6d-c8aa-45e1-9e07-e1e51be99c31"
+    ok = Fabric(state=3, status=0, cluster_uuid=cluster_uuid, clique_id=1, health_mask=None, health_summary=1)
+    box = nvswitch_box(2)
+    inv = dataclasses.replace(box, gpus=tuple(dataclasses.replace(g, fabric=ok) for g in box.gpus))
+    root = Path(tempfile.mkdtemp(prefix="cd-", dir="/tmp"))  # socket paths must stay under 108 bytes
+    with throwaway_node(kube, "cd-dra") as node:
+        dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node, verify_interval_s=60)
+        await dra.start(inv)
+        try:
+            await dra.wait_published()
+            devs = {d["name"]: d for s in kube.list_resource_slices(field_selector=f"spec.nodeName={node}")
+                    for d in s["spec"]["devices"]}
+            assert sorted(devs) == ["channel-0", "gpu-0", "gpu-1"]
+            assert devs["channel-0"]["attributes"] == {"type": {"string": "channel"}, "id": {"int": 0},
+                                                       "clique": {"string": f"{cluster_uuid}.1"}}
+            split = dataclasses.replace(inv, gpus=(inv.gpus[0], dataclasses.replace(
+                inv.gpus[1], fabric=dataclasses.replace(ok, clique_id=2))))
+            await dra.on_inventory(split)
+            await dra.wait_published()
+            names = {d["name"] for s in kube.list_resource_slices(field_selector=f"spec.nodeName={node}")
+                     for d in s["spec"]["devices"]}
+            assert names == {"gpu-0", "gpu-1"}
+        finally:
+            await dra.stop()
+            shutil.rmtree(root, ignore_errors=True)
