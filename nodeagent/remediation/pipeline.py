@@ -299,7 +299,9 @@ class Remediator:
         if p.target in self.record.runs:
             step_done(self.record, p.target, step)
             self._save()
-        await self.node.event("GPURemediationStep", f"GPU {', '.join(p.gpus)}: {step.value} done in {seconds:.1f}s")
+        if step is not Step.NOTIFY:  # the notice is its own event
+            await self.node.event("GPURemediationStep",
+                                  f"GPU {', '.join(p.gpus)}: {step.value} done in {seconds:.1f}s")
 
     def _action(self, p: Plan, step: Step) -> Awaitable[None]:
         return {

@@ -11,6 +11,7 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from nodeagent.gpu.inventory import Inventory, LinkKind
 from nodeagent.remediation.policy import Action, Decision
 
 
@@ -44,6 +45,18 @@ class GpuFacts:
     architecture: str  # "ampere", "hopper", ... as the inventory names it
     mig: bool = False
     nvlink_peers: tuple[str, ...] = ()  # UUIDs of the GPUs it has NVLink to
+
+
+def facts_from_inventory(inv: Inventory) -> dict[str, GpuFacts]:
+    """UUID → what the planner needs of each GPU (NVLink peers from the inventory's links)."""
+    uuid_of = {g.index: g.uuid for g in inv.gpus}
+    peers: dict[int, list[str]] = {g.index: [] for g in inv.gpus}
+    for link in inv.links:
+        if link.kind is LinkKind.NVLINK and link.a in uuid_of and link.b in uuid_of:
+            peers[link.a].append(uuid_of[link.b])
+            peers[link.b].append(uuid_of[link.a])
+    return {g.uuid: GpuFacts(g.index, g.uuid, g.architecture, g.mig_current, tuple(peers[g.index]))
+            for g in inv.gpus}
 
 
 @dataclass(frozen=True)

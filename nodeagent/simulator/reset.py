@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pynvml
 
 from nodeagent.errors import GpuBusyError, GpuLostError, NvmlError, ResetRequiredError
@@ -37,7 +39,7 @@ class SimGroupResetter:
     def __init__(self, sim: SimulatedNvml) -> None:
         self.sim = sim
 
-    def reset(self, uuids: list[str] | tuple[str, ...]) -> None:
+    def reset(self, uuids: Sequence[str]) -> None:
         for uuid in uuids:
             try:
                 self.sim.simResetGpu(self.sim.nvmlDeviceGetHandleByUUID(uuid))
