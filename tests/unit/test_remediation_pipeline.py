@@ -293,3 +293,16 @@ def test_the_nvidia_smi_stand_in_resets_by_uuid_and_refuses_like_the_real_one(
     inject.inject_lost(sim.store, 3)
     assert smi.main(["--gpu-reset", "-i", "3"]) == 15
     assert smi.main(["-r", "-i", "GPU-nonexistent"]) == 6
+
+
+def test_metrics_count_runs_and_steps(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from nodeagent.remediation.prommetrics import PromRemediationMetrics
+
+    reg = CollectorRegistry()
+    rig = Rig(tmp_path)
+    out = run(rig.remediator(metrics=PromRemediationMetrics(reg)).handle(rig.fault(1, 48), rig.gpus, {}))
+    assert out.result == "done"
+    assert reg.get_sample_value("nodeagent_remediations_total", {"action": "reset-gpu", "result": "done"}) == 1
+    assert reg.get_sample_value("nodeagent_remediation_steps_total", {"step": "reset", "result": "ok"}) == 1
