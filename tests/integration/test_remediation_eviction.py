@@ -10,6 +10,7 @@ finalised and its simulated GPU process ended) and the disruption controller's (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
@@ -24,7 +25,13 @@ from nodeagent.kube.client import KubeClient
 from nodeagent.kube.node import NodeClient
 from nodeagent.nvmlsource import adapter_for_sim
 from nodeagent.remediation.kubeside import KubeNodeSide, KubePods
-from nodeagent.remediation.pipeline import CONDITION_REBOOT, CONDITION_RUNNING, Fault, PipelineSettings, Remediator
+from nodeagent.remediation.pipeline import (
+    CONDITION_REBOOT,
+    CONDITION_RUNNING,
+    Fault,
+    PipelineSettings,
+    Remediator,
+)
 from nodeagent.remediation.planner import facts_from_inventory
 from nodeagent.remediation.policy import load_catalog
 from nodeagent.remediation.record import RecordStore
@@ -87,11 +94,9 @@ class KubeletStandIn:
                 if meta.get("deletionTimestamp"):
                     gpu, pid = self.pids[meta["name"]]
                     inject.kill_process(self.store, gpu, pid)
-                    try:
+                    with contextlib.suppress(KubeError):
                         self.kube.request("DELETE", f"/api/v1/namespaces/{self.ns}/pods/{meta['name']}",
                                           body={"gracePeriodSeconds": 0})
-                    except KubeError:
-                        pass
 
     def close(self) -> None:
         self.stop.set()
