@@ -306,3 +306,32 @@ def test_metrics_count_runs_and_steps(tmp_path: Path) -> None:
     assert out.result == "done"
     assert reg.get_sample_value("nodeagent_remediations_total", {"action": "reset-gpu", "result": "done"}) == 1
     assert reg.get_sample_value("nodeagent_remediation_steps_total", {"step": "reset", "result": "ok"}) == 1
+
+
+def test_monitor_hooks_hold_a_gpu_out_of_the_device_plugin_and_release_it_at_once(tmp_path: Path) -> None:
+    from nodeagent.gpu.health import HealthMonitor, HealthMonitorSettings, XidEvent
+    from nodeagent.remediation.hooks import MonitorHooks
+
+    rig = Rig(tmp_path)
+    changes: list[int] = []
+    seen: list[XidEvent] = []
+
+    async def changed() -> None:
+        changes.append(1)
+
+    async def scenario() -> None:
+        mon = HealthMonitor(rig.nvml, HealthMonitorSettings(), changed)
+        mon.gpu_indices = frozenset(range(8))
+        mon.xid_listeners.append(seen.append)
+        await mon.handle_events([XidEvent(3, 48), XidEvent(9, 48), XidEvent(2, 13)])  # 9: not monitored
+        assert [(e.gpu_index, e.xid) for e in seen] == [(3, 48), (2, 13)]  # critical or not
+        hooks = MonitorHooks(lambda: [mon], {u: i for i, u in rig.uuid.items()}.__getitem__)
+        await hooks.withdraw(rig.uuid[5], "XID 48")
+        assert not mon.is_healthy(5) and not mon.is_healthy(5, 1) and "remediation" in mon.unhealthy()[(5, None)]
+        await hooks.offer(rig.uuid[3])  # a GPU with a fault: released at once, no quiet window
+        assert mon.is_healthy(3)
+        await hooks.offer(rig.uuid[5])
+        assert mon.is_healthy(5) and mon.unhealthy() == {}
+
+    run(scenario())
+    assert len(changes) == 3
