@@ -121,6 +121,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
     def registered(self) -> dict[str, bool]:
         return self._held.registered() if self._held is not None else {}
 
+    def monitor(self) -> Any:
+        """The plugin's health monitor (``gpu.health.HealthMonitor``; None while none runs)."""
+        get = getattr(self._held, "monitor", None)
+        return get() if get is not None else None
+
     def allocations(self) -> dict[tuple[str, str], int]:
         return self._held.allocations() if self._held is not None else {}
 
