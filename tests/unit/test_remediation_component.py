@@ -149,3 +149,29 @@ def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path
 
 async def _note(changes: list[bool], monitor: HealthMonitor) -> None:
     changes.append(monitor.is_healthy(3))
+
+
+def test_a_quarantined_gpu_stays_out_after_a_restart(tmp_path: Path) -> None:
+    from nodeagent.remediation.record import RecordFile, RecordStore, record_path
+
+    sim = open_sim("dgx-h100")
+    gpu = adapter_for_sim(sim, HostPaths(tmp_path))
+    uuid = {g.index: g.uuid for g in gpu.discover().gpus}
+    RecordStore(record_path(HostPaths(tmp_path))).save(RecordFile(quarantined={uuid[6]: "reset 3 times"}))
+
+    async def scenario() -> HealthMonitor:
+        monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
+        monitor.gpu_indices = frozenset(uuid)
+        cfg = dataclasses.replace(AgentConfig(), remediation=RemediationSettings(enabled=True))
+        ctx = FakeCtx(tmp_path, cfg, gpu, FakeKube(set()), FakePlugin(monitor, {}), FakePodResources([]))
+        await RemediationComponent(ctx).start(ctx)  # type: ignore[arg-type]
+        await asyncio.gather(*ctx.tasks)
+        return monitor
+
+    monitor = asyncio.run(scenario())
+    assert not monitor.is_healthy(6) and "quarantined" in monitor.unhealthy()[(6, None)]
+    assert all(monitor.is_healthy(i) for i in uuid if i != 6)
+
+
+async def _nothing() -> None:
+    return None

@@ -79,6 +79,9 @@ class RemediationComponent(Component):
             MonitorHooks(monitors, index_of), store=RecordStore(record_path(ctx.paths)),
             reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command else None)
         self._listen()
+        hooks = self._rem.hooks
+        for uuid, why in sorted(self._rem.record.quarantined.items()):  # they stay out across restarts
+            ctx.spawn(self._keep_out(hooks, uuid, why), f"remediation: GPU {uuid} quarantined")
         if self._rem.record.runs:
             ctx.spawn(self._resume(), "remediation resume")
         self.ready.set()
@@ -104,6 +107,13 @@ class RemediationComponent(Component):
         earlier = tuple(x for t, x in recent if now - t < RECENT_XID_S)
         recent.append((now, ev.xid))
         self._ctx.spawn(self._handle(ev.gpu_index, ev.xid, earlier), f"remediation of GPU {ev.gpu_index}")
+
+    @staticmethod
+    async def _keep_out(hooks: Any, uuid: str, why: str) -> None:
+        try:
+            await hooks.withdraw(uuid, f"quarantined: {why}")
+        except NodeAgentError as e:  # a GPU no longer on the node
+            log.info("quarantined GPU %s not withdrawn: %s", uuid, e)
 
     async def _resume(self) -> None:
         for out in await self._rem.resume():
