@@ -11,7 +11,7 @@ from collections import deque
 from typing import Any
 
 from nodeagent.daemon.supervisor import Component, Context
-from nodeagent.errors import NodeAgentError
+from nodeagent.errors import NodeAgentError, NvmlError
 from nodeagent.gpu.inventory import Inventory
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,13 @@ class AdapterResetter:
         index = {g.uuid: g.index for g in inv.gpus} if inv is not None else {}
         for u in uuids:
             self.ctx.gpu.reset_gpu(index[u])
+
+
+class NoResetter:
+    """Under a sandbox root (``--root DIR``) no command runs: a reset fails, saying so."""
+
+    def reset(self, uuids: Any) -> None:
+        raise NvmlError(f"GPU {','.join(uuids)}: not reset: nothing is executed under a sandbox root")
 
 
 class RemediationComponent(Component):
@@ -59,8 +66,15 @@ class RemediationComponent(Component):
             fabric_manager=cfg.fabric_manager, cordon_on_failure=cfg.cordon_on_failure,
             overrides=parse_overrides(cfg.xid_actions))
         simulated = bool(ctx.config.simulate.machine or ctx.config.simulate.state)
-        resetter: Resetter = (AdapterResetter(ctx) if simulated and not cfg.reset_command
-                              else CommandResetter(cfg.reset_command, timeout_s=cfg.step_timeout))
+        on_node = ctx.paths.is_node_root  # under a sandbox root nothing is ever executed
+        smi = str(ctx.paths(ctx.config.cdi.driver_root.rstrip("/") + "/usr/bin/nvidia-smi"))
+        resetter: Resetter
+        if simulated and not cfg.reset_command:
+            resetter = AdapterResetter(ctx)
+        elif on_node:
+            resetter = CommandResetter(cfg.reset_command, smi=smi, timeout_s=cfg.step_timeout)
+        else:
+            resetter = NoResetter()
 
         def monitors() -> list[Any]:
             m = ctx.shared.device_plugin.monitor()
@@ -77,7 +91,7 @@ class RemediationComponent(Component):
             settings, load_catalog(), ctx.gpu, resetter, KubePods(ctx.kube),  # type: ignore[arg-type]
             KubeNodeSide(NodeClient(ctx.kube, ctx.node_name), events=ctx.config.publish.events),
             MonitorHooks(monitors, index_of), store=RecordStore(record_path(ctx.paths)),
-            reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command else None)
+            reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None)
         self._listen()
         hooks = self._rem.hooks
         for uuid, why in sorted(self._rem.record.quarantined.items()):  # they stay out across restarts
