@@ -166,6 +166,10 @@ class MetricsLink(_Slot[MetricsSink]):
         if self._held is not None:
             self._held.count_publish(writes)
 
+    def registry(self) -> Any:
+        """The running registry (``prometheus_client.CollectorRegistry``) for a component's own metrics."""
+        return getattr(self._held, "registry", None)
+
 
 class CdiLink:
     """The node's CDI spec writer while it runs: refreshed before any device name is advertised."""

@@ -75,6 +75,16 @@ class FakePlugin:
         return {k: v for k, v in self._device_gpus.items() if v in gpu_indices}
 
 
+class FakeMetricsLink:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.reg = CollectorRegistry()
+
+    def registry(self) -> Any:
+        return self.reg
+
+
 class FakeCtx:
     def __init__(self, tmp: Path, config: AgentConfig, gpu: Any, kube: FakeKube, plugin: FakePlugin,
                  pod_resources: FakePodResources) -> None:
@@ -82,7 +92,7 @@ class FakeCtx:
         self.paths = HostPaths(tmp)
         self.inventory = gpu.discover()
         self.node_name = "n1"
-        self.shared = type("S", (), {"device_plugin": plugin})()
+        self.shared = type("S", (), {"device_plugin": plugin, "metrics": FakeMetricsLink()})()
         self._pr = pod_resources
         self.tasks: list[asyncio.Task[Any]] = []
         self.status: dict[str, str] = {}
@@ -136,9 +146,10 @@ def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path
         inject.inject_xid(sim.store, 3, 48, recovery_action=1)
         await monitor.handle_events([XidEvent(3, 48)])
         await asyncio.gather(*ctx.tasks)
+        reg = ctx.shared.metrics.reg
+        assert reg.get_sample_value("nodeagent_remediations_total", {"action": "reset-gpu", "result": "done"}) == 1
 
-    run = asyncio.run
-    run(scenario())
+    asyncio.run(scenario())
     assert kube.evictions == ["team/on-3"] and "team/on-5" in kube.pods
     assert gpu.recovery_action_of(uuid[3]) == 0 and gpu.process_count(uuid[5]) == 1
     assert kube.events.count("GPURemediationStep") == 8 and "GPURemediated" in kube.events

@@ -33,6 +33,34 @@ class AdapterResetter:
             self.ctx.gpu.reset_gpu(index[u])
 
 
+class LinkedMetrics:
+    """The pipeline's metrics in the running metrics component's registry (none while none runs)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._by_registry: dict[int, Any] = {}
+
+    def _current(self) -> Any:
+        registry = self.ctx.shared.metrics.registry()
+        if registry is None:
+            return None
+        if id(registry) not in self._by_registry:
+            from nodeagent.remediation.prommetrics import PromRemediationMetrics
+
+            self._by_registry = {id(registry): PromRemediationMetrics(registry)}  # a rebuilt component's anew
+        return self._by_registry[id(registry)]
+
+    def step(self, step: str, result: str, seconds: float) -> None:
+        m = self._current()
+        if m is not None:
+            m.step(step, result, seconds)
+
+    def run(self, action: str, result: str, seconds: float) -> None:
+        m = self._current()
+        if m is not None:
+            m.run(action, result, seconds)
+
+
 class NoResetter:
     """Under a sandbox root (``--root DIR``) no command runs: a reset fails, saying so."""
 
@@ -91,7 +119,7 @@ class RemediationComponent(Component):
             settings, load_catalog(), ctx.gpu, resetter, KubePods(ctx.kube),  # type: ignore[arg-type]
             KubeNodeSide(NodeClient(ctx.kube, ctx.node_name), events=ctx.config.publish.events),
             MonitorHooks(monitors, index_of), store=RecordStore(record_path(ctx.paths)),
-            reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None)
+            metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None)
         self._listen()
         hooks = self._rem.hooks
         for uuid, why in sorted(self._rem.record.quarantined.items()):  # they stay out across restarts
