@@ -107,6 +107,11 @@ def default_specs() -> list[ComponentSpec]:
 
         return ConditionsComponent(ctx) if ctx.kube is not None else None
 
+    def remediation(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.remediation import RemediationComponent
+
+        return RemediationComponent(ctx) if ctx.config.remediation.enabled and ctx.kube is not None else None
+
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
         # before the device plugin: its first look at the device-plugin directory decides what is held back
@@ -122,6 +127,8 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
         ComponentSpec("conditions", frozenset({"publish"}), conditions),
+        # after the device plugin: it listens to the plugin's health monitor
+        ComponentSpec("remediation", frozenset({"remediation", "device_plugin", "health"}), remediation),
     ]
 
 

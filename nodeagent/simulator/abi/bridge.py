@@ -215,6 +215,15 @@ def nvmlDeviceSetPersistenceMode(dev: int, mode: int) -> int:
     return SUCCESS
 
 
+def nvmlDeviceModifyDrainState(pci: int, new_state: int) -> int:
+    _sim().nvmlDeviceModifyDrainState(pynvml.nvmlPciInfo_t.from_address(_need(pci)), new_state)
+    return SUCCESS
+
+
+def nvmlDeviceQueryDrainState(pci: int, out: int) -> int:
+    return _uint_out(_need(out), _sim().nvmlDeviceQueryDrainState(pynvml.nvmlPciInfo_t.from_address(_need(pci))))
+
+
 def _processes(dev: int, count_ptr: int, infos: int, struct: Any) -> int:
     procs = _sim().nvmlDeviceGetComputeRunningProcesses(_h(dev))
     room = _get_uint(count_ptr)
