@@ -86,6 +86,20 @@ class MigSettings:
 
 
 @dataclass(frozen=True)
+class VfioSettings:
+    # follow nvidia.com/gpu.workload.config (container | vm-passthrough): bind all GPUs to vfio-pci and back
+    enabled: bool = False
+    release_timeout: float = 300.0  # seconds to wait for the pods holding the GPUs before giving up
+
+
+@dataclass(frozen=True)
+class CcSettings:
+    enabled: bool = False  # follow nvidia.com/cc.mode (on | off | devtools | ppcie)
+    tool: str = ""  # the CC-mode tool; "" = NVIDIA gpu-admin-tools' nvidia_gpu_tools.py where installed
+    release_timeout: float = 300.0  # seconds to wait for the pods holding the GPUs before giving up
+
+
+@dataclass(frozen=True)
 class RuntimeSettings:
     enabled: bool = True
     containerd_config: str = "/etc/containerd/config.toml"
@@ -145,6 +159,28 @@ class AdoptSettings:
     detect: bool = True  # look for other device plugins, DRA drivers, MIG managers, NFD labels (start, resync)
 
 
+# the remediation actions an operator may name per XID (nodeagent.remediation.policy.Action)
+REMEDIATION_ACTIONS = ("none", "restart-app", "reset-gpu", "drain-and-reset", "reboot-node", "recover-imex-domain")
+
+
+@dataclass(frozen=True)
+class RemediationSettings:
+    """Per-GPU remediation of faults (docs/remediation.md); off unless enabled."""
+
+    enabled: bool = False
+    # "" = the node driver's ``nvidia-smi -r -i <UUID>``; else a command line, "{uuid}" replaced by the GPU
+    reset_command: str = ""
+    eviction_grace: float = 30.0  # seconds each evicted pod is given to terminate
+    eviction_timeout: float = 300.0  # how long evictions may be refused (PodDisruptionBudgets) before giving up
+    step_timeout: float = 120.0  # the bound of every other step
+    max_resets: int = 3  # resets of one GPU within reset_window before it is quarantined
+    reset_window: float = 3600.0
+    cordon_on_failure: bool = False  # cordon the node when a GPU cannot be brought back
+    reboot_command: str = ""  # "" = never reboot; else run when a node reboot is required
+    fabric_manager: bool = True  # False: Ampere NVLink peers are reset together
+    xid_actions: dict[str, str] = field(default_factory=dict)  # [remediation.xid_actions] "48" = "drain-and-reset"
+
+
 @dataclass(frozen=True)
 class ImexSettings:
     # run the host-managed nvidia-imex for the node's NVLink clique (the peers: the Nodes with the same
@@ -168,6 +204,8 @@ class AgentConfig:
     device_plugin: DevicePluginSettings = field(default_factory=DevicePluginSettings)
     dra: DraSettings = field(default_factory=DraSettings)
     mig: MigSettings = field(default_factory=MigSettings)
+    vfio: VfioSettings = field(default_factory=VfioSettings)
+    cc: CcSettings = field(default_factory=CcSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     publish: PublishSettings = field(default_factory=PublishSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -176,6 +214,7 @@ class AgentConfig:
     simulate: SimulateSettings = field(default_factory=SimulateSettings)
     adopt: AdoptSettings = field(default_factory=AdoptSettings)
     imex: ImexSettings = field(default_factory=ImexSettings)
+    remediation: RemediationSettings = field(default_factory=RemediationSettings)
     source: str = field(default="", compare=False)  # where it was read from (for messages)
 
     def resolved_node_name(self) -> str:
@@ -262,8 +301,13 @@ _POSITIVE = {
     "health.window",
     "health.poll_interval",
     "dra.verify_interval",
+    "remediation.eviction_grace",
+    "remediation.eviction_timeout",
+    "remediation.step_timeout",
+    "remediation.reset_window",
 }
-_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout"}
+_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout", "vfio.release_timeout", "cc.release_timeout",
+                 "remediation.max_resets"}
 MAX_SECONDS = 366 * 24 * 3600.0  # no interval or window is longer than a year (the scheduler's limit is near)
 _ABSOLUTE_PATHS = {
     "kubeconfig",
@@ -272,6 +316,7 @@ _ABSOLUTE_PATHS = {
     "device_plugin.config",
     "mig.config_file",
     "mig.hooks_file",
+    "cc.tool",
     "runtime.containerd_config",
     "runtime.dropin",
     "cdi.driver_root",
@@ -317,6 +362,10 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list | tuple) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
             raise bad("a list of integers")
         return tuple(value)
+    if origin is dict and get_args(tp) == (str, str):
+        if not isinstance(value, Mapping) or any(not isinstance(v, str) for v in value.values()):
+            raise bad("a table of strings")
+        return {str(k): v for k, v in value.items()}
     raise AssertionError(f"unsupported config type {tp!r} for {key}")
 
 
@@ -357,6 +406,13 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
     if key == "imex.channels" and any(not 0 <= v < (1 << 20) for v in value):
         raise ConfigError(f"{where}: key '{key}' lists a channel outside 0..{(1 << 20) - 1}: {shown(list(value))}",
                           subject=key)
+    if key == "remediation.xid_actions":
+        for xid, action in value.items():
+            if not xid.isdigit() or not 0 < int(xid) < 1 << 16:
+                raise ConfigError(f"{where}: key '{key}.{_quoted(xid)[1:-1]}' is not an XID number", subject=key)
+            if action not in REMEDIATION_ACTIONS:
+                raise ConfigError(f"{where}: key '{key}.{xid}' must be one of "
+                                  f"{', '.join(REMEDIATION_ACTIONS)}, got {shown(action)}", subject=f"{key}.{xid}")
     if key == "node_name" and value and (len(value) > 253 or not value.isprintable() or
                                          any(c.isspace() for c in value)):
         raise ConfigError(f"{where}: key '{key}' is not a valid node name: {shown(value)}", subject=key)

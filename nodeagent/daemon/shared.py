@@ -127,6 +127,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
     def registered(self) -> dict[str, bool]:
         return self._held.registered() if self._held is not None else {}
 
+    def monitor(self) -> Any:
+        """The plugin's health monitor (``gpu.health.HealthMonitor``; None while none runs)."""
+        get = getattr(self._held, "monitor", None)
+        return get() if get is not None else None
+
     def allocations(self) -> dict[tuple[str, str], int]:
         return self._held.allocations() if self._held is not None else {}
 
@@ -166,6 +171,10 @@ class MetricsLink(_Slot[MetricsSink]):
     def count_publish(self, writes: Mapping[str, int]) -> None:
         if self._held is not None:
             self._held.count_publish(writes)
+
+    def registry(self) -> Any:
+        """The running registry (``prometheus_client.CollectorRegistry``) for a component's own metrics."""
+        return getattr(self._held, "registry", None)
 
 
 class CdiLink:

@@ -39,7 +39,7 @@ def test_example_uncommented_equals_defaults() -> None:
     """The example documents every key with its default: uncommenting all of it changes nothing."""
     lines = []
     for line in EXAMPLE.read_text().splitlines():
-        m = re.match(r'^# ([a-z_]+ = (?:".*"|[0-9.]+|true|false|\[[0-9, ]*\]))$', line)
+        m = re.match(r'^# ([a-z_]+ = (?:".*"|[0-9.]+|true|false|\[[0-9, ]*\]|\{\}))$', line)
         if m:
             lines.append(m.group(1))
         elif line.startswith("["):

@@ -26,7 +26,7 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.simulator.abi import bridge_telemetry, mig
+from nodeagent.simulator.abi import bridge_cc, bridge_telemetry, mig
 from nodeagent.simulator.abi.cmem import (
     ARGUMENT_VERSION_MISMATCH,
     INSUFFICIENT_SIZE,
@@ -215,6 +215,15 @@ def nvmlDeviceSetPersistenceMode(dev: int, mode: int) -> int:
     return SUCCESS
 
 
+def nvmlDeviceModifyDrainState(pci: int, new_state: int) -> int:
+    _sim().nvmlDeviceModifyDrainState(pynvml.nvmlPciInfo_t.from_address(_need(pci)), new_state)
+    return SUCCESS
+
+
+def nvmlDeviceQueryDrainState(pci: int, out: int) -> int:
+    return _uint_out(_need(out), _sim().nvmlDeviceQueryDrainState(pynvml.nvmlPciInfo_t.from_address(_need(pci))))
+
+
 def _processes(dev: int, count_ptr: int, infos: int, struct: Any) -> int:
     procs = _sim().nvmlDeviceGetComputeRunningProcesses(_h(dev))
     room = _get_uint(count_ptr)
@@ -340,6 +349,7 @@ _FUNCTIONS: dict[str, Callable[..., int]] = {
     if name.startswith("nvml") and callable(fn)
 }
 _FUNCTIONS.update(bridge_telemetry.functions(_sim))
+_FUNCTIONS.update(bridge_cc.functions(_sim))
 _TRACE = os.environ.get("NODEAGENT_NVML_TRACE", "") not in ("", "0")
 
 
