@@ -94,7 +94,7 @@ def test_racks_component_runs_imex_for_the_clique(kube: KubeClient, node_name: s
         assert "nvidia.com/imex-channel" in (tmp_path / "var/run/cdi/nvidia-imex-channels.yaml").read_text()
         try:
             await comp.on_inventory(_inv(HEALTHY))
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 40
             while not (shared.conditions.imex and shared.conditions.imex.ready):
                 assert time.monotonic() < deadline, shared.conditions.imex
                 await asyncio.sleep(0.05)
