@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -100,6 +101,7 @@ class FleetGate:
         self.clock = clock
         self.waiting_reason = ""
         self._held: SlotView | None = None  # the slot held now, as last written
+        self._ahead: tuple[int, int] | None = None  # (requests ahead of this one, takes then)
 
     async def _budget(self) -> FleetBudget:
         if self.budget is not None:
@@ -116,7 +118,12 @@ class FleetGate:
         if pool is None:
             yield None
             return
-        held = await self._acquire(budget, pool, reason, gpu_pods)
+        entry = queue_name(pool.name, self.node, int(time.time() * 1000), gpu_pods)
+        try:
+            held = await self._acquire(budget, pool, entry, reason, gpu_pods)
+        finally:  # taken, or given up waiting (cancelled, stopped): out of the line either way
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(self.api.leave_queue, entry))
         renewer = asyncio.create_task(self._renew(budget, pool, held))
         failed: str | None = None
         try:
@@ -141,22 +148,27 @@ class FleetGate:
                 await self.reporter.released(failed)
 
     # -- waiting and taking ------------------------------------------------------------------------------
-    async def _acquire(self, budget: FleetBudget, pool: Pool, reason: str, gpu_pods: int) -> SlotView:
-        entry = queue_name(pool.name, self.node, int(time.time() * 1000), gpu_pods)
-        await asyncio.to_thread(self.api.request_slot, entry, pool.name, self.node, reason, gpu_pods)
+    async def _acquire(self, budget: FleetBudget, pool: Pool, entry: str, reason: str, gpu_pods: int) -> SlotView:
+        await asyncio.to_thread(self.api.request_slot, entry, pool.name, self.node, reason, gpu_pods,
+                                budget.lease_duration_s, self.clock())
+        renewed = time.monotonic()
         first = True
+        self._ahead = None
+        self._pool_slots_of = pool
         while True:
             why, taken = await self._try(budget, pool, entry, reason)
             if taken is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(self.api.leave_queue, entry)
                 self.waiting_reason = ""
                 self._held = taken
                 return taken
-            if why and why != self.waiting_reason:
-                self.waiting_reason = why
-                await self.reporter.waiting(why, first)
+            if why and re.sub(r"\d+", "N", why) != re.sub(r"\d+", "N", self.waiting_reason):
+                await self.reporter.waiting(why, first)  # said again only when the reason changes
                 first = False
+            self.waiting_reason = why or self.waiting_reason
+            if time.monotonic() - renewed > budget.lease_duration_s / 3:  # the request stays in line
+                with contextlib.suppress(NodeAgentError):
+                    await asyncio.to_thread(self.api.renew_request, entry, self.clock())
+                    renewed = time.monotonic()
             if why:
                 await asyncio.sleep(self.options.poll_s * random.uniform(0.5, 1.5))
             else:  # lost a race for a free slot: look again soon
@@ -177,20 +189,33 @@ class FleetGate:
             when = f"; the next opens {nxt.isoformat(timespec='minutes')}" if nxt else ""
             return (f"the maintenance windows of pool {pool.name} are closed "
                     f"({'; '.join(w.describe() for w in pool.windows)}){when}"), None
+        if not self._fresh(state, now):
+            if (await asyncio.to_thread(self.api.queue, pool.name, 1))[:1] != [entry]:
+                return f"the nodes of pool {pool.name} are being counted by the first node in line", None
+            state = await self._sized(pool, state, now)  # the first in line counts the pool's nodes
         if pool.blocking_pods is not None:
             blocking = await asyncio.to_thread(self.api.blocking_pods, self.node, pool.blocking_pods.text)
             if blocking:
                 return f"pods blocking changes run on this node ({', '.join(blocking)})", None
-        state = await self._sized(pool, state, now)
         live = [s for s in slots if s.live(now)]
         free = state.slots - len(live)
         if free <= 0:
             return (f"all {state.slots} slot(s) of pool {pool.name} ({pool.max_unavailable} of "
                     f"{state.size} nodes) are taken"), None
-        head = await asyncio.to_thread(self.api.queue, pool.name, free + self.options.head_extra)
+        # Every take adds one to a slot's leaseTransitions (its create counts one): the requests ahead of
+        # this one, as last counted, less the takes since, is what is left ahead. Only a request that may be
+        # among the first ``free`` reads the line again (a few names), not every waiter at every release.
+        takes = sum(s.transitions + 1 for s in slots)
+        if self._ahead is not None and self._ahead[0] - (takes - self._ahead[1]) >= free:
+            return (f"{len(live)} of {state.slots} slot(s) of pool {pool.name} are taken; about "
+                    f"{self._ahead[0] - (takes - self._ahead[1])} older request(s) (or nodes running no GPU "
+                    "pods) go first"), None
+        head = await asyncio.to_thread(self.api.queue, pool.name, free + 2 * state.slots)
         if entry not in head[:free]:
-            return (f"{len(live)} of {state.slots} slot(s) of pool {pool.name} are taken; older requests "
-                    "(or nodes running no GPU pods) go first"), None
+            self._ahead = (head.index(entry) if entry in head else len(head), takes)
+            return (f"{len(live)} of {state.slots} slot(s) of pool {pool.name} are taken; "
+                    f"{self._ahead[0]}{'' if entry in head else ' or more'} older request(s) (or nodes "
+                    "running no GPU pods) go first"), None
         by_name = {s.name: s for s in slots}
         candidates = [slot_name(pool.name, i) for i in range(state.slots)
                       if slot_name(pool.name, i) not in by_name or not by_name[slot_name(pool.name, i)].live(now)]
@@ -202,11 +227,17 @@ class FleetGate:
                                         reason, now, by_name.get(pick))
         return "", taken
 
+    def _fresh(self, state: PoolState, now: datetime) -> bool:
+        return (state.exists and state.sized_at is not None and now - state.sized_at < timedelta(seconds=SIZE_TTL_S)
+                and state.slots == self._pool_slots(state))
+
+    _pool_slots_of: Pool | None = None
+
+    def _pool_slots(self, state: PoolState) -> int:
+        return self._pool_slots_of.max_unavailable.slots(state.size) if self._pool_slots_of else state.slots
+
     async def _sized(self, pool: Pool, state: PoolState, now: datetime) -> PoolState:
-        """The pool Lease with a node count no older than ``SIZE_TTL_S`` (counted here when it is)."""
-        fresh = state.exists and state.sized_at is not None and now - state.sized_at < timedelta(seconds=SIZE_TTL_S)
-        if fresh and state.slots == pool.max_unavailable.slots(state.size):
-            return state
+        """The pool Lease with the pool's nodes counted now."""
         for _ in range(5):
             size = await asyncio.to_thread(self.api.count_nodes, pool.selector.text)
             new = replace(state, size=size, slots=pool.max_unavailable.slots(size), sized_at=now)

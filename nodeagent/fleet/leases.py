@@ -29,7 +29,7 @@ from nodeagent.fleet.budget import (
     SlotView,
     pool_lease_name,
 )
-from nodeagent.kube.client import KubeClient
+from nodeagent.kube.client import MERGE_PATCH, KubeClient
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 POOL_LABEL = "nodeagent.io/fleet-pool"
@@ -149,20 +149,33 @@ class FleetApi:
             if cont:
                 query["continue"] = cont
             out = self.kube.request("GET", self.path, query=query, action=f"list the requests of pool {pool}")
-            names += [str((i.get("metadata") or {}).get("name", "")) for i in out.get("items") or []]
+            now = datetime.now(timezone.utc)
+            for item in out.get("items") or []:
+                entry = slot_view(item)  # a request expires like a slot: its node stopped renewing it
+                if entry.renewed is None or entry.live(now):
+                    names.append(entry.name)
             cont = str((out.get("metadata") or {}).get("continue") or "")
             if not cont or (limit and len(names) >= limit):
                 return sorted(names)
 
     # -- requests ---------------------------------------------------------------------------------------
-    def request_slot(self, name: str, pool: str, node: str, reason: str, gpu_pods: int) -> None:
+    def request_slot(self, name: str, pool: str, node: str, reason: str, gpu_pods: int, duration_s: int,
+                     now: datetime) -> None:
         """Enter the line (an existing request of this name, from before a restart, keeps its place)."""
         body = _lease(name, pool, "queue", node, {A_REASON: reason[:500], A_GPU_PODS: str(gpu_pods)})
+        body["spec"].update(leaseDurationSeconds=duration_s, renewTime=micro(now))
         try:
             self._write("POST", self.path, body, f"create request {name}")
         except KubeError as e:
             if e.status != 409:
                 raise
+
+    def renew_request(self, name: str, now: datetime) -> None:
+        """Keep the own request in line (one merge patch of its renewTime)."""
+        with self._lock:
+            self.writes += 1
+        self.kube.request("PATCH", f"{self.path}/{name}", body={"spec": {"renewTime": micro(now)}},
+                          content_type=MERGE_PATCH, action=f"renew request {name}", subject=name)
 
     def leave_queue(self, name: str) -> None:
         try:

@@ -144,8 +144,12 @@ class FakeApi:
         names = sorted(self.queue_names)
         return names[:limit] if limit else names
 
-    def request_slot(self, name: str, pool: str, node: str, reason: str, gpu_pods: int) -> None:
+    def request_slot(self, name: str, pool: str, node: str, reason: str, gpu_pods: int, duration_s: int,
+                     now: datetime) -> None:
         self.queue_names.add(name)
+
+    def renew_request(self, name: str, now: datetime) -> None:
+        return None
 
     def leave_queue(self, name: str) -> None:
         self.queue_names.discard(name)
@@ -155,7 +159,8 @@ class FakeApi:
         cur = self.slots.get(name)
         if (seen is None) != (cur is None) or (cur and seen and cur.resource_version != seen.resource_version):
             return None
-        self.slots[name] = SlotView(name, node, now, duration_s, self._rv(), 0, reason)
+        transitions = cur.transitions + 1 if cur else 0
+        self.slots[name] = SlotView(name, node, now, duration_s, self._rv(), transitions, reason)
         return self.slots[name]
 
     def renew(self, slot: SlotView, pool: str, node: str, now: datetime) -> SlotView | None:
