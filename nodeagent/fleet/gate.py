@@ -156,7 +156,10 @@ class FleetGate:
         self._ahead = None
         self._pool_slots_of = pool
         while True:
-            why, taken = await self._try(budget, pool, entry, reason)
+            try:
+                why, taken = await self._try(budget, pool, entry, reason)
+            except NodeAgentError as e:  # the API did not answer, or refused a read: wait and look again
+                why, taken = f"the fleet's Leases could not be read: {e}", None
             if taken is not None:
                 self.waiting_reason = ""
                 self._held = taken
