@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
@@ -102,6 +101,7 @@ class FleetGate:
         self.waiting_reason = ""
         self._held: SlotView | None = None  # the slot held now, as last written
         self._ahead: tuple[int, int] | None = None  # (requests ahead of this one, takes then)
+        self._slower = 1.0  # the poll interval's factor for a request far back in line
 
     async def _budget(self) -> FleetBudget:
         if self.budget is not None:
@@ -154,6 +154,7 @@ class FleetGate:
         renewed = time.monotonic()
         first = True
         self._ahead = None
+        self._slower = 1.0
         self._pool_slots_of = pool
         while True:
             try:
@@ -164,7 +165,7 @@ class FleetGate:
                 self.waiting_reason = ""
                 self._held = taken
                 return taken
-            if why and re.sub(r"\d+", "N", why) != re.sub(r"\d+", "N", self.waiting_reason):
+            if why and _kind(why) != _kind(self.waiting_reason):
                 await self.reporter.waiting(why, first)  # said again only when the reason changes
                 first = False
             self.waiting_reason = why or self.waiting_reason
@@ -173,7 +174,7 @@ class FleetGate:
                     await asyncio.to_thread(self.api.renew_request, entry, self.clock())
                     renewed = time.monotonic()
             if why:
-                await asyncio.sleep(self.options.poll_s * random.uniform(0.5, 1.5))
+                await asyncio.sleep(self.options.poll_s * self._slower * random.uniform(0.5, 1.5))
             else:  # lost a race for a free slot: look again soon
                 await asyncio.sleep(self.options.poll_s * random.uniform(0.05, 0.2))
 
@@ -200,15 +201,18 @@ class FleetGate:
             blocking = await asyncio.to_thread(self.api.blocking_pods, self.node, pool.blocking_pods.text)
             if blocking:
                 return f"pods blocking changes run on this node ({', '.join(blocking)})", None
+        # Every take adds one to a slot's leaseTransitions (its create counts one): the requests ahead of
+        # this one, as last counted, less the takes since, is what is left ahead. Only a request that may be
+        # among the first ``free`` reads the line again (a few names), not every waiter at every release.
+        takes = sum(s.transitions + 1 for s in slots)
+        ahead = None if self._ahead is None else self._ahead[0] - (takes - self._ahead[1])
+        # far back in line: look less often (at most 4 polls apart), so a long line costs the server little
+        self._slower = 1.0 if ahead is None else 1.0 + min(3.0, ahead / max(1, 2 * state.slots))
         live = [s for s in slots if s.live(now)]
         free = state.slots - len(live)
         if free <= 0:
             return (f"all {state.slots} slot(s) of pool {pool.name} ({pool.max_unavailable} of "
                     f"{state.size} nodes) are taken"), None
-        # Every take adds one to a slot's leaseTransitions (its create counts one): the requests ahead of
-        # this one, as last counted, less the takes since, is what is left ahead. Only a request that may be
-        # among the first ``free`` reads the line again (a few names), not every waiter at every release.
-        takes = sum(s.transitions + 1 for s in slots)
         if self._ahead is not None and self._ahead[0] - (takes - self._ahead[1]) >= free:
             return (f"{len(live)} of {state.slots} slot(s) of pool {pool.name} are taken; about "
                     f"{self._ahead[0] - (takes - self._ahead[1])} older request(s) (or nodes running no GPU "
@@ -289,3 +293,12 @@ class FleetGate:
                 return new
             await asyncio.sleep(random.uniform(0.01, 0.1))
         raise NodeAgentError(f"could not count the failure on pool {pool.name}: too many concurrent writers")
+
+
+_KINDS = ("brake", "maintenance window", "blocking", "being counted", "could not be read")
+
+
+def _kind(why: str) -> str:
+    """The kind of a waiting reason: a node says it again (condition, Event) only when the kind changes,
+    not when the numbers in it do (the slots taken, the requests ahead)."""
+    return next((k for k in _KINDS if k in why), "in line" if why else "")

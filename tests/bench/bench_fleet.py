@@ -13,7 +13,7 @@ together. A watch on the pool's Leases samples the slots held for the whole run.
 - the same rollout WITHOUT a budget (the nodes are in no pool: every agent changes at once, no Lease at all).
 
 Prints figures and one JSON line. No timing asserts. Usage:
-    .venv/bin/python tests/bench/bench_fleet.py [--nodes 1000] [--budgets 5%,10%] [--change 1.0] [--poll 1.0]
+    .venv/bin/python tests/bench/bench_fleet.py [--nodes 1000] [--budgets 5%,10%] [--change 1.0] [--poll 2.0]
 """
 
 from __future__ import annotations
@@ -78,8 +78,16 @@ async def rollout(server: KubeApiServer, nodes: int, budget_text: str | None, ch
     asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(threads))
     before, cpu0 = requests_by(server), cpu_s(proc)
     started = time.monotonic()
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(30)
+            print(f"  {time.monotonic() - started:.0f} s: {len(fleet.results)} done, {fleet.inside} changing, "
+                  f"most {fleet.most_inside}", flush=True)
+
+    ticker = asyncio.create_task(progress())
     results = await asyncio.gather(*(agent(kube, NS, n, {"fleet-pool": pool}, fleet, budget=budget,
                                            change_s=change_s, poll_s=poll_s) for n in names))
+    ticker.cancel()
     wall = time.monotonic() - started
     cpu1, after = cpu_s(proc), requests_by(server)
     watch.stop()
@@ -112,7 +120,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--budgets", default="5%")
     ap.add_argument("--change", type=float, default=1.0, help="seconds one node's change takes")
-    ap.add_argument("--poll", type=float, default=1.0, help="seconds between a waiting agent's looks")
+    ap.add_argument("--poll", type=float, default=2.0, help="seconds between a waiting agent's looks")
     ap.add_argument("--threads", type=int, default=64)
     args = ap.parse_args()
     server = start_apiserver()
