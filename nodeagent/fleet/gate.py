@@ -149,9 +149,25 @@ class FleetGate:
 
     # -- waiting and taking ------------------------------------------------------------------------------
     async def _acquire(self, budget: FleetBudget, pool: Pool, entry: str, reason: str, gpu_pods: int) -> SlotView:
+        # A request lives three slot leases (at least 2 minutes) and is renewed by its own task at a quarter
+        # of that, whatever the pace of the looks at the pool: a busy agent's request never lapses, a dead
+        # agent's leaves the line within that time.
+        request_s = max(3 * budget.lease_duration_s, 120)
         await asyncio.to_thread(self.api.request_slot, entry, pool.name, self.node, reason, gpu_pods,
-                                budget.lease_duration_s, self.clock())
-        renewed = time.monotonic()
+                                request_s, self.clock())
+        keeper = asyncio.create_task(self._keep_request(entry, request_s / 4))
+        try:
+            return await self._wait_for_slot(budget, pool, entry, reason)
+        finally:
+            keeper.cancel()
+
+    async def _keep_request(self, entry: str, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            with contextlib.suppress(NodeAgentError):
+                await asyncio.to_thread(self.api.renew_request, entry, self.clock())
+
+    async def _wait_for_slot(self, budget: FleetBudget, pool: Pool, entry: str, reason: str) -> SlotView:
         first = True
         self._ahead = None
         self._slower = 1.0
@@ -169,10 +185,6 @@ class FleetGate:
                 await self.reporter.waiting(why, first)  # said again only when the reason changes
                 first = False
             self.waiting_reason = why or self.waiting_reason
-            if time.monotonic() - renewed > budget.lease_duration_s / 3:  # the request stays in line
-                with contextlib.suppress(NodeAgentError):
-                    await asyncio.to_thread(self.api.renew_request, entry, self.clock())
-                    renewed = time.monotonic()
             if why:
                 await asyncio.sleep(self.options.poll_s * self._slower * random.uniform(0.5, 1.5))
             else:  # lost a race for a free slot: look again soon

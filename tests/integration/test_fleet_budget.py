@@ -98,7 +98,8 @@ async def test_hundred_nodes_never_more_than_the_budget(kube_apiserver: KubeApiS
     # nodes running GPU pods go last: of the 20, at least 15 among the last 30 to start
     assert sum(1 for n in order[-30:] if n in busy) >= 15, order
     writes = sorted(fleet.writes.values())
-    assert writes[-1] <= 6, writes  # request, take, leave the line, release (+ a lost race or two)
+    # request, take, release, leave the line; a few nodes more: a lost race, a renewal of a long wait's request
+    assert writes[0] == 4 and writes[-1] <= 8, writes
     state = tally(FleetApi(fleet_kube, NS), parse_budget(
         f"pools: [{{name: {name}, nodeSelector: 'fleet-pool={name}', maxUnavailable: 10%}}]"))[0]
     assert (state.nodes, state.slots, state.done, state.changing, state.waiting, state.failed) == (
