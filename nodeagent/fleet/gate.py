@@ -307,7 +307,7 @@ class FleetGate:
         raise NodeAgentError(f"could not count the failure on pool {pool.name}: too many concurrent writers")
 
 
-_KINDS = ("brake", "maintenance window", "blocking", "being counted", "could not be read")
+_KINDS = ("brake", "maintenance window", "blocking", "could not be read")
 
 
 def _kind(why: str) -> str:

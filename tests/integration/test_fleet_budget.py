@@ -16,7 +16,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from nodeagent.cli import cli
 from nodeagent.fleet.budget import SlotView, parse_budget
 from nodeagent.fleet.gate import FleetGate, GateOptions
 from nodeagent.fleet.leases import FleetApi
@@ -104,6 +106,12 @@ async def test_hundred_nodes_never_more_than_the_budget(kube_apiserver: KubeApiS
         f"pools: [{{name: {name}, nodeSelector: 'fleet-pool={name}', maxUnavailable: 10%}}]"))[0]
     assert (state.nodes, state.slots, state.done, state.changing, state.waiting, state.failed) == (
         100, 10, 100, [], [], {})
+    # the operator's command, as typed
+    out = CliRunner().invoke(cli, ["fleet", "status", "--kubeconfig", str(kube_apiserver.kubeconfig), "-n", NS])
+    assert out.exit_code == 0, out.output
+    header, row = out.output.splitlines()[:2]
+    assert header.split() == ["POOL", "NODES", "SLOTS", "DONE", "CHANGING", "WAITING", "FAILED", "BRAKE", "WINDOW"]
+    assert row.split()[:8] == [name, "100", "10", "100", "0", "0", "0", "off"], row
     print(f"\n100 nodes, budget 10: {wall:.1f}s, lease writes per node median {writes[50]} max {writes[-1]}, "
           f"most changing {watch.most} (watch samples {watch.samples})")
 
