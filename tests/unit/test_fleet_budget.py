@@ -260,9 +260,10 @@ def test_fair_order_a_later_request_waits_behind_an_older_one() -> None:
     api.slots["nf-slot-p-0000"] = SlotView("nf-slot-p-0000", "x", datetime.now(timezone.utc), 60, "1")
     api.slots["nf-slot-p-0001"] = SlotView("nf-slot-p-0001", "y", datetime.now(timezone.utc), 60, "2")
     order: list[str] = []
+    said = {n: Said() for n in ("busy", "old", "new")}
 
     async def agent(node: str, gpu_pods: int) -> None:
-        async with gate(api, node).slot("c", gpu_pods=gpu_pods):
+        async with gate(api, node, said[node]).slot("c", gpu_pods=gpu_pods):
             order.append(node)
 
     async def main() -> None:
@@ -279,6 +280,8 @@ def test_fair_order_a_later_request_waits_behind_an_older_one() -> None:
     asyncio.run(main())
     assert order[0] == "old"  # one slot free: the oldest request among the nodes without GPU pods
     assert order.index("busy") == 2  # the node running GPU pods after them
+    # each said once that it waits in line, however the numbers in the reason changed meanwhile
+    assert [len(said[n].reasons) for n in ("busy", "old", "new")] == [1, 1, 1], {n: s.reasons for n, s in said.items()}
 
 
 def test_a_dead_holders_slot_is_free_after_its_lease() -> None:
