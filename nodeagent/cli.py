@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "nodeagent.commands.doctor:doctor",
     "adopt": "nodeagent.commands.adopt:adopt",
     "fleet": "nodeagent.commands.fleet:fleet",
+    "controller": "nodeagent.commands.controller:controller",
 }
 
 # command name -> the first paragraph of its help: all that ``nodeagent --help`` lists of it, so the listing
@@ -47,6 +48,7 @@ SUMMARIES: dict[str, str] = {
     "doctor": "Explain this GPU node: driver, GPUs and MIG, health, containerd, CDI, kubelet, Node, the agent.",
     "adopt": "Take a node over from the GPU Operator through its nvidia.com/gpu.deploy.* labels.",
     "fleet": "Fleet-wide changes under a disruption budget: status per pool, clear a brake.",
+    "controller": "Keep ComputeDomains' ResourceClaimTemplates and status; leader-elected through a Lease.",
 }
 _LISTING = "nodeagent.cli.listing"  # ctx.meta key: the group's help is listing its commands
 

@@ -89,6 +89,20 @@ class MigSettings:
 
 
 @dataclass(frozen=True)
+class VfioSettings:
+    # follow nvidia.com/gpu.workload.config (container | vm-passthrough): bind all GPUs to vfio-pci and back
+    enabled: bool = False
+    release_timeout: float = 300.0  # seconds to wait for the pods holding the GPUs before giving up
+
+
+@dataclass(frozen=True)
+class CcSettings:
+    enabled: bool = False  # follow nvidia.com/cc.mode (on | off | devtools | ppcie)
+    tool: str = ""  # the CC-mode tool; "" = NVIDIA gpu-admin-tools' nvidia_gpu_tools.py where installed
+    release_timeout: float = 300.0  # seconds to wait for the pods holding the GPUs before giving up
+
+
+@dataclass(frozen=True)
 class RuntimeSettings:
     enabled: bool = True
     containerd_config: str = "/etc/containerd/config.toml"
@@ -160,6 +174,8 @@ class AgentConfig:
     device_plugin: DevicePluginSettings = field(default_factory=DevicePluginSettings)
     dra: DraSettings = field(default_factory=DraSettings)
     mig: MigSettings = field(default_factory=MigSettings)
+    vfio: VfioSettings = field(default_factory=VfioSettings)
+    cc: CcSettings = field(default_factory=CcSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     publish: PublishSettings = field(default_factory=PublishSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -254,7 +270,7 @@ _POSITIVE = {
     "health.poll_interval",
     "dra.verify_interval",
 }
-_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout"}
+_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout", "vfio.release_timeout", "cc.release_timeout"}
 MAX_SECONDS = 366 * 24 * 3600.0  # no interval or window is longer than a year (the scheduler's limit is near)
 _ABSOLUTE_PATHS = {
     "kubeconfig",
@@ -263,6 +279,7 @@ _ABSOLUTE_PATHS = {
     "device_plugin.config",
     "mig.config_file",
     "mig.hooks_file",
+    "cc.tool",
     "runtime.containerd_config",
     "runtime.dropin",
     "cdi.driver_root",

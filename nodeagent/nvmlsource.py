@@ -6,6 +6,7 @@ chooses, for the commands and the daemon that take ``--simulate`` / ``--sim-stat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,3 +92,55 @@ def mps_manager(paths: HostPaths, driver_root: str, simulate: str | None, sim_st
             env["NODEAGENT_SIM_MACHINE"] = simulate
     return MpsManager(binary, extra_env=env, compute_modes=modes, record=record, root=paths,
                       command=(sys.executable, "-m", "nodeagent.simulator.mps_control"))
+
+
+def pci_kernel(paths: HostPaths, simulate: str | None, sim_state: Path | None) -> Callable[[], None] | None:
+    """What reacts to writes into the root's PCI tree in sysfs: the kernel itself on a host (None); on the
+    simulator the simulated kernel of the machine's tree, laid out under the sandbox root on first use."""
+    if simulate is None and sim_state is None:
+        return None
+    if paths.root == Path("/"):
+        raise InputError("the NVML simulator never acts on the real host: give it a sandbox root (--root DIR), not /")
+    from nodeagent.simulator.machine import load_machine
+    from nodeagent.simulator.pcisysfs import SimPciTree
+    from nodeagent.simulator.state import read_state_machine_name
+
+    name = simulate or (read_state_machine_name(sim_state) if sim_state is not None else None)
+    if name is None:
+        raise InputError(f"sim-state file {sim_state} does not exist yet; name the machine with --simulate MACHINE")
+    tree = SimPciTree(paths, load_machine(name))
+    if not tree.materialised:
+        tree.materialise()
+    return tree.settle
+
+
+CC_TOOL = "nvidia_gpu_tools.py"  # NVIDIA gpu-admin-tools
+CC_TOOL_DIRS = ("/usr/local/bin", "/usr/bin", "/opt/nvidia/gpu-admin-tools")
+
+
+def cc_tool(paths: HostPaths, simulate: str | None, sim_state: Path | None,
+            configured: str | None = None) -> tuple[list[str] | None, dict[str, str]]:
+    """(argv prefix, environment) of the CC-mode tool: ``configured`` or NVIDIA's ``nvidia_gpu_tools.py``
+    where installed, run only when the root is the node's own ``/`` (nothing of a sandbox root is ever
+    executed: None there); on the simulator this interpreter running ``nodeagent.simulator.ccadmin``
+    against the shared state file (an in-memory machine cannot be shared: None)."""
+    import os
+    import sys
+
+    base = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "LANG": "C", "LC_ALL": "C"}
+    if simulate is None and sim_state is None:
+        if not paths.is_node_root:
+            return None, base
+        if configured:
+            return [configured], base
+        for d in CC_TOOL_DIRS:
+            candidate = paths(f"{d}/{CC_TOOL}")
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return [str(candidate)], base
+        return None, base
+    if sim_state is None:
+        return None, base
+    env = dict(base, NODEAGENT_SIM_STATE=str(sim_state.absolute()))
+    if simulate:
+        env["NODEAGENT_SIM_MACHINE"] = simulate
+    return [sys.executable, "-m", "nodeagent.simulator.ccadmin"], env

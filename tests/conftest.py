@@ -8,8 +8,10 @@ import pytest
 import nodeagent  # noqa: F401  # first: the tests load grpc with the daemon's gRPC settings
 from tests.integration._releases import release_apiserver_pool
 from tests.peers.fixtures import containerd, containerd2, kube_apiserver, kubelet_harness
+from tests.unit._grpc_fixtures import served, service, short_dir
 
-__all__ = ["containerd", "containerd2", "kube_apiserver", "kubelet_harness", "release_apiserver_pool"]
+__all__ = ["containerd", "containerd2", "kube_apiserver", "kubelet_harness", "release_apiserver_pool", "served",
+           "service", "short_dir"]
 
 # Test files that own host paths (tests/peers/hostlock.py: the whole-node cluster, the booted Debian roots, the
 # host's NVML library): one scope, run one file after the other on ONE worker, so none of them waits for the

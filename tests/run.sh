@@ -17,9 +17,14 @@ if [ -f tests/testbin/setup.sh ]; then
 fi
 
 echo "== ruff"; "$VENV/bin/ruff" check nodeagent tests
-echo "== mypy"; "$VENV/bin/mypy"
+# mypy's incremental cache lives with the peers' cache, one per target version: a fresh clone of an unchanged
+# tree then checks in seconds (mypy compares the sources' hashes when their times differ).
+MYPY_CACHE=${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}/mypy
+echo "== mypy"; "$VENV/bin/mypy" --cache-dir "$MYPY_CACHE/3.11"
 # The oldest and newest Python the package supports: their stdlib stubs catch an API the other lacks.
-echo "== mypy (Python 3.10, 3.13)"; "$VENV/bin/mypy" --python-version 3.10 && "$VENV/bin/mypy" --python-version 3.13
+echo "== mypy (Python 3.10, 3.13)"
+"$VENV/bin/mypy" --python-version 3.10 --cache-dir "$MYPY_CACHE/3.10" \
+  && "$VENV/bin/mypy" --python-version 3.13 --cache-dir "$MYPY_CACHE/3.13"
 echo "== import layers"; "$VENV/bin/lint-imports"
 # A short base for pytest's temporary directories: tests bind Unix sockets below them (at most 107 bytes of
 # path), which a long $TMPDIR would overflow.

@@ -69,6 +69,15 @@ def default_specs() -> list[ComponentSpec]:
             return None
         return MigComponent(ctx)
 
+    def switch(kind: str) -> Callable[[Context], Component | None]:
+        def build(ctx: Context) -> Component | None:
+            from nodeagent.daemon.components.switches import SwitchComponent
+
+            enabled = ctx.config.vfio.enabled if kind == "vfio" else ctx.config.cc.enabled
+            return SwitchComponent(ctx, kind) if enabled and ctx.kube is not None else None
+
+        return build
+
     def publisher(ctx: Context) -> Component | None:
         from nodeagent.daemon.components.publisher import PublisherComponent
 
@@ -107,6 +116,8 @@ def default_specs() -> list[ComponentSpec]:
                       device_plugin),
         ComponentSpec("dra", frozenset({"device_plugin", "dra", "kubelet", "health"}), dra),
         ComponentSpec("mig", frozenset({"mig"}), mig),
+        ComponentSpec("vfio", frozenset({"vfio"}), switch("vfio")),
+        ComponentSpec("cc", frozenset({"cc"}), switch("cc")),
         ComponentSpec("publisher", frozenset({"publish", "kubelet"}), publisher),
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from nodeagent.agentrecord import AgentRecord
 from nodeagent.doctor.findings import Report, Sources, when
 from nodeagent.errors import NodeAgentError
-from nodeagent.gpu.inventory import Inventory
+from nodeagent.gpu.inventory import Gpu, Inventory
 
 
 def check_driver(src: Sources, report: Report) -> Inventory | None:
@@ -59,12 +59,20 @@ def check_gpus(src: Sources, inventory: Inventory, report: Report) -> None:
             report.add("gpus", "ok", f"GPU {g.index}: MIG on, {layout}")
         if g.bare_gpu_instances:
             report.add("gpus", "warning", f"GPU {g.index}: {len(g.bare_gpu_instances)} GPU instance(s) without a "
-                       "compute instance (a MIG change left half done?)",
-                       "apply the layout the GPU should have again (mig apply resolves a change left half "
-                       "done first): " + src.gpu_command("mig apply -f FILE -c CONFIG"))
+                       "compute instance (a MIG change left half done?)", _bare_instances_fix(src, g))
         if g.processes:
             procs = ", ".join(f"{p.pid} ({p.name})" for p in g.processes[:5])
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
+
+
+def _bare_instances_fix(src: Sources, g: Gpu) -> str:
+    """A command that removes only the GPU instances without a compute instance and keeps the whole MIG
+    devices (the next `mig apply` or the agent's label-driven change then plans from a clean layout)."""
+    if src.simulated:  # the simulated GPU gets its whole devices back, without the bare instances
+        profiles = " ".join(d.profile for d in sorted(g.mig_devices, key=lambda d: d.placement_start))
+        return src.gpu_command(f"sim mig --gpu {g.index} {profiles}".rstrip())
+    ids = ",".join(str(d.gi_id) for d in g.bare_gpu_instances)
+    return f"nvidia-smi mig -i {g.index} -dgi -gi {ids}"
 
 
 def check_health(src: Sources, inventory: Inventory, live: AgentRecord | None, report: Report) -> None:

@@ -115,6 +115,7 @@ def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report:
     if state == "failed":
         report.add("node", "error", f"nvidia.com/mig.config={labels.get('nvidia.com/mig.config', '')} failed "
                    "(see the MigConfigFailed Event on the Node)")
+    switch_findings(labels, report)
     for cond in status.get("conditions") or []:
         kind = str(cond.get("type", ""))
         if not kind.startswith("nodeagent.io/"):
@@ -144,6 +145,30 @@ def _node_findings(src: Sources, node: Any, inventory: Inventory | None, report:
         if "gpu" in str(taint.get("key", "")).lower():
             report.add("node", "warning", f"taint {taint.get('key')}={taint.get('value', '')}:"
                        f"{taint.get('effect', '')}")
+
+
+# (desired label, state label, the Event reason a failure leaves): the label-driven node switches
+_SWITCHES = (("nvidia.com/gpu.workload.config", "nvidia.com/gpu.workload.config.state", "WorkloadConfigFailed"),
+             ("nvidia.com/cc.mode", "nvidia.com/cc.mode.state", "CcModeFailed"))
+
+
+def switch_findings(labels: dict[str, str], report: Report) -> None:
+    """The workload config and the CC mode: applied (ok), failed (error, with the Event to read), or not
+    reported yet (warning: the agent is switching, or not following the label)."""
+    for desired, state_label, reason in _SWITCHES:
+        want, state = labels.get(desired), labels.get(state_label)
+        if want is None and state is None:
+            continue
+        if state == "failed":
+            report.add("node", "error", f"{desired}={want or ''} failed (see the {reason} Event on the Node)")
+        elif want is not None and state != want:
+            report.add("node", "warning", f"{desired}={want} is not applied ({state_label} is {state or 'unset'}): "
+                       "the agent is switching, or [vfio]/[cc] enabled is false in its config")
+        else:
+            extra = ""
+            if desired == "nvidia.com/cc.mode":
+                extra = f", nvidia.com/cc.ready.state={labels.get('nvidia.com/cc.ready.state', '')}"
+            report.add("node", "ok", f"{state_label}={state}{extra}")
 
 
 def _count(value: Any) -> int:

@@ -46,6 +46,7 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
+from nodeagent.dra.channels import channel_dra_device, channel_nodes
 from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
 from nodeagent.dra.devices import (
     DraDevice,
@@ -62,6 +63,7 @@ from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.dra.status import ClaimStatusWriter, device_status
 from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.fabric import decide as decide_clique
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
@@ -141,6 +143,7 @@ class DraComponent:
         # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
         self._leaving: frozenset[int] = frozenset(leaving)
         self.on_claims_changed: Callable[[], None] | None = None  # after every prepare and unprepare
+        self.clique: str | None = None  # the node's NVLink clique (nvidia.com/gpu.clique), from the inventory
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -183,7 +186,9 @@ class DraComponent:
     async def start(self, inventory: Inventory) -> None:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path, self.paths)
-        self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir, self.paths), self._read_claim, self.node_name,
+        specs = ClaimSpecs(self.cdi_dir, self.paths)
+        specs.channel_nodes = channel_nodes(self.paths)  # IMEX channels made on the node as claims need them
+        self.preparer = ClaimPreparer(checkpoint, specs, self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
                                       mps=self.mps, on_prepared=self._report_prepared)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
@@ -211,6 +216,10 @@ class DraComponent:
         self.devices = build_devices(inventory, roots, self.gpu_filter,
                                      self._dynamic if self.dynamic_mig else None,
                                      self._shared if self.shared_gpus else None)
+        # the node's NVLink clique from its GPUs' fabric info: with one, the pool holds the IMEX channel device
+        self.clique = decide_clique(inventory).value
+        if self.clique:
+            self.devices.append(channel_dra_device(self.clique))
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -221,6 +230,10 @@ class DraComponent:
             log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
             self.preparer.specs.node_facts = {}
         await self._refresh()
+
+    def compute_domains(self) -> set[str]:
+        """The ComputeDomains (UIDs) whose channel claims are prepared on this node."""
+        return self.preparer.domains() if self.preparer is not None else set()
 
     def _dynamic(self, gpu: Gpu) -> bool:
         """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""

@@ -78,7 +78,7 @@ class DraDevice:
     """One device of the node's pool, with what a container needs to use it."""
 
     name: str
-    kind: str  # "gpu" | "mig"
+    kind: str  # "gpu" | "mig" | "channel" (IMEX, nodeagent.dra.channels; gpu_index and minor -1)
     gpu_index: int
     minor: int  # N of /dev/nvidiaN (the parent GPU for a MIG device)
     uuid: str
@@ -90,6 +90,7 @@ class DraDevice:
     consumes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)  # counter set → counter → amount
     shared: bool = False  # allows multiple allocations, each consuming part of its capacity
     share: Share | None = None  # a prepared allocation of a shared device: what this one consumed
+    channels: int = 0  # kind "channel" (an IMEX channel device) prepared: channels 0..channels-1 go in
 
     @property
     def dynamic(self) -> bool:

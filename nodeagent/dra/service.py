@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs, cdi_device_id
+from nodeagent.dra.channels import CONFIG_KIND as CHANNEL_CONFIG_KIND
+from nodeagent.dra.channels import channel_ids, claim_channel_config
 from nodeagent.dra.checkpoint import (
     PREPARED,
     PREPARING,
@@ -59,9 +61,10 @@ from nodeagent.dra.devices import (
 )
 from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps, with_consumed_capacity
 from nodeagent.dra.quantity import quantity_int
-from nodeagent.errors import GpuBusyError, KubeError, NodeAgentError
+from nodeagent.errors import ConfigError, GpuBusyError, KubeError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
+from nodeagent.imex.channels import DEFAULT_CHANNEL_COUNT
 from nodeagent.logs import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -111,6 +114,7 @@ class Wanted(NamedTuple):
     requests: tuple[str, ...]
     consumed: tuple[tuple[str, str], ...] = ()
     admin: bool = False
+    domain: str = ""  # an IMEX channel device: the ComputeDomain (UID) of the claim's channel config
 
 
 class ClaimError(Exception):
@@ -266,6 +270,7 @@ class ClaimPreparer:
         self.driver = driver
         self.mig = mig  # needed for dynamic MIG devices only
         self.on_prepared = on_prepared
+        self.channel_count = DEFAULT_CHANNEL_COUNT  # IMEX channels an "All" claim gets
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
         # GPUs a MIG change has withdrawn: no new claim is prepared on them until they are re-advertised
@@ -283,6 +288,11 @@ class ClaimPreparer:
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
+
+    def domains(self) -> set[str]:
+        """The ComputeDomains (UIDs) of the IMEX channel claims prepared here."""
+        return {d.domain for rec in self.checkpoint.claims.values() if rec.state == PREPARED
+                for d in rec.devices if d.channels and d.domain}
 
     def owned_instances(self) -> dict[int, set[tuple[str, int]]]:
         """GPU index → (profile, start) of every GPU instance a claim record names (prepared or not)."""
@@ -356,9 +366,12 @@ class ClaimPreparer:
             devs = [self._spec_device(d) for d in rec.devices]
             if all(d is not None for d in devs):
                 wanted = [d for d in devs if d is not None]
-                if self.specs.current(uid) != self.specs.render(uid, wanted):
-                    self.specs.write(uid, wanted)
-                    done.append(f"rewrote the CDI spec of {label}")
+                try:
+                    if self.specs.current(uid) != self.specs.render(uid, wanted):
+                        self.specs.write(uid, wanted)
+                        done.append(f"rewrote the CDI spec of {label}")
+                except NodeAgentError as e:  # e.g. an IMEX channel that cannot be made: the spec stays
+                    log.warning("%s: CDI spec not rewritten: %s", label, e)
             elif not self.specs.path(uid).exists():
                 log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten",
                             rec.namespace, rec.name, uid)
@@ -441,7 +454,7 @@ class ClaimPreparer:
                     self._remember_unknown(ref, str(e))
                 raise
         try:
-            resolved = (self._resolve(claim, ref),
+            resolved = (self._with_channels(claim, ref, self._resolve(claim, ref)),
                         parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}"))
         except UnknownClaim as e:
             self._remember_unknown(ref, str(e))
@@ -537,10 +550,29 @@ class ClaimPreparer:
                 by_key[key] = old._replace(requests=(*old.requests, a.request), admin=old.admin and a.admin)
         return list(by_key.values())
 
+    def _with_channels(self, claim: Mapping[str, Any], ref: ClaimRef, wanted: list[Wanted]) -> list[Wanted]:
+        """An IMEX channel device gets the channels of the claim's ``ComputeDomainChannelConfig`` (channel 0
+        for Single, all for All); a channel device without that config is refused."""
+        if not any(w.dev.kind == "channel" for w in wanted):
+            return wanted
+        label = f"ResourceClaim {ref.namespace}/{ref.name}"
+        try:
+            cfg = claim_channel_config(claim, self.driver, label)
+        except ConfigError as e:
+            raise ClaimError(str(e)) from None
+        if cfg is None:
+            raise ClaimError(f"{label}: an IMEX channel needs a {CHANNEL_CONFIG_KIND} (its ComputeDomain's "
+                             "ResourceClaimTemplate carries one)")
+        count = len(channel_ids(cfg.allocation_mode, self.channel_count))
+        return [w._replace(dev=dataclasses.replace(w.dev, channels=count), domain=cfg.domain_id)
+                if w.dev.kind == "channel" else w for w in wanted]
+
     def _spec_device(self, d: PreparedDevice) -> DraDevice | None:
         dev = self.devices.get(d.device)
         if dev is None:
             return None
+        if d.channels:
+            return dataclasses.replace(dev, channels=d.channels)
         if d.share_id is not None:
             try:
                 dev = with_share(dev, _share(ClaimRef("", "", d.device), dev, d.share_id, d.consumed))
@@ -559,7 +591,8 @@ class ClaimPreparer:
             dev = w.dev
             share_id = dev.share.share_id if dev.share is not None else None
             return PreparedDevice(w.requests, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name, share_id),),
-                                  mig, share_id, w.consumed if share_id is not None else (), w.admin)
+                                  mig, share_id, w.consumed if share_id is not None else (), w.admin,
+                                  dev.channels, w.domain)
 
         if not any(w.dev.dynamic for w in wanted):
             prepared = tuple(prepared_device(w, None) for w in wanted)

@@ -38,6 +38,9 @@ def _data(pd: PreparedDevice, dev: DraDevice | None) -> dict[str, Any]:
         return out
     if dev is None:
         return out
+    if dev.kind == "channel":
+        out.update(channels=pd.channels, domainID=pd.domain)
+        return out
     out.update(uuid=dev.uuid, gpuIndex=dev.gpu_index)
     if dev.kind == "mig":
         attrs = dev.attributes

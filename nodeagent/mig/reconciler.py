@@ -38,17 +38,30 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from nodeagent.backoff import Backoff
 from nodeagent.deadline import within
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError, RebootRequired
 from nodeagent.fileio import Root, read_text
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.ports import MigAdministration
+from nodeagent.labelswitch import (
+    ClaimHolder as ClaimHolder,
+)
+from nodeagent.labelswitch import (
+    GpuHolders,
+    NodeApi,
+    NodeReporter,
+    NodeViewLike,
+    describe_holders,
+    wait_released,
+)
+from nodeagent.labelswitch import (
+    Holder as Holder,
+)
 from nodeagent.mig.apply import MigStateFile, Recovery, describe_process
 from nodeagent.mig.pipeline import MigPipeline, MigSources, load_sources
 from nodeagent.mig.planner import GpuPlan, Plan
@@ -59,61 +72,7 @@ log = logging.getLogger(__name__)
 CONFIG_LABEL = "nvidia.com/mig.config"
 STATE_LABEL = "nvidia.com/mig.config.state"
 GENERATION_ANNOTATION = "nodeagent.io/mig.config.generation"
-# a label write or event the API refused is tried again after 0.2 s, 0.4 s, ... at most 5 s apart
-KUBE_RETRY_START_S = 0.2
-KUBE_RETRY_MAX_S = 5.0
-
 PENDING, REBOOTING, SUCCESS, FAILED = "pending", "rebooting", "success", "failed"
-
-
-class NodeViewLike(Protocol):
-    @property
-    def labels(self) -> Mapping[str, str]: ...
-
-    @property
-    def annotations(self) -> Mapping[str, str]: ...
-
-
-class NodeApi(Protocol):
-    """What the reconciler needs of ``nodeagent.kube.node.NodeClient``."""
-
-    async def aget(self) -> Any: ...
-
-    async def apatch_labels(self, changes: Mapping[str, str | None]) -> Any: ...
-
-    async def acreate_event(
-        self, reason: str, message: str, type: str = "Normal", action: str | None = None
-    ) -> str: ...
-
-    def updates(self, **kwargs: Any) -> AsyncIterator[Any]: ...
-
-
-@dataclass(frozen=True, order=True)
-class ClaimHolder:
-    """A ResourceClaim (DRA) prepared on a GPU: ``namespace/name``, and the pods using it where known."""
-
-    claim: str
-    pods: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        if not self.pods:
-            return f"claim {self.claim}"
-        return f"claim {self.claim} (pod{'s' if len(self.pods) > 1 else ''} {', '.join(self.pods)})"
-
-
-# What holds a GPU: a pod (``namespace/name``) given one of its device-plugin devices, or a claim.
-Holder = str | ClaimHolder
-
-
-class GpuHolders(Protocol):
-    """What holds devices of some GPUs: pods (the kubelet's PodResources API) and ResourceClaims prepared
-    on them (the DRA plane's record)."""
-
-    async def __call__(self, gpu_indices: frozenset[int]) -> Mapping[int, tuple[Holder, ...]]:
-        """GPU index → every pod (``namespace/name``) holding one of its devices and every claim prepared
-        on it (GPUs nothing holds are absent). Raises ``NodeAgentError`` when that cannot be known (the
-        kubelet does not answer)."""
-        ...
 
 
 class ResourcePublisher(Protocol):
@@ -204,6 +163,7 @@ class MigReconciler:
         # remains)
         self.holders = holders
         self.on_state = on_state  # every state label value, before it is written (e.g. Node conditions)
+        self.report = NodeReporter(node, "mig", self.options.kube_timeout_s)
         self.last_key: tuple[str, str] | None = None
         self.last_state: str | None = None
         self.last_plan: Plan | None = None
@@ -431,27 +391,10 @@ class MigReconciler:
     async def _wait_released(self, what_waits: str, gpus: frozenset[int]) -> None:
         """Wait until nothing holds a device of any of ``gpus`` (all of them at once: restoring an
         interrupted apply puts its GPUs back together), at most ``release_timeout_s``."""
-        if self.holders is None or not gpus:
-            return
-        deadline = time.monotonic() + self.options.release_timeout_s
-        announced = False
-        while True:
-            held, unknown = await self._holders_now(gpus)
-            if not held and not unknown:
-                return
-            what = _describe_holders(held) if held else f"pod use unknown ({unknown})"
-            if time.monotonic() >= deadline:
-                running = await asyncio.to_thread(self._running, sorted(held) or sorted(gpus))
-                raise OperationError(
-                    f"{what} after waiting {self.options.release_timeout_s:g}s for the GPU(s) to be released"
-                    + (f" (processes: {running})" if running else "") + "; nothing was changed",
-                    subject=CONFIG_LABEL)
-            if not announced:
-                announced = True
-                await self._event("MigWaitingForPods",
-                                  f"{what_waits} waits up to {self.options.release_timeout_s:g}s: {what}"[:1000],
-                                  "Normal")
-            await asyncio.sleep(min(self.options.release_poll_s, max(0.0, deadline - time.monotonic())))
+        await wait_released(self.holders, gpus, timeout_s=self.options.release_timeout_s,
+                            poll_s=self.options.release_poll_s, what_waits=what_waits,
+                            announce=lambda line: self._event("MigWaitingForPods", line, "Normal"),
+                            subject=CONFIG_LABEL, running=self._running)
 
     def _running(self, gpus: list[int]) -> str:
         """``GPU 1: pid 42 (python train.py) in pod ml/a (uid …) | GPU 3: …``: the processes NVML shows on
@@ -484,35 +427,13 @@ class MigReconciler:
                 self.on_state(state)
             except Exception:
                 log.exception("mig: state callback failed")
-        await self._kube(lambda: self.node.apatch_labels({STATE_LABEL: state}), f"set {STATE_LABEL}={state}")
+        await self.report.labels({STATE_LABEL: state})
 
     async def _event(self, reason: str, message: str, type_: str) -> None:
-        (log.info if type_ == "Normal" else log.warning)("mig: %s: %s", reason, message)
-        await self._kube(lambda: self.node.acreate_event(reason, message, type_), f"record event {reason}",
-                         attempts=2)
-
-    async def _kube(self, call: Callable[[], Awaitable[Any]], what: str, attempts: int = 5) -> None:
-        backoff = Backoff(KUBE_RETRY_START_S, KUBE_RETRY_MAX_S, jitter=False)
-        for attempt in range(attempts):
-            try:
-                await within(call(), self.options.kube_timeout_s)
-                return
-            except (NodeAgentError, TimeoutError) as e:
-                if attempt == attempts - 1:
-                    log.error("mig: could not %s: %s", what, e)
-                    return
-                await asyncio.sleep(backoff.next())
+        await self.report.event(reason, message, type_)
 
 
-def _describe_holders(held: Mapping[int, tuple[Holder, ...]]) -> str:
-    """``GPU 0 is held by pods ml/a, ml/b; GPU 3 is held by pod x/y and claim ml/c (pod ml/p)`` (one line)."""
-    parts = []
-    for gpu in sorted(held):
-        pods = [h for h in held[gpu] if isinstance(h, str)]
-        what = [f"pod{'s' if len(pods) > 1 else ''} {', '.join(pods)}"] if pods else []
-        what += [str(h) for h in sorted(h for h in held[gpu] if isinstance(h, ClaimHolder))]
-        parts.append(f"GPU {gpu} is held by {' and '.join(what)}")
-    return "; ".join(parts)
+_describe_holders = describe_holders  # the name the MIG code and its tests know
 
 
 def _outcome(changed: list[GpuPlan], touched: set[int]) -> str:

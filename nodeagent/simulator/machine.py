@@ -18,6 +18,7 @@ _UUID_NAMESPACE = uuid.UUID("6f1d3a52-8c1e-4c55-9d0b-6a0c1f1e2b7d")
 ARCH_NVML = {"turing": 6, "ampere": 7, "ada": 8, "hopper": 9, "blackwell": 10}
 FABRICS = ("nvswitch", "bridges", "none")
 VIRTUALIZATION = ("baremetal", "passthrough")
+CPU_TEES = ("none", "tdx", "sev-snp")  # the CPU's trusted execution environment, as KVM has it enabled
 SWITCH_LEVELS = {"single": 10, "multiple": 20, "hostbridge": 30}
 
 
@@ -38,6 +39,7 @@ class SimGpuSpec:
     nvlinks: int
     power_idle_w: int
     power_max_w: int
+    audio_device_id: int = 0  # the PCI device ID of the HD-audio function beside the GPU (0: none)
 
     @property
     def arch_nvml(self) -> int:
@@ -47,6 +49,11 @@ class SimGpuSpec:
     def mig_needs_reset(self) -> bool:
         """Ampere keeps a MIG mode change pending until a GPU reset; Hopper and later apply it at once."""
         return self.architecture == "ampere"
+
+    @property
+    def cc_capable(self) -> bool:
+        """Confidential computing: Hopper and later."""
+        return self.architecture in ("hopper", "blackwell")
 
     @property
     def bus_tuple(self) -> tuple[int, int, int]:
@@ -70,6 +77,9 @@ class SimMachine:
     # the host starts nvidia-persistenced at boot (its default --persistence-mode enables persistence mode on
     # every GPU); without it the driver's own default holds after each boot: persistence mode disabled
     persistenced: bool = True
+    cpu_tee: str = "none"  # tdx | sev-snp | none: what the simulated host's KVM has enabled
+    # nodes of the NVLink rack this machine is one compute tray of (18 for GB200/GB300 NVL72); 0: no rack
+    rack_nodes: int = 0
 
     @property
     def passthrough(self) -> bool:
@@ -135,6 +145,7 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
                     nvlinks=int(m.get("nvlinks", 0)),
                     power_idle_w=int(m.get("power_idle_w", 30)),
                     power_max_w=int(m.get("power_max_w", 300)),
+                    audio_device_id=int(m.get("audio_device_id", 0)),
                 )
             )
         fabric = str(doc.get("nvlink_fabric", "none"))
@@ -147,6 +158,12 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
         virtualization = str(doc.get("virtualization", "baremetal"))
         if virtualization not in VIRTUALIZATION:
             raise ValueError(f"virtualization must be one of {VIRTUALIZATION}")
+        cpu_tee = str(doc.get("cpu_tee", "none"))
+        if cpu_tee not in CPU_TEES:
+            raise ValueError(f"cpu_tee must be one of {CPU_TEES}")
+        rack_nodes = doc.get("rack_nodes", 0)
+        if isinstance(rack_nodes, bool) or not isinstance(rack_nodes, int) or not 0 <= rack_nodes <= 576:
+            raise ValueError(f"rack_nodes must be an integer 0..576, not {shown(rack_nodes)}")
         return SimMachine(
             name=name,
             description=str(doc.get("description", name)),
@@ -159,6 +176,8 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
             virtualization=virtualization,
             missing_functions=frozenset(str(f) for f in doc.get("missing_functions", ())),
             persistenced=persistenced,
+            cpu_tee=cpu_tee,
+            rack_nodes=rack_nodes,
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise InputError(f"simulated machine {name!r} is malformed: {e}", subject=name) from e

@@ -47,12 +47,14 @@ from nodeagent.simulator.nvml_base import (
     persistence_mode,
     reboot_state,
 )
+from nodeagent.simulator.nvml_cc import CcCalls
+from nodeagent.simulator.nvml_fabric import FabricCalls
 from nodeagent.simulator.nvml_mig import MigCalls
 from nodeagent.simulator.nvml_telemetry import FI_MEMORY_TEMP, TelemetryCalls
 from nodeagent.simulator.state import State
 
 
-class SimulatedNvml(TelemetryCalls, MigCalls):
+class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls, FabricCalls):
     """pynvml for a simulated machine; pass it to ``NvmlAdapter`` in place of the pynvml module."""
 
     # --- init / system ------------------------------------------------------------------------

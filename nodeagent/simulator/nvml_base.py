@@ -220,6 +220,12 @@ def driver_gi_id(product: MigProduct, gs: dict[str, Any], start: int, size: int)
 
 
 def _reset_gpu_state(gs: dict[str, Any], spec: SimGpuSpec) -> None:
+    # a CC or PPCIe mode the admin tool wrote takes effect at the reset, and the GPUs stop accepting work
+    if "cc_pending" in gs:
+        gs["cc_mode"] = gs.pop("cc_pending")
+    if "ppcie_pending" in gs:
+        gs["ppcie"] = gs.pop("ppcie_pending")
+    gs.pop("cc_ready", None)
     gs["gis"] = []
     gs["processes"] = []
     gs["recovery_action"] = 0

@@ -50,7 +50,9 @@ _TOP: _Shape = {"version": ("int", True), "machine": ("str", True), "boot": ("in
                 "fail_next": ("list", True), "gpus": ("list", True)}
 _GPU: _Shape = {"mig_current": ("bool", True), "mig_pending": ("bool", True), "lost": ("bool", True),
                 "gis": ("list", True), "processes": ("list", True), "clients": ("list", False),
-                "compute_mode": ("int", False), "persistence_mode": ("int", False)}
+                "compute_mode": ("int", False), "persistence_mode": ("int", False),
+                "cc_mode": ("str", False), "cc_pending": ("str", False), "ppcie": ("bool", False),
+                "ppcie_pending": ("bool", False), "cc_ready": ("int", False)}
 _GI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "start": ("int", True), "size": ("int", True),
                "serial": ("int", False), "cis": ("list", True)}
 _CI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "slices": ("int", True), "start": ("int", True),

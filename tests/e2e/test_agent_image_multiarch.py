@@ -4,7 +4,7 @@
 tests/testbin/setup.sh builds the three archives before pytest (step nodeagent_peers_agent_image_multiarch);
 this test only reads them. Each image's root filesystem is unpacked from its layers into a temporary
 directory and run as a chroot; the arm64 one's programs (Debian's python3, the wheels' extension modules)
-are run by Debian's qemu-aarch64-static through binfmt_misc, as on tests/e2e/test_distros.py's arm64 root.
+are run by Debian's qemu-aarch64-static through binfmt_misc, as on tests/e2e/test_distros_chroot.py's arm64 root.
 """
 
 from __future__ import annotations

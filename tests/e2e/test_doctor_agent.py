@@ -6,13 +6,15 @@ without /proc (the DaemonSet's /host), where the record is all there is; the nod
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 from nodeagent.agentrecord import RECORD, AgentRecorder, read_record
 from nodeagent.hostpaths import HostPaths
-from tests.e2e._agent import ROOT, eventually, node_root, running_agent
+from tests.e2e._agent import REPO, ROOT, eventually, node_root, running_agent
 from tests.e2e.test_doctor import _doctor, _na, _one
 
 SIM = ["--simulate", "t4x1"]
@@ -34,7 +36,7 @@ def test_the_running_agent_in_its_unit_its_reloads_and_its_stop(tmp_path: Path) 
         (proc / "cmdline").write_bytes(Path(f"/proc/{agent.pid}/cmdline").read_bytes())
         (proc / "cgroup").write_text("0::/system.slice/nodeagent.service\n")
         (root / "lib/systemd/system").mkdir(parents=True)
-        (root / "lib/systemd/system/nodeagent.service").write_text("[Service]\nExecStart=/usr/bin/nodeagent run\n")
+        (root / "lib/systemd/system/nodeagent.service").write_text((REPO / "systemd/nodeagent.service").read_text())
         agent_findings = _agent_findings(root)
         _one(agent_findings, "agent", "ok", f"nodeagent run is running (pid {agent.pid}) in unit nodeagent.service, "
              "started 20")
@@ -60,9 +62,10 @@ def test_the_running_agent_in_its_unit_its_reloads_and_its_stop(tmp_path: Path) 
         config.write_text('log_level = "debug"\n')
         agent.send(signal.SIGHUP)
         eventually(lambda: (r := read_record(HostPaths(root))) and r.reloads == 2, 10, "the applied reload recorded")
-        wants = root / "etc/systemd/system/multi-user.target.wants"
-        wants.mkdir(parents=True)
-        (wants / "nodeagent.service").symlink_to("/lib/systemd/system/nodeagent.service")
+        # the fix printed for the unit not enabled, run as printed (systemctl works on a root offline)
+        enabled = subprocess.run(shlex.split(disabled["fix"]), capture_output=True, text=True, timeout=60, check=False)
+        assert enabled.returncode == 0, enabled.stderr
+        assert (root / "etc/systemd/system/multi-user.target.wants/nodeagent.service").is_symlink()
         agent_findings = _agent_findings(root)
         assert [f["level"] for f in agent_findings] == ["ok", "ok", "ok"], agent_findings
         _one(agent_findings, "agent", "ok", "nodeagent.service: whether systemd has it active or failed is not "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,6 +198,14 @@ def test_dra_driver_mig_manager_and_nfd_on_the_api(
         )
         assert status == 200, body
         _, released = _findings(root, "--kubeconfig", str(server.kubeconfig), "--node-name", node)
+        # the fix printed for it, run as printed: the operands are handed over again, the finding is gone
+        fix = _one(released, "node", "warning", "the GPU Operator deploys its device plugin on this node")["fix"]
+        words = shlex.split(fix)
+        assert words[:3] == ["nodeagent", "--root", str(root)], fix
+        adopted = _na(root, *words[3:])
+        assert adopted.returncode == 0, adopted.stdout + adopted.stderr
+        _, after = _findings(root, "--kubeconfig", str(server.kubeconfig), "--node-name", node)
+        assert not [f for f in after if "deploys its device plugin" in f["text"] or "no longer false" in f["text"]]
     finally:
         server.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{slice_name}")
         server.request("DELETE", f"/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/nfd/nodefeatures/{node}-gfd")

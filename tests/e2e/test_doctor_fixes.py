@@ -161,3 +161,43 @@ def test_adopt_without_credentials_does_not_advise_no_kube(base: Path) -> None:
     assert "--no-kube" not in r.stderr and r.stderr.rstrip().endswith(
         "Give --kubeconfig FILE (adopt works only through the API: run it where the cluster's credentials are, "
         "or in the agent's pod)"), r.stderr
+
+
+def test_a_mig_change_left_half_done_has_a_fix_that_runs(base: Path) -> None:
+    """A GPU instance without a compute instance (what a MIG change killed midway leaves): the fix doctor
+    prints removes it and keeps the GPU's whole MIG device, run as printed."""
+    import pynvml
+
+    from nodeagent.simulator.open import open_sim
+
+    root, state = base / "node", base / "node/sim.json"
+    root.mkdir()
+    env = _env(root)
+
+    def na(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "nodeagent", "--root", str(root), *args], cwd=base, env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    assert na("sim", "mig", "--simulate", "dgx-a100-80gb", "--sim-state", str(state), "--gpu", "1",
+              "3g.40gb").returncode == 0
+    sim = open_sim(None, state)
+    sim.nvmlInit()
+    gpu = sim.nvmlDeviceGetHandleByIndex(1)
+    sim.nvmlDeviceCreateGpuInstance(
+        gpu, sim.nvmlDeviceGetGpuInstanceProfileInfo(gpu, pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE).id)
+    sim.nvmlShutdown()
+
+    def bare() -> list[dict[str, Any]]:
+        r = na("doctor", "--sim-state", str(state), "--no-kube", "--json")
+        return [f for f in json.loads(r.stdout)["findings"] if "without a compute instance" in f["text"]]
+
+    found = bare()
+    assert len(found) == 1 and found[0]["text"].startswith("GPU 1: 1 GPU instance(s)"), found
+    argv = _command(found[0]["fix"])
+    assert argv is not None and argv[3:] == ["--root", str(root), "sim", "mig", "--gpu", "1", "3g.40gb",
+                                             "--sim-state", str(state)], found
+    r = subprocess.run(argv, cwd=base, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert bare() == []
+    layout = json.loads(na("discover", "--sim-state", str(state), "--json").stdout)["gpus"][1]
+    assert [d["profile"] for d in layout["mig_devices"]] == ["3g.40gb"], layout

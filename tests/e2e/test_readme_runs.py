@@ -25,8 +25,8 @@ ELSEWHERE = {
     ". .venv/bin/activate": "a shell built-in; the commands after it run here as `nodeagent`",
     "bash tests/run.sh": "this suite itself (.ci/run)",
     "bash packaging/build-deb.sh": "tests/e2e/test_delivery.py (the .deb, built in a fresh clone), "
-                                   "tests/e2e/test_distros.py (--arch amd64 and arm64)",
-    "apt-get install ./dist/nodeagent_": "tests/e2e/test_systemd_boot.py and test_distros.py (Debian 12 and 13 roots)",
+                                   "tests/e2e/test_distros_chroot.py (--arch amd64 and arm64)",
+    "apt-get install ./dist/nodeagent_": "tests/e2e/test_systemd_boot.py, test_distros.py and test_distros_chroot.py (Debian 12 and 13 roots)",
     "kubectl apply -f packaging/kubernetes/": "tests/e2e/test_kube_manifests.py (server-side dry run)",
     "kubectl label node": "tests/e2e/test_kube_manifests.py",
     "buildah build -f packaging/kubernetes/Containerfile": "tests/testbin/setup.sh (nodeagent_peers_agent_image: the "

@@ -117,7 +117,8 @@ def _accesses(log: Path, cwd: Path) -> Iterator[Access]:
         name = p.group(3) if p.group(3) is not None else p.group(4)
         path = os.path.normpath(os.path.join(base, name)) if name else base
         write = call in WRITE_CALLS or (call in OPEN_CALLS and bool(WRITE_FLAGS.search(args)))
-        yield Access(call, path, write, raw)
+        if call not in {"symlink", "symlinkat"}:  # a symlink's first argument is its text, not a path used
+            yield Access(call, path, write, raw)
         if call in {"rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat"}:
             rest = args[p.end() :]
             second = PATH_ARG.search(rest.lstrip(", "))
@@ -466,13 +467,17 @@ def test_the_trace_sees_what_leaves_a_sandbox(box: Sandbox) -> None:
         snippet = (
             f"open({str(outside / 'w')!r}, 'w').close(); import os, subprocess; "
             "os.path.exists('/etc/containerd/config.toml'); subprocess.run(['/bin/true']); "
-            "os.makedirs('inside/x', exist_ok=True)"
+            "os.makedirs('inside/x', exist_ok=True); "
+            f"os.symlink('x', {str(outside / 'l')!r}); os.symlink({str(outside)!r}, 'inside/l')"
         )
         accesses = box.traced("-c", snippet, program=(sys.executable,))
         with pytest.raises(AssertionError) as failed:
             box.check(accesses, box.tmp / "inside")
         text = str(failed.value)
         assert "wrote outside: " in text and str(outside / "w") in text, text
+        # a link made outside is a write there; a link inside pointing out is not (its text is no path used)
+        assert f'symlink("x", "{outside / "l"}")' in text, text
+        assert f'symlink("{outside}", ' not in text, text
         assert "executed: " in text and "/bin/true" in text, text
         assert "touched a host path: " in text and "/etc/containerd/config.toml" in text, text
     finally:
@@ -544,3 +549,22 @@ def test_mps_on_the_simulator_runs_nothing_of_the_root_and_stays_inside(box: San
     assert (root / str(outside).lstrip("/") / "log/control.log").is_file()
     assert sorted(p.name for p in outside.rglob("*")) == ["log", "pipe"]  # both left empty
 
+
+
+def test_vfio_and_cc_switches_write_sysfs_only_under_the_root(box: Sandbox, outside: Path) -> None:
+    """The workload switch (vfio-pci and back) and the CC switch (on and off, the ccadmin stand-in run as
+    this interpreter) on the simulator: every sysfs write lands in the root's tree, nothing of the host's
+    /sys is touched, nothing but this interpreter is executed."""
+    root = box.tmp / "r"
+    root.mkdir()
+    accesses = box.traced("r", "r/sim.json",
+                          program=(sys.executable, str(REPO / "tests/e2e/_switch_driver.py")))
+    box.check(accesses, root)
+    box.untouched(accesses, outside)
+    sysfs_writes = {a.path for a in accesses if a.write and "/sys/bus/pci/" in a.path}
+    real = str(root.resolve())
+    assert sysfs_writes and all(p.startswith(real + "/") for p in sysfs_writes), sorted(sysfs_writes)[:10]
+    assert f"{real}/sys/bus/pci/drivers/vfio-pci/bind" in sysfs_writes
+    assert f"{real}/sys/bus/pci/drivers_probe" in sysfs_writes
+    assert "bound to vfio-pci" in box.output and "CC mode off → on" in box.output
+    assert not any(a.path.startswith("/sys/") for a in accesses), "the host's /sys was looked at"

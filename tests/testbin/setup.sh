@@ -20,6 +20,7 @@
 #                                 (and k8s136, k8s135 the same for 1.36 and 1.35)
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 #       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
+#       nodeagent_peers_computedomain_crd -> NODEAGENT_COMPUTEDOMAIN_CRD (NVIDIA's CRD file, not a binary)
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
 #       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian 12 directory tree systemd boots)
 #       nodeagent_peers_debian13_root -> NODEAGENT_DEBIAN13_ROOT (the same on Debian 13, with a test venv)
@@ -902,6 +903,33 @@ nodeagent_peers_agent_image_multiarch() {
   export NODEAGENT_AGENT_IMAGE_MULTIARCH=$NODEAGENT_IMAGE_ARCHIVE
 }
 
+# NVIDIA's ComputeDomain CRD (resource.nvidia.com/v1beta1) exactly as its DRA driver ships it: the file of the
+# driver's Helm chart, taken from the Go module of the release below (kubernetes-sigs/dra-driver-nvidia-gpu;
+# Apache-2.0) and kept in the cache under that version. nodeagent does not ship a copy: users install NVIDIA's
+# (docs/computedomains.md); the tests install this one.
+NODEAGENT_CD_DRIVER_MODULE=sigs.k8s.io/dra-driver-nvidia-gpu
+NODEAGENT_CD_DRIVER_VERSION=v0.5.0
+nodeagent_peers_computedomain_crd() {
+  local dir=$NODEAGENT_CACHE/crds/dra-driver-nvidia-gpu-$NODEAGENT_CD_DRIVER_VERSION out mod
+  local file=$dir/resource.nvidia.com_computedomains.yaml
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_log "plan: ComputeDomain CRD $([ -f "$file" ] && echo cached || echo to download)"
+  elif [ ! -f "$file" ]; then
+    out=$(cd "$NODEAGENT_CACHE" && GOFLAGS=-mod=mod go mod download -json \
+      "$NODEAGENT_CD_DRIVER_MODULE@$NODEAGENT_CD_DRIVER_VERSION" 2>&1) || true
+    mod=$(printf '%s\n' "$out" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p' | head -n 1)
+    local src=$mod/deployments/helm/dra-driver-nvidia-gpu/crds/resource.nvidia.com_computedomains.yaml
+    if [ -z "$mod" ] || [ ! -f "$src" ]; then
+      _peers_log "cannot get the ComputeDomain CRD from $NODEAGENT_CD_DRIVER_MODULE@$NODEAGENT_CD_DRIVER_VERSION: $(printf '%s' "$out" | tail -n 2)"
+      return 1
+    fi
+    mkdir -p "$dir" && cp "$src" "$file.tmp" && cp "$mod/LICENSE" "$dir/LICENSE" && mv "$file.tmp" "$file" ||
+      return 1
+  fi
+  export NODEAGENT_COMPUTEDOMAIN_CRD=$file
+}
+
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -913,6 +941,7 @@ NODEAGENT_PEERS_STEPS=(
   "containerd 2:nodeagent_peers_containerd2"
   "kubelet device-manager harness:nodeagent_peers_harness"
   "etcd + kube-apiserver v1.34:nodeagent_peers_apiserver"
+  "NVIDIA's ComputeDomain CRD (Go module proxy):nodeagent_peers_computedomain_crd"
   "kube-scheduler + kube-controller-manager v1.34:nodeagent_peers_kube_control_plane"
   "kubelet DRA harness v1.34:nodeagent_peers_dra_harness"
   "Kubernetes v1.37 peers:nodeagent_peers_k8s137"

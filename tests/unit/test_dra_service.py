@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import stat
-import tempfile
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ from nodeagent.dra.api import (
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.checkpoint import PREPARED, Checkpoint
 from nodeagent.dra.devices import build_devices
-from nodeagent.dra.health import HealthFeed, unhealthy_devices
+from nodeagent.dra.health import unhealthy_devices
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.errors import KubeError
@@ -187,28 +185,6 @@ async def test_bad_uid_is_refused_and_changes_nothing(tmp_path: Path) -> None:
     out = await p.prepare([ClaimRef("ns", "../x", "bad")])
     assert "claim UID" in out["../x"].error
     assert not (tmp_path / "state" / "dra-claims.json").exists() and p.specs.claim_uids() == set()
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """Socket paths must stay under 108 bytes: pytest's tmp_path is too deep."""
-    d = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-async def served(short_dir: Path) -> AsyncIterator[tuple[DraServer, Claims]]:
-    claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]))
-    p = make_preparer(short_dir, claims)
-    feed = HealthFeed()
-    await feed.update(sorted(p.devices), {})
-    server = DraServer(short_dir / "kubelet", p, feed)
-    await server.start()
-    try:
-        yield server, claims
-    finally:
-        await server.stop()
 
 
 async def test_grpc_registration_prepare_and_health(

@@ -11,15 +11,13 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,12 +34,11 @@ from nodeagent.deviceplugin.api import pb2, pb2_grpc
 from nodeagent.deviceplugin.server import STOP_GRACE_S
 from nodeagent.deviceplugin.service import DevicePluginService
 from nodeagent.dra.api import reg_pb2, reg_pb2_grpc, v1_pb2, v1_pb2_grpc
-from nodeagent.dra.health import HealthFeed
 from nodeagent.dra.server import DraServer
 from nodeagent.dra.service import FAILED_READS_BURST, FAILED_READS_PER_S
 from nodeagent.sharing.spec import parse_plugin_config
 from tests.unit._dp_inventories import nvswitch_box
-from tests.unit.test_dra_service import Claims, claim, make_preparer
+from tests.unit.test_dra_service import Claims
 
 REPO = Path(__file__).resolve().parents[2]
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
@@ -126,23 +123,6 @@ class H2:
 def tasks() -> int:
     """Threads of this process (grpcio's own included)."""
     return len(os.listdir("/proc/self/task"))
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="gatk-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-async def service(short_dir: Path) -> AsyncIterator[DevicePluginService]:
-    svc = DevicePluginService(plugin_dir=short_dir / "dp")
-    await svc.start(nvswitch_box(2))
-    try:
-        yield svc
-    finally:
-        await svc.stop()
 
 
 def sock_of(svc: DevicePluginService) -> Path:
@@ -393,45 +373,34 @@ async def test_a_flood_of_malformed_and_refused_requests_is_a_few_short_lines(
     assert took < 60
 
 
-async def test_over_4_mib_is_resource_exhausted_on_the_dra_socket(short_dir: Path) -> None:
-    p = make_preparer(short_dir, Claims(claim("u1", "one", [("gpu", "gpu-1")])))
-    feed = HealthFeed()
-    await feed.update(sorted(p.devices), {})
-    server = DraServer(short_dir / "kubelet", p, feed)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
-            stub = v1_pb2_grpc.DRAPluginStub(ch)
-            big = v1_pb2.NodePrepareResourcesRequest(
-                claims=[v1_pb2.Claim(namespace="ns", uid="u", name="n" * (grpc_server.MAX_MESSAGE + 1))]
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.NodePrepareResources(big, timeout=10)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            ok = await stub.NodePrepareResources(
-                v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")]),
-                timeout=10,
-            )
-            assert ok.claims["u1"].devices[0].device_name == "gpu-1"
-    finally:
-        await server.stop()
+async def test_over_4_mib_is_resource_exhausted_on_the_dra_socket(served: tuple[DraServer, Claims]) -> None:
+    server = served[0]
+    async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
+        stub = v1_pb2_grpc.DRAPluginStub(ch)
+        big = v1_pb2.NodePrepareResourcesRequest(
+            claims=[v1_pb2.Claim(namespace="ns", uid="u", name="n" * (grpc_server.MAX_MESSAGE + 1))]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.NodePrepareResources(big, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        ok = await stub.NodePrepareResources(
+            v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace="ns", uid="u1", name="one")]),
+            timeout=10,
+        )
+        assert ok.claims["u1"].devices[0].device_name == "gpu-1"
 
 
 async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(
-    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[DraServer, Claims], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The DRA driver's sockets (grpc.aio on the daemon's loop): 3 connections to each with 31 calls each left
     without their request (GetInfo and the kubelet's NodePrepareResources method); the kubelet's GetInfo (its
     plugin watcher registering the driver; 64 such calls locked it out) and NodePrepareResources are answered
     while they are held open, and each held call ends DEADLINE_EXCEEDED once its request is late."""
     monkeypatch.setattr(grpc_server, "REQUEST_TIMEOUT_S", 3.0)
-    served = v1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
-    assert PREPARE.split("/")[1] == served  # the service nodeagent registers
-    p = make_preparer(short_dir, Claims(claim("u1", "one", [("gpu", "gpu-1")])))
-    feed = HealthFeed()
-    await feed.update(sorted(p.devices), {})
-    server = DraServer(short_dir / "kubelet", p, feed)
-    await server.start()
+    registered = v1_pb2.DESCRIPTOR.services_by_name["DRAPlugin"].full_name
+    assert PREPARE.split("/")[1] == registered  # the service nodeagent registers
+    server = served[0]
     clients = [H2(server.reg_path) for _ in range(3)] + [H2(server.dra_path) for _ in range(3)]
     try:
         opened = {id(c): [c.open(method, None) for _ in range(grpc_server.MAX_STREAMS - 1)]
@@ -458,49 +427,40 @@ async def test_calls_whose_request_never_comes_do_not_lock_out_the_dra_sockets(
     finally:
         for c in clients:
             c.close()
-        await server.stop()
 
 
 async def test_a_flood_of_unknown_claims_makes_few_lines_and_few_api_reads(
-    short_dir: Path, caplog: pytest.LogCaptureFixture
+    served: tuple[DraServer, Claims], caplog: pytest.LogCaptureFixture
 ) -> None:
     """3,000 NodePrepareResources calls, each naming a claim the API server does not know, and one naming a
     claim whose UID is 1,000 NULs: a few cut, escaped log lines and a bounded number of ResourceClaim reads
     (counted at the driver's read of the API); the kubelet's own claim is prepared after it."""
     caplog.set_level(logging.INFO, logger="nodeagent")
-    claims = Claims(claim("u1", "one", [("gpu", "gpu-1")]))
-    p = make_preparer(short_dir, claims)
-    feed = HealthFeed()
-    await feed.update(sorted(p.devices), {})
-    server = DraServer(short_dir / "kubelet", p, feed)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
-            stub = v1_pb2_grpc.DRAPluginStub(ch)
+    server, claims = served
+    async with grpc.aio.insecure_channel(f"unix://{server.dra_path}") as ch:
+        stub = v1_pb2_grpc.DRAPluginStub(ch)
 
-            async def prepare(namespace: str, uid: str, name: str) -> str:
-                answer = await stub.NodePrepareResources(
-                    v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace=namespace, uid=uid, name=name)]),
-                    timeout=30)
-                return str(answer.claims[uid].error)
+        async def prepare(namespace: str, uid: str, name: str) -> str:
+            answer = await stub.NodePrepareResources(
+                v1_pb2.NodePrepareResourcesRequest(claims=[v1_pb2.Claim(namespace=namespace, uid=uid, name=name)]),
+                timeout=30)
+            return str(answer.claims[uid].error)
 
-            nul = await prepare("ns", "\x00" * 1000, "claim")
-            assert claims.reads == 0 and nul.startswith("claim UID '\\x00") and len(nul) < 400, nul
-            t0 = time.monotonic()
-            at_once = asyncio.Semaphore(16)
+        nul = await prepare("ns", "\x00" * 1000, "claim")
+        assert claims.reads == 0 and nul.startswith("claim UID '\\x00") and len(nul) < 400, nul
+        t0 = time.monotonic()
+        at_once = asyncio.Semaphore(16)
 
-            async def unknown(i: int) -> str:
-                async with at_once:
-                    return await prepare("ns", f"uid-{i:05d}", f"claim-{i}")
+        async def unknown(i: int) -> str:
+            async with at_once:
+                return await prepare("ns", f"uid-{i:05d}", f"claim-{i}")
 
-            errors = await asyncio.gather(*(unknown(i) for i in range(3000)))
-            took = time.monotonic() - t0
-            assert all(errors)
-            reads = claims.reads
-            await asyncio.sleep(2 / FAILED_READS_PER_S)  # the budget of failed reads refills: one more read
-            assert await prepare("ns", "u1", "one") == ""
-    finally:
-        await server.stop()
+        errors = await asyncio.gather(*(unknown(i) for i in range(3000)))
+        took = time.monotonic() - t0
+        assert all(errors)
+        reads = claims.reads
+        await asyncio.sleep(2 / FAILED_READS_PER_S)  # the budget of failed reads refills: one more read
+        assert await prepare("ns", "u1", "one") == ""
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     print(f"3,000 calls naming unknown claims in {took:.1f} s: {reads} ResourceClaim reads, {len(lines)} log "
           f"lines, the longest {max(map(len, lines))} characters")

@@ -14,7 +14,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,16 +124,6 @@ class Raw:
 
 def allocate_request(device: str) -> Any:
     return pb2.AllocateRequest(container_requests=[pb2.ContainerAllocateRequest(devices_ids=[device])])
-
-
-@pytest.fixture
-async def service(tmp_path: Path) -> AsyncIterator[DevicePluginService]:
-    svc = DevicePluginService(plugin_dir=tmp_path / "dp")
-    await svc.start(nvswitch_box(2))
-    try:
-        yield svc
-    finally:
-        await svc.stop()
 
 
 def sock_of(svc: DevicePluginService) -> Path:

@@ -125,6 +125,16 @@ def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]
     return int(e.value.code or 0), out.out + out.err
 
 
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test's directory as the working directory, with an empty root ``r`` in it and the default sandbox
+    (``$XDG_RUNTIME_DIR``) kept inside it too."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    (tmp_path / "r").mkdir()
+    return tmp_path
+
+
 def _tree(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
@@ -133,12 +143,10 @@ def _tree(d: Path) -> list[str]:
                          [(c, f, b, a) for c, f, k, b, a in FLAGS if k == "node"],
                          ids=[f"{c} {f}" for c, f, k, *_ in FLAGS if k == "node"])
 def test_a_node_path_out_of_the_root_is_one_error_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    in_tmp: Path, capsys: pytest.CaptureFixture[str],
     command: str, flag: str, before: tuple[str, ...], after: tuple[str, ...],
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    (tmp_path / "r").mkdir()
+    tmp_path = in_tmp
     value = "r/../elsewhere/x" if flag != "--kubelet-dir" else "r/../elsewhere"
     code, out = _run(capsys, ["--root", "r", *command.split(), *before, flag, value, *after])
     assert code == 2, out
@@ -151,12 +159,10 @@ def test_a_node_path_out_of_the_root_is_one_error_line(
                          [(c, f, b, a) for c, f, k, b, a in FLAGS if k == "user"],
                          ids=[f"{c} {f}" for c, f, k, *_ in FLAGS if k == "user"])
 def test_a_user_file_out_of_the_root_is_used_where_it_is(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    in_tmp: Path, capsys: pytest.CaptureFixture[str],
     command: str, flag: str, before: tuple[str, ...], after: tuple[str, ...],
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    (tmp_path / "r").mkdir()
+    tmp_path = in_tmp
     (tmp_path / "mine").mkdir()
     mine = tmp_path / "mine/file"
     if flag in BAD:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pynvml
 
-from nodeagent.simulator.abi import bridge_telemetry, mig
+from nodeagent.simulator.abi import bridge_cc, bridge_telemetry, mig
 from nodeagent.simulator.abi.cmem import (
     ARGUMENT_VERSION_MISMATCH,
     INSUFFICIENT_SIZE,
@@ -314,6 +314,20 @@ def nvmlEventSetFree(event_set: int) -> int:
     return SUCCESS
 
 
+def nvmlDeviceGetGpuFabricInfo(dev: int, out: int) -> int:
+    return int(_sim().nvmlDeviceGetGpuFabricInfo(_h(dev), pynvml.c_nvmlGpuFabricInfo_t.from_address(_need(out))))
+
+
+def nvmlDeviceGetGpuFabricInfoV(dev: int, out: int) -> int:
+    """The caller's struct says its version (v2 or v3, the whole word as nvml.h's nvmlGpuFabricInfo_v*)."""
+    version = _get_uint(_need(out))
+    struct = {pynvml.nvmlGpuFabricInfo_v2: pynvml.c_nvmlGpuFabricInfo_v2_t,
+              pynvml.nvmlGpuFabricInfo_v3: pynvml.c_nvmlGpuFabricInfo_v3_t}.get(version)
+    if struct is None:
+        return ARGUMENT_VERSION_MISMATCH
+    return int(_sim().nvmlDeviceGetGpuFabricInfoV(_h(dev), struct.from_address(out)))
+
+
 # Unversioned names kept by libnvidia-ml for old callers, with the same meaning here.
 nvmlDeviceGetCount = nvmlDeviceGetCount_v2
 nvmlDeviceGetHandleByIndex = nvmlDeviceGetHandleByIndex_v2
@@ -326,6 +340,7 @@ _FUNCTIONS: dict[str, Callable[..., int]] = {
     if name.startswith("nvml") and callable(fn)
 }
 _FUNCTIONS.update(bridge_telemetry.functions(_sim))
+_FUNCTIONS.update(bridge_cc.functions(_sim))
 _TRACE = os.environ.get("NODEAGENT_NVML_TRACE", "") not in ("", "0")
 
 

@@ -1,0 +1,115 @@
+"""The label-driven node switches as daemon components: the workload config (``[vfio]``) and the CC mode
+(``[cc]``), each a ``labelswitch.SwitchReconciler`` over its switch, waiting for the pods and claims that
+hold the GPUs as the MIG component does, with the fleet's disruption budget when one is attached
+(``ctx.shared`` has none yet: every disruption is granted)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from nodeagent.daemon.components.mig import GpuHolderSources, PlaneClaims, plugin_device_ids
+from nodeagent.daemon.supervisor import Component, Context, close_quietly
+
+log = logging.getLogger(__name__)
+
+
+def _dra_gpus(ctx: Context) -> frozenset[int] | None:
+    cfg = ctx.config
+    if cfg.device_plugin.plane == "device-plugin" or ctx.kube is None:
+        return frozenset()
+    if cfg.device_plugin.plane == "dra":
+        return None
+    split = ctx.shared.planes.split
+    return split.dra_served if split is not None else frozenset(cfg.dra.gpus)
+
+
+class SwitchComponent(Component):
+    """Runs one ``SwitchReconciler``; ``kind`` is ``vfio`` or ``cc``."""
+
+    def __init__(self, ctx: Context, kind: str) -> None:
+        super().__init__()
+        from nodeagent.dra import DRIVER_NAME
+        from nodeagent.kube.node import NodeClient
+        from nodeagent.labelswitch import SwitchOptions, SwitchReconciler
+        from nodeagent.nvmlsource import cc_tool, pci_kernel
+
+        self.name = kind
+        self._ctx = ctx
+        paths = ctx.paths
+        sim = ctx.config.simulate
+        state = Path(sim.state) if sim.state else None
+        machine = sim.machine or None
+        gpu: Any = ctx.gpu  # the NVML adapter: discovery, processes, persistence mode, CC state, reset
+        switch: Any
+        if kind == "vfio":
+            from nodeagent.deviceplugin.vfio import VfioDevicePlugin
+            from nodeagent.vfio.switch import VfioSwitch
+            from nodeagent.vfio.sysfs import PciSysfs
+
+            switch = VfioSwitch(paths, gpu, PciSysfs(paths, after_write=pci_kernel(paths, machine, state)))
+            timeout = ctx.config.vfio.release_timeout
+            self.vfio_plugin: Any = VfioDevicePlugin(ctx.host_path(ctx.config.kubelet.device_plugins), root=paths)
+        else:
+            from nodeagent.ccmode.switch import CcSwitch
+
+            if machine is not None or state is not None:
+                pci_kernel(paths, machine, state)  # the simulated host's sysfs: the CPU's TEE
+            tool, env = cc_tool(paths, machine, state, ctx.config.cc.tool or None)
+            switch = CcSwitch(paths, gpu, tool, env)
+            timeout = ctx.config.cc.release_timeout
+        self.switch = switch
+        self.pod_resources = ctx.pod_resources_client()
+        holders = GpuHolderSources(self.pod_resources, self._device_ids,
+                                   PlaneClaims(ctx.shared.dra, lambda: _dra_gpus(ctx)),
+                                   pool=ctx.node_name, driver=DRIVER_NAME, who=kind)
+        self.reconciler: Any = SwitchReconciler(
+            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches), switch, holders=holders,
+            options=SwitchOptions(release_timeout_s=timeout), on_state=self._on_state,
+            after=self._after if kind == "vfio" else None)
+        self._task: asyncio.Task[Any] | None = None
+
+    def _device_ids(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        dp = self._ctx.config.device_plugin
+        plugin = self._ctx.shared.device_plugin
+        if not dp.enabled or dp.plane == "dra":
+            return plugin.device_gpus(gpu_indices)
+        return plugin_device_ids(plugin, self._ctx.gpu.discover(), self._ctx.files.plugin_config, gpu_indices)
+
+    def _on_state(self, label: str, value: str) -> None:
+        self._ctx.set_status(self.name, f"{label}={value}")
+        self._ctx.request_resync()  # the GPUs NVML shows, and so what the plugin and the labels say, changed
+
+    async def _after(self, state: str) -> None:
+        """vm-passthrough: the VFIO resources are served (anew); container: they go."""
+        from nodeagent.errors import NodeAgentError
+
+        if state == "container":
+            await self.vfio_plugin.stop()
+        elif state == "vm-passthrough":
+            try:
+                await self.vfio_plugin.serve(await asyncio.to_thread(self.switch.resources))
+            except NodeAgentError as e:
+                log.error("vfio: the VFIO resources are not served: %s", e)
+
+    async def start(self, ctx: Context) -> None:
+        if self.name == "vfio" and await asyncio.to_thread(self.switch.current) == "vm-passthrough":
+            await self._after("vm-passthrough")
+        self._task = ctx.spawn(self.reconciler.run(), f"{self.name} switch")
+
+    async def resync(self) -> None:
+        if self._task is not None and self._task.done():
+            self._task = self._ctx.spawn(self.reconciler.run(), f"{self.name} switch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        if self.name == "vfio":
+            await self.vfio_plugin.stop()
+        close_quietly(self.pod_resources)
