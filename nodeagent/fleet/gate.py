@@ -244,6 +244,14 @@ class FleetGate:
         pick = candidates[head.index(entry) % len(candidates)]
         taken = await asyncio.to_thread(self.api.take, pick, pool.name, self.node, budget.lease_duration_s,
                                         reason, now, by_name.get(pick))
+        if taken is not None:
+            # The brake may have gone on between the look at the pool and the take: read it again (not from
+            # the cache) and give the slot back unused when it did, so nothing starts after the brake.
+            after = await asyncio.to_thread(self.api.get_pool, pool.name)
+            if after.brake:
+                await asyncio.to_thread(self.api.release, taken, pool.name, self.node)
+                return (f"the brake of pool {pool.name} is on ({after.brake_reason}); an operator clears it "
+                        f"with 'nodeagent fleet clear-brake {pool.name}'"), None
         return "", taken
 
     def _fresh(self, state: PoolState, now: datetime) -> bool:
