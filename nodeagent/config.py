@@ -83,6 +83,9 @@ class MigSettings:
     # devices are withdrawn meanwhile; the free GPUs are changed at once); then the apply fails and the
     # GPUs still held are not changed (0 = do not wait)
     release_timeout: float = 300.0
+    # the agents' namespace holding the fleet's disruption budget (ConfigMap nodeagent-fleet) and its slot
+    # Leases: a change that empties GPUs waits for a slot of the node's pool (docs/fleet.md); "" = no budget
+    fleet_namespace: str = ""
 
 
 @dataclass(frozen=True)

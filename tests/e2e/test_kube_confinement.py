@@ -95,6 +95,52 @@ def stored_slice_with_two_devices(name: str) -> Body:
     return body
 
 
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases"
+SLOT, EXPIRED, POOL = "nf-slot-conf-0000", "nf-slot-conf-0001", "nf-pool-conf"
+
+
+def now_micro(shift_s: float = 0.0) -> str:
+    from datetime import datetime, timedelta, timezone
+
+    return (datetime.now(timezone.utc) + timedelta(seconds=shift_s)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease(name: str, holder: str | None, **spec: Any) -> dict[str, Any]:
+    """A fleet Lease as nodeagent.fleet.leases writes it (``holder`` None: no holderIdentity)."""
+    body: dict[str, Any] = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+                            "spec": dict(spec)}
+    if holder is not None:
+        body["spec"]["holderIdentity"] = holder
+    return body
+
+
+def slot(name: str, holder: str) -> Body:
+    """A slot taken now for ``holder`` for 60 s."""
+    return lambda _: lease(name, holder, leaseDurationSeconds=60, acquireTime=now_micro(), renewTime=now_micro())
+
+
+def stored_lease(name: str, holder: str | None, **spec: Any) -> Body:
+    """The stored Lease (its resourceVersion) with ``holder`` (None: cleared) and ``spec`` changed, times now."""
+
+    def body(server: KubeApiServer) -> Any:
+        status, raw = server.get(f"{LEASES}/{name}")
+        assert status == 200, raw
+        obj = json.loads(raw)
+        obj["spec"].pop("holderIdentity", None)
+        if holder is not None:
+            obj["spec"]["holderIdentity"] = holder
+        obj["spec"].update({k: now_micro() if v == "now" else v for k, v in spec.items()})
+        return obj
+
+    return body
+
+
+def brake_cleared(server: KubeApiServer) -> Any:
+    obj = json.loads(server.get(f"{LEASES}/{POOL}")[1])
+    obj["metadata"]["annotations"].update({"nodeagent.io/fleet-brake": "off", "nodeagent.io/fleet-failures": "0"})
+    return obj
+
+
 MANAGED = {"app.kubernetes.io/managed-by": "nodeagent"}
 SELECTOR_A = {
     "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [A]}]}]
@@ -389,6 +435,26 @@ CASES: tuple[Case, ...] = (
         MERGE,
         200,
     ),
+    # the fleet's Leases (docs/fleet.md): slots, requests in line, the pool's brake
+    Case("take a free slot for itself", A, "POST", LEASES, slot(SLOT, A), want=201),
+    Case("take a slot for another node", A, "POST", LEASES, slot("nf-slot-conf-0002", B)),
+    Case("extend another node's live slot", B, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, A, renewTime="now")),
+    Case("take another node's live slot", B, "PUT", f"{LEASES}/{SLOT}",
+         stored_lease(SLOT, B, acquireTime="now", renewTime="now")),
+    Case("release another node's slot", B, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, None)),
+    Case("delete another node's slot", B, "DELETE", f"{LEASES}/{SLOT}"),
+    Case("renew its own slot", A, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, A, renewTime="now"), want=200),
+    Case("release its own slot", A, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, None), want=200),
+    Case("take a released slot for itself", B, "PUT", f"{LEASES}/{SLOT}",
+         stored_lease(SLOT, B, acquireTime="now", renewTime="now"), want=200),
+    Case("take an expired slot of another node for itself", A, "PUT", f"{LEASES}/{EXPIRED}",
+         stored_lease(EXPIRED, A, acquireTime="now", renewTime="now"), want=200),
+    Case("enter the line with its own request", A, "POST", LEASES,
+         lease(f"nf-q-conf-0-0000000000001-{A}", A), want=201),
+    Case("enter the line in another node's name", A, "POST", LEASES, lease(f"nf-q-conf-0-0000000000001-{B}", B)),
+    Case("clear the brake of a pool", A, "PUT", f"{LEASES}/{POOL}", brake_cleared),
+    Case("delete a pool", A, "DELETE", f"{LEASES}/{POOL}"),
+    Case("create another Lease in the namespace", A, "POST", LEASES, lease("leader", A)),
 )
 
 
@@ -446,6 +512,14 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
         },
     )
+    for name in (SLOT, EXPIRED, POOL, "nf-slot-conf-0002", f"nf-q-conf-0-0000000000001-{A}",
+                 f"nf-q-conf-0-0000000000001-{B}", "leader"):
+        server.request("DELETE", f"{LEASES}/{name}")
+    admin(server, "POST", LEASES, lease(EXPIRED, B, leaseDurationSeconds=5, acquireTime=now_micro(-120),
+                                        renewTime=now_micro(-120)))
+    pool = lease(POOL, None, renewTime=now_micro())
+    pool["metadata"]["annotations"] = {"nodeagent.io/fleet-brake": "on", "nodeagent.io/fleet-failures": "3"}
+    admin(server, "POST", LEASES, pool)
     tokens = {A: bound_token(server, A), B: bound_token(server, B), "unbound": token_request(server)}
     # the policy as this file has it takes effect once the API server has loaded it: probe with a refusal
     # the policy's earlier versions did not make

@@ -149,8 +149,17 @@ class MigComponent(Component):
         claims = PlaneClaims(ctx.shared.dra, self._dra_gpus)
         holders = GpuHolderSources(self.pod_resources, self._device_ids, claims, pool=ctx.node_name,
                                    driver=DRIVER_NAME)
+        node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
+        gate = None
+        if cfg.fleet_namespace:  # a change that empties GPUs waits for a slot of the fleet's budget
+            from nodeagent.fleet.gate import FleetGate
+            from nodeagent.fleet.leases import FleetApi
+            from nodeagent.fleet.report import NodeReporter, node_labels
+
+            gate = FleetGate(FleetApi(ctx.kube, cfg.fleet_namespace), ctx.node_name,
+                             lambda: node_labels(node), reporter=NodeReporter(node))
         self.reconciler = MigReconciler(
-            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
+            node,
             ctx.gpu,
             ctx.paths.mig_state_dir,
             publisher=ctx.shared.advertiser,
@@ -165,6 +174,7 @@ class MigComponent(Component):
             root=ctx.paths,
             holders=holders,
             on_state=self._on_state,
+            gate=gate,
         )
         self._ctx = ctx
         self._task: asyncio.Task[Any] | None = None
