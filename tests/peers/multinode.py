@@ -6,8 +6,9 @@ Each further node lives in namespaces of its own, held by one ``sleep`` process 
 
 * a mount namespace (private propagation) where the node's own directories are bound over the host paths a
   node owns (the kubelet's, containerd's socket, state and config, the CDI spec directories, the agent's
-  state and run directories, the stand-in driver's machine file and MPS control program), so the DaemonSet's
-  hostPath volumes, which runc resolves in its parent's mount namespace, are that node's;
+  state and run directories, the stand-in driver's machine file and MPS control program, the kubelet's pod
+  logs), so the DaemonSet's hostPath volumes, which runc resolves in its parent's mount namespace, are that
+  node's;
 * a network namespace joined to the host by a veth pair: the host side ``10.243.N.1/30``, the node's address
   ``10.243.N.2`` (its kubelet's ``--node-ip``), its pods on ``10.244.(76+N).0/24`` (the first node's is
   10.244.77.0/24). The host routes each node's pod network to its link; a node routes only the cluster's
@@ -30,6 +31,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,10 +60,11 @@ from tests.peers.cluster import (
 MACHINES = (MACHINE, "gb200-nvl", "gb300-nvl", "hgx-h200")
 LINKS = "10.243.0.0/16"  # one /30 per further node: 10.243.N.0/30
 PODS = "10.244.0.0/16"  # one /24 per node: 10.244.(76+N).0/24
-# the host paths a node owns, bound over by each further node's own (CONTAINERD_CONFIG's directory whole)
+# the host paths a node owns, bound over by each further node's own (CONTAINERD_CONFIG's directory whole; the
+# kubelet's pod logs too: a kubelet removes the log directories of pods it does not know)
 NODE_DIRS = (KUBELET_DIR, CONTAINERD_SOCKET.parent, CONTAINERD_CONFIG.parent, CDI_DIR, Path("/etc/cdi"),
              Path("/run/nodeagent"), SIM_STATE.parents[1], Path("/etc/nvidia-container-runtime"),
-             Path("/run/systemd"))
+             Path("/run/systemd"), Path("/var/log/pods"), Path("/var/log/containers"))
 NODE_FILES = (DRIVER_DIR / "nodeagent-sim.conf", MPS_CONTROL)
 CGROUPS = Path("/sys/fs/cgroup")
 
@@ -137,7 +140,7 @@ class SeveralNodes:
     first: Cluster
     others: list[Cluster]
     machines: dict[str, str]  # node name -> simulated machine
-    started: dict[str, float]  # node name -> seconds its start took
+    started: dict[str, float]  # node name -> seconds its start took (the further nodes': started together)
     _spaces: dict[str, _Namespaces] = field(default_factory=dict, repr=False)
 
     @property
@@ -274,13 +277,28 @@ def running_nodes(count: int, imported: Sequence[str] = ("pause", "base", "agent
         nodes = SeveralNodes(first=first, others=[], machines={first.node_name: MACHINE},
                              started={first.node_name: time.monotonic() - start})
         try:
-            for index in range(2, count + 1):
-                began = time.monotonic()
+            began = time.monotonic()
+
+            def add(index: int) -> tuple[Cluster, _Namespaces, float]:
                 node, spaces = _add_node(first, peers, index, MACHINES[index - 1])
+                return node, spaces, time.monotonic() - began
+
+            # the further nodes start side by side (their image imports and kubelets overlap)
+            with ThreadPoolExecutor(max_workers=count - 1, thread_name_prefix="node") as pool:
+                futures = [pool.submit(add, index) for index in range(2, count + 1)]
+            failed: list[BaseException] = []
+            for index, future in enumerate(futures, start=2):
+                try:
+                    node, spaces, took = future.result()
+                except BaseException as e:  # raised below, once the others are registered for the stop
+                    failed.append(e)
+                    continue
                 nodes.others.append(node)
                 nodes._spaces[node.node_name] = spaces
                 nodes.machines[node.node_name] = MACHINES[index - 1]
-                nodes.started[node.node_name] = time.monotonic() - began
+                nodes.started[node.node_name] = took
+            if failed:
+                raise failed[0]
             yield nodes
         finally:
             # the pods go first (the first node's stop deletes them all), then the further nodes
