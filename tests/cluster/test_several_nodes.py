@@ -47,8 +47,7 @@ def _agent_on(first: Cluster, node: str) -> dict[str, Any] | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def agents(several_nodes: SeveralNodes) -> Iterator[dict[str, dict[str, Any]]]:
+def deploy_agents(several_nodes: SeveralNodes) -> dict[str, dict[str, Any]]:
     """The README's "Without Helm" lines run once, their ``kubectl label node`` line for every node; each node's
     agent Running and ready with its node's GPUs allocatable. Node name -> its agent pod."""
     first = several_nodes.first
@@ -63,7 +62,12 @@ def agents(several_nodes: SeveralNodes) -> Iterator[dict[str, dict[str, Any]]]:
                                               lambda n=node.node_name: _agent_on(first, n), timeout=240)
         first.wait_for(f"{node.node_name}: allocatable {RESOURCE} {want}", lambda n=node, want=want: int(
             n.node()["status"].get("allocatable", {}).get(RESOURCE, "0")) == want, timeout=90)
-    yield pods
+    return pods
+
+
+@pytest.fixture(scope="module")
+def agents(several_nodes: SeveralNodes) -> Iterator[dict[str, dict[str, Any]]]:
+    yield deploy_agents(several_nodes)
     # what each further node cost while the agents ran (its kubelet, containerd, shims and containers)
     hz = os.sysconf("SC_CLK_TCK")
     for node in several_nodes.others:
