@@ -246,17 +246,24 @@ def nfd_label_keys(annotation: str) -> set[str]:
 
 
 def feature_label_conflicts(
-    node: Mapping[str, Any], node_features: Iterable[Mapping[str, Any]], ours: Iterable[str]
+    node: Mapping[str, Any], node_features: Iterable[Mapping[str, Any]], ours: Iterable[str],
+    *, through_nfd: bool = False
 ) -> list[Conflict]:
-    """Label keys nodeagent writes that NFD says are its own (annotation) or a NodeFeature object asks for."""
+    """Label keys nodeagent writes that NFD says are its own (annotation) or a NodeFeature object asks for.
+    nodeagent's own NodeFeature (``nodeagent-<node>``) is none; with ``through_nfd`` (``[publish] labels =
+    "nodefeature"``) NFD applies nodeagent's labels, so its annotation naming them is no conflict either."""
     mine = set(ours)
-    annotations = (node.get("metadata") or {}).get("annotations") or {}
+    meta_node = node.get("metadata") or {}
+    annotations = meta_node.get("annotations") or {}
+    own = f"nodeagent-{meta_node.get('name', '')}"
     claimed: dict[str, set[str]] = {}
     annotated = nfd_label_keys(str(annotations.get(NFD_FEATURE_LABELS, ""))) & mine
-    if annotated:
+    if annotated and not through_nfd:
         claimed[f"NFD ({NFD_FEATURE_LABELS})"] = annotated
     for nf in node_features:
         meta = nf.get("metadata") or {}
+        if meta.get("name") == own and (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == "nodeagent":
+            continue
         labels = (nf.get("spec") or {}).get("labels") or {}
         same = {k if "/" in k else NFD_DEFAULT_NS + k for k in labels} & mine if isinstance(labels, Mapping) else set()
         if same:
@@ -314,7 +321,7 @@ def read_kube_facts(kube: Requests, node_name: str, *, timeout: float = 10.0) ->
 
 
 def kube_conflicts(facts: KubeFacts, *, our_driver: str, uuids: Iterable[str], label_keys: Iterable[str],
-                   keys: Mapping[str, int] | None = None) -> list[Conflict]:
+                   keys: Mapping[str, int] | None = None, through_nfd: bool = False) -> list[Conflict]:
     """The conflicts the API shows (every part that was read)."""
     ids = set(uuids)
     out: list[Conflict] = []
@@ -322,7 +329,7 @@ def kube_conflicts(facts: KubeFacts, *, our_driver: str, uuids: Iterable[str], l
         out += dra_conflicts(facts.slices, our_driver, ids, keys)
     if facts.node is not None:
         out += mig_manager_conflicts(facts.node)
-        out += feature_label_conflicts(facts.node, facts.node_features or (), label_keys)
+        out += feature_label_conflicts(facts.node, facts.node_features or (), label_keys, through_nfd=through_nfd)
     return sorted(out)
 
 

@@ -171,6 +171,8 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("patch", "gpus", "nodeagent.io", "status", "", ""),
         ("list", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),  # conflict detection (nodeagent/adopt)
         ("list", "resourceslices", "resource.k8s.io", "", "", ""),  # the same, for another DRA driver
+        # [publish] labels = "nodefeature" (nodeagent/kube/nodefeature.py), in nodeagent's namespace only
+        *((v, "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "") for v in ("get", "create", "update", "delete")),
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -180,6 +182,8 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("get", "secrets", "", "", "nodeagent", ""), ("list", "pods", "", "", "nodeagent", ""),
         ("watch", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
         ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
+        ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "default", ""),
+        ("patch", "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", ""),
         ("create", "pods", "", "", "nodeagent", ""),
         ("create", "events", "", "", "nodeagent", ""), ("create", "events", "", "", "kube-system", ""),
         ("delete", "events", "", "", "default", ""), ("patch", "events", "", "", "default", ""),

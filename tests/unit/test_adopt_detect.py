@@ -215,3 +215,18 @@ def test_the_hand_over_switches_the_dra_stack_only_where_it_runs() -> None:
     assert to_switch(dra_stack, False) == sorted([*plain, "dra-driver", "dra-validator"])
     assert to_switch(dra_stack, True) == sorted([*plain, "dcgm-exporter", "dcgm-exporter-dra", "dra-driver",
                                                  "dra-validator"])
+
+
+def test_nodeagents_own_node_feature_is_no_conflict() -> None:
+    node = {"metadata": {"name": "n1", "annotations": {"nfd.node.kubernetes.io/feature-labels": "nvidia.com/gpu.count"}}}
+    own = {"metadata": {"name": "nodeagent-n1", "namespace": "nodeagent",
+                        "labels": {"app.kubernetes.io/managed-by": "nodeagent"}},
+           "spec": {"labels": {"nvidia.com/gpu.count": "8"}}}
+    gfd = {"metadata": {"name": "n1-gfd", "namespace": "gpu-operator"}, "spec": {"labels": {"nvidia.com/gpu.count": "8"}}}
+    ours = {"nvidia.com/gpu.count"}
+    assert [c.owner for c in feature_label_conflicts(node, [own], ours, through_nfd=True)] == []
+    assert [c.owner for c in feature_label_conflicts(node, [own, gfd], ours, through_nfd=True)] == [
+        "NodeFeature gpu-operator/n1-gfd"]
+    # labels on the Node: NFD's annotation naming nodeagent's keys is a conflict
+    assert [c.owner for c in feature_label_conflicts(node, [own], ours)] == [
+        "NFD (nfd.node.kubernetes.io/feature-labels)"]

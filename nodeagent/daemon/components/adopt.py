@@ -160,7 +160,8 @@ class AdoptComponent(Component):
                 self._api_applied = read
                 keys = d.gpu_keys(inv)
                 found += d.kube_conflicts(facts, our_driver=DRIVER_NAME, uuids=uuids,
-                                          label_keys=self._label_keys(inv), keys=keys)
+                                          label_keys=self._label_keys(inv), keys=keys,
+                                          through_nfd=self._ctx.config.publish.through_nodefeature)
                 if facts.slices is not None:
                     await self._leave_foreign_gpus(facts.slices, keys)
                 if facts.node is not None and not self.handing_over:
