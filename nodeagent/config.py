@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 import sys
 import typing
@@ -36,6 +37,8 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 RuntimeMode = Literal["drop-in", "in-place"]
 RestartMode = Literal["systemd", "signal", "none"]
 DevicePlane = Literal["device-plugin", "dra", "both"]
+# Where the labels go: the Node ("node", or true), NFD's NodeFeature object of the node ("nodefeature"), nowhere (false)
+LabelTarget = Literal[True, False, "node", "nodefeature"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,12 @@ class RuntimeSettings:
 
 @dataclass(frozen=True)
 class PublishSettings:
-    labels: bool = True
+    labels: LabelTarget = True
+    nodefeature_namespace: str = "nodeagent"  # with labels = "nodefeature": the namespace of the NodeFeature
+
+    @property
+    def through_nodefeature(self) -> bool:
+        return self.labels == "nodefeature"
     extended_resources: bool = True
     gpu_objects: bool = True
     events: bool = True
@@ -336,8 +344,9 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
         choices = get_args(tp)
-        if value not in choices:
-            raise bad("one of " + ", ".join(repr(c) for c in choices))
+        # by type too: 1 is not true, and "true" is not a boolean
+        if not any(type(value) is type(c) and value == c for c in choices):
+            raise bad("one of " + ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices))
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -416,6 +425,9 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
             if action not in REMEDIATION_ACTIONS:
                 raise ConfigError(f"{where}: key '{key}.{xid}' must be one of "
                                   f"{', '.join(REMEDIATION_ACTIONS)}, got {shown(action)}", subject=f"{key}.{xid}")
+    if key == "publish.nodefeature_namespace" and (len(value) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?",
+                                                                             value)):
+        raise ConfigError(f"{where}: key '{key}' is not a namespace name: {shown(value)}", subject=key)
     if key == "node_name" and value and (len(value) > 253 or not value.isprintable() or
                                          any(c.isspace() for c in value)):
         raise ConfigError(f"{where}: key '{key}' is not a valid node name: {shown(value)}", subject=key)

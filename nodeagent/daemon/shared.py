@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from nodeagent import fileio
 from nodeagent.agentrecord import Registration
@@ -244,6 +244,13 @@ class DraPool(PreparedClaims, Protocol):
     async def update(self, inventory: Inventory) -> None: ...
 
 
+@runtime_checkable
+class ForeignAware(Protocol):
+    """A DRA plane that leaves the GPUs another DRA driver has out of its slices."""
+
+    async def set_foreign(self, gpu_indices: frozenset[int]) -> None: ...
+
+
 class DraLink(_Slot[DraPool]):
     """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops and no claim is
     known."""
@@ -262,6 +269,14 @@ class DraLink(_Slot[DraPool]):
     async def update(self, inventory: Inventory) -> None:
         if self._held is not None:
             await self._held.update(inventory)
+
+    foreign: frozenset[int] = frozenset()  # the last set, for a plane that starts (or is rebuilt) later
+
+    async def set_foreign(self, gpu_indices: frozenset[int]) -> None:
+        """The GPUs another DRA driver has: out of the DRA plane's slices (conflict detection says which)."""
+        self.foreign = gpu_indices
+        if isinstance(self._held, ForeignAware):
+            await self._held.set_foreign(gpu_indices)
 
 
 class HealthSink(Protocol):

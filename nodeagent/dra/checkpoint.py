@@ -105,10 +105,14 @@ class ClaimRecord:
     name: str
     state: str
     devices: tuple[PreparedDevice, ...] = ()
+    pod_claim_name: str | None = None  # a claim made from a template: the pod's name for it (device metadata)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "name": self.name, "state": self.state,
-                "devices": [d.to_dict() for d in self.devices]}
+        d: dict[str, Any] = {"namespace": self.namespace, "name": self.name, "state": self.state,
+                             "devices": [d.to_dict() for d in self.devices]}
+        if self.pod_claim_name is not None:
+            d["pod_claim_name"] = self.pod_claim_name
+        return d
 
 
 @dataclass
@@ -132,8 +136,10 @@ class Checkpoint:
                 if c["state"] not in STATES:
                     raise ValueError(f"claim {uid}: unknown state {c['state']!r}")
                 devices = tuple(PreparedDevice.from_dict(d) for d in c["devices"])
+                pod_claim = c.get("pod_claim_name")
                 cp.claims[str(uid)] = ClaimRecord(str(uid), str(c["namespace"]), str(c["name"]),
-                                                  str(c["state"]), devices)
+                                                  str(c["state"]), devices,
+                                                  None if pod_claim is None else str(pod_claim))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InputError(f"DRA checkpoint {path} is damaged: {e}", subject=str(path)) from e
         return cp

@@ -30,6 +30,7 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 RCS = "/apis/node.k8s.io/v1/runtimeclasses"
 GPUS = "/apis/nodeagent.io/v1alpha1/gpus"
+NODE_FEATURES = "/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/nodeagent/nodefeatures"
 NODES = "/api/v1/nodes"
 JSON, MERGE = "application/json", "application/merge-patch+json"
 DRIVER = "gpu.nodeagent.io"
@@ -52,6 +53,18 @@ def slice_obj(name: str, node: str | None = A, driver: str = DRIVER, **placement
         "kind": "ResourceSlice",
         "metadata": {"name": name},
         "spec": spec,
+    }
+
+
+def nf_obj(name: str, node: str, owner: str) -> dict[str, Any]:
+    """A NodeFeature as ``[publish] labels = "nodefeature"`` writes it (nodeagent/kube/nodefeature.py)."""
+    return {
+        "apiVersion": "nfd.k8s-sigs.io/v1alpha1",
+        "kind": "NodeFeature",
+        "metadata": {"name": name, "labels": {"nfd.node.kubernetes.io/node-name": node, **MANAGED},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": owner,
+                                          "uid": "00000000-0000-0000-0000-000000000001"}]},
+        "spec": {"labels": {"nvidia.com/gpu.count": "8"}},
     }
 
 
@@ -455,6 +468,12 @@ CASES: tuple[Case, ...] = (
     Case("clear the brake of a pool", A, "PUT", f"{LEASES}/{POOL}", brake_cleared),
     Case("delete a pool", A, "DELETE", f"{LEASES}/{POOL}"),
     Case("create another Lease in the namespace", A, "POST", LEASES, lease("leader", A)),
+    # NodeFeatures ([publish] labels = "nodefeature"; NFD applies their labels to the node they name)
+    Case("create its NodeFeature", A, "POST", NODE_FEATURES, nf_obj(f"nodeagent-{A}", A, A), want=201),
+    Case("create a NodeFeature for the other node", A, "POST", NODE_FEATURES, nf_obj(f"nodeagent-{B}", B, B)),
+    Case("create its NodeFeature naming the other node", B, "POST", NODE_FEATURES, nf_obj(f"nodeagent-{B}", A, B)),
+    Case("delete the other node's NodeFeature", B, "DELETE", f"{NODE_FEATURES}/nodeagent-{A}"),
+    Case("delete its NodeFeature", A, "DELETE", f"{NODE_FEATURES}/nodeagent-{A}", want=200),
 )
 
 
@@ -497,6 +516,8 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
         while (status := server.request("POST", GPUS, obj)[0]) == 429 and time.monotonic() < deadline:
             time.sleep(0.2)  # a freshly served CRD may answer 429 for a moment
         assert status == 201, status
+    install_nfd_crds(server)
+    server.request("DELETE", f"{NODE_FEATURES}/nodeagent-{A}")
     server.request(
         "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TENANT}}
     )
@@ -532,6 +553,20 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
             server, "PATCH", f"{NODES}/{A}", {"metadata": {"labels": {"node-role.kubernetes.io/probe": None}}}
         )
     return tokens
+
+
+def install_nfd_crds(server: KubeApiServer) -> None:
+    """NFD's CRDs as released (tests/testbin/setup.sh fetches them), served before the cases run."""
+    from tests.peers._resolve import peer_file
+
+    crds = peer_file("NODEAGENT_NFD_CRD", "nodeagent_peers_nfd_crd", "NFD's CRDs (Go module proxy)")
+    for doc in yaml.safe_load_all(crds.read_text()):
+        if doc:
+            server.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", doc)
+    deadline = time.monotonic() + 20
+    while server.get(NODE_FEATURES)[0] != 200:
+        assert time.monotonic() < deadline, "NFD's NodeFeature CRD never served"
+        time.sleep(0.2)
 
 
 def test_two_nodes_each_confined_to_its_own(kube_apiserver: KubeApiServer) -> None:

@@ -175,6 +175,8 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("get", "configmaps", "", "", "nodeagent", "nodeagent-fleet"),
         *((v, "leases", "coordination.k8s.io", "", "nodeagent", "")
           for v in ("get", "list", "create", "update", "patch", "delete")),
+        # [publish] labels = "nodefeature" (nodeagent/kube/nodefeature.py), in nodeagent's namespace only
+        *((v, "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "") for v in ("get", "create", "update", "delete")),
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -184,6 +186,8 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("get", "secrets", "", "", "nodeagent", ""), ("list", "pods", "", "", "nodeagent", ""),
         ("watch", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
         ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
+        ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "default", ""),
+        ("patch", "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", ""),
         ("create", "pods", "", "", "nodeagent", ""),
         ("create", "events", "", "", "nodeagent", ""), ("create", "events", "", "", "kube-system", ""),
         ("delete", "events", "", "", "default", ""), ("patch", "events", "", "", "default", ""),

@@ -277,7 +277,8 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         cdi = c.harness.prepare(hpod)
         claim_uid = claim["metadata"]["uid"]
         share = f"-{result['shareID']}" if result.get("shareID") else ""  # an allocation of a shared GPU
-        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}{share}"]}, cdi
+        metadata = f"{DRIVER_NAME}/metadata={claim_uid}_{result['request'].split('/')[0]}"  # KEP-5304
+        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}{share}", metadata]}, cdi
         spec_file = c.cdi_dir / f"{DRIVER_NAME}-claim_{claim_uid}.json"
         assert spec_file.is_file()
         out = run_cdi_check([c.cdi_dir], [cdi["main"]])
@@ -467,7 +468,9 @@ def test_an_admin_access_claim_reaches_a_gpu_in_use_without_holding_it(cluster: 
             assert (result["device"], result.get("adminAccess")) == ("gpu-3", True), result
             hpod = Pod(mon, "monitor", admin_pod["metadata"]["uid"], {name: name}, {"main": [name]})
             cdi = cluster.harness.prepare(hpod)
-            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim['metadata']['uid']}-gpu-3"]}, cdi
+            cuid = claim["metadata"]["uid"]
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-3",
+                                    f"{DRIVER_NAME}/metadata={cuid}_{result['request']}"]}, cdi
             holders = cluster.dra.claims_on(frozenset({3}))
             assert [(r.namespace, r.name) for r in holders[3]] == [(NS, pod.claims[next(iter(pod.claims))])], holders
             cluster.harness.unprepare(hpod)
@@ -618,7 +621,8 @@ def test_a_shared_gpu_takes_claims_until_its_memory_is_used_up(cluster: Cluster)
             hpod = Pod(NS, name, pods[name]["metadata"]["uid"], {cname: cname}, {"main": [cname]})
             cdi = cluster.harness.prepare(hpod)
             prepared[name] = hpod
-            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-{SHARED_GPU}-{result['shareID']}"]}, cdi
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-{SHARED_GPU}-{result['shareID']}",
+                                    f"{DRIVER_NAME}/metadata={cuid}_{result['request']}"]}, cdi
             out = run_cdi_check([cluster.cdi_dir], [cdi["main"]])
             [inj] = out["injections"]
             assert inj["unresolved"] == [] and not inj.get("error"), inj
@@ -746,7 +750,8 @@ def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster:
                     return None
 
             cdi = wait_for(prepared, 30, "prepare after the restart", cluster)
-            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}"]}
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}",
+                                    f"{DRIVER_NAME}/metadata={claim_uid}_{result['request']}"]}
             checkpoint = (root / "var/lib/nodeagent" / CHECKPOINT_NAME).read_text()
             assert claim_uid in checkpoint and spec_file.exists()
             out = run_cdi_check([root / "var/run/cdi"], [cdi["main"]])

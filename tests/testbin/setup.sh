@@ -358,6 +358,32 @@ nodeagent_peers_cdi_check() {
   export NODEAGENT_CONTAINERD2_SHIM=$NODEAGENT_GO_BINARY
 }
 
+# NFD's API CRDs (NodeFeature, NodeFeatureRule, NodeFeatureGroup) of sigs.k8s.io/node-feature-discovery from
+# the Go module proxy, copied into the cache once per version: the object [publish] labels = "nodefeature"
+# writes (tests/integration/test_nodefeature.py, tests/e2e/test_kube_confinement.py).
+NODEAGENT_NFD_VERSION=v0.18.2
+nodeagent_peers_nfd_crd() {
+  local dest=$NODEAGENT_CACHE/crds/nfd-api-crds-$NODEAGENT_NFD_VERSION.yaml out dir
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    if [ -s "$dest" ]; then _peers_log "plan: NFD CRDs $NODEAGENT_NFD_VERSION cached"; else
+      _peers_log "plan: NFD CRDs $NODEAGENT_NFD_VERSION to fetch"; fi
+    export NODEAGENT_NFD_CRD=$dest
+    return 0
+  fi
+  if [ ! -s "$dest" ]; then
+    mkdir -p "${dest%/*}" || return 1
+    out=$(cd "${dest%/*}" && GOFLAGS=-mod=mod go mod download -json \
+      "sigs.k8s.io/node-feature-discovery@$NODEAGENT_NFD_VERSION" 2>&1) || true
+    dir=$(printf '%s\n' "$out" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p' | head -n 1)
+    if [ -z "$dir" ] || [ ! -s "$dir/deployment/base/nfd-crds/nfd-api-crds.yaml" ]; then
+      _peers_log "cannot download sigs.k8s.io/node-feature-discovery@$NODEAGENT_NFD_VERSION: $(printf '%s' "$out" | tail -n 1)"
+      return 1
+    fi
+    cp "$dir/deployment/base/nfd-crds/nfd-api-crds.yaml" "$dest.tmp.$$" && mv -f "$dest.tmp.$$" "$dest" || return 1
+  fi
+  export NODEAGENT_NFD_CRD=$dest
+}
+
 # The real kubelet and kubectl of the same release as the apiserver (tests/testbin/node: cmd/kubelet and
 # cmd/kubectl over the pinned k8s.io/kubernetes), for the single-node cluster of tests/cluster.
 nodeagent_peers_kubelet() {
@@ -948,6 +974,7 @@ NODEAGENT_PEERS_STEPS=(
   "Kubernetes v1.36 peers:nodeagent_peers_k8s136"
   "Kubernetes v1.35 peers:nodeagent_peers_k8s135"
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
+  "NFD CRDs (Go module proxy):nodeagent_peers_nfd_crd"
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
   "Debian 12 root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"

@@ -122,6 +122,7 @@ class DraPlaneComponent(Component):
         await self._start(ctx.inventory)
 
     async def _start(self, inventory: Inventory) -> None:
+        await self.dra.set_foreign(self._ctx.shared.dra.foreign)  # another DRA driver's GPUs, as last seen
         await self.dra.start(inventory)
         self._started = True
         if self._plane == "both":
@@ -178,6 +179,9 @@ class DraPlaneComponent(Component):
 
     async def update(self, inventory: Inventory) -> None:
         await self.on_inventory(inventory)
+
+    async def set_foreign(self, gpu_indices: frozenset[int]) -> None:
+        await self.dra.set_foreign(gpu_indices)
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         return self.dra.claims_on(gpu_indices) if self._started else {}
