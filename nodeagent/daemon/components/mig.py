@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import fileio
+from nodeagent.daemon.components.fleetlink import fleet_gate
 from nodeagent.daemon.shared import DevicePluginLink, DraLink, PreparedClaims
 from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.gpu.inventory import Inventory
@@ -150,14 +151,7 @@ class MigComponent(Component):
         holders = GpuHolderSources(self.pod_resources, self._device_ids, claims, pool=ctx.node_name,
                                    driver=DRIVER_NAME)
         node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
-        gate = None
-        if cfg.fleet_namespace:  # a change that empties GPUs waits for a slot of the fleet's budget
-            from nodeagent.fleet.gate import FleetGate
-            from nodeagent.fleet.leases import FleetApi
-            from nodeagent.fleet.report import NodeReporter, node_labels
-
-            gate = FleetGate(FleetApi(ctx.kube, cfg.fleet_namespace), ctx.node_name,
-                             lambda: node_labels(node), reporter=NodeReporter(node))
+        gate = fleet_gate(ctx, node)  # a change that empties GPUs waits for a slot of the fleet's budget
         self.reconciler = MigReconciler(
             node,
             ctx.gpu,

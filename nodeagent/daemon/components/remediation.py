@@ -115,11 +115,16 @@ class RemediationComponent(Component):
                     return g.index
             raise NodeAgentError(f"GPU {uuid} is not in the inventory", subject=uuid)
 
+        from nodeagent.daemon.components.fleetlink import RemediationSlots, fleet_gate
+
+        node = NodeClient(ctx.kube, ctx.node_name)
+        fleet = fleet_gate(ctx, node)  # a GPU taken out of service holds a slot of the fleet's budget
         self._rem = Remediator(
             settings, load_catalog(), ctx.gpu, resetter, KubePods(ctx.kube),  # type: ignore[arg-type]
-            KubeNodeSide(NodeClient(ctx.kube, ctx.node_name), events=ctx.config.publish.events),
+            KubeNodeSide(node, events=ctx.config.publish.events),
             MonitorHooks(monitors, index_of), store=RecordStore(record_path(ctx.paths)),
-            metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None)
+            metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None,
+            gate=RemediationSlots(fleet) if fleet is not None else None)
         self._listen()
         hooks = self._rem.hooks
         for uuid, why in sorted(self._rem.record.quarantined.items()):  # they stay out across restarts
