@@ -395,7 +395,8 @@ def _publish_labels(kube: Any, config: AgentConfig, paths: HostPaths, inventory:
     plugin_config = load_plugin_config(paths(dp_config)) if dp_config else None
     publisher = NodePublisher(
         kube, node_name,
-        PublishSettings(labels=True, extended_resources=False, gpu_objects=False, events=False),
+        PublishSettings(labels=config.publish.labels or True, extended_resources=False, gpu_objects=False,
+                        events=False, nodefeature_namespace=config.publish.nodefeature_namespace),
     )
     try:
         res = publisher.publish(inventory, (), plugin_config)

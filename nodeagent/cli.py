@@ -31,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "cdi": "nodeagent.commands.cdi:cdi",
     "doctor": "nodeagent.commands.doctor:doctor",
     "adopt": "nodeagent.commands.adopt:adopt",
+    "fleet": "nodeagent.commands.fleet:fleet",
+    "controller": "nodeagent.commands.controller:controller",
 }
 
 # command name -> the first paragraph of its help: all that ``nodeagent --help`` lists of it, so the listing
@@ -45,6 +47,8 @@ SUMMARIES: dict[str, str] = {
     "cdi": "The node's CDI spec for nvidia.com/gpu (GPUs by index and UUID, MIG devices, all).",
     "doctor": "Explain this GPU node: driver, GPUs and MIG, health, containerd, CDI, kubelet, Node, the agent.",
     "adopt": "Take a node over from the GPU Operator through its nvidia.com/gpu.deploy.* labels.",
+    "fleet": "Fleet-wide changes under a disruption budget: status per pool, clear a brake.",
+    "controller": "Keep ComputeDomains' ResourceClaimTemplates and status; leader-elected through a Lease.",
 }
 _LISTING = "nodeagent.cli.listing"  # ctx.meta key: the group's help is listing its commands
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 import sys
 import typing
@@ -36,6 +37,8 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 RuntimeMode = Literal["drop-in", "in-place"]
 RestartMode = Literal["systemd", "signal", "none"]
 DevicePlane = Literal["device-plugin", "dra", "both"]
+# Where the labels go: the Node ("node", or true), NFD's NodeFeature object of the node ("nodefeature"), nowhere (false)
+LabelTarget = Literal[True, False, "node", "nodefeature"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class MigSettings:
     # devices are withdrawn meanwhile; the free GPUs are changed at once); then the apply fails and the
     # GPUs still held are not changed (0 = do not wait)
     release_timeout: float = 300.0
+    # the agents' namespace holding the fleet's disruption budget (ConfigMap nodeagent-fleet) and its slot
+    # Leases: a change that empties GPUs waits for a slot of the node's pool (docs/fleet.md); "" = no budget
+    fleet_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,12 @@ class RuntimeSettings:
 
 @dataclass(frozen=True)
 class PublishSettings:
-    labels: bool = True
+    labels: LabelTarget = True
+    nodefeature_namespace: str = "nodeagent"  # with labels = "nodefeature": the namespace of the NodeFeature
+
+    @property
+    def through_nodefeature(self) -> bool:
+        return self.labels == "nodefeature"
     extended_resources: bool = True
     gpu_objects: bool = True
     events: bool = True
@@ -159,6 +170,39 @@ class AdoptSettings:
     detect: bool = True  # look for other device plugins, DRA drivers, MIG managers, NFD labels (start, resync)
 
 
+# the remediation actions an operator may name per XID (nodeagent.remediation.policy.Action)
+REMEDIATION_ACTIONS = ("none", "restart-app", "reset-gpu", "drain-and-reset", "reboot-node", "recover-imex-domain")
+
+
+@dataclass(frozen=True)
+class RemediationSettings:
+    """Per-GPU remediation of faults (docs/remediation.md); off unless enabled."""
+
+    enabled: bool = False
+    # "" = the node driver's ``nvidia-smi -r -i <UUID>``; else a command line, "{uuid}" replaced by the GPU
+    reset_command: str = ""
+    eviction_grace: float = 30.0  # seconds each evicted pod is given to terminate
+    eviction_timeout: float = 300.0  # how long evictions may be refused (PodDisruptionBudgets) before giving up
+    step_timeout: float = 120.0  # the bound of every other step
+    max_resets: int = 3  # resets of one GPU within reset_window before it is quarantined
+    reset_window: float = 3600.0
+    cordon_on_failure: bool = False  # cordon the node when a GPU cannot be brought back
+    reboot_command: str = ""  # "" = never reboot; else run when a node reboot is required
+    fabric_manager: bool = True  # False: Ampere NVLink peers are reset together
+    xid_actions: dict[str, str] = field(default_factory=dict)  # [remediation.xid_actions] "48" = "drain-and-reset"
+
+
+@dataclass(frozen=True)
+class ImexSettings:
+    # run the host-managed nvidia-imex for the node's NVLink clique (the peers: the Nodes with the same
+    # nvidia.com/gpu.clique label, by InternalIP) and make the IMEX channel devices of ``channels``
+    enabled: bool = False
+    address: str = ""  # the address the daemon binds and is known by; "" = the own Node's InternalIP
+    server_port: int = 50000  # SERVER_PORT: daemons reach each other here
+    cmd_port: int = 50005  # IMEX_CMD_PORT: the command service (nvidia-imex-ctl)
+    channels: tuple[int, ...] = (0,)  # /dev/nvidia-caps-imex-channels/channel<N> made at start
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     node_name: str = ""  # "" = $NODE_NAME, else the host name
@@ -180,6 +224,8 @@ class AgentConfig:
     cdi: CdiSettings = field(default_factory=CdiSettings)
     simulate: SimulateSettings = field(default_factory=SimulateSettings)
     adopt: AdoptSettings = field(default_factory=AdoptSettings)
+    imex: ImexSettings = field(default_factory=ImexSettings)
+    remediation: RemediationSettings = field(default_factory=RemediationSettings)
     source: str = field(default="", compare=False)  # where it was read from (for messages)
 
     def resolved_node_name(self) -> str:
@@ -266,8 +312,13 @@ _POSITIVE = {
     "health.window",
     "health.poll_interval",
     "dra.verify_interval",
+    "remediation.eviction_grace",
+    "remediation.eviction_timeout",
+    "remediation.step_timeout",
+    "remediation.reset_window",
 }
-_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout", "vfio.release_timeout", "cc.release_timeout"}
+_NON_NEGATIVE = {"runtime.check_interval", "mig.release_timeout", "vfio.release_timeout", "cc.release_timeout",
+                 "remediation.max_resets"}
 MAX_SECONDS = 366 * 24 * 3600.0  # no interval or window is longer than a year (the scheduler's limit is near)
 _ABSOLUTE_PATHS = {
     "kubeconfig",
@@ -293,8 +344,9 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
     origin = get_origin(tp)
     if origin is Literal:
         choices = get_args(tp)
-        if value not in choices:
-            raise bad("one of " + ", ".join(repr(c) for c in choices))
+        # by type too: 1 is not true, and "true" is not a boolean
+        if not any(type(value) is type(c) and value == c for c in choices):
+            raise bad("one of " + ", ".join(str(c).lower() if isinstance(c, bool) else repr(c) for c in choices))
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -322,6 +374,10 @@ def _check_value(key: str, tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list | tuple) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
             raise bad("a list of integers")
         return tuple(value)
+    if origin is dict and get_args(tp) == (str, str):
+        if not isinstance(value, Mapping) or any(not isinstance(v, str) for v in value.values()):
+            raise bad("a table of strings")
+        return {str(k): v for k, v in value.items()}
     raise AssertionError(f"unsupported config type {tp!r} for {key}")
 
 
@@ -350,6 +406,28 @@ def _semantic_checks(key: str, value: Any, where: str) -> None:
             twice = sorted({v for v in value if value.count(v) > 1}) if len(value) <= 4096 else []
             which = f" (GPU {shown(twice[0])})" if twice else ""
             raise ConfigError(f"{where}: key '{key}' lists a GPU twice{which}: {shown(list(value))}", subject=key)
+    if key in ("imex.server_port", "imex.cmd_port") and not 1 <= value <= 65535:
+        raise ConfigError(f"{where}: key '{key}' must be a TCP port (1..65535), got {shown(value)}", subject=key)
+    if key == "imex.address" and value:
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ConfigError(f"{where}: key '{key}' is not an IP address: {shown(value)}", subject=key) from None
+    if key == "imex.channels" and any(not 0 <= v < (1 << 20) for v in value):
+        raise ConfigError(f"{where}: key '{key}' lists a channel outside 0..{(1 << 20) - 1}: {shown(list(value))}",
+                          subject=key)
+    if key == "remediation.xid_actions":
+        for xid, action in value.items():
+            if not xid.isdigit() or not 0 < int(xid) < 1 << 16:
+                raise ConfigError(f"{where}: key '{key}.{_quoted(xid)[1:-1]}' is not an XID number", subject=key)
+            if action not in REMEDIATION_ACTIONS:
+                raise ConfigError(f"{where}: key '{key}.{xid}' must be one of "
+                                  f"{', '.join(REMEDIATION_ACTIONS)}, got {shown(action)}", subject=f"{key}.{xid}")
+    if key == "publish.nodefeature_namespace" and (len(value) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?",
+                                                                             value)):
+        raise ConfigError(f"{where}: key '{key}' is not a namespace name: {shown(value)}", subject=key)
     if key == "node_name" and value and (len(value) > 253 or not value.isprintable() or
                                          any(c.isspace() for c in value)):
         raise ConfigError(f"{where}: key '{key}' is not a valid node name: {shown(value)}", subject=key)

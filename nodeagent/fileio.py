@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -297,4 +298,14 @@ def remove(path: Path | str, *, durable: bool = True, root: Root | None = None) 
         return False
     if durable:
         fsync_dir(p.parent)
+    return True
+
+
+def remove_tree(path: Path | str, *, root: Root | None = None) -> bool:
+    """Delete a directory and everything in it (links inside are removed, never followed); ``False`` when it
+    was already gone. Under ``root`` the directory is resolved inside it first."""
+    p = Path(path) if root is None else _within(root, Path(path).parent) / Path(path).name
+    if p.is_symlink() or not p.is_dir():
+        return False
+    shutil.rmtree(p)
     return True

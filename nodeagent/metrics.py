@@ -359,6 +359,41 @@ def mig_families(inv: Inventory) -> list[Metric]:
     return [mode, devices]
 
 
+def fabric_families(inv: Inventory) -> list[Metric]:
+    """Each GPU's NVLink fabric info and the node's clique label (pure); no series on GPUs without fabric."""
+    from nodeagent.gpu.fabric import decide
+
+    state = GaugeMetricFamily(
+        "nodeagent_gpu_fabric_state",
+        "NVLink fabric registration of each GPU (nvmlGpuFabricState_t: 1 not started, 2 in progress, "
+        "3 completed); status is the nvmlReturn_t once completed, clique the cluster UUID and clique ID.",
+        labels=("gpu", "UUID", "status", "clique"),
+    )
+    health = GaugeMetricFamily(
+        "nodeagent_gpu_fabric_health_summary",
+        "NVLink fabric health summary of each GPU (0 not supported, 1 healthy, 2 unhealthy, "
+        "3 limited capacity); mask is NVML's health mask.",
+        labels=("gpu", "UUID", "mask"),
+    )
+    label = GaugeMetricFamily(
+        "nodeagent_nvlink_clique_label",
+        "1 while nvidia.com/gpu.clique is on the Node, 0 while it is withheld; reason says why.",
+        labels=("clique", "reason"),
+    )
+    for g in sorted(inv.gpus, key=lambda x: x.index):
+        f = g.fabric
+        if f is None:
+            continue
+        state.add_metric([str(g.index), g.uuid, str(f.status), f"{f.cluster_uuid}.{f.clique_id}"], f.state)
+        if f.health_summary is not None or f.health_mask is not None:
+            health.add_metric([str(g.index), g.uuid, "" if f.health_mask is None else str(f.health_mask)],
+                              f.health_summary or 0)
+    d = decide(inv)
+    if d.applicable:
+        label.add_metric([d.value or "", d.reason.value if d.reason else ""], 1 if d.value else 0)
+    return [state, health, label]
+
+
 class _Families(Collector):
     """Families computed when the state changes, shown as they are at every scrape."""
 
@@ -430,7 +465,7 @@ class Metrics:
             conv = {i: s if s.last_xid is not None else replace(s, last_xid=float(xids.get(i, 0)))
                     for i, s in conv.items()}
         self._gpus.set(gpu_series(inv, conv, assignments, self.hostname))
-        self._mig.set(mig_families(inv))
+        self._mig.set(mig_families(inv) + fabric_families(inv))
         for g in inv.gpus:
             ok = True if health is None else health.get(g.index, True)
             self.device_healthy.labels(gpu=str(g.index), UUID=g.uuid).set(1 if ok else 0)

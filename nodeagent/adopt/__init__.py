@@ -36,6 +36,19 @@ REPLACED: Mapping[str, str] = {
     "container-toolkit": "nvidia-container-toolkit-daemonset",
 }
 OPTIONAL: Mapping[str, str] = {"dcgm-exporter": "nvidia-dcgm-exporter"}
+# The operator's DRA stack (GPU Operator 26.x, a node in allocation mode "dra"): switched off only where the node
+# has them on (``true``), so ``release`` never deploys a stack the node did not run. NVIDIA's DRA driver
+# (``gpu.nvidia.com``) is what nodeagent's DRA driver replaces; its validator proves that driver through an
+# admin-access claim of it; dcgm-exporter's DRA variant goes with ``dcgm-exporter``. The app label of the DRA
+# driver's kubelet plugin pods is the chart's (``nvidia-dra-driver-gpu``), the validator's the operator's.
+DRA_REPLACED: Mapping[str, str] = {
+    "dra-driver": "nvidia-dra-driver-gpu",
+    "dra-validator": "nvidia-operator-validator",
+}
+DRA_OPTIONAL: Mapping[str, str] = {"dcgm-exporter-dra": "nvidia-dcgm-exporter"}
+# Switches of the operator that adopt knows and leaves alone: nodeagent does not replace DCGM itself (nor its DRA
+# variant), the sandbox (VM passthrough) device plugins of KubeVirt and Kata, nor the client operand.
+LEFT_ALONE: tuple[str, ...] = ("dcgm", "dcgm-dra", "sandbox-device-plugin", "kata-sandbox-device-plugin", "client")
 HANDED_OVER = "nodeagent.io/handed-over"  # annotation: the operand labels the hand-over switched off
 MAX_RECORD_CHARS = 1024  # of that annotation: a JSON list of at most five operand names is ~100
 MERGE_PATCH = "application/merge-patch+json"
@@ -57,12 +70,24 @@ def operands(with_dcgm_exporter: bool) -> dict[str, str]:
     return {**REPLACED, **(OPTIONAL if with_dcgm_exporter else {})}
 
 
+def dra_operands(with_dcgm_exporter: bool) -> dict[str, str]:
+    return {**DRA_REPLACED, **(DRA_OPTIONAL if with_dcgm_exporter else {})}
+
+
+def to_switch(labels: Mapping[str, str], with_dcgm_exporter: bool) -> list[str]:
+    """The operands a hand-over switches off on a Node with ``labels``: the replaced ones not off yet, and those
+    of the DRA stack that are on."""
+    out = [op for op in operands(with_dcgm_exporter) if labels.get(DEPLOY_PREFIX + op) != "false"]
+    out += [op for op in dra_operands(with_dcgm_exporter) if labels.get(DEPLOY_PREFIX + op) == "true"]
+    return sorted(out)
+
+
 def switch_off(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -> list[str]:
     """One Node patch: ``nvidia.com/gpu.deploy.<operand>=false`` for the replaced operands not yet off, and
     the annotation recording them (for ``release``). The operands switched now."""
     current = _node(kube, node)
     labels = (current.get("metadata") or {}).get("labels") or {}
-    switched = sorted(op for op in operands(with_dcgm_exporter) if labels.get(DEPLOY_PREFIX + op) != "false")
+    switched = to_switch(labels, with_dcgm_exporter)
     earlier = recorded(current, node)
     patch: dict[str, Any] = {"labels": {DEPLOY_PREFIX + op: "false" for op in switched}}
     if switched:
@@ -74,14 +99,23 @@ def switch_off(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -
 
 def operand_pods(kube: Requests, node: str, *, with_dcgm_exporter: bool = False) -> list[str]:
     """The replaced operands' pods still on ``node`` (namespace/name)."""
-    return _operand_pods(kube, node, set(operands(with_dcgm_exporter).values()))
+    return _operand_pods(kube, node, _apps(kube, node, with_dcgm_exporter))
+
+
+def _apps(kube: Requests, node: str, with_dcgm_exporter: bool) -> set[str]:
+    """The app labels of the operands a hand-over waits for: the replaced ones, and those of the DRA stack it
+    switched off on ``node`` (its record)."""
+    apps = set(operands(with_dcgm_exporter).values())
+    dra = dra_operands(with_dcgm_exporter)
+    switched = [op for op in handed_over(_node(kube, node)) if op in dra]
+    return apps | {dra[op] for op in switched}
 
 
 def operand_pods_by_name(pods: Iterable[tuple[str, str]], *, with_dcgm_exporter: bool = False) -> list[str]:
     """The replaced operands' pods among ``pods`` ((namespace, name) as the kubelet's PodResources API lists
     the pods of this node), by name: a DaemonSet's pod is ``<daemonset>-<5 characters>``, and the operator
     names each DaemonSet like its pods' app label. For a node agent whose credentials may not list pods."""
-    apps = set(operands(with_dcgm_exporter).values())
+    apps = set(operands(with_dcgm_exporter).values()) | set(dra_operands(with_dcgm_exporter).values())
     out = []
     for namespace, name in pods:
         base, _, suffix = name.rpartition("-")
@@ -96,7 +130,7 @@ def hand_over(kube: Requests, node: str, *, with_dcgm_exporter: bool = False, ti
     """Switch the replaced operands off on ``node`` and wait until their pods are gone."""
     switched = switch_off(kube, node, with_dcgm_exporter=with_dcgm_exporter)
     start = clock()
-    apps = set(operands(with_dcgm_exporter).values())
+    apps = _apps(kube, node, with_dcgm_exporter)
     left = _operand_pods(kube, node, apps)
     while left and clock() - start < timeout_s:
         sleep(poll_s)
@@ -165,7 +199,7 @@ def _record(node: Mapping[str, Any]) -> tuple[list[str], str]:
         return [], "is not JSON"
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return [], "is not a JSON list of operand names"
-    known = {**REPLACED, **OPTIONAL}
+    known = {**REPLACED, **OPTIONAL, **DRA_REPLACED, **DRA_OPTIONAL}
     return [n for n in names if n in known], ""
 
 

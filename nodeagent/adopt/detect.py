@@ -8,7 +8,8 @@ Four kinds, each found by a pure function over facts the adapters read:
   resource is the one whose socket name it holds (NVIDIA's plugin uses ``nvidia-gpu.sock`` as nodeagent
   does), else the one the kubelet's checkpoint registers with the same device IDs.
 - ``dra-driver``: another DRA driver's ResourceSlices on this node list this node's GPUs (a device
-  attribute holding one of their UUIDs).
+  attribute holding one of their UUIDs or PCI bus ids, e.g. NVIDIA's ``gpu.nvidia.com``): nodeagent leaves
+  those GPUs out of its own ResourceSlices (``foreign_gpus``) unless ``[adopt] take_over`` says otherwise.
 - ``mig-manager``: ``nvidia.com/mig.config.state`` on the Node was last written by another field manager
   (the Node's ``managedFields``; nodeagent writes as ``nodeagent``).
 - ``feature-labels``: gpu-feature-discovery through NFD owns label keys nodeagent writes: they are listed in
@@ -125,24 +126,76 @@ def _attribute_strings(device: Mapping[str, Any]) -> set[str]:
     return out
 
 
-def dra_conflicts(slices: Iterable[Mapping[str, Any]], our_driver: str, uuids: Iterable[str]) -> list[Conflict]:
-    """Slices of other drivers listing one of ``uuids`` (as a device attribute's string value)."""
-    ours = set(uuids)
-    found: dict[str, set[str]] = {}
+def _same_gpu_keys(device: Mapping[str, Any], keys: Mapping[str, int]) -> set[str]:
+    """The keys of ``keys`` (UUIDs, PCI bus ids in the standard form) a device's string attributes hold."""
+    from nodeagent.dra.devices import pci_bus_id
+
+    out: set[str] = set()
+    for value in _attribute_strings(device):
+        if value in keys:
+            out.add(value)
+        elif ":" in value and (bus := pci_bus_id(value)) in keys:
+            out.add(bus)
+    return out
+
+
+def foreign_devices(slices: Iterable[Mapping[str, Any]], our_driver: str,
+                    keys: Mapping[str, int]) -> dict[tuple[str, str, str], tuple[int, frozenset[str]]]:
+    """(driver, pool, device) of every other driver's device that is one of this node's GPUs (or a part of
+    one) → (that GPU's index, the keys that matched); ``keys`` maps UUIDs and PCI bus ids to GPU indices
+    (``gpu_keys``)."""
+    out: dict[tuple[str, str, str], tuple[int, frozenset[str]]] = {}
     for s in slices:
         spec = s.get("spec") or {}
+        if not isinstance(spec, Mapping):
+            continue
         driver = str(spec.get("driver", ""))
         if not driver or driver == our_driver:
             continue
+        pool = str((spec.get("pool") or {}).get("name", "")) if isinstance(spec.get("pool"), Mapping) else ""
         for device in spec.get("devices") or []:
             if isinstance(device, Mapping):
-                same = _attribute_strings(device) & ours
+                same = _same_gpu_keys(device, keys)
                 if same:
-                    found.setdefault(driver, set()).update(same)
-    return [Conflict("dra-driver", f"{len(same)} GPU(s)", driver,
-                     f"DRA driver {driver} publishes ResourceSlices with this node's GPUs "
-                     f"({', '.join(sorted(same)[:4])}{'...' if len(same) > 4 else ''})")
-            for driver, same in sorted(found.items())]
+                    gpu = min(keys[k] for k in same)
+                    out[(driver, pool, str(device.get("name", "")))] = (gpu, frozenset(same))
+    return out
+
+
+def dra_conflicts(slices: Iterable[Mapping[str, Any]], our_driver: str, uuids: Iterable[str],
+                  keys: Mapping[str, int] | None = None) -> list[Conflict]:
+    """Slices of other drivers listing one of this node's GPUs: ``keys`` (``gpu_keys``: UUIDs and PCI bus ids
+    → GPU index) or, without it, one of ``uuids`` (as a device attribute's string value)."""
+    known = dict(keys) if keys is not None else {u: -1 for u in uuids}
+    found: dict[str, set[str]] = {}
+    gpus: dict[str, set[int]] = {}
+    for (driver, _, _), (gpu, matched) in foreign_devices(slices, our_driver, known).items():
+        found.setdefault(driver, set()).update(matched)
+        if gpu >= 0:
+            gpus.setdefault(driver, set()).add(gpu)
+    out = []
+    for driver, same in sorted(found.items()):
+        left = sorted(gpus.get(driver, ()))
+        what = (f"; nodeagent leaves GPU(s) {','.join(map(str, left))} out of its ResourceSlices while they are "
+                "there (or [adopt] take_over = true)") if left else ""
+        out.append(Conflict("dra-driver", f"{len(left) or len(same)} GPU(s)", driver,
+                            f"DRA driver {driver} publishes ResourceSlices with this node's GPUs "
+                            f"({', '.join(sorted(same)[:4])}{'...' if len(same) > 4 else ''}){what}"))
+    return out
+
+
+def gpu_keys(inventory: Inventory) -> dict[str, int]:
+    """What names a GPU of this node in another driver's attributes: its UUID, its MIG devices' UUIDs and its
+    PCI bus id (standard form), each → the GPU's index."""
+    from nodeagent.dra.devices import pci_bus_id
+
+    out: dict[str, int] = {}
+    for g in inventory.gpus:
+        out[g.uuid] = g.index
+        out.update({d.uuid: g.index for d in g.mig_devices if d.uuid})
+        if g.pci_bus_id:
+            out[pci_bus_id(g.pci_bus_id)] = g.index
+    return out
 
 
 def _label_owners(node: Mapping[str, Any], key: str) -> list[str]:
@@ -193,17 +246,24 @@ def nfd_label_keys(annotation: str) -> set[str]:
 
 
 def feature_label_conflicts(
-    node: Mapping[str, Any], node_features: Iterable[Mapping[str, Any]], ours: Iterable[str]
+    node: Mapping[str, Any], node_features: Iterable[Mapping[str, Any]], ours: Iterable[str],
+    *, through_nfd: bool = False
 ) -> list[Conflict]:
-    """Label keys nodeagent writes that NFD says are its own (annotation) or a NodeFeature object asks for."""
+    """Label keys nodeagent writes that NFD says are its own (annotation) or a NodeFeature object asks for.
+    nodeagent's own NodeFeature (``nodeagent-<node>``) is none; with ``through_nfd`` (``[publish] labels =
+    "nodefeature"``) NFD applies nodeagent's labels, so its annotation naming them is no conflict either."""
     mine = set(ours)
-    annotations = (node.get("metadata") or {}).get("annotations") or {}
+    meta_node = node.get("metadata") or {}
+    annotations = meta_node.get("annotations") or {}
+    own = f"nodeagent-{meta_node.get('name', '')}"
     claimed: dict[str, set[str]] = {}
     annotated = nfd_label_keys(str(annotations.get(NFD_FEATURE_LABELS, ""))) & mine
-    if annotated:
+    if annotated and not through_nfd:
         claimed[f"NFD ({NFD_FEATURE_LABELS})"] = annotated
     for nf in node_features:
         meta = nf.get("metadata") or {}
+        if meta.get("name") == own and (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == "nodeagent":
+            continue
         labels = (nf.get("spec") or {}).get("labels") or {}
         same = {k if "/" in k else NFD_DEFAULT_NS + k for k in labels} & mine if isinstance(labels, Mapping) else set()
         if same:
@@ -260,15 +320,16 @@ def read_kube_facts(kube: Requests, node_name: str, *, timeout: float = 10.0) ->
     )
 
 
-def kube_conflicts(facts: KubeFacts, *, our_driver: str, uuids: Iterable[str], label_keys: Iterable[str]) -> list[Conflict]:
+def kube_conflicts(facts: KubeFacts, *, our_driver: str, uuids: Iterable[str], label_keys: Iterable[str],
+                   keys: Mapping[str, int] | None = None, through_nfd: bool = False) -> list[Conflict]:
     """The conflicts the API shows (every part that was read)."""
     ids = set(uuids)
     out: list[Conflict] = []
     if facts.slices is not None:
-        out += dra_conflicts(facts.slices, our_driver, ids)
+        out += dra_conflicts(facts.slices, our_driver, ids, keys)
     if facts.node is not None:
         out += mig_manager_conflicts(facts.node)
-        out += feature_label_conflicts(facts.node, facts.node_features or (), label_keys)
+        out += feature_label_conflicts(facts.node, facts.node_features or (), label_keys, through_nfd=through_nfd)
     return sorted(out)
 
 
@@ -308,3 +369,35 @@ def inventory_uuids(inventory: Inventory) -> set[str]:
         out.add(g.uuid)
         out.update(d.uuid for d in g.mig_devices if d.uuid)
     return out
+
+
+DeviceRef = tuple[str, str, str]  # (driver, pool, device) as a ResourceClaim's allocation names a device
+
+
+class ForeignDraGpus:
+    """Which of this node's GPUs nodeagent's DRA driver must leave out of its ResourceSlices because another
+    DRA driver has them: every GPU another driver's slices list now, and, once those slices are gone (the other
+    driver handed over), every GPU a claim still holds through a device of the other driver, until that claim's
+    pod has ended. The other driver's devices are remembered from its slices while they are seen (a claim names
+    devices, not GPUs)."""
+
+    def __init__(self) -> None:
+        self.remembered: dict[DeviceRef, int] = {}
+
+    def update(self, slices: Iterable[Mapping[str, Any]], our_driver: str, keys: Mapping[str, int],
+               held: Iterable[DeviceRef] | None) -> frozenset[int]:
+        """The GPUs to leave out. ``held``: the devices the pods of this node use through their claims (the
+        kubelet's PodResources); None when unknown, which keeps every remembered device's GPU out."""
+        current = foreign_devices(slices, our_driver, keys)
+        for ref, (gpu, _) in current.items():
+            self.remembered[ref] = gpu
+        using = None if held is None else set(held)
+        out = {gpu for gpu, _ in current.values()}
+        for ref, gpu in list(self.remembered.items()):
+            if ref in current:
+                continue
+            if using is None or ref in using:
+                out.add(gpu)
+            else:
+                del self.remembered[ref]
+        return frozenset(out)

@@ -21,6 +21,7 @@ from nodeagent.hostpaths import HostPaths
 
 SIM_UVM_MAJOR = 508
 SIM_CAPS_MAJOR = 509
+SIM_IMEX_CHANNELS_MAJOR = 511  # nvidia-caps-imex-channels: registered by every driver since 550
 MAX_GPU_INSTANCES = 15
 MAX_COMPUTE_INSTANCES = 8
 # mig-minors numbering: config 1, monitor 2, then per GPU minor 15 GPU instances, each one access
@@ -87,7 +88,8 @@ def materialise(paths: HostPaths, inventory: Inventory) -> SimHostFiles:
         paths,
         paths("/proc/devices"),
         "Character devices:\n  1 mem\n  4 tty\n195 nvidia-frontend\n"
-        f"{SIM_UVM_MAJOR} nvidia-uvm\n{SIM_CAPS_MAJOR} nvidia-caps\n\nBlock devices:\n  8 sd\n",
+        f"{SIM_UVM_MAJOR} nvidia-uvm\n{SIM_CAPS_MAJOR} nvidia-caps\n"
+        f"{SIM_IMEX_CHANNELS_MAJOR} nvidia-caps-imex-channels\n\nBlock devices:\n  8 sd\n",
     )
     minors = [g.minor_number for g in inventory.gpus]
     _write(paths, paths("/proc/driver/nvidia-caps/mig-minors"), mig_minors_text(minors), 0o444)

@@ -73,6 +73,21 @@ def render_text(inv: Inventory, topology: bool) -> str:
             ]
         )
     lines += _table(rows)
+    fabric = [g for g in inv.gpus if g.fabric is not None]
+    if fabric:
+        from nodeagent.gpu import fabric as fab
+
+        rows = [["GPU", "FABRIC", "STATUS", "CLUSTER UUID.CLIQUE", "HEALTH", "PROBLEMS"]]
+        for g in fabric:
+            f = g.fabric
+            assert f is not None
+            rows.append([str(g.index), fab.state_name(f.state), str(f.status), fab.clique_id(f),
+                         fab.summary_name(f.health_summary), "; ".join(fab.health_problems(f)) or "-"])
+        decision = fab.decide(inv)
+        verdict = (f"{fab.CLIQUE_LABEL}={decision.value}" if decision.value else
+                   f"{fab.CLIQUE_LABEL} withheld: {decision.message}" if decision.applicable
+                   else decision.message)
+        lines += ["", "NVLink fabric:", *_table(rows), verdict]
     migs = [d for g in inv.gpus for d in (*g.mig_devices, *g.bare_gpu_instances)]
     if migs:
         rows = [["GPU", "GI", "CI", "PROFILE", "PLACEMENT", "MEMORY", "UUID"]]

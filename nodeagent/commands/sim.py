@@ -132,12 +132,20 @@ def inject_group() -> None:
 @click.option("--gpu", type=int, required=True, help="GPU index (see `nodeagent discover`).")
 @click.option("--code", type=int, required=True, help="XID number, e.g. 48 (DBE), 79 (fallen off the bus).")
 @click.option("--gi", "gi_id", type=int, default=None, help="GPU instance the error is attributed to.")
+@click.option("--recovery-action", default=None,
+              help="The recovery action the driver asks for with it, e.g. recover-imex-domain (with XID 154).")
 @click.pass_context
-def inject_xid(ctx: click.Context, gpu: int, code: int, gi_id: int | None) -> None:
+def inject_xid(ctx: click.Context, gpu: int, code: int, gi_id: int | None, recovery_action: str | None) -> None:
     """An XID critical-error event on a GPU."""
     from nodeagent.simulator import inject
 
-    inject.inject_xid(_store(ctx), gpu, code, gi_id)
+    action = None
+    if recovery_action is not None:
+        action = inject.RECOVERY_ACTIONS.get(recovery_action)
+        if action is None:
+            raise InputError(f"--recovery-action {recovery_action!r} is not one of "
+                             f"{', '.join(inject.RECOVERY_ACTIONS)}", subject=recovery_action)
+    inject.inject_xid(_store(ctx), gpu, code, gi_id, action)
     click.echo(f"XID {code} on GPU {gpu}")
 
 
@@ -219,6 +227,62 @@ def inject_recover(ctx: click.Context, gpu: int | None) -> None:
 
     inject.recover(_store(ctx), gpu)
     click.echo("recovered")
+
+
+@sim.command("fabric")
+@gpu_options
+@click.option("--rack", default=None, help="Rack name: nodes placed in the same rack share a cluster UUID.")
+@click.option("--node", "slot", type=int, default=None, help="Compute-tray slot in the rack (1..18 on NVL72).")
+@click.option("--clique", type=int, default=None, help="NVLink clique ID of this node's GPUs.")
+@click.option("--bring-up", "bring_up", type=float, default=None,
+              help="Restart the fabric manager: NOT_STARTED, then IN_PROGRESS, COMPLETED after this many seconds.")
+@click.pass_context
+def fabric(ctx: click.Context, rack: str | None, slot: int | None, clique: int | None,
+           bring_up: float | None) -> None:
+    """Place a simulated rack node (GB200/GB300 NVL72) in a rack, slot and clique; restart fabric bring-up."""
+    from nodeagent.simulator import nvml_fabric
+
+    store = _store(ctx)
+    nvml_fabric.place(store, rack, slot, clique)
+    if bring_up is not None:
+        nvml_fabric.bring_up(store, bring_up)
+    f = nvml_fabric.fabric_state(store.read())
+    click.echo(f"rack {f.get('rack', nvml_fabric.DEFAULT_RACK)} "
+               f"(cluster {nvml_fabric.cluster_uuid(str(f.get('rack', nvml_fabric.DEFAULT_RACK)))}), "
+               f"node {f.get('node', '-')}, clique {f.get('clique', nvml_fabric.DEFAULT_CLIQUE)}")
+
+
+@inject_group.command("fabric")
+@gpu_options
+@click.option("--state", type=click.Choice(["not-started", "in-progress", "completed"]), default=None,
+              help="Hold the fabric registration in this state (not-started/in-progress: fabric not ready).")
+@click.option("--status", default=None, help="Status once COMPLETED: an NVML error name or number (SUCCESS: 0).")
+@click.option("--degraded-bandwidth/--full-bandwidth", default=None, help="Health mask: degraded bandwidth.")
+@click.option("--route-unhealthy/--route-healthy", default=None, help="Health mask: route unhealthy.")
+@click.option("--gpu", type=int, default=None, help="With --clique: the GPU whose clique disagrees.")
+@click.option("--clique", type=int, default=None, help="With --gpu: the clique that GPU reports.")
+@click.option("--heal", is_flag=True, help="Undo every fabric fault first (placement kept).")
+@click.pass_context
+def inject_fabric(ctx: click.Context, state: str | None, status: str | None, degraded_bandwidth: bool | None,
+                  route_unhealthy: bool | None, gpu: int | None, clique: int | None, heal: bool) -> None:
+    """NVLink fabric faults of a simulated rack node: not ready, an error status, degraded bandwidth, an
+    unhealthy route, one GPU in another clique."""
+    from nodeagent.simulator import nvml_fabric
+
+    if (gpu is None) != (clique is None):
+        raise InputError("--gpu and --clique go together (the GPU and the clique it reports)")
+    store = _store(ctx)
+    if heal:
+        nvml_fabric.heal(store)
+    health = {name: value for name, value in (("degraded-bandwidth", degraded_bandwidth),
+                                               ("route-unhealthy", route_unhealthy)) if value is not None}
+    code = None
+    if status is not None:
+        code = 0 if status.strip().upper() in ("SUCCESS", "NVML_SUCCESS") else _error_code(status)
+    nvml_fabric.set_fabric(store, state=state, status=code, health=health,
+                           gpu_clique=(gpu, clique) if gpu is not None else None)
+    click.echo("fabric fault set" if not heal or state or code is not None or health or gpu is not None
+               else "fabric healed")
 
 
 @inject_group.command("fail-next")

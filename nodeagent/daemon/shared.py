@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from nodeagent import fileio
 from nodeagent.agentrecord import Registration
@@ -30,7 +30,13 @@ from nodeagent.gpu.inventory import Inventory
 if TYPE_CHECKING:
     from nodeagent.dra.devices import DraDevice
     from nodeagent.dra.service import ClaimRef
-    from nodeagent.kube.conditions import ConditionSnapshot, ConflictInput, GpuHealthInput, StatusStage
+    from nodeagent.kube.conditions import (
+        ConditionSnapshot,
+        ConflictInput,
+        GpuHealthInput,
+        ImexInput,
+        StatusStage,
+    )
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +128,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
     def registered(self) -> dict[str, bool]:
         return self._held.registered() if self._held is not None else {}
 
+    def monitor(self) -> Any:
+        """The plugin's health monitor (``gpu.health.HealthMonitor``; None while none runs)."""
+        get = getattr(self._held, "monitor", None)
+        return get() if get is not None else None
+
     def allocations(self) -> dict[tuple[str, str], int]:
         return self._held.allocations() if self._held is not None else {}
 
@@ -161,6 +172,10 @@ class MetricsLink(_Slot[MetricsSink]):
     def count_publish(self, writes: Mapping[str, int]) -> None:
         if self._held is not None:
             self._held.count_publish(writes)
+
+    def registry(self) -> Any:
+        """The running registry (``prometheus_client.CollectorRegistry``) for a component's own metrics."""
+        return getattr(self._held, "registry", None)
 
 
 class CdiLink:
@@ -230,6 +245,13 @@ class DraPool(PreparedClaims, Protocol):
     async def update(self, inventory: Inventory) -> None: ...
 
 
+@runtime_checkable
+class ForeignAware(Protocol):
+    """A DRA plane that leaves the GPUs another DRA driver has out of its slices."""
+
+    async def set_foreign(self, gpu_indices: frozenset[int]) -> None: ...
+
+
 class DraLink(_Slot[DraPool]):
     """The DRA plane while it runs; while none runs withdrawing and advertising are no-ops and no claim is
     known. ``vfio`` keeps the node's GPUs on a VFIO driver (the workload switch's) for a plane that starts
@@ -259,6 +281,14 @@ class DraLink(_Slot[DraPool]):
     async def update(self, inventory: Inventory) -> None:
         if self._held is not None:
             await self._held.update(inventory)
+
+    foreign: frozenset[int] = frozenset()  # the last set, for a plane that starts (or is rebuilt) later
+
+    async def set_foreign(self, gpu_indices: frozenset[int]) -> None:
+        """The GPUs another DRA driver has: out of the DRA plane's slices (conflict detection says which)."""
+        self.foreign = gpu_indices
+        if isinstance(self._held, ForeignAware):
+            await self._held.set_foreign(gpu_indices)
 
 
 class HealthSink(Protocol):
@@ -443,6 +473,7 @@ class ConditionInputs:
         self.mig = MigInput()
         self.runtime = RuntimeInput()
         self.conflicts: tuple[ConflictInput, ...] = ()
+        self.imex: ImexInput | None = None
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -459,7 +490,12 @@ class ConditionInputs:
     def snapshot(self) -> ConditionSnapshot:
         from nodeagent.kube.conditions import ConditionSnapshot
 
-        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts)
+        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts, imex=self.imex)
+
+    def report_imex(self, imex: ImexInput | None) -> None:
+        if imex != self.imex:
+            self.imex = imex
+            self._changed()
 
     def report_health(self, health: GpuHealthInput | None) -> None:
         if health != self.health:

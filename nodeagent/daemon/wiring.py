@@ -107,6 +107,16 @@ def default_specs() -> list[ComponentSpec]:
 
         return ConditionsComponent(ctx) if ctx.kube is not None else None
 
+    def racks(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.racks import RacksComponent
+
+        return RacksComponent(ctx)
+
+    def remediation(ctx: Context) -> Component | None:
+        from nodeagent.daemon.components.remediation import RemediationComponent
+
+        return RemediationComponent(ctx) if ctx.config.remediation.enabled and ctx.kube is not None else None
+
     return [
         ComponentSpec("cdi", frozenset({"cdi"}), cdi),
         # before the device plugin: its first look at the device-plugin directory decides what is held back
@@ -122,6 +132,9 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("metrics", frozenset({"metrics", "kubelet"}), metrics),
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
         ComponentSpec("conditions", frozenset({"publish"}), conditions),
+        ComponentSpec("racks", frozenset({"imex", "publish"}), racks),
+        # after the device plugin: it listens to the plugin's health monitor
+        ComponentSpec("remediation", frozenset({"remediation", "device_plugin", "health"}), remediation),
     ]
 
 

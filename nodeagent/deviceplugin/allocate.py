@@ -21,6 +21,8 @@ from nodeagent.sharing.devices import PhysicalDevice, Resource
 from nodeagent.sharing.spec import PluginFlags
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+IMEX_CHANNELS_ENV = "NVIDIA_IMEX_CHANNELS"
+IMEX_CDI_KIND = "nvidia.com/imex-channel"
 VOLUME_MOUNT_ROOT = "/var/run/nvidia-container-devices"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
@@ -146,6 +148,19 @@ def container_allocation(
         annotations[cdi_annotation_key(flags.cdi_annotation_prefix, device_ids)] = ",".join(cdi_names)
     if "cdi-cri" in strategies:
         cdi.extend(cdi_names)
+    channels = flags.imex_channels  # the plugin config's imex.channelIDs, in every container (as NVIDIA's plugin)
+    if channels:
+        numbers = [str(c.number) for c in channels]
+        if "envvar" in strategies:
+            envs[IMEX_CHANNELS_ENV] = ",".join(numbers)
+        if "volume-mounts" in strategies:
+            mounts.extend(Mount(f"{VOLUME_MOUNT_ROOT}/imex/{n}", "/dev/null") for n in numbers)
+        imex_names = [f"{IMEX_CDI_KIND}={n}" for n in numbers]
+        if "cdi-annotations" in strategies:
+            key = cdi_annotation_key(flags.cdi_annotation_prefix, device_ids)
+            annotations[key] = ",".join([*cdi_names, *imex_names])
+        if "cdi-cri" in strategies:
+            cdi.extend(imex_names)
     if resource.mps is not None:  # the control daemon's pipe directory and the shared memory it uses
         envs[PIPE_ENV] = resource.mps.pipe_dir
         mounts.append(Mount(resource.mps.pipe_dir, resource.mps.pipe_dir_on_host, read_only=False))
@@ -153,7 +168,8 @@ def container_allocation(
     return ContainerAllocation(
         envs=envs,
         mounts=tuple(mounts),
-        devices=_device_nodes(devices) if flags.pass_device_specs else (),
+        devices=(_device_nodes(devices) + tuple(DeviceNode(c.path, c.host_path) for c in channels)
+                 if flags.pass_device_specs else ()),
         annotations=annotations,
         cdi_devices=tuple(cdi),
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -33,9 +34,10 @@ from nodeagent.gpu.health import (
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.mps import MpsDaemonState, MpsManager
 from nodeagent.gpu.topology import score_matrix
+from nodeagent.hostpaths import HostPaths
 from nodeagent.sharing.devices import AdvertisedDevice, Resource, build_resources, device_gpus, resource_ids
 from nodeagent.sharing.mps import plan_daemons, with_access
-from nodeagent.sharing.spec import DEFAULT_CONFIG, PluginConfig
+from nodeagent.sharing.spec import DEFAULT_CONFIG, ImexChannelRef, PluginConfig
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +317,24 @@ class DevicePluginService:
         mig = device.physical.mig
         return self.monitor.is_healthy(device.physical.gpu_index, mig.gi_id if mig else None)
 
+    def _imex_channels(self) -> tuple[ImexChannelRef, ...]:
+        """The plugin config's IMEX channels, made under the root as nvidia-modprobe would when missing; one
+        that cannot be made is left out (logged as an error when ``imex.required``, as NVIDIA's plugin warns or
+        fails)."""
+        from nodeagent.imex import channels as imex
+
+        paths = self._root if isinstance(self._root, HostPaths) else HostPaths()
+        out: list[ImexChannelRef] = []
+        for number in self.config.imex.channel_ids:
+            try:
+                ch = imex.ensure_channel(paths, number)
+            except NodeAgentError as e:
+                level = logging.ERROR if self.config.imex.required else logging.WARNING
+                log.log(level, "IMEX channel %d not handed out: %s", number, e)
+                continue
+            out.append(ImexChannelRef(ch.number, ch.path, ch.host_path))
+        return tuple(out)
+
     def _health_for(self, name: str) -> Callable[[AdvertisedDevice], bool]:
         def healthy(device: AdvertisedDevice) -> bool:
             if self._mps is not None and self._mps.daemon(name) is not None and not self._mps.ready(name):
@@ -326,6 +346,8 @@ class DevicePluginService:
     async def _apply(self, resources: dict[str, Resource]) -> None:
         await self._apply_mps(resources)
         flags, policy = self.config.flags.plugin, self.config.allocation_policy
+        if self.config.imex.channel_ids:
+            flags = dataclasses.replace(flags, imex_channels=await asyncio.to_thread(self._imex_channels))
         for name in [n for n in self._servers if n not in resources]:
             self.failures.pop(name, None)
             await self._cancel_registration(name)

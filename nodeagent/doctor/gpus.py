@@ -63,6 +63,24 @@ def check_gpus(src: Sources, inventory: Inventory, report: Report) -> None:
         if g.processes:
             procs = ", ".join(f"{p.pid} ({p.name})" for p in g.processes[:5])
             report.add("gpus", "ok", f"GPU {g.index}: {len(g.processes)} process(es): {procs}")
+    _clique(src, inventory, report)
+
+
+def _clique(src: Sources, inventory: Inventory, report: Report) -> None:
+    """The NVLink clique: which label the node gets, or why none (fabric not ready, GPUs disagree)."""
+    from nodeagent.gpu.fabric import CLIQUE_LABEL, decide
+
+    d = decide(inventory)
+    if not d.applicable:
+        return
+    if d.value is not None:
+        report.add("gpus", "warning" if d.degraded else "ok", f"{CLIQUE_LABEL}={d.value}" + (f" (fabric health: {'; '.join(d.degraded)})"
+                                                                  if d.degraded else ""))
+        return
+    fix = (src.gpu_command("sim inject fabric --heal") if src.simulated
+           else "check the NVIDIA fabric manager (systemctl status nvidia-fabricmanager) and the NVLink switches")
+    reason = d.reason.value if d.reason else "unknown"
+    report.add("gpus", "warning", f"{CLIQUE_LABEL} withheld ({reason}): {d.message}", fix)
 
 
 def _bare_instances_fix(src: Sources, g: Gpu) -> str:

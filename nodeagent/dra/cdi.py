@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from nodeagent.cdi.spec import node_entry
 from nodeagent.deviceplugin.allocate import CONTROL_DEVICES, VISIBLE_DEVICES_ENV, mig_cap_minors
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.devices import DraDevice
+from nodeagent.imex.channels import CHANNEL_DIR
 from nodeagent.vfio.allocate import VFIO_CONTAINER
 from nodeagent.vfio.names import env_name
 
@@ -84,8 +85,8 @@ def share_env(devices: Sequence[DraDevice]) -> list[str]:
 
 
 def _visible(devices: Sequence[DraDevice]) -> list[str]:
-    """The claim's device UUIDs, each once, in device order."""
-    return list(dict.fromkeys(d.uuid for d in devices))
+    """The claim's device UUIDs, each once, in device order (IMEX channels are no GPU)."""
+    return list(dict.fromkeys(d.uuid for d in devices if d.kind != "channel"))
 
 
 def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
@@ -93,7 +94,16 @@ def _node(path: str, facts: Mapping[str, NodeFact]) -> dict[str, Any]:
     return {"path": path} if fact is None else node_entry(fact)
 
 
-def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact]) -> list[dict[str, Any]]:
+ChannelNodes = Callable[[int], list[dict[str, Any]]]  # channel count → CDI entries of channels 0..count-1
+
+
+def _device_nodes(dev: DraDevice, facts: Mapping[str, NodeFact],
+                  channel_nodes: ChannelNodes | None = None) -> list[dict[str, Any]]:
+    if dev.kind == "channel":  # channel 0 (Single) or every channel (All) of the IMEX channel device
+        count = max(dev.channels, 1)
+        if channel_nodes is not None:
+            return channel_nodes(count)
+        return [_node(f"{CHANNEL_DIR}/channel{n}", facts) for n in range(count)]
     if dev.vfio is not None:
         return [_node(f"/dev/vfio/{dev.vfio.iommu_group}", facts)]
     nodes = [_node(f"/dev/nvidia{dev.minor}", facts)]
@@ -117,7 +127,8 @@ def _vfio_edits(devices: Sequence[DraDevice], facts: Mapping[str, NodeFact]) -> 
 
 
 def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
-               facts: Mapping[str, NodeFact] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+               facts: Mapping[str, NodeFact] | None = None, extra: Mapping[str, Any] | None = None,
+               channel_nodes: ChannelNodes | None = None) -> dict[str, Any]:
     """The CDI spec for one claim (pure); ``facts`` are the host's device nodes by container path; ``extra``
     adds container edits (``env``, ``mounts``: the claim's MPS daemon)."""
     facts = facts or {}
@@ -127,7 +138,7 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
         "kind": CDI_KIND,
         "devices": [
             {"name": cdi_device_name(claim_uid, d.name, d.share.share_id if d.share is not None else None),
-             "containerEdits": {"deviceNodes": _device_nodes(d, facts)}}
+             "containerEdits": {"deviceNodes": _device_nodes(d, facts, channel_nodes)}}
             for d in devices
         ],
         "containerEdits": _vfio_edits(devices, facts) if any(d.vfio is not None for d in devices) else {
@@ -135,6 +146,9 @@ def claim_spec(claim_uid: str, devices: Sequence[DraDevice],
             "deviceNodes": [_node(p, facts) for p in CONTROL_DEVICES],
         },
     }
+    if devices and all(d.kind == "channel" for d in devices):
+        del spec["containerEdits"]  # a claim of IMEX channels alone brings no GPU and no control device
+        return spec
     if extra:
         edits: dict[str, Any] = spec["containerEdits"]  # type: ignore[assignment]
         edits["env"] = [*edits["env"], *extra.get("env", ())]
@@ -151,6 +165,7 @@ class ClaimSpecs:
         self.root = root  # every file and the directory are resolved inside it as they are used
         self.node_facts: Mapping[str, NodeFact] = {}  # set from the host facts on each inventory
         self.extra_edits: dict[str, Mapping[str, Any]] = {}  # claim UID → container edits beyond its devices
+        self.channel_nodes: ChannelNodes | None = None  # IMEX channels made and described (else by path)
 
     def path(self, claim_uid: str) -> Path:
         _check_uid(claim_uid)
@@ -166,7 +181,8 @@ class ClaimSpecs:
                 for d in devices]
 
     def render(self, claim_uid: str, devices: Sequence[DraDevice]) -> str:
-        return json.dumps(claim_spec(claim_uid, devices, self.node_facts, self.extra_edits.get(claim_uid)),
+        return json.dumps(claim_spec(claim_uid, devices, self.node_facts, self.extra_edits.get(claim_uid),
+                                     self.channel_nodes),
                           indent=2, sort_keys=True) + "\n"
 
     def current(self, claim_uid: str) -> str | None:

@@ -68,6 +68,8 @@ class PreparedDevice:
     share_id: str | None = None  # one allocation of a shared device (consumable capacity)
     consumed: tuple[tuple[str, str], ...] = ()  # capacity name → quantity it consumed, sorted
     admin: bool = False  # admin access: reached without being taken (never a holder of its GPU)
+    channels: int = 0  # an IMEX channel device: the channels given (1 or all)
+    domain: str = ""  # ... and the ComputeDomain (UID) they were given for
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"request_names": list(self.request_names), "pool": self.pool,
@@ -80,6 +82,9 @@ class PreparedDevice:
             d["consumed"] = dict(self.consumed)
         if self.admin:
             d["admin"] = True
+        if self.channels:
+            d["channels"] = self.channels
+            d["domain"] = self.domain
         return d
 
     @classmethod
@@ -90,7 +95,7 @@ class PreparedDevice:
                    MigInstance.from_dict(d["mig"]) if d.get("mig") is not None else None,
                    None if share is None else str(share),
                    tuple(sorted((str(k), str(v)) for k, v in dict(d.get("consumed") or {}).items())),
-                   d.get("admin") is True)
+                   d.get("admin") is True, int(d.get("channels") or 0), str(d.get("domain") or ""))
 
 
 @dataclass(frozen=True)
@@ -100,10 +105,14 @@ class ClaimRecord:
     name: str
     state: str
     devices: tuple[PreparedDevice, ...] = ()
+    pod_claim_name: str | None = None  # a claim made from a template: the pod's name for it (device metadata)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "name": self.name, "state": self.state,
-                "devices": [d.to_dict() for d in self.devices]}
+        d: dict[str, Any] = {"namespace": self.namespace, "name": self.name, "state": self.state,
+                             "devices": [d.to_dict() for d in self.devices]}
+        if self.pod_claim_name is not None:
+            d["pod_claim_name"] = self.pod_claim_name
+        return d
 
 
 @dataclass
@@ -127,8 +136,10 @@ class Checkpoint:
                 if c["state"] not in STATES:
                     raise ValueError(f"claim {uid}: unknown state {c['state']!r}")
                 devices = tuple(PreparedDevice.from_dict(d) for d in c["devices"])
+                pod_claim = c.get("pod_claim_name")
                 cp.claims[str(uid)] = ClaimRecord(str(uid), str(c["namespace"]), str(c["name"]),
-                                                  str(c["state"]), devices)
+                                                  str(c["state"]), devices,
+                                                  None if pod_claim is None else str(pod_claim))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InputError(f"DRA checkpoint {path} is damaged: {e}", subject=str(path)) from e
         return cp

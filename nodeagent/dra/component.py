@@ -46,6 +46,7 @@ from nodeagent.cdi.host import collect as collect_host_facts
 from nodeagent.deadline import within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
+from nodeagent.dra.channels import channel_dra_device, channel_nodes
 from nodeagent.dra.checkpoint import Checkpoint, PreparedDevice
 from nodeagent.dra.devices import (
     DraDevice,
@@ -56,6 +57,7 @@ from nodeagent.dra.devices import (
     read_pcie_roots,
 )
 from nodeagent.dra.health import HealthFeed, HealthKey, HealthUpdates, unhealthy_devices
+from nodeagent.dra.metadata import DATA_SUBDIR, ClaimMetadata
 from nodeagent.dra.mps import ClaimMps
 from nodeagent.dra.publisher import SlicePublisher
 from nodeagent.dra.server import DraServer
@@ -63,6 +65,7 @@ from nodeagent.dra.service import ClaimPreparer, ClaimRef
 from nodeagent.dra.slices import MAX_DEVICES, PoolContent, pool_content
 from nodeagent.dra.status import ClaimStatusWriter, device_status
 from nodeagent.errors import NodeAgentError
+from nodeagent.gpu.fabric import decide as decide_clique
 from nodeagent.gpu.health import EventPumps, HealthMonitor, HealthMonitorSettings, HealthSource, shared_pumps
 from nodeagent.gpu.inventory import Gpu, Inventory
 from nodeagent.gpu.ports import MigAdministration
@@ -108,6 +111,7 @@ class DraComponent:
         device_status: bool = True,
         mps: ClaimMps | None = None,
         leaving: Iterable[int] = (),
+        device_metadata: bool = True,
     ) -> None:
         self.paths = paths
         self.mps = mps  # MPS daemons for claims whose opaque config asks for MPS
@@ -120,6 +124,8 @@ class DraComponent:
         self.cdi_dir = cdi_dir or paths("/var/run/cdi")
         self.checkpoint_path = checkpoint_path or paths.state_dir / CHECKPOINT_NAME
         self.health_source = health_source
+        # KEP-5304: each prepared request's DeviceMetadata file and the CDI spec mounting it in the container
+        self.device_metadata = device_metadata
         self.verify_interval_s = verify_interval_s
         self.scheduler = scheduler
         self._own_scheduler: AsyncIOScheduler | None = None
@@ -143,7 +149,10 @@ class DraComponent:
         self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until re-advertised
         # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
         self._leaving: frozenset[int] = frozenset(leaving)
+        # GPUs another DRA driver publishes (or a claim of it still holds): never in this driver's slices too
+        self._foreign: frozenset[int] = frozenset()
         self.on_claims_changed: Callable[[], None] | None = None  # after every prepare and unprepare
+        self.clique: str | None = None  # the node's NVLink clique (nvidia.com/gpu.clique), from the inventory
         self.preparer: ClaimPreparer | None = None
         self.server: DraServer | None = None
         self._wanted: PoolContent | None = None
@@ -186,9 +195,14 @@ class DraComponent:
     async def start(self, inventory: Inventory) -> None:
         """Bring the plane up. A damaged checkpoint raises ``InputError`` and starts nothing."""
         checkpoint = await asyncio.to_thread(Checkpoint.load, self.checkpoint_path, self.paths)
-        self.preparer = ClaimPreparer(checkpoint, ClaimSpecs(self.cdi_dir, self.paths), self._read_claim, self.node_name,
+        metadata = ClaimMetadata(self.driver, self.kubelet_dir / "plugins" / self.driver / DATA_SUBDIR,
+                                 self.cdi_dir, root=self.paths, published=self.paths.published) \
+            if self.device_metadata else None
+        specs = ClaimSpecs(self.cdi_dir, self.paths)
+        specs.channel_nodes = channel_nodes(self.paths)  # IMEX channels made on the node as claims need them
+        self.preparer = ClaimPreparer(checkpoint, specs, self._read_claim, self.node_name,
                                       driver=self.driver, mig=self.mig,  # MIG claims unprepare with the knob off
-                                      mps=self.mps, on_prepared=self._report_prepared)
+                                      mps=self.mps, on_prepared=self._report_prepared, metadata=metadata)
         self._set_withdrawn(self._withdrawn)  # a MIG change may have withdrawn GPUs before the start
         await self._set_inventory(inventory)
         if self.mps is not None:  # the MPS edits of claims prepared before, so their specs stay as written
@@ -218,6 +232,10 @@ class DraComponent:
                                                  self._dynamic if self.dynamic_mig else None,
                                                  self._shared if self.shared_gpus else None)
                         if by_index.get(d.gpu_index) not in on_vfio] + self.vfio_devices
+        # the node's NVLink clique from its GPUs' fabric info: with one, the pool holds the IMEX channel device
+        self.clique = decide_clique(inventory).value
+        if self.clique:
+            self.devices.append(channel_dra_device(self.clique))
         assert self.preparer is not None
         self.preparer.set_devices(self.devices)
         # the device nodes as the node-wide CDI spec names them (host paths under --root, stand-in numbers)
@@ -227,7 +245,12 @@ class DraComponent:
         except NodeAgentError as e:  # e.g. an unreadable mig-minors table: name the nodes by path alone
             log.warning("DRA CDI specs: host device facts unavailable (%s); naming device nodes by path", e)
             self.preparer.specs.node_facts = {}
+        await self.preparer.refresh_metadata()  # prepared claims' metadata follows the devices' attributes
         await self._refresh()
+
+    def compute_domains(self) -> set[str]:
+        """The ComputeDomains (UIDs) whose channel claims are prepared on this node."""
+        return self.preparer.domains() if self.preparer is not None else set()
 
     def _dynamic(self, gpu: Gpu) -> bool:
         """Dynamic MIG on this GPU: every GPU instance on it belongs to a claim record of this driver."""
@@ -286,6 +309,19 @@ class DraComponent:
         if self._inventory is not None and self.preparer is not None:
             await self._set_inventory(self._inventory)
 
+    async def set_foreign(self, gpu_indices: Iterable[int]) -> None:
+        """The GPUs another DRA driver has (``nodeagent.adopt.detect.ForeignDraGpus``): left out of the
+        ResourceSlices, so no GPU is offered twice; claims already prepared on them stay answered."""
+        foreign = frozenset(gpu_indices)
+        if foreign == self._foreign:
+            return
+        if foreign:
+            log.warning("DRA: GPU(s) %s are another DRA driver's: left out of the ResourceSlices of %s",
+                        ",".join(map(str, sorted(foreign))), self.node_name)
+        self._foreign = foreign
+        if self._inventory is not None:
+            await self._refresh()
+
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
         """The health monitor's current unhealthy map (``HealthMonitor.unhealthy()``)."""
         self._unhealthy = dict(unhealthy)
@@ -303,7 +339,7 @@ class DraComponent:
         live = self.preparer.live_instances() if self.preparer is not None else {}
         bad = unhealthy_devices(self.devices, self._unhealthy, live)
         await self.feed.update([d.name for d in self.devices], bad)
-        kept = [d for d in self.devices if d.gpu_index not in self._withdrawn | self._leaving]
+        kept = [d for d in self.devices if d.gpu_index not in self._withdrawn | self._leaving | self._foreign]
         counters = build_counter_sets(kept, self._inventory) if self._inventory is not None else []
         self._wanted = pool_content(kept, bad, counters)
         if self._wanted != self._published:

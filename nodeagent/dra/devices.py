@@ -79,7 +79,7 @@ class DraDevice:
     """One device of the node's pool, with what a container needs to use it."""
 
     name: str
-    kind: str  # "gpu" | "mig"
+    kind: str  # "gpu" | "mig" | "channel" (IMEX, nodeagent.dra.channels; gpu_index and minor -1)
     gpu_index: int
     minor: int  # N of /dev/nvidiaN (the parent GPU for a MIG device)
     uuid: str
@@ -93,6 +93,7 @@ class DraDevice:
     share: Share | None = None  # a prepared allocation of a shared device: what this one consumed
     vfio: VfioDevice | None = None  # kind "vfio": the GPU on a VFIO driver (bus id, IOMMU group)
     vfio_resource: str = ""  # kind "vfio": the sandbox plugin's resource name (names PCI_RESOURCE_…)
+    channels: int = 0  # kind "channel" (an IMEX channel device) prepared: channels 0..channels-1 go in
 
     @property
     def dynamic(self) -> bool:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent import fileio
+from nodeagent.dra.channels import CONFIG_KIND as CHANNEL_CONFIG_KIND
 from nodeagent.dra.devices import DraDevice
 from nodeagent.gpu.mps import MPS_RUN_DIR, PIPE_ENV, SHM_DIR, MpsDaemonSpec, MpsManager
 
@@ -70,6 +71,8 @@ def parse_mps(claim: Mapping[str, Any], driver: str, label: str) -> MpsClaimConf
             continue
         where = f"{label}: allocation config[{i}]"
         params = opaque.get("parameters")
+        if isinstance(params, Mapping) and params.get("kind") == CHANNEL_CONFIG_KIND:
+            continue  # an IMEX channel's (nodeagent.dra.channels)
         if not isinstance(params, Mapping) or params.get("kind") != KIND or params.get("apiVersion") not in API_VERSIONS:
             raise MpsConfigError(f"{where}: parameters must be kind {KIND} of apiVersion {' or '.join(API_VERSIONS)}")
         unknown = sorted(set(params) - {"apiVersion", "kind", "sharing"})

@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs, cdi_device_id
+from nodeagent.dra.channels import CONFIG_KIND as CHANNEL_CONFIG_KIND
+from nodeagent.dra.channels import channel_ids, claim_channel_config
 from nodeagent.dra.checkpoint import (
     PREPARED,
     PREPARING,
@@ -57,11 +59,13 @@ from nodeagent.dra.devices import (
     with_instance,
     with_share,
 )
+from nodeagent.dra.metadata import ClaimMetadata, base_request, group_requests, pod_claim_name
 from nodeagent.dra.mps import ClaimMps, MpsClaimConfig, MpsConfigError, parse_mps, with_consumed_capacity
 from nodeagent.dra.quantity import quantity_int
-from nodeagent.errors import GpuBusyError, KubeError, NodeAgentError
+from nodeagent.errors import ConfigError, GpuBusyError, KubeError, NodeAgentError
 from nodeagent.gpu.inventory import Inventory, MigDevice
 from nodeagent.gpu.ports import MigAdministration
+from nodeagent.imex.channels import DEFAULT_CHANNEL_COUNT
 from nodeagent.logs import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -111,13 +115,15 @@ class Wanted(NamedTuple):
     requests: tuple[str, ...]
     consumed: tuple[tuple[str, str], ...] = ()
     admin: bool = False
+    domain: str = ""  # an IMEX channel device: the ComputeDomain (UID) of the claim's channel config
 
 
 class ClaimError(Exception):
     """This claim cannot be prepared here; the message goes back to the kubelet."""
 
 
-Resolved = tuple[list[Wanted], MpsClaimConfig | None]  # what a claim is prepared with: devices, MPS
+# what a claim is prepared with: devices, MPS, the pod's name for a claim made from a template
+Resolved = tuple[list[Wanted], MpsClaimConfig | None, str | None]
 
 
 class UnknownClaim(ClaimError):
@@ -257,8 +263,9 @@ class ClaimPreparer:
     def __init__(self, checkpoint: Checkpoint, specs: ClaimSpecs, read_claim: ReadClaim, pool: str,
                  *, driver: str = DRIVER_NAME, mig: MigAdministration | None = None,
                  mps: ClaimMps | None = None, on_prepared: OnPrepared | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, metadata: ClaimMetadata | None = None) -> None:
         self.checkpoint = checkpoint
+        self.metadata = metadata  # KEP-5304 device metadata files and their CDI specs (none: not written)
         self.mps = mps  # MPS daemons of claims asking for MPS (none: such claims are refused)
         self.specs = specs
         self.read_claim = read_claim
@@ -266,6 +273,7 @@ class ClaimPreparer:
         self.driver = driver
         self.mig = mig  # needed for dynamic MIG devices only
         self.on_prepared = on_prepared
+        self.channel_count = DEFAULT_CHANNEL_COUNT  # IMEX channels an "All" claim gets
         self.devices: dict[str, DraDevice] = {}
         self._lock = asyncio.Lock()
         # GPUs a MIG change has withdrawn: no new claim is prepared on them until they are re-advertised
@@ -283,6 +291,35 @@ class ClaimPreparer:
 
     def set_devices(self, devices: Sequence[DraDevice]) -> None:
         self.devices = {d.name: d for d in devices}
+
+    def domains(self) -> set[str]:
+        """The ComputeDomains (UIDs) of the IMEX channel claims prepared here."""
+        return {d.domain for rec in self.checkpoint.claims.values() if rec.state == PREPARED
+                for d in rec.devices if d.channels and d.domain}
+
+    async def refresh_metadata(self) -> list[str]:
+        """Bring the device metadata of every prepared claim up to date with the devices as they are now (a
+        changed attribute raises the file's generation); the claims whose metadata was rewritten."""
+        if self.metadata is None:
+            return []
+        async with self._lock:  # not beside a prepare or unprepare of the same claim
+            return await asyncio.to_thread(self._refresh_metadata)
+
+    def _refresh_metadata(self) -> list[str]:
+        out: list[str] = []
+        for uid, rec in sorted(self.checkpoint.claims.items()):
+            if rec.state != PREPARED:
+                continue
+            devs = [self._spec_device(d) for d in rec.devices]
+            if any(d is None for d in devs):
+                continue  # a device gone from the node: what the container was given stays as written
+            try:
+                if self._write_metadata(rec, [d for d in devs if d is not None]):
+                    out.append(f"{rec.namespace}/{rec.name}")
+                    log.info("claim %s/%s (%s): device metadata updated", rec.namespace, rec.name, uid)
+            except (OSError, ValueError) as e:
+                log.warning("claim %s/%s (%s): device metadata not updated: %s", rec.namespace, rec.name, uid, e)
+        return out
 
     def owned_instances(self) -> dict[int, set[tuple[str, int]]]:
         """GPU index → (profile, start) of every GPU instance a claim record names (prepared or not)."""
@@ -339,6 +376,7 @@ class ClaimPreparer:
                 self._destroy_instances(rec, inventory)
                 self.checkpoint.drop(uid)
                 self.specs.remove(uid)
+                self._remove_metadata(ClaimRef(rec.namespace, uid, rec.name))
                 what = ("undid the interrupted prepare" if rec.state == PREPARING
                         else "finished the interrupted unprepare")
                 done.append(f"{what} of {label}")
@@ -351,20 +389,33 @@ class ClaimPreparer:
                     self._destroy_instances(rec, inventory)
                 self.checkpoint.drop(uid)
                 self.specs.remove(uid)
+                self._remove_metadata(ClaimRef(rec.namespace, uid, rec.name))
                 done.append(f"dropped {label}: its MIG instance is gone")
                 continue
             devs = [self._spec_device(d) for d in rec.devices]
             if all(d is not None for d in devs):
                 wanted = [d for d in devs if d is not None]
-                if self.specs.current(uid) != self.specs.render(uid, wanted):
-                    self.specs.write(uid, wanted)
-                    done.append(f"rewrote the CDI spec of {label}")
+                try:
+                    if self.specs.current(uid) != self.specs.render(uid, wanted):
+                        self.specs.write(uid, wanted)
+                        done.append(f"rewrote the CDI spec of {label}")
+                except NodeAgentError as e:  # e.g. an IMEX channel that cannot be made: the spec stays
+                    log.warning("%s: CDI spec not rewritten: %s", label, e)
+                try:
+                    if self._write_metadata(rec, wanted):
+                        done.append(f"wrote the device metadata of {label}")
+                except (OSError, ValueError) as e:
+                    log.warning("%s: device metadata not written: %s", label, e)
             elif not self.specs.path(uid).exists():
                 log.warning("claim %s/%s (%s): devices gone, CDI spec not rewritten",
                             rec.namespace, rec.name, uid)
         for uid in sorted(self.specs.claim_uids() - set(self.checkpoint.claims)):
             self.specs.remove(uid)
             done.append(f"removed the orphaned CDI spec of claim {uid}")
+        if self.metadata is not None:
+            done += self.metadata.remove_orphans(
+                set(self.checkpoint.claims),
+                {f"{r.namespace}_{r.name}" for r in self.checkpoint.claims.values()})
         for line in done:
             log.info("DRA recovery: %s", line)
         return done
@@ -441,8 +492,9 @@ class ClaimPreparer:
                     self._remember_unknown(ref, str(e))
                 raise
         try:
-            resolved = (self._resolve(claim, ref),
-                        parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}"))
+            resolved = (self._with_channels(claim, ref, self._resolve(claim, ref)),
+                        parse_mps(claim, self.driver, f"ResourceClaim {ref.namespace}/{ref.name}"),
+                        pod_claim_name(claim))
         except UnknownClaim as e:
             self._remember_unknown(ref, str(e))
             raise
@@ -462,7 +514,7 @@ class ClaimPreparer:
                                 "NodeUnprepareResources has to finish first")
         try:
             self.specs.path(ref.uid)  # rejects a UID unusable in a file or CDI name before anything else
-            wanted, mps = await self._lookup(ref)
+            wanted, mps, pod_claim = await self._lookup(ref)
         except (ClaimError, NodeAgentError, ValueError) as e:
             return self._refuse(ref, str(e))
         async with self._lock:
@@ -481,11 +533,11 @@ class ClaimPreparer:
                 if mps is not None:
                     await self._start_mps(ref, [w.dev for w in wanted], mps)
                 if any(w.dev.dynamic for w in wanted):
-                    prepared = await asyncio.to_thread(self._write, ref, wanted)
+                    prepared = await asyncio.to_thread(self._write, ref, wanted, pod_claim)
                 else:
-                    # a small spec (no fsync) and the fsynced checkpoint, about 1 ms: done in the loop, no
-                    # thread hop
-                    prepared = self._write(ref, wanted)
+                    # small specs and metadata files (no fsync) and the fsynced checkpoint, about 1 ms: done in
+                    # the loop, no thread hop
+                    prepared = self._write(ref, wanted, pod_claim)
             except (OSError, ValueError, NodeAgentError) as e:
                 await self._stop_mps(ref.uid)
                 msg = f"cannot prepare claim {ref.namespace}/{ref.name}: {e}"
@@ -537,10 +589,29 @@ class ClaimPreparer:
                 by_key[key] = old._replace(requests=(*old.requests, a.request), admin=old.admin and a.admin)
         return list(by_key.values())
 
+    def _with_channels(self, claim: Mapping[str, Any], ref: ClaimRef, wanted: list[Wanted]) -> list[Wanted]:
+        """An IMEX channel device gets the channels of the claim's ``ComputeDomainChannelConfig`` (channel 0
+        for Single, all for All); a channel device without that config is refused."""
+        if not any(w.dev.kind == "channel" for w in wanted):
+            return wanted
+        label = f"ResourceClaim {ref.namespace}/{ref.name}"
+        try:
+            cfg = claim_channel_config(claim, self.driver, label)
+        except ConfigError as e:
+            raise ClaimError(str(e)) from None
+        if cfg is None:
+            raise ClaimError(f"{label}: an IMEX channel needs a {CHANNEL_CONFIG_KIND} (its ComputeDomain's "
+                             "ResourceClaimTemplate carries one)")
+        count = len(channel_ids(cfg.allocation_mode, self.channel_count))
+        return [w._replace(dev=dataclasses.replace(w.dev, channels=count), domain=cfg.domain_id)
+                if w.dev.kind == "channel" else w for w in wanted]
+
     def _spec_device(self, d: PreparedDevice) -> DraDevice | None:
         dev = self.devices.get(d.device)
         if dev is None:
             return None
+        if d.channels:
+            return dataclasses.replace(dev, channels=d.channels)
         if d.share_id is not None:
             try:
                 dev = with_share(dev, _share(ClaimRef("", "", d.device), dev, d.share_id, d.consumed))
@@ -554,17 +625,57 @@ class ClaimPreparer:
                         dev.placement.size if dev.placement else 0, 0, d.mig.uuid)
         return with_instance(dev, mig)
 
-    def _write(self, ref: ClaimRef, wanted: list[Wanted]) -> tuple[PreparedDevice, ...]:
-        def prepared_device(w: Wanted, mig: MigInstance | None) -> PreparedDevice:
+    def _metadata_ids(self, ref: ClaimRef, wanted: list[Wanted]) -> list[tuple[str, ...]]:
+        """Per wanted device, the metadata CDI IDs it carries: each request's goes to its first device."""
+        if self.metadata is None:
+            return [() for _ in wanted]
+        ids = self.metadata.cdi_ids(ref.uid, [r for w in wanted for r in w.requests])
+        seen: set[str] = set()
+        out: list[tuple[str, ...]] = []
+        for w in wanted:
+            mine = []
+            for r in w.requests:
+                base = base_request(r)
+                if base not in seen:
+                    seen.add(base)
+                    mine.append(ids[base])
+            out.append(tuple(mine))
+        return out
+
+    def _write_metadata(self, rec: ClaimRecord, devices: Sequence[DraDevice]) -> list[str]:
+        """The claim's device metadata as its devices are now (the record's devices, in order)."""
+        if self.metadata is None:
+            return []
+        grouped = group_requests([(pd.request_names, pd.pool, dev) for pd, dev in zip(rec.devices, devices,
+                                                                                         strict=True)])
+        return self.metadata.write(rec.namespace, rec.name, rec.uid, rec.pod_claim_name, grouped)
+
+    def _remove_metadata(self, ref: ClaimRef) -> None:
+        if self.metadata is not None:
+            self.metadata.remove(ref.namespace, ref.name, ref.uid)
+
+    def _write(self, ref: ClaimRef, wanted: list[Wanted], pod_claim: str | None = None) -> tuple[PreparedDevice, ...]:
+        extra_ids = self._metadata_ids(ref, wanted)
+
+        def prepared_device(w: Wanted, mig: MigInstance | None, extra: tuple[str, ...]) -> PreparedDevice:
             dev = w.dev
             share_id = dev.share.share_id if dev.share is not None else None
-            return PreparedDevice(w.requests, self.pool, dev.name, (cdi_device_id(ref.uid, dev.name, share_id),),
-                                  mig, share_id, w.consumed if share_id is not None else (), w.admin)
+            return PreparedDevice(w.requests, self.pool, dev.name,
+                                  (cdi_device_id(ref.uid, dev.name, share_id), *extra),
+                                  mig, share_id, w.consumed if share_id is not None else (), w.admin,
+                                  dev.channels, w.domain)
 
         if not any(w.dev.dynamic for w in wanted):
-            prepared = tuple(prepared_device(w, None) for w in wanted)
+            prepared = tuple(prepared_device(w, None, x) for w, x in zip(wanted, extra_ids, strict=True))
+            record = ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared, pod_claim)
             self.specs.write(ref.uid, [w.dev for w in wanted])
-            self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
+            try:
+                self._write_metadata(record, [w.dev for w in wanted])
+            except BaseException:
+                self._remove_metadata(ref)
+                self.specs.remove(ref.uid)
+                raise
+            self.checkpoint.put(record)
             return prepared
         if self.mig is None:
             raise ValueError("dynamic MIG devices need MIG access, which this driver has not got")
@@ -572,10 +683,10 @@ class ClaimPreparer:
         intent = tuple(
             prepared_device(w, MigInstance(w.dev.placement.gpu_index, w.dev.placement.gpu_uuid,
                                            w.dev.placement.profile, w.dev.placement.start)
-                            if w.dev.placement is not None else None)
-            for w in wanted
+                            if w.dev.placement is not None else None, x)
+            for w, x in zip(wanted, extra_ids, strict=True)
         )
-        self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARING, intent))
+        self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARING, intent, pod_claim))
         created: list[MigDevice] = []
         try:
             final: list[PreparedDevice] = []
@@ -593,7 +704,9 @@ class ClaimPreparer:
                 spec_devices.append(with_instance(dev, inst))
             self.specs.write(ref.uid, spec_devices)
             prepared = tuple(final)
-            self.checkpoint.put(ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared))
+            record = ClaimRecord(ref.uid, ref.namespace, ref.name, PREPARED, prepared, pod_claim)
+            self._write_metadata(record, spec_devices)
+            self.checkpoint.put(record)
         except BaseException:
             for inst in reversed(created):
                 try:
@@ -601,6 +714,7 @@ class ClaimPreparer:
                 except NodeAgentError as e:
                     log.error("claim %s/%s: cannot destroy GPU instance %d on GPU %d again: %s",
                               ref.namespace, ref.name, inst.gi_id, inst.gpu_index, e)
+            self._remove_metadata(ref)
             self.specs.remove(ref.uid)
             self.checkpoint.drop(ref.uid)
             raise
@@ -656,6 +770,7 @@ class ClaimPreparer:
         rec = self.checkpoint.claims.get(ref.uid)
         if rec is None:
             self.specs.remove(ref.uid)  # a spec without a record would be an orphan anyway
+            self._remove_metadata(ref)
             return
         if any(d.mig is not None for d in rec.devices):
             if self.mig is None:
@@ -675,6 +790,7 @@ class ClaimPreparer:
                 self._destroy_instances(rec, self.mig.discover())
         self.checkpoint.drop(ref.uid)
         self.specs.remove(ref.uid)
+        self._remove_metadata(ref)
         log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)
 
     def _live_inventory(self, rec: ClaimRecord) -> Inventory | None:

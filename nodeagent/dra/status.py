@@ -41,6 +41,9 @@ def _data(pd: PreparedDevice, dev: DraDevice | None) -> dict[str, Any]:
     if dev.vfio is not None:  # no UUID: NVML does not see a GPU on a VFIO driver
         out.update(pciBusID=dev.vfio.bdf, iommuGroup=dev.vfio.iommu_group, gpuIndex=dev.gpu_index)
         return out
+    if dev.kind == "channel":
+        out.update(channels=pd.channels, domainID=pd.domain)
+        return out
     out.update(uuid=dev.uuid, gpuIndex=dev.gpu_index)
     if dev.kind == "mig":
         attrs = dev.attributes

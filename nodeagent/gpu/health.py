@@ -396,14 +396,36 @@ class HealthMonitor:
     _stopping: bool = False
     _logged: set[str] = field(default_factory=set)
     _sink: _Sink | None = None
+    # GPUs kept out of service by their remediation (index → why), whatever NVML says, until released
+    held: dict[int, str] = field(default_factory=dict)
+    # told of every XID event of the monitored GPUs, critical or not (the remediation's fault feed)
+    xid_listeners: list[Callable[[XidEvent], None]] = field(default_factory=list)
 
     def is_healthy(self, gpu_index: int, gi_id: int | None = None) -> bool:
-        if (gpu_index, None) in self.faults:
+        if gpu_index in self.held or (gpu_index, None) in self.faults:
             return False
         return gi_id is None or (gpu_index, gi_id) not in self.faults
 
     def unhealthy(self) -> dict[HealthKey, str]:
-        return {k: f.reason for k, f in self.faults.items()}
+        out = {k: f.reason for k, f in self.faults.items()}
+        for index, why in self.held.items():
+            out[(index, None)] = why
+        return out
+
+    async def hold(self, gpu_index: int, reason: str) -> None:
+        """Keep the GPU (all its devices) Unhealthy until ``release``: its remediation withdrew it."""
+        if self.held.get(gpu_index) != reason:
+            self.held[gpu_index] = reason
+            await self.on_change()
+
+    async def release(self, gpu_index: int) -> None:
+        """The GPU was remediated (reset and checked): Healthy again at once, its past faults forgotten."""
+        had = self.held.pop(gpu_index, None) is not None
+        keys = [k for k in self.faults if k[0] == gpu_index]
+        for k in keys:
+            del self.faults[k]
+        if had or keys:
+            await self.on_change()
 
     async def start(self, gpu_indices: Iterable[int]) -> None:
         self.gpu_indices = frozenset(gpu_indices)
@@ -490,6 +512,12 @@ class HealthMonitor:
         now = self.clock()
         for raw in events:
             ev = to_xid_event(raw)
+            if ev is not None and ev.gpu_index in self.gpu_indices:
+                for listener in list(self.xid_listeners):
+                    try:
+                        listener(ev)
+                    except Exception:  # a listener's failure must not stop health monitoring
+                        log.exception("GPU %d: an XID listener failed", ev.gpu_index)
             if ev is None or ev.gpu_index not in self.gpu_indices or not self.settings.is_critical(ev.xid):
                 if ev is not None:
                     log.info("GPU %d: XID %d ignored", ev.gpu_index, ev.xid)

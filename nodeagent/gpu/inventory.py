@@ -59,6 +59,40 @@ class GpuProcess:
     used_memory_mib: int = 0
 
 
+class FabricState(enum.IntEnum):
+    """nvmlGpuFabricState_t: how far the fabric manager got registering the GPU with the NVLink fabric."""
+
+    NOT_SUPPORTED = 0
+    NOT_STARTED = 1
+    IN_PROGRESS = 2
+    COMPLETED = 3
+
+
+class FabricHealthSummary(enum.IntEnum):
+    """NVML_GPU_FABRIC_HEALTH_SUMMARY_* (fabric info v3)."""
+
+    NOT_SUPPORTED = 0
+    HEALTHY = 1
+    UNHEALTHY = 2
+    LIMITED_CAPACITY = 3
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A GPU's NVLink fabric info (nvmlGpuFabricInfo v1..v3) as NVML reported it.
+
+    ``status`` is an nvmlReturn_t, meaningful only once ``state`` is COMPLETED; ``health_mask`` exists from
+    v2 on and ``health_summary`` from v3 on (``None`` when the driver answered an older version).
+    """
+
+    state: int
+    status: int
+    cluster_uuid: str  # canonical lower-case UUID text; all zeros while the GPU has no cluster
+    clique_id: int
+    health_mask: int | None = None
+    health_summary: int | None = None
+
+
 @dataclass(frozen=True)
 class Gpu:
     index: int
@@ -82,6 +116,8 @@ class Gpu:
     bare_gpu_instances: tuple[MigDevice, ...] = ()  # GPU instances without a compute instance (ci_id -1)
     # the driver's persistence mode (nvmlDeviceGetPersistenceMode); None where NVML does not report it
     persistence_mode: bool | None = None
+    # NVLink fabric info; None where NVML answers NOT_SUPPORTED (every GPU before Hopper, PCIe-only boards)
+    fabric: Fabric | None = None
 
     @property
     def pci_device_id_str(self) -> str:

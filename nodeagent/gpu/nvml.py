@@ -12,6 +12,7 @@ from __future__ import annotations
 from nodeagent.gpu.nvml_cc import NvmlConfCompute
 from nodeagent.gpu.nvml_events import NvmlHealthEvents
 from nodeagent.gpu.nvml_mig import NvmlMigAdmin
+from nodeagent.gpu.nvml_remediation import NvmlRemediation
 from nodeagent.gpu.nvml_session import DRIVER_NOT_LOADED_MESSAGE, NOT_FOUND_MESSAGE, as_int
 from nodeagent.gpu.nvml_telemetry import NvmlTelemetry
 from nodeagent.gpu.ports import GpuEvent, GpuMetrics
@@ -19,7 +20,7 @@ from nodeagent.gpu.ports import GpuEvent, GpuMetrics
 __all__ = ["DRIVER_NOT_LOADED_MESSAGE", "NOT_FOUND_MESSAGE", "GpuEvent", "GpuMetrics", "NvmlAdapter"]
 
 
-class NvmlAdapter(NvmlMigAdmin, NvmlHealthEvents, NvmlTelemetry, NvmlConfCompute):
+class NvmlAdapter(NvmlMigAdmin, NvmlHealthEvents, NvmlTelemetry, NvmlConfCompute, NvmlRemediation):
     """NVML for the rest of nodeagent. Methods are blocking; call them from a thread in async code."""
 
     def __enter__(self) -> NvmlAdapter:

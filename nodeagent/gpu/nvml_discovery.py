@@ -11,13 +11,23 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import uuid
 from typing import Any
 
 from nodeagent import fileio
 from nodeagent.errors import GpuLostError, NvmlPermissionError
+from nodeagent.gpu.inventory import Fabric, GpuProcess, Inventory, Link, LinkKind, MigDevice, MigProfile
 from nodeagent.gpu.inventory import Gpu as GpuInfo
-from nodeagent.gpu.inventory import GpuProcess, Inventory, Link, LinkKind, MigDevice, MigProfile
-from nodeagent.gpu.nvml_session import GPU_IS_LOST, NO_PERMISSION, NvmlSession, as_int, text
+from nodeagent.gpu.nvml_session import (
+    _ABSENT,
+    FUNCTION_NOT_FOUND,
+    GPU_IS_LOST,
+    NO_PERMISSION,
+    NvmlSession,
+    _code_of,
+    as_int,
+    text,
+)
 from nodeagent.gpu.ports import GpuResetter
 from nodeagent.gpu.profiles import product_for_pci_device_id
 from nodeagent.hostpaths import HostPaths
@@ -34,6 +44,9 @@ _TOPOLOGY_KINDS = {
     50: LinkKind.CROSS_CPU,
 }
 MIB = 1024 * 1024
+ARGUMENT_VERSION_MISMATCH = 25  # NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+# fabric-info structs of nvmlDeviceGetGpuFabricInfoV, newest first (pynvml's names)
+_FABRIC_STRUCTS = ("c_nvmlGpuFabricInfo_v3_t", "c_nvmlGpuFabricInfo_v2_t")
 
 FACT_PLACEMENTS = "MIG placements (nvmlDeviceGetGpuInstancePossiblePlacements)"
 FACT_INSTANCES = "GPU instances and their placements (nvmlDeviceGetGpuInstances)"
@@ -141,9 +154,41 @@ class NvmlDiscovery(NvmlSession):
             processes=procs,
             bare_gpu_instances=bare,
             persistence_mode=None if persistence is None else as_int(persistence) == 1,
+            fabric=self.fabric(index),
         )
         self._last[index] = gpu
         return gpu
+
+    def fabric(self, index: int) -> Fabric | None:
+        """The GPU's NVLink fabric info: ``nvmlDeviceGetGpuFabricInfoV`` with the newest struct the driver
+        takes (v3, else v2 on ARGUMENT_VERSION_MISMATCH), else the deprecated v1 call where the driver lacks
+        the versioned one. None where NVML answers NOT_SUPPORTED (every GPU before Hopper)."""
+        h = self._handle(index)
+        versioned: Any = getattr(self.nvml, "nvmlDeviceGetGpuFabricInfoV", None)
+        for struct_name in _FABRIC_STRUCTS if versioned is not None else ():
+            struct = getattr(self.nvml, struct_name, None)
+            if struct is None:
+                continue
+            info = struct()  # pynvml's constructor sets .version
+            try:
+                versioned(h, ctypes.byref(info))
+            except self._mismatch:
+                break
+            except self.nvml.NVMLError as e:
+                code = _code_of(e)
+                if code == ARGUMENT_VERSION_MISMATCH:
+                    continue
+                if code == FUNCTION_NOT_FOUND:
+                    break
+                if code in _ABSENT:
+                    return None
+                raise self._convert(e, "nvmlDeviceGetGpuFabricInfoV", index) from e
+            return _fabric_of(info, health_mask=int(info.healthMask),
+                              summary=int(info.healthSummary) if hasattr(info, "healthSummary") else None)
+        v1 = self.nvml.c_nvmlGpuFabricInfo_t()
+        if self._try("nvmlDeviceGetGpuFabricInfo", h, ctypes.byref(v1), gpu=index) is None:
+            return None
+        return _fabric_of(v1, health_mask=None, summary=None)
 
     def _numa_node(self, index: int, bus_id: str) -> int | None:
         # sysfs names devices "0000:07:00.0" (4-digit domain, lower case); NVML says "00000000:07:00.0"
@@ -341,3 +386,13 @@ class NvmlDiscovery(NvmlSession):
         except (OSError, fileio.UnreadableFileError):
             return ""
 
+
+def _fabric_of(info: Any, *, health_mask: int | None, summary: int | None) -> Fabric:
+    return Fabric(
+        state=int(info.state),
+        status=int(info.status),
+        cluster_uuid=str(uuid.UUID(bytes=bytes(bytearray(info.clusterUuid)))),
+        clique_id=int(info.cliqueId),
+        health_mask=health_mask,
+        health_summary=summary,
+    )

@@ -380,6 +380,12 @@ class KubeClient:
     # resource.k8s.io/v1 (DRA). The client library's typed models lag the API, so these speak plain JSON.
     RESOURCE_V1 = "/apis/resource.k8s.io/v1"
 
+    def list_nodes(self, *, label_selector: str) -> list[dict[str, Any]]:
+        """The Nodes that carry ``label_selector`` (``nvidia.com/gpu.clique=<clique>``), as JSON objects."""
+        out = self.request("GET", "/api/v1/nodes", query={"labelSelector": label_selector},
+                           action=f"list Nodes {label_selector}")
+        return list(out.get("items") or [])
+
     def list_resource_slices(self, *, field_selector: str | None = None) -> list[dict[str, Any]]:
         """ResourceSlices, optionally narrowed by a field selector (``spec.nodeName=n1,spec.driver=d``)."""
         query: dict[str, str] = {"fieldSelector": field_selector} if field_selector else {}

@@ -10,6 +10,11 @@ the last MIG config apply, the containerd wiring check, the CDI spec) into four 
 - ``nodeagent.io/MIGConfigured``: the result of the last ``nvidia.com/mig.config`` apply.
 - ``nodeagent.io/RuntimeReady``: containerd carries the NVIDIA runtime and the CDI spec is current.
 
+On a rack node (GPUs on an NVLink fabric with a cluster) two more: ``nodeagent.io/NVLinkCliqueReady`` (the
+``nvidia.com/gpu.clique`` label is set; its reason says why it is withheld: fabric not started, in progress,
+an error status, GPUs in different cliques) and, with the host-managed IMEX daemon on,
+``nodeagent.io/IMEXReady`` (``nvidia-imex-ctl -q`` answers READY).
+
 Status follows the Kubernetes conventions: ``True``/``False`` when the agent knows, ``Unknown`` when it
 cannot tell (the check is off or has not run). Reasons are CamelCase codes, messages one line of at most
 ``MESSAGE_MAX`` characters. ``ConditionWriter`` sends one strategic-merge patch of ``status.conditions``
@@ -32,6 +37,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the builder stays importable without the API client
+    from nodeagent.gpu.fabric import CliqueDecision
     from nodeagent.kube.node import NodeClient, NodeView
 
 log = logging.getLogger(__name__)
@@ -41,7 +47,10 @@ GPU_READY = PREFIX + "GPUReady"
 GPU_HEALTHY = PREFIX + "GPUHealthy"
 MIG_CONFIGURED = PREFIX + "MIGConfigured"
 RUNTIME_READY = PREFIX + "RuntimeReady"
+NVLINK_CLIQUE_READY = PREFIX + "NVLinkCliqueReady"
+IMEX_READY = PREFIX + "IMEXReady"
 CONDITION_TYPES = (GPU_READY, GPU_HEALTHY, MIG_CONFIGURED, RUNTIME_READY)
+RACK_CONDITION_TYPES = (NVLINK_CLIQUE_READY, IMEX_READY)
 MESSAGE_MAX = 512
 
 Status = Literal["True", "False", "Unknown"]
@@ -115,6 +124,19 @@ class ConditionSnapshot:
     mig: MigInput = field(default_factory=MigInput)
     runtime: RuntimeInput = field(default_factory=RuntimeInput)
     conflicts: tuple[ConflictInput, ...] = ()
+    fabric: CliqueDecision | None = None  # the NVLink clique decision (None: no inventory yet)
+    imex: ImexInput | None = None  # the host-managed IMEX daemon (None: not run by the agent)
+
+
+@dataclass(frozen=True)
+class ImexInput:
+    """The supervised IMEX daemon: running, its peers, the last ``nvidia-imex-ctl -q`` answer."""
+
+    running: bool
+    ready: bool
+    peers: int = 0
+    answer: str = ""
+    clique: str | None = None  # the clique the domain is for (None: the node has no clique label)
 
 
 # -- the pure builder --------------------------------------------------------------------------------
@@ -245,10 +267,38 @@ def runtime_ready(r: RuntimeInput) -> Condition:
     return Condition(RUNTIME_READY, "True", "RuntimeWired", f"containerd carries the NVIDIA runtime{cdi}")
 
 
+def nvlink_clique_ready(d: CliqueDecision) -> Condition:
+    if d.value is not None:
+        return Condition(NVLINK_CLIQUE_READY, "True", d.reason.value if d.reason else "CliqueJoined",
+                         one_line(d.message))
+    return Condition(NVLINK_CLIQUE_READY, "False", d.reason.value if d.reason else "CliqueUnknown",
+                     one_line("nvidia.com/gpu.clique withheld: " + d.message))
+
+
+def imex_ready(i: ImexInput) -> Condition:
+    if i.clique is None:
+        return Condition(IMEX_READY, "False", "NoClique",
+                         "the node has no NVLink clique label: no IMEX domain to join")
+    if not i.running:
+        return Condition(IMEX_READY, "False", "DaemonNotRunning",
+                         one_line(f"the nvidia-imex daemon is not running ({i.answer or 'starting'})"))
+    if i.ready:
+        return Condition(IMEX_READY, "True", "DomainReady",
+                         f"nvidia-imex answers READY for clique {i.clique} ({i.peers} node(s))")
+    return Condition(IMEX_READY, "False", "DomainNotReady",
+                     one_line(f"nvidia-imex-ctl -q: {i.answer or 'no answer yet'} ({i.peers} node(s) configured)"))
+
+
 def build_conditions(s: ConditionSnapshot) -> list[Condition]:
-    """The four conditions for ``s``, in ``CONDITION_TYPES`` order."""
-    return [gpu_ready(s.health, s.conflicts), gpu_healthy(s.health), mig_configured(s.mig),
-            runtime_ready(s.runtime)]
+    """The conditions for ``s``: the four of ``CONDITION_TYPES`` in that order, then on a rack node the
+    clique's and, when the agent runs the IMEX daemon, the domain's."""
+    out = [gpu_ready(s.health, s.conflicts), gpu_healthy(s.health), mig_configured(s.mig),
+           runtime_ready(s.runtime)]
+    if s.fabric is not None and s.fabric.applicable:
+        out.append(nvlink_clique_ready(s.fabric))
+    if s.imex is not None:
+        out.append(imex_ready(s.imex))
+    return out
 
 
 def _timestamp(now: datetime) -> str:
@@ -384,7 +434,7 @@ class ConditionWriter:
             if self._known is None:
                 view = self.node.get()
                 self._known = {str(c.get("type", "")): dict(c) for c in view.conditions
-                               if str(c.get("type", "")) in CONDITION_TYPES}
+                               if str(c.get("type", "")) in CONDITION_TYPES + RACK_CONDITION_TYPES}
             changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock())
             fields = self.stage.peek() if self.stage is not None else {}
             if not changes and not fields:
@@ -414,7 +464,7 @@ class ConditionWriter:
             if self._known is None or _rv(view.resource_version) < self._written_rv:
                 return False
             seen = {str(c.get("type", "")): dict(c) for c in view.conditions
-                    if str(c.get("type", "")) in CONDITION_TYPES}
+                    if str(c.get("type", "")) in CONDITION_TYPES + RACK_CONDITION_TYPES}
             fields = ("status", "reason", "message")
             if all(t in seen and all(seen[t].get(f) == c.get(f) for f in fields) for t, c in self._known.items()):
                 return False

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from nodeagent.gpu import fabric
 from nodeagent.gpu.inventory import Gpu, Inventory, MigDevice
 from nodeagent.sharing.spec import PluginConfig
 
@@ -277,6 +278,9 @@ def desired_labels(inv: Inventory, sharing: SharingFacts, net: NetFacts | None =
     labels[f"{NVIDIA}mig.strategy"] = sharing.mig_strategy
     labels[f"{NVIDIA}mps.capable"] = "true" if sharing.strategy == "mps" and not any_mig else "false"
     labels.update(_gpu_resource_labels(gpus, sharing))
+    clique = fabric.decide(inv)
+    if clique.value is not None:  # withheld while the fabric is not ready or the GPUs disagree, as GFD does
+        labels[fabric.CLIQUE_LABEL] = clique.value
     if sharing.mig_strategy == "single":
         labels.update(_single_strategy_labels(gpus, sharing))
     elif sharing.mig_strategy == "mixed":

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -577,3 +577,16 @@ class NodeWatchHub:
         with self._lock:
             if self._watches.get(key) is shared:
                 del self._watches[key]
+
+
+def internal_ips(nodes: Iterable[Mapping[str, Any]]) -> dict[str, str | None]:
+    """Node name → its first ``InternalIP`` address (None when it reports none), from Node JSON objects."""
+    out: dict[str, str | None] = {}
+    for n in nodes:
+        name = str((n.get("metadata") or {}).get("name", ""))
+        if not name:
+            continue
+        addresses = (n.get("status") or {}).get("addresses") or []
+        out[name] = next((str(a.get("address")) for a in addresses
+                          if isinstance(a, Mapping) and a.get("type") == "InternalIP" and a.get("address")), None)
+    return out

@@ -36,6 +36,7 @@ from nodeagent.kube.labels import (
     sharing_facts,
 )
 from nodeagent.kube.node import NodeClient, NodeSubscription, NodeView, NodeWatchHub
+from nodeagent.kube.nodefeature import NodeFeatureWriter
 from nodeagent.kube.podresources import Assignment, PodResourcesClient
 from nodeagent.kube.resources import (
     MANAGED_RESOURCES_ANNOTATION,
@@ -123,6 +124,9 @@ class NodePublisher:
         self.fixed_net = net
         self.events = events or EventRecorder(self.node, enabled=self.settings.events)
         self.gpus = GpuObjects(kube, node_name)
+        # [publish] labels = "nodefeature": the labels go to NFD's NodeFeature object of the node
+        self.node_feature = NodeFeatureWriter(kube, node_name, self.settings.nodefeature_namespace)
+        self._node_feature_gone = False  # publishing on the Node: a NodeFeature of an earlier run was deleted
         self.reapplied = 0
         self.reapply_per_minute = 6  # more re-applies than this in a minute wait for the next resync
         self._reapplies: list[float] = []
@@ -188,8 +192,14 @@ class NodePublisher:
 
         labels_meta: dict[str, str | None] = {}
         annotations: dict[str, str | None] = {}
+        feature_labels: dict[str, str] | None = None
         if cfg.labels:
-            self._want_labels = desired_labels(inp.inventory, sharing, self._net())
+            wanted = desired_labels(inp.inventory, sharing, self._net())
+            if cfg.through_nodefeature:
+                # NFD's master applies them: the labels nodeagent wrote on the Node before are given up first
+                feature_labels, self._want_labels = wanted, {}
+            else:
+                self._want_labels = wanted
             lp = plan_label_patch(node.labels, node.annotations, self._want_labels)
             labels_meta, annotations = dict(lp.labels), dict(lp.annotations)
 
@@ -240,6 +250,7 @@ class NodePublisher:
         self._refused_reported = frozenset(sp.refused)
 
         self._health_events(inp)
+        self._publish_node_feature(feature_labels, node.uid, res)
 
         if cfg.gpu_objects:
             desired = desired_gpu_objects(
@@ -251,6 +262,25 @@ class NodePublisher:
                 log.warning("GPU objects not published: %s", e)
                 res.errors.append(str(e))
         return res
+
+    def _publish_node_feature(self, labels: dict[str, str] | None, node_uid: str | None, res: PublishResult) -> None:
+        """The NodeFeature holds ``labels``; with None (labels on the Node, or none) an earlier run's is deleted
+        once."""
+        try:
+            if labels is not None:
+                self._node_feature_gone = False
+                if self.node_feature.sync(labels, node_uid or self.node.uid()):
+                    res.metadata_writes += 1
+            elif not self._node_feature_gone:
+                self._node_feature_gone = True
+                if self.node_feature.remove():
+                    log.info("deleted the NodeFeature %s/%s: labels go on the Node", self.node_feature.namespace,
+                             self.node.name)
+        except KubeError as e:
+            if labels is None and e.status in (403, 404):  # no NFD CRD, or a role without NodeFeatures
+                return
+            log.warning("NodeFeature of node %s not written: %s", self.node.name, e)
+            res.errors.append(str(e))
 
     def _health_events(self, inp: _Inputs) -> None:
         """A Node Event for every GPU whose health changed since the last pass (a GPU first seen unhealthy

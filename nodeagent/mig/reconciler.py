@@ -89,6 +89,14 @@ class ResourcePublisher(Protocol):
     async def update(self, inventory: Inventory) -> None: ...
 
 
+class DisruptionGate(Protocol):
+    """A disruption budget the change waits in (``nodeagent.fleet.gate.FleetGate``): the block runs while
+    this node holds a slot; an exception leaving it counts as a failed change of ``rollout``."""
+
+    def slot(self, reason: str, *, rollout: str = "",
+             gpu_pods: int = 0) -> contextlib.AbstractAsyncContextManager[str | None]: ...
+
+
 @dataclass(frozen=True)
 class MigReconcilerOptions:
     # The MIG config and hooks files as loaded by ``mig.pipeline`` (the daemon loads them at start and on
@@ -135,8 +143,10 @@ class MigReconciler:
         holders: GpuHolders | None = None,
         on_state: Callable[[str], None] | None = None,
         root: Root | None = None,
+        gate: DisruptionGate | None = None,
     ) -> None:
         self.node = node
+        self.gate = gate  # a change that empties GPUs first takes a slot of the fleet's budget
         self.adapter = adapter
         self.root = root  # host paths (the state file, /proc) are resolved inside it at each use
         self.state = MigStateFile(state_dir, root)
@@ -292,6 +302,16 @@ class MigReconciler:
         if the_plan.applied:
             return SUCCESS, f"MIG config {name} is applied (no GPU needed a change)"
         touched = {g.index for g in the_plan.touched}
+        if self.gate is None:
+            return await self._change(name, pipeline, inventory, the_plan, touched)
+        held, _ = await self._holders_now(frozenset(touched))
+        pods = {h for hs in held.values() for h in hs}
+        async with self.gate.slot(f"MIG config {name} changes GPU(s) {', '.join(map(str, sorted(touched)))}",
+                                  rollout=f"{CONFIG_LABEL}={name}", gpu_pods=len(pods)):
+            return await self._change(name, pipeline, inventory, the_plan, touched)
+
+    async def _change(self, name: str, pipeline: MigPipeline, inventory: Inventory, the_plan: Plan,
+                      touched: set[int]) -> tuple[str, str]:
         if self.publisher is not None:
             await within(self.publisher.withdraw(touched), self.options.publish_timeout_s)
         current: Inventory | None = None  # the GPUs as the last stage's apply re-read them

@@ -70,6 +70,25 @@ _IMEX_KEYS = frozenset({"channelIDs", "required"})
 
 
 @dataclass(frozen=True)
+class ImexChannelRef:
+    """An IMEX channel the plugin hands to every container it allocates for (resolved on the node, not a
+    config key): its number, its path in the container and its published host path."""
+
+    number: int
+    path: str
+    host_path: str
+
+
+@dataclass(frozen=True)
+class ImexConfig:
+    """``imex``: the channels NVIDIA's plugin injects (``channelIDs``: ``[]`` or ``[0]``) and whether a missing
+    one is an error (``required``)."""
+
+    channel_ids: tuple[int, ...] = ()
+    required: bool = False
+
+
+@dataclass(frozen=True)
 class PluginFlags:
     """``flags.plugin``."""
 
@@ -77,6 +96,7 @@ class PluginFlags:
     device_list_strategy: tuple[str, ...] = ("envvar",)
     device_id_strategy: str = "uuid"
     cdi_annotation_prefix: str = "cdi.k8s.io/"
+    imex_channels: tuple[ImexChannelRef, ...] = ()  # from ``imex``, resolved by the device-plugin service
 
 
 @dataclass(frozen=True)
@@ -139,6 +159,7 @@ class PluginConfig:
     mig_patterns: tuple[ResourcePattern, ...] = ()
     allocation_policy: str = "distributed"
     source: str = "<defaults>"
+    imex: ImexConfig = field(default_factory=ImexConfig)
 
 
 DEFAULT_CONFIG = PluginConfig()
@@ -386,10 +407,10 @@ def _parse_patterns(raw: Any, source: str, path: str) -> tuple[ResourcePattern, 
     return tuple(out)
 
 
-def _check_imex(raw: Any, source: str) -> None:
+def _check_imex(raw: Any, source: str) -> ImexConfig:
     """``imex``, as NVIDIA's plugin reads it (``api/config/v1/imex.go``): ``channelIDs`` a list of integers that is
-    ``[]`` or ``[0]`` (``AssertChannelIDsValid``), ``required`` a boolean. Checked, then left to NVIDIA's
-    binaries: nodeagent injects no IMEX channel."""
+    ``[]`` or ``[0]`` (``AssertChannelIDsValid``), ``required`` a boolean. Every container the plugin allocates
+    for gets these channels (``deviceplugin.allocate``)."""
     m = _mapping(raw, source, "imex", _IMEX_KEYS)
     ids = m.get("channelIDs")
     if ids is not None:
@@ -399,7 +420,7 @@ def _check_imex(raw: Any, source: str) -> None:
         if ids not in ([], [0]):
             raise ConfigError(f"{_where(source, 'imex.channelIDs')} must be [] or [0] (the one IMEX channel NVIDIA's "
                               f"plugin injects), got {shown(ids)}", subject=source)
-    _bool(m.get("required"), False, source, "imex.required")
+    return ImexConfig(channel_ids=tuple(ids or ()), required=_bool(m.get("required"), False, source, "imex.required"))
 
 
 def plugin_config_from_dict(
@@ -434,7 +455,7 @@ def plugin_config_from_dict(
                 "(MPS shares whole GPUs only; NVIDIA's plugin refuses this pairing too)",
                 subject=source,
             )
-    _check_imex(top.get("imex"), source)
+    imex = _check_imex(top.get("imex"), source)
     resources = _mapping(top.get("resources"), source, "resources", frozenset({"gpus", "mig"}))
     if allocation_policy not in ALLOCATION_POLICIES:
         raise ConfigError(f"allocation policy {shown(allocation_policy)} is not one of {', '.join(ALLOCATION_POLICIES)}")
@@ -445,6 +466,7 @@ def plugin_config_from_dict(
         mig_patterns=_parse_patterns(resources.get("mig"), source, "resources.mig"),
         allocation_policy=allocation_policy,
         source=source,
+        imex=imex,
     )
 
 

@@ -78,6 +78,8 @@ class SimMachine:
     # every GPU); without it the driver's own default holds after each boot: persistence mode disabled
     persistenced: bool = True
     cpu_tee: str = "none"  # tdx | sev-snp | none: what the simulated host's KVM has enabled
+    # nodes of the NVLink rack this machine is one compute tray of (18 for GB200/GB300 NVL72); 0: no rack
+    rack_nodes: int = 0
 
     @property
     def passthrough(self) -> bool:
@@ -159,6 +161,9 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
         cpu_tee = str(doc.get("cpu_tee", "none"))
         if cpu_tee not in CPU_TEES:
             raise ValueError(f"cpu_tee must be one of {CPU_TEES}")
+        rack_nodes = doc.get("rack_nodes", 0)
+        if isinstance(rack_nodes, bool) or not isinstance(rack_nodes, int) or not 0 <= rack_nodes <= 576:
+            raise ValueError(f"rack_nodes must be an integer 0..576, not {shown(rack_nodes)}")
         return SimMachine(
             name=name,
             description=str(doc.get("description", name)),
@@ -172,6 +177,7 @@ def parse_machine(name: str, doc: Any) -> SimMachine:
             missing_functions=frozenset(str(f) for f in doc.get("missing_functions", ())),
             persistenced=persistenced,
             cpu_tee=cpu_tee,
+            rack_nodes=rack_nodes,
         )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise InputError(f"simulated machine {name!r} is malformed: {e}", subject=name) from e

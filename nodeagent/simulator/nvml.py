@@ -50,12 +50,13 @@ from nodeagent.simulator.nvml_base import (
     visible_gpus,
 )
 from nodeagent.simulator.nvml_cc import CcCalls
+from nodeagent.simulator.nvml_fabric import FabricCalls
 from nodeagent.simulator.nvml_mig import MigCalls
 from nodeagent.simulator.nvml_telemetry import FI_MEMORY_TEMP, TelemetryCalls
 from nodeagent.simulator.state import State
 
 
-class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls):
+class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls, FabricCalls):
     """pynvml for a simulated machine; pass it to ``NvmlAdapter`` in place of the pynvml module."""
 
     # --- init / system ------------------------------------------------------------------------
@@ -472,10 +473,43 @@ class SimulatedNvml(TelemetryCalls, MigCalls, CcCalls):
             self._event_set(eventSet)
             del self._event_sets[(gpu << 16) | (gi << 8) | ci]
 
+    # --- drain state (nvml.h "Drain states": by PCI address; refused while persistence mode is on) ---------
+    def _index_of_pci(self, pci: Any) -> int:
+        bus = getattr(pci, "busId", pci)
+        want = (bus.decode() if isinstance(bus, bytes) else str(bus)).upper()
+        for g in self.machine.gpus:
+            if g.bus_id == want or g.bus_id[4:] == want:
+                return g.index
+        raise _err(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceModifyDrainState(self, pciInfo: Any, newState: int) -> None:
+        """Enable or disable the drain state: IN_USE while persistence mode is on (the driver counts it as
+        attached), GPU_IS_LOST for a GPU off the bus."""
+        self._enter("nvmlDeviceModifyDrainState")
+        index = self._index_of_pci(pciInfo)
+        if int(newState) not in (pynvml.NVML_FEATURE_DISABLED, pynvml.NVML_FEATURE_ENABLED):
+            raise _err(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self.store.transaction() as st:
+            gs = st["gpus"][index]
+            if gs["lost"]:
+                raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+            if int(newState) == pynvml.NVML_FEATURE_ENABLED and persistence_mode(gs, self.machine):
+                raise _err(pynvml.NVML_ERROR_IN_USE)
+            gs["drain"] = int(newState)
+
+    def nvmlDeviceQueryDrainState(self, pciInfo: Any) -> int:
+        state = self._enter("nvmlDeviceQueryDrainState")
+        index = self._index_of_pci(pciInfo)
+        if state["gpus"][index]["lost"]:
+            raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return int(state["gpus"][index].get("drain", pynvml.NVML_FEATURE_DISABLED))
+
     # --- simulator extensions -----------------------------------------------------------------
     def simResetGpu(self, handle: Any) -> None:
-        """What ``nvidia-smi --gpu-reset -i N`` does: fails while processes run; drops all instances;
-        applies a pending MIG mode (Ampere) or forgets the MIG mode (Hopper and later)."""
+        """What ``nvidia-smi --gpu-reset -i N`` does: fails while processes run and for a GPU off the bus
+        (GPU_IS_LOST); drops all instances and the recovery action the driver asked for (an XID is an event:
+        none repeats after a reset unless injected again); applies a pending MIG mode (Ampere) or
+        forgets the MIG mode (Hopper and later). A reset keeps the drain state and persistence mode."""
         state = self._enter("simResetGpu")
         index = self._gpu(state, handle)[1]
         if self.machine.passthrough:

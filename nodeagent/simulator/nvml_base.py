@@ -36,6 +36,7 @@ _PRIVILEGED = frozenset(
         "nvmlComputeInstanceDestroy",
         "nvmlDeviceSetMigMode",
         "nvmlDeviceSetComputeMode",
+        "nvmlDeviceModifyDrainState",
         "nvmlDeviceSetPersistenceMode",
         "simResetGpu",
     }

@@ -52,7 +52,8 @@ _GPU: _Shape = {"mig_current": ("bool", True), "mig_pending": ("bool", True), "l
                 "gis": ("list", True), "processes": ("list", True), "clients": ("list", False),
                 "compute_mode": ("int", False), "persistence_mode": ("int", False),
                 "cc_mode": ("str", False), "cc_pending": ("str", False), "ppcie": ("bool", False),
-                "ppcie_pending": ("bool", False), "cc_ready": ("int", False), "driver": ("str", False)}
+                "ppcie_pending": ("bool", False), "cc_ready": ("int", False), "drain": ("int", False),
+                "recovery_action": ("int", False), "driver": ("str", False)}
 _GI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "start": ("int", True), "size": ("int", True),
                "serial": ("int", False), "cis": ("list", True)}
 _CI: _Shape = {"id": ("int", True), "profile_id": ("int", True), "slices": ("int", True), "start": ("int", True),

@@ -157,3 +157,36 @@ def test_recovery_action_after_an_xid_reads_the_same_through_the_c_abi(tmp_path:
     assert [
         [v["field_id"], v["scope_id"], v["nvml_return"], v["value_type"], v["value"] or 0] for v in raw
     ] == abi["raw"]
+
+
+# A child process: NVML's drain calls as the remediation makes them (nodeagent's adapter, by UUID), on GPU 2.
+DRAIN = """
+import json, sys
+from pathlib import Path
+from nodeagent.errors import NvmlError
+from nodeagent.nvmlsource import open_nvml
+adapter = open_nvml(None, Path(sys.argv[1]))
+uuid = adapter.gpu_uuid(2)
+adapter.set_persistence_mode(uuid, True)
+try:
+    adapter.set_drain(uuid, True)
+    refused = ""
+except NvmlError as e:
+    refused = type(e).__name__
+adapter.set_persistence_mode(uuid, False)
+adapter.set_drain(uuid, True)
+drained = adapter.drain_state(uuid)
+adapter.set_drain(uuid, False)
+print(json.dumps({"refused": refused, "drained": drained, "after": adapter.drain_state(uuid),
+                  "nvml": type(adapter.nvml).__name__}))
+adapter.close()
+"""
+
+
+def test_drain_state_is_refused_with_persistence_on_the_same_through_the_c_abi(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    discover(state, "dgx-h100", abi=False)
+    abi = json.loads(run([sys.executable, "-c", DRAIN, str(state)], abi_env(state)).stdout)
+    sim = json.loads(run([sys.executable, "-c", DRAIN, str(state)], plain_env()).stdout)
+    assert (abi.pop("nvml"), sim.pop("nvml")) == ("module", "SimulatedNvml")
+    assert abi == sim and abi["refused"] and abi["drained"] is True and abi["after"] is False

@@ -812,6 +812,14 @@ class TestMigByLabelAndDraPlane:
         written = cluster.wait_for("the claim's status.devices written by the agent", device_status, timeout=30)
         assert [(e["driver"], e["pool"], e["device"]) for e in written] == [
             (DRA_DRIVER, cluster.node_name, results[0]["device"])], written
+        # the claim's device metadata (KEP-5304), read inside the container at the released library's path
+        inside = "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpu/gpu/gpu.nodeagent.io-metadata.json"
+        first, _ = json.JSONDecoder().raw_decode(cluster.kubectl("exec", "dra-one", "--", "cat", inside).stdout)
+        assert (first["apiVersion"], first["metadata"]["name"], first["podClaimName"]) == (
+            "metadata.resource.k8s.io/v1beta1", claim_name, "gpu"), first
+        [meta_dev] = first["requests"][0]["devices"]
+        assert meta_dev["name"] == results[0]["device"], first
+        assert meta_dev["attributes"]["uuid"] == {"string": _gpu_objects(cluster)[gpu]["spec"]["uuid"]}, first
         cluster.kubectl("exec", "dra-one", "--", "touch", "/tmp/done")
 
         def ended() -> dict[str, Any] | None:

@@ -488,3 +488,16 @@ def test_install_upgrade_uninstall(helm: Path, kube_apiserver: KubeApiServer, tm
     assert not (REPO / ".kube").exists()  # nothing of the client's cache in the checkout
     # helm never deletes a CRD it installed: the GPU objects of every node outlive the release
     assert get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/gpus.nodeagent.io")[0] == 200
+
+
+def test_compute_domains_render_the_plain_controller_manifest(helm: Path) -> None:
+    """computeDomains.enabled (with the DRA plane) renders packaging/kubernetes/computedomain-controller.yaml
+    object for object; the default renders none of it; with the device-plugin plane it is one clear error."""
+    plain = [d for d in yaml.safe_load_all((MANIFESTS / "computedomain-controller.yaml").read_text()) if d]
+    rendered = by_key(render(helm, "plane=dra", "computeDomains.enabled=true"))
+    for doc in plain:
+        assert rendered[key(doc)] == doc, key(doc)
+    names = {d["metadata"]["name"] for d in plain}
+    assert not [key(d) for d in render(helm, "plane=dra") if d["metadata"]["name"] in names]
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "computeDomains.enabled=true")
+    assert proc.returncode != 0 and "computeDomains.enabled needs the DRA plane" in proc.stderr, proc.stderr

@@ -30,6 +30,7 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 RCS = "/apis/node.k8s.io/v1/runtimeclasses"
 GPUS = "/apis/nodeagent.io/v1alpha1/gpus"
+NODE_FEATURES = "/apis/nfd.k8s-sigs.io/v1alpha1/namespaces/nodeagent/nodefeatures"
 NODES = "/api/v1/nodes"
 JSON, MERGE = "application/json", "application/merge-patch+json"
 DRIVER = "gpu.nodeagent.io"
@@ -52,6 +53,18 @@ def slice_obj(name: str, node: str | None = A, driver: str = DRIVER, **placement
         "kind": "ResourceSlice",
         "metadata": {"name": name},
         "spec": spec,
+    }
+
+
+def nf_obj(name: str, node: str, owner: str) -> dict[str, Any]:
+    """A NodeFeature as ``[publish] labels = "nodefeature"`` writes it (nodeagent/kube/nodefeature.py)."""
+    return {
+        "apiVersion": "nfd.k8s-sigs.io/v1alpha1",
+        "kind": "NodeFeature",
+        "metadata": {"name": name, "labels": {"nfd.node.kubernetes.io/node-name": node, **MANAGED},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": owner,
+                                          "uid": "00000000-0000-0000-0000-000000000001"}]},
+        "spec": {"labels": {"nvidia.com/gpu.count": "8"}},
     }
 
 
@@ -93,6 +106,52 @@ def stored_slice_with_two_devices(name: str) -> Body:
         return obj
 
     return body
+
+
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases"
+SLOT, EXPIRED, POOL = "nf-slot-conf-0000", "nf-slot-conf-0001", "nf-pool-conf"
+
+
+def now_micro(shift_s: float = 0.0) -> str:
+    from datetime import datetime, timedelta, timezone
+
+    return (datetime.now(timezone.utc) + timedelta(seconds=shift_s)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease(name: str, holder: str | None, **spec: Any) -> dict[str, Any]:
+    """A fleet Lease as nodeagent.fleet.leases writes it (``holder`` None: no holderIdentity)."""
+    body: dict[str, Any] = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": name},
+                            "spec": dict(spec)}
+    if holder is not None:
+        body["spec"]["holderIdentity"] = holder
+    return body
+
+
+def slot(name: str, holder: str) -> Body:
+    """A slot taken now for ``holder`` for 60 s."""
+    return lambda _: lease(name, holder, leaseDurationSeconds=60, acquireTime=now_micro(), renewTime=now_micro())
+
+
+def stored_lease(name: str, holder: str | None, **spec: Any) -> Body:
+    """The stored Lease (its resourceVersion) with ``holder`` (None: cleared) and ``spec`` changed, times now."""
+
+    def body(server: KubeApiServer) -> Any:
+        status, raw = server.get(f"{LEASES}/{name}")
+        assert status == 200, raw
+        obj = json.loads(raw)
+        obj["spec"].pop("holderIdentity", None)
+        if holder is not None:
+            obj["spec"]["holderIdentity"] = holder
+        obj["spec"].update({k: now_micro() if v == "now" else v for k, v in spec.items()})
+        return obj
+
+    return body
+
+
+def brake_cleared(server: KubeApiServer) -> Any:
+    obj = json.loads(server.get(f"{LEASES}/{POOL}")[1])
+    obj["metadata"]["annotations"].update({"nodeagent.io/fleet-brake": "off", "nodeagent.io/fleet-failures": "0"})
+    return obj
 
 
 MANAGED = {"app.kubernetes.io/managed-by": "nodeagent"}
@@ -389,6 +448,32 @@ CASES: tuple[Case, ...] = (
         MERGE,
         200,
     ),
+    # the fleet's Leases (docs/fleet.md): slots, requests in line, the pool's brake
+    Case("take a free slot for itself", A, "POST", LEASES, slot(SLOT, A), want=201),
+    Case("take a slot for another node", A, "POST", LEASES, slot("nf-slot-conf-0002", B)),
+    Case("extend another node's live slot", B, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, A, renewTime="now")),
+    Case("take another node's live slot", B, "PUT", f"{LEASES}/{SLOT}",
+         stored_lease(SLOT, B, acquireTime="now", renewTime="now")),
+    Case("release another node's slot", B, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, None)),
+    Case("delete another node's slot", B, "DELETE", f"{LEASES}/{SLOT}"),
+    Case("renew its own slot", A, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, A, renewTime="now"), want=200),
+    Case("release its own slot", A, "PUT", f"{LEASES}/{SLOT}", stored_lease(SLOT, None), want=200),
+    Case("take a released slot for itself", B, "PUT", f"{LEASES}/{SLOT}",
+         stored_lease(SLOT, B, acquireTime="now", renewTime="now"), want=200),
+    Case("take an expired slot of another node for itself", A, "PUT", f"{LEASES}/{EXPIRED}",
+         stored_lease(EXPIRED, A, acquireTime="now", renewTime="now"), want=200),
+    Case("enter the line with its own request", A, "POST", LEASES,
+         lease(f"nf-q-conf-0-0000000000001-{A}", A), want=201),
+    Case("enter the line in another node's name", A, "POST", LEASES, lease(f"nf-q-conf-0-0000000000001-{B}", B)),
+    Case("clear the brake of a pool", A, "PUT", f"{LEASES}/{POOL}", brake_cleared),
+    Case("delete a pool", A, "DELETE", f"{LEASES}/{POOL}"),
+    Case("create another Lease in the namespace", A, "POST", LEASES, lease("leader", A)),
+    # NodeFeatures ([publish] labels = "nodefeature"; NFD applies their labels to the node they name)
+    Case("create its NodeFeature", A, "POST", NODE_FEATURES, nf_obj(f"nodeagent-{A}", A, A), want=201),
+    Case("create a NodeFeature for the other node", A, "POST", NODE_FEATURES, nf_obj(f"nodeagent-{B}", B, B)),
+    Case("create its NodeFeature naming the other node", B, "POST", NODE_FEATURES, nf_obj(f"nodeagent-{B}", A, B)),
+    Case("delete the other node's NodeFeature", B, "DELETE", f"{NODE_FEATURES}/nodeagent-{A}"),
+    Case("delete its NodeFeature", A, "DELETE", f"{NODE_FEATURES}/nodeagent-{A}", want=200),
 )
 
 
@@ -431,6 +516,8 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
         while (status := server.request("POST", GPUS, obj)[0]) == 429 and time.monotonic() < deadline:
             time.sleep(0.2)  # a freshly served CRD may answer 429 for a moment
         assert status == 201, status
+    install_nfd_crds(server)
+    server.request("DELETE", f"{NODE_FEATURES}/nodeagent-{A}")
     server.request(
         "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TENANT}}
     )
@@ -446,6 +533,14 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER}}]}},
         },
     )
+    for name in (SLOT, EXPIRED, POOL, "nf-slot-conf-0002", f"nf-q-conf-0-0000000000001-{A}",
+                 f"nf-q-conf-0-0000000000001-{B}", "leader"):
+        server.request("DELETE", f"{LEASES}/{name}")
+    admin(server, "POST", LEASES, lease(EXPIRED, B, leaseDurationSeconds=5, acquireTime=now_micro(-120),
+                                        renewTime=now_micro(-120)))
+    pool = lease(POOL, None, renewTime=now_micro())
+    pool["metadata"]["annotations"] = {"nodeagent.io/fleet-brake": "on", "nodeagent.io/fleet-failures": "3"}
+    admin(server, "POST", LEASES, pool)
     tokens = {A: bound_token(server, A), B: bound_token(server, B), "unbound": token_request(server)}
     # the policy as this file has it takes effect once the API server has loaded it: probe with a refusal
     # the policy's earlier versions did not make
@@ -458,6 +553,20 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
             server, "PATCH", f"{NODES}/{A}", {"metadata": {"labels": {"node-role.kubernetes.io/probe": None}}}
         )
     return tokens
+
+
+def install_nfd_crds(server: KubeApiServer) -> None:
+    """NFD's CRDs as released (tests/testbin/setup.sh fetches them), served before the cases run."""
+    from tests.peers._resolve import peer_file
+
+    crds = peer_file("NODEAGENT_NFD_CRD", "nodeagent_peers_nfd_crd", "NFD's CRDs (Go module proxy)")
+    for doc in yaml.safe_load_all(crds.read_text()):
+        if doc:
+            server.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", doc)
+    deadline = time.monotonic() + 20
+    while server.get(NODE_FEATURES)[0] != 200:
+        assert time.monotonic() < deadline, "NFD's NodeFeature CRD never served"
+        time.sleep(0.2)
 
 
 def test_two_nodes_each_confined_to_its_own(kube_apiserver: KubeApiServer) -> None:

@@ -171,6 +171,12 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("patch", "gpus", "nodeagent.io", "status", "", ""),
         ("list", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),  # conflict detection (nodeagent/adopt)
         ("list", "resourceslices", "resource.k8s.io", "", "", ""),  # the same, for another DRA driver
+        # the fleet's budget and Leases, in the agents' namespace (nodeagent/fleet/leases.py)
+        ("get", "configmaps", "", "", "nodeagent", "nodeagent-fleet"),
+        *((v, "leases", "coordination.k8s.io", "", "nodeagent", "")
+          for v in ("get", "list", "create", "update", "patch", "delete")),
+        # [publish] labels = "nodefeature" (nodeagent/kube/nodefeature.py), in nodeagent's namespace only
+        *((v, "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "") for v in ("get", "create", "update", "delete")),
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -180,6 +186,8 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("get", "secrets", "", "", "nodeagent", ""), ("list", "pods", "", "", "nodeagent", ""),
         ("watch", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
         ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
+        ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "default", ""),
+        ("patch", "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", ""),
         ("create", "pods", "", "", "nodeagent", ""),
         ("create", "events", "", "", "nodeagent", ""), ("create", "events", "", "", "kube-system", ""),
         ("delete", "events", "", "", "default", ""), ("patch", "events", "", "", "default", ""),
@@ -193,6 +201,10 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("create", "customresourcedefinitions", "apiextensions.k8s.io", "", "", ""),
         ("create", "clusterroles", "rbac.authorization.k8s.io", "", "", ""),
         ("get", "configmaps", "", "", "nodeagent", ""),
+        ("get", "configmaps", "", "", "nodeagent", "nodeagent-config"),
+        ("watch", "leases", "coordination.k8s.io", "", "nodeagent", ""),
+        ("create", "leases", "coordination.k8s.io", "", "kube-node-lease", ""),
+        ("update", "leases", "coordination.k8s.io", "", "kube-system", ""),
         ("create", "validatingadmissionpolicybindings", "admissionregistration.k8s.io", "", "", ""),
         # without the DRA plane's rbac-dra.yaml: no slice writes, no claims
         ("create", "resourceslices", "resource.k8s.io", "", "", ""),

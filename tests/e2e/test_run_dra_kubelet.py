@@ -31,6 +31,18 @@ pytestmark = pytest.mark.peers
 release_server = shared_release_apiserver  # the API server of each release, shared with other modules
 
 
+def stream_objects(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of a device metadata file, in order."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        obj, i = decoder.raw_decode(text, i)
+        out.append(obj)
+    return out
+
+
 def claims_checkpoint(root: Path) -> dict[str, Any]:
     claims: dict[str, Any] = json.loads((root / "var/lib/nodeagent/dra-claims.json").read_text())["claims"]
     return claims
@@ -60,12 +72,14 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
                                         host_root=root) as h:
                     h.wait_registered(DRIVER, timeout=20)
 
-                    # prepare: the per-claim CDI spec under R/var/run/cdi, resolved by the CDI library
+                    # prepare: the per-claim CDI spec under R/var/run/cdi, resolved by the CDI library, and the
+                    # claim's device metadata (KEP-5304) mounted where the released library puts it
                     pod = Pod("default", "e2e-dra-a", str(uuid.uuid4()), {}, {"main": ["gpu"]})
                     uid = create_allocated_claim(kube, node, [("gpu", device)], pod)
                     claim_names += list(pod.claims)
+                    claim_name = next(iter(pod.claims.values()))
                     cdi = h.prepare(pod)
-                    ids = [f"{DRIVER}/claim={uid}-{device}"]
+                    ids = [f"{DRIVER}/claim={uid}-{device}", f"{DRIVER}/metadata={uid}_gpu"]
                     assert cdi == {"main": ids}, cdi
                     spec_file = cdi_dir / f"{DRIVER}-claim_{uid}.json"
                     spec = json.loads(spec_file.read_text())
@@ -77,10 +91,31 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
                     assert inj["unresolved"] == [] and not inj.get("error"), inj
                     assert f"NVIDIA_VISIBLE_DEVICES={gpu_uuid}" in (inj["spec"]["process"].get("env") or []), inj
                     assert claims_checkpoint(root)[uid]["state"] == "prepared"
+                    inside = (f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/{claim_name}/gpu/"
+                              f"{DRIVER}-metadata.json")
+                    [mount] = [m for m in inj["spec"].get("mounts") or [] if m["destination"] == inside]
+                    assert mount["options"] == ["ro", "bind"], mount
+                    metadata_file = Path(mount["source"])
+                    assert metadata_file.is_relative_to(root / "var/lib/kubelet/plugins"), mount
+                    [beta, alpha] = stream_objects(metadata_file.read_text())
+                    assert (beta["apiVersion"], alpha["apiVersion"]) == ("metadata.resource.k8s.io/v1beta1",
+                                                                         "metadata.resource.k8s.io/v1alpha1")
+                    assert beta["metadata"] == {"name": claim_name, "namespace": "default", "uid": uid,
+                                                "generation": 1}
+                    [request] = beta["requests"]
+                    [dev] = request["devices"]
+                    assert (request["name"], dev["driver"], dev["pool"], dev["name"]) == ("gpu", DRIVER, node, device)
+                    assert dev["attributes"]["uuid"] == {"string": gpu_uuid}
+                    published = devices[device]["attributes"]
+                    for key in ("productName", "resource.kubernetes.io/pciBusID", "driverVersion"):
+                        assert dev["attributes"][key] == published[key], (key, dev["attributes"])
+                    assert dev["attributes"]["memory"]["int"] > 0
 
-                    # unprepare removes the spec and the record
+                    # unprepare removes the spec, the metadata and the record
                     h.unprepare(pod)
                     assert not spec_file.exists()
+                    assert not metadata_file.exists()
+                    assert not (cdi_dir / f"{DRIVER}_metadata_{uid}_gpu.json").exists()
                     assert claims_checkpoint(root) == {}
                     gone = run_cdi_check([cdi_dir], [ids])
                     assert gone["injections"][0]["unresolved"] == ids
@@ -90,7 +125,8 @@ def test_daemon_prepares_through_the_kubelet_dra_manager_and_keeps_the_claim_acr
                     kept_uid = create_allocated_claim(kube, node, [("gpu", device)], kept)
                     claim_names += list(kept.claims)
                     kept_cdi = h.prepare(kept)
-                    assert kept_cdi == {"main": [f"{DRIVER}/claim={kept_uid}-{device}"]}, kept_cdi
+                    assert kept_cdi == {"main": [f"{DRIVER}/claim={kept_uid}-{device}",
+                                                 f"{DRIVER}/metadata={kept_uid}_gpu"]}, kept_cdi
                 code, _ = agent.stop()
                 assert code == 0, agent.log()
                 first_log = agent.log()

@@ -1,6 +1,7 @@
 """containerd 2.4 injects nodeagent's CDI devices: a container created through CRI (as the kubelet does) with
 the device plugin's names, in the CreateContainer CDIDevices field and in the cdi.k8s.io annotation form,
-gets the device nodes, environment, mounts and hooks of nodeagent's spec in its OCI runtime spec.
+gets the device nodes, environment, mounts and hooks of nodeagent's spec in its OCI runtime spec; one created
+with a DRA claim's device-metadata name gets the metadata file bind-mounted read-only at its KEP-5304 path.
 
 The pod sandbox runs a static pause binary from an OCI image archive written by the test and imported with
 ``ctr`` (no registry); the sandbox uses the host network, so no CNI is needed.
@@ -8,6 +9,7 @@ The pod sandbox runs a static pause binary from an OCI image archive written by 
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,8 @@ from typing import Any
 from nodeagent.cdi import simhost
 from nodeagent.cdi.writer import CdiWriter
 from nodeagent.deviceplugin.allocate import container_allocation
+from nodeagent.dra.devices import build_devices
+from nodeagent.dra.metadata import ClaimMetadata, group_requests
 from nodeagent.sharing.devices import build_resources
 from nodeagent.sharing.spec import parse_plugin_config
 from tests.cdi_host import apply_layout, make_host
@@ -108,3 +112,18 @@ def test_containerd_creates_containers_with_nodeagent_cdi_devices(containerd2: C
         assert len(annotations) == 3
         by_annotation = run_cri_cdi(running.address, IMAGE, annotations=annotations)
         _check(by_annotation, want, host.root, inv.driver_version)
+
+    # a DRA claim's device metadata (KEP-5304): containerd resolves its CDI name from the spec the driver
+    # wrote beside the node-wide one and bind-mounts the file, read-only, where a pod's container reads it
+    dev = next(d for d in build_devices(inv) if d.gpu_index == 2)
+    meta = ClaimMetadata("gpu.nodeagent.io", host.paths("/var/lib/kubelet/plugins/gpu.nodeagent.io/dra-device-metadata"),
+                         host.spec_dir, root=host.paths, published=host.paths.published)
+    meta.write("default", "train", "c1a1m", "gpu", group_requests([(("gpu",), "node-a", dev)]))
+    spec = run_cri_cdi(running.address, IMAGE, cdi_devices=["gpu.nodeagent.io/metadata=c1a1m_gpu"])
+    inside = "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpu/gpu/gpu.nodeagent.io-metadata.json"
+    [mount] = [m for m in spec["mounts"] if m["destination"] == inside]
+    assert {"ro", "bind"} <= set(mount["options"]), mount
+    assert mount["source"] == str(meta.file("default", "train", "gpu")), mount
+    first, _ = json.JSONDecoder().raw_decode(Path(mount["source"]).read_text())
+    [device] = first["requests"][0]["devices"]
+    assert device["attributes"]["uuid"] == {"string": g2.uuid} and first["podClaimName"] == "gpu", first

@@ -118,7 +118,8 @@ async def _prepare_scenario(kube_apiserver: KubeApiServer, kube: KubeClient, nod
         pod = Pod("default", "trainer", str(uuid.uuid4()), {}, {"main": ["gpu"], "sidecar": []})
         uid = await asyncio.to_thread(create_allocated_claim, kube, node_name, [("gpu", "gpu-2")], pod)
         cdi = await asyncio.to_thread(h.prepare, pod)
-        assert cdi == {"main": [f"gpu.nodeagent.io/claim={uid}-gpu-2"], "sidecar": []}
+        meta_id = f"gpu.nodeagent.io/metadata={uid}_gpu"  # the claim's device metadata (KEP-5304)
+        assert cdi == {"main": [f"gpu.nodeagent.io/claim={uid}-gpu-2", meta_id], "sidecar": []}
         spec = json.loads((cdi_dir / f"gpu.nodeagent.io-claim_{uid}.json").read_text())
         assert spec["kind"] == "gpu.nodeagent.io/claim"
         assert [d["name"] for d in spec["devices"]] == [f"{uid}-gpu-2"]

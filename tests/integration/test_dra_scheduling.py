@@ -277,7 +277,8 @@ def schedule_and_prepare(c: Cluster, pod: dict[str, Any], *, from_template: bool
         cdi = c.harness.prepare(hpod)
         claim_uid = claim["metadata"]["uid"]
         share = f"-{result['shareID']}" if result.get("shareID") else ""  # an allocation of a shared GPU
-        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}{share}"]}, cdi
+        metadata = f"{DRIVER_NAME}/metadata={claim_uid}_{result['request'].split('/')[0]}"  # KEP-5304
+        assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}{share}", metadata]}, cdi
         spec_file = c.cdi_dir / f"{DRIVER_NAME}-claim_{claim_uid}.json"
         assert spec_file.is_file()
         out = run_cdi_check([c.cdi_dir], [cdi["main"]])
@@ -467,7 +468,9 @@ def test_an_admin_access_claim_reaches_a_gpu_in_use_without_holding_it(cluster: 
             assert (result["device"], result.get("adminAccess")) == ("gpu-3", True), result
             hpod = Pod(mon, "monitor", admin_pod["metadata"]["uid"], {name: name}, {"main": [name]})
             cdi = cluster.harness.prepare(hpod)
-            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim['metadata']['uid']}-gpu-3"]}, cdi
+            cuid = claim["metadata"]["uid"]
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-3",
+                                    f"{DRIVER_NAME}/metadata={cuid}_{result['request']}"]}, cdi
             holders = cluster.dra.claims_on(frozenset({3}))
             assert [(r.namespace, r.name) for r in holders[3]] == [(NS, pod.claims[next(iter(pod.claims))])], holders
             cluster.harness.unprepare(hpod)
@@ -618,7 +621,8 @@ def test_a_shared_gpu_takes_claims_until_its_memory_is_used_up(cluster: Cluster)
             hpod = Pod(NS, name, pods[name]["metadata"]["uid"], {cname: cname}, {"main": [cname]})
             cdi = cluster.harness.prepare(hpod)
             prepared[name] = hpod
-            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-{SHARED_GPU}-{result['shareID']}"]}, cdi
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={cuid}-gpu-{SHARED_GPU}-{result['shareID']}",
+                                    f"{DRIVER_NAME}/metadata={cuid}_{result['request']}"]}, cdi
             out = run_cdi_check([cluster.cdi_dir], [cdi["main"]])
             [inj] = out["injections"]
             assert inj["unresolved"] == [] and not inj.get("error"), inj
@@ -746,7 +750,8 @@ def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster:
                     return None
 
             cdi = wait_for(prepared, 30, "prepare after the restart", cluster)
-            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}"]}
+            assert cdi == {"main": [f"{DRIVER_NAME}/claim={claim_uid}-{result['device']}",
+                                    f"{DRIVER_NAME}/metadata={claim_uid}_{result['request']}"]}
             checkpoint = (root / "var/lib/nodeagent" / CHECKPOINT_NAME).read_text()
             assert claim_uid in checkpoint and spec_file.exists()
             out = run_cdi_check([root / "var/run/cdi"], [cdi["main"]])
@@ -764,3 +769,71 @@ def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster:
             cluster.kube.request("DELETE", f"/apis/resource.k8s.io/v1/resourceslices/{s['metadata']['name']}")
         cluster.kube.request("DELETE", f"/api/v1/nodes/{node}")
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("cluster", RELEASES[:1], ids=lambda r: r.version, indirect=True)
+def test_compute_domain_pods_land_in_the_one_clique_of_its_template(cluster: Cluster) -> None:
+    """The template ``nodeagent controller`` makes for a ComputeDomain, pinned to one clique, is honoured by the
+    real scheduler: with two nodes in each of two cliques (each publishing the one channel device ``channel-0``
+    as nodeagent's DRA plane does), the domain's pods take the channels of its clique's two nodes, and a third
+    pod stays pending though the other clique has free channels."""
+    from nodeagent.computedomain import reconcile as rc
+    from nodeagent.dra import channels
+
+    kube = cluster.kube
+    cliques = {"cdsched-a1": "c0ffee00-0000-4000-8000-000000000001.1",
+               "cdsched-a2": "c0ffee00-0000-4000-8000-000000000001.1",
+               "cdsched-b1": "c0ffee00-0000-4000-8000-000000000001.2",
+               "cdsched-b2": "c0ffee00-0000-4000-8000-000000000001.2"}
+    pinned = cliques["cdsched-b1"]
+    for doc in yaml.safe_load_all((MANIFESTS / "computedomain-controller.yaml").read_text()):
+        if doc and doc["kind"] == "DeviceClass":
+            kube.request("POST", "/apis/resource.k8s.io/v1/deviceclasses", body=doc)
+    resources = {"cpu": "8", "memory": "64Gi", "pods": "110"}
+    pods = [f"cd-pod-{i}" for i in range(3)]
+    try:
+        for name, clique in cliques.items():
+            kube.request("POST", "/api/v1/nodes", body={"apiVersion": "v1", "kind": "Node", "metadata": {
+                "name": name, "labels": {"kubernetes.io/hostname": name, channels.CLIQUE_LABEL: clique}}})
+            node = kube.request("GET", f"/api/v1/nodes/{name}")
+            node["status"] = {"capacity": resources, "allocatable": resources, "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "simulated node"}]}
+            kube.request("PUT", f"/api/v1/nodes/{name}/status", body=node)
+            node = kube.request("GET", f"/api/v1/nodes/{name}")
+            node["spec"].pop("taints", None)
+            kube.request("PUT", f"/api/v1/nodes/{name}", body=node)
+            kube.create_resource_slice({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{name}-ch"},
+                "spec": {"driver": DRIVER_NAME, "nodeName": name,
+                         "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+                         "devices": [channels.channel_device(clique)]}})
+        domain = rc.Domain(NS, "job", "00000000-0000-4000-8000-00000000cd01", "job-channel", "Single", 0)
+        template = rc.desired_template(domain, pinned)
+        del template["metadata"]["ownerReferences"]  # no ComputeDomain CRD on this API server
+        kube.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates", body=template)
+        for p in pods:
+            create_pod(kube, p, template=domain.template, pod_claim="channel")
+
+        def placed() -> dict[str, str] | None:
+            got = {p: kube.request("GET", f"/api/v1/namespaces/{NS}/pods/{p}")["spec"].get("nodeName", "")
+                   for p in pods}
+            return got if sum(1 for n in got.values() if n) >= 2 else None
+
+        got = wait_for(placed, 30, "two of the domain's pods scheduled", cluster)
+        assert sorted(n for n in got.values() if n) == ["cdsched-b1", "cdsched-b2"], got
+        pending = next(p for p, n in got.items() if not n)
+
+        def unschedulable() -> bool:
+            conds = kube.request("GET", f"/api/v1/namespaces/{NS}/pods/{pending}").get("status", {}).get(
+                "conditions") or []
+            return any(c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conds)
+
+        wait_for(unschedulable, 30, "the third pod found unschedulable", cluster)
+        assert not kube.request("GET", f"/api/v1/namespaces/{NS}/pods/{pending}")["spec"].get("nodeName")
+    finally:
+        for p in pods:
+            kube.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{p}", query={"gracePeriodSeconds": 0})
+        kube.request("DELETE", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates/job-channel")
+        for name in cliques:
+            kube.delete_resource_slice(f"{name}-ch")
+            kube.request("DELETE", f"/api/v1/nodes/{name}")

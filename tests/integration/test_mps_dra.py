@@ -97,7 +97,8 @@ async def test_claim_with_mps_config_prepared_and_unprepared(
             pod = Pod("default", "infer", str(uuid.uuid4()), {}, {"main": ["gpu"]})
             uid = await asyncio.to_thread(allocated_claim, kube, node_name, ["gpu-1", "gpu-2"], pod, MPS_PARAMS)
             cdi = await asyncio.to_thread(h.prepare, pod)
-            assert sorted(cdi["main"]) == [f"gpu.nodeagent.io/claim={uid}-gpu-1", f"gpu.nodeagent.io/claim={uid}-gpu-2"]
+            assert sorted(cdi["main"]) == [f"gpu.nodeagent.io/claim={uid}-gpu-1", f"gpu.nodeagent.io/claim={uid}-gpu-2",
+                                           f"gpu.nodeagent.io/metadata={uid}_gpus"]
             spec_path = root / f"var/run/cdi/gpu.nodeagent.io-claim_{uid}.json"
             spec = json.loads(spec_path.read_text())
             pipe = f"/run/nodeagent/mps/claim-{uid}/pipe"

@@ -122,13 +122,13 @@ async def test_list_reports_the_claims_the_kubelet_prepared_and_mig_holders_find
             )
             [claim_t], [claim_i], [claim_b] = list(train.claims), list(infer.claims), list(both.claims)
             assert await asyncio.to_thread(h.prepare, train) == {
-                "main": [f"gpu.nodeagent.io/claim={uid_t}-gpu-2"],
+                "main": [f"gpu.nodeagent.io/claim={uid_t}-gpu-2", f"gpu.nodeagent.io/metadata={uid_t}_gpu"],
                 "sidecar": [],
             }
             assert await asyncio.to_thread(h.prepare, infer) == {
-                "main": [f"gpu.nodeagent.io/claim={uid_i}-gpu-0-mig-1-0"]
+                "main": [f"gpu.nodeagent.io/claim={uid_i}-gpu-0-mig-1-0", f"gpu.nodeagent.io/metadata={uid_i}_gpu"]
             }
-            assert len((await asyncio.to_thread(h.prepare, both))["main"]) == 2
+            assert len((await asyncio.to_thread(h.prepare, both))["main"]) == 4  # 2 devices, 2 metadata mounts
 
             uses = await asyncio.to_thread(claim_uses, client)
             [use_b] = [u for u in uses if u.pod == "both"]

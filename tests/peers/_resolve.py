@@ -15,7 +15,12 @@ class PeerMissingError(RuntimeError):
     """A real peer is not available; the message says how to get it."""
 
 
-def peer_binary(env_var: str, setup_function: str, what: str) -> Path:
+def peer_file(env_var: str, setup_function: str, what: str) -> Path:
+    """Path of a peer data file (a CRD set, ...), resolved as ``peer_binary`` resolves a binary."""
+    return peer_binary(env_var, setup_function, what, executable=False)
+
+
+def peer_binary(env_var: str, setup_function: str, what: str, *, executable: bool = True) -> Path:
     """Path of a peer binary.
 
     Uses ``$env_var`` when set (tests/run.sh sources setup.sh, which exports it); otherwise runs the
@@ -43,8 +48,9 @@ def peer_binary(env_var: str, setup_function: str, what: str) -> Path:
         value = proc.stdout.strip()
         os.environ[env_var] = value
     path = Path(value)
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        raise PeerMissingError(f"{what}: {env_var}={value} is not an executable file; run `bash {SETUP_SH}`")
+    if not (path.is_file() and (os.access(path, os.X_OK) or not executable)):
+        kind = "an executable file" if executable else "a file"
+        raise PeerMissingError(f"{what}: {env_var}={value} is not {kind}; run `bash {SETUP_SH}`")
     return path
 
 

@@ -47,7 +47,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -208,6 +208,13 @@ class Cluster:
     host_ip: str
     images: dict[str, str]  # role ("agent", "base", "pause") -> image reference of its archive
     imported: tuple[str, ...] = ("pause", "base", "agent")  # the roles whose archives containerd imported
+    # another node of the cluster (tests/peers/multinode.py): the command prefix that runs a program in its
+    # namespaces, the host directory holding its own copies of the node's host paths, its address, and the
+    # kubeconfig its kubelet uses; the defaults are the host's own (the first node)
+    enter: tuple[str, ...] = ()
+    root: Path | None = None
+    node_ip: str = ""
+    kubelet_kubeconfig: Path | None = None
     _host: _HostChanges = field(default_factory=_HostChanges, repr=False)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
     _logs: list[IO[bytes]] = field(default_factory=list, repr=False)
@@ -233,8 +240,15 @@ class Cluster:
         return self.get_json("node", self.node_name)
 
     def ctr(self, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-        return _run([str(system_binary("ctr", "containerd")), "--address", str(CONTAINERD_SOCKET),
-                     "--namespace", "k8s.io", *args], timeout=timeout)
+        return _run([*self._ctr_base(), *args], timeout=timeout)
+
+    def _ctr_base(self) -> list[str]:
+        return [*self.enter, str(system_binary("ctr", "containerd")), "--address", str(CONTAINERD_SOCKET),
+                "--namespace", "k8s.io"]
+
+    def host_path(self, path: Path) -> Path:
+        """Where this node's ``path`` (one of its own host paths) lies seen from the host."""
+        return path if self.root is None else self.root / path.relative_to("/")
 
     def wait_for(self, what: str, check: Any, timeout: float = 90.0, poll: float = 0.5) -> Any:
         """Poll ``check()`` until it returns something truthy; fail with ``what`` and the logs' tails."""
@@ -277,7 +291,7 @@ class Cluster:
     def _spawn(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
         log = (self.workdir / f"{name}.log").open("ab")
         self._logs.append(log)
-        self._procs[name] = subprocess.Popen(list(args), stdin=subprocess.DEVNULL, stdout=log,
+        self._procs[name] = subprocess.Popen([*self.enter, *args], stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _supervise_containerd(self, args: Sequence[str], env: dict[str, str]) -> None:
@@ -296,8 +310,9 @@ class Cluster:
     def start_kubelet(self) -> None:
         self._spawn("kubelet", [
             str(self.kubelet_bin), f"--config={self.workdir / 'kubelet.yaml'}",
-            f"--kubeconfig={self.apiserver.kubeconfig}", f"--hostname-override={self.node_name}",
-            f"--node-ip={self.host_ip}", f"--root-dir={KUBELET_DIR}", "--v=2",
+            f"--kubeconfig={self.kubelet_kubeconfig or self.apiserver.kubeconfig}",
+            f"--hostname-override={self.node_name}", f"--node-ip={self.node_ip or self.host_ip}",
+            f"--root-dir={KUBELET_DIR}", "--v=2",
         ])
 
     def stop_kubelet(self) -> None:
@@ -309,6 +324,19 @@ class Cluster:
         self.stop_kubelet()
         self.start_kubelet()
 
+    def stop_node(self) -> None:
+        """Stop the node's kubelet, the containers of its containerd, then its other processes."""
+        self._stopping.set()
+        self.stop_kubelet()
+        # the pods' containers and sandboxes go with containerd's task shims
+        with contextlib.suppress(Exception):
+            _stop_all_containers(self._ctr_base())
+        for name in list(self._procs):
+            stop_process(self._procs.pop(name), timeout=20)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
     def stop(self) -> list[str]:
         """Stop everything, undo the host changes; the problems found while cleaning (empty: clean)."""
         self._stopping.set()
@@ -316,15 +344,7 @@ class Cluster:
         with contextlib.suppress(Exception):
             self.kubectl("delete", "pods", "--all", "-A", "--grace-period=0", "--force", "--wait=false",
                          check=False, timeout=30)
-        self.stop_kubelet()
-        # the pods' containers and sandboxes go with containerd's task shims
-        with contextlib.suppress(Exception):
-            _stop_all_containers()
-        for name in list(self._procs):
-            stop_process(self._procs.pop(name), timeout=20)
-        for f in self._logs:
-            f.close()
-        self._logs.clear()
+        self.stop_node()
         self.apiserver.stop()
         _run(["ip", "link", "delete", BRIDGE], check=False)
         problems += _remove_cni_nat_rules()
@@ -332,10 +352,9 @@ class Cluster:
         return problems
 
 
-def _stop_all_containers() -> None:
-    """Kill what the cluster's containerd still runs (shims and their runc containers) before it stops."""
-    ctr = system_binary("ctr", "containerd")
-    base = [str(ctr), "--address", str(CONTAINERD_SOCKET), "--namespace", "k8s.io"]
+def _stop_all_containers(base: list[str]) -> None:
+    """Kill what a node's containerd (``base``: its ``ctr`` command) still runs (shims and their runc
+    containers) before it stops."""
     tasks = _run([*base, "tasks", "list", "-q"], check=False, timeout=30).stdout.split()
     for task in tasks:
         _run([*base, "tasks", "kill", "-s", "SIGKILL", task], check=False, timeout=30)
@@ -343,8 +362,8 @@ def _stop_all_containers() -> None:
         _run([*base, "tasks", "delete", "-f", task], check=False, timeout=30)
 
 
-def _kubelet_config(healthz_port: int, port: int) -> str:
-    config = {
+def _kubelet_config(healthz_port: int, port: int, cgroup_root: str | None = None) -> str:
+    config: dict[str, Any] = {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
         "cgroupDriver": "cgroupfs",
@@ -371,10 +390,16 @@ def _kubelet_config(healthz_port: int, port: int) -> str:
         "syncFrequency": "10s",
         "fileCheckFrequency": "10s",
     }
+    if cgroup_root is not None:  # a node beside others on this machine: its pods' cgroups under its own
+        config["cgroupRoot"] = cgroup_root
     return json.dumps(config, indent=1)
 
 
-def _containerd_config(root: Path, pause_ref: str, cni_conf_dir: Path, cni_bin_dir: str, runc: Path) -> str:
+def _containerd_config(root: Path, pause_ref: str, cni_conf_dir: Path, cni_bin_dir: str, runc: Path,
+                       netns_dir: str | None = None) -> str:
+    # the pods' network namespaces are mounted under /var/run/netns unless ``netns_dir`` says otherwise
+    netns = "" if netns_dir is None else f'  netns_mounts_under = "{netns_dir}"\n'
+
     return f"""# containerd of the nodeagent test cluster (tests/peers/cluster.py); the host's file comes back after
 version = 3
 root = "{root}"
@@ -390,7 +415,7 @@ state = "/run/containerd"
   sandbox = "{pause_ref}"
 
 [plugins."io.containerd.cri.v1.runtime"]
-  enable_cdi = true
+{netns}  enable_cdi = true
   cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
 
 [plugins."io.containerd.cri.v1.runtime".containerd]
@@ -449,13 +474,13 @@ def _has_capability(bit: int) -> bool:
     return False
 
 
-def _cni_conflist(ipam_dir: Path) -> str:
+def _cni_conflist(ipam_dir: Path, subnet: str = POD_SUBNET) -> str:
     return json.dumps({
         "cniVersion": "1.0.0",
         "name": "nodeagent-test",
         "plugins": [{
             "type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": True, "hairpinMode": True,
-            "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
+            "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]],
                      "routes": [{"dst": "0.0.0.0/0"}], "dataDir": str(ipam_dir)},
         }],
     }, indent=1)
@@ -501,28 +526,51 @@ def _import_image(ctr_base: list[str], archive: str, ref: str) -> None:
         raise RuntimeError(f"{archive} imported, but containerd lists no image {ref} (it lists {listed})")
 
 
+@dataclass(frozen=True)
+class NodePeers:
+    """The programs and image archives every node of a test cluster runs from (tests/testbin/setup.sh)."""
+
+    kubelet: Path
+    kubectl: Path
+    containerd: Path
+    shim: Path
+    runc: Path
+    library: str
+    cni_bin: str
+    images: dict[str, tuple[str, str]]  # role -> (archive, reference)
+
+
+def node_peers() -> NodePeers:
+    """The node's peers, or PeerMissingError naming what the setup has not built."""
+    for tool in ("iptables", "ip", "ctr"):
+        system_binary(tool, {"ip": "iproute2", "ctr": "containerd"}.get(tool, tool))
+    peers = NodePeers(
+        kubelet=peer_binary("NODEAGENT_KUBELET", "nodeagent_peers_kubelet", "kubelet v1.34"),
+        kubectl=peer_binary("NODEAGENT_KUBECTL", "nodeagent_peers_kubelet", "kubectl v1.34"),
+        containerd=peer_binary("NODEAGENT_CONTAINERD2", "nodeagent_peers_containerd2", "containerd 2"),
+        shim=peer_binary("NODEAGENT_CONTAINERD2_SHIM", "nodeagent_peers_cdi_check", "containerd 2's runc shim"),
+        runc=peer_binary("NODEAGENT_RUNC", "nodeagent_peers_containerd", "runc (Debian)"),
+        library=os.environ.get("NODEAGENT_NVML_LIBRARY", ""),
+        cni_bin=os.environ.get("NODEAGENT_CNI_BIN_DIR", ""),
+        images={role: (os.environ.get(f"NODEAGENT_{var}", ""), os.environ.get(f"NODEAGENT_{var}_REF", ""))
+                for role, var in (("pause", "PAUSE_IMAGE"), ("base", "BASE_IMAGE"), ("agent", "AGENT_IMAGE"))})
+    missing = [name for name, ok in (
+        ("NODEAGENT_NVML_LIBRARY", Path(peers.library).is_file()),
+        ("NODEAGENT_CNI_BIN_DIR", Path(peers.cni_bin, "bridge").is_file()),
+        *((f"the {role} image archive", Path(a).is_file() and bool(r)) for role, (a, r) in peers.images.items()))
+        if not ok]
+    if missing:
+        raise PeerMissingError(f"the test cluster needs {', '.join(missing)}: run `bash tests/testbin/setup.sh` "
+                               "(steps kubelet, CNI plugins, images) and source it")
+    return peers
+
+
 def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Cluster:
     """The cluster, its containerd holding the images of the roles ``imported`` (the pause image always: the
     kubelet's sandboxes use it)."""
     if "pause" not in imported or not set(imported) <= {"pause", "base", "agent"}:
         raise ValueError(f"imported images: {imported!r} (roles pause, base, agent; pause among them)")
-    for tool in ("iptables", "ip", "ctr"):
-        system_binary(tool, {"ip": "iproute2", "ctr": "containerd"}.get(tool, tool))
-    kubelet = peer_binary("NODEAGENT_KUBELET", "nodeagent_peers_kubelet", "kubelet v1.34")
-    kubectl = peer_binary("NODEAGENT_KUBECTL", "nodeagent_peers_kubelet", "kubectl v1.34")
-    containerd = peer_binary("NODEAGENT_CONTAINERD2", "nodeagent_peers_containerd2", "containerd 2")
-    shim = peer_binary("NODEAGENT_CONTAINERD2_SHIM", "nodeagent_peers_cdi_check", "containerd 2's runc shim")
-    runc = peer_binary("NODEAGENT_RUNC", "nodeagent_peers_containerd", "runc (Debian)")
-    library = os.environ.get("NODEAGENT_NVML_LIBRARY", "")
-    images = {role: (os.environ.get(f"NODEAGENT_{var}", ""), os.environ.get(f"NODEAGENT_{var}_REF", ""))
-              for role, var in (("pause", "PAUSE_IMAGE"), ("base", "BASE_IMAGE"), ("agent", "AGENT_IMAGE"))}
-    cni_bin = os.environ.get("NODEAGENT_CNI_BIN_DIR", "")
-    missing = [name for name, ok in (
-        ("NODEAGENT_NVML_LIBRARY", Path(library).is_file()), ("NODEAGENT_CNI_BIN_DIR", Path(cni_bin, "bridge").is_file()),
-        *((f"the {role} image archive", Path(a).is_file() and bool(r)) for role, (a, r) in images.items())) if not ok]
-    if missing:
-        raise PeerMissingError(f"the test cluster needs {', '.join(missing)}: run `bash tests/testbin/setup.sh` "
-                               "(steps kubelet, CNI plugins, images) and source it")
+    peers = node_peers()
     _check_free()
     host_ip = _host_ip()
     workdir = Path(tempfile.mkdtemp(prefix="nodeagent-cluster-"))
@@ -536,9 +584,9 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
             extra_args=("--runtime-config=resource.k8s.io/v1alpha3=true",
                         "--kubelet-preferred-address-types=InternalIP"),
             bind_address="0.0.0.0", advertise_address=host_ip, service_accounts=True)
-        cluster = Cluster(apiserver=server, workdir=workdir, kubectl_bin=kubectl, kubelet_bin=kubelet,
+        cluster = Cluster(apiserver=server, workdir=workdir, kubectl_bin=peers.kubectl, kubelet_bin=peers.kubelet,
                           node_name=NODE_NAME, host_ip=host_ip,
-                          images={role: ref for role, (_, ref) in images.items()}, imported=tuple(imported),
+                          images={role: ref for role, (_, ref) in peers.images.items()}, imported=tuple(imported),
                           _host=host)
         api_port = server.url.rsplit(":", 1)[1]
         # the `kubernetes` Service for pods, as kube-proxy would route it
@@ -549,48 +597,11 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
         _start_control_plane(cluster)
         # GPUs: device nodes, the stand-in driver library and its machine, the state on the host
         _device_nodes(host)
-        host.write(DRIVER_DIR / "libnvidia-ml.so.1", Path(library).read_bytes(), 0o755)
-        state_rel = os.path.relpath(SIM_STATE, DRIVER_DIR)
-        host.write(DRIVER_DIR / "nodeagent-sim.conf",
-                   f"# the nodeagent test cluster's simulated GPUs (tests/peers/cluster.py)\n"
-                   f"machine = {MACHINE}\nstate = {state_rel}\n".encode())
-        SIM_STATE.parent.mkdir(parents=True, exist_ok=True)
+        host.write(DRIVER_DIR / "libnvidia-ml.so.1", Path(peers.library).read_bytes(), 0o755)
         if MPS_CONTROL.exists():
             raise RuntimeError(f"{MPS_CONTROL} exists already on this host: the test cluster installs its stand-in")
-        host.write(MPS_CONTROL, MPS_CONTROL_STAND_IN.format(machine=MACHINE, state=SIM_STATE).encode(), 0o755)
-        # containerd
-        bindir = workdir / "bin"
-        bindir.mkdir()
-        (bindir / "containerd").symlink_to(containerd)
-        (bindir / "containerd-shim-runc-v2").symlink_to(shim)
-        if not _has_capability(CAP_SYS_RESOURCE):
-            wrapper = bindir / "runc"
-            wrapper.write_text(RUNC_WRAPPER.replace("{runc}", str(runc)))
-            wrapper.chmod(0o755)
-            runc = wrapper
-        cni_conf = workdir / "cni"
-        cni_conf.mkdir()
-        (cni_conf / "10-nodeagent-test.conflist").write_text(_cni_conflist(workdir / "cni-ipam"))
-        host.write(CONTAINERD_CONFIG, _containerd_config(workdir / "containerd", images["pause"][1], cni_conf,
-                                                         cni_bin, runc).encode())
-        env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"}
-        threading.Thread(target=cluster._supervise_containerd,
-                         args=([str(bindir / "containerd"), f"--config={CONTAINERD_CONFIG}"], env),
-                         name="containerd-supervisor", daemon=True).start()
-        cluster.wait_for("containerd answers", CONTAINERD_SOCKET.exists, timeout=60)
-        ctr_base = [str(system_binary("ctr", "containerd")), "--address", str(CONTAINERD_SOCKET), "--namespace",
-                    "k8s.io"]
-        cluster.wait_for("containerd serves its API",
-                         lambda: _run([*ctr_base, "version"], check=False).returncode == 0, timeout=60)
-        for role, (archive, ref) in images.items():
-            if role in imported:
-                _import_image(ctr_base, archive, ref)
-        # the kubelet
-        (workdir / "kubelet.yaml").write_text(_kubelet_config(free_port(), free_port()))
-        cluster.start_kubelet()
-        cluster.wait_for(f"Node {NODE_NAME} Ready", lambda: node_ready(cluster), timeout=READY_TIMEOUT)
-        cluster.wait_for("the default service account", lambda: cluster.kubectl(
-            "get", "serviceaccount", "default", check=False).returncode == 0, timeout=60)
+        write_machine(host.write, MACHINE)
+        start_node_runtime(cluster, peers, host.write)
     except BaseException:
         if cluster is not None:
             cluster.stop()
@@ -603,6 +614,57 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
         shutil.rmtree(workdir, ignore_errors=True)
         raise
     return cluster
+
+
+FileWriter = Callable[[Path, bytes, int], None]  # (a node's host path, its content, its mode)
+
+
+def write_machine(write: FileWriter, machine: str) -> None:
+    """The node's simulated GPUs: the stand-in library's machine and state file beside the driver library, the
+    driver's MPS control program as the simulator's stand-in working on that machine."""
+    state_rel = os.path.relpath(SIM_STATE, DRIVER_DIR)
+    write(DRIVER_DIR / "nodeagent-sim.conf",
+          f"# the nodeagent test cluster's simulated GPUs (tests/peers/cluster.py)\n"
+          f"machine = {machine}\nstate = {state_rel}\n".encode(), 0o644)
+    write(MPS_CONTROL, MPS_CONTROL_STAND_IN.format(machine=machine, state=SIM_STATE).encode(), 0o755)
+
+
+def start_node_runtime(cluster: Cluster, peers: NodePeers, write: FileWriter, *, subnet: str = POD_SUBNET,
+                       cgroup_root: str | None = None, netns_dir: str | None = None) -> None:
+    """A node's containerd (supervised, its images imported), CNI bridge network ``subnet`` and kubelet, up to
+    the Node Ready and the default service account; ``write`` puts a file on the node's host paths."""
+    workdir = cluster.workdir
+    cluster.host_path(SIM_STATE).parent.mkdir(parents=True, exist_ok=True)
+    bindir = workdir / "bin"
+    bindir.mkdir()
+    (bindir / "containerd").symlink_to(peers.containerd)
+    (bindir / "containerd-shim-runc-v2").symlink_to(peers.shim)
+    runc = peers.runc
+    if not _has_capability(CAP_SYS_RESOURCE):
+        wrapper = bindir / "runc"
+        wrapper.write_text(RUNC_WRAPPER.replace("{runc}", str(runc)))
+        wrapper.chmod(0o755)
+        runc = wrapper
+    cni_conf = workdir / "cni"
+    cni_conf.mkdir()
+    (cni_conf / "10-nodeagent-test.conflist").write_text(_cni_conflist(workdir / "cni-ipam", subnet))
+    write(CONTAINERD_CONFIG, _containerd_config(workdir / "containerd", peers.images["pause"][1], cni_conf,
+                                                peers.cni_bin, runc, netns_dir).encode(), 0o644)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"}
+    threading.Thread(target=cluster._supervise_containerd,
+                     args=([str(bindir / "containerd"), f"--config={CONTAINERD_CONFIG}"], env),
+                     name=f"containerd-supervisor-{cluster.node_name}", daemon=True).start()
+    cluster.wait_for("containerd answers", cluster.host_path(CONTAINERD_SOCKET).exists, timeout=60)
+    cluster.wait_for("containerd serves its API",
+                     lambda: _run([*cluster._ctr_base(), "version"], check=False).returncode == 0, timeout=60)
+    for role, (archive, ref) in peers.images.items():
+        if role in cluster.imported:
+            _import_image(cluster._ctr_base(), archive, ref)
+    (workdir / "kubelet.yaml").write_text(_kubelet_config(free_port(), free_port(), cgroup_root))
+    cluster.start_kubelet()
+    cluster.wait_for(f"Node {cluster.node_name} Ready", lambda: node_ready(cluster), timeout=READY_TIMEOUT)
+    cluster.wait_for("the default service account", lambda: cluster.kubectl(
+        "get", "serviceaccount", "default", check=False).returncode == 0, timeout=60)
 
 
 def _start_control_plane(cluster: Cluster) -> None:

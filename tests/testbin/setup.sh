@@ -20,6 +20,7 @@
 #                                 (and k8s136, k8s135 the same for 1.36 and 1.35)
 #       nodeagent_peers_cdi_check -> NODEAGENT_CDI_CHECK, NODEAGENT_CRI_CDI, ...
 #       nodeagent_peers_helm -> NODEAGENT_HELM, NODEAGENT_PROMTOOL
+#       nodeagent_peers_computedomain_crd -> NODEAGENT_COMPUTEDOMAIN_CRD (NVIDIA's CRD file, not a binary)
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
 #       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian 12 directory tree systemd boots)
 #       nodeagent_peers_debian13_root -> NODEAGENT_DEBIAN13_ROOT (the same on Debian 13, with a test venv)
@@ -355,6 +356,32 @@ nodeagent_peers_cdi_check() {
   build_go_binary containerd2-shim-runc-v2 "$cd2" github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
     "$(_go_mod_version "$cd2" github.com/containerd/containerd/v2)" || return 1
   export NODEAGENT_CONTAINERD2_SHIM=$NODEAGENT_GO_BINARY
+}
+
+# NFD's API CRDs (NodeFeature, NodeFeatureRule, NodeFeatureGroup) of sigs.k8s.io/node-feature-discovery from
+# the Go module proxy, copied into the cache once per version: the object [publish] labels = "nodefeature"
+# writes (tests/integration/test_nodefeature.py, tests/e2e/test_kube_confinement.py).
+NODEAGENT_NFD_VERSION=v0.18.2
+nodeagent_peers_nfd_crd() {
+  local dest=$NODEAGENT_CACHE/crds/nfd-api-crds-$NODEAGENT_NFD_VERSION.yaml out dir
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    if [ -s "$dest" ]; then _peers_log "plan: NFD CRDs $NODEAGENT_NFD_VERSION cached"; else
+      _peers_log "plan: NFD CRDs $NODEAGENT_NFD_VERSION to fetch"; fi
+    export NODEAGENT_NFD_CRD=$dest
+    return 0
+  fi
+  if [ ! -s "$dest" ]; then
+    mkdir -p "${dest%/*}" || return 1
+    out=$(cd "${dest%/*}" && GOFLAGS=-mod=mod go mod download -json \
+      "sigs.k8s.io/node-feature-discovery@$NODEAGENT_NFD_VERSION" 2>&1) || true
+    dir=$(printf '%s\n' "$out" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p' | head -n 1)
+    if [ -z "$dir" ] || [ ! -s "$dir/deployment/base/nfd-crds/nfd-api-crds.yaml" ]; then
+      _peers_log "cannot download sigs.k8s.io/node-feature-discovery@$NODEAGENT_NFD_VERSION: $(printf '%s' "$out" | tail -n 1)"
+      return 1
+    fi
+    cp "$dir/deployment/base/nfd-crds/nfd-api-crds.yaml" "$dest.tmp.$$" && mv -f "$dest.tmp.$$" "$dest" || return 1
+  fi
+  export NODEAGENT_NFD_CRD=$dest
 }
 
 # The real kubelet and kubectl of the same release as the apiserver (tests/testbin/node: cmd/kubelet and
@@ -902,6 +929,33 @@ nodeagent_peers_agent_image_multiarch() {
   export NODEAGENT_AGENT_IMAGE_MULTIARCH=$NODEAGENT_IMAGE_ARCHIVE
 }
 
+# NVIDIA's ComputeDomain CRD (resource.nvidia.com/v1beta1) exactly as its DRA driver ships it: the file of the
+# driver's Helm chart, taken from the Go module of the release below (kubernetes-sigs/dra-driver-nvidia-gpu;
+# Apache-2.0) and kept in the cache under that version. nodeagent does not ship a copy: users install NVIDIA's
+# (docs/computedomains.md); the tests install this one.
+NODEAGENT_CD_DRIVER_MODULE=sigs.k8s.io/dra-driver-nvidia-gpu
+NODEAGENT_CD_DRIVER_VERSION=v0.5.0
+nodeagent_peers_computedomain_crd() {
+  local dir=$NODEAGENT_CACHE/crds/dra-driver-nvidia-gpu-$NODEAGENT_CD_DRIVER_VERSION out mod
+  local file=$dir/resource.nvidia.com_computedomains.yaml
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_log "plan: ComputeDomain CRD $([ -f "$file" ] && echo cached || echo to download)"
+  elif [ ! -f "$file" ]; then
+    out=$(cd "$NODEAGENT_CACHE" && GOFLAGS=-mod=mod go mod download -json \
+      "$NODEAGENT_CD_DRIVER_MODULE@$NODEAGENT_CD_DRIVER_VERSION" 2>&1) || true
+    mod=$(printf '%s\n' "$out" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p' | head -n 1)
+    local src=$mod/deployments/helm/dra-driver-nvidia-gpu/crds/resource.nvidia.com_computedomains.yaml
+    if [ -z "$mod" ] || [ ! -f "$src" ]; then
+      _peers_log "cannot get the ComputeDomain CRD from $NODEAGENT_CD_DRIVER_MODULE@$NODEAGENT_CD_DRIVER_VERSION: $(printf '%s' "$out" | tail -n 2)"
+      return 1
+    fi
+    mkdir -p "$dir" && cp "$src" "$file.tmp" && cp "$mod/LICENSE" "$dir/LICENSE" && mv "$file.tmp" "$file" ||
+      return 1
+  fi
+  export NODEAGENT_COMPUTEDOMAIN_CRD=$file
+}
+
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -913,12 +967,14 @@ NODEAGENT_PEERS_STEPS=(
   "containerd 2:nodeagent_peers_containerd2"
   "kubelet device-manager harness:nodeagent_peers_harness"
   "etcd + kube-apiserver v1.34:nodeagent_peers_apiserver"
+  "NVIDIA's ComputeDomain CRD (Go module proxy):nodeagent_peers_computedomain_crd"
   "kube-scheduler + kube-controller-manager v1.34:nodeagent_peers_kube_control_plane"
   "kubelet DRA harness v1.34:nodeagent_peers_dra_harness"
   "Kubernetes v1.37 peers:nodeagent_peers_k8s137"
   "Kubernetes v1.36 peers:nodeagent_peers_k8s136"
   "Kubernetes v1.35 peers:nodeagent_peers_k8s135"
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
+  "NFD CRDs (Go module proxy):nodeagent_peers_nfd_crd"
   "helm + promtool (Debian):nodeagent_peers_helm"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
   "Debian 12 root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"

@@ -177,3 +177,56 @@ def test_operand_pods_by_their_names_on_the_kubelet() -> None:
         "gpu-operator/nvidia-device-plugin-daemonset-q7x2k",
     ]
     assert "gpu-operator/nvidia-dcgm-exporter-k2m9x" in operand_pods_by_name(pods, with_dcgm_exporter=True)
+
+
+def test_another_drivers_gpus_are_known_by_uuid_mig_uuid_or_pci_bus_id_and_held_ones_stay_out() -> None:
+    from nodeagent.adopt.detect import ForeignDraGpus, gpu_keys
+    from tests.unit._dp_inventories import mig_box
+
+    inv = mig_box(per_gpu=1, gpus_on=1, gpus_off=3)
+    keys = gpu_keys(inv)
+    mig_uuid = inv.gpus[0].mig_devices[0].uuid
+    theirs = {"spec": {"driver": "gpu.nvidia.com", "pool": {"name": "n"}, "devices": [
+        {"name": "mig-0", "attributes": {"uuid": {"string": mig_uuid}}},
+        {"name": "gpu-1", "attributes": {"uuid": {"string": inv.gpus[1].uuid}}},
+        # NVML's form of the bus id, upper case: the same GPU as the standard form
+        {"name": "gpu-2", "attributes": {"pciBusID": {"string": inv.gpus[2].pci_bus_id.upper()}}},
+    ]}}
+    (c,) = dra_conflicts([theirs], "gpu.nodeagent.io", (), keys)
+    assert (c.owner, c.subject) == ("gpu.nvidia.com", "3 GPU(s)")
+    assert "nodeagent leaves GPU(s) 0,1,2 out of its ResourceSlices" in c.detail
+
+    foreign = ForeignDraGpus()
+    assert foreign.update([theirs], "gpu.nodeagent.io", keys, set()) == {0, 1, 2}
+    # the other driver is gone: only what a pod still holds through one of its claims stays out
+    assert foreign.update([], "gpu.nodeagent.io", keys, None) == {0, 1, 2}  # the kubelet cannot be asked
+    assert foreign.update([], "gpu.nodeagent.io", keys, {("gpu.nvidia.com", "n", "gpu-2")}) == {2}
+    assert foreign.update([], "gpu.nodeagent.io", keys, set()) == set()
+    assert foreign.remembered == {}
+
+
+def test_the_hand_over_switches_the_dra_stack_only_where_it_runs() -> None:
+    from nodeagent.adopt import to_switch
+
+    plain = to_switch({"nvidia.com/gpu.deploy.device-plugin": "true"}, False)
+    assert plain == ["container-toolkit", "device-plugin", "gpu-feature-discovery", "mig-manager"]
+    dra_stack = {f"nvidia.com/gpu.deploy.{op}": "true" for op in (
+        "dra-driver", "dra-validator", "dcgm-dra", "dcgm-exporter-dra", "kata-sandbox-device-plugin", "client")}
+    assert to_switch(dra_stack, False) == sorted([*plain, "dra-driver", "dra-validator"])
+    assert to_switch(dra_stack, True) == sorted([*plain, "dcgm-exporter", "dcgm-exporter-dra", "dra-driver",
+                                                 "dra-validator"])
+
+
+def test_nodeagents_own_node_feature_is_no_conflict() -> None:
+    node = {"metadata": {"name": "n1", "annotations": {"nfd.node.kubernetes.io/feature-labels": "nvidia.com/gpu.count"}}}
+    own = {"metadata": {"name": "nodeagent-n1", "namespace": "nodeagent",
+                        "labels": {"app.kubernetes.io/managed-by": "nodeagent"}},
+           "spec": {"labels": {"nvidia.com/gpu.count": "8"}}}
+    gfd = {"metadata": {"name": "n1-gfd", "namespace": "gpu-operator"}, "spec": {"labels": {"nvidia.com/gpu.count": "8"}}}
+    ours = {"nvidia.com/gpu.count"}
+    assert [c.owner for c in feature_label_conflicts(node, [own], ours, through_nfd=True)] == []
+    assert [c.owner for c in feature_label_conflicts(node, [own, gfd], ours, through_nfd=True)] == [
+        "NodeFeature gpu-operator/n1-gfd"]
+    # labels on the Node: NFD's annotation naming nodeagent's keys is a conflict
+    assert [c.owner for c in feature_label_conflicts(node, [own], ours)] == [
+        "NFD (nfd.node.kubernetes.io/feature-labels)"]

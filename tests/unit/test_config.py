@@ -39,7 +39,7 @@ def test_example_uncommented_equals_defaults() -> None:
     """The example documents every key with its default: uncommenting all of it changes nothing."""
     lines = []
     for line in EXAMPLE.read_text().splitlines():
-        m = re.match(r'^# ([a-z_]+ = (?:".*"|[0-9.]+|true|false|\[[0-9, ]*\]))$', line)
+        m = re.match(r'^# ([a-z_]+ = (?:".*"|[0-9.]+|true|false|\[[0-9, ]*\]|\{\}))$', line)
         if m:
             lines.append(m.group(1))
         elif line.startswith("["):
@@ -83,6 +83,9 @@ def test_example_as_shipped_parses() -> None:
         ("mig = 3", "key 'mig' must be a table"),
         ("node_name = 'a b'", "not a valid node name"),
         ("[mig", "not valid TOML"),
+        ("[publish]\nlabels = 'nfd'", "key 'publish.labels' must be one of true, false, 'node', 'nodefeature'"),
+        ("[publish]\nlabels = 1", "key 'publish.labels' must be one of"),
+        ("[publish]\nnodefeature_namespace = 'Node Agent'", "key 'publish.nodefeature_namespace' is not a namespace"),
     ],
 )
 def test_bad_input_names_key_and_file(tmp_path: Path, text: str, needle: str) -> None:
@@ -131,3 +134,11 @@ def test_node_name_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_kubelet_dir_default_is_the_one_host_constant() -> None:
     """Every default kubelet directory (config, runtime options, the DRA plane) is ``KUBELET_DIR``."""
     assert KubeletSettings().dir == KUBELET_DIR
+
+
+@pytest.mark.parametrize(("value", "through"), [("true", False), ("false", False), ('"node"', False),
+                                                ('"nodefeature"', True)])
+def test_labels_go_to_the_node_or_a_node_feature(value: str, through: bool) -> None:
+    cfg = parse_config(f"[publish]\nlabels = {value}\n", "t")
+    assert cfg.publish.through_nodefeature is through
+    assert bool(cfg.publish.labels) is (value != "false")

@@ -92,11 +92,11 @@ async def test_a_withdrawn_gpu_takes_no_new_claim_and_a_claim_in_flight_counts_a
     seen: list[dict[int, tuple[ClaimRef, ...]]] = []
     write = p._write
 
-    def spying_write(ref: ClaimRef, wanted: Any) -> Any:
+    def spying_write(ref: ClaimRef, wanted: Any, *rest: Any) -> Any:
         seen.append(p.claims_on(frozenset({2})))
-        return write(ref, wanted)
+        return write(ref, wanted, *rest)
 
-    p._write = spying_write  # type: ignore[method-assign]
+    p._write = spying_write  # type: ignore[method-assign,assignment]
     assert (await p.prepare([ClaimRef("ns", "u2", "two")]))["u2"].error == ""
     assert seen == [{2: (ClaimRef("ns", "u2", "two"),)}]
     assert p.claims_on(frozenset({2})) == {2: (ClaimRef("ns", "u2", "two"),)}  # now from the checkpoint

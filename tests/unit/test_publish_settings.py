@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import kubernetes.client as k8s
 
@@ -16,7 +17,8 @@ def test_each_publish_switch_reaches_the_publisher() -> None:
     with k8s.ApiClient() as api:  # never called: the switches are read at construction
         kube = KubeClient(api)
         for name in ("labels", "extended_resources", "gpu_objects", "events"):
-            settings = dataclasses.replace(PublishSettings(), **{name: False})
+            off: dict[str, Any] = {name: False}
+            settings = dataclasses.replace(PublishSettings(), **off)
             pub = NodePublisher(kube, "node-a", settings)
             assert pub.settings is settings
             assert getattr(pub.settings, name) is False

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.daemon.supervisor import Component, Context
 from nodeagent.errors import LabelValueError, NodeAgentError
@@ -61,6 +62,9 @@ class AdoptComponent(Component):
         self._looked_at: Inventory | None = None
         self._api_reads = 0  # reads of the API begun, and the number of the last one applied
         self._api_applied = 0
+        from nodeagent.adopt.detect import ForeignDraGpus
+
+        self.foreign_dra = ForeignDraGpus()  # GPUs another DRA driver has: out of nodeagent's slices
 
     async def start(self, ctx: Context) -> None:
         # before the device plugin starts (it comes after this component), so that a resource left to another
@@ -154,8 +158,12 @@ class AdoptComponent(Component):
             unread: tuple[str, ...] = self.unread
             if facts is not None:
                 self._api_applied = read
+                keys = d.gpu_keys(inv)
                 found += d.kube_conflicts(facts, our_driver=DRIVER_NAME, uuids=uuids,
-                                          label_keys=self._label_keys(inv))
+                                          label_keys=self._label_keys(inv), keys=keys,
+                                          through_nfd=self._ctx.config.publish.through_nodefeature)
+                if facts.slices is not None:
+                    await self._leave_foreign_gpus(facts.slices, keys)
                 if facts.node is not None and not self.handing_over:
                     found += d.operator_conflicts(facts.node, wanted)
                 unread = facts.unread
@@ -167,6 +175,34 @@ class AdoptComponent(Component):
             self.conflicts = sorted(found)
             await self._report(self.conflicts)
             self._hold(wanted, self.conflicts)
+
+    async def _leave_foreign_gpus(self, slices: tuple[Mapping[str, Any], ...], keys: dict[str, int]) -> None:
+        """Keep the GPUs another DRA driver has out of nodeagent's ResourceSlices (none with ``[adopt]
+        take_over``): those its slices list, and those a pod still uses through one of its claims."""
+        from nodeagent.dra import DRIVER_NAME
+
+        if self._ctx.config.adopt.take_over:
+            await self._ctx.shared.dra.set_foreign(frozenset())
+            return
+        held = await asyncio.to_thread(self._claimed_devices) if self.foreign_dra.remembered else set()
+        await self._ctx.shared.dra.set_foreign(self.foreign_dra.update(slices, DRIVER_NAME, keys, held))
+
+    def _claimed_devices(self) -> set[tuple[str, str, str]] | None:
+        """(driver, pool, device) of every device the pods of this node use through claims (the kubelet's
+        PodResources); None when the kubelet cannot be asked."""
+        from nodeagent.daemon.supervisor import close_quietly
+
+        try:
+            client = self._ctx.pod_resources_client()
+        except (NodeAgentError, OSError):
+            return None
+        try:
+            _, uses = client.list_with_claims()
+            return {dev for u in uses for dev in u.devices}
+        except (NodeAgentError, OSError):
+            return None
+        finally:
+            close_quietly(client)
 
     async def _report(self, conflicts: list[Conflict]) -> None:
         from nodeagent.kube.conditions import ConflictInput

@@ -70,7 +70,12 @@ def condition_snapshot(ctx: Context) -> Any:
         from nodeagent.kube.conditions import GpuHealthInput
 
         health = GpuHealthInput(len(inv.gpus), (), monitored=False)
-    return dataclasses.replace(s, health=health, mig=mig, runtime=runtime)
+    fabric = None
+    if inv is not None:
+        from nodeagent.gpu.fabric import decide
+
+        fabric = decide(inv)
+    return dataclasses.replace(s, health=health, mig=mig, runtime=runtime, fabric=fabric)
 
 
 class ConditionsComponent(Component):

@@ -181,6 +181,9 @@ class DevicePluginComponent(Component):
     def last_xids(self) -> dict[int, int]:
         return self.service.last_xids()
 
+    def monitor(self) -> Any:
+        return self.service.monitor
+
     def registered(self) -> dict[str, bool]:
         return self.service.registered()
 

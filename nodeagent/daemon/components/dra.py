@@ -112,6 +112,10 @@ class DraPlaneComponent(Component):
         self._waiting: dict[int, str] = {}  # GPU → the holders last reported as keeping its move waiting
         self._mover: asyncio.Task[None] | None = None
         self._pod_resources: PodResourcesClient | None = None
+        from nodeagent.computedomain.report import NodeReporter
+
+        # the ComputeDomains whose channel claims are prepared here, reported on the own Node
+        self._reporter = NodeReporter(ctx.kube, ctx.node_name) if ctx.kube is not None else None
 
     async def start(self, ctx: Context) -> None:
         if ctx.inventory is None:
@@ -120,6 +124,7 @@ class DraPlaneComponent(Component):
 
     async def _start(self, inventory: Inventory) -> None:
         self.dra.vfio_devices = list(self._ctx.shared.dra.vfio)  # the workload switch's, if it ran first
+        await self.dra.set_foreign(self._ctx.shared.dra.foreign)  # another DRA driver's GPUs, as last seen
         await self.dra.start(inventory)
         self._started = True
         if self._plane == "both":
@@ -133,12 +138,27 @@ class DraPlaneComponent(Component):
                 log.error("%s (ignored)", e)
             await self._ctx.shared.planes.exclude_from_plugin()  # what this build's ledger withdrew
             self._pod_resources = self._ctx.pod_resources_client()
-            self.dra.on_claims_changed = self._wake.set
             self._mover = self._ctx.spawn(self._move_loop(), "plane moves")
+        self.dra.on_claims_changed = self._claims_changed
+        self._claims_changed()
         gpus = sorted({d.gpu_index for d in self.dra.devices})
         log.info("DRA driver gpu.nodeagent.io serves %d device(s) on GPU(s) %s", len(self.dra.devices),
                  ", ".join(map(str, gpus)) or "none")
         self._ctx.set_status(self.name, f"{len(self.dra.devices)} device(s)")
+
+    def _claims_changed(self) -> None:
+        self._wake.set()  # a move waiting for its holders looks again
+        if self._reporter is not None:
+            self._ctx.spawn(self._report_domains(), "computedomain report")
+
+    async def _report_domains(self) -> None:
+        from nodeagent.errors import KubeError
+
+        assert self._reporter is not None
+        try:
+            await asyncio.to_thread(self._reporter.sync, self.dra.compute_domains())
+        except KubeError as e:  # the next claim change or resync tries again
+            log.warning("ComputeDomain report not written: %s", e)
 
     async def set_health(self, unhealthy: Mapping[HealthKey, str]) -> None:
         if self._started:
@@ -162,6 +182,9 @@ class DraPlaneComponent(Component):
     async def update(self, inventory: Inventory) -> None:
         await self.on_inventory(inventory)
 
+    async def set_foreign(self, gpu_indices: frozenset[int]) -> None:
+        await self.dra.set_foreign(gpu_indices)
+
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         return self.dra.claims_on(gpu_indices) if self._started else {}
 
@@ -175,6 +198,8 @@ class DraPlaneComponent(Component):
     async def resync(self) -> None:
         if self._started:
             self.dra.reverify()
+            if self._reporter is not None:
+                await self._report_domains()
 
     def _plane_goes_away(self) -> bool:
         if self._ctx.exiting:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nodeagent import fileio
+from nodeagent.daemon.components.fleetlink import fleet_gate
 from nodeagent.daemon.shared import DevicePluginLink, DraLink, PreparedClaims
 from nodeagent.daemon.supervisor import Component, Context, close_quietly
 from nodeagent.gpu.inventory import Inventory
@@ -149,8 +150,10 @@ class MigComponent(Component):
         claims = PlaneClaims(ctx.shared.dra, self._dra_gpus)
         holders = GpuHolderSources(self.pod_resources, self._device_ids, claims, pool=ctx.node_name,
                                    driver=DRIVER_NAME)
+        node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
+        gate = fleet_gate(ctx, node)  # a change that empties GPUs waits for a slot of the fleet's budget
         self.reconciler = MigReconciler(
-            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches),
+            node,
             ctx.gpu,
             ctx.paths.mig_state_dir,
             publisher=ctx.shared.advertiser,
@@ -165,6 +168,7 @@ class MigComponent(Component):
             root=ctx.paths,
             holders=holders,
             on_state=self._on_state,
+            gate=gate,
         )
         self._ctx = ctx
         self._task: asyncio.Task[Any] | None = None

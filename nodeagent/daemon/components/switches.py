@@ -1,7 +1,7 @@
 """The label-driven node switches as daemon components: the workload config (``[vfio]``) and the CC mode
 (``[cc]``), each a ``labelswitch.SwitchReconciler`` over its switch, waiting for the pods and claims that
 hold the GPUs as the MIG component does, with the fleet's disruption budget when one is attached
-(``ctx.shared`` has none yet: every disruption is granted)."""
+(``[mig] fleet_namespace``: components/fleetlink.py)."""
 
 from __future__ import annotations
 
@@ -85,8 +85,12 @@ class SwitchComponent(Component):
         holders = GpuHolderSources(self.pod_resources, self._device_ids,
                                    PlaneClaims(ctx.shared.dra, lambda: _dra_gpus(ctx)),
                                    pool=ctx.node_name, driver=DRIVER_NAME, who=kind)
+        from nodeagent.daemon.components.fleetlink import SwitchSlots, fleet_gate
+
+        node = NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches)
+        fleet = fleet_gate(ctx, node)  # the switch empties every GPU: a slot of the fleet's budget first
         self.reconciler: Any = SwitchReconciler(
-            NodeClient(ctx.kube, ctx.node_name, watches=ctx.node_watches), switch, holders=holders,
+            node, switch, holders=holders, budget=SwitchSlots(fleet) if fleet is not None else None,
             options=SwitchOptions(release_timeout_s=timeout), on_state=self._on_state,
             after=self._after if kind == "vfio" else None, hold=self if kind == "vfio" else None)
         self._task: asyncio.Task[Any] | None = None

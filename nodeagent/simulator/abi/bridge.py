@@ -215,6 +215,15 @@ def nvmlDeviceSetPersistenceMode(dev: int, mode: int) -> int:
     return SUCCESS
 
 
+def nvmlDeviceModifyDrainState(pci: int, new_state: int) -> int:
+    _sim().nvmlDeviceModifyDrainState(pynvml.nvmlPciInfo_t.from_address(_need(pci)), new_state)
+    return SUCCESS
+
+
+def nvmlDeviceQueryDrainState(pci: int, out: int) -> int:
+    return _uint_out(_need(out), _sim().nvmlDeviceQueryDrainState(pynvml.nvmlPciInfo_t.from_address(_need(pci))))
+
+
 def _processes(dev: int, count_ptr: int, infos: int, struct: Any) -> int:
     procs = _sim().nvmlDeviceGetComputeRunningProcesses(_h(dev))
     room = _get_uint(count_ptr)
@@ -312,6 +321,20 @@ def nvmlEventSetWait(event_set: int, out: int, timeout_ms: int) -> int:
 def nvmlEventSetFree(event_set: int) -> int:
     _sim().nvmlEventSetFree(_h(event_set))
     return SUCCESS
+
+
+def nvmlDeviceGetGpuFabricInfo(dev: int, out: int) -> int:
+    return int(_sim().nvmlDeviceGetGpuFabricInfo(_h(dev), pynvml.c_nvmlGpuFabricInfo_t.from_address(_need(out))))
+
+
+def nvmlDeviceGetGpuFabricInfoV(dev: int, out: int) -> int:
+    """The caller's struct says its version (v2 or v3, the whole word as nvml.h's nvmlGpuFabricInfo_v*)."""
+    version = _get_uint(_need(out))
+    struct = {pynvml.nvmlGpuFabricInfo_v2: pynvml.c_nvmlGpuFabricInfo_v2_t,
+              pynvml.nvmlGpuFabricInfo_v3: pynvml.c_nvmlGpuFabricInfo_v3_t}.get(version)
+    if struct is None:
+        return ARGUMENT_VERSION_MISMATCH
+    return int(_sim().nvmlDeviceGetGpuFabricInfoV(_h(dev), struct.from_address(out)))
 
 
 # Unversioned names kept by libnvidia-ml for old callers, with the same meaning here.

@@ -108,7 +108,9 @@ async def test_vfio_devices_published_prepared_and_withdrawn(
             pod = Pod("default", "virt-launcher-vm", str(uuid.uuid4()), {}, {})
             uid = await asyncio.to_thread(vfio_claim, kube, node_name, "gpu-1-vfio", pod)
             cdi = await asyncio.to_thread(h.prepare, pod)
-            assert cdi == {"compute": [f"gpu.nodeagent.io/claim={uid}-gpu-1-vfio"]}
+            assert list(cdi) == ["compute"] and cdi["compute"][0] == f"gpu.nodeagent.io/claim={uid}-gpu-1-vfio"
+            # beside it only the claim's device metadata (KEP-5304), no other device
+            assert all(c.startswith("gpu.nodeagent.io/metadata=") for c in cdi["compute"][1:]), cdi
             spec = json.loads((root / f"var/run/cdi/gpu.nodeagent.io-claim_{uid}.json").read_text())
             assert spec["devices"] == [{"name": f"{uid}-gpu-1-vfio",
                                         "containerEdits": {"deviceNodes": [{"path": f"/dev/vfio/{group}"}]}}]

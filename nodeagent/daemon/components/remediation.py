@@ -1,0 +1,198 @@
+"""GPU remediation as a daemon component: the device plugin's health monitor tells it of every XID; it
+decides, plans and runs the one-GPU pipeline (``nodeagent.remediation``) in the background, one run per GPU,
+and finishes or rolls back what a previous agent left in the state record."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from nodeagent.daemon.supervisor import Component, Context
+from nodeagent.errors import NodeAgentError, NvmlError
+from nodeagent.gpu.inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+RECENT_XID_S = 600.0  # how long an XID counts as "recent" for the catalog's combinations (48 after 63/64)
+
+
+class AdapterResetter:
+    """Resets through the NVML adapter's own resetter, GPU by GPU (the simulator's reset, or on a real node
+    ``nvidia-smi --gpu-reset -i N``)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def reset(self, uuids: Any) -> None:
+        inv = self.ctx.inventory
+        index = {g.uuid: g.index for g in inv.gpus} if inv is not None else {}
+        for u in uuids:
+            self.ctx.gpu.reset_gpu(index[u])
+
+
+class LinkedMetrics:
+    """The pipeline's metrics in the running metrics component's registry (none while none runs)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._by_registry: dict[int, Any] = {}
+
+    def _current(self) -> Any:
+        registry = self.ctx.shared.metrics.registry()
+        if registry is None:
+            return None
+        if id(registry) not in self._by_registry:
+            from nodeagent.remediation.prommetrics import PromRemediationMetrics
+
+            self._by_registry = {id(registry): PromRemediationMetrics(registry)}  # a rebuilt component's anew
+        return self._by_registry[id(registry)]
+
+    def step(self, step: str, result: str, seconds: float) -> None:
+        m = self._current()
+        if m is not None:
+            m.step(step, result, seconds)
+
+    def run(self, action: str, result: str, seconds: float) -> None:
+        m = self._current()
+        if m is not None:
+            m.run(action, result, seconds)
+
+
+class NoResetter:
+    """Under a sandbox root (``--root DIR``) no command runs: a reset fails, saying so."""
+
+    def reset(self, uuids: Any) -> None:
+        raise NvmlError(f"GPU {','.join(uuids)}: not reset: nothing is executed under a sandbox root")
+
+
+class RemediationComponent(Component):
+    name = "remediation"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        self._ctx = ctx
+        self._rem: Any = None
+        self._recent: dict[int, deque[tuple[float, int]]] = {}
+        self._listening: Any = None
+
+    async def start(self, ctx: Context) -> None:
+        from nodeagent.kube.node import NodeClient
+        from nodeagent.remediation.commands import CommandReboot, CommandResetter
+        from nodeagent.remediation.hooks import MonitorHooks
+        from nodeagent.remediation.kubeside import KubeNodeSide, KubePods
+        from nodeagent.remediation.pipeline import PipelineSettings, Remediator, Resetter
+        from nodeagent.remediation.policy import load_catalog, parse_overrides
+        from nodeagent.remediation.record import RecordStore, record_path
+
+        cfg = ctx.config.remediation
+        settings = PipelineSettings(
+            eviction_grace_s=cfg.eviction_grace, eviction_timeout_s=cfg.eviction_timeout,
+            step_timeout_s=cfg.step_timeout, max_resets=cfg.max_resets, reset_window_s=cfg.reset_window,
+            fabric_manager=cfg.fabric_manager, cordon_on_failure=cfg.cordon_on_failure,
+            overrides=parse_overrides(cfg.xid_actions))
+        simulated = bool(ctx.config.simulate.machine or ctx.config.simulate.state)
+        on_node = ctx.paths.is_node_root  # under a sandbox root nothing is ever executed
+        smi = str(ctx.paths(ctx.config.cdi.driver_root.rstrip("/") + "/usr/bin/nvidia-smi"))
+        resetter: Resetter
+        if simulated and not cfg.reset_command:
+            resetter = AdapterResetter(ctx)
+        elif on_node:
+            resetter = CommandResetter(cfg.reset_command, smi=smi, timeout_s=cfg.step_timeout)
+        else:
+            resetter = NoResetter()
+
+        def monitors() -> list[Any]:
+            m = ctx.shared.device_plugin.monitor()
+            return [m] if m is not None else []
+
+        def index_of(uuid: str) -> int:
+            inv = ctx.inventory
+            for g in inv.gpus if inv is not None else ():
+                if g.uuid == uuid:
+                    return g.index
+            raise NodeAgentError(f"GPU {uuid} is not in the inventory", subject=uuid)
+
+        from nodeagent.daemon.components.fleetlink import RemediationSlots, fleet_gate
+
+        node = NodeClient(ctx.kube, ctx.node_name)
+        fleet = fleet_gate(ctx, node)  # a GPU taken out of service holds a slot of the fleet's budget
+        self._rem = Remediator(
+            settings, load_catalog(), ctx.gpu, resetter, KubePods(ctx.kube),  # type: ignore[arg-type]
+            KubeNodeSide(node, events=ctx.config.publish.events),
+            MonitorHooks(monitors, index_of), store=RecordStore(record_path(ctx.paths)),
+            metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None,
+            gate=RemediationSlots(fleet) if fleet is not None else None)
+        self._listen()
+        hooks = self._rem.hooks
+        for uuid, why in sorted(self._rem.record.quarantined.items()):  # they stay out across restarts
+            ctx.spawn(self._keep_out(hooks, uuid, why), f"remediation: GPU {uuid} quarantined")
+        if self._rem.record.runs:
+            ctx.spawn(self._resume(), "remediation resume")
+        self.ready.set()
+        ctx.set_status(self.name, "watching for GPU faults")
+
+    def _listen(self) -> None:
+        """Listen to the device plugin's current monitor (a reload may have replaced it)."""
+        m = self._ctx.shared.device_plugin.monitor()
+        if m is None or m is self._listening:
+            return
+        m.xid_listeners.append(self._on_xid)
+        self._listening = m
+
+    async def on_inventory(self, inventory: Inventory) -> None:
+        self._listen()
+
+    async def resync(self) -> None:
+        self._listen()
+
+    def _on_xid(self, ev: Any) -> None:
+        now = time.monotonic()
+        recent = self._recent.setdefault(ev.gpu_index, deque(maxlen=32))
+        earlier = tuple(x for t, x in recent if now - t < RECENT_XID_S)
+        recent.append((now, ev.xid))
+        self._ctx.spawn(self._handle(ev.gpu_index, ev.xid, earlier), f"remediation of GPU {ev.gpu_index}")
+
+    @staticmethod
+    async def _keep_out(hooks: Any, uuid: str, why: str) -> None:
+        try:
+            await hooks.withdraw(uuid, f"quarantined: {why}")
+        except NodeAgentError as e:  # a GPU no longer on the node
+            log.info("quarantined GPU %s not withdrawn: %s", uuid, e)
+
+    async def _resume(self) -> None:
+        for out in await self._rem.resume():
+            log.info("remediation of GPU %s resumed: %s %s", out.plan.target, out.result, out.detail)
+
+    async def _handle(self, index: int, xid: int, recent: tuple[int, ...]) -> None:
+        from nodeagent.kube.podresources import holders_by_gpu
+        from nodeagent.remediation.pipeline import Fault
+        from nodeagent.remediation.planner import facts_from_inventory
+
+        ctx = self._ctx
+        inv = ctx.inventory
+        if inv is None:
+            return
+        uuids = {g.index: g.uuid for g in inv.gpus}
+        try:
+            action = int(await asyncio.to_thread(ctx.gpu.recovery_action, index))
+        except NodeAgentError:
+            action = 0
+        holders: dict[str, list[str]] = {}
+        client = ctx.pod_resources_client()
+        try:
+            assignments = await asyncio.to_thread(client.list)
+            device_gpus = ctx.shared.device_plugin.device_gpus(frozenset(uuids))
+            for gpu, pods in holders_by_gpu(assignments, device_gpus).items():
+                holders[uuids[gpu]] = list(pods)
+        except NodeAgentError as e:
+            log.warning("GPU %d: which pods hold the GPUs is unknown (%s); none are evicted", index, e)
+        finally:
+            client.close()
+        out = await self._rem.handle(Fault(uuids[index], xid, action, recent), facts_from_inventory(inv), holders)
+        log.log(logging.WARNING if out.result == "failed" else logging.INFO,
+                "GPU %d: XID %d: %s → %s %s (%.1fs)", index, xid, out.plan.action.value, out.result, out.detail,
+                out.seconds)
+        ctx.request_resync()

@@ -1,0 +1,114 @@
+"""The NVLink clique on the REAL kube-apiserver: nvidia.com/gpu.clique published as GFD writes it and withdrawn
+while the fabric is not ready, the NVLinkCliqueReady condition saying why, and the clique's Nodes found by
+label with their InternalIPs (the IMEX daemon's peers)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from nodeagent.config import AgentConfig, ImexSettings, PublishSettings, SimulateSettings
+from nodeagent.daemon.components.racks import IMEX_READY_LABEL, RacksComponent
+from nodeagent.daemon.shared import ConditionInputs
+from nodeagent.gpu.fabric import CLIQUE_LABEL, decide
+from nodeagent.gpu.inventory import Fabric, Gpu, Inventory
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.client import JSON_PATCH, KubeClient
+from nodeagent.kube.conditions import NVLINK_CLIQUE_READY, ConditionSnapshot, ConditionWriter
+from nodeagent.kube.node import NodeClient, internal_ips
+from nodeagent.kube.publisher import NodePublisher
+from tests.integration._kube import throwaway_node
+
+UUID = "7b968a6d-c8aa-45e1-9e07-e1e51be99c31"
+HEALTHY = Fabric(state=3, status=0, cluster_uuid=UUID, clique_id=1, health_mask=4522, health_summary=1)
+
+
+def _inv(fabric: Fabric) -> Inventory:
+    gpus = tuple(Gpu(i, f"GPU-{i}-gb", "NVIDIA GB200", f"0000000{8 + i}:01:00.0", 0x294110DE, 189471, 0, 10, 0, i,
+                     "blackwell", fabric=fabric) for i in range(2))
+    return Inventory("570.133.20", 12080, gpus)
+
+
+def _set_ip(kube: KubeClient, name: str, ip: str) -> None:
+    kube.request("PATCH", f"/api/v1/nodes/{name}/status", content_type=JSON_PATCH, body=[
+        {"op": "add", "path": "/status/addresses", "value": [{"type": "InternalIP", "address": ip},
+                                                            {"type": "Hostname", "address": name}]}])
+
+
+def test_clique_label_condition_and_peers(kube: KubeClient, node_name: str) -> None:
+    nc = NodeClient(kube, node_name)
+    pub = NodePublisher(kube, node_name, PublishSettings(gpu_objects=False, extended_resources=False))
+    writer = ConditionWriter(nc)
+    value = f"{UUID}.1"
+
+    pub.publish(_inv(HEALTHY))
+    assert nc.get().labels[CLIQUE_LABEL] == value
+    writer.sync(ConditionSnapshot(fabric=decide(_inv(HEALTHY))))
+    cond = {c["type"]: c for c in nc.get().conditions}[NVLINK_CLIQUE_READY]
+    assert (cond["status"], cond["reason"]) == ("True", "CliqueJoined")
+
+    # the clique's Nodes by label: this one (with its InternalIP), not a Node of another clique
+    _set_ip(kube, node_name, "10.99.0.2")
+    with throwaway_node(kube, "rack-other", lambda n: {CLIQUE_LABEL: f"{UUID}.2"}) as other:
+        _set_ip(kube, other, "10.99.0.3")
+        found = internal_ips(kube.list_nodes(label_selector=f"{CLIQUE_LABEL}={value}"))
+        assert found == {node_name: "10.99.0.2"}
+
+    # fabric registration restarts: the label goes, the condition says why
+    starting = dataclasses.replace(HEALTHY, state=2, status=27, cluster_uuid="00000000-0000-0000-0000-000000000000",
+                                   clique_id=0)
+    pub.publish(_inv(starting))
+    assert CLIQUE_LABEL not in nc.get().labels
+    assert writer.sync(ConditionSnapshot(fabric=decide(_inv(starting)))) == [NVLINK_CLIQUE_READY]
+    cond = {c["type"]: c for c in nc.get().conditions}[NVLINK_CLIQUE_READY]
+    assert (cond["status"], cond["reason"]) == ("False", "FabricInProgress")
+    assert "GPU 0" in cond["message"]
+    assert writer.sync(ConditionSnapshot(fabric=decide(_inv(starting)))) == []  # nothing new, nothing written
+
+
+def test_racks_component_runs_imex_for_the_clique(kube: KubeClient, node_name: str, tmp_path: Path) -> None:
+    """The daemon component on the real apiserver: channel made, the stand-in IMEX daemon started for the clique
+    (peers from the labelled Nodes), IMEXReady and nodeagent.io/imex.ready; the fabric restarting gives one
+    Warning Event naming why and stops the daemon."""
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/devices").write_text("Character devices:\n511 nvidia-caps-imex-channels\n")
+    ip = "127.0.0.6"
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    cfg = AgentConfig(imex=ImexSettings(enabled=True, address=ip, server_port=port, cmd_port=port + 1 if port < 65535
+                                        else port - 1), simulate=SimulateSettings(machine="gb200-nvl"))
+    shared = SimpleNamespace(conditions=ConditionInputs())
+    ctx = SimpleNamespace(config=cfg, paths=HostPaths(tmp_path), kube=kube, node_name=node_name, shared=shared,
+                          set_status=lambda component, text: None)
+    nc = NodeClient(kube, node_name)
+    comp = RacksComponent(ctx)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        await comp.start(ctx)  # type: ignore[arg-type]
+        assert (tmp_path / "dev/nvidia-caps-imex-channels/channel0").is_file()
+        assert "nvidia.com/imex-channel" in (tmp_path / "var/run/cdi/nvidia-imex-channels.yaml").read_text()
+        try:
+            await comp.on_inventory(_inv(HEALTHY))
+            deadline = time.monotonic() + 40
+            while not (shared.conditions.imex and shared.conditions.imex.ready):
+                assert time.monotonic() < deadline, shared.conditions.imex
+                await asyncio.sleep(0.05)
+            assert nc.get().labels[IMEX_READY_LABEL] == "true"
+            starting = dataclasses.replace(HEALTHY, state=1, status=27, clique_id=0,
+                                           cluster_uuid="00000000-0000-0000-0000-000000000000")
+            await comp.on_inventory(_inv(starting))
+            await comp.on_inventory(_inv(starting))  # the same reason again: no second Event
+            imex = shared.conditions.imex
+            assert imex is not None and not imex.running and imex.clique is None
+            assert nc.get().labels[IMEX_READY_LABEL] == "false"
+        finally:
+            await comp.stop()
+
+    asyncio.run(scenario())
+    events = [e for e in nc.list_events() if e.get("reason") == "FabricNotStarted"]
+    assert len(events) == 1 and events[0]["type"] == "Warning" and CLIQUE_LABEL in events[0]["message"]

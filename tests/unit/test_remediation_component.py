@@ -1,0 +1,188 @@
+"""The daemon's remediation component, wired as the daemon wires it but around fakes of the API (one object
+answering the requests the adapters send) and of PodResources: an XID reaching the device plugin's health
+monitor evicts the GPU's own pod, holds the GPU out of the plugin while it is reset and offers it again."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from nodeagent.config import AgentConfig, RemediationSettings, SimulateSettings
+from nodeagent.daemon.components.remediation import RemediationComponent
+from nodeagent.errors import KubeError
+from nodeagent.gpu.health import HealthMonitor, HealthMonitorSettings, XidEvent
+from nodeagent.hostpaths import HostPaths
+from nodeagent.kube.podresources import Assignment
+from nodeagent.nvmlsource import adapter_for_sim
+from nodeagent.simulator import inject
+from nodeagent.simulator.open import open_sim
+
+
+class FakeKube:
+    """Answers what KubePods, NodeClient and KubeNodeSide send; a pod is gone once evicted."""
+
+    def __init__(self, pods: set[str]) -> None:
+        self.pods = set(pods)
+        self.evictions: list[str] = []
+        self.events: list[str] = []
+        self.conditions: list[tuple[str, str]] = []
+
+    def request(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        parts = path.strip("/").split("/")
+        if path.endswith("/eviction"):
+            pod = f"{parts[3]}/{parts[5]}"
+            self.evictions.append(pod)
+            self.pods.discard(pod)
+            return {}
+        if method == "GET" and "pods" in parts:
+            pod = f"{parts[3]}/{parts[5]}"
+            if pod not in self.pods:
+                raise KubeError(f"pod {pod} not found", status=404)
+            return {"metadata": {"uid": f"uid-{pod}"}}
+        if method == "GET" and parts[-2] == "nodes":
+            return {"metadata": {"name": parts[-1], "uid": "node-uid"}}
+        if method == "POST" and path.endswith("/events"):
+            self.events.append(kw["body"]["reason"])
+            return {"metadata": {"name": "e"}}
+        if method == "PATCH" and path.endswith("/status"):
+            for c in kw["body"]["status"].get("conditions", []):
+                self.conditions.append((c["type"], c["status"]))
+            return {"metadata": {"name": parts[-2]}}
+        raise AssertionError(f"unexpected request {method} {path}")
+
+
+class FakePodResources:
+    def __init__(self, assignments: list[Assignment]) -> None:
+        self.assignments = assignments
+
+    def list(self) -> list[Assignment]:
+        return self.assignments
+
+    def close(self) -> None:
+        return None
+
+
+class FakePlugin:
+    def __init__(self, monitor: HealthMonitor, device_gpus: dict[tuple[str, str], int]) -> None:
+        self._monitor, self._device_gpus = monitor, device_gpus
+
+    def monitor(self) -> HealthMonitor:
+        return self._monitor
+
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        return {k: v for k, v in self._device_gpus.items() if v in gpu_indices}
+
+
+class FakeMetricsLink:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.reg = CollectorRegistry()
+
+    def registry(self) -> Any:
+        return self.reg
+
+
+class FakeCtx:
+    def __init__(self, tmp: Path, config: AgentConfig, gpu: Any, kube: FakeKube, plugin: FakePlugin,
+                 pod_resources: FakePodResources) -> None:
+        self.config, self.gpu, self.kube = config, gpu, kube
+        self.paths = HostPaths(tmp)
+        self.inventory = gpu.discover()
+        self.node_name = "n1"
+        self.shared = type("S", (), {"device_plugin": plugin, "metrics": FakeMetricsLink()})()
+        self._pr = pod_resources
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.status: dict[str, str] = {}
+
+    def pod_resources_client(self) -> FakePodResources:
+        return self._pr
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        t = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.append(t)
+        return t
+
+    def request_resync(self) -> None:
+        return None
+
+    def set_status(self, component: str, text: str) -> None:
+        self.status[component] = text
+
+
+def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path: Path) -> None:
+    sim = open_sim("dgx-h100")
+    gpu = adapter_for_sim(sim, HostPaths(tmp_path))
+    inv = gpu.discover()
+    uuid = {g.index: g.uuid for g in inv.gpus}
+    inject.inject_process(sim.store, 3, 33, "python")
+    inject.inject_process(sim.store, 5, 55, "python")
+    kube = FakeKube({"team/on-3", "team/on-5"})
+    pr = FakePodResources([Assignment("team", "on-3", "c", "nvidia.com/gpu", (uuid[3],)),
+                           Assignment("team", "on-5", "c", "nvidia.com/gpu", (uuid[5],))])
+    changes: list[bool] = []
+
+    async def scenario() -> None:
+        monitor = HealthMonitor(gpu, HealthMonitorSettings(), lambda: _note(changes, monitor))
+        monitor.gpu_indices = frozenset(uuid)
+        plugin = FakePlugin(monitor, {("nvidia.com/gpu", uuid[i]): i for i in uuid})
+        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0,
+                                                                  eviction_timeout=5.0, eviction_grace=1.0))
+        ctx = FakeCtx(tmp_path, cfg, gpu, kube, plugin, pr)
+        comp = RemediationComponent(ctx)  # type: ignore[arg-type]
+        await comp.start(ctx)  # type: ignore[arg-type]
+        assert comp.ready.is_set()
+        real_evict = comp._rem.pods._evict
+
+        def evict_and_end(pod: str, grace: float) -> Any:  # the kubelet ends the container's process
+            out = real_evict(pod, grace)
+            inject.kill_process(sim.store, 3, 33)
+            return out
+
+        comp._rem.pods._evict = evict_and_end
+        inject.inject_xid(sim.store, 3, 48, recovery_action=1)
+        await monitor.handle_events([XidEvent(3, 48)])
+        await asyncio.gather(*ctx.tasks)
+        reg = ctx.shared.metrics.reg
+        assert reg.get_sample_value("nodeagent_remediations_total", {"action": "reset-gpu", "result": "done"}) == 1
+
+    asyncio.run(scenario())
+    assert kube.evictions == ["team/on-3"] and "team/on-5" in kube.pods
+    assert gpu.recovery_action_of(uuid[3]) == 0 and gpu.process_count(uuid[5]) == 1
+    assert kube.events.count("GPURemediationStep") == 8 and "GPURemediated" in kube.events
+    assert ("nodeagent.io/GPURemediation", "True") in kube.conditions
+    assert kube.conditions[-1] == ("nodeagent.io/GPURemediation", "False")
+    assert changes == [False, True]  # held out (Unhealthy), then offered (Healthy) again
+
+
+async def _note(changes: list[bool], monitor: HealthMonitor) -> None:
+    changes.append(monitor.is_healthy(3))
+
+
+def test_a_quarantined_gpu_stays_out_after_a_restart(tmp_path: Path) -> None:
+    from nodeagent.remediation.record import RecordFile, RecordStore, record_path
+
+    sim = open_sim("dgx-h100")
+    gpu = adapter_for_sim(sim, HostPaths(tmp_path))
+    uuid = {g.index: g.uuid for g in gpu.discover().gpus}
+    RecordStore(record_path(HostPaths(tmp_path))).save(RecordFile(quarantined={uuid[6]: "reset 3 times"}))
+
+    async def scenario() -> HealthMonitor:
+        monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
+        monitor.gpu_indices = frozenset(uuid)
+        cfg = dataclasses.replace(AgentConfig(), remediation=RemediationSettings(enabled=True))
+        ctx = FakeCtx(tmp_path, cfg, gpu, FakeKube(set()), FakePlugin(monitor, {}), FakePodResources([]))
+        await RemediationComponent(ctx).start(ctx)  # type: ignore[arg-type]
+        await asyncio.gather(*ctx.tasks)
+        return monitor
+
+    monitor = asyncio.run(scenario())
+    assert not monitor.is_healthy(6) and "quarantined" in monitor.unhealthy()[(6, None)]
+    assert all(monitor.is_healthy(i) for i in uuid if i != 6)
+
+
+async def _nothing() -> None:
+    return None
