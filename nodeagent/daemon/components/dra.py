@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.planes import LEDGER_FILE, PlaneSplit, check_dra_gpus, only_the_split_changed
@@ -181,6 +181,9 @@ class DraPlaneComponent(Component):
 
     def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[ClaimRef, ...]]:
         return self.dra.claims_on(gpu_indices) if self._started else {}
+
+    def mps_manager(self) -> Any:
+        return self.dra.mps.manager if self.dra.mps is not None else None
 
     async def resync(self) -> None:
         if self._started:
