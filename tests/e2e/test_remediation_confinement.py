@@ -89,7 +89,7 @@ CASES: tuple[Case, ...] = (
     Case("delete a Node", REM, "DELETE", f"{NODES}/{B}"),
     Case("delete a pod", REM, "DELETE", f"{PODS}/on-b"),
     Case("read Secrets", REM, "GET", "/api/v1/namespaces/nodeagent/secrets"),
-    Case("take the ComputeDomain controller's Lease", REM, "POST", LEASES,
+    Case("update the ComputeDomain controller's Lease", REM, "PUT", f"{LEASES}/nodeagent-controller",
          {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "nodeagent-controller"},
           "spec": {"holderIdentity": "x"}}),
     Case("evict a pod", REM, "POST", f"{PODS}/on-a/eviction", eviction("on-a"), want=201),
@@ -122,9 +122,12 @@ def test_agents_request_only_on_their_own_node_and_the_controller_writes_only_ou
         assert status == 201, raw
     tokens = {A: bound_token(server, A), B: bound_token(server, B), REM: controller_token(server, SA)}
     wait_for_policy(server, tokens[A], B)
-    deadline = time.monotonic() + 30  # the controller's policy loaded: its label probe refused
-    while as_agent(server, tokens[REM], "PATCH", f"{NODES}/{B}", {"metadata": {"labels": {"probe": "x"}}})[0] != 403:
+    deadline = time.monotonic() + 30  # the controller's policy loaded: its label probe (a new value each) refused
+    tries = 0
+    while as_agent(server, tokens[REM], "PATCH", f"{NODES}/{B}",
+                   {"metadata": {"labels": {"probe": str(tries)}}})[0] != 403:
         assert time.monotonic() < deadline, "the remediation controller's policy never refused a label"
+        tries += 1
         time.sleep(0.2)
     assert server.request("PATCH", f"{NODES}/{B}", {"metadata": {"labels": {"probe": None}}}, content_type=MERGE)[0] \
         == 200
