@@ -1,7 +1,8 @@
 """Controller-executed evictions against the REAL kube-apiserver: the agent's pipeline asks on its own Node
 (``ControllerPods``), ``nodeagent controller``'s broker (``EvictionBroker``) checks and evicts.
 
-- XID 48 on GPU 3: the pod holding GPU 3 through the device plugin is evicted only once its
+- XID 48 on GPU 3, ``nodeagent controller --no-computedomains --remediation`` running as a process: the pod
+  holding GPU 3 through the device plugin is evicted only once its
   PodDisruptionBudget allows it, the pod holding GPU 5 never; the request is withdrawn when the pod is gone;
 - a pod holding a GPU through a DRA claim allocated from the node's pool is found by the controller too;
 - requests naming a pod of another node, or a pod without a GPU of the node, are refused and change nothing.
@@ -12,7 +13,10 @@ The RBAC and admission side (which token may write what) is tests/e2e/test_kube_
 from __future__ import annotations
 
 import asyncio
-import threading
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +40,7 @@ from nodeagent.simulator.open import open_sim
 from nodeagent.simulator.reset import SimGroupResetter
 from tests.integration._kube import throwaway_node, wait_for
 from tests.integration.test_remediation_eviction import KubeletStandIn, _allow, _pdb
+from tests.peers.apiserver import KubeApiServer
 
 pytestmark = pytest.mark.peers
 
@@ -80,24 +85,28 @@ def _claim(kube: KubeClient, ns: str, name: str, pool: str, pod: dict[str, Any])
         "reservedFor": [{"resource": "pods", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}]}})
 
 
-class BrokerLoop:
-    """The controller's leader loop, reduced to its eviction pass every 50 ms."""
+class ControllerProcess:
+    """``nodeagent controller --no-computedomains --remediation`` as a process (the Deployment's command), with
+    a short Lease and interval so the test is quick."""
 
-    def __init__(self, kube: KubeClient) -> None:
-        self.broker = EvictionBroker(kube)
-        self.stop = threading.Event()
-        self.passes = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.wait(0.05):
-            self.broker.pass_once()
-            self.passes += 1
+    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
+        self.log = log
+        self._out = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nodeagent", "controller", "--no-computedomains", "--remediation",
+             "--kubeconfig", str(kubeconfig), "--lease-namespace", namespace, "--lease-name", "remediation",
+             "--identity", "test", "--lease-duration", "2", "--renew-deadline", "1.5", "--retry-period", "0.1",
+             "--interval", "0.1"],
+            stdout=subprocess.DEVNULL, stderr=self._out, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._out.close()
 
 
 def _pods(kube: KubeClient, ns: str) -> list[str]:
@@ -109,7 +118,7 @@ def _annotations(kube: KubeClient, node: str) -> dict[str, str]:
 
 
 def test_the_controller_evicts_the_requested_gpu_pod_of_the_node_within_its_budget(
-        kube: KubeClient, node_name: str, namespace: str, tmp_path: Path) -> None:
+        kube_apiserver: KubeApiServer, kube: KubeClient, node_name: str, namespace: str, tmp_path: Path) -> None:
     sim = open_sim("dgx-h100")
     nvml = adapter_for_sim(sim, HostPaths(tmp_path))
     inv = nvml.discover()
@@ -125,15 +134,17 @@ def test_the_controller_evicts_the_requested_gpu_pod_of_the_node_within_its_budg
     rem = Remediator(PipelineSettings(eviction_grace_s=30, eviction_timeout_s=20, step_timeout_s=10, poll_s=0.05),
                      load_catalog(), nvml, SimGroupResetter(sim), pods, KubeNodeSide(NodeClient(kube, node_name)))
     kubelet = KubeletStandIn(kube, namespace, sim.store, pids)
-    broker = BrokerLoop(kube)
+    controller = ControllerProcess(kube_apiserver.kubeconfig, namespace, tmp_path / "controller.log")
     try:
         inject.inject_xid(sim.store, 3, 48)
 
         async def scenario() -> Any:
             task = asyncio.create_task(rem.handle(Fault(uuid_of[3], 48), gpus, holders))
             # the request is on the Node; the budget refuses until the disruption controller's status allows
-            await asyncio.to_thread(wait_for, lambda: _annotations(kube, node_name).get(er.RESULTS, "")
-                                    .find('"blocked"') >= 0)
+            await asyncio.to_thread(wait_for, lambda: controller.proc.poll() is not None or
+                                    _annotations(kube, node_name).get(er.RESULTS, "").find('"blocked"') >= 0,
+                                    timeout=30)
+            assert controller.proc.poll() is None, controller.log.read_text()[-2000:]
             assert not task.done() and _pods(kube, namespace) == ["on-3", "on-5"]
             request = er.decode_requests(node_name, _annotations(kube, node_name)[er.REQUESTS])
             assert list(request) == [f"{namespace}/on-3"] and request[f"{namespace}/on-3"].gpus == (uuid_of[3],)
@@ -142,7 +153,7 @@ def test_the_controller_evicts_the_requested_gpu_pod_of_the_node_within_its_budg
 
         out = asyncio.run(scenario())
     finally:
-        broker.close()
+        controller.close()
         kubelet.close()
     assert out.result == "done", out.detail
     assert _pods(kube, namespace) == ["on-5"] and nvml.process_count(uuid_of[5]) == 1
