@@ -149,3 +149,12 @@ def test_dra_holders_are_the_pods_with_a_claim_on_the_gpu_from_this_nodes_pool()
     assert got == {"GPU-3": ["t/slice", "t/whole"]}
     assert merge(got, {"GPU-3": ["t/plugin"], "GPU-5": ["t/five"]}) == \
         {"GPU-3": ["t/plugin", "t/slice", "t/whole"], "GPU-5": ["t/five"]}
+
+
+def test_the_eviction_path_key() -> None:
+    from nodeagent.config import parse_config
+
+    assert parse_config('[remediation]\nevictions = "direct"\n', "c.toml").remediation.evictions == "direct"
+    assert parse_config("", "c.toml").remediation.evictions == "controller"
+    with pytest.raises(ConfigError, match=r"'remediation\.evictions' must be one of 'controller', 'direct'"):
+        parse_config('[remediation]\nevictions = "kubelet"\n', "c.toml")
