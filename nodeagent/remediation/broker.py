@@ -10,6 +10,7 @@ PodDisruptionBudget's refusal (HTTP 429) is "blocked" and retried every pass unt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -77,8 +78,12 @@ class EvictionBroker:
                               action=f"report evictions on Node {node}", subject=node)
 
     def _one(self, node: str, req: er.Request, last: er.Outcome | None) -> er.Outcome:
+        out = self._decide(node, req, last if last is not None and last.deadline == round(req.deadline) else None)
+        return dataclasses.replace(out, deadline=round(req.deadline))
+
+    def _decide(self, node: str, req: er.Request, last: er.Outcome | None) -> er.Outcome:
         if last is not None and last.result in er.RESULTS_FINAL:
-            return last  # decided: kept until the agent withdraws its request
+            return last  # decided: kept until the agent withdraws or renews its request
         ns, name = er.split_pod(req.pod)
         try:
             pod = self.kube.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}", action=f"read pod {req.pod}",

@@ -43,6 +43,7 @@ class Outcome:
     result: Result
     uid: str = ""  # the UID of the pod the controller evicted
     message: str = ""
+    deadline: float = 0.0  # the deadline of the request it answers (a renewed request is decided anew)
 
 
 def split_pod(pod: str) -> tuple[str, str]:
@@ -85,7 +86,7 @@ def decode_requests(node: str, value: str) -> dict[str, Request]:
 
 
 def encode_results(results: Mapping[str, Outcome]) -> str:
-    return json.dumps({p: {"result": o.result, "uid": o.uid, "message": o.message}
+    return json.dumps({p: {"result": o.result, "uid": o.uid, "message": o.message, "deadline": round(o.deadline)}
                        for p, o in sorted(results.items())}, separators=(",", ":"), sort_keys=True)
 
 
@@ -100,7 +101,9 @@ def decode_results(value: str) -> dict[str, Outcome]:
         return out
     for pod, o in raw.items():
         if isinstance(o, dict) and o.get("result") in RESULT_VALUES:
-            out[pod] = Outcome(o["result"], str(o.get("uid", "")), str(o.get("message", "")))
+            deadline = o.get("deadline", 0)
+            out[pod] = Outcome(o["result"], str(o.get("uid", "")), str(o.get("message", "")),
+                               float(deadline) if isinstance(deadline, (int, float)) else 0.0)
     return out
 
 

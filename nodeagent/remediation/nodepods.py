@@ -62,11 +62,12 @@ class ControllerPods:
     def _evict(self, pod: str, grace_s: float) -> EvictResult:
         er.split_pod(pod)
         with self._lock:
-            if pod not in self._requests:
-                self._requests[pod] = er.Request(pod, self.uid_of(pod), tuple(self.gpus_of(pod)), int(grace_s),
-                                                 self.clock() + self.timeout_s)
+            req = self._requests.get(pod)
+            if req is None or self.clock() > req.deadline:  # new, or left by an earlier run that gave up
+                req = self._requests[pod] = er.Request(pod, self.uid_of(pod), tuple(self.gpus_of(pod)),
+                                                       int(grace_s), float(round(self.clock() + self.timeout_s)))
                 self._write()
-            got = self._read().get(pod)
+            got = self._current(pod, req)
         if got is None or got.result in ("pending", "blocked"):
             return "blocked"
         if got.result == "evicted":
@@ -79,9 +80,16 @@ class ControllerPods:
     async def evict(self, pod: str, grace_s: float) -> EvictResult:
         return await asyncio.to_thread(self._evict, pod, grace_s)
 
+    def _current(self, pod: str, req: er.Request | None) -> er.Outcome | None:
+        """The controller's outcome for this very request (one for an earlier request of the pod is none)."""
+        got = self._read().get(pod)
+        if got is None or req is None or got.deadline != round(req.deadline):
+            return None
+        return got
+
     def _gone(self, pod: str) -> bool:
         with self._lock:
-            got = self._read().get(pod)
+            got = self._current(pod, self._requests.get(pod))
             if got is None or got.result != "gone":
                 if got is not None and got.result in er.RESULTS_FINAL:
                     raise EvictionRefused(f"eviction of pod {pod}: {got.result}: {got.message}", subject=pod)

@@ -121,9 +121,14 @@ def test_a_request_past_its_deadline_expires_and_a_replaced_pod_is_gone() -> Non
     broker2 = EvictionBroker(kube2, clock=lambda: now[0])  # type: ignore[arg-type]
     pods2._evict("t/a", 0)
     now[0] += 11
-    assert broker2.pass_once().results["n1"]["t/a"] == "expired"
+    assert broker2.pass_once().results["n1"]["t/a"] == "expired"  # the controller stops trying
     with pytest.raises(EvictionRefused, match="expired"):
-        pods2._evict("t/a", 0)
+        pods2._gone("t/a")
+    # a later run asks again: a renewed request (new deadline) is decided anew, not by the old outcome
+    assert pods2._evict("t/a", 0) == "blocked"
+    kube2.budget = 1
+    assert broker2.pass_once().results["n1"]["t/a"] == "evicted" and kube2.evicted == ["t/a"]
+    assert pods2._evict("t/a", 0) == "evicted"
 
 
 def test_a_malformed_request_annotation_is_reported_and_skipped() -> None:
