@@ -31,7 +31,7 @@ import click
 def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name: str, identity: str | None,
                lease_duration: float, renew_deadline: float, retry_period: float, interval: float,
                computedomains: bool, remediation: bool) -> None:
-    """Keep ComputeDomains' ResourceClaimTemplates and status; leader-elected through a Lease.
+    """Keep ComputeDomains' templates and status, and execute GPU remediation's eviction requests; leader-elected.
 
     For every ComputeDomain (resource.nvidia.com/v1beta1) it keeps the ResourceClaimTemplate the domain
     names, asking nodeagent's DRA driver for an IMEX channel in one NVLink clique, and the domain's status
