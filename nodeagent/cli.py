@@ -48,7 +48,7 @@ SUMMARIES: dict[str, str] = {
     "doctor": "Explain this GPU node: driver, GPUs and MIG, health, containerd, CDI, kubelet, Node, the agent.",
     "adopt": "Take a node over from the GPU Operator through its nvidia.com/gpu.deploy.* labels.",
     "fleet": "Fleet-wide changes under a disruption budget: status per pool, clear a brake.",
-    "controller": "Keep ComputeDomains' ResourceClaimTemplates and status; leader-elected through a Lease.",
+    "controller": "Keep ComputeDomains' templates and status, and execute GPU remediation's eviction requests; leader-elected.",
 }
 _LISTING = "nodeagent.cli.listing"  # ctx.meta key: the group's help is listing its commands
 

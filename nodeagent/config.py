@@ -39,6 +39,7 @@ RestartMode = Literal["systemd", "signal", "none"]
 DevicePlane = Literal["device-plugin", "dra", "both"]
 # Where the labels go: the Node ("node", or true), NFD's NodeFeature object of the node ("nodefeature"), nowhere (false)
 LabelTarget = Literal[True, False, "node", "nodefeature"]
+EvictionPath = Literal["controller", "direct"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,9 @@ class RemediationSettings:
     enabled: bool = False
     # "" = the node driver's ``nvidia-smi -r -i <UUID>``; else a command line, "{uuid}" replaced by the GPU
     reset_command: str = ""
+    # "controller": requested on the own Node, executed by `nodeagent controller --remediation` (the agent's
+    # token cannot evict); "direct": the agent calls the Eviction API itself (a token that may evict pods)
+    evictions: EvictionPath = "controller"
     eviction_grace: float = 30.0  # seconds each evicted pod is given to terminate
     eviction_timeout: float = 300.0  # how long evictions may be refused (PodDisruptionBudgets) before giving up
     step_timeout: float = 120.0  # the bound of every other step

@@ -1,4 +1,5 @@
-"""``nodeagent controller``: the cluster-wide part of ComputeDomains, as a leader-elected Deployment."""
+"""``nodeagent controller``: the cluster-wide part of ComputeDomains and of GPU remediation (the evictions node
+agents request), as a leader-elected Deployment."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ import click
               help="Seconds between tries to take or renew the Lease.")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
               help="Seconds between two passes over the ComputeDomains while leading.")
+@click.option("--computedomains/--no-computedomains", default=True, show_default=True,
+              help="Keep ComputeDomains' templates and status (needs NVIDIA's ComputeDomain CRD).")
+@click.option("--remediation/--no-remediation", default=False, show_default=True,
+              help="Execute the pod evictions node agents request on their own Nodes for GPU remediation.")
 def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name: str, identity: str | None,
-               lease_duration: float, renew_deadline: float, retry_period: float, interval: float) -> None:
-    """Keep ComputeDomains' ResourceClaimTemplates and status; leader-elected through a Lease.
+               lease_duration: float, renew_deadline: float, retry_period: float, interval: float,
+               computedomains: bool, remediation: bool) -> None:
+    """Keep ComputeDomains' templates and status, and execute GPU remediation's eviction requests; leader-elected.
 
     For every ComputeDomain (resource.nvidia.com/v1beta1) it keeps the ResourceClaimTemplate the domain
     names, asking nodeagent's DRA driver for an IMEX channel in one NVLink clique, and the domain's status
@@ -40,6 +46,8 @@ def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name:
     from nodeagent.computedomain.lease import LeaderElector, LeaseConfig
     from nodeagent.kube.client import KubeClient, connect
 
+    if not computedomains and not remediation:
+        raise click.UsageError("nothing to do: --no-computedomains without --remediation")
     if renew_deadline >= lease_duration:
         raise click.BadParameter("must be less than --lease-duration", param_hint="--renew-deadline")
     if retry_period >= renew_deadline:
@@ -55,6 +63,13 @@ def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        run(kube, LeaderElector(kube, cfg), stop, interval=interval)
+        passes = []
+        if remediation:
+            from nodeagent.remediation.broker import EvictionBroker
+
+            broker = EvictionBroker(kube)
+            passes.append(("evictions", broker.pass_once))
+        run(kube, LeaderElector(kube, cfg), stop, interval=interval, computedomains=computedomains,
+            passes=passes)
     finally:
         kube.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,8 +136,11 @@ class Controller:
         out.deleted.append(f"{ns}/{name}")
 
 
-def run(kube: KubeClient, elector: LeaderElector, stop: threading.Event, *, interval: float) -> None:
-    """Until ``stop``: try the Lease every ``retry_period``; while leading, reconcile every ``interval``."""
+def run(kube: KubeClient, elector: LeaderElector, stop: threading.Event, *, interval: float,
+        computedomains: bool = True, passes: Sequence[tuple[str, Callable[[], object]]] = ()) -> None:
+    """Until ``stop``: try the Lease every ``retry_period``; while leading, reconcile every ``interval`` (the
+    ComputeDomains when ``computedomains``, then each of ``passes``: other duties of the same leader, by name;
+    a ``KubeError`` of one is logged and never stops the others)."""
     controller = Controller(kube)
     next_pass = 0.0
     try:
@@ -145,13 +148,19 @@ def run(kube: KubeClient, elector: LeaderElector, stop: threading.Event, *, inte
             leading = elector.try_acquire_or_renew()
             now = elector.clock()
             if leading and now >= next_pass:
-                try:
-                    res = controller.reconcile_once()
-                    if res.created or res.deleted or res.statuses:
-                        log.info("computedomains: created %s, deleted %s, status of %s",
-                                 res.created, res.deleted, res.statuses)
-                except KubeError as e:
-                    log.warning("computedomains: pass failed: %s", e)
+                if computedomains:
+                    try:
+                        res = controller.reconcile_once()
+                        if res.created or res.deleted or res.statuses:
+                            log.info("computedomains: created %s, deleted %s, status of %s",
+                                     res.created, res.deleted, res.statuses)
+                    except KubeError as e:
+                        log.warning("computedomains: pass failed: %s", e)
+                for name, one in passes:
+                    try:
+                        one()
+                    except KubeError as e:
+                        log.warning("%s: pass failed: %s", name, e)
                 next_pass = now + interval
             if not leading:
                 next_pass = 0.0

@@ -141,6 +141,11 @@ class DevicePluginLink(_Slot[ServedDevices]):
         states = getattr(self._held, "registrations", None)
         return tuple(states()) if states is not None else ()
 
+    def mps_manager(self) -> Any:
+        """The plugin's MPS manager (``gpu.mps.MpsManager``; None while none runs)."""
+        get = getattr(self._held, "mps_manager", None)
+        return get() if get is not None else None
+
     def mps(self) -> list[Any]:
         """The MPS control daemons the plugin runs (``gpu.mps.MpsDaemonState``; none from a plugin without them)."""
         states = getattr(self._held, "mps", None)
@@ -289,6 +294,11 @@ class DraLink(_Slot[DraPool]):
         self.foreign = gpu_indices
         if isinstance(self._held, ForeignAware):
             await self._held.set_foreign(gpu_indices)
+
+    def mps_manager(self) -> Any:
+        """The DRA plane's MPS manager (``gpu.mps.MpsManager``; None while none runs)."""
+        get = getattr(self._held, "mps_manager", None)
+        return get() if get is not None else None
 
 
 class HealthSink(Protocol):

@@ -155,6 +155,10 @@ class DevicePluginService:
         if self._mps is not None:
             await self._mps.apply(plan_daemons(resources, self._under_root))
 
+    def mps_manager(self) -> MpsManager | None:
+        """The manager of the served resources' MPS control daemons (a GPU reset pauses them)."""
+        return self._mps
+
     def mps_states(self) -> list[MpsDaemonState]:
         """The MPS control daemons running for the served resources."""
         return self._mps.states() if self._mps is not None else []

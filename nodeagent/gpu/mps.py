@@ -329,19 +329,22 @@ class MpsManager:
         self.on_change = on_change  # called when a daemon becomes ready or dies
         self._ready_timeout = ready_timeout_s
         self._daemons: dict[str, MpsDaemon] = {}
+        self._paused: dict[str, MpsDaemonSpec] = {}  # daemons stopped while a GPU of theirs is reset
 
     async def apply(self, specs: Mapping[str, MpsDaemonSpec]) -> None:
         """Stop the daemons no longer wanted (or wanted differently), start the new ones and wait for
         their first answer (a daemon that does not answer stays supervised and not ready)."""
         for name in [n for n, d in self._daemons.items() if specs.get(n) != d.spec]:
             await self._daemons.pop(name).stop()
+        # a paused daemon stays stopped (as now wanted) until its GPU is resumed; one no longer wanted is forgotten
+        self._paused = {n: specs[n] for n in self._paused if n in specs}
         wanted = {u for spec in specs.values() for u in spec.gpu_uuids}
         await self._compute_modes(wanted)
         if specs and self._command is None and self._install is not None and not self.binary.is_file():
             self._install(self.binary)
         started = []
         for name, spec in specs.items():
-            if name not in self._daemons:
+            if name not in self._daemons and name not in self._paused:
                 daemon = MpsDaemon(spec, self.binary, extra_env=self._extra_env, on_change=self._changed,
                                    ready_timeout_s=self._ready_timeout, command=self._command, root=self._root)
                 self._daemons[name] = daemon
@@ -426,5 +429,31 @@ class MpsManager:
     def states(self) -> list[MpsDaemonState]:
         return [d.state for d in self._daemons.values()]
 
+    async def pause_gpu(self, uuid: str) -> list[str]:
+        """Stop the daemons serving the GPU ``uuid`` (a GPU reset wants no process on it) until ``resume_gpu``;
+        their names."""
+        names = sorted(n for n, d in self._daemons.items() if uuid in d.spec.gpu_uuids)
+        for name in names:
+            daemon = self._daemons.pop(name)
+            self._paused[name] = daemon.spec
+            await daemon.stop()
+        return names
+
+    async def resume_gpu(self, uuid: str) -> list[str]:
+        """Start again the daemons ``pause_gpu`` stopped for ``uuid`` (as the config now wants them); their
+        names."""
+        names = sorted(n for n, s in self._paused.items() if uuid in s.gpu_uuids)
+        if names:
+            specs = {n: d.spec for n, d in self._daemons.items()}
+            specs.update({n: s for n, s in self._paused.items() if n not in names})
+            for name in names:
+                specs[name] = self._paused.pop(name)
+            await self.apply(specs)
+        return names
+
+    def paused(self) -> list[str]:
+        return sorted(self._paused)
+
     async def stop(self) -> None:
+        self._paused.clear()
         await self.apply({})

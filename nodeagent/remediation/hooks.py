@@ -2,16 +2,26 @@
 (the device plugin's sends it Unhealthy to the kubelet; the DRA plane beside it follows the same map), and
 offered again by releasing it, its past faults forgotten (no quiet window after a checked reset).
 
+``planes`` (the DRA plane, when one runs): the GPU's devices are also left out of the node's ResourceSlices
+while it is out (nothing new is allocated on it) and listed again when it is offered.
+
 The MPS daemon and the MIG/CDI restore are callables handed in by whoever owns them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from nodeagent.gpu.health import HealthMonitor
 
 UuidAction = Callable[[str], Awaitable[None]]
+
+
+class Plane(Protocol):
+    async def withdraw(self, gpu_indices: set[int]) -> None: ...
+
+    async def readvertise(self, gpu_indices: set[int]) -> None: ...
 
 
 class MonitorHooks:
@@ -22,17 +32,23 @@ class MonitorHooks:
         *,
         stop_users: UuidAction | None = None,
         restore: UuidAction | None = None,
+        planes: Plane | None = None,
     ) -> None:
         self.monitors = monitors
         self.index_of = index_of
         self._stop_users = stop_users
         self._restore = restore
+        self._planes = planes
 
     async def withdraw(self, uuid: str, reason: str) -> None:
         for m in self.monitors():
             await m.hold(self.index_of(uuid), f"remediation: {reason}")
+        if self._planes is not None:
+            await self._planes.withdraw({self.index_of(uuid)})
 
     async def offer(self, uuid: str) -> None:
+        if self._planes is not None:
+            await self._planes.readvertise({self.index_of(uuid)})
         for m in self.monitors():
             await m.release(self.index_of(uuid))
 

@@ -107,10 +107,10 @@ CASES: tuple[Case, ...] = (
 )
 
 
-def controller_token(server: KubeApiServer) -> str:
+def controller_token(server: KubeApiServer, account: str = "nodeagent-controller") -> str:
     req = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
     status, body = server.request(
-        "POST", "/api/v1/namespaces/nodeagent/serviceaccounts/nodeagent-controller/token", req)
+        "POST", f"/api/v1/namespaces/nodeagent/serviceaccounts/{account}/token", req)
     assert status == 201, body
     token: str = json.loads(body)["status"]["token"]
     return token

@@ -501,3 +501,14 @@ def test_compute_domains_render_the_plain_controller_manifest(helm: Path) -> Non
     assert not [key(d) for d in render(helm, "plane=dra") if d["metadata"]["name"] in names]
     proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "computeDomains.enabled=true")
     assert proc.returncode != 0 and "computeDomains.enabled needs the DRA plane" in proc.stderr, proc.stderr
+
+
+def test_remediation_controller_renders_the_plain_manifest(helm: Path) -> None:
+    """remediation.controller.enabled renders packaging/kubernetes/remediation-controller.yaml object for object,
+    on any plane and without computeDomains; the default renders none of it."""
+    plain = [d for d in yaml.safe_load_all((MANIFESTS / "remediation-controller.yaml").read_text()) if d]
+    rendered = by_key(render(helm, "remediation.controller.enabled=true"))
+    for doc in plain:
+        assert rendered[key(doc)] == doc, key(doc)
+    names = {d["metadata"]["name"] for d in plain}
+    assert not [key(d) for d in render(helm) if d["metadata"]["name"] in names]

@@ -215,3 +215,29 @@ async def test_compute_modes_switched_recorded_and_restored_by_the_next_agent(tm
     record.unlink()
     await MpsManager(tmp_path / "nvidia-cuda-mps-control", record=record)._compute_modes({"GPU-d"})
     assert not record.exists() and modes.modes["GPU-d"] == 0
+
+
+async def test_a_gpu_reset_pauses_only_its_daemons_and_resumes_them(tmp_path: Path) -> None:
+    """GPU remediation stops the control daemons serving the GPU to be reset (no process may hold it), keeps
+    the others running, keeps the paused one stopped through a re-apply of the same config, and starts it
+    again after the reset."""
+    from nodeagent.gpu.mps import MpsDaemonSpec, MpsManager
+
+    binary = install(tmp_path / "bin/nvidia-cuda-mps-control")
+    on_a = MpsDaemonSpec("on-a", tmp_path / "a/p", tmp_path / "a/l", ("GPU-a",), 50)
+    on_b = MpsDaemonSpec("on-b", tmp_path / "b/p", tmp_path / "b/l", ("GPU-b",), 50)
+    manager = MpsManager(binary)
+    try:
+        await manager.apply({"on-a": on_a, "on-b": on_b})
+        pid_b = manager.states()[1].pid
+        assert await manager.pause_gpu("GPU-a") == ["on-a"]
+        assert manager.daemon("on-a") is None and manager.ready("on-b") and manager.paused() == ["on-a"]
+        assert not (on_a.pipe_dir / "control").exists()
+        await manager.apply({"on-a": on_a, "on-b": on_b})  # a resync meanwhile: still paused
+        assert manager.daemon("on-a") is None
+        assert await manager.resume_gpu("GPU-a") == ["on-a"]
+        assert manager.ready("on-a") and manager.paused() == []
+        assert [s.pid for s in manager.states() if s.name == "on-b"] == [pid_b]  # never disturbed
+        assert await manager.resume_gpu("GPU-a") == []
+    finally:
+        await manager.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,9 @@ class FakePodResources:
     def list(self) -> list[Assignment]:
         return self.assignments
 
+    def list_with_claims(self) -> tuple[Sequence[Assignment], Sequence[Any]]:
+        return self.assignments, ()
+
     def close(self) -> None:
         return None
 
@@ -73,6 +77,34 @@ class FakePlugin:
 
     def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
         return {k: v for k, v in self._device_gpus.items() if v in gpu_indices}
+
+    def mps_manager(self) -> Any:
+        return None
+
+
+class FakeDra:
+    """The DRA plane's link: the GPU's devices withdrawn from the slices and listed again; its MPS manager's
+    daemons paused and resumed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    async def withdraw(self, gpus: set[int]) -> None:
+        self.calls.append(("withdraw", sorted(gpus)))
+
+    async def readvertise(self, gpus: set[int]) -> None:
+        self.calls.append(("readvertise", sorted(gpus)))
+
+    def mps_manager(self) -> Any:
+        return self
+
+    async def pause_gpu(self, uuid: str) -> list[str]:
+        self.calls.append(("pause", uuid))
+        return ["claim"]
+
+    async def resume_gpu(self, uuid: str) -> list[str]:
+        self.calls.append(("resume", uuid))
+        return ["claim"]
 
 
 class FakeMetricsLink:
@@ -92,7 +124,8 @@ class FakeCtx:
         self.paths = HostPaths(tmp)
         self.inventory = gpu.discover()
         self.node_name = "n1"
-        self.shared = type("S", (), {"device_plugin": plugin, "metrics": FakeMetricsLink()})()
+        self.dra = FakeDra()
+        self.shared = type("S", (), {"device_plugin": plugin, "metrics": FakeMetricsLink(), "dra": self.dra})()
         self._pr = pod_resources
         self.tasks: list[asyncio.Task[Any]] = []
         self.status: dict[str, str] = {}
@@ -129,7 +162,7 @@ def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path
         monitor.gpu_indices = frozenset(uuid)
         plugin = FakePlugin(monitor, {("nvidia.com/gpu", uuid[i]): i for i in uuid})
         cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
-                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0,
+                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0, evictions="direct",
                                                                   eviction_timeout=5.0, eviction_grace=1.0))
         ctx = FakeCtx(tmp_path, cfg, gpu, kube, plugin, pr)
         comp = RemediationComponent(ctx)  # type: ignore[arg-type]
@@ -148,6 +181,8 @@ def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path
         await asyncio.gather(*ctx.tasks)
         reg = ctx.shared.metrics.reg
         assert reg.get_sample_value("nodeagent_remediations_total", {"action": "reset-gpu", "result": "done"}) == 1
+        # out of the DRA plane's slices, its MPS daemons stopped for the reset and started again, listed again
+        assert ctx.dra.calls == [("withdraw", [3]), ("pause", uuid[3]), ("resume", uuid[3]), ("readvertise", [3])]
 
     asyncio.run(scenario())
     assert kube.evictions == ["team/on-3"] and "team/on-5" in kube.pods
@@ -173,7 +208,7 @@ def test_a_quarantined_gpu_stays_out_after_a_restart(tmp_path: Path) -> None:
     async def scenario() -> HealthMonitor:
         monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
         monitor.gpu_indices = frozenset(uuid)
-        cfg = dataclasses.replace(AgentConfig(), remediation=RemediationSettings(enabled=True))
+        cfg = dataclasses.replace(AgentConfig(), remediation=RemediationSettings(enabled=True, evictions="direct"))
         ctx = FakeCtx(tmp_path, cfg, gpu, FakeKube(set()), FakePlugin(monitor, {}), FakePodResources([]))
         await RemediationComponent(ctx).start(ctx)  # type: ignore[arg-type]
         await asyncio.gather(*ctx.tasks)

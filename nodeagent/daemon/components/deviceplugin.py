@@ -172,6 +172,9 @@ class DevicePluginComponent(Component):
     def mps(self) -> list[Any]:
         return list(self.service.mps_states())
 
+    def mps_manager(self) -> Any:
+        return self.service.mps_manager()
+
     def health(self) -> dict[int, bool]:
         monitor = self.service.monitor
         if monitor is None or self._ctx.inventory is None:

@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.config import AgentConfig
 from nodeagent.daemon.planes import LEDGER_FILE, PlaneSplit, check_dra_gpus, only_the_split_changed
@@ -194,6 +194,9 @@ class DraPlaneComponent(Component):
             self._ctx.set_status(self.name, f"{len(self.dra.devices)} device(s)")
         else:
             self.dra.vfio_devices = list(devices)
+
+    def mps_manager(self) -> Any:
+        return self.dra.mps.manager if self.dra.mps is not None else None
 
     async def resync(self) -> None:
         if self._started:

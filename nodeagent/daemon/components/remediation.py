@@ -77,6 +77,7 @@ class RemediationComponent(Component):
         self._rem: Any = None
         self._recent: dict[int, deque[tuple[float, int]]] = {}
         self._listening: Any = None
+        self._pod_gpus: dict[str, tuple[str, ...]] = {}  # pod → the GPUs it holds (named in eviction requests)
 
     async def start(self, ctx: Context) -> None:
         from nodeagent.kube.node import NodeClient
@@ -115,14 +116,27 @@ class RemediationComponent(Component):
                     return g.index
             raise NodeAgentError(f"GPU {uuid} is not in the inventory", subject=uuid)
 
+        pods: Any
+        if cfg.evictions == "direct":
+            pods = KubePods(ctx.kube)
+        else:
+            from nodeagent.remediation.nodepods import ControllerPods
+
+            pods = ControllerPods(ctx.kube, ctx.node_name, timeout_s=cfg.eviction_timeout,
+                                  gpus_of=lambda pod: self._pod_gpus.get(pod, ()))
+            try:  # requests a previous agent left: its runs start again from the record
+                await asyncio.to_thread(pods.withdraw_all)
+            except NodeAgentError as e:
+                log.warning("remediation: eviction requests left on the Node not withdrawn: %s", e)
         from nodeagent.daemon.components.fleetlink import RemediationSlots, fleet_gate
 
         node = NodeClient(ctx.kube, ctx.node_name)
         fleet = fleet_gate(ctx, node)  # a GPU taken out of service holds a slot of the fleet's budget
         self._rem = Remediator(
-            settings, load_catalog(), ctx.gpu, resetter, KubePods(ctx.kube),  # type: ignore[arg-type]
+            settings, load_catalog(), ctx.gpu, resetter, pods,  # type: ignore[arg-type]
             KubeNodeSide(node, events=ctx.config.publish.events),
-            MonitorHooks(monitors, index_of), store=RecordStore(record_path(ctx.paths)),
+            MonitorHooks(monitors, index_of, stop_users=self._pause_mps, restore=self._resume_mps,
+                         planes=ctx.shared.dra), store=RecordStore(record_path(ctx.paths)),
             metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None,
             gate=RemediationSlots(fleet) if fleet is not None else None)
         self._listen()
@@ -155,6 +169,23 @@ class RemediationComponent(Component):
         recent.append((now, ev.xid))
         self._ctx.spawn(self._handle(ev.gpu_index, ev.xid, earlier), f"remediation of GPU {ev.gpu_index}")
 
+    def _mps_managers(self) -> list[Any]:
+        """The MPS managers running now: the device plugin's and the DRA plane's (None of a plane without)."""
+        return [m for m in (self._ctx.shared.device_plugin.mps_manager(), self._ctx.shared.dra.mps_manager())
+                if m is not None]
+
+    async def _pause_mps(self, uuid: str) -> None:
+        for manager in self._mps_managers():
+            names = await manager.pause_gpu(uuid)
+            if names:
+                log.info("GPU %s: MPS control daemons stopped for its reset: %s", uuid, ", ".join(names))
+
+    async def _resume_mps(self, uuid: str) -> None:
+        for manager in self._mps_managers():
+            names = await manager.resume_gpu(uuid)
+            if names:
+                log.info("GPU %s: MPS control daemons started again: %s", uuid, ", ".join(names))
+
     @staticmethod
     async def _keep_out(hooks: Any, uuid: str, why: str) -> None:
         try:
@@ -168,6 +199,7 @@ class RemediationComponent(Component):
 
     async def _handle(self, index: int, xid: int, recent: tuple[int, ...]) -> None:
         from nodeagent.kube.podresources import holders_by_gpu
+        from nodeagent.remediation.holders import dra_holders, merge
         from nodeagent.remediation.pipeline import Fault
         from nodeagent.remediation.planner import facts_from_inventory
 
@@ -183,10 +215,14 @@ class RemediationComponent(Component):
         holders: dict[str, list[str]] = {}
         client = ctx.pod_resources_client()
         try:
-            assignments = await asyncio.to_thread(client.list)
+            assignments, uses = await asyncio.to_thread(client.list_with_claims)
             device_gpus = ctx.shared.device_plugin.device_gpus(frozenset(uuids))
-            for gpu, pods in holders_by_gpu(assignments, device_gpus).items():
-                holders[uuids[gpu]] = list(pods)
+            plugin = {uuids[gpu]: list(pods) for gpu, pods in holders_by_gpu(assignments, device_gpus).items()}
+            # pods holding a GPU through a DRA claim allocated from this node's pool, found the same way
+            holders = merge(plugin, dra_holders(uses, ctx.node_name, uuids))
+            for uuid, pods in holders.items():
+                for pod in pods:
+                    self._pod_gpus[pod] = tuple(sorted({*self._pod_gpus.get(pod, ()), uuid}))
         except NodeAgentError as e:
             log.warning("GPU %d: which pods hold the GPUs is unknown (%s); none are evicted", index, e)
         finally:
