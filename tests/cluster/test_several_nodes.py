@@ -6,9 +6,15 @@ TCP to a pod on another; a GPU pod placed on a chosen node gets that node's GPUs
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +23,7 @@ from nodeagent.simulator.machine import load_machine
 from tests.cluster.test_whole_node import (
     RESOURCE,
     _gpu_pod,
+    _packaged_configmap,
     imported_registry,
     readme_args,
     readme_manifest_commands,
@@ -176,3 +183,208 @@ def test_gpu_pod_on_a_chosen_node_gets_that_nodes_gpus(several_nodes: SeveralNod
         assert not uuids & others, log
     finally:
         first.kubectl("delete", "pod", "gpus-on-chosen", "--wait=false", check=False)
+
+
+# --- NVLink racks: the clique, the host-managed IMEX daemon, a ComputeDomain across two nodes ---------------
+# Nodes 2 and 3 (gb200-nvl, gb300-nvl: compute trays of an NVL72) are placed by the simulator in one rack and
+# clique; node 1 (dgx-h100) and node 4 (hgx-h200) have no fabric cluster. The agents switch to the DRA plane with
+# [imex] through the DaemonSet's ConfigMap; NVIDIA's ComputeDomain CRD and the controller's manifest as
+# docs/computedomains.md installs them.
+
+RACK, CLIQUE_ID = "rack-a", 3
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
+IMEX_READY = "nodeagent.io/imex.ready"
+NODES_FILE = "/host/etc/nvidia-imex/nodes_config.cfg"  # the agent's view of the node's /etc/nvidia-imex
+DOMAIN, TEMPLATE = "imex-job", "imex-job-channel"
+IMEX_CONFIG = '[device_plugin]\nplane = "dra"\n[imex]\nenabled = true\n'
+CHANNELS = "/dev/nvidia-caps-imex-channels"
+RESYNC_S = 5
+
+
+def _sim(node: Cluster, machine: str, *args: str) -> str:
+    """``nodeagent sim ...`` on the node's own state file (the one its stand-in driver library works on)."""
+    from tests.peers.cluster import SIM_STATE
+
+    return subprocess.run([sys.executable, "-m", "nodeagent", "sim", *args, "--simulate", machine,
+                           "--sim-state", str(node.host_path(SIM_STATE))],
+                          check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def _rack_nodes(several_nodes: SeveralNodes) -> list[Cluster]:
+    return [n for n in several_nodes.nodes if load_machine(several_nodes.machines[n.node_name]).rack_nodes]
+
+
+def _labels(node: Cluster) -> dict[str, str]:
+    labels: dict[str, str] = node.node()["metadata"]["labels"]
+    return labels
+
+
+def _netns(proc: Path) -> str | None:
+    try:
+        return os.readlink(proc / "ns" / "net")
+    except OSError:
+        return None
+
+
+def _imex_daemons(several_nodes: SeveralNodes, node: Cluster) -> list[int]:
+    """The pids of the IMEX stand-in daemons in the node's network namespace (the agent's pod is on it)."""
+    found = []
+    if node is several_nodes.first:  # the host's own network
+        own = os.readlink("/proc/self/ns/net")
+        pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                and _netns(p) == own]
+    else:
+        pids = several_nodes._spaces[node.node_name].members()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if b"nodeagent.simulator.imex_daemon" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+def _in_agent(first: Cluster, node: Cluster, *command: str) -> str:
+    pod = _agent_on(first, node.node_name)
+    assert pod is not None, node.node_name
+    return str(first.kubectl("exec", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent", "--",
+                             *command).stdout)
+
+
+def _imex_ok(first: Cluster, node: Cluster, clique: str, peers: set[str]) -> bool:
+    labels = _labels(node)
+    if labels.get(CLIQUE_LABEL) != clique or labels.get(IMEX_READY) != "true":
+        return False
+    listed = {line.strip() for line in _in_agent(first, node, "cat", NODES_FILE).splitlines()
+              if line.strip() and not line.startswith("#")}
+    return listed == peers
+
+
+def _internal_ip(node: Cluster) -> str:
+    return str(next(a["address"] for a in node.node()["status"]["addresses"] if a["type"] == "InternalIP"))
+
+
+@pytest.fixture(scope="module")
+def imex_plane(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]]) -> Iterator[tuple[str, float]]:
+    """Nodes 2 and 3 in one rack and clique; every agent restarted on the DRA plane with [imex] (the pod on the
+    node's network: the daemon binds to the node's InternalIP); the CRD and the controller. (the clique, the
+    seconds from the agents' restart to IMEX READY on both nodes)"""
+    first = several_nodes.first
+    rack = _rack_nodes(several_nodes)
+    assert len(rack) == 2, [n.node_name for n in rack]
+    for slot, node in enumerate(rack, start=1):
+        out = _sim(node, several_nodes.machines[node.node_name], "fabric", "--rack", RACK, "--node", str(slot),
+                   "--clique", str(CLIQUE_ID))
+        assert f"node {slot}, clique {CLIQUE_ID}" in out, out
+    from tests.integration._computedomain import CRD_NAME, crd_file
+
+    first.kubectl("apply", "-f", str(crd_file()))
+    first.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    first.kubectl("apply", "-f", "packaging/kubernetes/rbac-dra.yaml")
+    configmap = _packaged_configmap()
+    # a short resync: the peers of a node's daemon and its clique label (a fabric change is no NVML event) follow
+    # the Nodes and the fabric at each rediscovery
+    configmap["data"]["config.toml"] = f"resync_interval = {RESYNC_S}\n" + configmap["data"]["config.toml"] + IMEX_CONFIG
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    began = time.monotonic()
+    # what [imex] asks of the DaemonSet (docs/racks.md): the host's network; all nodes' agents at once
+    first.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--type", "merge", "-p", json.dumps({
+        "spec": {"updateStrategy": {"rollingUpdate": {"maxUnavailable": "100%"}},
+                 "template": {"spec": {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}}}}))
+    first.kubectl("apply", "-f", "packaging/kubernetes/computedomain-controller.yaml")
+    clique = None
+    for node in rack:
+        first.wait_for(f"{node.node_name}: the clique label", lambda n=node: _labels(n).get(CLIQUE_LABEL),
+                       timeout=240)
+    clique = _labels(rack[0]).get(CLIQUE_LABEL)
+    assert clique and clique.endswith(f".{CLIQUE_ID}"), clique
+    peers = {_internal_ip(n) for n in rack}
+    for node in rack:
+        first.wait_for(f"{node.node_name}: IMEX READY with both nodes in its nodes file",
+                       lambda n=node: _imex_ok(first, n, clique, peers), timeout=120)
+    yield clique, time.monotonic() - began
+    first.kubectl("delete", "computedomain", DOMAIN, "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_same_clique_nodes_get_the_label_and_imex_ready(several_nodes: SeveralNodes,
+                                                       imex_plane: tuple[str, float]) -> None:
+    clique, took = imex_plane
+    rack = _rack_nodes(several_nodes)
+    peers = {_internal_ip(n) for n in rack}
+    assert len(peers) == 2, peers
+    for node in several_nodes.nodes:
+        labels = _labels(node)
+        if node in rack:
+            assert labels[CLIQUE_LABEL] == clique and labels[IMEX_READY] == "true", labels
+            assert _imex_ok(several_nodes.first, node, clique, peers)
+            conditions = {c["type"]: c for c in node.node()["status"]["conditions"]}
+            assert conditions["nodeagent.io/IMEXReady"]["status"] == "True", conditions
+            assert len(_imex_daemons(several_nodes, node)) == 1, node.node_name
+        else:  # no fabric cluster: no label, no daemon
+            assert CLIQUE_LABEL not in labels and not _imex_daemons(several_nodes, node), (node.node_name, labels)
+    print(json.dumps({"agents_restarted_to_imex_ready_s": round(took, 1)}))
+
+
+def _domain_pod(name: str) -> dict[str, Any]:
+    """NVIDIA's pattern: a pod of the domain takes a claim from the domain's template and runs its worker."""
+    pod = _pod(name, "", AGENT_IMAGE, f"ls -1 {CHANNELS}; sleep 600")
+    del pod["spec"]["nodeName"]
+    pod["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": TEMPLATE}]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "imex"}]}
+    return pod
+
+
+def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane: tuple[str, float]) -> None:
+    """A ComputeDomain of two nodes, two pods: each lands on one of the clique's nodes and sees channel 0 and no
+    other IMEX channel; the domain Ready with both nodes. Then the IMEX daemon killed on one node is started
+    again (a new pid, READY again), and a fabric fault on the other withdraws its clique label."""
+    first = several_nodes.first
+    clique, _ = imex_plane
+    rack = _rack_nodes(several_nodes)
+    began = time.monotonic()
+    domain = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
+              "metadata": {"name": DOMAIN, "namespace": "default"},
+              "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": TEMPLATE}}}}
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(domain))
+    first.wait_for("the domain's ResourceClaimTemplate", lambda: first.kubectl(
+        "get", "resourceclaimtemplate", TEMPLATE, check=False).returncode == 0, timeout=60)
+    names = ("imex-worker-0", "imex-worker-1")
+    try:
+        for name in names:
+            first.kubectl("apply", "-f", "-", input_text=json.dumps(_domain_pod(name)))
+        pods = {name: first.wait_for(f"{name} Running", lambda n=name: (
+            lambda p: p if p["status"].get("phase") == "Running" else None)(first.get_json("pod", n)), timeout=120)
+            for name in names}
+        assert {p["spec"]["nodeName"] for p in pods.values()} == {n.node_name for n in rack}, pods
+        for name in names:
+            log = first.wait_for(f"{name}'s listing", lambda n=name: first.kubectl("logs", n).stdout.strip(),
+                                 timeout=30)
+            assert log.splitlines() == ["channel0"], (name, log)
+        status = first.wait_for("the domain Ready with both nodes", lambda: (
+            lambda s: s if s.get("status") == "Ready" else None)(
+            first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        assert {n["name"] for n in status["nodes"]} == {n.node_name for n in rack}, status
+        assert all(n["status"] == "Ready" and n["cliqueID"] == clique for n in status["nodes"]), status
+        print(json.dumps({"computedomain_created_to_ready_s": round(time.monotonic() - began, 1)}))
+
+        # the daemon killed on one node: the agent starts it again, READY again with both nodes
+        victim = rack[0]
+        (old,) = _imex_daemons(several_nodes, victim)
+        os.kill(old, signal.SIGKILL)
+        peers = {_internal_ip(n) for n in rack}
+        new = first.wait_for(f"{victim.node_name}: a new IMEX daemon", lambda: [
+            p for p in _imex_daemons(several_nodes, victim) if p != old], timeout=60)
+        assert len(new) == 1, new
+        first.wait_for(f"{victim.node_name}: IMEX READY again", lambda: _imex_ok(first, victim, clique, peers)
+                       and _in_agent(first, victim, "nvidia-imex-ctl", "-c", "/host/etc/nvidia-imex/config.cfg",
+                                     "-q").strip() == "READY", timeout=60)
+        assert first.get_json("computedomain", DOMAIN)["status"]["status"] == "Ready"
+    finally:
+        first.kubectl("delete", "pod", *names, "--ignore-not-found", "--wait=false", check=False)
+
+    # a fabric fault on the other node: its clique label is withdrawn at the agent's next rediscovery
+    faulty = rack[1]
+    _sim(faulty, several_nodes.machines[faulty.node_name], "inject", "fabric", "--state", "not-started")
+    first.wait_for(f"{faulty.node_name}: the clique label withdrawn",
+                   lambda: CLIQUE_LABEL not in _labels(faulty), timeout=90)
+    conditions = {c["type"]: c for c in faulty.node()["status"]["conditions"]}
+    assert conditions["nodeagent.io/NVLinkCliqueReady"]["reason"] == "FabricNotStarted", conditions
+    assert _labels(rack[0])[CLIQUE_LABEL] == clique  # the other node keeps its clique

@@ -67,6 +67,9 @@ KUBELET_DIR = Path("/var/lib/kubelet")
 DRIVER_DIR = Path("/usr/lib/x86_64-linux-gnu")
 CDI_DIR = Path("/var/run/cdi")  # where the agent writes its CDI specs (the DaemonSet's cdi-run volume)
 MPS_CONTROL = Path("/usr/bin/nvidia-cuda-mps-control")  # where NVIDIA's driver installs it
+# the host-managed IMEX daemon and its query tool, where NVIDIA's driver installs them ([imex] of the agent)
+IMEX_DAEMON = Path("/usr/bin/nvidia-imex")
+IMEX_CTL = Path("/usr/bin/nvidia-imex-ctl")
 SIM_STATE = Path("/var/lib/nodeagent/sim/state.json")
 SERVICE_IP = "10.0.0.1"
 POD_SUBNET = "10.244.77.0/24"
@@ -449,6 +452,12 @@ export NODEAGENT_SIM_MACHINE={machine} NODEAGENT_SIM_STATE="${{root%/}}{state}"
 exec /opt/nodeagent/bin/python -m nodeagent.simulator.mps_control "$@"
 """
 
+# nvidia-imex and nvidia-imex-ctl of the test cluster: the simulator's stand-ins (they talk TCP to each other)
+IMEX_STAND_IN = """#!/bin/sh
+# {program} of the nodeagent test cluster (tests/peers/cluster.py): the simulator's stand-in
+exec /opt/nodeagent/bin/python -m nodeagent.simulator.{module} "$@"
+"""
+
 CAP_SYS_RESOURCE = 24
 RUNC_WRAPPER = """#!/bin/sh
 # runc for the nodeagent test cluster: this host's root lacks CAP_SYS_RESOURCE, so a negative oom_score_adj
@@ -598,8 +607,9 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
         # GPUs: device nodes, the stand-in driver library and its machine, the state on the host
         _device_nodes(host)
         host.write(DRIVER_DIR / "libnvidia-ml.so.1", Path(peers.library).read_bytes(), 0o755)
-        if MPS_CONTROL.exists():
-            raise RuntimeError(f"{MPS_CONTROL} exists already on this host: the test cluster installs its stand-in")
+        for program in (MPS_CONTROL, IMEX_DAEMON, IMEX_CTL):
+            if program.exists():
+                raise RuntimeError(f"{program} exists already on this host: the test cluster installs its stand-in")
         write_machine(host.write, MACHINE)
         start_node_runtime(cluster, peers, host.write)
     except BaseException:
@@ -621,12 +631,15 @@ FileWriter = Callable[[Path, bytes, int], None]  # (a node's host path, its cont
 
 def write_machine(write: FileWriter, machine: str) -> None:
     """The node's simulated GPUs: the stand-in library's machine and state file beside the driver library, the
-    driver's MPS control program as the simulator's stand-in working on that machine."""
+    driver's MPS control program as the simulator's stand-in working on that machine, the IMEX daemon and its
+    query tool as the simulator's stand-ins."""
     state_rel = os.path.relpath(SIM_STATE, DRIVER_DIR)
     write(DRIVER_DIR / "nodeagent-sim.conf",
           f"# the nodeagent test cluster's simulated GPUs (tests/peers/cluster.py)\n"
           f"machine = {machine}\nstate = {state_rel}\n".encode(), 0o644)
     write(MPS_CONTROL, MPS_CONTROL_STAND_IN.format(machine=machine, state=SIM_STATE).encode(), 0o755)
+    for program, module in ((IMEX_DAEMON, "imex_daemon"), (IMEX_CTL, "imex_ctl")):
+        write(program, IMEX_STAND_IN.format(program=program.name, module=module).encode(), 0o755)
 
 
 def start_node_runtime(cluster: Cluster, peers: NodePeers, write: FileWriter, *, subnet: str = POD_SUBNET,

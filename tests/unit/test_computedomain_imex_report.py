@@ -37,7 +37,7 @@ class _Ctx:
         self.tasks: list[asyncio.Task[Any]] = []
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self.tasks.append(task)
         return task
 
