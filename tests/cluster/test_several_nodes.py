@@ -374,7 +374,7 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
             p for p in _imex_daemons(several_nodes, victim) if p != old], timeout=60)
         assert len(new) == 1, new
         first.wait_for(f"{victim.node_name}: IMEX READY again", lambda: _imex_ok(first, victim, clique, peers)
-                       and _in_agent(first, victim, "nvidia-imex-ctl", "-c", "/host/etc/nvidia-imex/config.cfg",
+                       and _in_agent(first, victim, "/host/usr/bin/nvidia-imex-ctl", "-c", "/host/etc/nvidia-imex/config.cfg",
                                      "-q").strip() == "READY", timeout=60)
         assert first.get_json("computedomain", DOMAIN)["status"]["status"] == "Ready"
     finally:
@@ -387,4 +387,10 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
                    lambda: CLIQUE_LABEL not in _labels(faulty), timeout=90)
     conditions = {c["type"]: c for c in faulty.node()["status"]["conditions"]}
     assert conditions["nodeagent.io/NVLinkCliqueReady"]["reason"] == "FabricNotStarted", conditions
-    assert _labels(rack[0])[CLIQUE_LABEL] == clique  # the other node keeps its clique
+    # the other node keeps its clique; its daemon's nodes file shrinks to itself (read again, not restarted)
+    assert _labels(rack[0])[CLIQUE_LABEL] == clique
+    first.wait_for(f"{rack[0].node_name}: its daemon's nodes file without {faulty.node_name}",
+                   lambda: _imex_ok(first, rack[0], clique, {_internal_ip(rack[0])}), timeout=60)
+    assert _imex_daemons(several_nodes, rack[0]) == new, "the daemon was restarted for a membership change"
+    first.wait_for(f"{faulty.node_name}: no IMEX daemon without a clique",
+                   lambda: not _imex_daemons(several_nodes, faulty), timeout=30)

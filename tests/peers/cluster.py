@@ -27,8 +27,8 @@ kubelet asks for -998 (pod sandboxes) and -997 (critical and Guaranteed pods): r
 containerd runs runc through a wrapper that raises a negative ``process.oomScoreAdj`` of the bundle's
 config.json to 0 before ``runc create`` (``RUNC_WRAPPER``); nothing else of the spec changes.
 
-No kube-proxy runs: the one Service the agent needs, ``kubernetes`` (10.0.0.1:443), is reached through one
-iptables DNAT rule to the apiserver, as kube-proxy would write it.
+No kube-proxy runs: the one Service the agent needs, ``kubernetes`` (10.0.0.1:443), is reached through
+iptables DNAT rules to the apiserver (for pods, and for the host's own network), as kube-proxy would write them.
 
 The kubelet's plugin directories are fixed host paths (``/var/lib/kubelet/device-plugins`` whatever
 ``--root-dir`` says), so the cluster owns these host paths while it runs: one cluster per test session
@@ -598,11 +598,14 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
                           images={role: ref for role, (_, ref) in peers.images.items()}, imported=tuple(imported),
                           _host=host)
         api_port = server.url.rsplit(":", 1)[1]
-        # the `kubernetes` Service for pods, as kube-proxy would route it
-        rule = ["PREROUTING", "-d", f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "443", "-j", "DNAT",
-                "--to-destination", f"{host_ip}:{api_port}", "-m", "comment", "--comment", "nodeagent-test-cluster"]
-        _run(["iptables", "-t", "nat", "-A", *rule])
-        host.iptables.append(rule)
+        # the `kubernetes` Service for pods (and, as kube-proxy routes it, for the host's own network: pods with
+        # hostNetwork), as kube-proxy would route it
+        for chain in ("PREROUTING", "OUTPUT"):
+            rule = [chain, "-d", f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "443", "-j", "DNAT",
+                    "--to-destination", f"{host_ip}:{api_port}", "-m", "comment", "--comment",
+                    "nodeagent-test-cluster"]
+            _run(["iptables", "-t", "nat", "-A", *rule])
+            host.iptables.append(rule)
         _start_control_plane(cluster)
         # GPUs: device nodes, the stand-in driver library and its machine, the state on the host
         _device_nodes(host)
