@@ -243,10 +243,23 @@ def _imex_daemons(several_nodes: SeveralNodes, node: Cluster) -> list[int]:
 
 
 def _in_agent(first: Cluster, node: Cluster, *command: str) -> str:
+    """What ``command`` prints in the node's ready agent ("" while there is none or when it fails)."""
     pod = _agent_on(first, node.node_name)
-    assert pod is not None, node.node_name
-    return str(first.kubectl("exec", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent", "--",
-                             *command).stdout)
+    if pod is None:
+        return ""
+    proc = first.kubectl("exec", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent", "--", *command,
+                         check=False)
+    return str(proc.stdout) if proc.returncode == 0 else ""
+
+
+def _agent_logs(first: Cluster, nodes: list[Cluster]) -> None:
+    """The agents' log tails (printed when a wait on them failed)."""
+    for node in nodes:
+        pod = _agent_on(first, node.node_name)
+        if pod is not None:
+            print(f"--- agent on {node.node_name}\n" + first.kubectl(
+                "logs", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent", "--tail=60",
+                check=False).stdout)
 
 
 def _imex_ok(first: Cluster, node: Cluster, clique: str, peers: set[str]) -> bool:
@@ -290,16 +303,20 @@ def imex_plane(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]]) -
         "spec": {"updateStrategy": {"rollingUpdate": {"maxUnavailable": "100%"}},
                  "template": {"spec": {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}}}}))
     first.kubectl("apply", "-f", "packaging/kubernetes/computedomain-controller.yaml")
-    clique = None
-    for node in rack:
-        first.wait_for(f"{node.node_name}: the clique label", lambda n=node: _labels(n).get(CLIQUE_LABEL),
-                       timeout=240)
-    clique = _labels(rack[0]).get(CLIQUE_LABEL)
-    assert clique and clique.endswith(f".{CLIQUE_ID}"), clique
+    from nodeagent.simulator.nvml_fabric import cluster_uuid
+
+    clique = f"{cluster_uuid(RACK)}.{CLIQUE_ID}"  # the rack's cluster UUID and the clique, as GFD writes it
     peers = {_internal_ip(n) for n in rack}
-    for node in rack:
-        first.wait_for(f"{node.node_name}: IMEX READY with both nodes in its nodes file",
-                       lambda n=node: _imex_ok(first, n, clique, peers), timeout=120)
+    try:
+        for node in rack:
+            first.wait_for(f"{node.node_name}: the clique label {clique}",
+                           lambda n=node: _labels(n).get(CLIQUE_LABEL) == clique, timeout=240)
+        for node in rack:
+            first.wait_for(f"{node.node_name}: IMEX READY with both nodes in its nodes file",
+                           lambda n=node: _imex_ok(first, n, clique, peers), timeout=120)
+    except AssertionError:
+        _agent_logs(first, several_nodes.nodes)
+        raise
     yield clique, time.monotonic() - began
     first.kubectl("delete", "computedomain", DOMAIN, "--ignore-not-found", "--wait=false", check=False)
 
@@ -377,6 +394,13 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
                        and _in_agent(first, victim, "/host/usr/bin/nvidia-imex-ctl", "-c", "/host/etc/nvidia-imex/config.cfg",
                                      "-q").strip() == "READY", timeout=60)
         assert first.get_json("computedomain", DOMAIN)["status"]["status"] == "Ready"
+    except AssertionError:
+        _agent_logs(first, rack)
+        print(first.kubectl("get", "pods,resourceclaims,resourceslices,computedomains", "-A", "-o", "wide",
+                            check=False).stdout)
+        print(first.kubectl("logs", "-n", "nodeagent", "deployment/nodeagent-controller", "--tail=40",
+                            check=False).stdout)
+        raise
     finally:
         first.kubectl("delete", "pod", *names, "--ignore-not-found", "--wait=false", check=False)
 
