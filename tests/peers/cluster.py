@@ -80,7 +80,7 @@ READY_TIMEOUT = 120.0
 # host paths the cluster may create; removed at the end when they did not exist before
 OWNED_PATHS = (KUBELET_DIR, KUBELET_DIR / "device-plugins", Path("/var/lib/nodeagent"), Path("/var/run/cdi"), Path("/etc/cdi"),
                Path("/etc/nvidia-container-runtime"), Path("/run/systemd"), Path("/run/containerd"),
-               Path("/run/nodeagent"))
+               Path("/run/nodeagent"), Path("/etc/nvidia-imex"))
 
 
 def _host_ip() -> str:
