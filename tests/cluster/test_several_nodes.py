@@ -360,7 +360,9 @@ def _domain_pod(name: str) -> dict[str, Any]:
 def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane: tuple[str, float]) -> None:
     """A ComputeDomain of two nodes, two pods: each lands on one of the clique's nodes and sees channel 0 and no
     other IMEX channel; the domain Ready with both nodes. Then the IMEX daemon killed on one node is started
-    again (a new pid, READY again), and a fabric fault on the other withdraws its clique label."""
+    again (a new pid, READY again); a fabric fault on the other withdraws its clique label and stops its daemon,
+    so the domain becomes NotReady and the first daemon's nodes file shrinks to itself (no restart); a new pod
+    of the domain then lands on the first node, never on the faulty one."""
     first = several_nodes.first
     clique, _ = imex_plane
     rack = _rack_nodes(several_nodes)
@@ -402,6 +404,26 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
                        and _in_agent(first, victim, "/host/usr/bin/nvidia-imex-ctl", "-c", "/host/etc/nvidia-imex/config.cfg",
                                      "-q").strip() == "READY", timeout=60)
         assert first.get_json("computedomain", DOMAIN)["status"]["status"] == "Ready"
+
+        # a fabric fault on the other node while the pods run: its clique label is withdrawn at the agent's next
+        # rediscovery, its daemon stopped, so it reports the domain NotReady: the domain is NotReady
+        faulty = rack[1]
+        _sim(faulty, several_nodes.machines[faulty.node_name], "inject", "fabric", "--state", "not-started")
+        first.wait_for(f"{faulty.node_name}: the clique label withdrawn",
+                       lambda: CLIQUE_LABEL not in _labels(faulty), timeout=60)
+        conditions = {c["type"]: c for c in faulty.node()["status"]["conditions"]}
+        assert conditions["nodeagent.io/NVLinkCliqueReady"]["reason"] == "FabricNotStarted", conditions
+        first.wait_for(f"{faulty.node_name}: no IMEX daemon without a clique",
+                       lambda: not _imex_daemons(several_nodes, faulty), timeout=30)
+        status = first.wait_for(f"the domain NotReady, {faulty.node_name} NotReady in it", lambda: (
+            lambda s: s if s.get("status") == "NotReady" and {n["name"]: n["status"] for n in s["nodes"]} == {
+                rack[0].node_name: "Ready", faulty.node_name: "NotReady"} else None)(
+            first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        # the other node keeps its clique; its daemon's nodes file shrinks to itself (read again, not restarted)
+        assert _labels(rack[0])[CLIQUE_LABEL] == clique
+        first.wait_for(f"{rack[0].node_name}: its daemon's nodes file without {faulty.node_name}",
+                       lambda: _imex_ok(first, rack[0], clique, {_internal_ip(rack[0])}), timeout=60)
+        assert _imex_daemons(several_nodes, rack[0]) == new, "the daemon was restarted for a membership change"
     except AssertionError:
         _agent_logs(first, rack)
         print(first.kubectl("get", "pods,resourceclaims,resourceslices,computedomains", "-A", "-o", "wide",
@@ -412,17 +434,13 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
     finally:
         first.kubectl("delete", "pod", *names, "--ignore-not-found", "--wait=false", check=False)
 
-    # a fabric fault on the other node: its clique label is withdrawn at the agent's next rediscovery
-    faulty = rack[1]
-    _sim(faulty, several_nodes.machines[faulty.node_name], "inject", "fabric", "--state", "not-started")
-    first.wait_for(f"{faulty.node_name}: the clique label withdrawn",
-                   lambda: CLIQUE_LABEL not in _labels(faulty), timeout=90)
-    conditions = {c["type"]: c for c in faulty.node()["status"]["conditions"]}
-    assert conditions["nodeagent.io/NVLinkCliqueReady"]["reason"] == "FabricNotStarted", conditions
-    # the other node keeps its clique; its daemon's nodes file shrinks to itself (read again, not restarted)
-    assert _labels(rack[0])[CLIQUE_LABEL] == clique
-    first.wait_for(f"{rack[0].node_name}: its daemon's nodes file without {faulty.node_name}",
-                   lambda: _imex_ok(first, rack[0], clique, {_internal_ip(rack[0])}), timeout=60)
-    assert _imex_daemons(several_nodes, rack[0]) == new, "the daemon was restarted for a membership change"
-    first.wait_for(f"{faulty.node_name}: no IMEX daemon without a clique",
-                   lambda: not _imex_daemons(several_nodes, faulty), timeout=30)
+    # a new pod of the domain does not land on the node out of the clique: it takes the channel of the other
+    # one once the first pods are gone
+    try:
+        first.kubectl("apply", "-f", "-", input_text=json.dumps(_domain_pod("imex-worker-2")))
+        late = first.wait_for("imex-worker-2 Running", lambda: (
+            lambda p: p if p["status"].get("phase") == "Running" else None)(first.get_json("pod", "imex-worker-2")),
+            timeout=90)
+        assert late["spec"]["nodeName"] == rack[0].node_name, late["spec"]
+    finally:
+        first.kubectl("delete", "pod", "imex-worker-2", "--ignore-not-found", "--wait=false", check=False)
