@@ -413,8 +413,9 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
         _sim(faulty, several_nodes.machines[faulty.node_name], "inject", "fabric", "--state", "not-started")
         first.wait_for(f"{faulty.node_name}: the clique label withdrawn",
                        lambda: CLIQUE_LABEL not in _labels(faulty), timeout=60)
-        conditions = {c["type"]: c for c in faulty.node()["status"]["conditions"]}
-        assert conditions["nodeagent.io/NVLinkCliqueReady"]["reason"] == "FabricNotStarted", conditions
+        first.wait_for(f"{faulty.node_name}: NVLinkCliqueReady False, FabricNotStarted", lambda: any(
+            c["type"] == "nodeagent.io/NVLinkCliqueReady" and c["status"] == "False"
+            and c["reason"] == "FabricNotStarted" for c in faulty.node()["status"]["conditions"]), timeout=30)
         first.wait_for(f"{faulty.node_name}: no IMEX daemon without a clique",
                        lambda: not _imex_daemons(several_nodes, faulty), timeout=30)
         status = first.wait_for(f"the domain NotReady, {faulty.node_name} NotReady in it", lambda: (
