@@ -447,3 +447,43 @@ def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane
         assert late["spec"]["nodeName"] == rack[0].node_name, late["spec"]
     finally:
         first.kubectl("delete", "pod", "imex-worker-2", "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_a_node_removed_leaves_the_domain(several_nodes: SeveralNodes, imex_plane: tuple[str, float]) -> None:
+    """Node 3 healed back into the clique and the domain's two pods running again on nodes 2 and 3, the domain
+    Ready; then node 3 removed from the cluster (its kubelet, containerd, agent and pods gone, its Node deleted):
+    the domain NotReady with node 2 alone, node 2's daemon's nodes file shrinks to itself without a restart.
+    (Last in the module: the cluster has three nodes after it.)"""
+    first = several_nodes.first
+    clique, _ = imex_plane
+    rack = _rack_nodes(several_nodes)
+    stays, gone = rack
+    _sim(gone, several_nodes.machines[gone.node_name], "inject", "fabric", "--heal")
+    peers = {_internal_ip(n) for n in rack}
+    for node in rack:
+        first.wait_for(f"{node.node_name}: IMEX READY with both nodes again",
+                       lambda n=node: _imex_ok(first, n, clique, peers), timeout=60)
+    names = ("imex-worker-3", "imex-worker-4")
+    try:
+        for name in names:
+            first.kubectl("apply", "-f", "-", input_text=json.dumps(_domain_pod(name)))
+        for name in names:
+            first.wait_for(f"{name} Running", lambda n=name: first.get_json("pod", n)["status"].get(
+                "phase") == "Running", timeout=120)
+        first.wait_for("the domain Ready with both nodes", lambda: (
+            lambda s: s.get("status") == "Ready" and {n["name"] for n in s.get("nodes", [])} == {
+                n.node_name for n in rack})(first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        (daemon,) = _imex_daemons(several_nodes, stays)
+        assert several_nodes.remove(gone.node_name) == []
+        first.wait_for(f"the domain NotReady with {stays.node_name} alone", lambda: (
+            lambda s: s.get("status") == "NotReady" and [n["name"] for n in s.get("nodes", [])] == [
+                stays.node_name])(first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        first.wait_for(f"{stays.node_name}: its daemon's nodes file without {gone.node_name}",
+                       lambda: _imex_ok(first, stays, clique, {_internal_ip(stays)}), timeout=60)
+        assert _imex_daemons(several_nodes, stays) == [daemon], "the daemon was restarted for a membership change"
+    except AssertionError:
+        _agent_logs(first, [stays])
+        print(first.kubectl("get", "pods,resourceclaims,computedomains", "-A", "-o", "wide", check=False).stdout)
+        raise
+    finally:
+        first.kubectl("delete", "pod", *names, "--ignore-not-found", "--wait=false", check=False)

@@ -170,6 +170,18 @@ class SeveralNodes:
                 ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return rss, ticks
 
+    def remove(self, name: str) -> list[str]:
+        """Further node ``name`` leaves the cluster: its kubelet, containerd, pods and namespaces gone, its Node
+        deleted; the problems found while cleaning (empty: clean)."""
+        node = self.node(name)
+        assert node is not self.first, "node 1 holds the control plane"
+        self.others.remove(node)
+        node.stop_node()
+        problems = self._spaces.pop(name).remove()
+        shutil.rmtree(node.workdir, ignore_errors=True)
+        self.first.kubectl("delete", "node", name, "--wait=false")
+        return problems
+
     def stop_others(self) -> list[str]:
         problems: list[str] = []
         for node in reversed(self.others):
