@@ -2,7 +2,9 @@
 plane, each node its own kubelet, containerd, CNI network and simulated machine (MACHINES), the agent's
 DaemonSet from the README's lines with every node labelled. Proven: every node Ready with its agent Running;
 each agent publishes its own node's GPUs and labels and nothing of another node's; a pod on one node talks
-TCP to a pod on another; a GPU pod placed on a chosen node gets that node's GPUs."""
+TCP to a pod on another; a GPU pod placed on a chosen node gets that node's GPUs. Then NVLink racks on the same
+cluster (docs/racks.md, docs/computedomains.md): two nodes of one clique, their host-managed IMEX daemons, a
+ComputeDomain across them, a daemon killed, a fabric fault and a node removed."""
 
 from __future__ import annotations
 
