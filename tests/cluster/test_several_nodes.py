@@ -2,13 +2,21 @@
 plane, each node its own kubelet, containerd, CNI network and simulated machine (MACHINES), the agent's
 DaemonSet from the README's lines with every node labelled. Proven: every node Ready with its agent Running;
 each agent publishes its own node's GPUs and labels and nothing of another node's; a pod on one node talks
-TCP to a pod on another; a GPU pod placed on a chosen node gets that node's GPUs."""
+TCP to a pod on another; a GPU pod placed on a chosen node gets that node's GPUs. Then NVLink racks on the same
+cluster (docs/racks.md, docs/computedomains.md): two nodes of one clique, their host-managed IMEX daemons, a
+ComputeDomain across them, a daemon killed, a fabric fault and a node removed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +25,7 @@ from nodeagent.simulator.machine import load_machine
 from tests.cluster.test_whole_node import (
     RESOURCE,
     _gpu_pod,
+    _packaged_configmap,
     imported_registry,
     readme_args,
     readme_manifest_commands,
@@ -176,3 +185,307 @@ def test_gpu_pod_on_a_chosen_node_gets_that_nodes_gpus(several_nodes: SeveralNod
         assert not uuids & others, log
     finally:
         first.kubectl("delete", "pod", "gpus-on-chosen", "--wait=false", check=False)
+
+
+# --- NVLink racks: the clique, the host-managed IMEX daemon, a ComputeDomain across two nodes ---------------
+# Nodes 2 and 3 (gb200-nvl, gb300-nvl: compute trays of an NVL72) are placed by the simulator in one rack and
+# clique; node 1 (dgx-h100) and node 4 (hgx-h200) have no fabric cluster. The agents switch to the DRA plane with
+# [imex] through the DaemonSet's ConfigMap; NVIDIA's ComputeDomain CRD and the controller's manifest as
+# docs/computedomains.md installs them.
+
+RACK, CLIQUE_ID = "rack-a", 3
+CLIQUE_LABEL = "nvidia.com/gpu.clique"
+IMEX_READY = "nodeagent.io/imex.ready"
+NODES_FILE = "/host/etc/nvidia-imex/nodes_config.cfg"  # the agent's view of the node's /etc/nvidia-imex
+DOMAIN, TEMPLATE = "imex-job", "imex-job-channel"
+IMEX_CONFIG = '[device_plugin]\nplane = "dra"\n[imex]\nenabled = true\n'
+CHANNELS = "/dev/nvidia-caps-imex-channels"
+RESYNC_S = 5
+
+
+def _sim(node: Cluster, machine: str, *args: str) -> str:
+    """``nodeagent sim ...`` on the node's own state file (the one its stand-in driver library works on)."""
+    from tests.peers.cluster import SIM_STATE
+
+    return subprocess.run([sys.executable, "-m", "nodeagent", "sim", *args, "--simulate", machine,
+                           "--sim-state", str(node.host_path(SIM_STATE))],
+                          check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def _rack_nodes(several_nodes: SeveralNodes) -> list[Cluster]:
+    return [n for n in several_nodes.nodes if load_machine(several_nodes.machines[n.node_name]).rack_nodes]
+
+
+def _labels(node: Cluster) -> dict[str, str]:
+    labels: dict[str, str] = node.node()["metadata"]["labels"]
+    return labels
+
+
+def _netns(proc: Path) -> str | None:
+    try:
+        return os.readlink(proc / "ns" / "net")
+    except OSError:
+        return None
+
+
+def _imex_daemons(several_nodes: SeveralNodes, node: Cluster) -> list[int]:
+    """The pids of the IMEX stand-in daemons in the node's network namespace (the agent's pod is on it)."""
+    found = []
+    if node is several_nodes.first:  # the host's own network
+        own = os.readlink("/proc/self/ns/net")
+        pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                and _netns(p) == own]
+    else:
+        pids = several_nodes._spaces[node.node_name].members()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if b"nodeagent.simulator.imex_daemon" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+def _in_agent(first: Cluster, node: Cluster, *command: str) -> str:
+    """What ``command`` prints in the node's ready agent ("" while there is none or when it fails)."""
+    pod = _agent_on(first, node.node_name)
+    if pod is None:
+        return ""
+    proc = first.kubectl("exec", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent", "--", *command,
+                         check=False)
+    return str(proc.stdout) if proc.returncode == 0 else ""
+
+
+def _agent_logs(first: Cluster, nodes: list[Cluster]) -> None:
+    """The agents' log tails (printed when a wait on them failed)."""
+    for node in nodes:
+        pod = _agent_on(first, node.node_name)
+        if pod is not None:
+            print(f"--- agent on {node.node_name}\n" + first.kubectl(
+                "logs", "-n", "nodeagent", pod["metadata"]["name"], "-c", "nodeagent", "--tail=60",
+                check=False).stdout)
+
+
+def _imex_ok(first: Cluster, node: Cluster, clique: str, peers: set[str]) -> bool:
+    labels = _labels(node)
+    if labels.get(CLIQUE_LABEL) != clique or labels.get(IMEX_READY) != "true":
+        return False
+    listed = {line.strip() for line in _in_agent(first, node, "cat", NODES_FILE).splitlines()
+              if line.strip() and not line.startswith("#")}
+    return listed == peers
+
+
+def _internal_ip(node: Cluster) -> str:
+    return str(next(a["address"] for a in node.node()["status"]["addresses"] if a["type"] == "InternalIP"))
+
+
+@pytest.fixture(scope="module")
+def imex_plane(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]]) -> Iterator[tuple[str, float]]:
+    """Nodes 2 and 3 in one rack and clique; every agent restarted on the DRA plane with [imex] (the pod on the
+    node's network: the daemon binds to the node's InternalIP); the CRD and the controller. (the clique, the
+    seconds from the agents' restart to IMEX READY on both nodes)"""
+    first = several_nodes.first
+    rack = _rack_nodes(several_nodes)
+    assert len(rack) == 2, [n.node_name for n in rack]
+    for slot, node in enumerate(rack, start=1):
+        out = _sim(node, several_nodes.machines[node.node_name], "fabric", "--rack", RACK, "--node", str(slot),
+                   "--clique", str(CLIQUE_ID))
+        assert f"node {slot}, clique {CLIQUE_ID}" in out, out
+    from tests.integration._computedomain import CRD_NAME, crd_file
+
+    first.kubectl("apply", "-f", str(crd_file()))
+    first.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    first.kubectl("apply", "-f", "packaging/kubernetes/rbac-dra.yaml")
+    configmap = _packaged_configmap()
+    # a short resync: the peers of a node's daemon and its clique label (a fabric change is no NVML event) follow
+    # the Nodes and the fabric at each rediscovery
+    configmap["data"]["config.toml"] = f"resync_interval = {RESYNC_S}\n" + configmap["data"]["config.toml"] + IMEX_CONFIG
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    began = time.monotonic()
+    # what [imex] asks of the DaemonSet (docs/racks.md): the node's network and its /etc/nvidia-imex; every
+    # node's agent replaced at once
+    pod_spec = "/spec/template/spec"
+    first.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--type", "json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/updateStrategy",
+         "value": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "100%"}}},
+        {"op": "add", "path": f"{pod_spec}/hostNetwork", "value": True},
+        {"op": "add", "path": f"{pod_spec}/dnsPolicy", "value": "ClusterFirstWithHostNet"},
+        {"op": "add", "path": f"{pod_spec}/volumes/-",
+         "value": {"name": "imex-etc", "hostPath": {"path": "/etc/nvidia-imex", "type": "DirectoryOrCreate"}}},
+        {"op": "add", "path": f"{pod_spec}/containers/0/volumeMounts/-",
+         "value": {"name": "imex-etc", "mountPath": "/host/etc/nvidia-imex"}}]))
+    first.kubectl("apply", "-f", "packaging/kubernetes/computedomain-controller.yaml")
+    from nodeagent.simulator.nvml_fabric import cluster_uuid
+
+    clique = f"{cluster_uuid(RACK)}.{CLIQUE_ID}"  # the rack's cluster UUID and the clique, as GFD writes it
+    peers = {_internal_ip(n) for n in rack}
+    try:
+        for node in rack:
+            first.wait_for(f"{node.node_name}: the clique label {clique}",
+                           lambda n=node: _labels(n).get(CLIQUE_LABEL) == clique, timeout=240)
+        for node in rack:
+            first.wait_for(f"{node.node_name}: IMEX READY with both nodes in its nodes file",
+                           lambda n=node: _imex_ok(first, n, clique, peers), timeout=120)
+    except AssertionError:
+        _agent_logs(first, several_nodes.nodes)
+        raise
+    yield clique, time.monotonic() - began
+    first.kubectl("delete", "computedomain", DOMAIN, "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_same_clique_nodes_get_the_label_and_imex_ready(several_nodes: SeveralNodes,
+                                                       imex_plane: tuple[str, float]) -> None:
+    clique, took = imex_plane
+    rack = _rack_nodes(several_nodes)
+    peers = {_internal_ip(n) for n in rack}
+    assert len(peers) == 2, peers
+    for node in several_nodes.nodes:
+        labels = _labels(node)
+        if node in rack:
+            assert labels[CLIQUE_LABEL] == clique and labels[IMEX_READY] == "true", labels
+            assert _imex_ok(several_nodes.first, node, clique, peers)
+            conditions = {c["type"]: c for c in node.node()["status"]["conditions"]}
+            assert conditions["nodeagent.io/IMEXReady"]["status"] == "True", conditions
+            assert len(_imex_daemons(several_nodes, node)) == 1, node.node_name
+        else:  # no fabric cluster: no label, no daemon
+            assert CLIQUE_LABEL not in labels and not _imex_daemons(several_nodes, node), (node.node_name, labels)
+    print(json.dumps({"agents_restarted_to_imex_ready_s": round(took, 1)}))
+
+
+def _domain_pod(name: str) -> dict[str, Any]:
+    """NVIDIA's pattern: a pod of the domain takes a claim from the domain's template and runs its worker."""
+    pod = _pod(name, "", AGENT_IMAGE, f"ls -1 {CHANNELS}; sleep 600")
+    del pod["spec"]["nodeName"]
+    pod["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": TEMPLATE}]
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "imex"}]}
+    return pod
+
+
+def test_compute_domain_across_two_nodes(several_nodes: SeveralNodes, imex_plane: tuple[str, float]) -> None:
+    """A ComputeDomain of two nodes, two pods: each lands on one of the clique's nodes and sees channel 0 and no
+    other IMEX channel; the domain Ready with both nodes. Then the IMEX daemon killed on one node is started
+    again (a new pid, READY again); a fabric fault on the other withdraws its clique label and stops its daemon,
+    so the domain becomes NotReady and the first daemon's nodes file shrinks to itself (no restart); a new pod
+    of the domain then lands on the first node, never on the faulty one."""
+    first = several_nodes.first
+    clique, _ = imex_plane
+    rack = _rack_nodes(several_nodes)
+    began = time.monotonic()
+    domain = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
+              "metadata": {"name": DOMAIN, "namespace": "default"},
+              "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": TEMPLATE}}}}
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(domain))
+    first.wait_for("the domain's ResourceClaimTemplate", lambda: first.kubectl(
+        "get", "resourceclaimtemplate", TEMPLATE, check=False).returncode == 0, timeout=60)
+    names = ("imex-worker-0", "imex-worker-1")
+    try:
+        for name in names:
+            first.kubectl("apply", "-f", "-", input_text=json.dumps(_domain_pod(name)))
+        pods = {name: first.wait_for(f"{name} Running", lambda n=name: (
+            lambda p: p if p["status"].get("phase") == "Running" else None)(first.get_json("pod", n)), timeout=120)
+            for name in names}
+        assert {p["spec"]["nodeName"] for p in pods.values()} == {n.node_name for n in rack}, pods
+        for name in names:
+            log = first.wait_for(f"{name}'s listing", lambda n=name: first.kubectl("logs", n).stdout.strip(),
+                                 timeout=30)
+            assert log.splitlines() == ["channel0"], (name, log)
+        status = first.wait_for("the domain Ready with both nodes", lambda: (
+            lambda s: s if s.get("status") == "Ready" else None)(
+            first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        assert {n["name"] for n in status["nodes"]} == {n.node_name for n in rack}, status
+        assert all(n["status"] == "Ready" and n["cliqueID"] == clique for n in status["nodes"]), status
+        print(json.dumps({"computedomain_created_to_ready_s": round(time.monotonic() - began, 1)}))
+
+        # the daemon killed on one node: the agent starts it again, READY again with both nodes
+        victim = rack[0]
+        (old,) = _imex_daemons(several_nodes, victim)
+        os.kill(old, signal.SIGKILL)
+        peers = {_internal_ip(n) for n in rack}
+        new = first.wait_for(f"{victim.node_name}: a new IMEX daemon", lambda: [
+            p for p in _imex_daemons(several_nodes, victim) if p != old], timeout=60)
+        assert len(new) == 1, new
+        first.wait_for(f"{victim.node_name}: IMEX READY again", lambda: _imex_ok(first, victim, clique, peers)
+                       and _in_agent(first, victim, "/host/usr/bin/nvidia-imex-ctl", "-c", "/host/etc/nvidia-imex/config.cfg",
+                                     "-q").strip() == "READY", timeout=60)
+        # the node reported the domain NotReady while its daemon was down: Ready again once it answers READY
+        first.wait_for("the domain Ready again", lambda: (first.get_json("computedomain", DOMAIN).get(
+            "status") or {}).get("status") == "Ready", timeout=30)
+
+        # a fabric fault on the other node while the pods run: its clique label is withdrawn at the agent's next
+        # rediscovery, its daemon stopped, so it reports the domain NotReady: the domain is NotReady
+        faulty = rack[1]
+        _sim(faulty, several_nodes.machines[faulty.node_name], "inject", "fabric", "--state", "not-started")
+        first.wait_for(f"{faulty.node_name}: the clique label withdrawn",
+                       lambda: CLIQUE_LABEL not in _labels(faulty), timeout=60)
+        first.wait_for(f"{faulty.node_name}: NVLinkCliqueReady False, FabricNotStarted", lambda: any(
+            c["type"] == "nodeagent.io/NVLinkCliqueReady" and c["status"] == "False"
+            and c["reason"] == "FabricNotStarted" for c in faulty.node()["status"]["conditions"]), timeout=30)
+        first.wait_for(f"{faulty.node_name}: no IMEX daemon without a clique",
+                       lambda: not _imex_daemons(several_nodes, faulty), timeout=30)
+        status = first.wait_for(f"the domain NotReady, {faulty.node_name} NotReady in it", lambda: (
+            lambda s: s if s.get("status") == "NotReady" and {n["name"]: n["status"] for n in s["nodes"]} == {
+                rack[0].node_name: "Ready", faulty.node_name: "NotReady"} else None)(
+            first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        # the other node keeps its clique; its daemon's nodes file shrinks to itself (read again, not restarted)
+        assert _labels(rack[0])[CLIQUE_LABEL] == clique
+        first.wait_for(f"{rack[0].node_name}: its daemon's nodes file without {faulty.node_name}",
+                       lambda: _imex_ok(first, rack[0], clique, {_internal_ip(rack[0])}), timeout=60)
+        assert _imex_daemons(several_nodes, rack[0]) == new, "the daemon was restarted for a membership change"
+    except AssertionError:
+        _agent_logs(first, rack)
+        print(first.kubectl("get", "pods,resourceclaims,resourceslices,computedomains", "-A", "-o", "wide",
+                            check=False).stdout)
+        print(first.kubectl("logs", "-n", "nodeagent", "deployment/nodeagent-controller", "--tail=40",
+                            check=False).stdout)
+        raise
+    finally:
+        first.kubectl("delete", "pod", *names, "--ignore-not-found", "--wait=false", check=False)
+
+    # a new pod of the domain does not land on the node out of the clique: it takes the channel of the other
+    # one once the first pods are gone
+    try:
+        first.kubectl("apply", "-f", "-", input_text=json.dumps(_domain_pod("imex-worker-2")))
+        late = first.wait_for("imex-worker-2 Running", lambda: (
+            lambda p: p if p["status"].get("phase") == "Running" else None)(first.get_json("pod", "imex-worker-2")),
+            timeout=90)
+        assert late["spec"]["nodeName"] == rack[0].node_name, late["spec"]
+    finally:
+        first.kubectl("delete", "pod", "imex-worker-2", "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_a_node_removed_leaves_the_domain(several_nodes: SeveralNodes, imex_plane: tuple[str, float]) -> None:
+    """Node 3 healed back into the clique and the domain's two pods running again on nodes 2 and 3, the domain
+    Ready; then node 3 removed from the cluster (its kubelet, containerd, agent and pods gone, its Node deleted):
+    the domain NotReady with node 2 alone, node 2's daemon's nodes file shrinks to itself without a restart.
+    (Last in the module: the cluster has three nodes after it.)"""
+    first = several_nodes.first
+    clique, _ = imex_plane
+    rack = _rack_nodes(several_nodes)
+    stays, gone = rack
+    _sim(gone, several_nodes.machines[gone.node_name], "inject", "fabric", "--heal")
+    peers = {_internal_ip(n) for n in rack}
+    for node in rack:
+        first.wait_for(f"{node.node_name}: IMEX READY with both nodes again",
+                       lambda n=node: _imex_ok(first, n, clique, peers), timeout=60)
+    names = ("imex-worker-3", "imex-worker-4")
+    try:
+        for name in names:
+            first.kubectl("apply", "-f", "-", input_text=json.dumps(_domain_pod(name)))
+        for name in names:
+            first.wait_for(f"{name} Running", lambda n=name: first.get_json("pod", n)["status"].get(
+                "phase") == "Running", timeout=120)
+        first.wait_for("the domain Ready with both nodes", lambda: (
+            lambda s: s.get("status") == "Ready" and {n["name"] for n in s.get("nodes", [])} == {
+                n.node_name for n in rack})(first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        (daemon,) = _imex_daemons(several_nodes, stays)
+        assert several_nodes.remove(gone.node_name) == []
+        first.wait_for(f"the domain NotReady with {stays.node_name} alone", lambda: (
+            lambda s: s.get("status") == "NotReady" and [n["name"] for n in s.get("nodes", [])] == [
+                stays.node_name])(first.get_json("computedomain", DOMAIN).get("status") or {}), timeout=60)
+        first.wait_for(f"{stays.node_name}: its daemon's nodes file without {gone.node_name}",
+                       lambda: _imex_ok(first, stays, clique, {_internal_ip(stays)}), timeout=60)
+        assert _imex_daemons(several_nodes, stays) == [daemon], "the daemon was restarted for a membership change"
+    except AssertionError:
+        _agent_logs(first, [stays])
+        print(first.kubectl("get", "pods,resourceclaims,computedomains", "-A", "-o", "wide", check=False).stdout)
+        raise
+    finally:
+        first.kubectl("delete", "pod", *names, "--ignore-not-found", "--wait=false", check=False)

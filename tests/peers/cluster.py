@@ -27,8 +27,8 @@ kubelet asks for -998 (pod sandboxes) and -997 (critical and Guaranteed pods): r
 containerd runs runc through a wrapper that raises a negative ``process.oomScoreAdj`` of the bundle's
 config.json to 0 before ``runc create`` (``RUNC_WRAPPER``); nothing else of the spec changes.
 
-No kube-proxy runs: the one Service the agent needs, ``kubernetes`` (10.0.0.1:443), is reached through one
-iptables DNAT rule to the apiserver, as kube-proxy would write it.
+No kube-proxy runs: the one Service the agent needs, ``kubernetes`` (10.0.0.1:443), is reached through
+iptables DNAT rules to the apiserver (for pods, and for the host's own network), as kube-proxy would write them.
 
 The kubelet's plugin directories are fixed host paths (``/var/lib/kubelet/device-plugins`` whatever
 ``--root-dir`` says), so the cluster owns these host paths while it runs: one cluster per test session
@@ -67,6 +67,9 @@ KUBELET_DIR = Path("/var/lib/kubelet")
 DRIVER_DIR = Path("/usr/lib/x86_64-linux-gnu")
 CDI_DIR = Path("/var/run/cdi")  # where the agent writes its CDI specs (the DaemonSet's cdi-run volume)
 MPS_CONTROL = Path("/usr/bin/nvidia-cuda-mps-control")  # where NVIDIA's driver installs it
+# the host-managed IMEX daemon and its query tool, where NVIDIA's driver installs them ([imex] of the agent)
+IMEX_DAEMON = Path("/usr/bin/nvidia-imex")
+IMEX_CTL = Path("/usr/bin/nvidia-imex-ctl")
 SIM_STATE = Path("/var/lib/nodeagent/sim/state.json")
 SERVICE_IP = "10.0.0.1"
 POD_SUBNET = "10.244.77.0/24"
@@ -77,7 +80,7 @@ READY_TIMEOUT = 120.0
 # host paths the cluster may create; removed at the end when they did not exist before
 OWNED_PATHS = (KUBELET_DIR, KUBELET_DIR / "device-plugins", Path("/var/lib/nodeagent"), Path("/var/run/cdi"), Path("/etc/cdi"),
                Path("/etc/nvidia-container-runtime"), Path("/run/systemd"), Path("/run/containerd"),
-               Path("/run/nodeagent"))
+               Path("/run/nodeagent"), Path("/etc/nvidia-imex"))
 
 
 def _host_ip() -> str:
@@ -449,6 +452,12 @@ export NODEAGENT_SIM_MACHINE={machine} NODEAGENT_SIM_STATE="${{root%/}}{state}"
 exec /opt/nodeagent/bin/python -m nodeagent.simulator.mps_control "$@"
 """
 
+# nvidia-imex and nvidia-imex-ctl of the test cluster: the simulator's stand-ins (they talk TCP to each other)
+IMEX_STAND_IN = """#!/bin/sh
+# {program} of the nodeagent test cluster (tests/peers/cluster.py): the simulator's stand-in
+exec /opt/nodeagent/bin/python -m nodeagent.simulator.{module} "$@"
+"""
+
 CAP_SYS_RESOURCE = 24
 RUNC_WRAPPER = """#!/bin/sh
 # runc for the nodeagent test cluster: this host's root lacks CAP_SYS_RESOURCE, so a negative oom_score_adj
@@ -589,17 +598,21 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
                           images={role: ref for role, (_, ref) in peers.images.items()}, imported=tuple(imported),
                           _host=host)
         api_port = server.url.rsplit(":", 1)[1]
-        # the `kubernetes` Service for pods, as kube-proxy would route it
-        rule = ["PREROUTING", "-d", f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "443", "-j", "DNAT",
-                "--to-destination", f"{host_ip}:{api_port}", "-m", "comment", "--comment", "nodeagent-test-cluster"]
-        _run(["iptables", "-t", "nat", "-A", *rule])
-        host.iptables.append(rule)
+        # the `kubernetes` Service for pods (and, as kube-proxy routes it, for the host's own network: pods with
+        # hostNetwork), as kube-proxy would route it
+        for chain in ("PREROUTING", "OUTPUT"):
+            rule = [chain, "-d", f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "443", "-j", "DNAT",
+                    "--to-destination", f"{host_ip}:{api_port}", "-m", "comment", "--comment",
+                    "nodeagent-test-cluster"]
+            _run(["iptables", "-t", "nat", "-A", *rule])
+            host.iptables.append(rule)
         _start_control_plane(cluster)
         # GPUs: device nodes, the stand-in driver library and its machine, the state on the host
         _device_nodes(host)
         host.write(DRIVER_DIR / "libnvidia-ml.so.1", Path(peers.library).read_bytes(), 0o755)
-        if MPS_CONTROL.exists():
-            raise RuntimeError(f"{MPS_CONTROL} exists already on this host: the test cluster installs its stand-in")
+        for program in (MPS_CONTROL, IMEX_DAEMON, IMEX_CTL):
+            if program.exists():
+                raise RuntimeError(f"{program} exists already on this host: the test cluster installs its stand-in")
         write_machine(host.write, MACHINE)
         start_node_runtime(cluster, peers, host.write)
     except BaseException:
@@ -621,12 +634,15 @@ FileWriter = Callable[[Path, bytes, int], None]  # (a node's host path, its cont
 
 def write_machine(write: FileWriter, machine: str) -> None:
     """The node's simulated GPUs: the stand-in library's machine and state file beside the driver library, the
-    driver's MPS control program as the simulator's stand-in working on that machine."""
+    driver's MPS control program as the simulator's stand-in working on that machine, the IMEX daemon and its
+    query tool as the simulator's stand-ins."""
     state_rel = os.path.relpath(SIM_STATE, DRIVER_DIR)
     write(DRIVER_DIR / "nodeagent-sim.conf",
           f"# the nodeagent test cluster's simulated GPUs (tests/peers/cluster.py)\n"
           f"machine = {machine}\nstate = {state_rel}\n".encode(), 0o644)
     write(MPS_CONTROL, MPS_CONTROL_STAND_IN.format(machine=machine, state=SIM_STATE).encode(), 0o755)
+    for program, module in ((IMEX_DAEMON, "imex_daemon"), (IMEX_CTL, "imex_ctl")):
+        write(program, IMEX_STAND_IN.format(program=program.name, module=module).encode(), 0o755)
 
 
 def start_node_runtime(cluster: Cluster, peers: NodePeers, write: FileWriter, *, subnet: str = POD_SUBNET,

@@ -41,6 +41,8 @@ from tests.peers.cluster import (
     CONTAINERD_CONFIG,
     CONTAINERD_SOCKET,
     DRIVER_DIR,
+    IMEX_CTL,
+    IMEX_DAEMON,
     KUBELET_DIR,
     MACHINE,
     MPS_CONTROL,
@@ -64,8 +66,13 @@ PODS = "10.244.0.0/16"  # one /24 per node: 10.244.(76+N).0/24
 # kubelet's pod logs too: a kubelet removes the log directories of pods it does not know)
 NODE_DIRS = (KUBELET_DIR, CONTAINERD_SOCKET.parent, CONTAINERD_CONFIG.parent, CDI_DIR, Path("/etc/cdi"),
              Path("/run/nodeagent"), SIM_STATE.parents[1], Path("/etc/nvidia-container-runtime"),
-             Path("/run/systemd"), Path("/var/log/pods"), Path("/var/log/containers"))
-NODE_FILES = (DRIVER_DIR / "nodeagent-sim.conf", MPS_CONTROL)
+             Path("/run/systemd"), Path("/var/log/pods"), Path("/var/log/containers"), Path("/etc/nvidia-imex"))
+NODE_FILES = (DRIVER_DIR / "nodeagent-sim.conf", MPS_CONTROL, IMEX_DAEMON, IMEX_CTL)
+# the kernel module's IMEX channel device as a further node's driver registers it: a line of that node's own
+# /proc/devices (a copy of the host's bound over it in the node's mount namespace); the agent makes the channel
+# devices with it (in the host's /dev, which the nodes share: removed at the end)
+IMEX_CHANNELS = ("nvidia-caps-imex-channels", 509)
+IMEX_CHANNEL_DIR = Path("/dev/nvidia-caps-imex-channels")
 CGROUPS = Path("/sys/fs/cgroup")
 
 
@@ -163,6 +170,18 @@ class SeveralNodes:
                 ticks += int(fields[11]) + int(fields[12])  # utime, stime
         return rss, ticks
 
+    def remove(self, name: str) -> list[str]:
+        """Further node ``name`` leaves the cluster: its kubelet, containerd, pods and namespaces gone, its Node
+        deleted; the problems found while cleaning (empty: clean)."""
+        node = self.node(name)
+        assert node is not self.first, "node 1 holds the control plane"
+        self.others.remove(node)
+        node.stop_node()
+        problems = self._spaces.pop(name).remove()
+        shutil.rmtree(node.workdir, ignore_errors=True)
+        self.first.kubectl("delete", "node", name, "--wait=false")
+        return problems
+
     def stop_others(self) -> list[str]:
         problems: list[str] = []
         for node in reversed(self.others):
@@ -171,6 +190,13 @@ class SeveralNodes:
             shutil.rmtree(node.workdir, ignore_errors=True)
         self.others.clear()
         return problems
+
+
+def _with_imex_channels(text: str) -> str:
+    """``/proc/devices`` with the IMEX channels' character device added at the end of its character devices."""
+    name, major = IMEX_CHANNELS
+    chars, sep, rest = text.partition("\n\nBlock devices:")
+    return f"{chars}\n{major:3d} {name}{sep}{rest}"
 
 
 def _check_ranges_free() -> None:
@@ -252,6 +278,9 @@ def _add_node(first: Cluster, peers: NodePeers, index: int, machine: str) -> tup
             d.mkdir(parents=True, exist_ok=True)
         for path in (*NODE_DIRS, *NODE_FILES):
             _run([*enter, "mount", "--bind", str(node.host_path(path)), str(path)])
+        devices = workdir / "proc-devices"
+        devices.write_text(_with_imex_channels(Path("/proc/devices").read_text()))
+        _run([*enter, "mount", "--bind", "-o", "ro", str(devices), "/proc/devices"])
         spaces.cgroups = _cgroups(spaces.cgroup.lstrip("/"))
         write_kubeconfig(workdir / "kubeconfig", f"https://{SERVICE_IP}:443", first.apiserver.workdir / "pki")
         start_node_runtime(node, peers, write, subnet=pod_subnet(index), cgroup_root=spaces.cgroup,
@@ -272,6 +301,7 @@ def running_nodes(count: int, imported: Sequence[str] = ("pause", "base", "agent
         raise ValueError(f"nodes: {count} (2 to {len(MACHINES)})")
     peers = node_peers()
     _check_ranges_free()
+    channels_there = IMEX_CHANNEL_DIR.exists()
     start = time.monotonic()
     with running_cluster(imported) as first:
         nodes = SeveralNodes(first=first, others=[], machines={first.node_name: MACHINE},
@@ -306,6 +336,8 @@ def running_nodes(count: int, imported: Sequence[str] = ("pause", "base", "agent
                 first.kubectl("delete", "pods", "--all", "-A", "--grace-period=0", "--force", "--wait=false",
                               check=False, timeout=30)
             problems = nodes.stop_others()
+            if not channels_there:
+                shutil.rmtree(IMEX_CHANNEL_DIR, ignore_errors=True)
             if problems:
                 raise RuntimeError("the further nodes did not leave the host clean: " + "; ".join(problems))
 

@@ -114,8 +114,11 @@ class DraPlaneComponent(Component):
         self._pod_resources: PodResourcesClient | None = None
         from nodeagent.computedomain.report import NodeReporter
 
-        # the ComputeDomains whose channel claims are prepared here, reported on the own Node
-        self._reporter = NodeReporter(ctx.kube, ctx.node_name) if ctx.kube is not None else None
+        # the ComputeDomains whose channel claims are prepared here, reported on the own Node; Ready only while
+        # the host IMEX daemon ([imex], the racks component) answers READY
+        self._reporter = NodeReporter(ctx.kube, ctx.node_name, imex_ready=self._imex_ready) \
+            if ctx.kube is not None else None
+        self._imex_seen: bool | None = None
 
     async def start(self, ctx: Context) -> None:
         if ctx.inventory is None:
@@ -140,11 +143,26 @@ class DraPlaneComponent(Component):
             self._pod_resources = self._ctx.pod_resources_client()
             self._mover = self._ctx.spawn(self._move_loop(), "plane moves")
         self.dra.on_claims_changed = self._claims_changed
+        self._imex_seen = self._imex_ready()
+        self._ctx.shared.conditions.subscribe(self._imex_changed)
         self._claims_changed()
         gpus = sorted({d.gpu_index for d in self.dra.devices})
         log.info("DRA driver gpu.nodeagent.io serves %d device(s) on GPU(s) %s", len(self.dra.devices),
                  ", ".join(map(str, gpus)) or "none")
         self._ctx.set_status(self.name, f"{len(self.dra.devices)} device(s)")
+
+    def _imex_ready(self) -> bool:
+        """Without ``[imex] enabled`` no daemon is supervised here: a prepared domain is Ready."""
+        imex = self._ctx.shared.conditions.imex
+        return not self._ctx.config.imex.enabled or (imex is not None and imex.ready)
+
+    def _imex_changed(self) -> None:
+        """A condition input changed: when it is the IMEX daemon's readiness, the domains' report follows."""
+        ready = self._imex_ready()
+        if ready != self._imex_seen:
+            self._imex_seen = ready
+            if self._reporter is not None and self._started:
+                self._ctx.spawn(self._report_domains(), "computedomain report")
 
     def _claims_changed(self) -> None:
         self._wake.set()  # a move waiting for its holders looks again
@@ -336,6 +354,7 @@ class DraPlaneComponent(Component):
             self._pod_resources = None
         self._ctx.shared.health.detach(self)
         self._ctx.shared.dra.detach(self)
+        self._ctx.shared.conditions.unsubscribe(self._imex_changed)
         withdraw = self._plane_goes_away()
         await self.dra.stop(withdraw_slices=withdraw)
         if withdraw:
