@@ -370,7 +370,7 @@ def fabric_families(inv: Inventory) -> list[Metric]:
         labels=("gpu", "UUID", "status", "clique"),
     )
     health = GaugeMetricFamily(
-        "nodeagent_gpu_fabric_health_summary",
+        "nodeagent_gpu_fabric_health",
         "NVLink fabric health summary of each GPU (0 not supported, 1 healthy, 2 unhealthy, "
         "3 limited capacity); mask is NVML's health mask.",
         labels=("gpu", "UUID", "mask"),

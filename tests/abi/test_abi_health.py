@@ -167,13 +167,13 @@ from nodeagent.errors import NvmlError
 from nodeagent.nvmlsource import open_nvml
 adapter = open_nvml(None, Path(sys.argv[1]))
 uuid = adapter.gpu_uuid(2)
-adapter.set_persistence_mode(uuid, True)
+adapter.set_persistence_mode_of(uuid, True)
 try:
     adapter.set_drain(uuid, True)
     refused = ""
 except NvmlError as e:
     refused = type(e).__name__
-adapter.set_persistence_mode(uuid, False)
+adapter.set_persistence_mode_of(uuid, False)
 adapter.set_drain(uuid, True)
 drained = adapter.drain_state(uuid)
 adapter.set_drain(uuid, False)

@@ -756,7 +756,15 @@ def test_agent_killed_during_prepare_is_finished_by_the_restarted_agent(cluster:
             assert claim_uid in checkpoint and spec_file.exists()
             out = run_cdi_check([root / "var/run/cdi"], [cdi["main"]])
             assert out["injections"][0]["unresolved"] == [] and not out["injections"][0].get("error")
-            h.unprepare(hpod)
+
+            def unprepared() -> bool | None:
+                try:
+                    h.unprepare(hpod)
+                    return True
+                except DraHarnessError:  # a connection to the first registration closing under the call: again
+                    return None
+
+            wait_for(unprepared, 30, "unprepare after the restart", cluster)
             assert not spec_file.exists()
             stop_process(second)
     finally:
