@@ -761,12 +761,16 @@ _agent_image_build() {
   rm -f "$out.requirements"
   _buildah inspect --type image "$NODEAGENT_BASE_IMAGE_REF" >/dev/null 2>&1 ||
     _buildah pull "oci-archive:$NODEAGENT_BASE_IMAGE" || return 1
-  (cd "$repo" && _buildah bud --isolation chroot --pull-never --layers=false -v "$wheels:/wheels:ro" \
+  (cd "$repo" && _buildah bud --isolation chroot --pull-never --layers -v "$wheels:/wheels:ro" \
     --build-arg PIP_NO_INDEX=1 --build-arg PIP_FIND_LINKS=/wheels -f packaging/kubernetes/Containerfile \
     -t "$NODEAGENT_AGENT_IMAGE_REF" .) || return 1
   _buildah push "$NODEAGENT_AGENT_IMAGE_REF" "oci-archive:$out:$NODEAGENT_AGENT_IMAGE_REF" || return 1
-  _buildah rmi "$NODEAGENT_AGENT_IMAGE_REF" >/dev/null 2>&1 || true
-  _buildah rmi --prune >/dev/null 2>&1 || true
+  # The newest image keeps its name and its layers stay as the next build's cache (the apt-get of both stages,
+  # the dependencies' install: a change to nodeagent's sources then redoes only its own install); older builds'
+  # layers go once the storage passes 2 GiB.
+  if [ "$(du -sm "$NODEAGENT_CACHE/buildah/storage" | cut -f1)" -gt 2048 ]; then
+    _buildah rmi --prune >/dev/null 2>&1 || true
+  fi
 }
 
 nodeagent_peers_agent_image() {
