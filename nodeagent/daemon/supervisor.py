@@ -47,6 +47,7 @@ from nodeagent.deadline import within
 from nodeagent.errors import NodeAgentError
 from nodeagent.gpu.health import EventPumps
 from nodeagent.gpu.inventory import Inventory
+from nodeagent.grpcadapter.loops import quiet_closed_poller
 from nodeagent.hostpaths import HostPaths
 from nodeagent.logs import setup_logging
 from nodeagent.sdnotify import Notifier
@@ -563,6 +564,7 @@ def run_daemon(daemon: Daemon, install_signals: bool = True, exit_hard: bool = T
     to exit within seconds of SIGTERM, so with ``exit_hard`` such stragglers end with the process.
     """
     loop = asyncio.new_event_loop()
+    quiet_closed_poller(loop)
     try:
         code = loop.run_until_complete(daemon.run(install_signals=install_signals))
         loop.run_until_complete(loop.shutdown_asyncgens())

@@ -46,6 +46,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from nodeagent.deadline import within
+from nodeagent.grpcadapter.loops import quiet_closed_poller
 from nodeagent.logs import MAX_REASON as MAX_LOGGED
 from nodeagent.logs import LineBudget as LineBudget
 from nodeagent.logs import RefusalLog as RefusalLog
@@ -488,6 +489,7 @@ def server_loop() -> asyncio.AbstractEventLoop:
     with _server_loop_lock:
         if _server_loop is None:
             loop = asyncio.new_event_loop()
+            quiet_closed_poller(loop)
             threading.Thread(target=loop.run_forever, name=SERVER_LOOP_THREAD, daemon=True).start()
             _server_loop = loop
         return _server_loop
