@@ -13,7 +13,10 @@ the last MIG config apply, the containerd wiring check, the CDI spec) into four 
 On a rack node (GPUs on an NVLink fabric with a cluster) two more: ``nodeagent.io/NVLinkCliqueReady`` (the
 ``nvidia.com/gpu.clique`` label is set; its reason says why it is withheld: fabric not started, in progress,
 an error status, GPUs in different cliques) and, with the host-managed IMEX daemon on,
-``nodeagent.io/IMEXReady`` (``nvidia-imex-ctl -q`` answers READY).
+``nodeagent.io/IMEXReady`` (``nvidia-imex-ctl -q`` answers READY). They are removed from the Node again when
+they no longer apply (``retired_conditions``): ``NVLinkCliqueReady`` once the node's GPUs are on no fabric cluster
+any more (it left the rack), ``IMEXReady`` once ``[imex]`` is off; a rack node whose clique label is withheld keeps
+both, False with the reason.
 
 Status follows the Kubernetes conventions: ``True``/``False`` when the agent knows, ``Unknown`` when it
 cannot tell (the check is off or has not run). Reasons are CamelCase codes, messages one line of at most
@@ -126,6 +129,7 @@ class ConditionSnapshot:
     conflicts: tuple[ConflictInput, ...] = ()
     fabric: CliqueDecision | None = None  # the NVLink clique decision (None: no inventory yet)
     imex: ImexInput | None = None  # the host-managed IMEX daemon (None: not run by the agent)
+    imex_off: bool = False  # [imex] is off: an IMEXReady written before is removed
 
 
 @dataclass(frozen=True)
@@ -301,17 +305,30 @@ def build_conditions(s: ConditionSnapshot) -> list[Condition]:
     return out
 
 
+def retired_conditions(s: ConditionSnapshot) -> tuple[str, ...]:
+    """The rack condition types that no longer apply to the node and go from it: ``NVLinkCliqueReady`` when the
+    inventory shows no GPU on a fabric cluster (not before the first inventory), ``IMEXReady`` when the agent is
+    configured not to run the IMEX daemon."""
+    out: list[str] = []
+    if s.fabric is not None and not s.fabric.applicable:
+        out.append(NVLINK_CLIQUE_READY)
+    if s.imex_off and s.imex is None:
+        out.append(IMEX_READY)
+    return tuple(out)
+
+
 def _timestamp(now: datetime) -> str:
     return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def plan_conditions(
-    current: Sequence[Mapping[str, Any]], desired: Iterable[Condition], now: datetime
+    current: Sequence[Mapping[str, Any]], desired: Iterable[Condition], now: datetime, retired: Iterable[str] = ()
 ) -> list[dict[str, Any]]:
     """The condition objects to patch: those of ``desired`` whose status, reason or message differ from
     ``current`` (the Node's conditions). ``lastTransitionTime`` is kept from ``current`` when the status is
     the same, else ``now``; ``lastHeartbeatTime`` is the time of this write. A provisional condition ("not
-    known yet") replaces none already there. Empty: nothing to write."""
+    known yet") replaces none already there. A type of ``retired`` on the Node gets the strategic-merge patch's
+delete directive (``{"type": ..., "$patch": "delete"}``). Empty: nothing to write."""
     by_type = {str(c.get("type", "")): c for c in current}
     stamp = _timestamp(now)
     out: list[dict[str, Any]] = []
@@ -330,6 +347,7 @@ def plan_conditions(
             "lastHeartbeatTime": stamp,
             "lastTransitionTime": str(old["lastTransitionTime"]) if same_status and old else stamp,
         })
+    out += [{"type": t, "$patch": "delete"} for t in dict.fromkeys(retired) if t in by_type]
     return out
 
 
@@ -435,7 +453,8 @@ class ConditionWriter:
                 view = self.node.get()
                 self._known = {str(c.get("type", "")): dict(c) for c in view.conditions
                                if str(c.get("type", "")) in CONDITION_TYPES + RACK_CONDITION_TYPES}
-            changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock())
+            changes = plan_conditions(list(self._known.values()), build_conditions(snapshot), self.clock(),
+                                      retired_conditions(snapshot))
             fields = self.stage.peek() if self.stage is not None else {}
             if not changes and not fields:
                 return []
@@ -448,6 +467,10 @@ class ConditionWriter:
                 self.stage.clear(fields, written)
                 log.info("node %s: status %s written", self.node.name, ", ".join(sorted(fields)))
             for c in changes:
+                if c.get("$patch") == "delete":
+                    self._known.pop(c["type"], None)
+                    log.info("node %s: condition %s removed (no longer applies)", self.node.name, c["type"])
+                    continue
                 self._known[c["type"]] = c
                 log.info("node %s: condition %s=%s (%s): %s", self.node.name, c["type"], c["status"],
                          c["reason"], c["message"])

@@ -300,18 +300,12 @@ def imex_plane(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]]) -
     configmap["data"]["config.toml"] = f"resync_interval = {RESYNC_S}\n" + configmap["data"]["config.toml"] + IMEX_CONFIG
     first.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
     began = time.monotonic()
-    # what [imex] asks of the DaemonSet (docs/racks.md): the node's network and its /etc/nvidia-imex; every
-    # node's agent replaced at once
-    pod_spec = "/spec/template/spec"
-    first.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--type", "json", "-p", json.dumps([
-        {"op": "add", "path": "/spec/updateStrategy",
-         "value": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "100%"}}},
-        {"op": "add", "path": f"{pod_spec}/hostNetwork", "value": True},
-        {"op": "add", "path": f"{pod_spec}/dnsPolicy", "value": "ClusterFirstWithHostNet"},
-        {"op": "add", "path": f"{pod_spec}/volumes/-",
-         "value": {"name": "imex-etc", "hostPath": {"path": "/etc/nvidia-imex", "type": "DirectoryOrCreate"}}},
-        {"op": "add", "path": f"{pod_spec}/containers/0/volumeMounts/-",
-         "value": {"name": "imex-etc", "mountPath": "/host/etc/nvidia-imex"}}]))
+    # every node's agent replaced at once (test speed only: the template does not change, no rollout), then what
+    # [imex] asks of the DaemonSet, by the packaged patch file and the kubectl line of docs/racks.md
+    first.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--type", "merge", "-p", json.dumps(
+        {"spec": {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "100%"}}}}))
+    first.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--patch-file",
+                  "packaging/kubernetes/daemonset-imex.patch.yaml")
     first.kubectl("apply", "-f", "packaging/kubernetes/computedomain-controller.yaml")
     from nodeagent.simulator.nvml_fabric import cluster_uuid
 

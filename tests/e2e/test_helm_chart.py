@@ -47,6 +47,7 @@ VARIANTS: dict[str, Sequence[str]] = {
     "config-map-name": ["config.name=my-nodeagent-config"],
     "metrics-port": ["metrics.port=9500"],
     "no-rbac-no-policy": ["rbac.create=false", "admissionPolicy.enabled=false"],
+    "imex": ["imex.enabled=true"],
 }
 
 
@@ -512,3 +513,78 @@ def test_remediation_controller_renders_the_plain_manifest(helm: Path) -> None:
         assert rendered[key(doc)] == doc, key(doc)
     names = {d["metadata"]["name"] for d in plain}
     assert not [key(d) for d in render(helm) if d["metadata"]["name"] in names]
+
+
+# -- the host-managed IMEX daemon -------------------------------------------------------------------------
+
+IMEX_PATCH = MANIFESTS / "daemonset-imex.patch.yaml"
+
+
+def _by_name(items: list[Doc]) -> dict[str, Doc]:
+    return {i["name"]: i for i in items}
+
+
+def _comparable(pod: Doc) -> Doc:
+    """The pod spec with its volumes and every container's mounts keyed by name (their order means nothing)."""
+    out = dict(pod)
+    out["volumes"] = _by_name(pod["volumes"])
+    out["containers"] = [{**c, "volumeMounts": _by_name(c["volumeMounts"])} for c in pod["containers"]]
+    out["initContainers"] = [{**c, "volumeMounts": _by_name(c["volumeMounts"])} for c in pod["initContainers"]]
+    return out
+
+
+def test_imex_renders_the_pod_side_and_the_config(helm: Path) -> None:
+    """imex.enabled: the pod on the node's network with the node's /etc/nvidia-imex at /host/etc/nvidia-imex (the
+    agent's container only) and [imex] enabled in config.toml, merged with config.agent.imex's other keys; none
+    of it without the value; [imex] in config.agent without the value, one clear error naming both."""
+    from nodeagent.config import parse_config
+
+    docs = render(helm, *VARIANTS["imex"], "config.agent.imex.server_port=50100")
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
+    assert _by_name(pod["volumes"])["imex-etc"] == {
+        "name": "imex-etc", "hostPath": {"path": "/etc/nvidia-imex", "type": "DirectoryOrCreate"}}
+    agent, = pod["containers"]
+    assert _by_name(agent["volumeMounts"])["imex-etc"] == {"name": "imex-etc", "mountPath": "/host/etc/nvidia-imex"}
+    assert "imex-etc" not in _by_name(pod["initContainers"][0]["volumeMounts"])
+    imex = parse_config(agent_config(docs)[0], "imex/config.toml").imex
+    assert (imex.enabled, imex.server_port, imex.cmd_port) == (True, 50100, 50005)
+
+    default = one(render(helm), "DaemonSet")["spec"]["template"]["spec"]
+    assert "hostNetwork" not in default and "dnsPolicy" not in default
+    assert "imex-etc" not in _by_name(default["volumes"])
+    assert "imex" not in tomllib.loads(agent_config(render(helm))[0])
+
+    # a config of the user's own: the pod side only, [imex] is that config's
+    own = render(helm, "imex.enabled=true", "config.name=my-nodeagent-config")
+    assert one(own, "DaemonSet")["spec"]["template"]["spec"]["hostNetwork"] is True
+    assert not [d for d in own if d["kind"] == "ConfigMap"]
+
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "config.agent.imex.enabled=true")
+    assert proc.returncode != 0
+    assert "config.agent.imex.enabled needs the pod on the node's network with /etc/nvidia-imex: set " \
+           "imex.enabled=true instead" in proc.stderr, proc.stderr
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "imex.enabled=yes")
+    assert proc.returncode != 0 and "at '/imex/enabled': got string, want boolean" in proc.stderr, proc.stderr
+
+
+def test_imex_patch_file_gives_the_charts_pod(helm: Path, tmp_path: Path) -> None:
+    """The one kubectl line of docs/racks.md for the plain manifests: packaging/kubernetes/daemonset-imex.patch.yaml,
+    applied by kubectl's own strategic merge (--local: no server) onto daemonset.yaml, gives the pod the chart
+    renders with imex.enabled, field for field (volumes and mounts compared by name)."""
+    kubectl = peer_binary("NODEAGENT_KUBECTL", "nodeagent_peers_kubelet", "kubectl v1.34")
+    proc = subprocess.run(
+        [str(kubectl), "patch", "--local", "-f", str(MANIFESTS / "daemonset.yaml"), "--patch-file", str(IMEX_PATCH),
+         "-o", "json"],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "KUBECONFIG": str(tmp_path / "none")})
+    assert proc.returncode == 0, proc.stderr
+    patched = json.loads(proc.stdout)
+    rendered = one(render(helm, *VARIANTS["imex"]), "DaemonSet")
+    assert _comparable(patched["spec"]["template"]["spec"]) == _comparable(rendered["spec"]["template"]["spec"])
+    # nothing else of the DaemonSet moves (the pods' config hash aside: the chart's config carries [imex])
+    plain = yaml.safe_load((MANIFESTS / "daemonset.yaml").read_text())
+    for doc in (patched, plain):
+        doc["spec"]["template"]["metadata"].pop("annotations")
+        doc["spec"]["template"]["spec"] = {}
+    assert patched == plain

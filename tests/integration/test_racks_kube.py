@@ -112,3 +112,44 @@ def test_racks_component_runs_imex_for_the_clique(kube: KubeClient, node_name: s
     asyncio.run(scenario())
     events = [e for e in nc.list_events() if e.get("reason") == "FabricNotStarted"]
     assert len(events) == 1 and events[0]["type"] == "Warning" and CLIQUE_LABEL in events[0]["message"]
+
+
+def test_rack_conditions_go_when_they_no_longer_apply(kube: KubeClient, node_name: str) -> None:
+    """A node that leaves the rack (its GPUs on no fabric cluster any more) loses NVLinkCliqueReady; [imex] turned
+    off removes IMEXReady; another writer's condition stays. A withheld clique keeps its condition (False, with the
+    reason), and an agent restarted on a node without them writes nothing for them."""
+    from nodeagent.kube.conditions import IMEX_READY, ImexInput
+
+    nc = NodeClient(kube, node_name)
+    other = {"type": "example.com/Other", "status": "True", "reason": "Fine", "message": "not nodeagent's"}
+    nc.patch_status_conditions([other])
+    writer = ConditionWriter(nc)
+    imex = ImexInput(running=True, ready=True, peers=2, answer="READY", clique=f"{UUID}.1")
+    writer.sync(ConditionSnapshot(fabric=decide(_inv(HEALTHY)), imex=imex))
+    types = {c["type"]: c for c in nc.get().conditions}
+    assert types[NVLINK_CLIQUE_READY]["status"] == types[IMEX_READY]["status"] == "True"
+
+    # the clique withheld: still a rack node, the condition stays and says why
+    starting = dataclasses.replace(HEALTHY, state=1, status=27, clique_id=0,
+                                   cluster_uuid="00000000-0000-0000-0000-000000000000")
+    writer.sync(ConditionSnapshot(fabric=decide(_inv(starting)), imex=dataclasses.replace(imex, clique=None)))
+    types = {c["type"]: c for c in nc.get().conditions}
+    assert (types[NVLINK_CLIQUE_READY]["status"], types[NVLINK_CLIQUE_READY]["reason"]) == ("False", "FabricNotStarted")
+    assert (types[IMEX_READY]["status"], types[IMEX_READY]["reason"]) == ("False", "NoClique")
+
+    # out of the rack (no fabric at all), [imex] still on: the clique condition goes, IMEX says NoClique
+    gone = dataclasses.replace(HEALTHY, state=0, status=0, cluster_uuid="", clique_id=0)
+    assert decide(_inv(gone)).applicable is False
+    no_rack = ConditionSnapshot(fabric=decide(_inv(gone)), imex=dataclasses.replace(imex, clique=None, running=False))
+    assert writer.sync(no_rack) == [NVLINK_CLIQUE_READY]
+    types = {c["type"]: c for c in nc.get().conditions}
+    assert NVLINK_CLIQUE_READY not in types and types[IMEX_READY]["reason"] == "NoClique"
+    assert writer.sync(no_rack) == []  # removed once, nothing more to send
+
+    # [imex] turned off: IMEXReady goes too; the other writer's condition was never touched
+    off = ConditionSnapshot(fabric=decide(_inv(gone)), imex_off=True)
+    assert writer.sync(off) == [IMEX_READY]
+    types = {c["type"]: c for c in nc.get().conditions}
+    assert IMEX_READY not in types and NVLINK_CLIQUE_READY not in types
+    assert {k: types[other["type"]][k] for k in other} == other
+    assert ConditionWriter(nc).sync(off) == []  # a restarted agent: nothing to remove, no request

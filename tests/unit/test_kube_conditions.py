@@ -191,3 +191,26 @@ def test_status_stage_replaces_wakes_and_clears_only_what_was_written() -> None:
     assert stage.peek() == {}
     stage.stage({})  # nothing to write wakes nobody
     assert woken == [1, 1]
+
+
+def test_rack_conditions_no_longer_applying_are_retired() -> None:
+    """Out of the rack (no fabric cluster) NVLinkCliqueReady is retired, with [imex] off IMEXReady; the planner
+    deletes a retired type only where the Node has it (strategic-merge delete directive) and nothing else."""
+    from nodeagent.gpu.fabric import CliqueDecision
+    from nodeagent.kube.conditions import IMEX_READY, NVLINK_CLIQUE_READY, ImexInput, retired_conditions
+
+    member = CliqueDecision(True, "uuid.1", None, "joined")
+    outside = CliqueDecision(False, None, None, "no GPU of this node is on an NVLink fabric")
+    assert retired_conditions(ConditionSnapshot()) == ()  # no inventory yet: nothing is known to be gone
+    assert retired_conditions(ConditionSnapshot(fabric=member)) == ()
+    assert retired_conditions(ConditionSnapshot(fabric=outside)) == (NVLINK_CLIQUE_READY,)
+    assert retired_conditions(ConditionSnapshot(fabric=outside, imex_off=True)) == (NVLINK_CLIQUE_READY, IMEX_READY)
+    running = ImexInput(running=True, ready=True, clique="uuid.1")
+    assert retired_conditions(ConditionSnapshot(fabric=member, imex=running)) == ()
+    assert NVLINK_CLIQUE_READY not in by_type(ConditionSnapshot(fabric=outside))
+
+    current = [{"type": NVLINK_CLIQUE_READY, "status": "True", "reason": "CliqueJoined", "message": "x"},
+               {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet"}]
+    out = plan_conditions(current, [], T0, (NVLINK_CLIQUE_READY, IMEX_READY))
+    assert out == [{"type": NVLINK_CLIQUE_READY, "$patch": "delete"}]
+    assert plan_conditions(current[1:], [], T0, (NVLINK_CLIQUE_READY,)) == []

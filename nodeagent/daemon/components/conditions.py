@@ -75,7 +75,10 @@ def condition_snapshot(ctx: Context) -> Any:
         from nodeagent.gpu.fabric import decide
 
         fabric = decide(inv)
-    return dataclasses.replace(s, health=health, mig=mig, runtime=runtime, fabric=fabric)
+    # [imex] off (perhaps turned off by a reload): no IMEX condition, and one written before goes
+    imex = s.imex if cfg.imex.enabled else None
+    return dataclasses.replace(s, health=health, mig=mig, runtime=runtime, fabric=fabric, imex=imex,
+                               imex_off=not cfg.imex.enabled)
 
 
 class ConditionsComponent(Component):

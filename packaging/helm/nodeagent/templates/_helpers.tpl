@@ -55,6 +55,9 @@ flags:
 {{- if include "nodeagent.devicePluginFile" . -}}
 {{- $_ := set $s "device_plugin" (merge (dict "config" "/etc/nodeagent/device-plugin.yaml") (get $s "device_plugin" | default dict)) -}}
 {{- end -}}
+{{- if .Values.imex.enabled -}}
+{{- $_ := set $s "imex" (merge (dict "enabled" true) (get $s "imex" | default dict)) -}}
+{{- end -}}
 {{- if .Values.cdi.enabled -}}
 {{- $_ := set $s "runtime" (merge (dict "cdi" true) (get $s "runtime" | default dict)) -}}
 {{- end -}}
@@ -101,6 +104,10 @@ flags:
 {{- end -}}
 {{- if and .Values.config.toml .Values.config.name -}}
 {{- fail "config.toml and config.name: give the agent's config one way, not both" -}}
+{{- end -}}
+{{- $agentImex := get (.Values.config.agent | default dict) "imex" | default dict -}}
+{{- if and (kindIs "map" $agentImex) (get $agentImex "enabled") (not .Values.imex.enabled) -}}
+{{- fail "config.agent.imex.enabled needs the pod on the node's network with /etc/nvidia-imex: set imex.enabled=true instead" -}}
 {{- end -}}
 {{- if or .Values.config.toml .Values.config.name -}}
 {{- $own := list -}}
