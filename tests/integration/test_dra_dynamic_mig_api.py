@@ -29,12 +29,12 @@ from nodeagent.kube.client import KubeClient
 from nodeagent.nvmlsource import adapter_for_sim
 from nodeagent.simulator.machine import load_machine
 from nodeagent.simulator.open import open_sim
-from tests.integration._releases import release_apiserver
+from tests.integration._releases import shared_release_apiserver
 from tests.peers.apiserver import KubeApiServer
 
 pytestmark = pytest.mark.peers
 
-kube_apiserver = release_apiserver  # every test once per Kubernetes release
+kube_apiserver = shared_release_apiserver  # every test once per Kubernetes release, on servers shared with other modules
 
 MACHINES = ["dgx-a100-40gb", "dgx-h100", "a30x4", "rtx-pro-6000", "dgx-b200", "hgx-h200"]
 
