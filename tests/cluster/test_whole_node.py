@@ -384,6 +384,7 @@ def remediation(cluster: Cluster, agent: dict[str, Any], registry: Registry) -> 
     """Remediation on: the controller Deployment applied, the ConfigMap with ``[remediation]``, the agent
     restarted with it; GPU index → UUID. After the class: no pod or budget of it, the simulated GPUs back, the
     packaged ConfigMap and the agent restarted with it (allocatable 8 again), no controller."""
+    began = time.monotonic()
     controller = {"apiVersion": "v1", "kind": "List", "items": _controller_manifests(registry)}
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(controller))
     _restart_agent_with(cluster, _remediation_configmap(), f"remediation on, allocatable {GPU_COUNT}",
@@ -392,7 +393,9 @@ def remediation(cluster: Cluster, agent: dict[str, Any], registry: Registry) -> 
         all(s.get("ready") for s in p["status"].get("containerStatuses", [{}])) and p["status"].get("containerStatuses")
         for p in cluster.get_json("pods", "-n", "nodeagent", "-l",
                                   "app.kubernetes.io/name=nodeagent-remediation")["items"]), timeout=120)
+    print(f"remediation on (controller ready, agent restarted) in {time.monotonic() - began:.1f}s")
     yield {g["spec"]["index"]: g["spec"]["uuid"] for g in cluster.get_json("gpus")["items"]}
+    began = time.monotonic()
     from nodeagent.simulator import inject
     from nodeagent.simulator.state import SimStore
     from tests.peers.cluster import MACHINE, SIM_STATE
@@ -403,6 +406,7 @@ def remediation(cluster: Cluster, agent: dict[str, Any], registry: Registry) -> 
     _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
                         lambda: allocatable(cluster) == GPU_COUNT)
     cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input_text=json.dumps(controller))
+    print(f"remediation off again (packaged config, agent restarted) in {time.monotonic() - began:.1f}s")
 
 
 @pytest.mark.usefixtures("remediation")
@@ -462,6 +466,7 @@ class TestRemediation:
         for step in ("withdraw", "evict", "stop-users", "persistence-off", "reset", "verify", "restore", "offer"):
             assert any(f": {step} done in" in m and held_uuid in m for m in steps), (step, messages)
         assert not any(other_uuid in m for _, m in messages), messages
+        print("the pipeline's steps:", "; ".join(m.split(": ", 1)[1] for m in steps if held_uuid in m))
         assert any(r == "GPURemediated" and held_uuid in m for r, m in messages), messages
         condition = _condition(cluster, "nodeagent.io/GPURemediation")
         assert condition["status"] == "False" and condition["reason"] == "Idle", condition
