@@ -231,6 +231,20 @@ class Remediator:
                 out.append(await self.run(p, done=run.done, persistence=run.persistence))
         return out
 
+    async def clear_reboot_required(self, uuids: Sequence[str]) -> bool:
+        """At an agent's start: the reboot-required condition an earlier run left (the node was rebooted, or
+        an operator brought the GPU back) is set False when nothing needs it any more: no GPU quarantined,
+        no run to finish, and every one of ``uuids`` (the GPUs found now) answers with recovery action none.
+        True when it was cleared."""
+        if self.record.quarantined or self.record.runs or not uuids:
+            return False
+        for u in uuids:
+            if not await self._needs_nothing(u):
+                return False
+        await self.node.condition(CONDITION_REBOOT, False, "NotRequired",
+                                  f"all {len(uuids)} GPUs answer and need no recovery")
+        return True
+
     # ---- running ----
     async def run(self, p: Plan, *, done: Sequence[Step] = (),
                   persistence: Mapping[str, bool] | None = None) -> Outcome:

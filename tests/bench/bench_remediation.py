@@ -11,6 +11,13 @@ runs (the GPU is back in both planes). Two resetters: the in-process simulator c
 -i <UUID>`` stand-in run as a subprocess, as on a node. The Kubernetes side is in-process (no apiserver
 round trips); tests/integration/test_remediation_eviction.py runs the same pipeline on a real apiserver.
 
+The same fault on the whole-node cluster (real kubelet, containerd, scheduler, the agent's DaemonSet, the
+packaged remediation controller evicting, the node's ``nvidia-smi`` stand-in resetting) is measured by
+tests/cluster/test_whole_node.py (``TestRemediation``), which prints its JSON line: fault → the Node's
+allocatable back (``remediation_xid48_fault_to_allocatable_s``, the PodDisruptionBudget's refusal included) and
+budget relaxed → allocatable back (``remediation_budget_relaxed_to_allocatable_s``: controller pass, eviction
+grace, pod deletion, reset, the kubelet's node status update).
+
 For comparison (not measured here): NVIDIA NVSentinel's path for the same fault, from its design docs —
 a syslog health monitor reports the XID, the fault-quarantine module cordons the node, the node-drainer
 evicts every pod of the node, the fault-remediation module creates a GPUReset CR, the janitor sets four GPU
@@ -144,6 +151,8 @@ def main() -> None:
               f"max {f['fault_to_offered_ms_max']} ms; pods disturbed per fault: {f['pods_disturbed_per_fault_max']} "
               f"(of 8 on the node)")
         figures.update({f"{kind}_{k}": v for k, v in f.items()})
+    print("on the whole-node cluster (kubelet, controller, eviction, nvidia-smi stand-in): tests/cluster/"
+          "test_whole_node.py -k TestRemediation prints remediation_xid48_fault_to_allocatable_s")
     print(json.dumps({"bench": "remediation", "rounds": args.rounds, **figures}))
 
 

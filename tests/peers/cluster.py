@@ -18,8 +18,9 @@ Parts (all built or installed by tests/testbin/setup.sh before pytest starts):
   ``/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1`` with ``nodeagent-sim.conf`` beside it (the simulated
   machine and its state file ``/var/lib/nodeagent/sim/state.json``, on the host), and ``/dev/nvidia*``
   character devices with NVIDIA's major numbers, so runc creates them in the containers that get them;
-  the simulator's stand-in ``nvidia-cuda-mps-control`` installed as the driver's ``/usr/bin`` program
-  (``MPS_CONTROL_STAND_IN``: the agent runs it from its container, where it finds it under ``/host``).
+  the simulator's stand-ins ``nvidia-cuda-mps-control`` and ``nvidia-smi`` (resets only) installed as the
+  driver's ``/usr/bin`` programs (``MPS_CONTROL_STAND_IN``, ``SMI_STAND_IN``: the agent runs them from its
+  container, where it finds them under ``/host``).
 
 This machine's root lacks CAP_SYS_RESOURCE, so no process may lower its oom_score_adj below 0, and the
 kubelet asks for -998 (pod sandboxes) and -997 (critical and Guaranteed pods): runc then fails with
@@ -67,6 +68,7 @@ KUBELET_DIR = Path("/var/lib/kubelet")
 DRIVER_DIR = Path("/usr/lib/x86_64-linux-gnu")
 CDI_DIR = Path("/var/run/cdi")  # where the agent writes its CDI specs (the DaemonSet's cdi-run volume)
 MPS_CONTROL = Path("/usr/bin/nvidia-cuda-mps-control")  # where NVIDIA's driver installs it
+NVIDIA_SMI = Path("/usr/bin/nvidia-smi")  # the driver's nvidia-smi: GPU resets of the remediation
 # the host-managed IMEX daemon and its query tool, where NVIDIA's driver installs them ([imex] of the agent)
 IMEX_DAEMON = Path("/usr/bin/nvidia-imex")
 IMEX_CTL = Path("/usr/bin/nvidia-imex-ctl")
@@ -452,6 +454,16 @@ export NODEAGENT_SIM_MACHINE={machine} NODEAGENT_SIM_STATE="${{root%/}}{state}"
 exec /opt/nodeagent/bin/python -m nodeagent.simulator.mps_control "$@"
 """
 
+# The driver's nvidia-smi as the simulator's stand-in (nodeagent/simulator/abi/smi.py: GPU resets only), run by the
+# agent from its container as the node's /host/usr/bin/nvidia-smi for a remediation's reset; it resets the
+# simulated GPUs in the node's state file, found the same way as the MPS stand-in finds it.
+SMI_STAND_IN = """#!/bin/sh
+# nvidia-smi of the nodeagent test cluster (tests/peers/cluster.py): the simulator's stand-in (resets only)
+root=$(cd "$(dirname "$0")/../.." && pwd)
+export NODEAGENT_SIM_MACHINE={machine} NODEAGENT_SIM_STATE="${{root%/}}{state}"
+exec /opt/nodeagent/bin/python -m nodeagent.simulator.abi.smi "$@"
+"""
+
 # nvidia-imex and nvidia-imex-ctl of the test cluster: the simulator's stand-ins (they talk TCP to each other)
 IMEX_STAND_IN = """#!/bin/sh
 # {program} of the nodeagent test cluster (tests/peers/cluster.py): the simulator's stand-in
@@ -610,7 +622,7 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
         # GPUs: device nodes, the stand-in driver library and its machine, the state on the host
         _device_nodes(host)
         host.write(DRIVER_DIR / "libnvidia-ml.so.1", Path(peers.library).read_bytes(), 0o755)
-        for program in (MPS_CONTROL, IMEX_DAEMON, IMEX_CTL):
+        for program in (MPS_CONTROL, NVIDIA_SMI, IMEX_DAEMON, IMEX_CTL):
             if program.exists():
                 raise RuntimeError(f"{program} exists already on this host: the test cluster installs its stand-in")
         write_machine(host.write, MACHINE)
@@ -641,6 +653,7 @@ def write_machine(write: FileWriter, machine: str) -> None:
           f"# the nodeagent test cluster's simulated GPUs (tests/peers/cluster.py)\n"
           f"machine = {machine}\nstate = {state_rel}\n".encode(), 0o644)
     write(MPS_CONTROL, MPS_CONTROL_STAND_IN.format(machine=machine, state=SIM_STATE).encode(), 0o755)
+    write(NVIDIA_SMI, SMI_STAND_IN.format(machine=machine, state=SIM_STATE).encode(), 0o755)
     for program, module in ((IMEX_DAEMON, "imex_daemon"), (IMEX_CTL, "imex_ctl")):
         write(program, IMEX_STAND_IN.format(program=program.name, module=module).encode(), 0o755)
 

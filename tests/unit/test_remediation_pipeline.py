@@ -26,7 +26,7 @@ from nodeagent.remediation.pipeline import (
 )
 from nodeagent.remediation.planner import GpuFacts, Step, facts_from_inventory
 from nodeagent.remediation.policy import load_catalog
-from nodeagent.remediation.record import RecordStore, RunRecord
+from nodeagent.remediation.record import RecordFile, RecordStore, RunRecord
 from nodeagent.simulator import inject
 from nodeagent.simulator.abi import smi
 from nodeagent.simulator.nvml import SimulatedNvml
@@ -205,6 +205,21 @@ def test_xid_79_takes_the_reboot_path_and_xid_13_only_tells_the_pod(tmp_path: Pa
     assert out.result == "notified" and rig.pods.evicted == [] and rig.nvml.process_count(rig.uuid[1]) == 1
     assert [r for r in rig.node.reasons()] == ["GPUApplicationRestartAdvised"]
     assert "team/on-1" in rig.node.events[0][1]
+
+
+def test_a_successor_clears_reboot_required_only_when_no_gpu_needs_it(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    inject.inject_lost(rig.sim.store, 4)
+    assert run(rig.remediator().handle(Fault(rig.uuid[4], 79), rig.gpus, {})).result == "reboot-required"
+    uuids = list(rig.uuid.values())
+    rig.node.conditions.clear()
+    assert not run(rig.remediator().clear_reboot_required(uuids))  # still off the bus: it stays
+    inject.reboot(rig.sim.store)  # the node rebooted: the GPU is back
+    assert run(rig.remediator().clear_reboot_required(uuids))
+    assert rig.node.conditions == [(CONDITION_REBOOT, False, "NotRequired")]
+    rig.store.save(RecordFile(quarantined={rig.uuid[2]: "reset 3 times"}))
+    rig.node.conditions.clear()
+    assert not run(rig.remediator().clear_reboot_required(uuids)) and rig.node.conditions == []
 
 
 def test_repeated_faults_end_in_quarantine(tmp_path: Path) -> None:

@@ -78,6 +78,7 @@ class RemediationComponent(Component):
         self._recent: dict[int, deque[tuple[float, int]]] = {}
         self._listening: Any = None
         self._pod_gpus: dict[str, tuple[str, ...]] = {}  # pod → the GPUs it holds (named in eviction requests)
+        self._reboot_checked = False  # the reboot-required condition of an earlier run looked at (once)
 
     async def start(self, ctx: Context) -> None:
         from nodeagent.kube.node import NodeClient
@@ -145,6 +146,8 @@ class RemediationComponent(Component):
             ctx.spawn(self._keep_out(hooks, uuid, why), f"remediation: GPU {uuid} quarantined")
         if self._rem.record.runs:
             ctx.spawn(self._resume(), "remediation resume")
+        if ctx.inventory is not None:
+            self._check_reboot_required(ctx.inventory)
         self.ready.set()
         ctx.set_status(self.name, "watching for GPU faults")
 
@@ -158,6 +161,23 @@ class RemediationComponent(Component):
 
     async def on_inventory(self, inventory: Inventory) -> None:
         self._listen()
+        self._check_reboot_required(inventory)
+
+    def _check_reboot_required(self, inventory: Inventory) -> None:
+        """Once per agent, with the first inventory: a reboot-required condition nothing needs any more (the
+        node rebooted, the GPU back) is cleared."""
+        if self._reboot_checked or self._rem is None:
+            return
+        self._reboot_checked = True
+        uuids = [g.uuid for g in inventory.gpus]
+        self._ctx.spawn(self._clear_reboot_required(uuids), "remediation: reboot-required condition")
+
+    async def _clear_reboot_required(self, uuids: list[str]) -> None:
+        try:
+            if await self._rem.clear_reboot_required(uuids):
+                log.info("remediation: no GPU needs a reboot any more; condition RebootRequired cleared")
+        except NodeAgentError as e:
+            log.warning("remediation: the RebootRequired condition not cleared: %s", e)
 
     async def resync(self) -> None:
         self._listen()
