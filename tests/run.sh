@@ -34,7 +34,7 @@ trap 'rm -rf "$BASETEMP"' EXIT
 # file runs whole on one worker, so its module fixtures start once; the files that own host paths (the
 # whole-node cluster, the booted systemd) form one group run on one worker (tests/conftest.py), and take a
 # host-wide lock (tests/peers/hostlock.py) against anything else on the machine.
-WORKERS=${NODEAGENT_TEST_WORKERS:-2}
+WORKERS=${NODEAGENT_TEST_WORKERS:-3}
 DIST=()
 [ "$WORKERS" = 0 ] || DIST=(-n "$WORKERS" --dist loadfile)
 # --durations: the slowest tests of the run, printed at its end, where room is made when the suite grows.

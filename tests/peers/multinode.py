@@ -47,6 +47,7 @@ from tests.peers.cluster import (
     MACHINE,
     MPS_CONTROL,
     NODE_NAME,
+    NVIDIA_SMI,
     SERVICE_IP,
     SIM_STATE,
     Cluster,
@@ -67,7 +68,7 @@ PODS = "10.244.0.0/16"  # one /24 per node: 10.244.(76+N).0/24
 NODE_DIRS = (KUBELET_DIR, CONTAINERD_SOCKET.parent, CONTAINERD_CONFIG.parent, CDI_DIR, Path("/etc/cdi"),
              Path("/run/nodeagent"), SIM_STATE.parents[1], Path("/etc/nvidia-container-runtime"),
              Path("/run/systemd"), Path("/var/log/pods"), Path("/var/log/containers"), Path("/etc/nvidia-imex"))
-NODE_FILES = (DRIVER_DIR / "nodeagent-sim.conf", MPS_CONTROL, IMEX_DAEMON, IMEX_CTL)
+NODE_FILES = (DRIVER_DIR / "nodeagent-sim.conf", MPS_CONTROL, NVIDIA_SMI, IMEX_DAEMON, IMEX_CTL)
 # the kernel module's IMEX channel device as a further node's driver registers it: a line of that node's own
 # /proc/devices (a copy of the host's bound over it in the node's mount namespace); the agent makes the channel
 # devices with it (in the host's /dev, which the nodes share: removed at the end)
