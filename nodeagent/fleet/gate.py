@@ -29,7 +29,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
@@ -39,6 +39,7 @@ from nodeagent.fleet.budget import (
     FleetBudget,
     Pool,
     PoolState,
+    Selector,
     SlotView,
     next_opening,
     parse_budget,
@@ -49,6 +50,9 @@ from nodeagent.fleet.budget import (
 from nodeagent.fleet.leases import FleetApi
 
 log = logging.getLogger(__name__)
+
+# The pods running on this node, each as ("namespace/name", its labels): for a pool's ``blockingPods``.
+NodePods = Callable[[], Awaitable[Sequence[tuple[str, Mapping[str, str]]]]]
 
 SIZE_TTL_S = 300.0  # the pool's node count is counted again when older than this
 
@@ -85,13 +89,16 @@ class _Quiet:
 
 
 class FleetGate:
-    """The disruption budget of one node. ``budget`` None: read from the ConfigMap at each request."""
+    """The disruption budget of one node. ``budget`` None: read from the ConfigMap at each request.
+    ``node_pods``: the node's running pods as its container runtime lists them (the daemon's way: no API
+    privilege); None asks the API server for the node's pods (a token that may list pods)."""
 
     def __init__(self, api: FleetApi, node: str, labels: Callable[[], Awaitable[Mapping[str, str]]], *,
                  budget: FleetBudget | None = None, reporter: Reporter | None = None,
-                 options: GateOptions | None = None,
+                 options: GateOptions | None = None, node_pods: NodePods | None = None,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
         self.api = api
+        self.node_pods = node_pods
         self.node = node
         self.labels = labels
         self.budget = budget
@@ -210,7 +217,10 @@ class FleetGate:
                 return f"the nodes of pool {pool.name} are being counted by the first node in line", None
             state = await self._sized(pool, state, now)  # the first in line counts the pool's nodes
         if pool.blocking_pods is not None:
-            blocking = await asyncio.to_thread(self.api.blocking_pods, self.node, pool.blocking_pods.text)
+            try:
+                blocking = await self._blocking(pool.blocking_pods)
+            except NodeAgentError as e:
+                return f"the pods on this node could not be listed for blockingPods: {e}", None
             if blocking:
                 return f"pods blocking changes run on this node ({', '.join(blocking)})", None
         # Every take adds one to a slot's leaseTransitions (its create counts one): the requests ahead of
@@ -253,6 +263,12 @@ class FleetGate:
                 return (f"the brake of pool {pool.name} is on ({after.brake_reason}); an operator clears it "
                         f"with 'nodeagent fleet clear-brake {pool.name}'"), None
         return "", taken
+
+    async def _blocking(self, selector: Selector) -> list[str]:
+        """The node's running pods that ``selector`` picks (at most 5 named)."""
+        if self.node_pods is None:
+            return await asyncio.to_thread(self.api.blocking_pods, self.node, selector.text)
+        return [name for name, labels in await self.node_pods() if selector.matches(labels)][:5]
 
     def _fresh(self, state: PoolState, now: datetime) -> bool:
         return (state.exists and state.sized_at is not None and now - state.sized_at < timedelta(seconds=SIZE_TTL_S)
@@ -315,7 +331,7 @@ class FleetGate:
         raise NodeAgentError(f"could not count the failure on pool {pool.name}: too many concurrent writers")
 
 
-_KINDS = ("brake", "maintenance window", "blocking", "could not be read")
+_KINDS = ("brake", "maintenance window", "blocking", "could not be read", "could not be listed")
 
 
 def _kind(why: str) -> str:

@@ -200,6 +200,7 @@ FLEET_POOL = "mig-pair"
 FLEET_MIG = "all-balanced"  # generated for every MIG-capable model: 2 x 1g, 1 x 2g, 1 x 3g on each GPU
 BALANCED_SLICES = [1, 1, 2, 3]
 MIG_CONFIG_LABEL, MIG_STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+HOLD_LABEL = "nodeagent.io/fleet-test"  # the pool's blockingPods: a pod labelled <this>=hold holds its node back
 
 
 class _Watch:
@@ -268,7 +269,7 @@ def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]])
     budget = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "nodeagent-fleet", "namespace": FLEET_NS},
               "data": {"budget.yaml": (f"leaseDurationSeconds: 15\npools:\n  - name: {FLEET_POOL}\n"
                                        f"    nodeSelector: \"kubernetes.io/hostname in ({','.join(names)})\"\n"
-                                       "    maxUnavailable: 1\n")}}
+                                       f"    maxUnavailable: 1\n    blockingPods: {HOLD_LABEL}=hold\n")}}
     first.kubectl("apply", "-f", "-", input_text=json.dumps(budget))
     configmap = _without_server_fields(before)
     configmap["data"]["config.toml"] += f'[mig]\nfleet_namespace = "{FLEET_NS}"\n'
@@ -302,7 +303,10 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
     """Budget ``maxUnavailable: 1`` for a pool of two GPU nodes, both labelled ``nvidia.com/mig.config`` in one
     command: one node changes its GPUs while holding the pool's slot, the other waits (state pending, condition
     ``GpuChangeSlot`` False ``WaitingForSlot`` with the reason, one Event) and changes after the first gave the
-    slot back; both end ``success`` with the config's layout on every GPU."""
+    slot back; both end ``success`` with the config's layout on every GPU. Then back to MIG off with a pod of
+    the pool's ``blockingPods`` selector running on the node that went first: it waits naming the pod (found
+    through its node's container runtime: the agent's token may not list pods) while the other changes, and
+    changes once the pod is gone."""
     first = several_nodes.first
     pair = fleet_budget
     names = [n.node_name for n in pair]
@@ -388,11 +392,37 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
         gpus = stores[node.node_name].read()["gpus"]
         assert all(g["mig_current"] and sorted(gi["size"] for gi in g["gis"]) == BALANCED_SLICES for g in gpus), (
             node.node_name, [(g["mig_current"], [gi["size"] for gi in g["gis"]]) for g in gpus])
+
+    # back to MIG off, a pod of the blocking selector running on the node that went first
+    hold = _pod("fleet-hold", head, AGENT_IMAGE, "sleep 600")
+    hold["metadata"]["labels"] = {HOLD_LABEL: "hold"}
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(hold))
+    head_node, second_node = pair[names.index(head)], pair[names.index(second)]
+    try:
+        first.wait_for("the blocking pod Running", lambda: first.get_json("pod", "fleet-hold")["status"].get(
+            "phase") == "Running", timeout=60)
+        back = time.monotonic()
+        first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}=all-disabled", "--overwrite")
+        first.wait_for(f"{second}: MIG off", lambda: _mig_changed(stores[second]) == 0 and _labels(
+            second_node).get(MIG_STATE) == "success", timeout=90)
+        blocked = _fleet_condition(head_node.node())
+        assert blocked is not None and blocked["reason"] == "WaitingForSlot" and blocked["message"] == (
+            "waiting: pods blocking changes run on this node (default/fleet-hold)"), blocked
+        assert _labels(head_node)[MIG_STATE] == "pending" and _mig_changed(stores[head]) == counts[head]
+    except AssertionError:
+        _agent_logs(first, pair)
+        raise
+    finally:
+        first.kubectl("delete", "pod", "fleet-hold", "--wait=false")
+    first.wait_for(f"{head}: MIG off once the blocking pod is gone", lambda: _mig_changed(stores[head]) == 0
+                   and _labels(head_node).get(MIG_STATE) == "success", timeout=90)
     print(json.dumps({"fleet_order": order, "fleet_relabel_to_both_done_s": round(done - began, 1),
                       "fleet_first_done_s": round(head_done - began, 1),
                       "fleet_second_took_slot_s": round(second_took - began, 1),
                       "fleet_second_waiting_reason": saying[0][2]["message"][:160],
-                      "fleet_most_holders": most, "fleet_gpu_samples": len(samples)}))
+                      "fleet_most_holders": most, "fleet_gpu_samples": len(samples),
+                      "fleet_back_with_a_blocking_pod_s": round(time.monotonic() - back, 1),
+                      "fleet_blocked_reason": blocked["message"]}))
 
 
 # --- NVLink racks: the clique, the host-managed IMEX daemon, a ComputeDomain across two nodes ---------------
