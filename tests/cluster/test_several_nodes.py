@@ -217,12 +217,15 @@ class _Watch:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        lines: list[str] = []
-        for line in self.proc.stdout:  # kubectl prints each event as indented JSON closed by "}" in column 0
-            lines.append(line)
-            if line.rstrip("\n") == "}":
-                event = json.loads("".join(lines))
-                lines = []
+        decoder, text = json.JSONDecoder(), ""
+        for line in self.proc.stdout:  # one JSON document per event (a line each, or indented over several)
+            text += line
+            while text.strip():
+                try:
+                    event, end = decoder.raw_decode(text.lstrip())
+                except json.JSONDecodeError:
+                    break  # the rest of the document is still to come
+                text = text.lstrip()[end:]
                 self.events.append((time.monotonic(), event["type"], event["object"]))
 
     def stop(self) -> None:
@@ -344,6 +347,11 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
         first.wait_for("the second release seen by the watch", lambda: [
             o["spec"].get("holderIdentity") or "" for _, _, o in leases.events
             if o["metadata"]["labels"].get("nodeagent.io/fleet-role") == "slot"].count("") >= 2, timeout=20, poll=0.2)
+    except AssertionError:
+        print(json.dumps([(round(at - began, 2), kind, o["metadata"]["name"], o["spec"].get("holderIdentity"))
+                          for at, kind, o in leases.events]))
+        _agent_logs(first, pair)
+        raise
     finally:
         leases.stop()
         nodes.stop()
