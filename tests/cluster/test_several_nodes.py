@@ -254,6 +254,10 @@ def _without_server_fields(obj: dict[str, Any]) -> dict[str, Any]:
     return copy
 
 
+def _sleeper_name(node: str) -> str:
+    return f"fleet-gpu-{node.rsplit('-', 1)[-1]}"
+
+
 def _fleet_condition(obj: dict[str, Any]) -> dict[str, Any] | None:
     from nodeagent.fleet.report import CONDITION
 
@@ -287,6 +291,8 @@ def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]])
     try:
         yield pair
     finally:
+        first.kubectl("delete", "pod", *(_sleeper_name(n) for n in names), "fleet-hold", "--ignore-not-found",
+                      "--wait=false")
         first.kubectl("delete", "configmap", "-n", FLEET_NS, "nodeagent-fleet", "--ignore-not-found")
         first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}=all-disabled", "--overwrite")
         for node in pair:
@@ -326,15 +332,45 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
             samples.append((time.monotonic(), {n: _mig_changed(s) for n, s in stores.items()}))
             stop.wait(0.1)
 
+    # one GPU of each node held by a pod: the node holding the slot changes its other GPUs and keeps the slot
+    # until its pod is gone, so the other node is seen waiting however fast the simulated GPUs change
+    sleepers = {n: _sleeper_name(n) for n in names}
+    for n, pod in sleepers.items():
+        first.kubectl("apply", "-f", "-", input_text=json.dumps(_gpu_pod(pod, 1, "sleep 600", {
+            "nodeName": n, "terminationGracePeriodSeconds": 0})))
+    for pod in sleepers.values():
+        first.wait_for(f"{pod} Running", lambda p=pod: first.get_json("pod", p)["status"].get("phase") == "Running",
+                       timeout=60)
+
+    def holder() -> str:
+        slots = {o["metadata"]["name"]: o["spec"].get("holderIdentity") or "" for _, _, o in leases.events
+                 if o["metadata"]["labels"].get("nodeagent.io/fleet-role") == "slot"}
+        return ",".join(sorted(h for h in slots.values() if h))
+
+    def waiting(node: Cluster) -> bool:
+        obj = node.node()
+        condition = _fleet_condition(obj)
+        return (condition is not None and condition["reason"] == "WaitingForSlot"
+                and obj["metadata"]["labels"].get(MIG_STATE) == "pending")
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     began = time.monotonic()
     try:
         first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}={FLEET_MIG}", "--overwrite")
-        for node in pair:
-            first.wait_for(f"{node.node_name}: {MIG_STATE}=success", lambda n=node: _labels(n).get(MIG_STATE)
-                           == "success" and _mig_changed(stores[n.node_name]) == counts[n.node_name],
-                           timeout=120)
+        head = first.wait_for("one node holding the slot, the other waiting for it", lambda: (
+            lambda h: h if h in names and waiting(pair[1 - names.index(h)]) else "")(holder()), timeout=60, poll=0.3)
+        other = names[1 - names.index(head)]
+        first.wait_for(f"{head}: its free GPUs changed", lambda: _mig_changed(stores[head]) == counts[head] - 1,
+                       timeout=60, poll=0.3)
+        assert _mig_changed(stores[other]) == 0 and waiting(pair[names.index(other)])
+        contended = time.monotonic()
+        first.kubectl("delete", "pod", sleepers[head], "--wait=false")
+        for n in (head, other):
+            first.wait_for(f"{n}: {MIG_STATE}=success", lambda n=n: _labels(pair[names.index(n)]).get(MIG_STATE)
+                           == "success" and _mig_changed(stores[n]) == counts[n], timeout=90, poll=0.3)
+            if n == head:
+                first.kubectl("delete", "pod", sleepers[other], "--wait=false")
         done = time.monotonic()
     except AssertionError:
         _agent_logs(first, pair)
@@ -389,8 +425,8 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
               and c["status"] == "False" and c["message"].startswith("waiting: ")]
     assert saying and all(state == "pending" for _, state, _ in saying), waited
     assert FLEET_POOL in saying[0][2]["message"], saying[0][2]
-    condition = _fleet_condition(pair[names.index(second)].node())
-    assert condition is not None and (condition["status"], condition["reason"]) == ("False", "Done"), condition
+    first.wait_for(f"{second}: GpuChangeSlot Done", lambda: (lambda c: c is not None and (
+        c["status"], c["reason"]) == ("False", "Done"))(_fleet_condition(pair[names.index(second)].node())), timeout=20)
     events = first.get_json("events", "--field-selector", f"involvedObject.name={second},reason=GpuChangeWaiting")
     assert len(events["items"]) == 1, events["items"]
 
@@ -425,6 +461,7 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
     first.wait_for(f"{head}: MIG off once the blocking pod is gone", lambda: _mig_changed(stores[head]) == 0
                    and _labels(head_node).get(MIG_STATE) == "success", timeout=90)
     print(json.dumps({"fleet_order": order, "fleet_relabel_to_both_done_s": round(done - began, 1),
+                      "fleet_seen_contending_s": round(contended - began, 1),
                       "fleet_first_done_s": round(head_done - began, 1),
                       "fleet_second_took_slot_s": round(second_took - began, 1),
                       "fleet_second_waiting_reason": saying[0][2]["message"][:160],
