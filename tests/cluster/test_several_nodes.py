@@ -255,7 +255,7 @@ def _without_server_fields(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sleeper_name(node: str) -> str:
-    return f"fleet-gpu-{node.rsplit('-', 1)[-1]}"
+    return f"fleet-gpu-{node}"
 
 
 def _fleet_condition(obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -284,10 +284,12 @@ def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]])
     old = {n: _agent_on(first, n) for n in names}
     first.kubectl("delete", "pod", "-n", "nodeagent", "--wait=false",
                   *(p["metadata"]["name"] for p in old.values() if p is not None))
-    for n in names:
-        first.wait_for(f"{n}: the agent restarted with the fleet's budget", lambda n=n: (
-            lambda p: p is not None and p["metadata"]["uid"] != (old[n] or {}).get("metadata", {}).get("uid"))(
-            _agent_on(first, n)), timeout=120)
+    for node in pair:
+        n, want = node.node_name, len(load_machine(several_nodes.machines[node.node_name]).gpus)
+        first.wait_for(f"{n}: the agent restarted with the fleet's budget, allocatable {RESOURCE} {want}", lambda n=n,
+                       node=node, want=want: (lambda p: p is not None and p["metadata"]["uid"] != (old[n] or {}).get(
+                           "metadata", {}).get("uid"))(_agent_on(first, n)) and int(node.node()["status"].get(
+                               "allocatable", {}).get(RESOURCE, "0")) == want, timeout=120)
     try:
         yield pair
     finally:
@@ -337,7 +339,7 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
     sleepers = {n: _sleeper_name(n) for n in names}
     for n, pod in sleepers.items():
         first.kubectl("apply", "-f", "-", input_text=json.dumps(_gpu_pod(pod, 1, "sleep 600", {
-            "nodeName": n, "terminationGracePeriodSeconds": 0})))
+            "nodeSelector": {"kubernetes.io/hostname": n}, "terminationGracePeriodSeconds": 0})))
     for pod in sleepers.values():
         first.wait_for(f"{pod} Running", lambda p=pod: first.get_json("pod", p)["status"].get("phase") == "Running",
                        timeout=60)
