@@ -198,7 +198,7 @@ def test_gpu_pod_on_a_chosen_node_gets_that_nodes_gpus(several_nodes: SeveralNod
 FLEET_NS = "nodeagent"
 FLEET_POOL = "mig-pair"
 FLEET_MIG = "all-balanced"  # generated for every MIG-capable model: 2 x 1g, 1 x 2g, 1 x 3g on each GPU
-BALANCED_SLICES = [1, 1, 2, 3]
+BALANCED_SIZES = [1, 1, 2, 4]  # the placements' sizes of those GPU instances (a 3g instance spans 4 slots)
 MIG_CONFIG_LABEL, MIG_STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 HOLD_LABEL = "nodeagent.io/fleet-test"  # the pool's blockingPods: a pod labelled <this>=hold holds its node back
 
@@ -436,7 +436,7 @@ def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: 
     for node in pair:
         assert _labels(node)[MIG_STATE] == "success"
         gpus = stores[node.node_name].read()["gpus"]
-        assert all(g["mig_current"] and sorted(gi["size"] for gi in g["gis"]) == BALANCED_SLICES for g in gpus), (
+        assert all(g["mig_current"] and sorted(gi["size"] for gi in g["gis"]) == BALANCED_SIZES for g in gpus), (
             node.node_name, [(g["mig_current"], [gi["size"] for gi in g["gis"]]) for g in gpus])
 
     # back to MIG off, a pod of the blocking selector running on the node that went first
