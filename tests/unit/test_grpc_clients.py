@@ -180,5 +180,5 @@ def test_cri_lists_the_ready_sandboxes_with_their_pods_labels(short_dir: Path) -
         server.stop(None)
     assert [(str(p), dict(p.labels).get("app")) for p in pods] == [("default/web", None), ("ml/train-0", "train")]
     assert asked[0].filter.HasField("state") and asked[0].filter.state.state == cri.SANDBOX_READY
-    with pytest.raises(RuntimeConfigError, match="cri.sock did not list its pod sandboxes: UNAVAILABLE"):
+    with pytest.raises(RuntimeConfigError, match=r"cri\.sock did not list its pod sandboxes: UNAVAILABLE"):
         running_pods(sock, timeout=0.5)
