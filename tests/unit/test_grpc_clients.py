@@ -163,11 +163,12 @@ def test_cri_lists_the_ready_sandboxes_with_their_pods_labels(short_dir: Path) -
         if request.filter.label_selector:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no")
         meta = cri.PodSandboxMetadata(name="ignored", namespace="ignored")
-        return cri.ListPodSandboxResponse(items=[
+        answer: bytes = cri.ListPodSandboxResponse(items=[
             cri.PodSandbox(id="b", metadata=meta, labels={"io.kubernetes.pod.namespace": "ml",
                                                           "io.kubernetes.pod.name": "train-0", "app": "train"}),
             cri.PodSandbox(id="a", metadata=cri.PodSandboxMetadata(name="web", namespace="default")),
         ]).SerializeToString()
+        return answer
 
     handlers = {"ListPodSandbox": grpc.unary_unary_rpc_method_handler(listing)}
     server = grpc.server(ThreadPoolExecutor(max_workers=1))
