@@ -232,6 +232,8 @@ class _Watch:
         self.proc.terminate()
         self.proc.wait(timeout=10)
         self.thread.join(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def _sim_store(node: Cluster, machine: str) -> Any:
