@@ -8,7 +8,8 @@ No controller: every agent runs the same loop against the API server (``leases.F
 1. its request enters the line (a queue Lease whose name orders it: nodes without GPU pods first, then the
    oldest request);
 2. every ``poll_s`` (jittered) it reads its pool's Leases (one list from the server's cache): brake on,
-   window closed, a blocking pod on the node, or every slot live → it waits and says why;
+   window closed, a blocking pod on the node, or every slot live → it waits and says why (a node held back
+   by its own pods steps out of the line meanwhile, and comes back under its first request's name);
 3. with n slots free, the first n requests in line (one list with ``limit=n``) each try to take a free slot
    (a create, or a replace carrying the resourceVersion read: the API server arbitrates, a loser retries);
 4. while the action runs the holder renews its slot every third of ``leaseDurationSeconds``; a slot whose
@@ -29,7 +30,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
@@ -39,6 +40,7 @@ from nodeagent.fleet.budget import (
     FleetBudget,
     Pool,
     PoolState,
+    Selector,
     SlotView,
     next_opening,
     parse_budget,
@@ -49,6 +51,9 @@ from nodeagent.fleet.budget import (
 from nodeagent.fleet.leases import FleetApi
 
 log = logging.getLogger(__name__)
+
+# The pods running on this node, each as ("namespace/name", its labels): for a pool's ``blockingPods``.
+NodePods = Callable[[], Awaitable[Sequence[tuple[str, Mapping[str, str]]]]]
 
 SIZE_TTL_S = 300.0  # the pool's node count is counted again when older than this
 
@@ -85,13 +90,16 @@ class _Quiet:
 
 
 class FleetGate:
-    """The disruption budget of one node. ``budget`` None: read from the ConfigMap at each request."""
+    """The disruption budget of one node. ``budget`` None: read from the ConfigMap at each request.
+    ``node_pods``: the node's running pods as its container runtime lists them (the daemon's way: no API
+    privilege); None asks the API server for the node's pods (a token that may list pods)."""
 
     def __init__(self, api: FleetApi, node: str, labels: Callable[[], Awaitable[Mapping[str, str]]], *,
                  budget: FleetBudget | None = None, reporter: Reporter | None = None,
-                 options: GateOptions | None = None,
+                 options: GateOptions | None = None, node_pods: NodePods | None = None,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
         self.api = api
+        self.node_pods = node_pods
         self.node = node
         self.labels = labels
         self.budget = budget
@@ -102,6 +110,8 @@ class FleetGate:
         self._held: SlotView | None = None  # the slot held now, as last written
         self._ahead: tuple[int, int] | None = None  # (requests ahead of this one, takes then)
         self._slower = 1.0  # the poll interval's factor for a request far back in line
+        self._in_line = False  # this node's request is in the line (not while its own pods hold it back)
+        self._rejoin: Callable[[], None] | None = None  # puts the request back in line
 
     async def _budget(self) -> FleetBudget:
         if self.budget is not None:
@@ -153,8 +163,12 @@ class FleetGate:
         # of that, whatever the pace of the looks at the pool: a busy agent's request never lapses, a dead
         # agent's leaves the line within that time.
         request_s = max(3 * budget.lease_duration_s, 120)
-        await asyncio.to_thread(self.api.request_slot, entry, pool.name, self.node, reason, gpu_pods,
-                                request_s, self.clock())
+
+        def join() -> None:
+            self.api.request_slot(entry, pool.name, self.node, reason, gpu_pods, request_s, self.clock())
+
+        await asyncio.to_thread(join)
+        self._in_line, self._rejoin = True, join
         keeper = asyncio.create_task(self._keep_request(entry, request_s / 4))
         try:
             return await self._wait_for_slot(budget, pool, entry, reason)
@@ -205,14 +219,24 @@ class FleetGate:
             when = f"; the next opens {nxt.isoformat(timespec='minutes')}" if nxt else ""
             return (f"the maintenance windows of pool {pool.name} are closed "
                     f"({'; '.join(w.describe() for w in pool.windows)}){when}"), None
+        if pool.blocking_pods is not None:
+            try:
+                blocking = await self._blocking(pool.blocking_pods)
+                held_back = f"pods blocking changes run on this node ({', '.join(blocking)})" if blocking else ""
+            except NodeAgentError as e:
+                held_back = f"the pods on this node could not be listed for blockingPods: {e}"
+            if held_back:
+                # held back by its own pods: out of the line, so the nodes behind it go meanwhile
+                await self._step_aside(entry)
+                return held_back, None
+        if not self._in_line and self._rejoin is not None:
+            # back in line under its first request's name: its place by the age of that request
+            await asyncio.to_thread(self._rejoin)
+            self._in_line, self._ahead = True, None
         if not self._fresh(state, now):
             if (await asyncio.to_thread(self.api.queue, pool.name, 1))[:1] != [entry]:
                 return f"the nodes of pool {pool.name} are being counted by the first node in line", None
             state = await self._sized(pool, state, now)  # the first in line counts the pool's nodes
-        if pool.blocking_pods is not None:
-            blocking = await asyncio.to_thread(self.api.blocking_pods, self.node, pool.blocking_pods.text)
-            if blocking:
-                return f"pods blocking changes run on this node ({', '.join(blocking)})", None
         # Every take adds one to a slot's leaseTransitions (its create counts one): the requests ahead of
         # this one, as last counted, less the takes since, is what is left ahead. Only a request that may be
         # among the first ``free`` reads the line again (a few names), not every waiter at every release.
@@ -253,6 +277,17 @@ class FleetGate:
                 return (f"the brake of pool {pool.name} is on ({after.brake_reason}); an operator clears it "
                         f"with 'nodeagent fleet clear-brake {pool.name}'"), None
         return "", taken
+
+    async def _step_aside(self, entry: str) -> None:
+        if self._in_line:
+            await asyncio.to_thread(self.api.leave_queue, entry)
+            self._in_line, self._ahead = False, None
+
+    async def _blocking(self, selector: Selector) -> list[str]:
+        """The node's running pods that ``selector`` picks (at most 5 named)."""
+        if self.node_pods is None:
+            return await asyncio.to_thread(self.api.blocking_pods, self.node, selector.text)
+        return [name for name, labels in await self.node_pods() if selector.matches(labels)][:5]
 
     def _fresh(self, state: PoolState, now: datetime) -> bool:
         return (state.exists and state.sized_at is not None and now - state.sized_at < timedelta(seconds=SIZE_TTL_S)
@@ -315,7 +350,7 @@ class FleetGate:
         raise NodeAgentError(f"could not count the failure on pool {pool.name}: too many concurrent writers")
 
 
-_KINDS = ("brake", "maintenance window", "blocking", "could not be read")
+_KINDS = ("brake", "maintenance window", "blocking", "could not be read", "could not be listed")
 
 
 def _kind(why: str) -> str:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,6 +186,292 @@ def test_gpu_pod_on_a_chosen_node_gets_that_nodes_gpus(several_nodes: SeveralNod
         assert not uuids & others, log
     finally:
         first.kubectl("delete", "pod", "gpus-on-chosen", "--wait=false", check=False)
+
+
+# --- the fleet's disruption budget (docs/fleet.md) on two real nodes ---------------------------------------
+# Nodes 1 and 4 (dgx-h100, hgx-h200: no rack) form one pool with one slot; both are relabelled with a MIG config
+# in one kubectl command. Everything the run writes is watched (the fleet's Leases and the two Nodes through
+# the API server's watch, each node's simulated GPUs sampled from its driver state file): the slot never has two
+# holders, the GPUs of the second node change only after the first node's are done, and the second node says it
+# waits (its state label pending, its GpuChangeSlot condition with the reason) until it holds the slot.
+
+FLEET_NS = "nodeagent"
+FLEET_POOL = "mig-pair"
+FLEET_MIG = "all-balanced"  # generated for every MIG-capable model: 2 x 1g, 1 x 2g, 1 x 3g on each GPU
+BALANCED_SIZES = [1, 1, 2, 4]  # the placements' sizes of those GPU instances (a 3g instance spans 4 slots)
+MIG_CONFIG_LABEL, MIG_STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
+HOLD_LABEL = "nodeagent.io/fleet-test"  # the pool's blockingPods: a pod labelled <this>=hold holds its node back
+
+
+class _Watch:
+    """``kubectl get ARGS --watch`` in the background: every version of the objects, in the API server's order,
+    with the monotonic time it arrived."""
+
+    def __init__(self, first: Cluster, *args: str) -> None:
+        self.events: list[tuple[float, str, dict[str, Any]]] = []
+        self.proc = subprocess.Popen(
+            [str(first.kubectl_bin), f"--kubeconfig={first.apiserver.kubeconfig}", "get", *args, "--watch",
+             "--output-watch-events", "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        decoder, text = json.JSONDecoder(), ""
+        for line in self.proc.stdout:  # one JSON document per event (a line each, or indented over several)
+            text += line
+            while text.strip():
+                try:
+                    event, end = decoder.raw_decode(text.lstrip())
+                except json.JSONDecodeError:
+                    break  # the rest of the document is still to come
+                text = text.lstrip()[end:]
+                self.events.append((time.monotonic(), event["type"], event["object"]))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.thread.join(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _sim_store(node: Cluster, machine: str) -> Any:
+    """The node's simulated GPUs as its driver stand-in holds them (``.read()["gpus"]``, re-read on change)."""
+    from nodeagent.simulator.state import SimStore
+    from tests.peers.cluster import SIM_STATE
+
+    return SimStore.open(machine, node.host_path(SIM_STATE))
+
+
+def _mig_changed(store: Any) -> int:
+    """How many of the node's GPUs are in MIG mode."""
+    return sum(1 for g in store.read()["gpus"] if g["mig_current"])
+
+
+def _without_server_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    copy: dict[str, Any] = json.loads(json.dumps(obj))
+    for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+        copy["metadata"].pop(key, None)
+    return copy
+
+
+def _sleeper_name(node: str) -> str:
+    return f"fleet-gpu-{node}"
+
+
+def _fleet_condition(obj: dict[str, Any]) -> dict[str, Any] | None:
+    from nodeagent.fleet.report import CONDITION
+
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == CONDITION), None)
+
+
+@pytest.fixture
+def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]]) -> Iterator[list[Cluster]]:
+    """The budget on for nodes 1 and 4: the pool's ConfigMap, ``[mig] fleet_namespace`` in the agents'
+    ConfigMap and the two agents restarted with it. Afterwards: the budget gone (the agents then hold nothing
+    back), MIG off on both nodes and their label removed, the agents' ConfigMap as it was."""
+    first = several_nodes.first
+    pair = [several_nodes.nodes[0], several_nodes.nodes[-1]]
+    names = [n.node_name for n in pair]
+    before = first.get_json("configmap", "-n", FLEET_NS, "nodeagent-config")
+    budget = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "nodeagent-fleet", "namespace": FLEET_NS},
+              "data": {"budget.yaml": (f"leaseDurationSeconds: 15\npools:\n  - name: {FLEET_POOL}\n"
+                                       f"    nodeSelector: \"kubernetes.io/hostname in ({','.join(names)})\"\n"
+                                       f"    maxUnavailable: 1\n    blockingPods: {HOLD_LABEL}=hold\n")}}
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(budget))
+    configmap = _without_server_fields(before)
+    configmap["data"]["config.toml"] += f'[mig]\nfleet_namespace = "{FLEET_NS}"\n'
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
+    old = {n: _agent_on(first, n) for n in names}
+    first.kubectl("delete", "pod", "-n", "nodeagent", "--wait=false",
+                  *(p["metadata"]["name"] for p in old.values() if p is not None))
+    for node in pair:
+        n, want = node.node_name, len(load_machine(several_nodes.machines[node.node_name]).gpus)
+        first.wait_for(f"{n}: the agent restarted with the fleet's budget, allocatable {RESOURCE} {want}", lambda n=n,
+                       node=node, want=want: (lambda p: p is not None and p["metadata"]["uid"] != (old[n] or {}).get(
+                           "metadata", {}).get("uid"))(_agent_on(first, n)) and int(node.node()["status"].get(
+                               "allocatable", {}).get(RESOURCE, "0")) == want, timeout=120)
+    try:
+        yield pair
+    finally:
+        first.kubectl("delete", "pod", *(_sleeper_name(n) for n in names), "fleet-hold", "--ignore-not-found",
+                      "--wait=false")
+        first.kubectl("delete", "configmap", "-n", FLEET_NS, "nodeagent-fleet", "--ignore-not-found")
+        first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}=all-disabled", "--overwrite")
+        for node in pair:
+            machine = several_nodes.machines[node.node_name]
+            store, want = _sim_store(node, machine), len(load_machine(machine).gpus)
+            first.wait_for(f"{node.node_name}: MIG off again, allocatable {RESOURCE} {want}", lambda n=node, s=store,
+                           w=want: _mig_changed(s) == 0 and _labels(n).get(MIG_STATE) == "success" and int(
+                               n.node()["status"].get("allocatable", {}).get(RESOURCE, "0")) == w, timeout=120)
+        first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}-")
+        first.kubectl("delete", "lease", "-n", FLEET_NS, "-l", f"nodeagent.io/fleet-pool={FLEET_POOL}",
+                      "--ignore-not-found")
+        first.kubectl("apply", "-f", "-", input_text=json.dumps(_without_server_fields(before)))
+
+
+def test_two_nodes_relabelled_at_once_change_one_after_the_other(several_nodes: SeveralNodes,
+                                                                 fleet_budget: list[Cluster]) -> None:
+    """Budget ``maxUnavailable: 1`` for a pool of two GPU nodes, both labelled ``nvidia.com/mig.config`` in one
+    command: one node changes its GPUs while holding the pool's slot, the other waits (state pending, condition
+    ``GpuChangeSlot`` False ``WaitingForSlot`` with the reason, one Event) and changes after the first gave the
+    slot back; both end ``success`` with the config's layout on every GPU. Then back to MIG off with a pod of
+    the pool's ``blockingPods`` selector running on the node that went first: it waits naming the pod (found
+    through its node's container runtime: the agent's token may not list pods) while the other changes, and
+    changes once the pod is gone."""
+    first = several_nodes.first
+    pair = fleet_budget
+    names = [n.node_name for n in pair]
+    machines = {n.node_name: several_nodes.machines[n.node_name] for n in pair}
+    counts = {n: len(load_machine(m).gpus) for n, m in machines.items()}
+    stores = {n.node_name: _sim_store(n, machines[n.node_name]) for n in pair}
+    leases = _Watch(first, "leases", "-n", FLEET_NS, "-l", f"nodeagent.io/fleet-pool={FLEET_POOL}")
+    nodes = _Watch(first, "nodes", "-l", f"kubernetes.io/hostname in ({','.join(names)})")
+    samples: list[tuple[float, dict[str, int]]] = []  # (time, node -> GPUs in MIG mode)
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic(), {n: _mig_changed(s) for n, s in stores.items()}))
+            stop.wait(0.1)
+
+    # one GPU of each node held by a pod: the node holding the slot changes its other GPUs and keeps the slot
+    # until its pod is gone, so the other node is seen waiting however fast the simulated GPUs change
+    sleepers = {n: _sleeper_name(n) for n in names}
+    for n, pod in sleepers.items():
+        first.kubectl("apply", "-f", "-", input_text=json.dumps(_gpu_pod(pod, 1, "sleep 600", {
+            "nodeSelector": {"kubernetes.io/hostname": n}, "terminationGracePeriodSeconds": 0})))
+    for pod in sleepers.values():
+        first.wait_for(f"{pod} Running", lambda p=pod: first.get_json("pod", p)["status"].get("phase") == "Running",
+                       timeout=60)
+
+    def holder() -> str:
+        slots = {o["metadata"]["name"]: o["spec"].get("holderIdentity") or "" for _, _, o in leases.events
+                 if o["metadata"]["labels"].get("nodeagent.io/fleet-role") == "slot"}
+        return ",".join(sorted(h for h in slots.values() if h))
+
+    def waiting(node: Cluster) -> bool:
+        obj = node.node()
+        condition = _fleet_condition(obj)
+        return (condition is not None and condition["reason"] == "WaitingForSlot"
+                and obj["metadata"]["labels"].get(MIG_STATE) == "pending")
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    began = time.monotonic()
+    try:
+        first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}={FLEET_MIG}", "--overwrite")
+        head = first.wait_for("one node holding the slot, the other waiting for it", lambda: (
+            lambda h: h if h in names and waiting(pair[1 - names.index(h)]) else "")(holder()), timeout=60, poll=0.3)
+        other = names[1 - names.index(head)]
+        first.wait_for(f"{head}: its free GPUs changed", lambda: _mig_changed(stores[head]) == counts[head] - 1,
+                       timeout=60, poll=0.3)
+        assert _mig_changed(stores[other]) == 0 and waiting(pair[names.index(other)])
+        contended = time.monotonic()
+        first.kubectl("delete", "pod", sleepers[head], "--wait=false")
+        for n in (head, other):
+            first.wait_for(f"{n}: {MIG_STATE}=success", lambda n=n: _labels(pair[names.index(n)]).get(MIG_STATE)
+                           == "success" and _mig_changed(stores[n]) == counts[n], timeout=90, poll=0.3)
+            if n == head:
+                first.kubectl("delete", "pod", sleepers[other], "--wait=false")
+        done = time.monotonic()
+    except AssertionError:
+        _agent_logs(first, pair)
+        print(first.kubectl("get", "leases", "-n", FLEET_NS, "-o", "yaml", check=False).stdout)
+        raise
+    finally:
+        stop.set()
+        sampler.join(timeout=5)
+    try:  # the watch delivers the second node's release (and its condition Done) soon after
+        first.wait_for("the second release seen by the watch", lambda: [
+            o["spec"].get("holderIdentity") or "" for _, _, o in leases.events
+            if o["metadata"]["labels"].get("nodeagent.io/fleet-role") == "slot"].count("") >= 2, timeout=20, poll=0.2)
+    except AssertionError:
+        print(json.dumps([(round(at - began, 2), kind, o["metadata"]["name"], o["spec"].get("holderIdentity"))
+                          for at, kind, o in leases.events]))
+        _agent_logs(first, pair)
+        raise
+    finally:
+        leases.stop()
+        nodes.stop()
+
+    # the slot Leases as the API server stored them: never two live holders, one node after the other
+    holders: dict[str, str] = {}
+    held_at: list[tuple[float, str]] = []  # (time, holder) each time the set of holders changed
+    most = 0
+    for at, _, obj in leases.events:
+        if obj["metadata"]["labels"].get("nodeagent.io/fleet-role") != "slot":
+            continue
+        holders[obj["metadata"]["name"]] = obj["spec"].get("holderIdentity") or ""
+        live = sorted(h for h in holders.values() if h)
+        most = max(most, len(live))
+        if not held_at or held_at[-1][1] != ",".join(live):
+            held_at.append((at, ",".join(live)))
+    order = [h for _, h in held_at if h]
+    assert most == 1, held_at
+    assert sorted(order) == sorted(names) and len(order) == 2, held_at
+    head, second = order
+    # the GPUs: every GPU of the first node changed before the first GPU of the second
+    head_done = min(t for t, s in samples if s[head] == counts[head])
+    second_began = min(t for t, s in samples if s[second] > 0)
+    assert head_done <= second_began, (head_done, second_began)
+    assert not any(0 < s[head] < counts[head] and s[second] > 0 for _, s in samples)
+    # in the watch: the first holder's release, then the second's take
+    took = [h for _, h in held_at]
+    assert took[took.index(head) + 1] == "" and took.index(second) > took.index(head) + 1, held_at
+    second_took = held_at[took.index(second)][0]
+
+    # the second node said it waited, while its state label said pending
+    waited = [(at, obj["metadata"]["labels"].get(MIG_STATE), _fleet_condition(obj)) for at, _, obj in nodes.events
+              if obj["metadata"]["name"] == second]
+    saying = [(at, state, c) for at, state, c in waited if c is not None and c["reason"] == "WaitingForSlot"
+              and c["status"] == "False" and c["message"].startswith("waiting: ")]
+    assert saying and all(state == "pending" for _, state, _ in saying), waited
+    assert FLEET_POOL in saying[0][2]["message"], saying[0][2]
+    first.wait_for(f"{second}: GpuChangeSlot Done", lambda: (lambda c: c is not None and (
+        c["status"], c["reason"]) == ("False", "Done"))(_fleet_condition(pair[names.index(second)].node())), timeout=20)
+    events = first.get_json("events", "--field-selector", f"involvedObject.name={second},reason=GpuChangeWaiting")
+    assert len(events["items"]) == 1, events["items"]
+
+    # both nodes in the config's layout: every GPU in MIG mode with 2 x 1g, 1 x 2g, 1 x 3g instances
+    for node in pair:
+        assert _labels(node)[MIG_STATE] == "success"
+        gpus = stores[node.node_name].read()["gpus"]
+        assert all(g["mig_current"] and sorted(gi["size"] for gi in g["gis"]) == BALANCED_SIZES for g in gpus), (
+            node.node_name, [(g["mig_current"], [gi["size"] for gi in g["gis"]]) for g in gpus])
+
+    # back to MIG off, a pod of the blocking selector running on the node that went first
+    hold = _pod("fleet-hold", head, AGENT_IMAGE, "sleep 600")
+    hold["metadata"]["labels"] = {HOLD_LABEL: "hold"}
+    first.kubectl("apply", "-f", "-", input_text=json.dumps(hold))
+    head_node, second_node = pair[names.index(head)], pair[names.index(second)]
+    try:
+        first.wait_for("the blocking pod Running", lambda: first.get_json("pod", "fleet-hold")["status"].get(
+            "phase") == "Running", timeout=60)
+        back = time.monotonic()
+        first.kubectl("label", "node", *names, f"{MIG_CONFIG_LABEL}=all-disabled", "--overwrite")
+        first.wait_for(f"{second}: MIG off", lambda: _mig_changed(stores[second]) == 0 and _labels(
+            second_node).get(MIG_STATE) == "success", timeout=90)
+        blocked = _fleet_condition(head_node.node())
+        assert blocked is not None and blocked["reason"] == "WaitingForSlot" and blocked["message"] == (
+            "waiting: pods blocking changes run on this node (default/fleet-hold)"), blocked
+        assert _labels(head_node)[MIG_STATE] == "pending" and _mig_changed(stores[head]) == counts[head]
+    except AssertionError:
+        _agent_logs(first, pair)
+        raise
+    finally:
+        first.kubectl("delete", "pod", "fleet-hold", "--wait=false")
+    first.wait_for(f"{head}: MIG off once the blocking pod is gone", lambda: _mig_changed(stores[head]) == 0
+                   and _labels(head_node).get(MIG_STATE) == "success", timeout=90)
+    print(json.dumps({"fleet_order": order, "fleet_relabel_to_both_done_s": round(done - began, 1),
+                      "fleet_seen_contending_s": round(contended - began, 1),
+                      "fleet_first_done_s": round(head_done - began, 1),
+                      "fleet_second_took_slot_s": round(second_took - began, 1),
+                      "fleet_second_waiting_reason": saying[0][2]["message"][:160],
+                      "fleet_most_holders": most, "fleet_gpu_samples": len(samples),
+                      "fleet_back_with_a_blocking_pod_s": round(time.monotonic() - back, 1),
+                      "fleet_blocked_reason": blocked["message"]}))
 
 
 # --- NVLink racks: the clique, the host-managed IMEX daemon, a ComputeDomain across two nodes ---------------

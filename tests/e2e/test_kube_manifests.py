@@ -184,6 +184,7 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("delete", "nodes", "", "", "", ""), ("create", "nodes", "", "", "", ""),
         ("update", "nodes", "", "status", "", ""),
         ("get", "secrets", "", "", "nodeagent", ""), ("list", "pods", "", "", "nodeagent", ""),
+        ("list", "pods", "", "", "", ""),  # blockingPods reads the node's container runtime instead
         ("watch", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
         ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),
         ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "default", ""),
@@ -349,6 +350,10 @@ def test_the_role_token_is_confined_to_its_own_node(kube_apiserver: KubeApiServe
         ("PATCH", f"/apis/nodeagent.io/v1alpha1/gpus/{other}-gpu0", {"metadata": {"labels": {
             "nodeagent.io/node": own}}}, None),
         ("DELETE", f"/apis/nodeagent.io/v1alpha1/gpus/{other}-gpu0", None, None),
+        # no pods, not even its own node's: a pool's blockingPods asks the node's container runtime
+        # (nodeagent/runtime/cri.py), as RBAC cannot confine a list of pods to one node
+        ("GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{own}", None, None),
+        ("GET", "/api/v1/pods", None, None),
     ]
     for method, path, payload, ctype in denied:
         status, msg = as_agent(kube_apiserver, token, method, path, payload, ctype or "application/merge-patch+json")

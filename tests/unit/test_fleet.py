@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from nodeagent.errors import ConfigError, OperationError
+from nodeagent.errors import ConfigError, NodeAgentError, OperationError
 from nodeagent.fleet.budget import (
     MaxUnavailable,
     PoolState,
@@ -318,3 +318,82 @@ def test_closed_window_and_blocking_pods_say_why() -> None:
     blocking = "pools: [{name: p, nodeSelector: '', maxUnavailable: 1, blockingPods: 'app=train'}]"
     asyncio.run(wait_a_bit(gate(api, "n2", said2, blocking)))
     assert said2.reasons == ["pods blocking changes run on this node (ml/trainer)"]
+
+
+def test_blocking_pods_from_the_nodes_runtime() -> None:
+    """With the node's own pod list (the daemon's: the container runtime) the API is not asked for pods; the
+    selector picks by the pods' labels; a pod list that fails holds the change back, saying why."""
+    api = FakeApi(size=4)
+    api.blocking = ["never/asked"]
+    listed: list[list[tuple[str, Mapping[str, str]]]] = [
+        [("ml/trainer", {"app": "train"}), ("default/web", {"app": "web"})], [("default/web", {"app": "web"})]]
+
+    async def node_pods() -> list[tuple[str, Mapping[str, str]]]:
+        if not listed:
+            raise NodeAgentError("the container runtime on /run/containerd/containerd.sock did not answer")
+        return listed.pop(0)
+
+    said = Said()
+    g = gate(api, "n1", said, "pools: [{name: p, nodeSelector: '', maxUnavailable: 1, blockingPods: 'app=train'}]")
+    g.node_pods = node_pods
+
+    async def main() -> str | None:
+        async with g.slot("c") as slot:
+            return slot
+
+    assert asyncio.run(asyncio.wait_for(main(), 5)) == "nf-slot-p-0000"
+    assert said.reasons == ["pods blocking changes run on this node (ml/trainer)"], said.reasons
+    said2 = Said()
+    g2 = gate(api, "n2", said2, "pools: [{name: p, nodeSelector: '', maxUnavailable: 1, blockingPods: 'app=train'}]")
+    g2.node_pods = node_pods
+
+    async def stuck() -> None:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                async with g2.slot("c"):
+                    raise AssertionError("started while its pods could not be listed")
+
+    asyncio.run(stuck())
+    assert said2.reasons and said2.reasons[0].startswith("the pods on this node could not be listed for blockingPods: ")
+
+
+def test_a_node_held_back_by_its_pods_steps_out_of_line_and_back_in_at_its_place() -> None:
+    """The oldest request's node runs a blocking pod: it leaves the line, so the node behind it takes the one
+    slot meanwhile; once its pod is gone it is back in line under its first request's name (its age kept)."""
+    api = FakeApi(size=2)
+    budget = "pools: [{name: p, nodeSelector: '', maxUnavailable: 1, blockingPods: 'app=train'}]"
+    pods: dict[str, list[tuple[str, Mapping[str, str]]]] = {"n1": [("ml/trainer", {"app": "train"})], "n2": []}
+    order: list[str] = []
+    seen_names: list[set[str]] = []
+
+    def node_gate(node: str) -> FleetGate:
+        g = gate(api, node, Said(), budget)
+
+        async def node_pods() -> list[tuple[str, Mapping[str, str]]]:
+            return pods[node]
+
+        g.node_pods = node_pods
+        return g
+
+    async def change(g: FleetGate, started: asyncio.Event | None = None) -> None:
+        if started is not None:
+            await started.wait()
+        async with g.slot("c"):
+            order.append(g.node)
+            seen_names.append(set(api.queue_names))
+            if g.node == "n2":
+                pods["n1"] = []  # the blocking pod ends while n2 changes
+                await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        n1_in_line = asyncio.Event()
+        first = asyncio.create_task(change(node_gate("n1")))
+        while not api.queue_names:
+            await asyncio.sleep(0.001)
+        (n1_entry,) = api.queue_names
+        n1_in_line.set()
+        await asyncio.gather(first, change(node_gate("n2"), n1_in_line))
+        assert n1_entry not in seen_names[0]  # out of line while n2 held the slot
+        assert order == ["n2", "n1"]
+
+    asyncio.run(asyncio.wait_for(main(), 5))

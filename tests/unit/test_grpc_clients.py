@@ -145,3 +145,41 @@ def test_containerd_answers_only_when_its_version_method_does(short_dir: Path) -
 
 def test_a_failure_without_a_status_is_unknown() -> None:
     assert failure(grpc.RpcError()) == Failure("UNKNOWN", "")
+
+
+def test_cri_lists_the_ready_sandboxes_with_their_pods_labels(short_dir: Path) -> None:
+    """``ListPodSandbox`` asked for ready sandboxes only; each pod named by the labels the kubelet gives its
+    sandbox; a runtime that refuses is one error naming the socket."""
+    from nodeagent.errors import RuntimeConfigError
+    from nodeagent.runtime.cri import running_pods
+    from nodeagent.runtime.cri_api import cri_pb2 as cri
+
+    sock = short_dir / "cri.sock"
+    asked: list[Any] = []
+
+    def listing(raw: bytes, context: Any) -> bytes:
+        request = cri.ListPodSandboxRequest.FromString(raw)
+        asked.append(request)
+        if request.filter.label_selector:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no")
+        meta = cri.PodSandboxMetadata(name="ignored", namespace="ignored")
+        answer: bytes = cri.ListPodSandboxResponse(items=[
+            cri.PodSandbox(id="b", metadata=meta, labels={"io.kubernetes.pod.namespace": "ml",
+                                                          "io.kubernetes.pod.name": "train-0", "app": "train"}),
+            cri.PodSandbox(id="a", metadata=cri.PodSandboxMetadata(name="web", namespace="default")),
+        ]).SerializeToString()
+        return answer
+
+    handlers = {"ListPodSandbox": grpc.unary_unary_rpc_method_handler(listing)}
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("runtime.v1.RuntimeService", handlers),))
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    try:
+        pods = running_pods(sock)
+    finally:
+        server.stop(None)
+    assert [(str(p), dict(p.labels).get("app")) for p in pods] == [("default/web", None), ("ml/train-0", "train")]
+    assert asked[0].filter.HasField("state") and asked[0].filter.state.state == cri.SANDBOX_READY
+    with pytest.raises(RuntimeConfigError, match=r"cri\.sock did not list its pod sandboxes: UNAVAILABLE"):
+        running_pods(sock, timeout=0.5)

@@ -6,7 +6,7 @@ adapters below give the remediation pipeline and the switches the slot in the sh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,7 +25,19 @@ def fleet_gate(ctx: Context, node: NodeClient) -> FleetGate | None:
     from nodeagent.fleet.report import NodeReporter, node_labels
 
     return FleetGate(FleetApi(ctx.kube, namespace), ctx.node_name, lambda: node_labels(node),
-                     reporter=NodeReporter(node))
+                     reporter=NodeReporter(node), node_pods=lambda: runtime_pods(ctx))
+
+
+async def runtime_pods(ctx: Context) -> list[tuple[str, Mapping[str, str]]]:
+    """The node's running pods with their labels, from containerd's CRI (a pool's ``blockingPods``): the
+    agent's token may not list pods, and needs not."""
+    import asyncio
+
+    from nodeagent.runtime.cri import running_pods
+    from nodeagent.runtime.restart import DEFAULT_SOCKET
+
+    pods = await asyncio.to_thread(running_pods, ctx.paths.within(ctx.paths(DEFAULT_SOCKET)))
+    return [(str(p), p.labels) for p in pods]
 
 
 class RemediationSlots:

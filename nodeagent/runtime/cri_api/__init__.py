@@ -1,0 +1,1 @@
+"""The CRI messages nodeagent reads (generated from cri.proto by generate.sh)."""
