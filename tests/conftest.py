@@ -1,12 +1,13 @@
 """Shared pytest configuration: the real-peer fixtures (see tests/peers/__init__.py for their API), and the
 grouping of test files for the two pytest-xdist workers of tests/run.sh (``--dist loadfile``)."""
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import nodeagent  # noqa: F401  # first: the tests load grpc with the daemon's gRPC settings
-from tests.integration._releases import release_apiserver_pool
+from tests.integration._releases import release_apiserver_pool, stop_release_apiservers
 from tests.peers.fixtures import containerd, containerd2, kube_apiserver, kubelet_harness
 from tests.unit._grpc_fixtures import served, service, short_dir
 
@@ -27,15 +28,49 @@ HOST_OWNED_FILES = (
 )
 
 
+# Test files on the API servers of every Kubernetes release (``shared_release_apiserver``, started on first use
+# and kept by the worker that started them): one scope too, so only one worker ever starts the servers of 1.35
+# and later, and stops them once the scope's last test is done (``pytest_runtest_teardown`` below) instead of
+# keeping them, idle but never free of CPU, to the end of the session. tests/unit/test_test_groups.py checks
+# that this list names every file that uses them.
+RELEASES = "every-release"
+RELEASES_FILES = (
+    "tests/e2e/test_kube_confinement.py",
+    "tests/e2e/test_run_dra.py",
+    "tests/e2e/test_run_dra_dynamic_mig.py",
+    "tests/e2e/test_run_dra_kubelet.py",
+    "tests/e2e/test_run_planes.py",
+    "tests/integration/test_dra_dynamic_mig_api.py",
+    "tests/integration/test_dra_slices_outage.py",
+    "tests/integration/test_podresources_dra.py",
+)
+
+
+def scope_of(nodeid: str) -> str:
+    """The scope a test (``path::name``) runs in on the workers: its group's, else its file's."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(HOST_OWNED_FILES):
+        return HOST_OWNED
+    return RELEASES if path in RELEASES_FILES else path
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` with the host-owned files as one scope (pytest-xdist's scheduler hook)."""
+    """``--dist loadfile`` with the grouped files as one scope each (pytest-xdist's scheduler hook)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling  # type: ignore[import-untyped]
 
-    class HostOwnedTogether(LoadFileScheduling):  # type: ignore[misc]
+    class GroupsTogether(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return HOST_OWNED if path.startswith(HOST_OWNED_FILES) else path
+            return scope_of(nodeid)
 
-    return HostOwnedTogether(config, log)
+    return GroupsTogether(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test of the every-release group on this worker (its module fixtures finalized by then),
+    the release API servers it started stop."""
+    yield
+    if scope_of(item.nodeid) == RELEASES and (nextitem is None or scope_of(nextitem.nodeid) != RELEASES):
+        stop_release_apiservers()

@@ -30,10 +30,12 @@ echo "== import layers"; "$VENV/bin/lint-imports"
 # path), which a long $TMPDIR would overflow.
 BASETEMP=$(mktemp -d /tmp/na-pt.XXXXXX)
 trap 'rm -rf "$BASETEMP"' EXIT
-# Two workers (one per core of the reference machine; NODEAGENT_TEST_WORKERS=0 runs in this process): a test
-# file runs whole on one worker, so its module fixtures start once; the files that own host paths (the
-# whole-node cluster, the booted systemd) form one group run on one worker (tests/conftest.py), and take a
-# host-wide lock (tests/peers/hostlock.py) against anything else on the machine.
+# Three workers on the 2-core reference machine (many tests wait on a kubelet, a watch or a timer, and a third
+# worker fills those waits; NODEAGENT_TEST_WORKERS=0 runs in this process): a test file runs whole on one
+# worker, so its module fixtures start once; the files that own host paths (the whole-node cluster, the
+# booted systemd) form one group run on one worker (tests/conftest.py), and take a host-wide lock
+# (tests/peers/hostlock.py) against anything else on the machine; the files on the API servers of every
+# Kubernetes release form another, so one worker starts those servers and stops them when it is done.
 WORKERS=${NODEAGENT_TEST_WORKERS:-3}
 DIST=()
 [ "$WORKERS" = 0 ] || DIST=(-n "$WORKERS" --dist loadfile)

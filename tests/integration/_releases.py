@@ -71,11 +71,11 @@ def release_apiserver(request: pytest.FixtureRequest) -> Iterator[KubeApiServer]
 
 
 class ApiServerPool:
-    """The API servers of the releases after 1.34, each started on first use and stopped at the end of the
-    session."""
+    """The API servers of the releases after 1.34, each started on first use and stopped by ``close`` (at the
+    latest at the end of the session); one asked for again after a close starts again."""
 
-    def __init__(self, stack: contextlib.ExitStack) -> None:
-        self._stack = stack
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
         self._servers: dict[str, KubeApiServer] = {}
 
     def get(self, release: str) -> KubeApiServer:
@@ -83,11 +83,30 @@ class ApiServerPool:
             self._servers[release] = self._stack.enter_context(contextlib.contextmanager(_apiserver)(release))
         return self._servers[release]
 
+    def close(self) -> None:
+        self._servers.clear()
+        self._stack.close()
+
+
+_pools: list[ApiServerPool] = []
+
 
 @pytest.fixture(scope="session")
 def release_apiserver_pool() -> Iterator[ApiServerPool]:
-    with contextlib.ExitStack() as stack:
-        yield ApiServerPool(stack)
+    pool = ApiServerPool()
+    _pools.append(pool)
+    try:
+        yield pool
+    finally:
+        _pools.remove(pool)
+        pool.close()
+
+
+def stop_release_apiservers() -> None:
+    """Stop the servers the session's pool started so far (tests/conftest.py: once the tests that share them
+    are done)."""
+    for pool in _pools:
+        pool.close()
 
 
 @pytest.fixture(scope="module", params=sorted(RELEASES))
