@@ -95,10 +95,11 @@ def test_racks_component_runs_imex_for_the_clique(kube: KubeClient, node_name: s
         try:
             await comp.on_inventory(_inv(HEALTHY))
             deadline = time.monotonic() + 40
-            while not (shared.conditions.imex and shared.conditions.imex.ready):
+            # the condition input is set before the label's patch is sent: wait for both
+            while not (shared.conditions.imex and shared.conditions.imex.ready
+                       and (await nc.aget()).labels.get(IMEX_READY_LABEL) == "true"):
                 assert time.monotonic() < deadline, shared.conditions.imex
                 await asyncio.sleep(0.05)
-            assert nc.get().labels[IMEX_READY_LABEL] == "true"
             starting = dataclasses.replace(HEALTHY, state=1, status=27, clique_id=0,
                                            cluster_uuid="00000000-0000-0000-0000-000000000000")
             await comp.on_inventory(_inv(starting))
@@ -153,3 +154,43 @@ def test_rack_conditions_go_when_they_no_longer_apply(kube: KubeClient, node_nam
     assert IMEX_READY not in types and NVLINK_CLIQUE_READY not in types
     assert {k: types[other["type"]][k] for k in other} == other
     assert ConditionWriter(nc).sync(off) == []  # a restarted agent: nothing to remove, no request
+
+
+def test_imex_label_goes_when_imex_is_off(kube: KubeClient, node_name: str, tmp_path: Path) -> None:
+    """[imex] turned off: the racks component removes the nodeagent.io/imex.ready label an earlier configuration
+    left (one write), keeps the other labels, writes nothing more at later passes, and a restarted agent (a new
+    component) sends nothing when the label is already absent."""
+    from nodeagent.daemon.components.racks import imex_label_change
+
+    assert imex_label_change(False, False, "true") == {IMEX_READY_LABEL: None}
+    assert imex_label_change(False, True, None) == {}
+    assert imex_label_change(True, True, "false") == {IMEX_READY_LABEL: "true"}
+    assert imex_label_change(True, False, "false") == {}
+
+    nc = NodeClient(kube, node_name)
+    nc.patch_labels({IMEX_READY_LABEL: "true", "example.com/other": "kept"})
+    cfg = AgentConfig(imex=ImexSettings(enabled=False))
+    ctx = SimpleNamespace(config=cfg, paths=HostPaths(tmp_path), kube=kube, node_name=node_name,
+                          shared=SimpleNamespace(conditions=ConditionInputs()),
+                          set_status=lambda component, text: None)
+
+    async def passes(comp: RacksComponent) -> None:
+        await comp.start(ctx)  # type: ignore[arg-type]
+        try:
+            await comp.on_inventory(_inv(HEALTHY))
+            await comp.resync()
+            await comp.on_inventory(_inv(HEALTHY))
+        finally:
+            await comp.stop()
+
+    writes = kube.stats.writes
+    asyncio.run(passes(RacksComponent(ctx)))  # type: ignore[arg-type]
+    labels = nc.get().labels
+    assert IMEX_READY_LABEL not in labels and labels["example.com/other"] == "kept"
+    assert kube.stats.writes == writes + 1  # the removal, once, however many passes
+    assert not (tmp_path / "dev").exists()  # [imex] off: no channel made, no daemon
+
+    writes = kube.stats.writes
+    asyncio.run(passes(RacksComponent(ctx)))  # type: ignore[arg-type]
+    assert kube.stats.writes == writes  # restarted: the label is absent, nothing is sent
+    nc.patch_labels({"example.com/other": None})

@@ -6,7 +6,8 @@ withheld for another reason, one Warning Event says why (the publisher withholds
 component writes ``NVLinkCliqueReady``). With ``[imex] enabled`` the channels of ``[imex] channels`` are made
 under ``/dev`` with their CDI spec, and the daemon's peers are the InternalIPs of the Nodes that carry the same
 clique label (looked up at every inventory and resync); no clique, no daemon. Its readiness goes to the
-``IMEXReady`` condition and the ``nodeagent.io/imex.ready`` label.
+``IMEXReady`` condition and the ``nodeagent.io/imex.ready`` label. With ``[imex]`` off the label is retired as the
+condition is: the own Node is read once and a label found there is removed (one write, none when it is absent).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ log = logging.getLogger(__name__)
 IMEX_READY_LABEL = "nodeagent.io/imex.ready"
 
 
+def imex_label_change(enabled: bool, ready: bool, on_node: str | None) -> dict[str, str | None]:
+    """The label patch that brings ``nodeagent.io/imex.ready`` from ``on_node`` (its value on the Node, None when
+    absent) to what it should be: ``true``/``false`` while ``[imex]`` is on, absent when it is off; ``{}`` when
+    it already is."""
+    want = ("true" if ready else "false") if enabled else None
+    return {} if want == on_node else {IMEX_READY_LABEL: want}
+
+
 class RacksComponent(Component):
     name = "racks"
 
@@ -36,7 +45,8 @@ class RacksComponent(Component):
         self._ctx = ctx
         self._last: CliqueDecision | None = None
         self._supervisor: Any = None
-        self._label: str | None = None
+        self._label: str | None = None  # the label's value on the Node, as last written or read
+        self._label_known = False  # whether ``_label`` is known (None then means absent)
         self._clique: str | None = None  # the clique the daemon runs for
         self._lock = asyncio.Lock()
 
@@ -66,10 +76,36 @@ class RacksComponent(Component):
             await self._event(d)
         if self._ctx.config.imex.enabled:
             await self._membership(d)
+        else:
+            await self._retire_label()
 
     async def resync(self) -> None:
-        if self._last is not None and self._ctx.config.imex.enabled:
+        if not self._ctx.config.imex.enabled:
+            await self._retire_label()
+        elif self._last is not None:
             await self._membership(self._last)
+
+    async def _retire_label(self) -> None:
+        """``[imex]`` off: remove ``nodeagent.io/imex.ready`` if a former configuration left it on the Node. The
+        Node is read once per component (a reload that turns ``[imex]`` off makes a new one); after that nothing
+        is sent."""
+        ctx = self._ctx
+        if ctx.kube is None or not ctx.config.publish.labels or (self._label_known and self._label is None):
+            return
+        from nodeagent.kube.node import NodeClient
+
+        node = NodeClient(ctx.kube, ctx.node_name)
+        try:
+            if not self._label_known:
+                self._label = (await node.aget()).labels.get(IMEX_READY_LABEL)
+                self._label_known = True
+            change = imex_label_change(False, False, self._label)
+            if change:
+                await node.apatch_labels(change)
+                log.info("node %s: label %s removed ([imex] is off)", ctx.node_name, IMEX_READY_LABEL)
+            self._label = None
+        except NodeAgentError as e:
+            log.warning("label %s not removed: %s", IMEX_READY_LABEL, e)
 
     async def _event(self, d: CliqueDecision) -> None:
         ctx = self._ctx
@@ -141,13 +177,15 @@ class RacksComponent(Component):
                          ready=bool(state and state.ready), peers=len(state.peers) if state else 0,
                          answer=state.answer if state else "", clique=clique)
         ctx.shared.conditions.report_imex(imex)
-        label = "true" if imex.ready else "false"
-        if ctx.kube is not None and ctx.config.publish.labels and label != self._label:
+        # not known yet (a new component): written once, as before
+        change = imex_label_change(True, imex.ready, self._label if self._label_known else None)
+        if ctx.kube is not None and ctx.config.publish.labels and (change or not self._label_known):
             from nodeagent.kube.node import NodeClient
 
+            label = "true" if imex.ready else "false"
             try:
                 await NodeClient(ctx.kube, ctx.node_name).apatch_labels({IMEX_READY_LABEL: label})
-                self._label = label
+                self._label, self._label_known = label, True
             except NodeAgentError as e:
                 log.warning("label %s not written: %s", IMEX_READY_LABEL, e)
 
