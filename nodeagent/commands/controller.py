@@ -23,14 +23,17 @@ import click
 @click.option("--retry-period", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
               help="Seconds between tries to take or renew the Lease.")
 @click.option("--interval", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-              help="Seconds between two passes over the ComputeDomains while leading.")
+              help="Seconds between passes while work is outstanding (an eviction a PodDisruptionBudget refuses) "
+              "or after a failed pass; changes are acted on as the watches report them.")
+@click.option("--resync", type=click.FloatRange(min=1, max=3600), default=300.0, show_default=True,
+              help="Seconds between full passes whatever the watches report (a safety net).")
 @click.option("--computedomains/--no-computedomains", default=True, show_default=True,
               help="Keep ComputeDomains' templates and status (needs NVIDIA's ComputeDomain CRD).")
 @click.option("--remediation/--no-remediation", default=False, show_default=True,
               help="Execute the pod evictions node agents request on their own Nodes for GPU remediation.")
 def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name: str, identity: str | None,
                lease_duration: float, renew_deadline: float, retry_period: float, interval: float,
-               computedomains: bool, remediation: bool) -> None:
+               resync: float, computedomains: bool, remediation: bool) -> None:
     """Keep ComputeDomains' templates and status, and execute GPU remediation's eviction requests; leader-elected.
 
     For every ComputeDomain (resource.nvidia.com/v1beta1) it keeps the ResourceClaimTemplate the domain
@@ -42,7 +45,7 @@ def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name:
     import socket
     import threading
 
-    from nodeagent.computedomain.controller import run
+    from nodeagent.computedomain.controller import Duty, run
     from nodeagent.computedomain.lease import LeaderElector, LeaseConfig
     from nodeagent.kube.client import KubeClient, connect
 
@@ -63,13 +66,14 @@ def controller(kubeconfig: Path | None, lease_namespace: str | None, lease_name:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        passes = []
+        duties = []
         if remediation:
             from nodeagent.remediation.broker import EvictionBroker
+            from nodeagent.remediation.evictreq import node_relevance
 
             broker = EvictionBroker(kube)
-            passes.append(("evictions", broker.pass_once))
-        run(kube, LeaderElector(kube, cfg), stop, interval=interval, computedomains=computedomains,
-            passes=passes)
+            duties.append(Duty("evictions", lambda nodes: broker.pass_once(nodes).outstanding, node_relevance))
+        run(kube, LeaderElector(kube, cfg), stop, interval=interval, resync=resync, computedomains=computedomains,
+            duties=duties)
     finally:
         kube.close()

@@ -2,10 +2,10 @@
 
 Every method of ``NodeClient`` is blocking (one HTTP request each); async callers either use the ``a*``
 wrappers (``asyncio.to_thread``) or run them in threads themselves. ``NodeWatch`` keeps exactly one
-watch open on the own Node (field selector ``metadata.name``), resumes from the last resourceVersion,
-relists only that one node after ``410 Gone`` and backs off with jitter after errors (a 410 right after
-a relist too, so a server that always answers 410 is not hammered). The back-off starts over only once a
-watch has stayed open for ``healthy_after_s``, not at every event.
+watch open on the own Node (field selector ``metadata.name``) through the one watch loop (kube/watch.py):
+it resumes from the last resourceVersion, relists only that one node after ``410 Gone`` and backs off with
+jitter after errors (a 410 right after a relist too, so a server that always answers 410 is not hammered).
+The back-off starts over only once a watch has stayed open for ``healthy_after_s``, not at every event.
 
 ``NodeClient.watch`` / ``NodeClient.updates`` subscribe through a ``NodeWatchHub`` to ONE shared
 ``NodeWatch`` per API client and node: the daemon owns one hub and hands it to every ``NodeClient`` it
@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,6 +29,7 @@ from typing import Any
 from nodeagent.backoff import Backoff
 from nodeagent.errors import KubeError
 from nodeagent.kube.client import JSON_PATCH, MERGE_PATCH, KubeClient, WatchStream
+from nodeagent.kube.watch import WatchLoop
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +312,9 @@ class _Newest:
         return view
 
 
-class NodeWatch:
-    """One thread keeping one watch on the own Node open and handing each version to ``on_node``."""
+class NodeWatch(WatchLoop):
+    """One thread keeping one watch open on the own Node and handing each version to ``on_node`` (the loop,
+    resume, 410 relist and back-off are ``WatchLoop``'s)."""
 
     def __init__(
         self,
@@ -325,40 +326,11 @@ class NodeWatch:
         on_error: Callable[[KubeError], None] | None = None,
         healthy_after_s: float = 10.0,
     ) -> None:
+        super().__init__(f"node {node.name}", watch_timeout_s=watch_timeout_s, backoff=backoff, on_error=on_error,
+                         healthy_after_s=healthy_after_s)
+        self.thread_name = f"node-watch-{node.name}"
         self.node = node
         self.on_node = on_node
-        self.watch_timeout_s = watch_timeout_s
-        self.backoff = backoff or Backoff()
-        self.on_error = on_error
-        self.healthy_after_s = healthy_after_s  # a watch open this long starts the back-off over
-        self.relists = 0
-        self.errors = 0
-        self.gone = 0  # 410 answers
-        self._gone_in_a_row = 0  # 410s with no healthy watch in between
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._stream: WatchStream | None = None
-        self._thread: threading.Thread | None = None
-        self._rv = ""
-
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self.run, name=f"node-watch-{self.node.name}", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        with self._lock:
-            stream = self._stream
-        if stream is not None:
-            stream.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
 
     def _deliver(self, view: NodeView) -> None:
         try:
@@ -366,98 +338,17 @@ class NodeWatch:
         except Exception:
             log.exception("node watch callback failed for node %s", self.node.name)
 
-    def _relist(self) -> None:
+    def _list(self) -> str:
         view, rv = self.node.list_one()
-        self.relists += 1
-        self._rv = rv
         if view is not None:
             self._deliver(view)
+        return rv
 
-    def _watch_once(self) -> bool:
-        """One watch request until the server ends it; True if anything at all arrived."""
-        stream = self.node.open_watch(self._rv, self.watch_timeout_s)
-        with self._lock:
-            self._stream = stream
-        if self._stop.is_set():
-            stream.close()
-            return False
-        got = False
-        opened = time.monotonic()
-        try:
-            for ev in stream:
-                got = True
-                kind = ev.get("type")
-                obj = ev.get("object") or {}
-                if kind == "ERROR":
-                    code = obj.get("code")
-                    msg = obj.get("message", "")
-                    raise KubeError(
-                        f"watch node {self.node.name}: {code} {msg}".strip(),
-                        subject=self.node.name,
-                        retryable=True,
-                        status=int(code) if isinstance(code, int) else None,
-                    )
-                rv = (obj.get("metadata") or {}).get("resourceVersion")
-                if rv:
-                    self._rv = str(rv)
-                if kind in ("ADDED", "MODIFIED"):
-                    self._deliver(NodeView.from_json(obj))
-                elif kind == "DELETED":
-                    self._deliver(NodeView.from_json(obj, deleted=True))
-                if time.monotonic() - opened >= self.healthy_after_s:
-                    self._healthy()
-        finally:
-            with self._lock:
-                self._stream = None
-            stream.close()
-        return got
+    def _open(self, resource_version: str, timeout_s: int) -> WatchStream:
+        return self.node.open_watch(resource_version, timeout_s)
 
-    def _healthy(self) -> None:
-        self.backoff.reset()
-        self._gone_in_a_row = 0
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not self._rv:
-                    self._relist()
-                started = time.monotonic()
-                got = self._watch_once()
-                lasted = time.monotonic() - started
-                if not got and lasted < 1.0 and not self._stop.is_set():
-                    # a stream that closes at once without a word is treated as an error
-                    raise KubeError(f"watch node {self.node.name}: closed immediately", retryable=True)
-                if lasted >= self.healthy_after_s:
-                    self._healthy()
-            except KubeError as e:
-                if self._stop.is_set():
-                    break
-                if e.status == 410:
-                    self.gone += 1
-                    self._rv = ""
-                    self._gone_in_a_row += 1
-                    if self._gone_in_a_row == 1:  # the usual expiry: relist at once
-                        log.info("watch of node %s expired (410); relisting it", self.node.name)
-                        continue
-                    delay = self.backoff.next()  # 410 again right after a relist: back off
-                    log.warning("watch of node %s expired again (410, %d in a row); relisting in %.1fs",
-                                self.node.name, self._gone_in_a_row, delay)
-                    self._stop.wait(delay)
-                    continue
-                self.errors += 1
-                if self.on_error is not None:
-                    self.on_error(e)
-                delay = self.backoff.next()
-                log.warning("watch of node %s failed: %s; retrying in %.1fs", self.node.name, e, delay)
-                self._stop.wait(delay)
-            except Exception:
-                # a bug below us must not end the only watch on the node: log it and try again later
-                if self._stop.is_set():
-                    break
-                self.errors += 1
-                delay = self.backoff.next()
-                log.exception("watch of node %s broke unexpectedly; retrying in %.1fs", self.node.name, delay)
-                self._stop.wait(delay)
+    def _event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        self._deliver(NodeView.from_json(obj, deleted=kind == "DELETED"))
 
 
 def _rv_int(view: NodeView) -> int | None:

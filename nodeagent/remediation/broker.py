@@ -31,6 +31,12 @@ class BrokerPass:
     results: dict[str, dict[str, str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def outstanding(self) -> bool:
+        """A request not decided for good (pending, blocked, evicted and not gone yet): the next pass is due
+        after the controller's interval, whether a Node changes or not."""
+        return any(r not in er.RESULTS_FINAL for pods in self.results.values() for r in pods.values())
+
 
 class EvictionBroker:
     def __init__(self, kube: KubeClient, *, clock: Callable[[], float] = time.time) -> None:

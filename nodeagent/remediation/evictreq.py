@@ -111,6 +111,12 @@ def node_annotations(node: Mapping[str, Any]) -> Mapping[str, str]:
     return (node.get("metadata") or {}).get("annotations") or {}
 
 
+def node_relevance(node: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """What the controller reads of a Node for evictions (a change there is acted on at once)."""
+    ann = node_annotations(node)
+    return ann.get(REQUESTS), ann.get(RESULTS)
+
+
 # -- what the controller checks of a pod ------------------------------------------------------------------
 
 GPU_RESOURCE_PREFIXES = ("nvidia.com/",)  # the device plugin's resources: nvidia.com/gpu, nvidia.com/mig-*

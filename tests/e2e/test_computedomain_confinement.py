@@ -37,6 +37,8 @@ A, B = "cdconf-a", "cdconf-b"
 TENANT = "cdconf-tenant"
 NODES = "/api/v1/nodes"
 CDS = f"/apis/resource.nvidia.com/v1beta1/namespaces/{TENANT}/computedomains"
+ALL_CDS = "/apis/resource.nvidia.com/v1beta1/computedomains"
+ALL_RCTS = "/apis/resource.k8s.io/v1/resourceclaimtemplates"
 RCTS = f"/apis/resource.k8s.io/v1/namespaces/{TENANT}/resourceclaimtemplates"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/nodeagent/leases"
@@ -91,6 +93,13 @@ CASES: tuple[Case, ...] = (
     Case("create a ResourceClaimTemplate", CTL, "POST", RCTS, template("by-controller"), want=201),
     Case("delete a ResourceClaimTemplate", CTL, "DELETE", f"{RCTS}/by-controller", want=200),
     Case("list Nodes", CTL, "GET", NODES, want=200),
+    # its watches (cluster-wide): the domains, the templates and the Nodes; the agents watch none of the first two
+    Case("watch ComputeDomains", CTL, "GET", f"{ALL_CDS}?watch=true&timeoutSeconds=1", want=200),
+    Case("watch ResourceClaimTemplates", CTL, "GET", f"{ALL_RCTS}?watch=true&timeoutSeconds=1", want=200),
+    Case("watch Nodes", CTL, "GET", f"{NODES}?watch=true&timeoutSeconds=1", want=200),
+    Case("watch ComputeDomains", A, "GET", f"{ALL_CDS}?watch=true&timeoutSeconds=1"),
+    Case("watch ResourceClaimTemplates", A, "GET", f"{ALL_RCTS}?watch=true&timeoutSeconds=1"),
+    Case("watch ResourceSlices", CTL, "GET", f"{SLICES}?watch=true&timeoutSeconds=1"),
     Case("label a Node", CTL, "PATCH", f"{NODES}/{A}", {"metadata": {"labels": {"x": "y"}}}, MERGE),
     Case("write a node's report", CTL, "PATCH", f"{NODES}/{A}", report("forged"), MERGE),
     Case("write a Node's status", CTL, "PATCH", f"{NODES}/{A}/status", {"status": {"capacity": {"x": "1"}}},

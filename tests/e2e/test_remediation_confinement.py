@@ -76,6 +76,8 @@ CASES: tuple[Case, ...] = (
     Case("read a pod", A, "GET", f"{PODS}/on-a"),
     Case("read a pod", REM, "GET", f"{PODS}/on-b", want=200),
     Case("list Nodes", REM, "GET", NODES, want=200),
+    Case("watch Nodes", REM, "GET", f"{NODES}?watch=true&timeoutSeconds=1", want=200),
+    Case("watch pods", REM, "GET", "/api/v1/pods?watch=true&timeoutSeconds=1"),
     Case("read a ResourceClaim", REM, "GET", f"/apis/resource.k8s.io/v1/namespaces/{TENANT}/resourceclaims/x",
          want=404),
     Case("write the outcome on a Node", REM, "PATCH", f"{NODES}/{A}", results(), MERGE, 200),
