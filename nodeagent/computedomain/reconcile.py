@@ -181,13 +181,24 @@ def desired_template(domain: Domain, clique: str) -> dict[str, Any]:
     }
 
 
+def _holds(stored: Any, want: Any) -> bool:
+    """``stored`` has every field of ``want`` with its value; fields only ``stored`` has are the API server's
+    defaults (``allocationMode: ExactCount``, ``count: 1``, an empty ``metadata``) and do not count."""
+    if isinstance(want, Mapping):
+        return isinstance(stored, Mapping) and all(k in stored and _holds(stored[k], v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(stored, list) and len(stored) == len(want) and all(map(_holds, stored, want))
+    return bool(stored == want)
+
+
 def template_matches(existing: Mapping[str, Any], want: Mapping[str, Any]) -> bool:
-    """Whether an existing template is the wanted one: same spec, owned by the same domain, same pin. The
-    spec of a ResourceClaimTemplate cannot be changed, so a different one is deleted and made again."""
+    """Whether an existing template is the wanted one: its spec as the controller made it (with the server's
+    defaults), owned by the same domain, same pin. The spec of a ResourceClaimTemplate cannot be changed, so a
+    different one is deleted and made again."""
     meta = existing.get("metadata") or {}
     wmeta = want["metadata"]
     owners = [(o.get("uid"), bool(o.get("controller"))) for o in meta.get("ownerReferences") or []]
-    return (existing.get("spec") == want["spec"]
+    return (_holds(existing.get("spec"), want["spec"])
             and (wmeta["ownerReferences"][0]["uid"], True) in owners
             and (meta.get("labels") or {}).get(DOMAIN_LABEL) == wmeta["labels"][DOMAIN_LABEL]
             and (meta.get("annotations") or {}).get(CLIQUE_ANNOTATION) == wmeta["annotations"][CLIQUE_ANNOTATION])

@@ -268,3 +268,65 @@ async def test_dra_plane_publishes_the_channel_device_of_its_clique(kube: KubeCl
         finally:
             await dra.stop()
             shutil.rmtree(root, ignore_errors=True)
+
+
+def test_changes_are_acted_on_at_once_not_at_the_resync(kube_apiserver: KubeApiServer, kube: KubeClient,
+                                                        cluster: list[str]) -> None:
+    """The leader watches: with the resync and the retry interval both an hour, a new ComputeDomain gets its
+    template and a node's report reaches the domain's status within seconds; while nothing relevant changes
+    (a Node's other labels, heartbeats) it sends no request but its Lease renewals."""
+    from nodeagent.kube.client import connect
+
+    a, b, _ = cluster
+    ctl = KubeClient(connect(kube_apiserver.kubeconfig))  # its own client: its requests are counted apart
+    stop = threading.Event()
+    elector = LeaderElector(ctl, LeaseConfig(LEASE_NS, f"watch-{uuid.uuid4().hex[:6]}", "w", 2.0, 1.5, 0.2))
+    thread = threading.Thread(target=run, args=(ctl, elector, stop),
+                              kwargs={"interval": 3600.0, "resync": 3600.0, "watch_timeout_s": 60}, daemon=True)
+    warm, name = f"warm-{uuid.uuid4().hex[:6]}", f"quick-{uuid.uuid4().hex[:6]}"
+
+    def domain(n: str) -> dict[str, Any]:
+        return kube.request("POST", CDS, body={
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain", "metadata": {"name": n},
+            "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": f"{n}-channel"}}}})
+
+    domain(warm)
+    thread.start()
+    try:
+        # the first pass on taking the Lease handles what exists already
+        wait_for(lambda: _get(kube, f"{RCT}/{warm}-channel"), timeout=15)
+        wait_for(lambda: get_cd(kube, warm).get("status", {}).get("status") == "NotReady", timeout=10)
+        time.sleep(0.5)  # the watches' first lists are in (a pass they wake finds nothing to do)
+
+        # quiet: another label on a Node and nothing else: no pass, no request but the Lease's
+        before = dict(ctl.stats.by_method)
+        kube.request("PATCH", f"/api/v1/nodes/{a}", content_type=MERGE_PATCH,
+                     body={"metadata": {"labels": {"example.com/unrelated": "1"}}})
+        t_quiet = time.monotonic()
+        wait_for(lambda: time.monotonic() - t_quiet > 1.5, timeout=5)
+        sent = {m: n - before.get(m, 0) for m, n in ctl.stats.by_method.items() if n - before.get(m, 0)}
+        lease_only = {"GET", "PUT"}  # each renewal: read the Lease, update it
+        assert set(sent) <= lease_only and sent.get("GET", 0) <= sent.get("PUT", 0) + 1, sent
+
+        t0 = time.monotonic()
+        uid = domain(name)["metadata"]["uid"]
+        wait_for(lambda: _get(kube, f"{RCT}/{name}-channel"), timeout=10)
+        made = time.monotonic() - t0
+        t1 = time.monotonic()
+        report(kube, a, {uid: "Ready"})
+        wait_for(lambda: get_cd(kube, name).get("status", {}).get("status") == "Ready", timeout=10)
+        ready = time.monotonic() - t1
+        print(f"watch: template {made:.2f}s after the domain, status Ready {ready:.2f}s after the report")
+        assert made < 10 and ready < 10  # an hour's resync never came into it
+        assert ctl.stats.watches >= 3  # Nodes, ComputeDomains, templates
+    finally:
+        stop.set()
+        thread.join(10)
+        ctl.close()
+        report(kube, a, None)
+        kube.request("PATCH", f"/api/v1/nodes/{a}", content_type=MERGE_PATCH,
+                     body={"metadata": {"labels": {"example.com/unrelated": None}}})
+        for n in (warm, name):
+            kube.request("DELETE", f"{CDS}/{n}")
+    assert not thread.is_alive()
+    del b

@@ -3,6 +3,7 @@ device model of the DRA driver (nodeagent/dra/channels.py), pure."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,13 @@ def test_template_requests_channel_in_one_clique_owned_by_domain(mode: str) -> N
     assert channels.parse_channel_config(params, "x") == channels.ChannelConfig("uid-1", mode)
     assert rc.template_matches(t, t)
     assert not rc.template_matches(t, rc.desired_template(d, CLIQUE_B))
+    # as the API server stores it: its defaults added; still the same template (not made again at every pass)
+    stored = copy.deepcopy(t)
+    stored["spec"]["metadata"] = {}
+    stored["spec"]["spec"]["devices"]["requests"][0]["exactly"].update(allocationMode="ExactCount", count=1)
+    assert rc.template_matches(stored, t)
+    stored["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = []
+    assert not rc.template_matches(stored, t)
 
 
 def test_clique_choice_keeps_pin_prefers_members_then_largest() -> None:
