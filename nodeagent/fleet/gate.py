@@ -159,6 +159,16 @@ class FleetGate:
 
     # -- waiting and taking ------------------------------------------------------------------------------
     async def _acquire(self, budget: FleetBudget, pool: Pool, entry: str, reason: str, gpu_pods: int) -> SlotView:
+        request_s = await self._enter_line(budget, pool, entry, reason, gpu_pods)
+        keeper = asyncio.create_task(self._keep_request(entry, request_s / 4))
+        try:
+            return await self._wait_for_slot(budget, pool, entry, reason)
+        finally:
+            keeper.cancel()
+
+    async def _enter_line(self, budget: FleetBudget, pool: Pool, entry: str, reason: str, gpu_pods: int) -> float:
+        """The request ``entry`` enters the line (and is remembered to re-enter it under that name after its own
+        pods held it back); how long the request lives without renewal."""
         # A request lives three slot leases (at least 2 minutes) and is renewed by its own task at a quarter
         # of that, whatever the pace of the looks at the pool: a busy agent's request never lapses, a dead
         # agent's leaves the line within that time.
@@ -169,11 +179,7 @@ class FleetGate:
 
         await asyncio.to_thread(join)
         self._in_line, self._rejoin = True, join
-        keeper = asyncio.create_task(self._keep_request(entry, request_s / 4))
-        try:
-            return await self._wait_for_slot(budget, pool, entry, reason)
-        finally:
-            keeper.cancel()
+        return request_s
 
     async def _keep_request(self, entry: str, every: float) -> None:
         while True:

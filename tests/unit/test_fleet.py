@@ -355,3 +355,67 @@ def test_blocking_pods_from_the_nodes_runtime() -> None:
 
     asyncio.run(stuck())
     assert said2.reasons and said2.reasons[0].startswith("the pods on this node could not be listed for blockingPods: ")
+
+
+def test_a_node_held_back_by_its_pods_steps_out_of_line_and_back_in_at_its_place() -> None:
+    """The step-out rule, driven one look at a time (no racing tasks, no sleeps, a fixed clock): n1 asked first
+    but runs a blocking pod, so it leaves the line at its look and n2, behind it, takes the one slot; n3 asks
+    later. Once n1's pod is gone n1 is back in line under its FIRST request's name, ahead of n3: when n2's slot
+    comes free, n3 looks first and still waits, and n1 takes the slot."""
+    api = FakeApi(size=3)
+    budget = parse_budget("pools: [{name: p, nodeSelector: '', maxUnavailable: 1, blockingPods: 'app=train'}]")
+    pool = budget.pools[0]
+    now = datetime(2026, 11, 29, 3, 0, tzinfo=timezone.utc)
+    pods: dict[str, list[tuple[str, Mapping[str, str]]]] = {"n1": [("ml/trainer", {"app": "train"})], "n2": [],
+                                                           "n3": []}
+    t = int(now.timestamp() * 1000)
+    entries = {"n1": queue_name("p", "n1", t, 0), "n2": queue_name("p", "n2", t + 1, 0),
+               "n3": queue_name("p", "n3", t + 2, 0)}
+
+    def node_gate(node: str) -> FleetGate:
+        async def labels() -> Mapping[str, str]:
+            return {}
+
+        async def node_pods() -> list[tuple[str, Mapping[str, str]]]:
+            return pods[node]
+
+        return FleetGate(api, node, labels, budget=budget, node_pods=node_pods, clock=lambda: now)  # type: ignore[arg-type]
+
+    gates = {n: node_gate(n) for n in ("n1", "n2", "n3")}
+
+    async def enter(node: str) -> None:
+        await gates[node]._enter_line(budget, pool, entries[node], "c", 0)
+
+    async def look(node: str) -> tuple[str, SlotView | None]:
+        return await gates[node]._try(budget, pool, entries[node], "c")
+
+    async def main() -> None:
+        await enter("n1")
+        await enter("n2")
+        # while n1 is first in line (it has not looked yet) n2 does not go
+        why, taken = await look("n2")
+        assert taken is None and "counted by the first node in line" in why, why
+        # n1 looks: its own pod holds it back, it steps out of the line
+        why, taken = await look("n1")
+        assert taken is None and why == "pods blocking changes run on this node (ml/trainer)"
+        assert api.queue_names == {entries["n2"]}
+        # n2 is first now: it counts the pool and takes the one slot
+        why, n2_slot = await look("n2")
+        assert n2_slot is not None and n2_slot.holder == "n2", why
+        api.leave_queue(entries["n2"])  # what slot() does once the slot is taken
+        await enter("n3")  # a later request
+        # n1's pod ends; at its next look it is back in line under its first name, ahead of n3, and waits
+        pods["n1"] = []
+        why, taken = await look("n1")
+        assert taken is None and "are taken" in why, why
+        assert sorted(api.queue_names) == [entries["n1"], entries["n3"]]
+        # n2 is done; n3 happens to look first: the older request goes first, n3 waits
+        api.release(n2_slot, "p", "n2")
+        why, taken = await look("n3")
+        assert taken is None and "1 older request(s)" in why, why
+        why, taken = await look("n1")
+        assert taken is not None and taken.holder == "n1", why
+        why, taken = await look("n3")
+        assert taken is None and "are taken" in why, why
+
+    asyncio.run(asyncio.wait_for(main(), 10))
