@@ -296,17 +296,23 @@ def test_changes_are_acted_on_at_once_not_at_the_resync(kube_apiserver: KubeApiS
         # the first pass on taking the Lease handles what exists already
         wait_for(lambda: _get(kube, f"{RCT}/{warm}-channel"), timeout=15)
         wait_for(lambda: get_cd(kube, warm).get("status", {}).get("status") == "NotReady", timeout=10)
-        time.sleep(0.5)  # the watches' first lists are in (a pass they wake finds nothing to do)
+        wait_for(lambda: ctl.stats.watches >= 3, timeout=10)  # Nodes, ComputeDomains, templates
 
-        # quiet: another label on a Node and nothing else: no pass, no request but the Lease's
-        before = dict(ctl.stats.by_method)
-        kube.request("PATCH", f"/api/v1/nodes/{a}", content_type=MERGE_PATCH,
-                     body={"metadata": {"labels": {"example.com/unrelated": "1"}}})
-        t_quiet = time.monotonic()
-        wait_for(lambda: time.monotonic() - t_quiet > 1.5, timeout=5)
-        sent = {m: n - before.get(m, 0) for m, n in ctl.stats.by_method.items() if n - before.get(m, 0)}
-        lease_only = {"GET", "PUT"}  # each renewal: read the Lease, update it
-        assert set(sent) <= lease_only and sent.get("GET", 0) <= sent.get("PUT", 0) + 1, sent
+        # quiet: another label on a Node and nothing else wakes no pass (three lists): over 1.5 s only the
+        # Lease's renewals (a read and an update each). A pass the watches' first lists woke may still run late
+        # on a loaded machine, so the window is tried up to three times, each with a new label change.
+        windows: list[dict[str, int]] = []
+        for i in range(3):
+            before = dict(ctl.stats.by_method)
+            kube.request("PATCH", f"/api/v1/nodes/{a}", content_type=MERGE_PATCH,
+                         body={"metadata": {"labels": {"example.com/unrelated": str(i)}}})
+            t_quiet = time.monotonic()
+            wait_for(lambda t=t_quiet: time.monotonic() - t > 1.5, timeout=5)  # type: ignore[misc]
+            windows.append({m: n - before.get(m, 0) for m, n in ctl.stats.by_method.items() if n - before.get(m, 0)})
+            if set(windows[-1]) <= {"GET", "PUT"} and windows[-1].get("GET", 0) <= windows[-1].get("PUT", 0) + 1:
+                break
+        else:
+            raise AssertionError(f"a change the controller does not read woke a pass: {windows}")
 
         t0 = time.monotonic()
         uid = domain(name)["metadata"]["uid"]
@@ -327,6 +333,7 @@ def test_changes_are_acted_on_at_once_not_at_the_resync(kube_apiserver: KubeApiS
         kube.request("PATCH", f"/api/v1/nodes/{a}", content_type=MERGE_PATCH,
                      body={"metadata": {"labels": {"example.com/unrelated": None}}})
         for n in (warm, name):
-            kube.request("DELETE", f"{CDS}/{n}")
+            if _get(kube, f"{CDS}/{n}") is not None:
+                kube.request("DELETE", f"{CDS}/{n}")
     assert not thread.is_alive()
     del b
