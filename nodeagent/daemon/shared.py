@@ -300,6 +300,12 @@ class DraLink(_Slot[DraPool]):
         get = getattr(self._held, "mps_manager", None)
         return get() if get is not None else None
 
+    def monitor(self) -> Any:
+        """The DRA plane's own health monitor (``gpu.health.HealthMonitor``): plane "dra" alone runs one;
+        None beside the device plugin (whose monitor feeds it) and while none runs."""
+        get = getattr(self._held, "monitor", None)
+        return get() if get is not None else None
+
 
 class HealthSink(Protocol):
     """What takes the device plugin's health monitor changes (the DRA plane beside it, plane "both")."""

@@ -228,6 +228,10 @@ class Remediator:
             if before_reset and await self._needs_nothing(p.target):
                 out.append(await self._rollback(run))
             else:
+                if Step.WITHDRAW in run.done:
+                    # the hold lived in the predecessor's monitors: this agent's must hold the GPU out
+                    # too before anything else (its device plugin may have offered it at start)
+                    await self._withdraw(p)
                 out.append(await self.run(p, done=run.done, persistence=run.persistence))
         return out
 

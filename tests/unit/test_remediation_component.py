@@ -88,6 +88,7 @@ class FakeDra:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.own_monitor: HealthMonitor | None = None
 
     async def withdraw(self, gpus: set[int]) -> None:
         self.calls.append(("withdraw", sorted(gpus)))
@@ -97,6 +98,9 @@ class FakeDra:
 
     def mps_manager(self) -> Any:
         return self
+
+    def monitor(self) -> HealthMonitor | None:  # beside the device plugin the plane has no monitor of its own
+        return self.own_monitor
 
     async def pause_gpu(self, uuid: str) -> list[str]:
         self.calls.append(("pause", uuid))

@@ -216,6 +216,10 @@ class DraPlaneComponent(Component):
     def mps_manager(self) -> Any:
         return self.dra.mps.manager if self.dra.mps is not None else None
 
+    def monitor(self) -> Any:
+        """The plane's own health monitor (plane "dra" alone; None beside the device plugin)."""
+        return self.dra.monitor if self._started else None
+
     async def resync(self) -> None:
         if self._started:
             self.dra.reverify()

@@ -1,6 +1,6 @@
-"""GPU remediation as a daemon component: the device plugin's health monitor tells it of every XID; it
-decides, plans and runs the one-GPU pipeline (``nodeagent.remediation``) in the background, one run per GPU,
-and finishes or rolls back what a previous agent left in the state record."""
+"""GPU remediation as a daemon component: the health monitor (the device plugin's, or the DRA plane's when it
+runs alone) tells it of every XID; it decides, plans and runs the one-GPU pipeline (``nodeagent.remediation``)
+in the background, one run per GPU, and finishes or rolls back what a previous agent left in the state record."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class RemediationComponent(Component):
         self._ctx = ctx
         self._rem: Any = None
         self._recent: dict[int, deque[tuple[float, int]]] = {}
-        self._listening: Any = None
+        self._listening: list[Any] = []
         self._pod_gpus: dict[str, tuple[str, ...]] = {}  # pod → the GPUs it holds (named in eviction requests)
         self._reboot_checked = False  # the reboot-required condition of an earlier run looked at (once)
 
@@ -106,9 +106,7 @@ class RemediationComponent(Component):
         else:
             resetter = NoResetter()
 
-        def monitors() -> list[Any]:
-            m = ctx.shared.device_plugin.monitor()
-            return [m] if m is not None else []
+        monitors = self._monitors
 
         def index_of(uuid: str) -> int:
             inv = ctx.inventory
@@ -151,13 +149,19 @@ class RemediationComponent(Component):
         self.ready.set()
         ctx.set_status(self.name, "watching for GPU faults")
 
+    def _monitors(self) -> list[Any]:
+        """The health monitors running now: the device plugin's, and the DRA plane's own when it runs alone
+        (plane "dra"; beside the device plugin the plane follows the plugin's monitor and has none)."""
+        found = [self._ctx.shared.device_plugin.monitor(), self._ctx.shared.dra.monitor()]
+        return [m for i, m in enumerate(found) if m is not None and all(m is not o for o in found[:i])]
+
     def _listen(self) -> None:
-        """Listen to the device plugin's current monitor (a reload may have replaced it)."""
-        m = self._ctx.shared.device_plugin.monitor()
-        if m is None or m is self._listening:
-            return
-        m.xid_listeners.append(self._on_xid)
-        self._listening = m
+        """Listen to the current monitors (a reload or a late plane start may have replaced them)."""
+        current = self._monitors()
+        for m in current:
+            if not any(m is seen for seen in self._listening):
+                m.xid_listeners.append(self._on_xid)
+        self._listening = current
 
     async def on_inventory(self, inventory: Inventory) -> None:
         self._listen()
