@@ -135,7 +135,7 @@ class RemediationComponent(Component):
             settings, load_catalog(), ctx.gpu, resetter, pods,  # type: ignore[arg-type]
             KubeNodeSide(node, events=ctx.config.publish.events),
             MonitorHooks(monitors, index_of, stop_users=self._pause_mps, restore=self._resume_mps,
-                         planes=ctx.shared.dra), store=RecordStore(record_path(ctx.paths)),
+                         planes=ctx.shared.dra, noexecute_when_out=cfg.noexecute_when_out), store=RecordStore(record_path(ctx.paths)),
             metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None,
             gate=RemediationSlots(fleet) if fleet is not None else None)
         self._listen()
@@ -214,6 +214,7 @@ class RemediationComponent(Component):
     async def _keep_out(hooks: Any, uuid: str, why: str) -> None:
         try:
             await hooks.withdraw(uuid, f"quarantined: {why}")
+            await hooks.stays_out(uuid, f"quarantined: {why}")
         except NodeAgentError as e:  # a GPU no longer on the node
             log.info("quarantined GPU %s not withdrawn: %s", uuid, e)
 
