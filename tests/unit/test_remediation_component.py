@@ -87,7 +87,7 @@ class FakeDra:
     daemons paused and resumed."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, Any]] = []
+        self.calls: list[tuple[Any, ...]] = []
         self.own_monitor: HealthMonitor | None = None
 
     async def hold_out(self, gpus: set[int], reason: str, effect: str = "NoSchedule") -> None:
