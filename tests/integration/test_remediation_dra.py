@@ -1,5 +1,5 @@
-"""Remediation with the DRA plane alone (no device plugin), on a real kube-apiserver (1.34 with DRADeviceTaints
-on, the suite's default): an XID reaches the plane's own health monitor, the remediation holds the GPU out, its
+"""Remediation with the DRA plane alone (no device plugin), on the real kube-apiserver of every release the suite
+has (1.34 and 1.35 with DRADeviceTaints on, 1.36 and 1.37 where device taints are beta): an XID reaches the plane's own health monitor, the remediation holds the GPU out, its
 device stays in the node's ResourceSlice with the taint ``gpu.nodeagent.io/remediation`` while the GPU is out,
 loses it once the GPU is reset and offered; a GPU that cannot be reset stays out, tainted NoExecute (the
 policy ``noexecute_when_out``), and the Node says a reboot is required. Where the server drops device taints the
@@ -31,9 +31,11 @@ from nodeagent.nvmlsource import open_nvml
 from nodeagent.simulator import inject
 from nodeagent.simulator.machine import load_machine
 from nodeagent.simulator.state import SimStore
+from tests.integration._releases import shared_release_apiserver
 from tests.integration.test_dra_slices import slices_of
 
 pytestmark = pytest.mark.peers
+kube_apiserver = shared_release_apiserver  # every test once per Kubernetes release, on servers shared with others
 
 
 class Plane:
