@@ -274,3 +274,41 @@ def test_with_the_dra_plane_alone_its_own_monitor_feeds_the_remediation(tmp_path
 
 async def _nothing() -> None:
     return None
+
+
+def test_a_mig_gpu_gets_its_layout_back_after_the_reset(tmp_path: Path) -> None:
+    """The reset destroys the GPU's MIG instances; the restore step lays the same profiles out at the same
+    placements before the GPU is offered; the pods of both instances were evicted."""
+    from nodeagent.mig.apply import layout_of
+
+    sim = open_sim("dgx-h100")
+    gpu = adapter_for_sim(sim, HostPaths(tmp_path))
+    inject.write_mig_layout(sim.store, 2, ["3g.40gb", "2g.20gb", "1g.10gb"])
+    inv = gpu.discover()
+    before = layout_of(inv.gpus[2])
+    migs = [d.uuid for d in inv.gpus[2].mig_devices]
+    assert len(before) == 3
+    uuid = {g.index: g.uuid for g in inv.gpus}
+    kube = FakeKube({"team/mig-0", "team/mig-1"})
+    pr = FakePodResources([Assignment("team", "mig-0", "c", "nvidia.com/mig-3g.40gb", (migs[0],)),
+                           Assignment("team", "mig-1", "c", "nvidia.com/mig-2g.20gb", (migs[1],))])
+
+    async def scenario() -> None:
+        monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
+        monitor.gpu_indices = frozenset(uuid)
+        plugin = FakePlugin(monitor, {(a.resource, a.device_ids[0]): 2 for a in pr.assignments})
+        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0, evictions="direct",
+                                                                  eviction_timeout=5.0, eviction_grace=1.0))
+        ctx = FakeCtx(tmp_path, cfg, gpu, kube, plugin, pr)
+        comp = RemediationComponent(ctx)  # type: ignore[arg-type]
+        await comp.start(ctx)  # type: ignore[arg-type]
+        inject.inject_xid(sim.store, 2, 48, recovery_action=1)
+        await monitor.handle_events([XidEvent(2, 48)])
+        await asyncio.gather(*ctx.tasks)
+
+    asyncio.run(scenario())
+    assert sorted(kube.evictions) == ["team/mig-0", "team/mig-1"]
+    after = gpu.discover().gpus[2]
+    assert gpu.recovery_action_of(uuid[2]) == 0 and "GPURemediated" in kube.events
+    assert after.mig_current and layout_of(after) == before  # the same profiles at the same placements
