@@ -193,6 +193,8 @@ class RemediationSettings:
     cordon_on_failure: bool = False  # cordon the node when a GPU cannot be brought back
     reboot_command: str = ""  # "" = never reboot; else run when a node reboot is required
     fabric_manager: bool = True  # False: Ampere NVLink peers are reset together
+    # a GPU kept out (quarantined, reboot required): its DRA devices' taint NoExecute instead of NoSchedule
+    noexecute_when_out: bool = False
     xid_actions: dict[str, str] = field(default_factory=dict)  # [remediation.xid_actions] "48" = "drain-and-reset"
 
 

@@ -43,6 +43,7 @@ RELEASES_FILES = (
     "tests/integration/test_dra_dynamic_mig_api.py",
     "tests/integration/test_dra_slices_outage.py",
     "tests/integration/test_podresources_dra.py",
+    "tests/integration/test_remediation_dra.py",
 )
 
 

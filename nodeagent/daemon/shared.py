@@ -300,6 +300,28 @@ class DraLink(_Slot[DraPool]):
         get = getattr(self._held, "mps_manager", None)
         return get() if get is not None else None
 
+    async def hold_out(self, gpu_indices: set[int], reason: str, effect: str = "NoSchedule") -> None:
+        """A remediation's: the GPUs' devices tainted where the API server keeps device taints, else left out
+        (a plane without taints only withdraws)."""
+        hold = getattr(self._held, "hold_out", None)
+        if hold is not None:
+            await hold(gpu_indices, reason, effect)
+        elif self._held is not None:
+            await self._held.withdraw(gpu_indices)
+
+    async def offer_again(self, gpu_indices: set[int]) -> None:
+        offer = getattr(self._held, "offer_again", None)
+        if offer is not None:
+            await offer(gpu_indices)
+        elif self._held is not None:
+            await self._held.readvertise(gpu_indices)
+
+    def monitor(self) -> Any:
+        """The DRA plane's own health monitor (``gpu.health.HealthMonitor``): plane "dra" alone runs one;
+        None beside the device plugin (whose monitor feeds it) and while none runs."""
+        get = getattr(self._held, "monitor", None)
+        return get() if get is not None else None
+
 
 class HealthSink(Protocol):
     """What takes the device plugin's health monitor changes (the DRA plane beside it, plane "both")."""

@@ -133,8 +133,8 @@ def default_specs() -> list[ComponentSpec]:
         ComponentSpec("runtime", frozenset({"runtime", "kubelet"}), runtime),
         ComponentSpec("conditions", frozenset({"publish"}), conditions),
         ComponentSpec("racks", frozenset({"imex", "publish"}), racks),
-        # after the device plugin: it listens to the plugin's health monitor
-        ComponentSpec("remediation", frozenset({"remediation", "device_plugin", "health"}), remediation),
+        # after the device plugin and the DRA plane: it listens to their health monitors
+        ComponentSpec("remediation", frozenset({"remediation", "device_plugin", "dra", "health"}), remediation),
     ]
 
 

@@ -147,6 +147,8 @@ class DraComponent:
         self.vfio_devices: list[DraDevice] = []
         self._unhealthy: dict[HealthKey, str] = {}
         self._withdrawn: frozenset[int] = frozenset()  # GPUs left out of the slices until re-advertised
+        # GPUs a remediation holds out, listed tainted (GPU → its taint) while the API server keeps device taints
+        self._held_out: dict[int, dict[str, str]] = {}
         # GPUs leaving this plane for the device plugin: out of the slices, no new claim, until ``set_gpus``
         self._leaving: frozenset[int] = frozenset(leaving)
         # GPUs another DRA driver publishes (or a claim of it still holds): never in this driver's slices too
@@ -290,7 +292,36 @@ class DraComponent:
         """The withdrawn GPUs: left out of the slices, and no new claim prepared on them meanwhile."""
         self._withdrawn = gpu_indices
         if self.preparer is not None:
-            self.preparer.withdrawn = gpu_indices | self._leaving
+            self.preparer.withdrawn = gpu_indices | self._leaving | frozenset(self._held_out)
+
+    async def hold_out(self, gpu_indices: Iterable[int], reason: str, effect: str = "NoSchedule") -> bool:
+        """A remediation takes these GPUs out of service: where the API server keeps device taints their
+        devices stay listed with the taint ``gpu.nodeagent.io/remediation`` (``effect`` NoSchedule, or
+        NoExecute); otherwise they are left out of the slices (``withdraw``). No new claim is prepared on them
+        either way. True when tainted."""
+        from nodeagent.dra.slices import remediation_taint
+
+        gpus = frozenset(gpu_indices)
+        taint = remediation_taint(reason, effect)
+        if not await asyncio.to_thread(self.publisher.device_taints):
+            await self.withdraw(gpus)
+            return False
+        for g in gpus:
+            self._held_out[g] = taint
+        self._set_withdrawn(self._withdrawn)
+        await self._refresh()
+        return True
+
+    async def offer_again(self, gpu_indices: Iterable[int]) -> None:
+        """The end of ``hold_out``: the taint removed (or the devices listed again)."""
+        gpus = frozenset(gpu_indices)
+        tainted = gpus & frozenset(self._held_out)
+        for g in tainted:
+            del self._held_out[g]
+        self._set_withdrawn(self._withdrawn)
+        if tainted and self._inventory is not None:
+            await self._refresh()
+        await self.readvertise(gpus - tainted)
 
     async def set_gpus(self, served: frozenset[int], leaving: frozenset[int] = frozenset()) -> None:
         """Serve only these GPUs (a move between the planes): ``leaving`` ones stay known, so the claims
@@ -341,7 +372,8 @@ class DraComponent:
         await self.feed.update([d.name for d in self.devices], bad)
         kept = [d for d in self.devices if d.gpu_index not in self._withdrawn | self._leaving | self._foreign]
         counters = build_counter_sets(kept, self._inventory) if self._inventory is not None else []
-        self._wanted = pool_content(kept, bad, counters)
+        held = {d.name: [self._held_out[d.gpu_index]] for d in kept if d.gpu_index in self._held_out}
+        self._wanted = pool_content(kept, bad, counters, held)
         if self._wanted != self._published:
             self._dirty.set()
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.slices import (
+    API_VERSION,
     CONTENT_ANNOTATION,
     LAYOUTS,
     MAX_DEVICES,
@@ -29,6 +30,7 @@ from nodeagent.dra.slices import (
     build_slices,
     consumable_capacity_for,
     layout_for,
+    taint_probe_body,
 )
 from nodeagent.errors import KubeError
 from nodeagent.kube.client import KubeClient
@@ -53,6 +55,7 @@ class SlicePublisher:
         self.layout = layout
         self.consumable = consumable
         self.server_version: str | None = None
+        self.taints: bool | None = None  # whether the API server keeps device taints (None: not asked yet)
         self.node_name = node_name
         self.driver = driver
         self.max_devices = max_devices
@@ -144,6 +147,25 @@ class SlicePublisher:
                      "with consumable capacity" if self.consumable else
                      "as ordinary devices (no consumable capacity before Kubernetes 1.36)")
         return self.consumable
+
+    def device_taints(self) -> bool:
+        """Whether the API server keeps device taints in ResourceSlices: asked once with a dry-run create of a
+        one-device slice (nothing is stored); a server without the feature drops the field from its answer."""
+        if self.taints is None:
+            group = API_VERSION.split("/")[0]
+            path = f"/apis/{API_VERSION}/resourceslices?dryRun=All"
+            try:
+                answer = self.kube.request("POST", path, body=taint_probe_body(self.node_name, self.driver),
+                                           action=f"ask whether {group} keeps device taints")
+            except KubeError as e:  # not known now: not remembered, asked again next time
+                log.warning("DRA pool %s: whether the API server keeps device taints is unknown: %s",
+                            self.node_name, e)
+                return False
+            devices = answer.get("spec", {}).get("devices") or [{}]
+            self.taints = bool(devices[0].get("taints"))
+            log.info("DRA pool %s: the API server %s device taints", self.node_name,
+                     "keeps" if self.taints else "drops (DRADeviceTaints off)")
+        return self.taints
 
     def invalidate(self) -> None:
         """Forget what the API holds (outage, kubelet wipe): the next ``sync`` reads and compares again.

@@ -39,6 +39,9 @@ LAYOUTS = (LAYOUT_SEPARATE, LAYOUT_INLINE)
 MAX_TAINT_VALUE = 63
 CONTENT_ANNOTATION = f"{DRIVER_NAME}/content-hash"
 UNHEALTHY_TAINT_KEY = f"{DRIVER_NAME}/unhealthy"
+# a GPU taken out of service by its remediation (NoSchedule; NoExecute where the policy says)
+REMEDIATION_TAINT_KEY = f"{DRIVER_NAME}/remediation"
+TAINT_EFFECTS = ("NoSchedule", "NoExecute")
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 
 _LABEL_VALUE_BAD = re.compile(r"[^A-Za-z0-9._-]")
@@ -50,7 +53,8 @@ def taint_value(reason: str) -> str:
     return v
 
 
-def device_body(dev: DraDevice, unhealthy_reason: str | None) -> dict[str, Any]:
+def device_body(dev: DraDevice, unhealthy_reason: str | None,
+                extra_taints: Sequence[Mapping[str, str]] = ()) -> dict[str, Any]:
     body: dict[str, Any] = {
         "name": dev.name,
         "attributes": dict(dev.attributes),
@@ -63,10 +67,31 @@ def device_body(dev: DraDevice, unhealthy_reason: str | None) -> dict[str, Any]:
             {"counterSet": cset, "counters": {k: {"value": str(v)} for k, v in sorted(counters.items())}}
             for cset, counters in sorted(dev.consumes.items())
         ]
+    taints = [dict(t) for t in extra_taints]
     if unhealthy_reason is not None:
-        body["taints"] = [{"key": UNHEALTHY_TAINT_KEY, "value": taint_value(unhealthy_reason),
-                           "effect": "NoSchedule"}]
+        taints.insert(0, {"key": UNHEALTHY_TAINT_KEY, "value": taint_value(unhealthy_reason), "effect": "NoSchedule"})
+    if taints:
+        body["taints"] = taints
     return body
+
+
+def remediation_taint(reason: str, effect: str) -> dict[str, str]:
+    """The taint a device of a GPU under remediation carries (``effect``: NoSchedule or NoExecute)."""
+    if effect not in TAINT_EFFECTS:
+        raise ValueError(f"taint effect must be one of {', '.join(TAINT_EFFECTS)}: {effect!r}")
+    return {"key": REMEDIATION_TAINT_KEY, "value": taint_value(reason), "effect": effect}
+
+
+def taint_probe_body(node_name: str, driver: str = DRIVER_NAME) -> dict[str, Any]:
+    """A ResourceSlice of one tainted device, only ever sent as a dry run: the API server's answer keeps the
+    taint when it serves device taints (beta from 1.36; 1.34/1.35 with DRADeviceTaints) and drops it
+    otherwise."""
+    return {"apiVersion": API_VERSION, "kind": "ResourceSlice",
+            "metadata": {"name": f"{node_name}-{driver}-taint-probe"},
+            "spec": {"driver": driver, "nodeName": node_name,
+                     "pool": {"name": node_name, "generation": 0, "resourceSliceCount": 1},
+                     "devices": [{"name": "probe", "taints": [
+                         {"key": REMEDIATION_TAINT_KEY, "value": "probe", "effect": "NoSchedule"}]}]}}
 
 
 def counter_set_body(cs: CounterSet) -> dict[str, Any]:
@@ -126,11 +151,14 @@ def _minor_version(git_version: str) -> tuple[int, int] | None:
 
 
 def pool_content(devices: Sequence[DraDevice], unhealthy: Mapping[str, str] | None = None,
-                 counter_sets: Sequence[CounterSet] = ()) -> PoolContent:
+                 counter_sets: Sequence[CounterSet] = (),
+                 taints: Mapping[str, Sequence[Mapping[str, str]]] | None = None) -> PoolContent:
     """``unhealthy``: device name → reason; those devices carry the unhealthy taint. ``counter_sets``: the
-    shared counters the devices consume (``nodeagent.dra.devices.build_counter_sets``)."""
+    shared counters the devices consume (``nodeagent.dra.devices.build_counter_sets``). ``taints``: device
+    name → further taints (a remediation's)."""
     bad = unhealthy or {}
-    return PoolContent(tuple(device_body(d, bad.get(d.name)) for d in devices),
+    more = taints or {}
+    return PoolContent(tuple(device_body(d, bad.get(d.name), more.get(d.name, ())) for d in devices),
                        tuple(counter_set_body(c) for c in counter_sets))
 
 

@@ -2,8 +2,10 @@
 (the device plugin's sends it Unhealthy to the kubelet; the DRA plane beside it follows the same map), and
 offered again by releasing it, its past faults forgotten (no quiet window after a checked reset).
 
-``planes`` (the DRA plane, when one runs): the GPU's devices are also left out of the node's ResourceSlices
-while it is out (nothing new is allocated on it) and listed again when it is offered.
+``planes`` (the DRA plane, when one runs): the GPU's devices carry the taint ``gpu.nodeagent.io/remediation``
+(NoSchedule) in the node's ResourceSlices while it is out where the API server keeps device taints, and are left
+out of them otherwise (nothing new is allocated on it either way); offered, they are listed untainted again. A GPU
+that stays out (quarantined, reboot required) gets the NoExecute effect when ``noexecute_when_out`` is set.
 
 The MPS daemon and the MIG/CDI restore are callables handed in by whoever owns them.
 """
@@ -19,9 +21,9 @@ UuidAction = Callable[[str], Awaitable[None]]
 
 
 class Plane(Protocol):
-    async def withdraw(self, gpu_indices: set[int]) -> None: ...
+    async def hold_out(self, gpu_indices: set[int], reason: str, effect: str = "NoSchedule") -> None: ...
 
-    async def readvertise(self, gpu_indices: set[int]) -> None: ...
+    async def offer_again(self, gpu_indices: set[int]) -> None: ...
 
 
 class MonitorHooks:
@@ -33,22 +35,30 @@ class MonitorHooks:
         stop_users: UuidAction | None = None,
         restore: UuidAction | None = None,
         planes: Plane | None = None,
+        noexecute_when_out: bool = False,
     ) -> None:
         self.monitors = monitors
         self.index_of = index_of
         self._stop_users = stop_users
         self._restore = restore
         self._planes = planes
+        self._noexecute = noexecute_when_out
 
     async def withdraw(self, uuid: str, reason: str) -> None:
         for m in self.monitors():
             await m.hold(self.index_of(uuid), f"remediation: {reason}")
         if self._planes is not None:
-            await self._planes.withdraw({self.index_of(uuid)})
+            await self._planes.hold_out({self.index_of(uuid)}, reason)
+
+    async def stays_out(self, uuid: str, reason: str) -> None:
+        """The GPU is not coming back before an operator or a reboot: with ``noexecute_when_out`` its DRA
+        devices' taint becomes NoExecute (Kubernetes evicts the pods still using them)."""
+        if self._planes is not None and self._noexecute:
+            await self._planes.hold_out({self.index_of(uuid)}, reason, "NoExecute")
 
     async def offer(self, uuid: str) -> None:
         if self._planes is not None:
-            await self._planes.readvertise({self.index_of(uuid)})
+            await self._planes.offer_again({self.index_of(uuid)})
         for m in self.monitors():
             await m.release(self.index_of(uuid))
 

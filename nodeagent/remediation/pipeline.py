@@ -228,6 +228,10 @@ class Remediator:
             if before_reset and await self._needs_nothing(p.target):
                 out.append(await self._rollback(run))
             else:
+                if Step.WITHDRAW in run.done:
+                    # the hold lived in the predecessor's monitors: this agent's must hold the GPU out
+                    # too before anything else (its device plugin may have offered it at start)
+                    await self._withdraw(p)
                 out.append(await self.run(p, done=run.done, persistence=run.persistence))
         return out
 
@@ -422,12 +426,25 @@ class Remediator:
                f"{self.settings.reset_window_s:g}s")
         self.record.quarantined[p.target] = why
         self._finish(p)
+        await self._stays_out(p, f"quarantined: {why}")
         await self.node.condition(CONDITION_REBOOT, True, "GPUQuarantined", f"GPU {p.target} is quarantined: {why}")
         await self.node.event("GPUQuarantined", f"GPU {p.target} stays out of service: {why} ({p.why})",
                               warning=True)
 
+    async def _stays_out(self, p: Plan, why: str) -> None:
+        """Hooks that know of GPUs kept out for good (``MonitorHooks.stays_out``) are told."""
+        mark = getattr(self.hooks, "stays_out", None)
+        if mark is None:
+            return
+        for u in p.gpus:
+            try:
+                await mark(u, why)
+            except NodeAgentError as e:  # the condition and event below still tell the operator
+                log.warning("GPU %s: not marked as staying out: %s", u, e)
+
     async def _reboot_required(self, p: Plan, why: str) -> None:
         self._finish(p)
+        await self._stays_out(p, why)
         await self.node.condition(CONDITION_REBOOT, True, "GPURecoveryFailed" if p.action.resets
                                   else "NodeRebootRequired", f"GPU {', '.join(p.gpus)} stays out: {why}")
         await self.node.event("NodeRebootRequired", f"GPU {', '.join(p.gpus)} stays out of service until the "

@@ -328,9 +328,20 @@ def _visible(cluster: Cluster, name: str) -> list[str]:
 # packaged ConfigMap back (the agent restarted with it), the simulated GPUs back and the controller gone, so what
 # follows sees the agent as the README's lines installed it.
 
-REMEDIATION_CONFIG = "[remediation]\nenabled = true\neviction_grace = 1.0\n"
+# one reset per GPU within the hour: the second fault needing a reset quarantines the GPU
+REMEDIATION_CONFIG = "[remediation]\nenabled = true\neviction_grace = 1.0\nmax_resets = 1\n"
 REMEDIATION_EVENTS = ("GPURemediationStarted", "GPURemediationStep", "GPURemediated", "NodeRebootRequired",
-                      "GPUApplicationRestartAdvised")
+                      "GPUApplicationRestartAdvised", "GPUQuarantined", "GPURemediationRolledBack")
+REMEDIATION_RECORD = "/var/lib/nodeagent/remediation.json"  # the agent's state record, on the node
+
+
+def _record() -> dict[str, Any]:
+    """The remediation state record the agent keeps on the node (runs in flight, resets, quarantined GPUs)."""
+    from pathlib import Path
+
+    path = Path(REMEDIATION_RECORD)
+    record: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    return record
 
 
 def _controller_manifests(registry: Registry) -> list[dict[str, Any]]:
@@ -403,6 +414,9 @@ def remediation(cluster: Cluster, agent: dict[str, Any], registry: Registry) -> 
     cluster.kubectl("delete", "pod", "remed-held", "remed-other", "remed-seven", "--ignore-not-found", "--wait=true")
     cluster.kubectl("delete", "pdb", "remed-held", "--ignore-not-found")
     inject.recover(SimStore.open(MACHINE, SIM_STATE))
+    from pathlib import Path
+
+    Path(REMEDIATION_RECORD).unlink(missing_ok=True)  # no reset history or quarantine for what follows
     _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
                         lambda: allocatable(cluster) == GPU_COUNT)
     cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input_text=json.dumps(controller))
@@ -411,9 +425,10 @@ def remediation(cluster: Cluster, agent: dict[str, Any], registry: Registry) -> 
 
 @pytest.mark.usefixtures("remediation")
 class TestRemediation:
-    """XID 48 on the GPU of a pod under a PodDisruptionBudget, XID 13, XID 79, in this order on one agent."""
+    """XID 48 on the GPU of a pod under a PodDisruptionBudget (the agent killed while the budget holds the
+    eviction back), XID 13, XID 79, a second reset of the first GPU (quarantine), in this order."""
 
-    def test_xid48_budget_holds_the_pod_then_only_its_pod_leaves_and_the_gpu_comes_back(
+    def test_xid48_budget_holds_the_pod_agent_killed_then_only_its_pod_leaves_and_the_gpu_comes_back(
             self, cluster: Cluster, remediation: dict[int, str]) -> None:
         from nodeagent.simulator import inject
         from nodeagent.simulator.state import SimStore
@@ -439,7 +454,9 @@ class TestRemediation:
             "pdb", "remed-held").get("status", {}).get("currentHealthy") == 1, timeout=30)
 
         fault = time.monotonic()
-        inject.inject_xid(SimStore.open(MACHINE, SIM_STATE), gpu, 48, None)
+        # the driver asks for a GPU reset with the XID (field 230): a successor agent, which never saw the XID,
+        # knows from NVML that the reset is still needed
+        inject.inject_xid(SimStore.open(MACHINE, SIM_STATE), gpu, 48, None, recovery_action=1)
         cluster.wait_for(f"allocatable drops to {GPU_COUNT - 1} after XID 48 on GPU {gpu}",
                          lambda: allocatable(cluster) == GPU_COUNT - 1, timeout=60, poll=0.2)
         # the budget refuses: the controller says so, the pod stays, the GPU stays out
@@ -450,6 +467,37 @@ class TestRemediation:
         assert held_uuid in condition["message"] and "reset-gpu" in condition["message"], condition
         assert _container(cluster, "remed-held") == held_before
         assert allocatable(cluster) == GPU_COUNT - 1
+
+        # the agent killed in the middle of the run: the record on the node says the GPU is withdrawn and the
+        # eviction not done; the successor reads it, holds the GPU out again and finishes the plan
+        run = _record()["runs"][held_uuid]
+        assert "withdraw" in run["done"] and "evict" not in run["done"] and "reset" not in run["done"], run
+
+        def request() -> dict[str, Any]:
+            found: dict[str, Any] = json.loads(cluster.node()["metadata"].get("annotations", {}).get(
+                "nodeagent.io/eviction-requests", "{}")).get("default/remed-held", {})
+            return found
+
+        first_deadline = request()["deadline"]
+        killed = time.monotonic()
+        old = running_agent(cluster)
+        assert old is not None
+        cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=false")
+        seen: set[int] = set()
+
+        def successor_holds_it() -> bool:  # its own request: a later deadline than the first agent's
+            seen.add(allocatable(cluster))
+            new = running_agent(cluster)
+            return (new is not None and new["metadata"]["name"] != old["metadata"]["name"]
+                    and request().get("deadline", 0) > first_deadline)
+
+        cluster.wait_for("the successor agent asks for the eviction again", successor_holds_it, timeout=120, poll=0.3)
+        successor_in = time.monotonic() - killed
+        # what the Node's allocatable showed meanwhile (0 while no plugin serves; 8 would be the GPU offered in
+        # the moment between the new plugin's registration and the successor's hold)
+        print(f"allocatable while the agent was replaced: {sorted(seen)}")
+        assert _container(cluster, "remed-held") == held_before  # the budget still holds the pod
+        assert held_uuid in _record()["runs"]
 
         # the budget relaxed: that pod alone is evicted, the GPU reset and offered again
         relaxed = time.monotonic()
@@ -473,8 +521,12 @@ class TestRemediation:
         # the simulated driver was reset: the XID's recovery need is gone and NVML calls it healthy
         state = SimStore.open(MACHINE, SIM_STATE).read()["gpus"][gpu]
         assert not state.get("lost") and state.get("recovery_action", 0) == 0, state
+        # the successor consumed the run the first agent recorded; the reset is in the history
+        record = _record()
+        assert record["runs"] == {} and len(record["resets"].get(held_uuid, [])) == 1, record
         print(json.dumps({"remediation_xid48_fault_to_allocatable_s": round(back - fault, 1),
                           "remediation_budget_relaxed_to_allocatable_s": round(back - relaxed, 1),
+                          "remediation_agent_killed_to_successor_asking_s": round(successor_in, 1),
                           "pods_disturbed": 1}))
 
     def test_xid13_only_tells_the_pod(self, cluster: Cluster, remediation: dict[int, str]) -> None:
@@ -522,6 +574,41 @@ class TestRemediation:
                             lambda: allocatable(cluster) == GPU_COUNT and _condition(
                                 cluster, "nodeagent.io/RebootRequired").get("status") == "False")
         assert _condition(cluster, "nodeagent.io/RebootRequired")["reason"] == "NotRequired"
+
+    def test_a_second_reset_within_the_window_quarantines_the_gpu(
+            self, cluster: Cluster, remediation: dict[int, str]) -> None:
+        from pathlib import Path
+
+        from nodeagent.simulator import inject
+        from nodeagent.simulator.state import SimStore
+        from tests.peers.cluster import MACHINE, SIM_STATE
+
+        (uuid,) = _record()["resets"]  # the GPU the first test reset (max_resets = 1)
+        gpu = {u: i for i, u in remediation.items()}[uuid]
+        began = time.monotonic()
+        inject.inject_xid(SimStore.open(MACHINE, SIM_STATE), gpu, 48, None, recovery_action=1)
+        condition = cluster.wait_for("the RebootRequired condition: GPUQuarantined", lambda: (
+            lambda c: c if c.get("reason") == "GPUQuarantined" else None)(
+                _condition(cluster, "nodeagent.io/RebootRequired")), timeout=60, poll=0.3)
+        assert condition["status"] == "True" and uuid in condition["message"], condition
+        cluster.wait_for(f"allocatable {GPU_COUNT - 1}", lambda: allocatable(cluster) == GPU_COUNT - 1, timeout=30,
+                         poll=0.3)
+        quarantined_in = time.monotonic() - began
+        assert any(e["reason"] == "GPUQuarantined" and uuid in e["message"] for e in _node_events(cluster))
+        record = _record()
+        assert uuid in record["quarantined"] and len(record["resets"][uuid]) == 1, record  # not reset again
+        # no reset ran: the driver still asks for one
+        assert SimStore.open(MACHINE, SIM_STATE).read()["gpus"][gpu]["recovery_action"] == 1
+        # the way back docs/remediation.md gives an operator: the GPU repaired, its entry removed, the agent
+        # restarted; nothing needs a reboot any more
+        inject.recover(SimStore.open(MACHINE, SIM_STATE), gpu)
+        record["quarantined"].pop(uuid)
+        Path(REMEDIATION_RECORD).write_text(json.dumps(record))
+        _restart_agent_with(cluster, _remediation_configmap(), f"out of quarantine: allocatable {GPU_COUNT}",
+                            lambda: allocatable(cluster) == GPU_COUNT and _condition(
+                                cluster, "nodeagent.io/RebootRequired").get("status") == "False")
+        print(json.dumps({"remediation_quarantine_fault_to_withdrawn_s": round(quarantined_in, 1),
+                          "remediation_quarantine_total_s": round(time.monotonic() - began, 1)}))
 
 
 def test_agent_pod_deleted_comes_back_and_running_pods_keep_their_devices(

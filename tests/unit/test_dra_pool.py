@@ -115,6 +115,61 @@ def test_unhealthy_devices_carry_a_taint_and_change_the_digest() -> None:
     assert len(taint_value("x" * 100)) == 63
 
 
+def test_a_remediation_taint_beside_the_unhealthy_one() -> None:
+    from nodeagent.dra.slices import REMEDIATION_TAINT_KEY, remediation_taint
+
+    devs = build_devices(nvswitch_box(2), {})
+    content = pool_content(devs, {"gpu-1": "XID 48"}, (), {"gpu-1": [remediation_taint("reset-gpu: XID 48", "NoExecute")]})
+    assert "taints" not in content.devices[0]
+    assert content.devices[1]["taints"] == [
+        {"key": UNHEALTHY_TAINT_KEY, "value": "XID-48", "effect": "NoSchedule"},
+        {"key": REMEDIATION_TAINT_KEY, "value": "reset-gpu--XID-48", "effect": "NoExecute"}]
+    assert content.digest != pool_content(devs, {"gpu-1": "XID 48"}).digest
+    with pytest.raises(ValueError, match="NoSchedule, NoExecute"):
+        remediation_taint("x", "PreferNoSchedule")
+
+
+class ProbeKube:
+    """Answers the dry-run create of the taint probe as a server with or without device taints."""
+
+    def __init__(self, keeps: bool | None) -> None:
+        self.keeps = keeps
+        self.asked: list[str] = []
+
+    def request(self, method: str, path: str, body: dict | None = None, **kw: object) -> dict:  # type: ignore[type-arg]
+        from nodeagent.errors import KubeError
+
+        self.asked.append(f"{method} {path}")
+        if self.keeps is None:
+            raise KubeError("connection refused")
+        assert body is not None
+        spec = json.loads(json.dumps(body["spec"]))
+        if not self.keeps:
+            for d in spec["devices"]:
+                d.pop("taints", None)
+        return {"spec": spec}
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_the_publisher_asks_once_by_a_dry_run_whether_taints_are_kept(keeps: bool) -> None:
+    from nodeagent.dra.publisher import SlicePublisher
+
+    kube = ProbeKube(keeps)
+    pub = SlicePublisher(kube, "n1")  # type: ignore[arg-type]
+    assert pub.device_taints() is keeps and pub.device_taints() is keeps
+    assert kube.asked == ["POST /apis/resource.k8s.io/v1/resourceslices?dryRun=All"]
+
+
+def test_the_taint_question_unanswered_is_asked_again() -> None:
+    from nodeagent.dra.publisher import SlicePublisher
+
+    kube = ProbeKube(None)
+    pub = SlicePublisher(kube, "n1")  # type: ignore[arg-type]
+    assert pub.device_taints() is False and pub.taints is None
+    kube.keeps = True
+    assert pub.device_taints() is True and len(kube.asked) == 2
+
+
 def test_claim_cdi_spec_has_device_nodes_and_env(tmp_path: Path) -> None:
     devs = build_devices(mig_box(per_gpu=1, gpus_on=1, gpus_off=1))
     spec = claim_spec("uid-1", devs)

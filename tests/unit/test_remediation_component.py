@@ -87,16 +87,20 @@ class FakeDra:
     daemons paused and resumed."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, Any]] = []
+        self.calls: list[tuple[Any, ...]] = []
+        self.own_monitor: HealthMonitor | None = None
 
-    async def withdraw(self, gpus: set[int]) -> None:
-        self.calls.append(("withdraw", sorted(gpus)))
+    async def hold_out(self, gpus: set[int], reason: str, effect: str = "NoSchedule") -> None:
+        self.calls.append(("hold_out", sorted(gpus), effect))
 
-    async def readvertise(self, gpus: set[int]) -> None:
-        self.calls.append(("readvertise", sorted(gpus)))
+    async def offer_again(self, gpus: set[int]) -> None:
+        self.calls.append(("offer_again", sorted(gpus)))
 
     def mps_manager(self) -> Any:
         return self
+
+    def monitor(self) -> HealthMonitor | None:  # beside the device plugin the plane has no monitor of its own
+        return self.own_monitor
 
     async def pause_gpu(self, uuid: str) -> list[str]:
         self.calls.append(("pause", uuid))
@@ -181,8 +185,10 @@ def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path
         await asyncio.gather(*ctx.tasks)
         reg = ctx.shared.metrics.reg
         assert reg.get_sample_value("nodeagent_remediations_total", {"action": "reset-gpu", "result": "done"}) == 1
-        # out of the DRA plane's slices, its MPS daemons stopped for the reset and started again, listed again
-        assert ctx.dra.calls == [("withdraw", [3]), ("pause", uuid[3]), ("resume", uuid[3]), ("readvertise", [3])]
+        # held out of the DRA plane (tainted, or out of its slices), its MPS daemons stopped for the reset and
+        # started again, offered again
+        assert ctx.dra.calls == [("hold_out", [3], "NoSchedule"), ("pause", uuid[3]), ("resume", uuid[3]),
+                                 ("offer_again", [3])]
 
     asyncio.run(scenario())
     assert kube.evictions == ["team/on-3"] and "team/on-5" in kube.pods
@@ -205,19 +211,104 @@ def test_a_quarantined_gpu_stays_out_after_a_restart(tmp_path: Path) -> None:
     uuid = {g.index: g.uuid for g in gpu.discover().gpus}
     RecordStore(record_path(HostPaths(tmp_path))).save(RecordFile(quarantined={uuid[6]: "reset 3 times"}))
 
-    async def scenario() -> HealthMonitor:
+    async def scenario() -> tuple[HealthMonitor, FakeDra]:
         monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
         monitor.gpu_indices = frozenset(uuid)
-        cfg = dataclasses.replace(AgentConfig(), remediation=RemediationSettings(enabled=True, evictions="direct"))
+        cfg = dataclasses.replace(AgentConfig(), remediation=RemediationSettings(
+            enabled=True, evictions="direct", noexecute_when_out=True))
         ctx = FakeCtx(tmp_path, cfg, gpu, FakeKube(set()), FakePlugin(monitor, {}), FakePodResources([]))
         await RemediationComponent(ctx).start(ctx)  # type: ignore[arg-type]
         await asyncio.gather(*ctx.tasks)
-        return monitor
+        return monitor, ctx.dra
 
-    monitor = asyncio.run(scenario())
+    monitor, dra = asyncio.run(scenario())
     assert not monitor.is_healthy(6) and "quarantined" in monitor.unhealthy()[(6, None)]
     assert all(monitor.is_healthy(i) for i in uuid if i != 6)
+    # the DRA devices: NoSchedule when taken out, NoExecute once it stays out (the policy says so)
+    assert dra.calls == [("hold_out", [6], "NoSchedule"), ("hold_out", [6], "NoExecute")]
+
+
+class NoPlugin:
+    """Plane "dra" alone: no device plugin runs."""
+
+    def monitor(self) -> None:
+        return None
+
+    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
+        return {}
+
+    def mps_manager(self) -> None:
+        return None
+
+
+def test_with_the_dra_plane_alone_its_own_monitor_feeds_the_remediation(tmp_path: Path) -> None:
+    sim = open_sim("dgx-h100")
+    gpu = adapter_for_sim(sim, HostPaths(tmp_path))
+    uuid = {g.index: g.uuid for g in gpu.discover().gpus}
+    kube = FakeKube(set())
+
+    async def scenario() -> tuple[FakeCtx, list[bool]]:
+        changes: list[bool] = []
+        monitor = HealthMonitor(gpu, HealthMonitorSettings(), lambda: _note(changes, monitor))
+        monitor.gpu_indices = frozenset(uuid)
+        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                                  remediation=RemediationSettings(enabled=True, evictions="direct", step_timeout=5.0))
+        ctx = FakeCtx(tmp_path, cfg, gpu, kube, NoPlugin(), FakePodResources([]))  # type: ignore[arg-type]
+        ctx.dra.own_monitor = monitor
+        comp = RemediationComponent(ctx)  # type: ignore[arg-type]
+        await comp.start(ctx)  # type: ignore[arg-type]
+        assert monitor.xid_listeners == [comp._on_xid]
+        await comp.resync()  # listening once, whatever the resyncs
+        assert monitor.xid_listeners == [comp._on_xid]
+        inject.inject_xid(sim.store, 3, 48, recovery_action=1)
+        await monitor.handle_events([XidEvent(3, 48)])
+        await asyncio.gather(*ctx.tasks)
+        return ctx, changes
+
+    ctx, changes = asyncio.run(scenario())
+    assert gpu.recovery_action_of(uuid[3]) == 0 and "GPURemediated" in kube.events
+    assert ctx.dra.calls == [("hold_out", [3], "NoSchedule"), ("pause", uuid[3]), ("resume", uuid[3]),
+                             ("offer_again", [3])]
+    assert changes == [False, True]  # the DRA plane's monitor held it out, then released it
 
 
 async def _nothing() -> None:
     return None
+
+
+def test_a_mig_gpu_gets_its_layout_back_after_the_reset(tmp_path: Path) -> None:
+    """The reset destroys the GPU's MIG instances; the restore step lays the same profiles out at the same
+    placements before the GPU is offered; the pods of both instances were evicted."""
+    from nodeagent.mig.apply import layout_of
+
+    sim = open_sim("dgx-h100")
+    gpu = adapter_for_sim(sim, HostPaths(tmp_path))
+    inject.write_mig_layout(sim.store, 2, ["3g.40gb", "2g.20gb", "1g.10gb"])
+    inv = gpu.discover()
+    before = layout_of(inv.gpus[2])
+    migs = [d.uuid for d in inv.gpus[2].mig_devices]
+    assert len(before) == 3
+    uuid = {g.index: g.uuid for g in inv.gpus}
+    kube = FakeKube({"team/mig-0", "team/mig-1"})
+    pr = FakePodResources([Assignment("team", "mig-0", "c", "nvidia.com/mig-3g.40gb", (migs[0],)),
+                           Assignment("team", "mig-1", "c", "nvidia.com/mig-2g.20gb", (migs[1],))])
+
+    async def scenario() -> None:
+        monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
+        monitor.gpu_indices = frozenset(uuid)
+        plugin = FakePlugin(monitor, {(a.resource, a.device_ids[0]): 2 for a in pr.assignments})
+        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0, evictions="direct",
+                                                                  eviction_timeout=5.0, eviction_grace=1.0))
+        ctx = FakeCtx(tmp_path, cfg, gpu, kube, plugin, pr)
+        comp = RemediationComponent(ctx)  # type: ignore[arg-type]
+        await comp.start(ctx)  # type: ignore[arg-type]
+        inject.inject_xid(sim.store, 2, 48, recovery_action=1)
+        await monitor.handle_events([XidEvent(2, 48)])
+        await asyncio.gather(*ctx.tasks)
+
+    asyncio.run(scenario())
+    assert sorted(kube.evictions) == ["team/mig-0", "team/mig-1"]
+    after = gpu.discover().gpus[2]
+    assert gpu.recovery_action_of(uuid[2]) == 0 and "GPURemediated" in kube.events
+    assert after.mig_current and layout_of(after) == before  # the same profiles at the same placements

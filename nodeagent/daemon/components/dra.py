@@ -197,6 +197,14 @@ class DraPlaneComponent(Component):
         if self._started:
             await self.dra.readvertise(gpu_indices)
 
+    async def hold_out(self, gpu_indices: set[int], reason: str, effect: str) -> None:
+        if self._started:
+            await self.dra.hold_out(gpu_indices, reason, effect)
+
+    async def offer_again(self, gpu_indices: set[int]) -> None:
+        if self._started:
+            await self.dra.offer_again(gpu_indices)
+
     async def update(self, inventory: Inventory) -> None:
         await self.on_inventory(inventory)
 
@@ -215,6 +223,10 @@ class DraPlaneComponent(Component):
 
     def mps_manager(self) -> Any:
         return self.dra.mps.manager if self.dra.mps is not None else None
+
+    def monitor(self) -> Any:
+        """The plane's own health monitor (plane "dra" alone; None beside the device plugin)."""
+        return self.dra.monitor if self._started else None
 
     async def resync(self) -> None:
         if self._started:

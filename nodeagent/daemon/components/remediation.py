@@ -1,6 +1,6 @@
-"""GPU remediation as a daemon component: the device plugin's health monitor tells it of every XID; it
-decides, plans and runs the one-GPU pipeline (``nodeagent.remediation``) in the background, one run per GPU,
-and finishes or rolls back what a previous agent left in the state record."""
+"""GPU remediation as a daemon component: the health monitor (the device plugin's, or the DRA plane's when it
+runs alone) tells it of every XID; it decides, plans and runs the one-GPU pipeline (``nodeagent.remediation``)
+in the background, one run per GPU, and finishes or rolls back what a previous agent left in the state record."""
 
 from __future__ import annotations
 
@@ -76,9 +76,10 @@ class RemediationComponent(Component):
         self._ctx = ctx
         self._rem: Any = None
         self._recent: dict[int, deque[tuple[float, int]]] = {}
-        self._listening: Any = None
+        self._listening: list[Any] = []
         self._pod_gpus: dict[str, tuple[str, ...]] = {}  # pod → the GPUs it holds (named in eviction requests)
         self._reboot_checked = False  # the reboot-required condition of an earlier run looked at (once)
+        self._layouts: dict[str, tuple[tuple[str, int], ...]] = {}  # GPU → its MIG layout before the reset
 
     async def start(self, ctx: Context) -> None:
         from nodeagent.kube.node import NodeClient
@@ -106,9 +107,7 @@ class RemediationComponent(Component):
         else:
             resetter = NoResetter()
 
-        def monitors() -> list[Any]:
-            m = ctx.shared.device_plugin.monitor()
-            return [m] if m is not None else []
+        monitors = self._monitors
 
         def index_of(uuid: str) -> int:
             inv = ctx.inventory
@@ -136,8 +135,8 @@ class RemediationComponent(Component):
         self._rem = Remediator(
             settings, load_catalog(), ctx.gpu, resetter, pods,  # type: ignore[arg-type]
             KubeNodeSide(node, events=ctx.config.publish.events),
-            MonitorHooks(monitors, index_of, stop_users=self._pause_mps, restore=self._resume_mps,
-                         planes=ctx.shared.dra), store=RecordStore(record_path(ctx.paths)),
+            MonitorHooks(monitors, index_of, stop_users=self._stop_users, restore=self._restore,
+                         planes=ctx.shared.dra, noexecute_when_out=cfg.noexecute_when_out), store=RecordStore(record_path(ctx.paths)),
             metrics=LinkedMetrics(ctx), reboot=CommandReboot(cfg.reboot_command) if cfg.reboot_command and on_node else None,
             gate=RemediationSlots(fleet) if fleet is not None else None)
         self._listen()
@@ -151,13 +150,19 @@ class RemediationComponent(Component):
         self.ready.set()
         ctx.set_status(self.name, "watching for GPU faults")
 
+    def _monitors(self) -> list[Any]:
+        """The health monitors running now: the device plugin's, and the DRA plane's own when it runs alone
+        (plane "dra"; beside the device plugin the plane follows the plugin's monitor and has none)."""
+        found = [self._ctx.shared.device_plugin.monitor(), self._ctx.shared.dra.monitor()]
+        return [m for i, m in enumerate(found) if m is not None and all(m is not o for o in found[:i])]
+
     def _listen(self) -> None:
-        """Listen to the device plugin's current monitor (a reload may have replaced it)."""
-        m = self._ctx.shared.device_plugin.monitor()
-        if m is None or m is self._listening:
-            return
-        m.xid_listeners.append(self._on_xid)
-        self._listening = m
+        """Listen to the current monitors (a reload or a late plane start may have replaced them)."""
+        current = self._monitors()
+        for m in current:
+            if not any(m is seen for seen in self._listening):
+                m.xid_listeners.append(self._on_xid)
+        self._listening = current
 
     async def on_inventory(self, inventory: Inventory) -> None:
         self._listen()
@@ -194,6 +199,51 @@ class RemediationComponent(Component):
         return [m for m in (self._ctx.shared.device_plugin.mps_manager(), self._ctx.shared.dra.mps_manager())
                 if m is not None]
 
+    async def _stop_users(self, uuid: str) -> None:
+        """Before the reset: the GPU's MIG layout noted (a reset destroys its instances), its MPS daemons
+        stopped."""
+        from nodeagent.mig.apply import layout_of
+
+        try:
+            inv = await asyncio.to_thread(self._ctx.gpu.discover)
+            gpu = next((g for g in inv.gpus if g.uuid == uuid), None)
+        except NodeAgentError as e:
+            log.warning("GPU %s: its MIG layout not read before the reset: %s", uuid, e)
+            gpu = None
+        if gpu is not None and gpu.mig_current and uuid not in self._layouts:
+            self._layouts[uuid] = layout_of(gpu)
+        await self._pause_mps(uuid)
+
+    async def _restore(self, uuid: str) -> None:
+        """After the reset: the MIG instances it had laid out again (same profiles at the same placements),
+        then its MPS daemons started again."""
+        layout = self._layouts.pop(uuid, ())
+        if layout:
+            await asyncio.to_thread(self._relay_mig, uuid, layout)
+        await self._resume_mps(uuid)
+
+    def _relay_mig(self, uuid: str, layout: tuple[tuple[str, int], ...]) -> None:
+        from nodeagent.mig.apply import layout_of
+
+        nvml = self._ctx.gpu
+
+        def current() -> Any:
+            found = next((g for g in nvml.discover().gpus if g.uuid == uuid), None)
+            if found is None:
+                raise NodeAgentError(f"GPU {uuid} is gone after its reset", subject=uuid)
+            return found
+
+        gpu = current()
+        if not gpu.mig_current:  # a GPU that forgets MIG mode at a reset (Hopper): on again, as MIG apply does
+            if nvml.set_mig_mode(gpu.index, True):
+                nvml.reset_gpu(gpu.index)
+            gpu = current()
+        have = set(layout_of(gpu))
+        for profile, start in sorted(set(layout) - have, key=lambda p: p[1]):
+            self._ctx.gpu.create_mig_device(gpu.index, profile, start)
+        log.info("GPU %s: MIG layout laid out again after the reset: %s", uuid,
+                 ", ".join(f"{p}@{s}" for p, s in layout))
+
     async def _pause_mps(self, uuid: str) -> None:
         for manager in self._mps_managers():
             names = await manager.pause_gpu(uuid)
@@ -210,6 +260,7 @@ class RemediationComponent(Component):
     async def _keep_out(hooks: Any, uuid: str, why: str) -> None:
         try:
             await hooks.withdraw(uuid, f"quarantined: {why}")
+            await hooks.stays_out(uuid, f"quarantined: {why}")
         except NodeAgentError as e:  # a GPU no longer on the node
             log.info("quarantined GPU %s not withdrawn: %s", uuid, e)
 
