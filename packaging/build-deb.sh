@@ -2,7 +2,8 @@
 # Build nodeagent_<version>_<arch>.deb with Debian's dpkg-deb. The package binds to the Python it is installed
 # next to instead of carrying one built for a single Python:
 #   /usr/lib/nodeagent/wheels/  nodeagent's wheel and the wheels of every dependency for CPython 3.10, 3.11,
-#                               3.12 and 3.13 on that architecture (manylinux, glibc >= 2.28), and pip's wheel
+#                               3.12 and 3.13 on that architecture (manylinux, glibc >= 2.28), PyPA's
+#                               installer, and for each CPython the list of the wheels pip chose for it
 #   /usr/lib/nodeagent/build-venv  run by postinst: /opt/nodeagent from those wheels with the system's
 #                               /usr/bin/python3 (no network); again by a dpkg trigger when python3 changes
 #                               and before each start of the units when the venv is of another Python
@@ -83,13 +84,17 @@ fi
 OWN=$(ls "$WORK"/own/nodeagent-*.whl)
 
 # 2. The wheels of every dependency, for each CPython the package supports, from the cache (offline) or,
-# for what it lacks, from the index; pip's own wheel to install them with at install time.
-fetch() {  # fetch PYVER [--no-index]: the wheels for CPython PYVER into the staging wheelhouse
+# for what it lacks, from the index; PyPA's `installer` wheel to install them with at install time. pip
+# resolves here, once per CPython, and its choice is kept as a list (wheels/cp3XX.txt: one file name a line,
+# nodeagent's own wheel left out): the install needs no resolver, and no pip, whose start alone (it compiles
+# its 700 modules from its wheel each time) took most of the six minutes an install took under qemu.
+fetch() {  # fetch PYVER [--no-index]: the wheels pip picks for CPython PYVER into $WORK/cpXY
   local v=$1 abi=cp${1/./}
   shift
+  rm -rf "${WORK:?}/$abi" && mkdir "$WORK/$abi"
   "$BUILD_PY" -m pip download -q --disable-pip-version-check --only-binary=:all: "${PLATFORMS[@]}" \
     --implementation cp --python-version "$v" --abi "$abi" --abi abi3 --abi none \
-    --find-links "$CACHE" "$@" -d "$STAGE$LIB/wheels" "$OWN" pip
+    --find-links "$CACHE" "$@" -d "$WORK/$abi" "$OWN" installer
 }
 # The set of wheels is kept by a key of what decides it (the dependencies in nodeagent's metadata, the
 # Pythons, the platforms), so a warm build copies one directory instead of asking pip four times.
@@ -97,33 +102,38 @@ KEY=$( ("$BUILD_PY" -c 'import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
 print("\n".join(ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln))' \
-  "$OWN" && echo "$PYTHONS ${PLATFORMS[*]} pip") | sha256sum | cut -c1-12)
+  "$OWN" && echo "$PYTHONS ${PLATFORMS[*]} installer lists") | sha256sum | cut -c1-12)
 SET=$WHEEL_CACHE/sets/$ARCH-$KEY
 if [ -d "$SET" ]; then
   touch "$SET"  # sets no build used for a week go (below)
-  cp "$SET"/*.whl "$STAGE$LIB/wheels/"  # copies: a hard link's ctime changes when another build links it
+  cp "$SET"/*.whl "$SET"/*.txt "$STAGE$LIB/wheels/"  # copies: a hard link's ctime changes when another build links it
 else
   for v in $PYTHONS; do
+    abi=cp${v/./}
     if ! fetch "$v" --no-index >"$WORK/fetch.log" 2>&1; then
       echo "build-deb: fetching the $ARCH wheels for CPython $v into the wheel cache $CACHE" >&2
       fetch "$v" >"$WORK/fetch.log" 2>&1 || { tail -n 20 "$WORK/fetch.log" >&2; exit 1; }
     fi
+    rm -f "$WORK/$abi"/nodeagent-*.whl
+    (cd "$WORK/$abi" && ls ./*.whl | sed 's|^\./||' | grep -v '^installer-' | LC_ALL=C sort) \
+      > "$STAGE$LIB/wheels/$abi.txt"
+    cp -n "$WORK/$abi"/*.whl "$STAGE$LIB/wheels/"
   done
-  rm -f "$STAGE$LIB"/wheels/nodeagent-*.whl
   cp -n "$STAGE$LIB"/wheels/*.whl "$CACHE/"
   mkdir -p "$WHEEL_CACHE/sets"
-  rm -rf "$SET.tmp.$$" && mkdir "$SET.tmp.$$" && cp "$STAGE$LIB"/wheels/*.whl "$SET.tmp.$$/" \
+  rm -rf "$SET.tmp.$$" && mkdir "$SET.tmp.$$" && cp "$STAGE$LIB"/wheels/*.whl "$STAGE$LIB"/wheels/*.txt "$SET.tmp.$$/" \
     && { mv -T "$SET.tmp.$$" "$SET" 2>/dev/null || rm -rf "$SET.tmp.$$"; }
 fi
 install -m 0644 "$OWN" "$STAGE$LIB/wheels/"
 find "$WHEEL_CACHE/sets" -mindepth 1 -maxdepth 1 -type d -mtime +7 ! -name "${SET##*/}" -exec rm -rf {} + \
   2>/dev/null || true
-for v in $PYTHONS; do  # every supported CPython finds a wheel of each binary dependency
+for v in $PYTHONS; do  # every supported CPython has its list, and in it a wheel of each binary dependency
   for pkg in grpcio pyyaml; do
-    compgen -G "$STAGE$LIB/wheels/${pkg}-*-cp${v/./}-*_$MACHINE.whl" >/dev/null || {
-      echo "build-deb: no $pkg wheel for CPython $v on $ARCH" >&2; exit 1; }
+    grep -q "^${pkg}-.*-cp${v/./}-.*_$MACHINE\.whl\$" "$STAGE$LIB/wheels/cp${v/./}.txt" 2>/dev/null || {
+      echo "build-deb: no $pkg wheel for CPython $v on $ARCH in its list" >&2; exit 1; }
   done
 done
+compgen -G "$STAGE$LIB/wheels/installer-*.whl" >/dev/null || { echo "build-deb: no installer wheel" >&2; exit 1; }
 
 # 3. Everything else in the tree.
 install -d "$STAGE/usr/bin" "$STAGE/lib/systemd/system" "$STAGE/etc/nodeagent" "$STAGE/usr/share/doc/nodeagent" \

@@ -40,7 +40,18 @@ def test_package_carries_the_wheels_of_every_supported_python(debs: dict[str, Pa
     listing = subprocess.run(["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True,
                              check=True).stdout
     wheels = re.findall(r"\./usr/lib/nodeagent/wheels/(\S+\.whl)", listing)
-    assert any(w.startswith("nodeagent-") for w in wheels) and any(w.startswith("pip-") for w in wheels)
+    assert any(w.startswith("nodeagent-") for w in wheels) and any(w.startswith("installer-") for w in wheels)
+    assert not [w for w in wheels if w.startswith("pip-")], wheels  # no resolver at install time
+    # per CPython, the wheels pip chose at build time, each one in the package, nodeagent's own left out
+    for py in PYTHONS:
+        names = subprocess.run(["sh", "-c", f"dpkg-deb --fsys-tarfile {deb} | tar -xO "
+                                f"./usr/lib/nodeagent/wheels/{py}.txt"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        assert names and set(names) <= set(wheels), (py, set(names) - set(wheels))
+        assert not [n for n in names if n.startswith(("nodeagent-", "installer-"))], names
+        for binary in ("grpcio", "pyyaml"):
+            chosen = [n for n in names if n.startswith(f"{binary}-")]
+            assert len(chosen) == 1 and f"-{py}-" in chosen[0], (py, chosen)
     machine = MACHINES[arch]
     for binary in ("grpcio", "pyyaml", "charset_normalizer"):
         for py in PYTHONS:
