@@ -22,9 +22,9 @@ echo "== ruff"; "$VENV/bin/ruff" check nodeagent tests
 MYPY_CACHE=${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}/mypy
 echo "== mypy"; "$VENV/bin/mypy" --cache-dir "$MYPY_CACHE/3.11"
 # The oldest and newest Python the package supports: their stdlib stubs catch an API the other lacks.
-echo "== mypy (Python 3.10, 3.13)"
-"$VENV/bin/mypy" --python-version 3.10 --cache-dir "$MYPY_CACHE/3.10" \
-  && "$VENV/bin/mypy" --python-version 3.13 --cache-dir "$MYPY_CACHE/3.13"
+# (two commands, not an && list: under `set -e` a failure left of && would not stop the run)
+echo "== mypy (Python 3.10)"; "$VENV/bin/mypy" --python-version 3.10 --cache-dir "$MYPY_CACHE/3.10"
+echo "== mypy (Python 3.13)"; "$VENV/bin/mypy" --python-version 3.13 --cache-dir "$MYPY_CACHE/3.13"
 echo "== import layers"; "$VENV/bin/lint-imports"
 # A short base for pytest's temporary directories: tests bind Unix sockets below them (at most 107 bytes of
 # path), which a long $TMPDIR would overflow.

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from nodeagent.errors import KubeError
@@ -29,7 +29,7 @@ LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 
 
 def micro_time(now: datetime) -> str:
-    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LeaderElector:
     answers whether this candidate leads now."""
 
     def __init__(self, kube: KubeClient, cfg: LeaseConfig, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 wall: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> None:
         self.kube = kube
         self.cfg = cfg
         self.clock = clock

@@ -14,11 +14,13 @@ import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from nodeagent.cli import cli
+from nodeagent.deadline import within
 from nodeagent.fleet.budget import SlotView, parse_budget
 from nodeagent.fleet.gate import FleetGate, GateOptions
 from nodeagent.fleet.leases import FleetApi
@@ -198,9 +200,11 @@ async def test_a_killed_holders_slot_comes_back_after_its_lease(fleet_kube: Kube
 
     live = FleetGate(FleetApi(fleet_kube, NS), b, labels, budget=budget,
                      reporter=Said(NodeClient(fleet_kube, b)), options=GateOptions(poll_s=0.3))
-    async with asyncio.timeout(15):
-        async with live.slot("change") as slot_b:
-            waited = time.monotonic() - taken_at
+    async def take() -> tuple[Any, float]:
+        async with live.slot("change") as slot:
+            return slot, time.monotonic() - taken_at
+
+    slot_b, waited = await within(take(), 15)
     assert slot_b == slot_a and 4.0 <= waited <= 9.0, waited
     assert said and "all 1 slot(s)" in said[0]
     events = [e for e in NodeClient(fleet_kube, b).list_events() if e["reason"] == "GpuChangeWaiting"]

@@ -5,7 +5,7 @@ candidate's own clock, a lost race, the renew deadline, the release."""
 from __future__ import annotations
 
 import copy
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from nodeagent.computedomain.lease import LeaderElector, LeaseConfig
@@ -50,7 +50,7 @@ class Clock:
 
 def elector(api: FakeApi, clock: Clock, who: str) -> LeaderElector:
     cfg = LeaseConfig("ns", "ctl", who, lease_duration=15, renew_deadline=10, retry_period=2)
-    return LeaderElector(api, cfg, clock=clock, wall=lambda: datetime(2026, 1, 1, tzinfo=UTC))  # type: ignore[arg-type]
+    return LeaderElector(api, cfg, clock=clock, wall=lambda: datetime(2026, 1, 1, tzinfo=timezone.utc))  # type: ignore[arg-type]
 
 
 def test_expiry_by_own_clock_race_deadline_and_release() -> None:

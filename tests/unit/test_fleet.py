@@ -10,6 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from nodeagent.deadline import within
 from nodeagent.errors import ConfigError, NodeAgentError, OperationError
 from nodeagent.fleet.budget import (
     MaxUnavailable,
@@ -305,10 +306,12 @@ def test_closed_window_and_blocking_pods_say_why() -> None:
               "timeZone: UTC}]}]")
 
     async def wait_a_bit(g: FleetGate) -> None:
+        async def take() -> None:
+            async with g.slot("c"):
+                raise AssertionError("started while it must wait")
+
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.2):
-                async with g.slot("c"):
-                    raise AssertionError("started while it must wait")
+            await within(take(), 0.2)
 
     asyncio.run(wait_a_bit(gate(api, "n1", said, closed)))
     assert said.reasons and "maintenance windows of pool p are closed" in said.reasons[0]
@@ -348,10 +351,12 @@ def test_blocking_pods_from_the_nodes_runtime() -> None:
     g2.node_pods = node_pods
 
     async def stuck() -> None:
+        async def take() -> None:
+            async with g2.slot("c"):
+                raise AssertionError("started while its pods could not be listed")
+
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.2):
-                async with g2.slot("c"):
-                    raise AssertionError("started while its pods could not be listed")
+            await within(take(), 0.2)
 
     asyncio.run(stuck())
     assert said2.reasons and said2.reasons[0].startswith("the pods on this node could not be listed for blockingPods: ")
