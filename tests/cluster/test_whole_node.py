@@ -875,7 +875,7 @@ def _sim_pci(cluster: Cluster) -> Any:
     from tests.peers.simpci import SimPciKernel
 
     kernel = _SIM_PCI.get(id(cluster))
-    if kernel is None:
+    if kernel is None or not kernel.root.is_dir():  # none yet, or another cluster's (gone)
         kernel = SimPciKernel(cluster.workdir / "sim-pci", MACHINE, SIM_STATE)
         kernel.lay_out()
         cluster._host.write(PCI_IDS, kernel.pci_ids(), 0o644)  # removed with the cluster's other host files
