@@ -668,9 +668,19 @@ def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, 
                         json.dumps({"spec": {"template": {"spec": {"volumes": [volume]}}}}))
     cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--ignore-not-found", "--wait=true")
 
+    def sys_of(pod: dict[str, Any]) -> str:
+        path: str = next(v["hostPath"]["path"] for v in pod["spec"]["volumes"] if v["name"] == "sys")
+        return path
+
     def restarted() -> dict[str, Any] | None:
         pod = running_agent(cluster)
-        return pod if pod is not None and pod["metadata"]["name"] != old["metadata"]["name"] and check() else None
+        if pod is None or pod["metadata"]["name"] == old["metadata"]["name"]:
+            return None
+        # the DaemonSet controller may still make a pod of the template before the patch (its pod and DaemonSet
+        # informers are not ordered): only a pod of the patched one counts, it replaces the other one itself
+        if sys_path is not None and sys_of(pod) != sys_path:
+            return None
+        return pod if check() else None
 
     pod: dict[str, Any] = cluster.wait_for(what, restarted, timeout=180)
     return pod
