@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         ConflictInput,
         GpuHealthInput,
         ImexInput,
+        PassthroughInput,
         StatusStage,
     )
 
@@ -506,6 +507,7 @@ class ConditionInputs:
         self.runtime = RuntimeInput()
         self.conflicts: tuple[ConflictInput, ...] = ()
         self.imex: ImexInput | None = None
+        self.passthrough: PassthroughInput | None = None
         self._listeners: list[Callable[[], None]] = []
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -522,7 +524,14 @@ class ConditionInputs:
     def snapshot(self) -> ConditionSnapshot:
         from nodeagent.kube.conditions import ConditionSnapshot
 
-        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts, imex=self.imex)
+        return ConditionSnapshot(self.health, self.mig, self.runtime, self.conflicts, imex=self.imex,
+                                 passthrough=self.passthrough)
+
+    def report_passthrough(self, passthrough: PassthroughInput | None) -> None:
+        """The workload switch: the GPUs bound for VMs while the node is in vm-passthrough, else None."""
+        if passthrough != self.passthrough:
+            self.passthrough = passthrough
+            self._changed()
 
     def report_imex(self, imex: ImexInput | None) -> None:
         if imex != self.imex:

@@ -44,7 +44,12 @@ def _persistence(src: Sources, inventory: Inventory, report: Report) -> None:
 
 def check_gpus(src: Sources, inventory: Inventory, report: Report) -> None:
     if not inventory.gpus:
-        report.add("gpus", "warning", "no GPU found")
+        bound = _vfio_bound(src)
+        if bound:
+            report.add("gpus", "ok", f"no GPU on the nvidia driver: {len(bound)} GPU(s) bound to "
+                       f"{', '.join(sorted(set(bound.values())))} for virtual machines ({', '.join(sorted(bound))})")
+        else:
+            report.add("gpus", "warning", "no GPU found")
         return
     models = sorted({g.name for g in inventory.gpus})
     report.add("gpus", "ok", f"{len(inventory.gpus)} GPU(s): {', '.join(models)}")
@@ -131,3 +136,12 @@ def check_health(src: Sources, inventory: Inventory, live: AgentRecord | None, r
     if not live.unhealthy:
         report.add("health", "ok", "the agent serves every GPU as Healthy (no XID held)")
 
+
+
+def _vfio_bound(src: Sources) -> dict[str, str]:
+    """Bus id → VFIO driver of the NVIDIA GPUs the root's PCI tree shows bound for VMs (NVML sees none of
+    them): the node is in vm-passthrough, which is no missing GPU."""
+    from nodeagent.vfio.plan import VFIO_DRIVERS
+    from nodeagent.vfio.sysfs import PciSysfs
+
+    return {f.bdf: str(f.driver) for f in PciSysfs(src.paths).functions() if f.is_gpu and f.driver in VFIO_DRIVERS}

@@ -4,7 +4,9 @@
 the last MIG config apply, the containerd wiring check, the CDI spec) into four conditions:
 
 - ``nodeagent.io/GPUReady``: every GPU found is healthy (the node can run GPU work); while another agent
-  serves or configures them, the reason is the conflict's (e.g. ``AnotherDevicePlugin``).
+  serves or configures them, the reason is the conflict's (e.g. ``AnotherDevicePlugin``). A node whose
+  GPUs are all bound to a VFIO driver for virtual machines (``nvidia.com/gpu.workload.config=vm-passthrough``)
+  is ready for its VMs: ``True``, reason ``VfioPassthrough`` (the nvidia driver, so NVML, sees none of them).
 - ``nodeagent.io/GPUHealthy``: no GPU is marked unhealthy; the message names each unhealthy GPU's index,
   UUID, last XID and the recovery action the driver asks for.
 - ``nodeagent.io/MIGConfigured``: the result of the last ``nvidia.com/mig.config`` apply.
@@ -84,6 +86,16 @@ class GpuHealthInput:
 
 
 @dataclass(frozen=True)
+class PassthroughInput:
+    """The workload switch's result while the node is in vm-passthrough: ``gpus`` GPUs on VFIO drivers
+    (``drivers``, e.g. ``vfio-pci``), served to virtual machines as ``resources``."""
+
+    gpus: int
+    drivers: tuple[str, ...] = ("vfio-pci",)
+    resources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class MigInput:
     """The last ``nvidia.com/mig.config`` reconcile: ``state`` one of success/failed/pending/rebooting, or
     None when no config was asked for since the agent started; ``enabled`` False: MIG management is off."""
@@ -130,6 +142,7 @@ class ConditionSnapshot:
     fabric: CliqueDecision | None = None  # the NVLink clique decision (None: no inventory yet)
     imex: ImexInput | None = None  # the host-managed IMEX daemon (None: not run by the agent)
     imex_off: bool = False  # [imex] is off: an IMEXReady written before is removed
+    passthrough: PassthroughInput | None = None  # the node is in vm-passthrough (None: it is not)
 
 
 @dataclass(frozen=True)
@@ -181,7 +194,22 @@ def _sorted_faults(faults: Iterable[GpuFault]) -> list[GpuFault]:
     return sorted(faults, key=lambda f: (f.index, -1 if f.gi_id is None else f.gi_id))
 
 
-def gpu_healthy(h: GpuHealthInput | None) -> Condition:
+def _in_passthrough(h: GpuHealthInput | None, p: PassthroughInput | None) -> bool:
+    """Every GPU is on a VFIO driver: NVML finds none, the switch reports them bound for VMs."""
+    return p is not None and p.gpus > 0 and h is not None and h.gpus == 0
+
+
+def _passthrough_text(p: PassthroughInput) -> str:
+    served = f", served as {', '.join(p.resources)}" if p.resources else ""
+    return (f"{p.gpus} GPU(s) bound to {', '.join(p.drivers)} for virtual machines "
+            f"(nvidia.com/gpu.workload.config=vm-passthrough){served}")
+
+
+def gpu_healthy(h: GpuHealthInput | None, passthrough: PassthroughInput | None = None) -> Condition:
+    if _in_passthrough(h, passthrough):
+        assert passthrough is not None
+        return Condition(GPU_HEALTHY, "Unknown", "VfioPassthrough", one_line(
+            f"{_passthrough_text(passthrough)}: the nvidia driver does not own them, so it checks none"))
     if h is None or not h.monitored:
         why = "health checks are not running" if h is not None else "GPU health is not known yet"
         return Condition(GPU_HEALTHY, "Unknown", "HealthChecksUnavailable", why, provisional=h is None)
@@ -201,8 +229,13 @@ def gpu_healthy(h: GpuHealthInput | None) -> Condition:
     return Condition(GPU_HEALTHY, "False", reason, one_line(msg))
 
 
-def gpu_ready(h: GpuHealthInput | None, conflicts: Sequence[ConflictInput] = ()) -> Condition:
-    ready = _gpu_ready(h)
+def gpu_ready(h: GpuHealthInput | None, conflicts: Sequence[ConflictInput] = (),
+              passthrough: PassthroughInput | None = None) -> Condition:
+    if _in_passthrough(h, passthrough):
+        assert passthrough is not None
+        ready = Condition(GPU_READY, "True", "VfioPassthrough", one_line(_passthrough_text(passthrough)))
+    else:
+        ready = _gpu_ready(h)
     if not conflicts or ready.status == "False":
         return ready
     # Another agent serves or configures these GPUs (nodeagent holds back until it is gone or it is told to take
@@ -296,8 +329,8 @@ def imex_ready(i: ImexInput) -> Condition:
 def build_conditions(s: ConditionSnapshot) -> list[Condition]:
     """The conditions for ``s``: the four of ``CONDITION_TYPES`` in that order, then on a rack node the
     clique's and, when the agent runs the IMEX daemon, the domain's."""
-    out = [gpu_ready(s.health, s.conflicts), gpu_healthy(s.health), mig_configured(s.mig),
-           runtime_ready(s.runtime)]
+    out = [gpu_ready(s.health, s.conflicts, s.passthrough), gpu_healthy(s.health, s.passthrough),
+           mig_configured(s.mig), runtime_ready(s.runtime)]
     if s.fabric is not None and s.fabric.applicable:
         out.append(nvlink_clique_ready(s.fabric))
     if s.imex is not None:

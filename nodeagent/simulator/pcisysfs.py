@@ -24,6 +24,7 @@ store, the kernel also records in each GPU's state which driver owns it (``drive
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,13 @@ def _functions(machine: SimMachine) -> list[_Function]:
 
 
 class SimPciTree:
-    def __init__(self, paths: HostPaths, machine: SimMachine, store: SimStore | None = None) -> None:
+    def __init__(self, paths: HostPaths, machine: SimMachine, store: SimStore | None = None,
+                 quiet_s: float = 0.0) -> None:
         self.paths = paths
+        # a kernel in another process than the writer (settling on its own clock): an emptied
+        # driver_override shows as "(null)" only once it has been left alone that long, so a value the
+        # writer puts there right after is never overwritten
+        self.quiet_s = quiet_s
         self.machine = machine
         self.store = store
         self.functions = {f.bdf: f for f in _functions(machine)}
@@ -186,16 +192,19 @@ class SimPciTree:
         return text
 
     def settle(self) -> None:
-        """Act on what was written since the last call."""
+        """Act on what was written since the last call. The binds and the probe are taken first: whatever
+        the writer put before them (the unbind, the override) is then already there to be seen, even from
+        another process."""
+        binds = {d: self._take(self._p(f"/sys/bus/pci/drivers/{d}/bind")) for d in self.drivers}
+        probe = self._take(self._p("/sys/bus/pci/drivers_probe"))
         for d in self.drivers:
-            dd = self._p(f"/sys/bus/pci/drivers/{d}")
-            bdf = self._take(dd / "unbind")
+            bdf = self._take(self._p(f"/sys/bus/pci/drivers/{d}/unbind"))
             if bdf in self.functions and self.driver_of(bdf) == d:
                 self._unbind(bdf)
-            bdf = self._take(dd / "bind")
+        for d, bdf in binds.items():
             if bdf in self.functions and self.driver_of(bdf) is None and self._accepts(d, bdf):
                 self._bind(bdf, d)
-        bdf = self._take(self._p("/sys/bus/pci/drivers_probe"))
+        bdf = probe
         if bdf in self.functions and self.driver_of(bdf) is None:
             for d in self.drivers:
                 if self._accepts(d, bdf):
@@ -204,7 +213,8 @@ class SimPciTree:
         for f in self.functions.values():
             dev = self._dev(f.bdf)
             text = (dev / "driver_override").read_text()
-            if text.strip() == "":
+            if text.strip() == "" and (self.quiet_s <= 0 or time.time() - (dev / "driver_override").stat().st_mtime
+                                       >= self.quiet_s):
                 (dev / "driver_override").write_text("(null)\n")  # an empty line clears the override
             self._take(dev / "reset")
         self._vfio_nodes()

@@ -741,14 +741,43 @@ MPS_PIPE = "/run/nodeagent/mps/nvidia.com_gpu/pipe"  # the node's path: the agen
 MPS_SHM_PROBE = "nodeagent-mps-probe"
 
 
-def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, check: Any) -> dict[str, Any]:
-    """Apply ``configmap``, delete the agent's pod (its new pod mounts the new files), wait for ``check``."""
+def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, check: Any,
+                        sys_path: str | None = None) -> dict[str, Any]:
+    """Apply ``configmap``, delete the agent's pod (its new pod mounts the new files), wait for ``check``; with
+    ``sys_path`` the DaemonSet's ``sys`` volume (the node's /sys in the agent's container) is that host
+    directory from then on (the simulated PCI tree of the VFIO test, or /sys again)."""
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
     old = running_agent(cluster)
     assert old is not None
-    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
-    pod: dict[str, Any] = cluster.wait_for(what, lambda: check() and running_agent(cluster), timeout=180)
+    if sys_path is not None and _agent_sys(cluster) != sys_path:
+        volume = {"name": "sys", "hostPath": {"path": sys_path, "type": "Directory"}}
+        cluster.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--type", "strategic", "-p",
+                        json.dumps({"spec": {"template": {"spec": {"volumes": [volume]}}}}))
+    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--ignore-not-found", "--wait=true")
+
+    def sys_of(pod: dict[str, Any]) -> str:
+        path: str = next(v["hostPath"]["path"] for v in pod["spec"]["volumes"] if v["name"] == "sys")
+        return path
+
+    def restarted() -> dict[str, Any] | None:
+        pod = running_agent(cluster)
+        if pod is None or pod["metadata"]["name"] == old["metadata"]["name"]:
+            return None
+        # the DaemonSet controller may still make a pod of the template before the patch (its pod and DaemonSet
+        # informers are not ordered): only a pod of the patched one counts, it replaces the other one itself
+        if sys_path is not None and sys_of(pod) != sys_path:
+            return None
+        return pod if check() else None
+
+    pod: dict[str, Any] = cluster.wait_for(what, restarted, timeout=180)
     return pod
+
+
+def _agent_sys(cluster: Cluster) -> str:
+    """The host directory the agent's DaemonSet mounts as the node's /sys."""
+    ds = cluster.get_json("daemonset", "-n", "nodeagent", "nodeagent")
+    path: str = next(v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "sys")
+    return path
 
 
 def _mps_control_processes() -> dict[int, int]:
@@ -924,6 +953,39 @@ def _mig_off(cluster: Cluster) -> None:
                          and _mig_state(cluster) == "success", timeout=120)
 
 
+# --- VFIO passthrough by label (docs/vfio-cc.md) ---
+# The agent with ``[vfio] enabled`` and, as the node's /sys, the simulated machine's PCI tree
+# (tests/peers/simpci.py: the host's own sysfs is never written), whose kernel runs while the test needs it
+# and keeps the VFIO device nodes on the host's /dev/vfio, as the cluster keeps /dev/nvidia*.
+
+VFIO_CONFIG = "[vfio]\nenabled = true\n"
+VFIO_RESOURCE = "nvidia.com/GH100_H100_SXM5_80GB"  # the sandbox plugin's name of the H100 SXM5 (pci.ids)
+WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
+WORKLOAD_STATE = "nvidia.com/gpu.workload.config.state"
+PCI_IDS = Path("/usr/share/misc/pci.ids")  # the node's database, which the DaemonSet mounts at /host/usr/share
+_SIM_PCI: dict[int, Any] = {}
+
+
+def _sim_pci(cluster: Cluster) -> Any:
+    """The cluster's simulated PCI tree (laid out once, in its work directory) and the node's pci.ids."""
+    from tests.peers.cluster import MACHINE, SIM_STATE
+    from tests.peers.simpci import SimPciKernel
+
+    kernel = _SIM_PCI.get(id(cluster))
+    if kernel is None or not kernel.root.is_dir():  # none yet, or another cluster's (gone)
+        kernel = SimPciKernel(cluster.workdir / "sim-pci", MACHINE, SIM_STATE)
+        kernel.lay_out()
+        cluster._host.write(PCI_IDS, kernel.pci_ids(), 0o644)  # removed with the cluster's other host files
+        _SIM_PCI[id(cluster)] = kernel
+    return kernel
+
+
+def _node_condition(cluster: Cluster, kind: str) -> dict[str, Any]:
+    found: dict[str, Any] = next((c for c in cluster.node()["status"].get("conditions", [])
+                                  if c["type"] == f"nodeagent.io/{kind}"), {})
+    return found
+
+
 @pytest.fixture(scope="class")
 def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[None]:
     """After the class: no DeviceClass of the DRA test left, MIG off, the packaged ConfigMap, the agent
@@ -934,18 +996,22 @@ def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[N
     cluster.kubectl("delete", "resourceclaimtemplate", "one-gpu", "--ignore-not-found")
     cluster.kubectl("delete", "-f", "packaging/kubernetes/deviceclass.yaml", "--ignore-not-found")
     _mig_off(cluster)
+    had_slices = bool(_node_slices(cluster))  # left by the DRA test (not when only other tests of the class ran)
     t0 = time.monotonic()
     pod = _restart_agent_with(cluster, _packaged_configmap(), f"the packaged config again, allocatable {GPU_COUNT}",
-                              lambda: allocatable(cluster) == GPU_COUNT)
+                              lambda: allocatable(cluster) == GPU_COUNT, sys_path="/sys")
     # the agent leaves its ResourceSlices when it exits (a restarted agent serves them on); restarted without
     # DRA it deletes them itself at its start, with its own token (the kubelet would only after the driver has
     # stayed unregistered for 30 s, its DRA manager's wiping delay)
     cluster.wait_for("no ResourceSlice of the node once the DRA plane is gone", lambda: not _node_slices(cluster),
                      timeout=60)
     gone = time.monotonic() - t0
-    log = cluster.kubectl("logs", "-n", "nodeagent", pod["metadata"]["name"]).stdout
-    assert f"DRA ResourceSlice(s) of {cluster.node_name} left by an earlier run (plane is device-plugin)" in log, log
-    print(json.dumps({"dra_slices_gone_after_the_agent_restart_s": round(gone, 1)}))
+    if had_slices:
+        # the agent logs the deletion once the API answered it: the log may be a moment behind what the API shows
+        said = f"DRA ResourceSlice(s) of {cluster.node_name} left by an earlier run (plane is device-plugin)"
+        cluster.wait_for("the agent's log line on the slices it deleted", lambda: said in cluster.kubectl(
+            "logs", "-n", "nodeagent", pod["metadata"]["name"]).stdout, timeout=30)
+        print(json.dumps({"dra_slices_gone_after_the_agent_restart_s": round(gone, 1)}))
     # back to what the README's lines installed: no DRA role
     cluster.kubectl("delete", "-f", "packaging/kubernetes/rbac-dra.yaml", "--ignore-not-found")
 
@@ -961,11 +1027,12 @@ class TestMigByLabelAndDraPlane:
         configmap = _packaged_configmap()
         configmap["data"]["config.toml"] += ('[mig]\nconfig_file = "/etc/nodeagent/mig-config.yaml"\n'
                                              "release_timeout = 120\n"
-                                             '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n')
+                                             '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n'
+                                             + VFIO_CONFIG)  # for the VFIO test that follows: one restart
         configmap["data"]["mig-config.yaml"] = MIG_CONFIG_FILE
         configmap["data"]["device-plugin.yaml"] = "version: v1\nflags:\n  migStrategy: mixed\n"
         _restart_agent_with(cluster, configmap, f"the agent with a MIG config file, allocatable {GPU_COUNT}",
-                            lambda: allocatable(cluster) == GPU_COUNT)
+                            lambda: allocatable(cluster) == GPU_COUNT, sys_path=str(_sim_pci(cluster).sys))
         cluster.kubectl("apply", "-f", "-", input_text=json.dumps(_sleeper("mig-holder", 1)))
         _wait_running(cluster, "mig-holder")
         held = pod_devices("mig-holder")
@@ -1013,6 +1080,70 @@ class TestMigByLabelAndDraPlane:
         assert len(devices) == 1 and devices[0].startswith("MIG-"), devices
         assert log.splitlines()[1] == f"env={devices[0]}", (log, devices)
 
+
+    def test_vm_passthrough_label_gives_a_pod_its_vfio_group_and_container_gives_the_gpus_back(
+            self, cluster: Cluster, agent: dict[str, Any]) -> None:
+        """``nvidia.com/gpu.workload.config=vm-passthrough``: the agent binds every GPU to vfio-pci through the
+        node's sysfs, serves them as the sandbox plugin's resource, GPUReady says the node is in passthrough,
+        and a pod asking for one GPU gets ``/dev/vfio/vfio``, its GPU's ``/dev/vfio/<group>`` and
+        ``PCI_RESOURCE_…`` naming its bus id; ``container`` gives the GPUs back as ``nvidia.com/gpu``."""
+        start = time.monotonic()
+        kernel = _sim_pci(cluster)
+        _mig_off(cluster)  # whole GPUs (the DRA test that follows wants them so too)
+        config = cluster.get_json("configmap", "-n", "nodeagent", "nodeagent-config")["data"]["config.toml"]
+        if "[vfio]" not in config or _agent_sys(cluster) != str(kernel.sys):  # run on its own (-k)
+            configmap = _packaged_configmap()
+            configmap["data"]["config.toml"] += VFIO_CONFIG
+            _restart_agent_with(cluster, configmap, f"the agent with [vfio], allocatable {GPU_COUNT}",
+                                lambda: allocatable(cluster) == GPU_COUNT, sys_path=str(kernel.sys))
+        ready = time.monotonic()
+        gpus = {bdf: f for bdf, f in kernel.tree.functions.items() if f.gpu is not None}
+
+        def state() -> str | None:
+            value: str | None = cluster.node()["metadata"]["labels"].get(WORKLOAD_STATE)
+            return value
+
+        with kernel.running():
+            try:
+                cluster.kubectl("label", "node", cluster.node_name, f"{WORKLOAD_LABEL}=vm-passthrough", "--overwrite")
+                try:
+                    cluster.wait_for(f"vm-passthrough applied, {VFIO_RESOURCE} {GPU_COUNT}, {RESOURCE} 0",
+                                     lambda: state() == "vm-passthrough" and allocatable(cluster, VFIO_RESOURCE)
+                                     == GPU_COUNT and allocatable(cluster) == 0, timeout=90)
+                except AssertionError:
+                    print(state(), cluster.node()["status"]["allocatable"])
+                    print(cluster.kubectl("logs", "-n", "nodeagent", running_agent(cluster)["metadata"]["name"],  # type: ignore[index]
+                                          "-c", "nodeagent").stdout[-8000:])
+                    raise
+                switched = time.monotonic()
+                assert {kernel.tree.driver_of(b) for b in gpus} == {"vfio-pci"}
+                condition = cluster.wait_for("GPUReady VfioPassthrough", lambda: (lambda c: c if c.get(
+                    "reason") == "VfioPassthrough" else None)(_node_condition(cluster, "GPUReady")), timeout=30)
+                assert condition["status"] == "True", condition
+                assert condition["message"].startswith(f"{GPU_COUNT} GPU(s) bound to vfio-pci"), condition
+
+                env = "PCI_RESOURCE_" + VFIO_RESOURCE.upper().replace("/", "_").replace(".", "_")
+                pod = _gpu_pod("vm-one", 0, f"ls /dev/vfio | sort | tr '\\n' ' '; echo; echo \"pci=${env}\"")
+                pod["spec"]["containers"][0]["resources"] = {"limits": {VFIO_RESOURCE: 1}}
+                obj, log = run_pod(cluster, pod)
+                cluster.kubectl("delete", "pod", "vm-one", "--wait=true")
+                assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
+                listing, pci = log.splitlines()[:2]
+                bdf = pci.removeprefix("pci=")
+                assert bdf in gpus, (log, sorted(gpus))
+                assert listing.split() == sorted([str(gpus[bdf].group), "vfio"]), log  # its own group only
+                used = time.monotonic()
+            finally:
+                cluster.kubectl("label", "node", cluster.node_name, f"{WORKLOAD_LABEL}=container", "--overwrite")
+                cluster.wait_for(f"container applied, {RESOURCE} {GPU_COUNT} again, {VFIO_RESOURCE} 0",
+                                 lambda: state() == "container" and allocatable(cluster) == GPU_COUNT
+                                 and allocatable(cluster, VFIO_RESOURCE) == 0, timeout=90)
+        assert {kernel.tree.driver_of(b) for b in gpus} == {"nvidia"}
+        cluster.wait_for("GPUReady AllGpusReady", lambda: _node_condition(cluster, "GPUReady").get("reason")
+                         == "AllGpusReady", timeout=30)
+        done = time.monotonic()
+        print(json.dumps({"vfio_restart_s": round(ready - start, 1), "vfio_switch_s": round(switched - ready, 1),
+                          "vfio_pod_s": round(used - switched, 1), "vfio_back_s": round(done - used, 1)}))
 
     def test_dra_plane_pod_with_a_claim_template_gets_its_gpu_and_the_claim_goes_with_it(
             self, cluster: Cluster, agent: dict[str, Any]) -> None:

@@ -35,6 +35,14 @@ def _labels(server: KubeApiServer) -> dict[str, str]:
     return found
 
 
+def _condition(server: KubeApiServer, kind: str) -> tuple[str, str, str]:
+    status, body = server.get(f"/api/v1/nodes/{NODE}")
+    assert status == 200, body
+    found = {c["type"]: c for c in json.loads(body).get("status", {}).get("conditions") or []}
+    c = found.get(f"nodeagent.io/{kind}", {})
+    return c.get("status", ""), c.get("reason", ""), c.get("message", "")
+
+
 def _set(server: KubeApiServer, value: str) -> None:
     status, body = server.request("PATCH", f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {LABEL: value}}},
                                   content_type="application/merge-patch+json")
@@ -72,6 +80,13 @@ def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer,
             assert [e["type"] for e in _events(kube_apiserver, "WorkloadConfigApplied")] == ["Normal"]
             assert all((root / "sys/bus/pci/devices" / d.id / "driver").readlink().name == "vfio-pci"
                        for d in served.devices)
+            # the node is ready for VMs, not short of GPUs: GPUReady True, reason VfioPassthrough
+            eventually(lambda: _condition(kube_apiserver, "GPUReady")[1] == "VfioPassthrough", 20,
+                       "GPUReady VfioPassthrough")
+            status, _, message = _condition(kube_apiserver, "GPUReady")
+            assert status == "True" and message.startswith("4 GPU(s) bound to vfio-pci for virtual machines"), message
+            assert message.endswith(f"served as {VFIO}"), message
+            assert _condition(kube_apiserver, "GPUHealthy")[:2] == ("Unknown", "VfioPassthrough")
 
             # a VM's pod holds one GPU: the way back waits for it, gives up after release_timeout, changes nothing
             pod = harness.allocate(VFIO, 1, pod="virt-launcher-vm", namespace="vms", pod_uid="vm-pod-uid")
@@ -94,6 +109,8 @@ def test_run_follows_the_workload_label_both_ways(kube_apiserver: KubeApiServer,
             eventually(lambda: _labels(kube_apiserver).get(STATE) == "container", 20, "state container")
             harness.wait(GPU, registered=True, total=4, healthy=4, timeout=20)
             harness.wait(VFIO, healthy=0, timeout=20)
+            eventually(lambda: _condition(kube_apiserver, "GPUReady")[:2] == ("True", "AllGpusReady"), 20,
+                       "GPUReady AllGpusReady back in container")
             assert len(_events(kube_apiserver, "WorkloadConfigApplied")) == 2
             assert agent.proc.poll() is None, agent.log()
             assert "Traceback" not in agent.log(), agent.log()

@@ -14,9 +14,11 @@ from nodeagent.kube.conditions import (
     RUNTIME_READY,
     Condition,
     ConditionSnapshot,
+    ConflictInput,
     GpuFault,
     GpuHealthInput,
     MigInput,
+    PassthroughInput,
     RuntimeInput,
     build_conditions,
     one_line,
@@ -89,6 +91,32 @@ def test_no_gpus_and_no_health_checks() -> None:
     c = by_type(ConditionSnapshot(health=GpuHealthInput(4, monitored=False)))
     assert (c[GPU_READY].status, c[GPU_HEALTHY].status) == ("Unknown", "Unknown")
     assert c[GPU_HEALTHY].reason == "HealthChecksUnavailable"
+
+
+def test_vm_passthrough_is_ready_for_vms_not_missing_gpus() -> None:
+    """Every GPU on vfio-pci (NVML finds none): GPUReady True with reason VfioPassthrough naming the GPUs,
+    the driver and the resource; GPUHealthy Unknown (the nvidia driver checks nothing it does not own)."""
+    p = PassthroughInput(8, ("vfio-pci",), ("nvidia.com/GH100_H100_SXM5_80GB",))
+    c = by_type(ConditionSnapshot(health=GpuHealthInput(0), passthrough=p))
+    ready, healthy = c[GPU_READY], c[GPU_HEALTHY]
+    assert (ready.status, ready.reason) == ("True", "VfioPassthrough")
+    assert ready.message == ("8 GPU(s) bound to vfio-pci for virtual machines (nvidia.com/gpu.workload.config="
+                             "vm-passthrough), served as nvidia.com/GH100_H100_SXM5_80GB")
+    assert (healthy.status, healthy.reason) == ("Unknown", "VfioPassthrough")
+    assert "the nvidia driver does not own them" in healthy.message
+    assert not ready.provisional and not healthy.provisional
+    # a conflict names its reason, the status stays what passthrough says
+    conflict = ConflictInput("device-plugin", "nvidia.com/gpu", "other", "AnotherDevicePlugin", "x serves them")
+    c = by_type(ConditionSnapshot(health=GpuHealthInput(0), passthrough=p, conflicts=(conflict,)))
+    assert (c[GPU_READY].status, c[GPU_READY].reason) == ("True", "AnotherDevicePlugin")
+    # GPUs NVML still sees (a GPU left on nvidia, the switch not done): the usual conditions
+    c = by_type(ConditionSnapshot(health=GpuHealthInput(2), passthrough=p))
+    assert (c[GPU_READY].reason, c[GPU_HEALTHY].reason) == ("AllGpusReady", "AllGpusHealthy")
+    # no GPU bound and none found: still NoGpusFound; nothing known yet: Unknown
+    c = by_type(ConditionSnapshot(health=GpuHealthInput(0), passthrough=PassthroughInput(0)))
+    assert (c[GPU_READY].status, c[GPU_READY].reason) == ("False", "NoGpusFound")
+    c = by_type(ConditionSnapshot(health=None, passthrough=p))
+    assert c[GPU_READY].status == "Unknown"
 
 
 def test_mig_states() -> None:

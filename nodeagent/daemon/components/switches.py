@@ -151,6 +151,27 @@ class SwitchComponent(Component):
                     {r: {b: d for b, d in devs.items() if b in to_dra} for r, devs in resources.items()}, slots, names))
             except NodeAgentError as e:
                 log.error("vfio: the VFIO resources are not served: %s", e)
+        await self._report_passthrough()
+
+    async def _report_passthrough(self) -> None:
+        """Tell the Node conditions whether every GPU is bound for VMs (GPUReady says so, not "no GPU")."""
+        from nodeagent.errors import NodeAgentError
+        from nodeagent.kube.conditions import PassthroughInput
+        from nodeagent.vfio.plan import VFIO_DRIVERS
+
+        def read() -> PassthroughInput | None:
+            if self.switch.current() != "vm-passthrough":
+                return None
+            bound = [f for f in self.switch.sysfs.functions() if f.is_gpu and f.driver in VFIO_DRIVERS]
+            return PassthroughInput(len(bound), tuple(sorted({str(f.driver) for f in bound})),
+                                    tuple(sorted(self.switch.resources())))
+
+        try:
+            found = await asyncio.to_thread(read)
+        except NodeAgentError as e:
+            log.warning("vfio: the PCI tree could not be read for the node conditions: %s", e)
+            found = None
+        self._ctx.shared.conditions.report_passthrough(found)
 
     async def start(self, ctx: Context) -> None:
         if self.name == "vfio" and await asyncio.to_thread(self.switch.current) == "vm-passthrough":
