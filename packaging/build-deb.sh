@@ -10,8 +10,10 @@
 #   /usr/bin/nodeagent        -> /opt/nodeagent/bin/nodeagent
 #   /lib/systemd/system/      nodeagent.service, nodeagent-bootstrap.service
 #   /etc/nodeagent/config.toml  the commented example, a conffile (local edits survive upgrades)
-# Usage: packaging/build-deb.sh [--arch amd64|arm64] [OUTPUT_DIR]   (default: this machine's, dist/)
-# Wheels are cached in ${NODEAGENT_WHEEL_CACHE:-~/.cache/nodeagent/wheels}/<arch>, so a rebuild needs no
+# Usage: packaging/build-deb.sh [--arch amd64|arm64] [--fetch-only] [OUTPUT_DIR]   (default: this machine's, dist/)
+# --fetch-only: only fill the wheel cache (below) for that architecture and build no package (the test suite's
+# setup does it, so no test waits for a download).
+# Wheels are cached in ${NODEAGENT_WHEEL_CACHE:-${NODEAGENT_CACHE:-~/.cache/nodeagent}/wheels}/<arch>, so a rebuild needs no
 # download (a warm build copies the set of wheels kept for the same dependencies); pip fetches the missing ones for the target platform (--platform/--python-version), so an arm64
 # package builds on amd64. The build runs with the project's .venv when it has setuptools and wheel, else in
 # a throw-away build venv made from python3 (pip from python3-venv, setuptools and wheel from the wheel cache
@@ -20,18 +22,21 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 SRC=$(cd "$HERE/.." && pwd)
 ARCH=
+FETCH_ONLY=
 while [ $# -gt 0 ]; do
   case "$1" in
+    --fetch-only) FETCH_ONLY=1; shift ;;
     --arch) ARCH=${2:-}; shift 2 || { echo "build-deb: --arch needs amd64 or arm64" >&2; exit 2; } ;;
     --arch=*) ARCH=${1#--arch=}; shift ;;
-    -*) echo "build-deb: unknown option $1 (usage: build-deb.sh [--arch amd64|arm64] [OUTPUT_DIR])" >&2; exit 2 ;;
+    -*) echo "build-deb: unknown option $1 (usage: build-deb.sh [--arch amd64|arm64] [--fetch-only] [OUTPUT_DIR])" >&2; exit 2 ;;
     *) break ;;
   esac
 done
-OUT=$(mkdir -p "${1:-$SRC/dist}" && cd "${1:-$SRC/dist}" && pwd)
+OUT=
+[ -n "$FETCH_ONLY" ] || OUT=$(mkdir -p "${1:-$SRC/dist}" && cd "${1:-$SRC/dist}" && pwd)
 BASE_PY=${NODEAGENT_BASE_PYTHON:-/usr/bin/python3}
 BUILD_PY=${NODEAGENT_BUILD_PYTHON:-}
-WHEEL_CACHE=${NODEAGENT_WHEEL_CACHE:-$HOME/.cache/nodeagent/wheels}
+WHEEL_CACHE=${NODEAGENT_WHEEL_CACHE:-${NODEAGENT_CACHE:-$HOME/.cache/nodeagent}/wheels}
 PYTHONS="3.10 3.11 3.12 3.13"
 LIB=/usr/lib/nodeagent
 
@@ -104,7 +109,10 @@ meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
 print("\n".join(ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln))' \
   "$OWN" && echo "$PYTHONS ${PLATFORMS[*]} installer lists") | sha256sum | cut -c1-12)
 SET=$WHEEL_CACHE/sets/$ARCH-$KEY
-if [ -d "$SET" ]; then
+if [ -n "$FETCH_ONLY" ] && [ -d "$SET" ]; then
+  touch "$SET"
+  exit 0
+elif [ -d "$SET" ]; then
   touch "$SET"  # sets no build used for a week go (below)
   cp "$SET"/*.whl "$SET"/*.txt "$STAGE$LIB/wheels/"  # copies: a hard link's ctime changes when another build links it
 else
@@ -124,6 +132,7 @@ else
   rm -rf "$SET.tmp.$$" && mkdir "$SET.tmp.$$" && cp "$STAGE$LIB"/wheels/*.whl "$STAGE$LIB"/wheels/*.txt "$SET.tmp.$$/" \
     && { mv -T "$SET.tmp.$$" "$SET" 2>/dev/null || rm -rf "$SET.tmp.$$"; }
 fi
+[ -z "$FETCH_ONLY" ] || exit 0
 install -m 0644 "$OWN" "$STAGE$LIB/wheels/"
 find "$WHEEL_CACHE/sets" -mindepth 1 -maxdepth 1 -type d -mtime +7 ! -name "${SET##*/}" -exec rm -rf {} + \
   2>/dev/null || true

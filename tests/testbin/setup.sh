@@ -960,6 +960,20 @@ nodeagent_peers_computedomain_crd() {
 }
 
 
+# The wheels packaging/build-deb.sh puts into the .deb (every dependency for CPython 3.10-3.13, amd64 and arm64),
+# fetched into its wheel cache here, so the tests that build the package never wait for the index.
+nodeagent_peers_deb_wheels() {
+  local repo arch
+  repo=$(cd "$NODEAGENT_TESTBIN/../.." && pwd)
+  if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
+    _peers_log "plan: the package's wheels in $NODEAGENT_CACHE/wheels (fetched when a set is missing)"
+    return 0
+  fi
+  for arch in amd64 arm64; do
+    bash "$repo/packaging/build-deb.sh" --arch "$arch" --fetch-only || return 1
+  done
+}
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -980,6 +994,7 @@ NODEAGENT_PEERS_STEPS=(
   "CDI reference library + CRI helpers:nodeagent_peers_cdi_check"
   "NFD CRDs (Go module proxy):nodeagent_peers_nfd_crd"
   "helm + promtool (Debian):nodeagent_peers_helm"
+  "the package's wheels (pip download, CPython 3.10-3.13):nodeagent_peers_deb_wheels"
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
   "Debian 12 root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"
   "Debian 13 root with the test dependencies (mmdebstrap):nodeagent_peers_debian13_root"
