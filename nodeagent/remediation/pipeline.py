@@ -229,8 +229,8 @@ class Remediator:
                 out.append(await self._rollback(run))
             else:
                 if Step.WITHDRAW in run.done:
-                    # the hold lived in the predecessor's monitors: this agent's must hold the GPU out
-                    # too before anything else (its device plugin may have offered it at start)
+                    # the planes held it out from their start (the record, ``record.held_out``); withdrawn
+                    # again here so that the DRA devices get the remediation taint as well
                     await self._withdraw(p)
                 out.append(await self.run(p, done=run.done, persistence=run.persistence))
         return out

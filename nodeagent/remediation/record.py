@@ -113,5 +113,17 @@ def step_done(rec: RecordFile, target: str, step: Step) -> None:
     rec.runs[target] = RunRecord(run.plan, (*run.done, step), run.persistence, run.started)
 
 
+def held_out(rec: RecordFile) -> dict[str, str]:
+    """The GPUs a previous agent took out of service (UUID → the reason its health monitors held them with):
+    every GPU of a run past its withdrawal, and the quarantined ones. Its successor holds them out from its
+    very first answer to the kubelet, before its remediation resumes the runs."""
+    out = {u: f"remediation: quarantined: {why}" for u, why in rec.quarantined.items()}
+    for run in pending_runs(rec):
+        if Step.WITHDRAW in run.done:
+            for u in run.plan.gpus:
+                out.setdefault(u, f"remediation: {run.plan.why}")
+    return out
+
+
 def pending_runs(rec: RecordFile) -> Sequence[RunRecord]:
     return [rec.runs[u] for u in sorted(rec.runs)]

@@ -987,12 +987,17 @@ def _node_condition(cluster: Cluster, kind: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="class")
-def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[None]:
+def packaged_config_after(cluster: Cluster, agent: dict[str, Any], registry: Registry) -> Iterator[None]:
     """After the class: no DeviceClass of the DRA test left, MIG off, the packaged ConfigMap, the agent
     restarted with it (allocatable 8 again; with the DRA role still bound it deletes its leftover slices), then
     no DRA role."""
     yield
-    cluster.kubectl("delete", "pod", "mig-holder", "mig-one", "dra-one", "--ignore-not-found", "--wait=true")
+    cluster.kubectl("delete", "pod", "mig-holder", "mig-one", "mig-a", "mig-b", "dra-one", "--ignore-not-found",
+                    "--wait=true")
+    # the remediation the MIG test turned on: its controller and its reset history gone
+    cluster.kubectl("delete", "-f", "-", "--ignore-not-found", "--wait=false", input_text=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": _controller_manifests(registry)}))
+    Path(REMEDIATION_RECORD).unlink(missing_ok=True)
     cluster.kubectl("delete", "resourceclaimtemplate", "one-gpu", "--ignore-not-found")
     cluster.kubectl("delete", "-f", "packaging/kubernetes/deviceclass.yaml", "--ignore-not-found")
     _mig_off(cluster)
@@ -1020,14 +1025,17 @@ def packaged_config_after(cluster: Cluster, agent: dict[str, Any]) -> Iterator[N
 class TestMigByLabelAndDraPlane:
 
     def test_mig_label_changes_the_free_gpus_and_waits_for_the_pod_on_its_gpu(
-            self, cluster: Cluster, agent: dict[str, Any]) -> None:
+            self, cluster: Cluster, agent: dict[str, Any], registry: Registry) -> None:
         """``nvidia.com/mig.config`` set while a pod holds one GPU: the seven free GPUs are reconfigured at
         once, the held one only after its pod ended; then a pod asking for a MIG device (mixed strategy)
-        gets exactly one."""
+        gets exactly one. Remediation is on in the same config: XID 48 on a MIG GPU (below)."""
+        controller = {"apiVersion": "v1", "kind": "List", "items": _controller_manifests(registry)}
+        cluster.kubectl("apply", "-f", "-", input_text=json.dumps(controller))  # it evicts for the remediation
         configmap = _packaged_configmap()
         configmap["data"]["config.toml"] += ('[mig]\nconfig_file = "/etc/nodeagent/mig-config.yaml"\n'
                                              "release_timeout = 120\n"
                                              '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n'
+                                             + REMEDIATION_CONFIG
                                              + VFIO_CONFIG)  # for the VFIO test that follows: one restart
         configmap["data"]["mig-config.yaml"] = MIG_CONFIG_FILE
         configmap["data"]["device-plugin.yaml"] = "version: v1\nflags:\n  migStrategy: mixed\n"
@@ -1079,6 +1087,64 @@ class TestMigByLabelAndDraPlane:
         assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
         assert len(devices) == 1 and devices[0].startswith("MIG-"), devices
         assert log.splitlines()[1] == f"env={devices[0]}", (log, devices)
+        self._xid48_on_a_mig_gpu(cluster)
+
+    @staticmethod
+    def _xid48_on_a_mig_gpu(cluster: Cluster) -> None:
+        """Remediation of a GPU in MIG mode (docs/remediation.md), on the MIG layout above: two pods on
+        instances of two GPUs; XID 48 on the first pod's GPU withdraws all its instances (allocatable drops by
+        7), evicts that pod alone, resets the GPU, lays its instances out again (the same profiles at the same
+        placements) and offers them again; the other pod keeps its UID and container."""
+        from nodeagent.simulator import inject
+        from nodeagent.simulator.open import open_sim
+        from nodeagent.simulator.state import SimStore
+        from tests.peers.cluster import MACHINE, SIM_STATE
+
+        began = time.monotonic()
+        for name in ("mig-a", "mig-b"):
+            pod = _sleeper(name, 0)
+            pod["spec"]["containers"][0]["resources"] = {"limits": {MIG_RESOURCE: 1}}
+            cluster.kubectl("apply", "-f", "-", input_text=json.dumps(pod))
+        for name in ("mig-a", "mig-b"):
+            _wait_running(cluster, name)
+        sim = open_sim(MACHINE, SIM_STATE)
+        sim.nvmlInit()
+
+        def parent(mig_uuid: str) -> int:
+            gpu: int = sim.nvmlDeviceGetIndex(sim.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+                sim.nvmlDeviceGetHandleByUUID(mig_uuid)))
+            return gpu
+
+        (dev_a,), (dev_b,) = pod_devices("mig-a", MIG_RESOURCE), pod_devices("mig-b", MIG_RESOURCE)
+        gpu, other = parent(dev_a), parent(dev_b)
+        assert gpu != other, (dev_a, dev_b)  # the plugin spreads MIG devices over their parent GPUs
+
+        def layout(i: int) -> list[tuple[int, int, int]]:
+            gis = SimStore.open(MACHINE, SIM_STATE).read()["gpus"][i]["gis"]
+            return sorted((g["profile_id"], g["start"], g["size"]) for g in gis)
+
+        before = layout(gpu)
+        assert len(before) == 7, before
+        b_before = _container(cluster, "mig-b")
+        fault = time.monotonic()
+        inject.inject_xid(SimStore.open(MACHINE, SIM_STATE), gpu, 48, None, recovery_action=1)
+        cluster.wait_for(f"allocatable {MIG_RESOURCE} drops by GPU {gpu}'s 7 instances after XID 48",
+                         lambda: allocatable(cluster, MIG_RESOURCE) == 7 * (GPU_COUNT - 1), timeout=60, poll=0.2)
+        cluster.wait_for(f"allocatable {MIG_RESOURCE} back to {7 * GPU_COUNT}",
+                         lambda: allocatable(cluster, MIG_RESOURCE) == 7 * GPU_COUNT, timeout=90, poll=0.2)
+        back = time.monotonic()
+        gone = cluster.kubectl("get", "pod", "mig-a", "--ignore-not-found", "-o", "name").stdout.strip()
+        assert gone == "", gone
+        assert _container(cluster, "mig-b") == b_before  # the pod on the other GPU never noticed
+        assert layout(gpu) == before  # the same profiles at the same placements after the reset
+        state = SimStore.open(MACHINE, SIM_STATE).read()["gpus"][gpu]
+        assert state["mig_current"] and state.get("recovery_action", 0) == 0, state
+        messages = [(e["reason"], e["message"]) for e in _node_events(cluster)]
+        uuid = _gpu_objects(cluster)[gpu]["spec"]["uuid"]
+        assert any(r == "GPURemediated" and uuid in m for r, m in messages), messages
+        cluster.kubectl("delete", "pod", "mig-b", "--wait=true")
+        print(json.dumps({"remediation_mig_xid48_fault_to_allocatable_s": round(back - fault, 1),
+                          "remediation_mig_phase_s": round(time.monotonic() - began, 1), "pods_disturbed": 1}))
 
 
     def test_vm_passthrough_label_gives_a_pod_its_vfio_group_and_container_gives_the_gpus_back(

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from nodeagent.config import AgentConfig, RemediationSettings, SimulateSettings
 from nodeagent.daemon.components.remediation import RemediationComponent
 from nodeagent.errors import KubeError
@@ -312,3 +314,108 @@ def test_a_mig_gpu_gets_its_layout_back_after_the_reset(tmp_path: Path) -> None:
     after = gpu.discover().gpus[2]
     assert gpu.recovery_action_of(uuid[2]) == 0 and "GPURemediated" in kube.events
     assert after.mig_current and layout_of(after) == before  # the same profiles at the same placements
+
+
+def test_a_successor_holds_the_withdrawn_gpus_out_from_its_first_list_and_watch() -> None:
+    """The previous agent was killed in the middle of a reset of GPU 3 (withdrawn), before withdrawing GPU 4,
+    and had quarantined GPU 6: its successor's device plugin marks GPUs 3 and 6 Unhealthy in its very first
+    ListAndWatch answer, before any remediation has resumed; GPU 4 and the others are Healthy."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="na-", dir="/tmp") as root:  # socket paths under 108 bytes
+        _successor_first_answer(Path(root))
+
+
+def _successor_first_answer(root: Path) -> None:
+    import grpc
+
+    from nodeagent.daemon import Daemon
+    from nodeagent.daemon.components.deviceplugin import DevicePluginComponent
+    from nodeagent.deviceplugin.api import pb2, pb2_grpc
+    from nodeagent.remediation.planner import Plan, Step
+    from nodeagent.remediation.policy import Action
+    from nodeagent.remediation.record import RecordFile, RecordStore, RunRecord, record_path
+    from nodeagent.sdnotify import Notifier
+
+    sim = open_sim("dgx-h100")
+    paths = HostPaths(root)
+    gpu = adapter_for_sim(sim, paths)
+    inv = gpu.discover()
+    uuid = {g.index: g.uuid for g in inv.gpus}
+    steps = (Step.WITHDRAW, Step.EVICT, Step.STOP_USERS, Step.RESET, Step.VERIFY, Step.RESTORE, Step.OFFER)
+
+    def run(i: int, done: tuple[Step, ...]) -> RunRecord:
+        return RunRecord(Plan(Action.RESET_GPU, f"XID 48 on GPU {i}", (uuid[i],), (), steps), done)
+
+    RecordStore(record_path(paths)).save(RecordFile(
+        runs={uuid[3]: run(3, (Step.WITHDRAW, Step.EVICT)), uuid[4]: run(4, ())},
+        quarantined={uuid[6]: "reset 3 times"}))
+    cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                              remediation=RemediationSettings(enabled=True))
+
+    def first_answer(sock: Path) -> dict[str, str]:
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            stream = pb2_grpc.DevicePluginStub(ch).ListAndWatch(pb2.Empty(), timeout=10)
+            answer = next(stream)
+            stream.cancel()
+        return {d.ID: d.health for d in answer.devices}
+
+    async def scenario() -> dict[str, str]:
+        d = Daemon(cfg, paths, gpu_factory=lambda c, p: gpu, kube_factory=lambda c: object(), specs=[],
+                   notifier=Notifier({}))
+        comp = DevicePluginComponent(d.ctx)
+        await comp.on_inventory(inv)  # the first inventory starts the servers; no remediation runs yet
+        try:
+            return await asyncio.to_thread(first_answer, comp.service.plugin_dir / "nvidia-gpu.sock")
+        finally:
+            await comp.service.stop()
+
+    health = asyncio.run(scenario())
+    assert set(health) == set(uuid.values())
+    assert {i for i, u in uuid.items() if health[u] == "Unhealthy"} == {3, 6}
+    assert all(health[uuid[i]] == "Healthy" for i in uuid if i not in (3, 6))
+
+
+def test_a_successor_dra_plane_holds_them_out_before_its_first_slices(tmp_path: Path) -> None:
+    """Plane "dra" alone: before the DRA driver starts (and publishes its first ResourceSlices) its health map
+    and its own monitor already hold GPU 3 (withdrawn by the previous agent) out; without remediation, nothing."""
+    from nodeagent.daemon import Daemon
+    from nodeagent.daemon.components.dra import DraPlaneComponent
+    from nodeagent.remediation.planner import Plan, Step
+    from nodeagent.remediation.policy import Action
+    from nodeagent.remediation.record import RecordFile, RecordStore, RunRecord, record_path
+    from nodeagent.sdnotify import Notifier
+
+    sim = open_sim("dgx-h100")
+    paths = HostPaths(tmp_path)
+    gpu = adapter_for_sim(sim, paths)
+    inv = gpu.discover()
+    uuid = {g.index: g.uuid for g in inv.gpus}
+    plan = Plan(Action.RESET_GPU, "XID 48", (uuid[3],), (), (Step.WITHDRAW, Step.RESET, Step.OFFER))
+    RecordStore(record_path(paths)).save(RecordFile(runs={uuid[3]: RunRecord(plan, (Step.WITHDRAW,))}))
+
+    class Started(Exception):
+        pass
+
+    def first_look(enabled: bool) -> tuple[dict[Any, str], dict[int, str]]:
+        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                                  remediation=RemediationSettings(enabled=enabled))
+        cfg = dataclasses.replace(cfg, device_plugin=dataclasses.replace(cfg.device_plugin, plane="dra"))
+        d = Daemon(cfg, paths, gpu_factory=lambda c, p: gpu, kube_factory=lambda c: object(), specs=[],
+                   notifier=Notifier({}))
+        comp = DraPlaneComponent(d.ctx)
+        seen: list[tuple[dict[Any, str], dict[int, str]]] = []
+
+        async def start(inventory: Any) -> None:  # what the driver would publish first
+            assert comp.dra.monitor is not None
+            seen.append((dict(comp.dra._unhealthy), dict(comp.dra.monitor.held)))
+            raise Started
+
+        comp.dra.start = start  # type: ignore[method-assign]
+        with pytest.raises(Started):  # stopped right there
+            asyncio.run(comp._start(inv))
+        return seen[0]
+
+    unhealthy, held = first_look(True)
+    assert set(unhealthy) == {(3, None)} and set(held) == {3} and "XID 48" in held[3]
+    assert first_look(False) == ({}, {})

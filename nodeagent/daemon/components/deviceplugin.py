@@ -135,6 +135,10 @@ class DevicePluginComponent(Component):
 
     async def on_inventory(self, inventory: Inventory) -> None:
         if not self._started:
+            if self.service.monitor is not None:  # GPUs a killed predecessor's remediation took out stay out
+                from nodeagent.daemon.components.remediation import held_at_start
+
+                self.service.monitor.held.update(await asyncio.to_thread(held_at_start, self._ctx, inventory))
             await self.service.start(inventory)
             self._started = True
             if self.service.monitor is not None:  # what a replaced monitor handed over, for the DRA plane

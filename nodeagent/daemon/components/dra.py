@@ -128,6 +128,13 @@ class DraPlaneComponent(Component):
     async def _start(self, inventory: Inventory) -> None:
         self.dra.vfio_devices = list(self._ctx.shared.dra.vfio)  # the workload switch's, if it ran first
         await self.dra.set_foreign(self._ctx.shared.dra.foreign)  # another DRA driver's GPUs, as last seen
+        from nodeagent.daemon.components.remediation import held_at_start
+
+        held = await asyncio.to_thread(held_at_start, self._ctx, inventory)
+        if held:  # GPUs a killed predecessor's remediation took out: Unhealthy in the first slices already
+            if self.dra.monitor is not None:
+                self.dra.monitor.held.update(held)
+            await self.dra.set_health({(i, None): why for i, why in held.items()})
         await self.dra.start(inventory)
         self._started = True
         if self._plane == "both":

@@ -19,6 +19,19 @@ log = logging.getLogger(__name__)
 RECENT_XID_S = 600.0  # how long an XID counts as "recent" for the catalog's combinations (48 after 63/64)
 
 
+def held_at_start(ctx: Context, inventory: Inventory) -> dict[int, str]:
+    """GPU index → why: the GPUs the remediation record says are out of service (a run past its withdrawal
+    when the previous agent stopped, or quarantined). The device plugin and the DRA plane hold them out from
+    their first answer, so the kubelet never counts them healthy before the remediation resumes. Nothing
+    when no remediation runs here (nothing would ever offer them again)."""
+    if not ctx.config.remediation.enabled or ctx.kube is None:
+        return {}
+    from nodeagent.remediation.record import RecordStore, held_out, record_path
+
+    index = {g.uuid: g.index for g in inventory.gpus}
+    return {index[u]: why for u, why in held_out(RecordStore(record_path(ctx.paths)).load()).items() if u in index}
+
+
 class AdapterResetter:
     """Resets through the NVML adapter's own resetter, GPU by GPU (the simulator's reset, or on a real node
     ``nvidia-smi --gpu-reset -i N``)."""
