@@ -124,6 +124,9 @@ def test_slowloris_clients_cannot_hold_the_slots() -> None:
             s = _connect(server.port)
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
             tricklers.append(s)
+        # all of them read once (waiting), as they are long before a scraper's next visit; on a loaded machine
+        # the server's loop may not have read them all yet when the first scrape comes
+        assert _wait(lambda: server.waiting_connections == MAX_PER_CLIENT, 10), server.waiting_connections
 
         def trickle() -> None:
             n = 0
