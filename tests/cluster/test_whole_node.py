@@ -745,14 +745,29 @@ def _restart_agent_with(cluster: Cluster, configmap: dict[str, Any], what: str, 
                         sys_path: str | None = None) -> dict[str, Any]:
     """Apply ``configmap``, delete the agent's pod (its new pod mounts the new files), wait for ``check``; with
     ``sys_path`` the DaemonSet's ``sys`` volume (the node's /sys in the agent's container) is that host
-    directory from then on (the simulated PCI tree of the VFIO test, or /sys again)."""
+    directory from then on (the simulated PCI tree of the VFIO test, writable as the packaged
+    daemonset-vfio.patch.yaml makes it; or /sys again, read-only as daemonset.yaml has it)."""
     cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
     old = running_agent(cluster)
     assert old is not None
     if sys_path is not None and _agent_sys(cluster) != sys_path:
         volume = {"name": "sys", "hostPath": {"path": sys_path, "type": "Directory"}}
+        if sys_path == "/sys":
+            # back to the plain manifest: read-only, no /usr/share
+            patch: dict[str, Any] = {"spec": {"template": {"spec": {
+                "containers": [{"name": "nodeagent", "volumeMounts": [
+                    {"name": "sys", "mountPath": "/host/sys", "readOnly": True},
+                    {"$patch": "delete", "mountPath": "/host/usr/share"}]}],
+                "volumes": [volume, {"$patch": "delete", "name": "usr-share"}]}}}}
+        else:
+            import yaml
+
+            # the packaged patch (the one kubectl line of docs/vfio-cc.md), with the simulated tree as the volume:
+            # one template change, one rollout
+            patch = yaml.safe_load(VFIO_PATCH.read_text())
+            patch["spec"]["template"]["spec"]["volumes"].append(volume)
         cluster.kubectl("patch", "daemonset", "-n", "nodeagent", "nodeagent", "--type", "strategic", "-p",
-                        json.dumps({"spec": {"template": {"spec": {"volumes": [volume]}}}}))
+                        json.dumps(patch))
     cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--ignore-not-found", "--wait=true")
 
     def sys_of(pod: dict[str, Any]) -> str:
@@ -962,7 +977,8 @@ VFIO_CONFIG = "[vfio]\nenabled = true\n"
 VFIO_RESOURCE = "nvidia.com/GH100_H100_SXM5_80GB"  # the sandbox plugin's name of the H100 SXM5 (pci.ids)
 WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
 WORKLOAD_STATE = "nvidia.com/gpu.workload.config.state"
-PCI_IDS = Path("/usr/share/misc/pci.ids")  # the node's database, which the DaemonSet mounts at /host/usr/share
+PCI_IDS = Path("/usr/share/misc/pci.ids")  # the node's database, which the VFIO patch mounts at /host/usr/share
+VFIO_PATCH = MANIFESTS / "daemonset-vfio.patch.yaml"  # the writable /sys (and /usr/share) of [vfio]
 _SIM_PCI: dict[int, Any] = {}
 
 

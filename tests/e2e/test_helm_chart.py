@@ -48,6 +48,7 @@ VARIANTS: dict[str, Sequence[str]] = {
     "metrics-port": ["metrics.port=9500"],
     "no-rbac-no-policy": ["rbac.create=false", "admissionPolicy.enabled=false"],
     "imex": ["imex.enabled=true"],
+    "vfio": ["vfio.enabled=true"],
 }
 
 
@@ -517,9 +518,6 @@ def test_remediation_controller_renders_the_plain_manifest(helm: Path) -> None:
 
 # -- the host-managed IMEX daemon -------------------------------------------------------------------------
 
-IMEX_PATCH = MANIFESTS / "daemonset-imex.patch.yaml"
-
-
 def _by_name(items: list[Doc]) -> dict[str, Doc]:
     return {i["name"]: i for i in items}
 
@@ -568,23 +566,67 @@ def test_imex_renders_the_pod_side_and_the_config(helm: Path) -> None:
     assert proc.returncode != 0 and "at '/imex/enabled': got string, want boolean" in proc.stderr, proc.stderr
 
 
-def test_imex_patch_file_gives_the_charts_pod(helm: Path, tmp_path: Path) -> None:
-    """The one kubectl line of docs/racks.md for the plain manifests: packaging/kubernetes/daemonset-imex.patch.yaml,
-    applied by kubectl's own strategic merge (--local: no server) onto daemonset.yaml, gives the pod the chart
-    renders with imex.enabled, field for field (volumes and mounts compared by name)."""
+@pytest.mark.parametrize("variant", ["imex", "vfio"])
+def test_patch_file_gives_the_charts_pod(helm: Path, tmp_path: Path, variant: str) -> None:
+    """The one kubectl line of docs/racks.md (docs/vfio-cc.md) for the plain manifests:
+    packaging/kubernetes/daemonset-imex.patch.yaml (daemonset-vfio.patch.yaml), applied by kubectl's own strategic
+    merge (--local: no server) onto daemonset.yaml, gives the pod the chart renders with imex.enabled
+    (vfio.enabled), field for field (volumes and mounts compared by name)."""
     kubectl = peer_binary("NODEAGENT_KUBECTL", "nodeagent_peers_kubelet", "kubectl v1.34")
+    patch = MANIFESTS / f"daemonset-{variant}.patch.yaml"
     proc = subprocess.run(
-        [str(kubectl), "patch", "--local", "-f", str(MANIFESTS / "daemonset.yaml"), "--patch-file", str(IMEX_PATCH),
+        [str(kubectl), "patch", "--local", "-f", str(MANIFESTS / "daemonset.yaml"), "--patch-file", str(patch),
          "-o", "json"],
         capture_output=True, text=True, timeout=60, check=False,
         env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "KUBECONFIG": str(tmp_path / "none")})
     assert proc.returncode == 0, proc.stderr
     patched = json.loads(proc.stdout)
-    rendered = one(render(helm, *VARIANTS["imex"]), "DaemonSet")
+    rendered = one(render(helm, *VARIANTS[variant]), "DaemonSet")
     assert _comparable(patched["spec"]["template"]["spec"]) == _comparable(rendered["spec"]["template"]["spec"])
-    # nothing else of the DaemonSet moves (the pods' config hash aside: the chart's config carries [imex])
+    # nothing else of the DaemonSet moves (the pods' config hash aside: the chart's config carries the section)
     plain = yaml.safe_load((MANIFESTS / "daemonset.yaml").read_text())
     for doc in (patched, plain):
         doc["spec"]["template"]["metadata"].pop("annotations")
         doc["spec"]["template"]["spec"] = {}
     assert patched == plain
+
+
+# -- the VFIO passthrough switch ------------------------------------------------------------------------------
+
+def _sys_mounts(pod: Doc) -> list[Doc]:
+    return [m for c in (*pod["initContainers"], *pod["containers"]) for m in c["volumeMounts"]
+            if m["mountPath"] in ("/host/sys", "/host/usr/share")]
+
+
+def test_vfio_makes_sysfs_writable_only_when_enabled(helm: Path) -> None:
+    """By default every container mounts the node's /sys read-only and /usr/share not at all; vfio.enabled
+    makes /sys writable in the agent's container only (the bootstrap container keeps it read-only), adds
+    /usr/share read-only (pci.ids) and [vfio] enabled in config.toml, merged with config.agent.vfio's other
+    keys; [vfio] enabled in config.agent without the value, one clear error naming both."""
+    from nodeagent.config import parse_config
+
+    default = one(render(helm), "DaemonSet")["spec"]["template"]["spec"]
+    assert _sys_mounts(default) == [{"name": "sys", "mountPath": "/host/sys", "readOnly": True}] * 2
+    assert "usr-share" not in _by_name(default["volumes"])
+    assert "vfio" not in tomllib.loads(agent_config(render(helm))[0])
+
+    docs = render(helm, *VARIANTS["vfio"], "config.agent.vfio.release_timeout=90")
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    init, = pod["initContainers"]
+    agent, = pod["containers"]
+    assert _by_name(init["volumeMounts"])["sys"] == {"name": "sys", "mountPath": "/host/sys", "readOnly": True}
+    assert "usr-share" not in _by_name(init["volumeMounts"])
+    mounts = _by_name(agent["volumeMounts"])
+    assert mounts["sys"] == {"name": "sys", "mountPath": "/host/sys", "readOnly": False}
+    assert mounts["usr-share"] == {"name": "usr-share", "mountPath": "/host/usr/share", "readOnly": True}
+    assert _by_name(pod["volumes"])["usr-share"] == {
+        "name": "usr-share", "hostPath": {"path": "/usr/share", "type": "Directory"}}
+    vfio = parse_config(agent_config(docs)[0], "vfio/config.toml").vfio
+    assert (vfio.enabled, vfio.release_timeout) == (True, 90)
+
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "config.agent.vfio.enabled=true")
+    assert proc.returncode != 0
+    assert "config.agent.vfio.enabled needs the node's /sys writable in the agent's container: set " \
+           "vfio.enabled=true instead" in proc.stderr, proc.stderr
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "vfio.enabled=yes")
+    assert proc.returncode != 0 and "at '/vfio/enabled': got string, want boolean" in proc.stderr, proc.stderr

@@ -116,6 +116,13 @@ def test_daemonset_shape() -> None:
         assert roots == {"NODEAGENT_ROOT": "/host", "NODEAGENT_ROOT_ON_HOST": "/"}, container["env"]
         assert "--root" not in container["args"]
     assert "/host/proc" in mounts
+    # the node's sysfs read-only, no /usr/share: the VFIO switch's writable sysfs and pci.ids are its patch's
+    # (daemonset-vfio.patch.yaml; tests/e2e/test_helm_chart.py compares it with the chart's vfio.enabled)
+    for container in (*pod["initContainers"], *pod["containers"]):
+        by_path = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert by_path["/host/sys"] == {"name": "sys", "mountPath": "/host/sys", "readOnly": True}
+        assert "/host/usr/share" not in by_path
+    assert "usr-share" not in {v["name"] for v in pod["volumes"]}
     # the config shipped in the ConfigMap is valid for the agent
     from nodeagent.config import parse_config
 

@@ -58,6 +58,9 @@ flags:
 {{- if .Values.imex.enabled -}}
 {{- $_ := set $s "imex" (merge (dict "enabled" true) (get $s "imex" | default dict)) -}}
 {{- end -}}
+{{- if .Values.vfio.enabled -}}
+{{- $_ := set $s "vfio" (merge (dict "enabled" true) (get $s "vfio" | default dict)) -}}
+{{- end -}}
 {{- if .Values.cdi.enabled -}}
 {{- $_ := set $s "runtime" (merge (dict "cdi" true) (get $s "runtime" | default dict)) -}}
 {{- end -}}
@@ -108,6 +111,10 @@ flags:
 {{- $agentImex := get (.Values.config.agent | default dict) "imex" | default dict -}}
 {{- if and (kindIs "map" $agentImex) (get $agentImex "enabled") (not .Values.imex.enabled) -}}
 {{- fail "config.agent.imex.enabled needs the pod on the node's network with /etc/nvidia-imex: set imex.enabled=true instead" -}}
+{{- end -}}
+{{- $agentVfio := get (.Values.config.agent | default dict) "vfio" | default dict -}}
+{{- if and (kindIs "map" $agentVfio) (get $agentVfio "enabled") (not .Values.vfio.enabled) -}}
+{{- fail "config.agent.vfio.enabled needs the node's /sys writable in the agent's container: set vfio.enabled=true instead" -}}
 {{- end -}}
 {{- if or .Values.config.toml .Values.config.name -}}
 {{- $own := list -}}
