@@ -31,12 +31,17 @@ HOST_VFIO = Path("/dev/vfio")
 VFIO_CONTAINER = (10, 196)  # the misc device the kernel's vfio module registers
 VFIO_GROUP_MAJOR = 509  # dynamic on a real host; any major this host's drivers do not use will do for runc
 SETTLE_S = 0.05
+# An emptied driver_override is shown as "(null)" only after this long untouched: the agent writes the empty
+# line, unbinds (and waits for it), then writes its override, and on a loaded machine that took over 0.5 s,
+# so the kernel's "(null)" overwrote the agent's override and the bind that followed found none.
+OVERRIDE_QUIET_S = 30.0
 
 
 class SimPciKernel:
     def __init__(self, root: Path, machine: str, state: Path) -> None:
         self.root = root
-        self.tree = SimPciTree(HostPaths(root), load_machine(machine), SimStore.open(machine, state), quiet_s=0.5)
+        self.tree = SimPciTree(HostPaths(root), load_machine(machine), SimStore.open(machine, state),
+                                quiet_s=OVERRIDE_QUIET_S)
         self._made: list[Path] = []
         self._made_dir = False
 
