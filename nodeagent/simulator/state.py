@@ -39,6 +39,37 @@ STATE_VERSION = 1
 MAX_EVENTS = 256
 FALLBACK_POLL_S = 0.25  # re-read interval of a waiter when the file cannot be watched with inotify
 
+# A test that must stop a process at one exact state (tests/e2e/test_drills.py) names a directory here; while
+# it holds the FIFOs ``go`` and ``done``, every change of a file-backed state waits for one byte on ``go``
+# before the file is replaced and puts one byte on ``done`` after, so the test sees each state in turn.
+STEP_GATE_ENV = "NODEAGENT_SIM_STEP_GATE"
+
+
+def _step_gate() -> Path | None:
+    where = os.environ.get(STEP_GATE_ENV)
+    if not where:
+        return None
+    gate = Path(where)
+    return gate if (gate / "go").exists() else None
+
+
+def _await_step(gate: Path) -> None:
+    fd = os.open(gate / "go", os.O_RDONLY | os.O_CLOEXEC)  # the test holds the other end open
+    try:
+        os.read(fd, 1)
+    finally:
+        os.close(fd)
+
+
+def _step_done(gate: Path) -> None:
+    with contextlib.suppress(OSError):  # no reader any more: the test is gone
+        fd = os.open(gate / "done", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            os.write(fd, b".")
+        finally:
+            os.close(fd)
+
+
 State = dict[str, Any]
 MAX_STATE_BYTES = 16 << 20  # far above a busy simulated machine's state (a few hundred KiB)
 _INT_MAX = 1 << 63
@@ -262,9 +293,14 @@ class SimStore:
                 yield work
                 data = (json.dumps(work, indent=1, sort_keys=True) + "\n").encode()
                 if data != self._raw:  # an unchanged state (e.g. opening the store) leaves the file alone
+                    gate = _step_gate()
+                    if gate is not None:
+                        _await_step(gate)
                     atomic_write(self.path, data, backup=False)
                     self._stamp = self._file_stamp()
                     self._raw = data
+                    if gate is not None:
+                        _step_done(gate)
                 self._state = work
             self._bump()
 

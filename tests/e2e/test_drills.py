@@ -9,10 +9,10 @@ The kill lands at several points in time; whatever it hits, the invariants must 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -25,7 +25,7 @@ import pytest
 
 from nodeagent.mig.apply import MigStateFile
 from nodeagent.simulator import inject
-from nodeagent.simulator.state import SimStore
+from nodeagent.simulator.state import STEP_GATE_ENV, SimStore
 from tests.e2e._agent import REPO, Agent, node_root, running_agent
 from tests.e2e.test_bootstrap_node import rerooted
 from tests.e2e.test_run_cluster import agent_config, eventually, make_node, node_obj, set_label
@@ -121,38 +121,50 @@ def all_destroyed(doc: SimDoc) -> bool:  # every old instance gone, nothing crea
     return all(not g["gis"] for g in doc["gpus"])
 
 
-def kill_at(agent: Agent, sim_state: Path, point: Callable[[SimDoc], bool], timeout: float = 30.0) -> SimDoc:
-    """SIGKILL the agent at the first state that satisfies ``point``; returns that state.
+class StepGate:
+    """The simulator's step gate (``STEP_GATE_ENV``): the agent waits for a byte on ``go`` before each change of
+    the state file and puts one on ``done`` after, so the test sees every state the agent passes through."""
 
-    After looking, the lock is released only until the state file is replaced once (one change by the
-    agent, which renames a new file under the lock), then taken again before the agent's next change.
-    """
-    fd = os.open(sim_state.absolute().parent, os.O_RDONLY | os.O_DIRECTORY)  # the simulator's state lock
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        where.mkdir(exist_ok=True)
+        os.mkfifo(where / "done")
+        self._done = os.open(where / "done", os.O_RDWR | os.O_NONBLOCK)
+        os.mkfifo(where / "go")  # last: the gate is closed from here on
+        self._go = os.open(where / "go", os.O_RDWR)
 
-    def stamp() -> tuple[int, int]:
-        st = os.stat(sim_state)
-        return st.st_ino, st.st_mtime_ns
+    def step(self, agent: Agent, deadline: float) -> None:
+        """Let one change through and wait until it is in the file."""
+        os.write(self._go, b".")
+        while time.monotonic() < deadline and agent.proc.poll() is None:
+            ready, _, _ = select.select([self._done], [], [], 0.1)
+            if ready:
+                os.read(self._done, 1)
+                return
 
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                seen = stamp()
-                doc: SimDoc = json.loads(sim_state.read_text())
-                if point(doc):
-                    agent.proc.send_signal(signal.SIGKILL)
-                    agent.proc.wait()
-                    return doc
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            while stamp() == seen and agent.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.0002)
-            if agent.proc.poll() is not None:
-                raise AssertionError(f"agent exited {agent.proc.returncode} before the kill point:\n{agent.log()}")
-        raise AssertionError(f"kill point {point.__name__} not reached within {timeout}s:\n{agent.log()}")
-    finally:
-        os.close(fd)
+    def close(self) -> None:
+        (self.where / "go").unlink()  # open again before the FIFOs' ends close
+        os.close(self._go)
+        os.close(self._done)
+        (self.where / "done").unlink()
+
+
+def kill_at(agent: Agent, sim_state: Path, gate: StepGate | None, point: Callable[[SimDoc], bool],
+            timeout: float = 30.0) -> SimDoc:
+    """SIGKILL the agent at the first state that satisfies ``point``; returns that state. The agent makes each
+    change only when the gate lets it, after the test has looked at the state before it."""
+    assert gate is not None, "a kill at a state needs the simulator's step gate"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        doc: SimDoc = json.loads(sim_state.read_text())  # replaced whole by rename: always one state
+        if point(doc):
+            agent.proc.send_signal(signal.SIGKILL)
+            agent.proc.wait()
+            return doc
+        if agent.proc.poll() is not None:
+            raise AssertionError(f"agent exited {agent.proc.returncode} before the kill point:\n{agent.log()}")
+        gate.step(agent, deadline)
+    raise AssertionError(f"kill point {point.__name__} not reached within {timeout}s:\n{agent.log()}")
 
 
 def kill_after(agent: Agent, sim_state: Path, delay: float) -> SimDoc:
@@ -163,7 +175,7 @@ def kill_after(agent: Agent, sim_state: Path, delay: float) -> SimDoc:
     return doc
 
 
-def kill_at_random(agent: Agent, sim_state: Path) -> SimDoc:
+def kill_at_random(agent: Agent, sim_state: Path, gate: StepGate | None) -> SimDoc:
     """A kill at a moment drawn when the test runs (the same test list on every pytest worker); the moment
     is printed, so a failure report shows it."""
     delay = random.Random().uniform(0.05, 2.0)
@@ -171,11 +183,11 @@ def kill_at_random(agent: Agent, sim_state: Path) -> SimDoc:
     return kill_after(agent, sim_state, delay)
 
 
-KILL_POINTS: dict[str, Callable[[Agent, Path], SimDoc]] = {
-    "orphan-of-new-instance": lambda a, s: kill_at(a, s, orphan_of_new),
-    "orphan-of-old-instance": lambda a, s: kill_at(a, s, orphan_of_old),
-    "all-old-destroyed": lambda a, s: kill_at(a, s, all_destroyed),
-    "gpu-half-built": lambda a, s: kill_at(a, s, half_built),
+KILL_POINTS: dict[str, Callable[[Agent, Path, StepGate | None], SimDoc]] = {
+    "orphan-of-new-instance": lambda a, s, g: kill_at(a, s, g, orphan_of_new),
+    "orphan-of-old-instance": lambda a, s, g: kill_at(a, s, g, orphan_of_old),
+    "all-old-destroyed": lambda a, s, g: kill_at(a, s, g, all_destroyed),
+    "gpu-half-built": lambda a, s, g: kill_at(a, s, g, half_built),
     "random": kill_at_random,
 }
 
@@ -201,10 +213,17 @@ def kill_during_mig_apply(tmp_path: Path, root: Path, kube_apiserver: KubeApiSer
     assert layouts(sim) == old
     cfg = agent_config(root, kube_apiserver.kubeconfig)
     args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(sim), "--node-name", node]
-    with running_agent(tmp_path, root, args) as agent:
+    gated = not point.startswith("random")
+    where = root / "sim-gate"
+    with running_agent(tmp_path, root, args, env={STEP_GATE_ENV: str(where)} if gated else None) as agent:
         agent.wait_notify("READY=1", timeout=20)
-        set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
-        killed_in = KILL_POINTS[point](agent, sim)
+        gate = StepGate(where) if gated else None
+        try:
+            set_label(kube_apiserver, node, "nvidia.com/mig.config", "all-1g.10gb")
+            killed_in = KILL_POINTS[point](agent, sim, gate)
+        finally:
+            if gate is not None:
+                gate.close()
     at_kill = layouts(sim)
     if not point.startswith("random"):
         assert at_kill not in (old, new), f"the kill at {point} should have left a half-changed node: {at_kill}"

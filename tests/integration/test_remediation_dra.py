@@ -33,22 +33,15 @@ from nodeagent.simulator.machine import load_machine
 from nodeagent.simulator.state import SimStore
 from tests.integration._releases import shared_release_apiserver
 from tests.integration.test_dra_slices import slices_of
+from tests.integration.test_dra_withdraw import Plane as WithdrawPlane
+from tests.unit.test_remediation_component import NoPlugin
 
 pytestmark = pytest.mark.peers
 kube_apiserver = shared_release_apiserver  # every test once per Kubernetes release, on servers shared with others
 
 
-class Plane:
-    """What the daemon's DRA plane component hands ``Shared.dra``, around a bare ``DraComponent``."""
-
-    def __init__(self, dra: DraComponent) -> None:
-        self.dra = dra
-
-    async def withdraw(self, gpu_indices: set[int]) -> None:
-        await self.dra.withdraw(gpu_indices)
-
-    async def readvertise(self, gpu_indices: set[int]) -> None:
-        await self.dra.readvertise(gpu_indices)
+class Plane(WithdrawPlane):
+    """test_dra_withdraw's plane, with the remediation's hold-out, offer-again and the plane's own monitor."""
 
     async def hold_out(self, gpu_indices: set[int], reason: str, effect: str) -> None:
         await self.dra.hold_out(gpu_indices, reason, effect)
@@ -56,27 +49,8 @@ class Plane:
     async def offer_again(self, gpu_indices: set[int]) -> None:
         await self.dra.offer_again(gpu_indices)
 
-    async def update(self, inventory: Any) -> None:
-        await self.dra.on_inventory(inventory)
-
-    def claims_on(self, gpu_indices: frozenset[int]) -> dict[int, tuple[Any, ...]]:
-        return self.dra.claims_on(gpu_indices)
-
     def monitor(self) -> Any:
         return self.dra.monitor
-
-
-class NoPlugin:
-    """Plane "dra": no device plugin runs."""
-
-    def monitor(self) -> None:
-        return None
-
-    def device_gpus(self, gpu_indices: frozenset[int]) -> dict[tuple[str, str], int]:
-        return {}
-
-    def mps_manager(self) -> None:
-        return None
 
 
 class NoPodResources:
