@@ -58,14 +58,15 @@ def create_allocated_claim(kube: KubeClient, node: str, devices: list[tuple[str,
     return str(created["metadata"]["uid"])
 
 
-async def poll(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
+async def poll(cond: Callable[[], Any], what: str = "condition", timeout: float = 20.0) -> Any:
+    """``cond()``'s first true value (run in a thread), polled every 0.1 s; AssertionError naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
         v = await asyncio.to_thread(cond)
         if v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
+            raise AssertionError(f"{what} not met in time")
         await asyncio.sleep(0.1)
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from nodeagent.simulator import inject
 from nodeagent.simulator.machine import load_machine
 from nodeagent.simulator.state import SimStore
 from tests.integration._releases import shared_release_apiserver
+from tests.integration.test_dra_kubelet import poll
 from tests.integration.test_dra_slices import slices_of
 from tests.integration.test_dra_withdraw import Plane as WithdrawPlane
 from tests.unit.test_remediation_component import NoPlugin
@@ -92,17 +93,6 @@ def root() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="rdra-", dir="/tmp"))  # socket paths must stay under 108 bytes
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-async def poll(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = await asyncio.to_thread(cond)
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not in time: {what}")
-        await asyncio.sleep(0.1)
 
 
 def taints_of(kube: KubeClient, node: str, device: str) -> dict[str, str] | None:

@@ -151,6 +151,13 @@ class FakeCtx:
         self.status[component] = text
 
 
+def _direct_eviction_config() -> AgentConfig:
+    """Remediation on, the agent evicting by itself, short bounds (the simulated dgx-h100)."""
+    return dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
+                               remediation=RemediationSettings(enabled=True, step_timeout=5.0, evictions="direct",
+                                                               eviction_timeout=5.0, eviction_grace=1.0))
+
+
 def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path: Path) -> None:
     sim = open_sim("dgx-h100")
     gpu = adapter_for_sim(sim, HostPaths(tmp_path))
@@ -167,9 +174,7 @@ def test_an_xid_at_the_monitor_remediates_the_gpu_through_the_component(tmp_path
         monitor = HealthMonitor(gpu, HealthMonitorSettings(), lambda: _note(changes, monitor))
         monitor.gpu_indices = frozenset(uuid)
         plugin = FakePlugin(monitor, {("nvidia.com/gpu", uuid[i]): i for i in uuid})
-        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
-                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0, evictions="direct",
-                                                                  eviction_timeout=5.0, eviction_grace=1.0))
+        cfg = _direct_eviction_config()
         ctx = FakeCtx(tmp_path, cfg, gpu, kube, plugin, pr)
         comp = RemediationComponent(ctx)  # type: ignore[arg-type]
         await comp.start(ctx)  # type: ignore[arg-type]
@@ -299,9 +304,7 @@ def test_a_mig_gpu_gets_its_layout_back_after_the_reset(tmp_path: Path) -> None:
         monitor = HealthMonitor(gpu, HealthMonitorSettings(), _nothing)
         monitor.gpu_indices = frozenset(uuid)
         plugin = FakePlugin(monitor, {(a.resource, a.device_ids[0]): 2 for a in pr.assignments})
-        cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
-                                  remediation=RemediationSettings(enabled=True, step_timeout=5.0, evictions="direct",
-                                                                  eviction_timeout=5.0, eviction_grace=1.0))
+        cfg = _direct_eviction_config()
         ctx = FakeCtx(tmp_path, cfg, gpu, kube, plugin, pr)
         comp = RemediationComponent(ctx)  # type: ignore[arg-type]
         await comp.start(ctx)  # type: ignore[arg-type]
