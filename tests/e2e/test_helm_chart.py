@@ -558,12 +558,17 @@ def test_imex_renders_the_pod_side_and_the_config(helm: Path) -> None:
     assert one(own, "DaemonSet")["spec"]["template"]["spec"]["hostNetwork"] is True
     assert not [d for d in own if d["kind"] == "ConfigMap"]
 
-    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "config.agent.imex.enabled=true")
+    _feature_value_refusals(helm, "imex", "needs the pod on the node's network with /etc/nvidia-imex")
+
+
+def _feature_value_refusals(helm: Path, feature: str, need: str) -> None:
+    """``config.agent.<feature>.enabled`` without the chart value is refused with the line saying what it needs
+    and to set ``<feature>.enabled=true``; the value itself must be a boolean."""
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", f"config.agent.{feature}.enabled=true")
     assert proc.returncode != 0
-    assert "config.agent.imex.enabled needs the pod on the node's network with /etc/nvidia-imex: set " \
-           "imex.enabled=true instead" in proc.stderr, proc.stderr
-    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "imex.enabled=yes")
-    assert proc.returncode != 0 and "at '/imex/enabled': got string, want boolean" in proc.stderr, proc.stderr
+    assert f"config.agent.{feature}.enabled {need}: set {feature}.enabled=true instead" in proc.stderr, proc.stderr
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", f"{feature}.enabled=yes")
+    assert proc.returncode != 0 and f"at '/{feature}/enabled': got string, want boolean" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("variant", ["imex", "vfio"])
@@ -624,9 +629,4 @@ def test_vfio_makes_sysfs_writable_only_when_enabled(helm: Path) -> None:
     vfio = parse_config(agent_config(docs)[0], "vfio/config.toml").vfio
     assert (vfio.enabled, vfio.release_timeout) == (True, 90)
 
-    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "config.agent.vfio.enabled=true")
-    assert proc.returncode != 0
-    assert "config.agent.vfio.enabled needs the node's /sys writable in the agent's container: set " \
-           "vfio.enabled=true instead" in proc.stderr, proc.stderr
-    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "vfio.enabled=yes")
-    assert proc.returncode != 0 and "at '/vfio/enabled': got string, want boolean" in proc.stderr, proc.stderr
+    _feature_value_refusals(helm, "vfio", "needs the node's /sys writable in the agent's container")
