@@ -478,8 +478,12 @@ class HealthMonitor:
         for t in tasks:
             t.cancel()
         for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await t
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a loop that had died must not keep the rest of the stop from running
+                log.exception("a GPU health task had failed")
         if pump is not None and sink is not None:
             leftovers: list[_Item] = []
             while not sink.inbox.empty():
@@ -540,8 +544,11 @@ class HealthMonitor:
     async def _poll_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.settings.poll_interval_s)
-            if await self.poll_once():
-                await self.on_change()
+            try:
+                if await self.poll_once():
+                    await self.on_change()
+            except Exception:  # one bad round must not end health monitoring for the agent's lifetime
+                log.exception("GPU health poll failed; polling again in %.1fs", self.settings.poll_interval_s)
 
     async def poll_once(self) -> bool:
         """Ask NVML about every GPU; mark lost ones, recover quiet ones. True when anything changed."""
@@ -571,6 +578,8 @@ class HealthMonitor:
                     self._log_once(f"recovery:{index}:{type(e).__name__}",
                                    "GPU %d: recovery action query failed: %s", index, e)
                     action = RECOVERY_NONE
+                # the faults may have changed while NVML answered (a remediation's ``release``, an XID)
+                keys = [k for k in self.faults if k[0] == index]
                 if action != RECOVERY_NONE:  # the driver wants a reset/reboot/drain first: stay unhealthy
                     what = recovery_action_name(action)
                     self._log_once(f"recovery:{index}:{action}", "GPU %d: the driver asks for recovery action "

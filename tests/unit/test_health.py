@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +13,7 @@ import pytest
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.health import (
     DEFAULT_SKIPPED_XIDS,
+    EventPumps,
     HealthMonitor,
     HealthMonitorSettings,
     XidEvent,
@@ -186,7 +189,7 @@ async def test_recovery_action_of_a_healthy_gpu_marks_nothing() -> None:
 async def test_event_pumps_are_owned_by_their_creator() -> None:
     """A monitor given a registry keeps its pump there (not in the shared one); a successor given the same
     registry takes over the unhealthy set."""
-    from nodeagent.gpu.health import EventPumps, shared_pumps
+    from nodeagent.gpu.health import shared_pumps
 
     pumps = EventPumps()
     src = Source()
@@ -241,3 +244,60 @@ async def test_what_keeps_a_gpu_unhealthy_is_logged(caplog: pytest.LogCaptureFix
         "GPU 1: critical XID 48, marking unhealthy (until the agent restarts: no [health] window)",
         "GPU 1: NVML reports it healthy, but it stays Unhealthy until the agent restarts (no [health] window: "
         "NVIDIA's behaviour)"]
+
+
+async def test_a_release_while_nvml_answers_the_poll_is_not_an_error() -> None:
+    """The poll asks NVML for the recovery action in a thread; a remediation that releases the GPU meanwhile
+    (its faults forgotten) leaves the poll nothing to update, not a missing key."""
+
+
+
+    m, src, _ = monitor()
+    asking, answer = threading.Event(), threading.Event()
+
+    def recovery_action(index: int) -> int:
+        asking.set()
+        answer.wait(5)
+        return 0
+
+    src.recovery_action = recovery_action  # type: ignore[method-assign]
+    await m.handle_events([{"gpu_index": 0, "xid": 48}])
+    polling = asyncio.ensure_future(m.poll_once())
+    assert await asyncio.to_thread(asking.wait, 5)
+    await m.release(0)
+    answer.set()
+    await polling
+    assert m.is_healthy(0) and m.unhealthy() == {}
+
+
+async def test_the_poll_loop_outlives_a_failed_round(caplog: pytest.LogCaptureFixture) -> None:
+    """An unexpected error in one poll round is logged, and the next rounds still find a lost GPU."""
+
+
+    src = Source()
+    changes: list[int] = []
+
+    async def on_change() -> None:
+        changes.append(1)
+        if len(changes) == 1:
+            raise RuntimeError("publisher went away")
+
+    m = HealthMonitor(source=src, settings=HealthMonitorSettings(poll_interval_s=0.01, event_wait_ms=20),
+                      on_change=on_change, pumps=EventPumps())
+    await m.start([0, 1])
+    try:
+        with caplog.at_level(logging.ERROR, logger="nodeagent.gpu.health"):
+            src.healthy[0] = False
+            for _ in range(200):
+                if changes:
+                    break
+                await asyncio.sleep(0.01)
+            src.healthy[1] = False
+            for _ in range(200):
+                if len(changes) > 1:
+                    break
+                await asyncio.sleep(0.01)
+        assert len(changes) == 2 and not m.is_healthy(0) and not m.is_healthy(1)
+        assert any("GPU health poll failed" in r.getMessage() for r in caplog.records)
+    finally:
+        await m.stop()
