@@ -1,6 +1,7 @@
 """Shared pytest configuration: the real-peer fixtures (see tests/peers/__init__.py for their API), and the
 grouping of test files for the two pytest-xdist workers of tests/run.sh (``--dist loadfile``)."""
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +67,20 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return scope_of(nodeid)
 
     return GroupsTogether(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs the CLI in this process gets the daemon's ``setup_logging``: a root handler on the
+    test's captured stderr. It goes with the test, so a thread logging later writes to pytest's handlers, not
+    to a closed stream."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:  # pytest's own handlers (module _pytest.logging) are pytest's to manage
+        if handler not in before and type(handler).__module__ == "logging":
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.hookimpl(hookwrapper=True)
