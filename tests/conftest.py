@@ -1,7 +1,11 @@
 """Shared pytest configuration: the real-peer fixtures (see tests/peers/__init__.py for their API), and the
 grouping of test files for the two pytest-xdist workers of tests/run.sh (``--dist loadfile``)."""
 
+import json
 import logging
+import os
+import resource
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,6 +71,37 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return scope_of(nodeid)
 
     return GroupsTogether(config, log)
+
+
+# NODEAGENT_TEST_CPU_LOG=path: each worker appends one JSON line per test file when it is done: the file's wall
+# seconds and the CPU seconds of the worker and of the children it waited for (a module's peers, stopped by its
+# teardown, count with its last test), to see where a run's CPU goes.
+_CPU_LOG = os.environ.get("NODEAGENT_TEST_CPU_LOG", "")
+_cpu_by_file: dict[str, list[float]] = {}
+
+
+def _cpu_now() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    wall, cpu = time.monotonic(), _cpu_now()
+    yield
+    spent = _cpu_by_file.setdefault(item.nodeid.split("::", 1)[0], [0.0, 0.0])
+    spent[0] += time.monotonic() - wall
+    spent[1] += _cpu_now() - cpu
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _CPU_LOG and _cpu_by_file:
+        with open(_CPU_LOG, "a", encoding="utf-8") as f:
+            for path, (wall, cpu) in sorted(_cpu_by_file.items()):
+                f.write(json.dumps({"file": path, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}) + "\n")
 
 
 @pytest.fixture(autouse=True)
