@@ -448,19 +448,21 @@ class DraComponent:
     async def stop(self, *, withdraw_slices: bool = True) -> None:
         """Close the sockets and (by default) delete the pool's ResourceSlices. Prepared claims stay
         recorded: their containers keep running and a later start answers for them again."""
-        if self.monitor is not None:
-            await self.monitor.stop()
-        self._unschedule_verify()
-        await self.wait_status_written()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
-        if self.server is not None:
-            await self.server.stop()
-            self.server = None
+        try:
+            if self.monitor is not None:
+                await self.monitor.stop()
+            self._unschedule_verify()
+            await self.wait_status_written()
+        finally:  # whatever failed above, the loops end and the kubelet's sockets close
+            for t in self._tasks:
+                t.cancel()
+            for t in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            self._tasks = []
+            if self.server is not None:
+                await self.server.stop()
+                self.server = None
         if self.mps is not None:  # the daemons end with the agent; a restart starts them again
             await self.mps.stop()
         if withdraw_slices:

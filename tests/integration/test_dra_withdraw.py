@@ -72,3 +72,27 @@ async def test_withdrawn_gpus_leave_the_slices_until_readvertised(kube: KubeClie
     finally:
         await dra.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_failing_step_of_stop_still_closes_the_sockets(kube: KubeClient, node_name: str) -> None:
+    """The stop's first steps (health monitor, status write) may fail; the kubelet-facing sockets close anyway
+    and the error still reaches the caller."""
+    root = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    dra = DraComponent(paths=HostPaths(root), kube=kube, node_name=node_name, verify_interval_s=60)
+    try:
+        await dra.start(nvswitch_box(2))
+        server = dra.server
+        assert server is not None and server.dra_path.exists() and server.reg_path.exists()
+
+        async def broken() -> None:
+            raise RuntimeError("status write failed")
+
+        dra.wait_status_written = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="status write failed"):
+            await dra.stop()
+        assert dra.server is None and not server.dra_path.exists() and not server.reg_path.exists()
+        assert all(t.done() for t in dra._tasks) and not dra._tasks
+    finally:
+        if dra.server is not None:
+            await dra.stop()
+        shutil.rmtree(root, ignore_errors=True)
