@@ -12,10 +12,11 @@ by a reload) reads are empty and writes are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -465,6 +466,29 @@ class PlaneLedger:
             await self._exclude(self.split.plugin_excluded)
 
 
+class GpuChanges:
+    """Changes the agent makes to the GPUs themselves (a MIG apply and its publication): a discovery that
+    overlapped one may have read a layout half-way and must not be published after it (``mark``)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.running = 0
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        self.running += 1
+        self.generation += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self.generation += 1
+
+    def mark(self) -> int | None:
+        """None while a change runs; else a value that differs once one has run since."""
+        return None if self.running else self.generation
+
+
 @dataclass
 class Shared:
     """Every link, owned by the daemon: components come and go with reloads, the links stay."""
@@ -479,6 +503,7 @@ class Shared:
     planes: PlaneLedger = field(default_factory=PlaneLedger)
     # what the publisher stages for the conditions writer's next Node status patch (one write for both)
     node_status: StatusStage = field(default_factory=lambda: _status_stage())
+    gpu_changes: GpuChanges = field(default_factory=GpuChanges)
 
     @property
     def advertiser(self) -> Advertiser:

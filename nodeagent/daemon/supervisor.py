@@ -365,6 +365,8 @@ class Daemon:
 
     async def _discover(self) -> bool:
         """Rediscover; True when the Inventory differs from the previous one."""
+        changes = self.shared.gpu_changes
+        mark = changes.mark()
         try:
             inv = await asyncio.to_thread(self.gpu.discover)
         except NodeAgentError as e:
@@ -372,6 +374,11 @@ class Daemon:
             self.set_status("discovery", f"failed: {e}")
             return False
         self._status.pop("discovery", None)
+        if mark is None or changes.mark() != mark:
+            # the agent changed the GPUs (a MIG apply) while this discovery ran: what it read may be a layout
+            # half-way, and the change publishes its own result and asks for the next resync
+            log.debug("discovery overlapped a change of the GPUs; not published")
+            return False
         if inv == self.inventory:
             return False
         first = self.inventory is None

@@ -39,6 +39,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -144,8 +145,12 @@ class MigReconciler:
         on_state: Callable[[str], None] | None = None,
         root: Root | None = None,
         gate: DisruptionGate | None = None,
+        changing: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         self.node = node
+        # held around each change of the GPUs and its publication (the daemon's Shared.gpu_changes): a
+        # rediscovery that overlapped one is not published after it
+        self.changing = changing or contextlib.nullcontext
         self.gate = gate  # a change that empties GPUs first takes a slot of the fleet's budget
         self.adapter = adapter
         self.root = root  # host paths (the state file, /proc) are resolved inside it at each use
@@ -267,13 +272,14 @@ class MigReconciler:
         try:
             # a pod given one of these GPUs' devices since (e.g. after a restart) keeps it untouched
             await self._wait_released("restoring the GPUs of an interrupted MIG apply", frozenset(gpus))
-            recovery = await within(
-                asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
+            with self.changing():
+                recovery = await within(
+                    asyncio.to_thread(self._pipeline(MigSources()).recover), self.options.apply_timeout_s)
         except TimeoutError as e:  # deadline.within raises the builtin one on every version
             raise OperationError("restoring the GPUs of an interrupted MIG apply took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), self.changing():
                 await self._publish(await asyncio.to_thread(self.adapter.discover), gpus)
         if recovery is not None:
             await self._event("MigApplyRecovered", recovery.describe()[:1000], "Warning")
@@ -323,22 +329,23 @@ class MigReconciler:
                 async for free in stages:
                     stage = Plan(the_plan.config, tuple(g for g in the_plan.gpus if g.index in free),
                                  the_plan.skipped)
-                    result = await within(asyncio.to_thread(
-                        pipeline.apply, stage, inventory if current is None else current),
-                                          self.options.apply_timeout_s)
-                    current = result.inventory  # discovered and verified by the apply itself
-                    changed += stage.touched
-                    if len(changed) < len(touched):
-                        # the GPUs done serve in their new layout while the held ones wait (still withdrawn)
-                        self.state.update(phase="applying")
-                        await self._publish(current, free)
+                    with self.changing():
+                        result = await within(asyncio.to_thread(
+                            pipeline.apply, stage, inventory if current is None else current),
+                                              self.options.apply_timeout_s)
+                        current = result.inventory  # discovered and verified by the apply itself
+                        changed += stage.touched
+                        if len(changed) < len(touched):
+                            # the GPUs done serve in their new layout while the held ones wait (still withdrawn)
+                            self.state.update(phase="applying")
+                            await self._publish(current, free)
         except TimeoutError as e:
             raise OperationError(f"applying MIG config {name} took longer than "
                                  f"{self.options.apply_timeout_s:.0f}s") from e
         finally:
             # Re-advertise whatever the GPUs are now: the new layout as the apply saw it (no second
             # discovery on the way to the first Allocate), or after a failure the restored old one.
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), self.changing():
                 if current is None or len(changed) < len(touched):
                     current = await asyncio.to_thread(self.adapter.discover)
                 await self._publish(current, touched)

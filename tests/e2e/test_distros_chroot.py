@@ -112,7 +112,7 @@ def _chroot_install_and_run(root: OverlayChroot, deb: Path, machine: str) -> tup
     start = time.monotonic()
     root.run(["dpkg", "-i", f"/root/{deb.name}"], timeout=900)
     took = time.monotonic() - start
-    assert root.run(["nodeagent", "--version"]).stdout.startswith("nodeagent, version ")
+    # (the program's entry point runs in these two; under qemu each start costs 10-30 s of one core)
     inventory = json.loads(root.run(["nodeagent", "discover", "--simulate", machine, "--json"]).stdout)
     proc = root.run(["nodeagent", "--root", "/tmp/demo", "bootstrap", "--simulate", machine, "--no-kube"],
                     check=False)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from nodeagent.dra.slices import taint_probe_body
 from tests.e2e._agent import REPO
 from tests.e2e.test_kube_manifests import apply_rbac, as_agent, bound_token, token_request
 from tests.integration._releases import shared_release_apiserver
@@ -219,6 +220,11 @@ CASES: tuple[Case, ...] = (
         slice_obj("x5", A),
     ),
     Case("delete its own ResourceSlice", A, "DELETE", f"{SLICES}/{A}-new", want=200),
+    # the remediation's question whether the API server keeps device taints: a dry run, nothing stored
+    Case("dry-run create of the device-taint probe ResourceSlice of its node", A, "POST", f"{SLICES}?dryRun=All",
+         taint_probe_body(A), want=201),
+    Case("dry-run create of the device-taint probe ResourceSlice of another node", A, "POST",
+         f"{SLICES}?dryRun=All", taint_probe_body(B)),
     # ResourceClaims: read one by name (RBAC cannot narrow a get to a node's pods), never list or watch
     Case(
         "read a ResourceClaim by name, in any namespace (what remains)",

@@ -16,6 +16,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from nodeagent.daemon.shared import GpuChanges
 from nodeagent.gpu.inventory import Inventory
 from nodeagent.gpu.nvml import NvmlAdapter
 from nodeagent.kube.client import KubeClient
@@ -40,17 +41,25 @@ TERMINAL = {"success", "failed", "rebooting"}
 class RecordingPublisher:
     """Stands in for the device-plugin service where only the calls matter."""
 
-    def __init__(self) -> None:
+    def __init__(self, changes: GpuChanges | None = None) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.changes = changes
+        self.in_change: list[bool] = []  # at each update/readvertise: whether a GPU change was marked running
 
     async def withdraw(self, gpu_indices: set[int]) -> None:
         self.calls.append(("withdraw", sorted(gpu_indices)))
 
     async def readvertise(self, gpu_indices: set[int]) -> None:
         self.calls.append(("readvertise", sorted(gpu_indices)))
+        self._note()
 
     async def update(self, inventory: Inventory) -> None:
         self.calls.append(("update", sum(len(g.mig_devices) for g in inventory.gpus)))
+        self._note()
+
+    def _note(self) -> None:
+        if self.changes is not None:
+            self.in_change.append(self.changes.mark() is None)
 
 
 @pytest.fixture
@@ -125,15 +134,17 @@ def events(node: NodeClient) -> list[tuple[str, str, str]]:
 
 async def test_label_pending_to_success(node: NodeClient, tmp_path: Path) -> None:
     adapter, _ = sim("dgx-a100-40gb")
-    pub = RecordingPublisher()
+    changes = GpuChanges()  # the daemon's: a resync's discovery overlapping the apply is not published
+    pub = RecordingPublisher(changes)
     log = StateLog(node)
     try:
         node.patch_labels({CONFIG_LABEL: "all-balanced"})
-        rec = MigReconciler(node, adapter, tmp_path, publisher=pub)
+        rec = MigReconciler(node, adapter, tmp_path, publisher=pub, changing=changes.changing)
         assert await run_until_terminal(rec, node) == "success"
     finally:
         log.stop()
     assert log.values == ["pending", "success"]
+    assert pub.in_change and all(pub.in_change) and changes.mark() == changes.generation > 0
     assert all(v == [("1g.5gb", 2), ("1g.5gb", 3), ("2g.10gb", 0), ("3g.20gb", 4)] for v in layout(adapter).values())
     assert pub.calls[0] == ("withdraw", list(range(8)))
     assert pub.calls[-2:] == [("update", 32), ("readvertise", list(range(8)))]

@@ -414,3 +414,49 @@ async def test_no_dra_role_or_api_is_nothing_to_delete_quietly(status: int, capl
     assert kube.lists == 1 and "n1-a" in kube.slices
     assert not [r for r in caplog.records if r.levelno >= logging.INFO and "ResourceSlice" in r.getMessage()]
     await comp.stop()
+
+
+# -- a rediscovery that overlapped a change of the GPUs -----------------------------------------------------
+
+
+async def test_a_discovery_that_overlapped_a_mig_change_is_not_published() -> None:
+    """A resync's discovery runs in a thread; when a MIG apply changed the GPUs meanwhile it may have read a
+    layout half-way, and publishing it after the apply's own (newer) inventory would list a GPU as it no
+    longer is. The daemon drops it; the next discovery, with no change running, is published."""
+    import threading
+
+    reading, read_on = threading.Event(), threading.Event()
+
+    class SlowGpus(NoGpus):
+        def __init__(self) -> None:
+            self.driver = "550.54.15"
+
+        def discover(self, *, partial: bool = False) -> Inventory:
+            reading.set()
+            read_on.wait(5)
+            return Inventory(self.driver, 12040, ())
+
+    gpus = SlowGpus()
+    cfg = apply_overrides(AgentConfig(), {"kube": False, "metrics.address": ""})
+    d = Daemon(cfg, HostPaths(Path("/nonexistent-root")), gpu_factory=lambda c, p: gpus, specs=[],
+               notifier=Notifier({}))
+    changes = d.shared.gpu_changes
+    read_on.set()
+    assert await d._discover() and d.inventory is not None  # nothing running: published
+    first = d.inventory
+
+    gpus.driver = "560.35.03"  # what a half-way read would see, different from the published inventory
+    read_on.clear()
+    reading.clear()
+    discovery = asyncio.ensure_future(d._discover())
+    assert await asyncio.to_thread(reading.wait, 5)
+    with changes.changing():  # a MIG stage applied and published while the discovery read
+        pass
+    read_on.set()
+    assert not await discovery and d.inventory is first
+
+    reading.clear()
+    with changes.changing():  # and one that is still running when the discovery starts
+        assert changes.mark() is None
+        assert not await d._discover() and d.inventory is first
+    assert await d._discover() and d.inventory is not first and d.inventory.driver_version == "560.35.03"

@@ -169,6 +169,7 @@ class MigComponent(Component):
             holders=holders,
             on_state=self._on_state,
             gate=gate,
+            changing=ctx.shared.gpu_changes.changing,
         )
         self._ctx = ctx
         self._task: asyncio.Task[Any] | None = None
