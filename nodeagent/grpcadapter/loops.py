@@ -18,7 +18,8 @@ def _from_closed_poller(exc: BaseException | None) -> bool:
     inside grpcio at stop, harmless: nothing waits on that queue any more)."""
     if not isinstance(exc, OSError) or exc.errno != errno.EBADF:
         return False
-    return any(frame.name == "_handle_events" and "completion_queue" in frame.filename
+    # Cython names the frame by its qualified name (grpc._cython.cygrpc.PollerCompletionQueue._handle_events)
+    return any(frame.name.rsplit(".", 1)[-1] == "_handle_events" and "completion_queue" in frame.filename
                for frame in traceback.extract_tb(exc.__traceback__))
 
 

@@ -41,9 +41,19 @@ def _closed_fd() -> int:
     return 1 << 20
 
 
-def test_the_closed_poller_read_is_one_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+def _qualified(fn: Callable[[asyncio.AbstractEventLoop], None]) -> Callable[[asyncio.AbstractEventLoop], None]:
+    """The same callback with its frame named as grpcio's Cython frame is (module and class before the name)."""
+    fn.__code__ = fn.__code__.replace(co_name="grpc._cython.cygrpc.PollerCompletionQueue._handle_events")
+    return fn
+
+
+@pytest.mark.parametrize("named", [lambda fn: fn, _qualified], ids=["plain", "qualified-as-cython-names-it"])
+def test_the_closed_poller_read_is_one_debug_line(
+        caplog: pytest.LogCaptureFixture,
+        named: Callable[[Callable[[asyncio.AbstractEventLoop], None]], Callable[[asyncio.AbstractEventLoop], None]],
+) -> None:
     caplog.set_level(logging.DEBUG)
-    _run_callback(_callback("_handle_events", _closed_fd()))
+    _run_callback(named(_callback("_handle_events", _closed_fd())))
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not errors, [r.getMessage() for r in errors]
     debug = [r.getMessage() for r in caplog.records if r.name == "nodeagent.grpcadapter.loops"]
