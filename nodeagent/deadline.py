@@ -4,14 +4,17 @@
 same turn of the loop as the inner awaitable completes: the cancellation is dropped and the task goes on
 (a component told to stop keeps running; a stopped reconciler waits forever for the next Node version).
 ``asyncio.timeout`` (3.11+) and aio-libs' ``async-timeout`` (its backport, 3.10) cancel through the task
-and re-raise the cancellation. Every deadline in the agent's own tasks goes through ``within``.
+and re-raise the cancellation. Every deadline in the agent's own tasks goes through ``within``; a stop ends
+its tasks through ``cancel_all``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import sys
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -30,3 +33,18 @@ async def within(awaitable: Awaitable[T], seconds: float) -> T:
         if isinstance(e, TimeoutError):
             raise
         raise TimeoutError(*e.args) from e
+
+
+async def cancel_all(tasks: Iterable[asyncio.Task[Any]], log: logging.Logger) -> None:
+    """Cancel ``tasks`` and wait until each has ended. One that had already failed is logged to ``log``, not
+    raised: a loop that died earlier must not keep the rest of its owner's stop from running."""
+    ending = list(tasks)
+    for t in ending:
+        t.cancel()
+    for t in ending:
+        try:
+            await t
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("task %s had failed", t.get_name())

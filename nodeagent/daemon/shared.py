@@ -482,7 +482,6 @@ class GpuChanges:
             yield
         finally:
             self.running -= 1
-            self.generation += 1
 
     def mark(self) -> int | None:
         """None while a change runs; else a value that differs once one has run since."""

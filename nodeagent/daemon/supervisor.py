@@ -365,8 +365,14 @@ class Daemon:
 
     async def _discover(self) -> bool:
         """Rediscover; True when the Inventory differs from the previous one."""
+        # While the agent changes the GPUs (a MIG apply), or when it changed them during the discovery, what a
+        # discovery reads may be a layout half-way: not published. The change publishes its own result and
+        # asks for the next resync.
         changes = self.shared.gpu_changes
         mark = changes.mark()
+        if mark is None:
+            log.debug("a change of the GPUs runs; discovery left to the resync it asks for")
+            return False
         try:
             inv = await asyncio.to_thread(self.gpu.discover)
         except NodeAgentError as e:
@@ -374,9 +380,7 @@ class Daemon:
             self.set_status("discovery", f"failed: {e}")
             return False
         self._status.pop("discovery", None)
-        if mark is None or changes.mark() != mark:
-            # the agent changed the GPUs (a MIG apply) while this discovery ran: what it read may be a layout
-            # half-way, and the change publishes its own result and asks for the next resync
+        if changes.mark() != mark:
             log.debug("discovery overlapped a change of the GPUs; not published")
             return False
         if inv == self.inventory:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent.backoff import Backoff
 from nodeagent.cdi.host import collect as collect_host_facts
-from nodeagent.deadline import within
+from nodeagent.deadline import cancel_all, within
 from nodeagent.dra import DRIVER_NAME
 from nodeagent.dra.cdi import ClaimSpecs
 from nodeagent.dra.channels import channel_dra_device, channel_nodes
@@ -454,12 +454,8 @@ class DraComponent:
             self._unschedule_verify()
             await self.wait_status_written()
         finally:  # whatever failed above, the loops end and the kubelet's sockets close
-            for t in self._tasks:
-                t.cancel()
-            for t in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-            self._tasks = []
+            tasks, self._tasks = self._tasks, []
+            await cancel_all(tasks, log)
             if self.server is not None:
                 await self.server.stop()
                 self.server = None

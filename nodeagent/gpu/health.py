@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from nodeagent.deadline import cancel_all
 from nodeagent.errors import ConfigError
 from nodeagent.gpu.ports import RECOVERY_NONE, recovery_action_name
 
@@ -475,15 +476,7 @@ class HealthMonitor:
         pump = self.pumps.pump_for(self.source) if sink is not None else None
         if pump is not None and sink is not None:
             pump.detach(sink)  # from here the source's events are held for the successor
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # a loop that had died must not keep the rest of the stop from running
-                log.exception("a GPU health task had failed")
+        await cancel_all(tasks, log)
         if pump is not None and sink is not None:
             leftovers: list[_Item] = []
             while not sink.inbox.empty():

@@ -1,12 +1,14 @@
-"""``within``: a deadline that never drops a cancellation (the reason it replaced ``asyncio.wait_for``)."""
+"""``within``: a deadline that never drops a cancellation (the reason it replaced ``asyncio.wait_for``);
+``cancel_all``: a stop's tasks end, a dead one logged, not raised."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
-from nodeagent.deadline import within
+from nodeagent.deadline import cancel_all, within
 
 
 async def test_a_cancellation_in_the_turn_the_awaited_completes_still_cancels() -> None:
@@ -55,3 +57,18 @@ async def test_a_result_in_time_is_returned() -> None:
         return "done"
 
     assert await within(quick(), 5) == "done"
+
+
+async def test_cancel_all_ends_every_task_and_logs_one_that_had_failed(caplog: pytest.LogCaptureFixture) -> None:
+    async def dies() -> None:
+        raise RuntimeError("the loop died earlier")
+
+    dead = asyncio.ensure_future(dies())
+    sleeping = asyncio.ensure_future(asyncio.sleep(60))
+    await asyncio.sleep(0)  # the first has failed by now
+    assert dead.done() and not sleeping.done()
+    with caplog.at_level(logging.ERROR, logger="tests.cancel_all"):
+        await cancel_all([dead, sleeping], logging.getLogger("tests.cancel_all"))
+    assert sleeping.cancelled()
+    failed = [r for r in caplog.records if r.name == "tests.cancel_all"]
+    assert len(failed) == 1 and failed[0].exc_info is not None and "the loop died earlier" in str(failed[0].exc_info[1])

@@ -19,6 +19,7 @@ from nodeagent.gpu.health import (
     XidEvent,
     to_xid_event,
 )
+from tests.unit.test_health_reload import wait_for
 
 
 class Source:
@@ -249,9 +250,6 @@ async def test_what_keeps_a_gpu_unhealthy_is_logged(caplog: pytest.LogCaptureFix
 async def test_a_release_while_nvml_answers_the_poll_is_not_an_error() -> None:
     """The poll asks NVML for the recovery action in a thread; a remediation that releases the GPU meanwhile
     (its faults forgotten) leaves the poll nothing to update, not a missing key."""
-
-
-
     m, src, _ = monitor()
     asking, answer = threading.Event(), threading.Event()
 
@@ -272,8 +270,6 @@ async def test_a_release_while_nvml_answers_the_poll_is_not_an_error() -> None:
 
 async def test_the_poll_loop_outlives_a_failed_round(caplog: pytest.LogCaptureFixture) -> None:
     """An unexpected error in one poll round is logged, and the next rounds still find a lost GPU."""
-
-
     src = Source()
     changes: list[int] = []
 
@@ -288,15 +284,9 @@ async def test_the_poll_loop_outlives_a_failed_round(caplog: pytest.LogCaptureFi
     try:
         with caplog.at_level(logging.ERROR, logger="nodeagent.gpu.health"):
             src.healthy[0] = False
-            for _ in range(200):
-                if changes:
-                    break
-                await asyncio.sleep(0.01)
+            assert await wait_for(lambda: changes)
             src.healthy[1] = False
-            for _ in range(200):
-                if len(changes) > 1:
-                    break
-                await asyncio.sleep(0.01)
+            assert await wait_for(lambda: len(changes) > 1)
         assert len(changes) == 2 and not m.is_healthy(0) and not m.is_healthy(1)
         assert any("GPU health poll failed" in r.getMessage() for r in caplog.records)
     finally:
