@@ -39,6 +39,7 @@ created is removed at the end and every host file it changed is restored.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -52,6 +53,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+import psutil
 
 from tests.peers._proc import stop_process, tail
 from tests.peers._resolve import PeerMissingError, peer_binary, system_binary
@@ -82,8 +85,13 @@ READY_TIMEOUT = 120.0
 # host paths the cluster may create; removed at the end when they did not exist before
 OWNED_PATHS = (KUBELET_DIR, KUBELET_DIR / "device-plugins", Path("/var/lib/nodeagent"), Path("/var/run/cdi"), Path("/etc/cdi"),
                Path("/etc/nvidia-container-runtime"), Path("/run/systemd"), Path("/run/containerd"),
-               Path("/run/nodeagent"), Path("/etc/nvidia-imex"))
-
+               Path("/run/nodeagent"), Path("/etc/nvidia-imex"), Path("/etc/containerd/conf.d"), Path("/var/lib/cni"),
+               Path("/dev/nvidia-caps-imex-channels"))
+# the network namespaces containerd pins for pods: those a run left (pods killed without their CNI DEL) go at the end
+NETNS_DIR = Path("/run/netns")
+# what a running cluster has done to the host, written before each change: a run that never reached its stop
+# (killed, or the machine saved and restored mid-run) is undone by the next cluster's start
+JOURNAL = Path("/var/tmp/nodeagent-test-cluster.json")
 
 def _host_ip() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -102,22 +110,71 @@ def _run(cmd: Sequence[str], *, check: bool = True, timeout: float = 120.0,
 
 @dataclass
 class _HostChanges:
-    """What the cluster did to the host, undone in reverse order by ``undo``."""
+    """What the cluster did to the host, undone in reverse order by ``undo``. With a ``journal``, each change is
+    written there before it is made, so another process can undo it (``undo_interrupted``)."""
 
     files: dict[Path, bytes | None] = field(default_factory=dict)  # path -> original bytes (None: absent)
     created_dirs: list[Path] = field(default_factory=list)
     existing_dirs: dict[Path, set[str]] = field(default_factory=dict)  # dir -> the entries it had before
     created_nodes: list[Path] = field(default_factory=list)
     iptables: list[list[str]] = field(default_factory=list)
+    netns_before: set[str] | None = None  # NETNS_DIR's entries before the cluster (None: not looked at)
+    scratch: list[Path] = field(default_factory=list)  # the run's own directories (workdirs), removed by a recovery
+    journal: Path | None = None
+
+    def _save(self) -> None:
+        if self.journal is None:
+            return
+        record = {
+            "pid": os.getpid(), "started": psutil.Process().create_time(),
+            "files": {str(p): None if b is None else base64.b64encode(b).decode() for p, b in self.files.items()},
+            "created_dirs": [str(d) for d in self.created_dirs],
+            "existing_dirs": {str(d): sorted(names) for d, names in self.existing_dirs.items()},
+            "created_nodes": [str(n) for n in self.created_nodes], "iptables": self.iptables,
+            "netns_before": None if self.netns_before is None else sorted(self.netns_before), "scratch": [str(d) for d in self.scratch]}
+        tmp = self.journal.with_name(f".{self.journal.name}.tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.journal)
+
+    @classmethod
+    def load(cls, journal: Path) -> tuple[_HostChanges, int, float]:
+        """The changes a journal holds, the process that made them and its start time."""
+        record = json.loads(journal.read_text(encoding="utf-8"))
+        host = cls(files={Path(p): None if b is None else base64.b64decode(b) for p, b in record["files"].items()},
+                   created_dirs=[Path(d) for d in record["created_dirs"]],
+                   existing_dirs={Path(d): set(names) for d, names in record["existing_dirs"].items()},
+                   created_nodes=[Path(n) for n in record["created_nodes"]],
+                   iptables=[list(r) for r in record["iptables"]],
+                   netns_before=None if record["netns_before"] is None else set(record["netns_before"]),
+                   scratch=[Path(d) for d in record["scratch"]], journal=journal)
+        return host, int(record["pid"]), float(record["started"])
 
     def write(self, path: Path, data: bytes, mode: int = 0o644) -> None:
         if path not in self.files:
             self.files[path] = path.read_bytes() if path.is_file() else None
+            self._save()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.nodeagent-test")
         tmp.write_bytes(data)
         tmp.chmod(mode)
         os.replace(tmp, path)
+
+    def make_node(self, path: Path, major: int, minor: int) -> None:
+        self.created_nodes.append(path)
+        self._save()
+        os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))
+
+    def add_rule(self, rule: list[str]) -> None:
+        self.iptables.append(rule)
+        self._save()
+        _run(["iptables", "-t", "nat", "-A", *rule])
+
+    def add_scratch(self, path: Path) -> None:
+        self.scratch.append(path)
+        self._save()
 
     def own_dirs(self) -> None:
         for d in OWNED_PATHS:
@@ -125,10 +182,14 @@ class _HostChanges:
                 self.existing_dirs[d] = {p.name for p in d.iterdir()}
             elif not d.exists():
                 self.created_dirs.append(d)
+        self.netns_before = {p.name for p in NETNS_DIR.iterdir()} if NETNS_DIR.is_dir() else set()
+        self._save()
 
     def undo(self) -> list[str]:
         problems: list[str] = []
         for rule in reversed(self.iptables):
+            if _run(["iptables", "-t", "nat", "-C", *rule], check=False).returncode != 0:
+                continue  # not there (a recovery after a restart, or never added)
             if _run(["iptables", "-t", "nat", "-D", *rule], check=False).returncode != 0:
                 problems.append(f"iptables rule {rule} could not be removed")
         for node in self.created_nodes:
@@ -163,7 +224,34 @@ class _HostChanges:
             shutil.rmtree(d, ignore_errors=True)
             if d.exists():
                 problems.append(f"{d} could not be removed")
+        pinned = self.netns_before
+        if pinned is not None:
+            for entry in NETNS_DIR.glob("cni-*"):
+                if entry.name not in pinned:
+                    _unmount_below(entry)
+                    entry.unlink(missing_ok=True)
+        if not problems and self.journal is not None:
+            self.journal.unlink(missing_ok=True)
         return problems
+
+
+def undo_interrupted(journal: Path = JOURNAL) -> list[str]:
+    """Undo what a cluster whose process ended before its stop did to the host, as its journal says; what was
+    undone, in words (empty: no such cluster). A journal of a process still running is refused."""
+    if not journal.exists():
+        return []
+    host, pid, started = _HostChanges.load(journal)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        if pid != os.getpid() and abs(psutil.Process(pid).create_time() - started) < 1.0:
+            raise RuntimeError(f"a test cluster of process {pid} still runs on this host (its journal: {journal})")
+    problems = _remove_cni_nat_rules() + host.undo()
+    for d in host.scratch:
+        shutil.rmtree(d, ignore_errors=True)
+    if problems:
+        raise RuntimeError(f"the host changes of an interrupted test cluster ({journal}) could not all be undone: "
+                           + "; ".join(problems))
+    return [f"undid the host changes of an interrupted test cluster (process {pid}): {len(host.files)} files, "
+            f"{len(host.created_nodes)} device nodes, {len(host.iptables)} iptables rules"]
 
 
 def _remove_cni_nat_rules() -> list[str]:
@@ -515,8 +603,7 @@ def _device_nodes(host: _HostChanges) -> None:
         p = Path(path)
         if p.exists():
             raise RuntimeError(f"{p} exists already on this host: the test cluster makes its own GPU device nodes")
-        os.mknod(p, 0o666 | 0o020000, os.makedev(major, minor))
-        host.created_nodes.append(p)
+        host.make_node(p, major, minor)
 
 
 def _served(path: Path) -> bool:
@@ -593,9 +680,11 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
         raise ValueError(f"imported images: {imported!r} (roles pause, base, agent; pause among them)")
     peers = node_peers()
     _check_free()
+    for done in undo_interrupted():
+        print(done)
     host_ip = _host_ip()
     workdir = Path(tempfile.mkdtemp(prefix="nodeagent-cluster-"))
-    host = _HostChanges()
+    host = _HostChanges(journal=JOURNAL, scratch=[workdir])
     server: KubeApiServer | None = None
     cluster: Cluster | None = None
     try:
@@ -605,6 +694,7 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
             extra_args=("--runtime-config=resource.k8s.io/v1alpha3=true",
                         "--kubelet-preferred-address-types=InternalIP"),
             bind_address="0.0.0.0", advertise_address=host_ip, service_accounts=True)
+        host.add_scratch(server.workdir)
         cluster = Cluster(apiserver=server, workdir=workdir, kubectl_bin=peers.kubectl, kubelet_bin=peers.kubelet,
                           node_name=NODE_NAME, host_ip=host_ip,
                           images={role: ref for role, (_, ref) in peers.images.items()}, imported=tuple(imported),
@@ -616,8 +706,7 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
             rule = [chain, "-d", f"{SERVICE_IP}/32", "-p", "tcp", "--dport", "443", "-j", "DNAT",
                     "--to-destination", f"{host_ip}:{api_port}", "-m", "comment", "--comment",
                     "nodeagent-test-cluster"]
-            _run(["iptables", "-t", "nat", "-A", *rule])
-            host.iptables.append(rule)
+            host.add_rule(rule)
         _start_control_plane(cluster)
         # GPUs: device nodes, the stand-in driver library and its machine, the state on the host
         _device_nodes(host)
@@ -737,4 +826,4 @@ def running_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Ite
             raise RuntimeError("the test cluster did not leave the host clean: " + "; ".join(problems))
 
 
-__all__ = ["Cluster", "running_cluster", "start_cluster"]
+__all__ = ["Cluster", "running_cluster", "start_cluster", "undo_interrupted"]
