@@ -243,7 +243,7 @@ class SimStore:
         # Inodes get reused and mtimes come from a coarse clock, so a file changed within the last second
         # is re-read even when its identity looks unchanged; it is parsed again only when its bytes differ
         # (a rediscovery right after a MIG change makes hundreds of calls while the file is that young).
-        if stamp == self._stamp and time.time_ns() - stamp[2] > 1_000_000_000:
+        if stamp == self._stamp and (time.time_ns() - stamp[2] > 1_000_000_000 or self._holds_parsed_bytes()):
             return
         raw_or_none = _read_file(self.path)
         if raw_or_none is None:
@@ -258,6 +258,22 @@ class SimStore:
         self._state = doc
         self._stamp = stamp
         self._raw = raw
+
+    def _holds_parsed_bytes(self) -> bool:
+        """Whether the file still holds exactly the bytes parsed last: one open and one bounded read, for the
+        calls that come while the file is young. Anything unusual (a short read, a path swapped for a FIFO or a
+        device) answers False, and the caller's full read judges it."""
+        assert self.path is not None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            return os.read(fd, len(self._raw) + 1) == self._raw
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:

@@ -3,7 +3,9 @@ process that does almost nothing.
 
 Run (after `source tests/testbin/setup.sh`, for $NODEAGENT_NVIDIA_CTK): .venv/bin/python tests/bench/bench_cli.py
 [--rounds N]. Commands: ``nodeagent --help``, ``discover --simulate dgx-h100`` and ``runtime show`` /
-``runtime configure --dry-run`` under a ``--root`` sandbox holding a containerd 1.7 config. Runs alternate
+``runtime configure --dry-run`` under a ``--root`` sandbox holding a containerd 1.7 config; ``discover`` once more
+with no byte-code cache at all (every module compiled from source at each start, as when the environment sets
+PYTHONDONTWRITEBYTECODE on a fresh checkout, which tests/run.sh therefore unsets). Runs alternate
 (nodeagent, yardstick, nodeagent, ...) so the ratio is taken pair by pair on a drifting machine. Also counts
 the modules each command imports (``python -X importtime``). Prints medians and one JSON line.
 """
@@ -55,7 +57,7 @@ def main() -> None:
     yardstick = [ctk, "--version"] if ctk and Path(ctk).exists() else None
     tmp = Path(tempfile.mkdtemp(prefix="bench-cli-"))
     try:
-        env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp)}
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "XDG_RUNTIME_DIR": str(tmp)}
         root = tmp / "root"
         (root / "etc/containerd").mkdir(parents=True)
         shutil.copy(CORPUS / "containerd-1.7-systemd.toml", root / "etc/containerd/config.toml")
@@ -80,6 +82,13 @@ def main() -> None:
                 "ratio_to_ctk_version": round(statistics.median(ratios), 1) if ratios else None,
                 "modules_imported": _modules(argv, env),
             }
+        (tmp / "no-pycache").mkdir()
+        uncached = {**env, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp / "no-pycache")}
+        argv = commands["discover_simulate"]
+        cold = [_timed(NODEAGENT + argv, uncached) for _ in range(args.rounds)]
+        results["discover_simulate_without_bytecode_cache"] = {
+            "median_ms": round(statistics.median(cold), 1), "min_ms": round(min(cold), 1),
+            "ratio_to_ctk_version": None, "modules_imported": results["discover_simulate"]["modules_imported"]}
         base = [_timed([sys.executable, "-c", "pass"], env) for _ in range(args.rounds)]
         results["python_startup_ms"] = round(statistics.median(base), 1)
         if yardstick is not None:
@@ -94,7 +103,7 @@ def main() -> None:
                 f", {r['ratio_to_ctk_version']}x nvidia-ctk --version" if r["ratio_to_ctk_version"] else ""
             )
             print(
-                f"{name:28s} median {r['median_ms']:7.1f} ms (min {r['min_ms']:.1f}){ratio}, "
+                f"{name:40s} median {r['median_ms']:7.1f} ms (min {r['min_ms']:.1f}){ratio}, "
                 f"{r['modules_imported']} modules"
             )
     print(

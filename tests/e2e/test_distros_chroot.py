@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e._agent import REPO
 from tests.e2e._chroot import OverlayChroot
@@ -105,20 +106,25 @@ def test_unit_tests_pass_under_debian13_python_313(tmp_path: Path) -> None:
 
 
 # --- Debian 12 and arm64, as chroots --------------------------------------------------------------------
-def _chroot_install_and_run(root: OverlayChroot, deb: Path, machine: str) -> tuple[float, dict[str, Any]]:
-    """dpkg -i the package, then its program as a user runs it; returns the install's seconds and what
-    ``discover --json`` printed."""
+def _chroot_install_and_run(root: OverlayChroot, deb: Path, machine: str, *,
+                            discover: bool = True) -> tuple[float, dict[str, Any]]:
+    """dpkg -i the package, then its program as a user runs it: ``discover --json`` (unless ``discover`` is
+    False: under qemu each start costs 10-30 s of one core, and bootstrap discovers too) and ``bootstrap``;
+    returns the install's seconds and what ``discover --json`` printed (or bootstrap's discover step)."""
     shutil.copy(deb, root.merged / "root" / deb.name)
     start = time.monotonic()
     root.run(["dpkg", "-i", f"/root/{deb.name}"], timeout=900)
     took = time.monotonic() - start
-    # (the program's entry point runs in these two; under qemu each start costs 10-30 s of one core)
-    inventory = json.loads(root.run(["nodeagent", "discover", "--simulate", machine, "--json"]).stdout)
+    inventory = (json.loads(root.run(["nodeagent", "discover", "--simulate", machine, "--json"]).stdout)
+                 if discover else {})
     proc = root.run(["nodeagent", "--root", "/tmp/demo", "bootstrap", "--simulate", machine, "--no-kube"],
                     check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = {s["step"]: s["result"] for s in json.loads(proc.stdout)["steps"]}
+    report = json.loads(proc.stdout)["steps"]
+    steps = {s["step"]: s["result"] for s in report}
     assert steps.get("runtime") == "changed" and "failed" not in steps.values(), steps
+    if not discover:
+        inventory = next(s for s in report if s["step"] == "discover")["details"]
     assert inventory["gpus"], inventory
     return took, inventory
 
@@ -156,9 +162,14 @@ def test_arm64_package_runs_under_qemu_in_an_arm64_root(tmp_path: Path, debs: di
                     "(step nodeagent_peers_arm64_root registers qemu-user-static's)", pytrace=False)
     with OverlayChroot(lower, tmp_path / "arm64") as root:
         assert root.run(["uname", "-m"]).stdout.strip() == "aarch64"
-        took, inventory = _chroot_install_and_run(root, debs["arm64"], "gb200-nvl")
+        took, found = _chroot_install_and_run(root, debs["arm64"], "gb200-nvl", discover=False)
         print(f"arm64 under qemu: dpkg -i took {took:.1f}s")
-        assert inventory["gpus"] and all("GB200" in g["name"] for g in inventory["gpus"]), inventory["gpus"][:1]
+        # a GB200 NVL node: 4 GPUs; the CDI spec bootstrap wrote names each of them (and "all")
+        assert found["gpus"] == 4 and found["driver"], found
+        spec = yaml.safe_load((root.merged / "tmp/demo/var/run/cdi/nvidia.yaml").read_text())
+        names = [d["name"] for d in spec["devices"]]
+        assert {"0", "1", "2", "3", "all"} <= set(names), names
+        assert len([n for n in names if n.startswith("GPU-")]) == 4, names
         venv = root.merged / "opt/nodeagent"
         grpc = next(venv.glob("lib/python3.*/site-packages/grpc/_cython/cygrpc*.so"))
         assert elf_machine(grpc) == "aarch64", grpc

@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -120,10 +121,15 @@ class _HostChanges:
     iptables: list[list[str]] = field(default_factory=list)
     netns_before: set[str] | None = None  # NETNS_DIR's entries before the cluster (None: not looked at)
     scratch: list[Path] = field(default_factory=list)  # the run's own directories (workdirs), removed by a recovery
+    cgroups: list[Path] = field(default_factory=list)  # cgroup directories of further nodes, removed with their subtree
+    pod_cgroups: list[str] = field(default_factory=list)  # the first kubelet's cgroup root (its pods below)
     journal: Path | None = None
+    _saving: threading.Lock = field(default_factory=threading.Lock, repr=False)  # nodes start side by side
 
-    def _save(self) -> None:
-        if self.journal is None:
+    def _save_locked(self) -> None:
+        """Write the journal (the caller holds ``_saving``)."""
+        journal = self.journal
+        if journal is None:
             return
         record = {
             "pid": os.getpid(), "started": psutil.Process().create_time(),
@@ -131,13 +137,15 @@ class _HostChanges:
             "created_dirs": [str(d) for d in self.created_dirs],
             "existing_dirs": {str(d): sorted(names) for d, names in self.existing_dirs.items()},
             "created_nodes": [str(n) for n in self.created_nodes], "iptables": self.iptables,
-            "netns_before": None if self.netns_before is None else sorted(self.netns_before), "scratch": [str(d) for d in self.scratch]}
-        tmp = self.journal.with_name(f".{self.journal.name}.tmp")
+            "netns_before": None if self.netns_before is None else sorted(self.netns_before),
+            "scratch": [str(d) for d in self.scratch], "cgroups": [str(d) for d in self.cgroups],
+            "pod_cgroups": self.pod_cgroups}
+        tmp = journal.with_name(f".{journal.name}.tmp")
         with tmp.open("w", encoding="utf-8") as f:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.journal)
+        os.replace(tmp, journal)
 
     @classmethod
     def load(cls, journal: Path) -> tuple[_HostChanges, int, float]:
@@ -149,13 +157,15 @@ class _HostChanges:
                    created_nodes=[Path(n) for n in record["created_nodes"]],
                    iptables=[list(r) for r in record["iptables"]],
                    netns_before=None if record["netns_before"] is None else set(record["netns_before"]),
-                   scratch=[Path(d) for d in record["scratch"]], journal=journal)
+                   scratch=[Path(d) for d in record["scratch"]], cgroups=[Path(d) for d in record.get("cgroups", [])],
+                   pod_cgroups=list(record.get("pod_cgroups", [])), journal=journal)
         return host, int(record["pid"]), float(record["started"])
 
     def write(self, path: Path, data: bytes, mode: int = 0o644) -> None:
         if path not in self.files:
-            self.files[path] = path.read_bytes() if path.is_file() else None
-            self._save()
+            with self._saving:
+                self.files[path] = path.read_bytes() if path.is_file() else None
+                self._save_locked()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.nodeagent-test")
         tmp.write_bytes(data)
@@ -163,18 +173,26 @@ class _HostChanges:
         os.replace(tmp, path)
 
     def make_node(self, path: Path, major: int, minor: int) -> None:
-        self.created_nodes.append(path)
-        self._save()
+        with self._saving:
+            self.created_nodes.append(path)
+            self._save_locked()
         os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))
 
     def add_rule(self, rule: list[str]) -> None:
-        self.iptables.append(rule)
-        self._save()
+        with self._saving:
+            self.iptables.append(rule)
+            self._save_locked()
         _run(["iptables", "-t", "nat", "-A", *rule])
 
+    def add_cgroup(self, path: Path) -> None:
+        with self._saving:
+            self.cgroups.append(path)
+            self._save_locked()
+
     def add_scratch(self, path: Path) -> None:
-        self.scratch.append(path)
-        self._save()
+        with self._saving:
+            self.scratch.append(path)
+            self._save_locked()
 
     def own_dirs(self) -> None:
         for d in OWNED_PATHS:
@@ -183,7 +201,8 @@ class _HostChanges:
             elif not d.exists():
                 self.created_dirs.append(d)
         self.netns_before = {p.name for p in NETNS_DIR.iterdir()} if NETNS_DIR.is_dir() else set()
-        self._save()
+        with self._saving:
+            self._save_locked()
 
     def undo(self) -> list[str]:
         problems: list[str] = []
@@ -224,6 +243,8 @@ class _HostChanges:
             shutil.rmtree(d, ignore_errors=True)
             if d.exists():
                 problems.append(f"{d} could not be removed")
+        for top in self.cgroups:  # a further node's stop removes them; what a killed run left goes here
+            problems += remove_cgroup(top)
         pinned = self.netns_before
         if pinned is not None:
             for entry in NETNS_DIR.glob("cni-*"):
@@ -235,6 +256,16 @@ class _HostChanges:
         return problems
 
 
+def remove_cgroup(top: Path) -> list[str]:
+    """Remove a cgroup directory and those below it, deepest first (each must hold no process)."""
+    for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+    with contextlib.suppress(OSError):
+        top.rmdir()
+    return [f"cgroup {top} could not be removed"] if top.exists() else []
+
+
 def undo_interrupted(journal: Path = JOURNAL) -> list[str]:
     """Undo what a cluster whose process ended before its stop did to the host, as its journal says; what was
     undone, in words (empty: no such cluster). A journal of a process still running is refused."""
@@ -244,6 +275,9 @@ def undo_interrupted(journal: Path = JOURNAL) -> list[str]:
     with contextlib.suppress(psutil.NoSuchProcess):
         if pid != os.getpid() and abs(psutil.Process(pid).create_time() - started) < 1.0:
             raise RuntimeError(f"a test cluster of process {pid} still runs on this host (its journal: {journal})")
+    # what the dead run's pods left running (their pause processes and containers, in the kubelets' cgroups:
+    # the first node's below /kubepods, the further nodes' below their own cgroups) goes first
+    killed = _kill_cgroup_members((*host.pod_cgroups, *{f"/{top.name}" for top in host.cgroups}))
     problems = _remove_cni_nat_rules() + host.undo()
     for d in host.scratch:
         shutil.rmtree(d, ignore_errors=True)
@@ -251,7 +285,25 @@ def undo_interrupted(journal: Path = JOURNAL) -> list[str]:
         raise RuntimeError(f"the host changes of an interrupted test cluster ({journal}) could not all be undone: "
                            + "; ".join(problems))
     return [f"undid the host changes of an interrupted test cluster (process {pid}): {len(host.files)} files, "
-            f"{len(host.created_nodes)} device nodes, {len(host.iptables)} iptables rules"]
+            f"{len(host.created_nodes)} device nodes, {len(host.iptables)} iptables rules, {len(host.cgroups)} "
+            f"cgroups, {killed} processes of its pods"]
+
+
+def _kill_cgroup_members(tops: Sequence[str]) -> int:
+    """SIGKILL every process whose memory cgroup is one of ``tops`` or below; how many there were."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for line in (entry / "cgroup").read_text().splitlines():
+                _, controllers, path = line.split(":", 2)
+                if controllers == "memory" and any(path == t or path.startswith(f"{t}/") for t in tops):
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed += 1
+    if killed:
+        time.sleep(0.5)  # the kernel reaps them before their cgroups can go
+    return killed
 
 
 def _remove_cni_nat_rules() -> list[str]:
@@ -684,7 +736,7 @@ def start_cluster(imported: Sequence[str] = ("pause", "base", "agent")) -> Clust
         print(done)
     host_ip = _host_ip()
     workdir = Path(tempfile.mkdtemp(prefix="nodeagent-cluster-"))
-    host = _HostChanges(journal=JOURNAL, scratch=[workdir])
+    host = _HostChanges(journal=JOURNAL, scratch=[workdir], pod_cgroups=["/kubepods"])
     server: KubeApiServer | None = None
     cluster: Cluster | None = None
     try:

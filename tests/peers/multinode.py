@@ -52,8 +52,10 @@ from tests.peers.cluster import (
     SIM_STATE,
     Cluster,
     NodePeers,
+    _HostChanges,
     _run,
     node_peers,
+    remove_cgroup,
     running_cluster,
     start_node_runtime,
     write_machine,
@@ -130,13 +132,7 @@ class _Namespaces:
                 break
             time.sleep(0.2)
         for top in self.cgroups:
-            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-            with contextlib.suppress(OSError):
-                top.rmdir()
-            if top.exists():
-                problems.append(f"cgroup {top} could not be removed")
+            problems += remove_cgroup(top)
         return problems
 
 
@@ -225,13 +221,15 @@ def _holder() -> subprocess.Popen[bytes]:
     raise RuntimeError("unshare made no network namespace within 10s")
 
 
-def _cgroups(name: str) -> list[Path]:
-    """``/<name>`` in every cgroup v1 hierarchy (cpuset's given its parent's CPUs and memory nodes)."""
+def _cgroups(name: str, host: _HostChanges) -> list[Path]:
+    """``/<name>`` in every cgroup v1 hierarchy (cpuset's given its parent's CPUs and memory nodes), each in
+    the cluster's journal of host changes before it is made."""
     made = []
     for hierarchy in sorted(CGROUPS.iterdir()):
         if not hierarchy.is_dir() or not os.path.ismount(hierarchy):
             continue
         d = hierarchy / name
+        host.add_cgroup(d)
         d.mkdir()
         made.append(d)
         for knob in ("cpuset.cpus", "cpuset.mems"):
@@ -282,7 +280,7 @@ def _add_node(first: Cluster, peers: NodePeers, index: int, machine: str) -> tup
         devices = workdir / "proc-devices"
         devices.write_text(_with_imex_channels(Path("/proc/devices").read_text()))
         _run([*enter, "mount", "--bind", "-o", "ro", str(devices), "/proc/devices"])
-        spaces.cgroups = _cgroups(spaces.cgroup.lstrip("/"))
+        spaces.cgroups = _cgroups(spaces.cgroup.lstrip("/"), first._host)
         write_kubeconfig(workdir / "kubeconfig", f"https://{SERVICE_IP}:443", first.apiserver.workdir / "pki")
         start_node_runtime(node, peers, write, subnet=pod_subnet(index), cgroup_root=spaces.cgroup,
                            netns_dir=str(CONTAINERD_SOCKET.parent / "netns"))

@@ -48,7 +48,7 @@ def test_a_killed_runs_changes_are_undone_from_its_journal(tmp_path: Path) -> No
 
     done = undo_interrupted(tmp_path / "journal.json")
 
-    assert len(done) == 1 and f"process {child.pid}" in done[0] and "2 files, 1 device nodes" in done[0]
+    assert len(done) == 1 and f"process {child.pid}" in done[0] and "2 files, 1 device nodes, 0 iptables rules, 0 cgroups" in done[0]
     assert (tmp_path / "config.toml").read_bytes() == b"original\n"
     assert not (tmp_path / "lib/libnvidia-ml.so.1").exists()
     assert not (tmp_path / "nvidia0").exists()

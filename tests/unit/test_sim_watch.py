@@ -179,3 +179,23 @@ def test_idle_wait_does_not_poll(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(store, "read", counting_read)
     assert nvml.wait_events(600) == []
     assert reads <= 3  # polling every 50 ms would have looked a dozen times
+
+
+def test_a_young_file_rewritten_in_place_with_the_same_stamp_is_read_again(tmp_path: Path) -> None:
+    """Same inode, same size, the same mtime put back: only the bytes differ. While the file is young (its
+    mtime within the last second, a coarse clock's reach) every read compares them, so the change is seen."""
+    path = tmp_path / "sim.json"
+    store = SimStore(load_machine("dgx-h100"), path)
+    with store.transaction() as st:
+        st["serial"] = 1
+    assert store.read()["serial"] == 1
+    before = path.stat()
+    raw = path.read_bytes()
+    changed = raw.replace(b'"serial": 1', b'"serial": 7')
+    assert changed != raw and len(changed) == len(raw)
+    with path.open("r+b") as f:  # in place: the inode stays
+        f.write(changed)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert store.read()["serial"] == 7
