@@ -1,13 +1,16 @@
 """Helpers of the ABI tests: the stand-in libnvidia-ml.so.1, nodeagent on the real pynvml, NVIDIA's Go tools.
 
 Everything that loads the stand-in runs in a child process: once pynvml has bound a libnvidia-ml.so.1 in
-a process it keeps it, and the test process must keep seeing "no NVML" for the other tests.
+a process it keeps it, and the test process must keep seeing "no NVML" for the other tests. What needs no
+stand-in (the Python-level simulator's discover, ``nodeagent sim``) runs in the test process.
 Built by tests/testbin/setup.sh (nodeagent_peers_nvml_abi): NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW,
 NODEAGENT_NVIDIA_CTK. A missing one FAILS the test with how to build it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -91,11 +94,12 @@ def abi_env(state: Path, machine: str | None = None, **extra: str) -> dict[str, 
     return env
 
 
+_SIM_VARS = ("NODEAGENT_SIM_ABI", "NODEAGENT_SIM_MACHINE", "NODEAGENT_SIM_STATE")
+
+
 def plain_env() -> dict[str, str]:
     """Environment of a nodeagent process on the Python-level simulator (no ABI mode)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("NODEAGENT_SIM_ABI", "NODEAGENT_SIM_MACHINE")}
-    env.pop("NODEAGENT_SIM_STATE", None)
-    return env
+    return {k: v for k, v in os.environ.items() if k not in _SIM_VARS}
 
 
 def run(
@@ -110,14 +114,47 @@ def run(
 
 
 def nodeagent(*args: str, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``nodeagent ARGS`` in a child process with ``env``; ``nodeagent sim ...`` (which changes the state file
+    and never loads NVML, whatever the environment says) in this process."""
+    if args[:1] == ("sim",):
+        proc = in_process(*args)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"nodeagent {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
+                                 f"{proc.stderr[-4000:]}")
+        return proc
     return run([sys.executable, "-m", "nodeagent", *args], env, check=check)
 
 
+def in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """nodeagent on the Python-level simulator, run in this process (its output captured): for what needs no
+    stand-in, where a child's start would cost more than the work. The simulator's variables are unset
+    meanwhile, as in ``plain_env``."""
+    from nodeagent.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.pop(k) for k in _SIM_VARS if k in os.environ}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["nodeagent", *args], code, out.getvalue(), err.getvalue())
+
+
 def discover(state: Path, machine: str | None, abi: bool) -> dict[str, Any]:
-    """``nodeagent discover --json`` on the simulator, through the C ABI (real pynvml) or not."""
+    """``nodeagent discover --json`` on the simulator, through the C ABI (real pynvml, in a child) or not (in
+    this process)."""
     sim = (["--simulate", machine] if machine else []) + ["--sim-state", str(state)]
-    env = abi_env(state, machine) if abi else plain_env()
-    doc: dict[str, Any] = json.loads(nodeagent("discover", *sim, "--json", env=env).stdout)
+    if abi:
+        proc = nodeagent("discover", *sim, "--json", env=abi_env(state, machine))
+    else:
+        proc = in_process("discover", *sim, "--json")
+        assert proc.returncode == 0, proc.stderr
+    doc: dict[str, Any] = json.loads(proc.stdout)
     return doc
 
 
