@@ -106,9 +106,14 @@ def run(
     cmd: list[str], env: dict[str, str], check: bool = True, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    if check and proc.returncode != 0:
+    return _checked(proc) if check else proc
+
+
+def _checked(proc: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    """``proc``, or an AssertionError with its command line, exit code and the ends of its output."""
+    if proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+            f"{' '.join(map(str, proc.args))} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
 
@@ -118,10 +123,7 @@ def nodeagent(*args: str, env: dict[str, str], check: bool = True) -> subprocess
     and never loads NVML, whatever the environment says) in this process."""
     if args[:1] == ("sim",):
         proc = in_process(*args)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"nodeagent {' '.join(args)} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n"
-                                 f"{proc.stderr[-4000:]}")
-        return proc
+        return _checked(proc) if check else proc
     return run([sys.executable, "-m", "nodeagent", *args], env, check=check)
 
 
@@ -152,8 +154,7 @@ def discover(state: Path, machine: str | None, abi: bool) -> dict[str, Any]:
     if abi:
         proc = nodeagent("discover", *sim, "--json", env=abi_env(state, machine))
     else:
-        proc = in_process("discover", *sim, "--json")
-        assert proc.returncode == 0, proc.stderr
+        proc = _checked(in_process("discover", *sim, "--json"))
     doc: dict[str, Any] = json.loads(proc.stdout)
     return doc
 

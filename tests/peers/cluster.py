@@ -157,8 +157,8 @@ class _HostChanges:
                    created_nodes=[Path(n) for n in record["created_nodes"]],
                    iptables=[list(r) for r in record["iptables"]],
                    netns_before=None if record["netns_before"] is None else set(record["netns_before"]),
-                   scratch=[Path(d) for d in record["scratch"]], cgroups=[Path(d) for d in record.get("cgroups", [])],
-                   pod_cgroups=list(record.get("pod_cgroups", [])), journal=journal)
+                   scratch=[Path(d) for d in record["scratch"]], cgroups=[Path(d) for d in record["cgroups"]],
+                   pod_cgroups=list(record["pod_cgroups"]), journal=journal)
         return host, int(record["pid"]), float(record["started"])
 
     def write(self, path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -172,27 +172,25 @@ class _HostChanges:
         tmp.chmod(mode)
         os.replace(tmp, path)
 
-    def make_node(self, path: Path, major: int, minor: int) -> None:
+    def _journaled(self, to: list[Any], item: Any) -> None:
+        """Add ``item`` to one of the lists and write the journal, before the change it names is made."""
         with self._saving:
-            self.created_nodes.append(path)
+            to.append(item)
             self._save_locked()
+
+    def make_node(self, path: Path, major: int, minor: int) -> None:
+        self._journaled(self.created_nodes, path)
         os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))
 
     def add_rule(self, rule: list[str]) -> None:
-        with self._saving:
-            self.iptables.append(rule)
-            self._save_locked()
+        self._journaled(self.iptables, rule)
         _run(["iptables", "-t", "nat", "-A", *rule])
 
     def add_cgroup(self, path: Path) -> None:
-        with self._saving:
-            self.cgroups.append(path)
-            self._save_locked()
+        self._journaled(self.cgroups, path)
 
     def add_scratch(self, path: Path) -> None:
-        with self._saving:
-            self.scratch.append(path)
-            self._save_locked()
+        self._journaled(self.scratch, path)
 
     def own_dirs(self) -> None:
         for d in OWNED_PATHS:
@@ -289,18 +287,25 @@ def undo_interrupted(journal: Path = JOURNAL) -> list[str]:
             f"cgroups, {killed} processes of its pods"]
 
 
+def below_memory_cgroup(process: Path, tops: Sequence[str]) -> bool:
+    """Whether the process (its /proc directory) is in a memory cgroup below one of ``tops`` (False when it
+    is gone)."""
+    try:
+        lines = (process / "cgroup").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split(":", 2)[1] == "memory" and any(line.split(":", 2)[2].startswith(f"{t}/") for t in tops)
+               for line in lines)
+
+
 def _kill_cgroup_members(tops: Sequence[str]) -> int:
-    """SIGKILL every process whose memory cgroup is one of ``tops`` or below; how many there were."""
+    """SIGKILL every process in a memory cgroup below one of ``tops``; how many there were."""
     killed = 0
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for line in (entry / "cgroup").read_text().splitlines():
-                _, controllers, path = line.split(":", 2)
-                if controllers == "memory" and any(path == t or path.startswith(f"{t}/") for t in tops):
-                    os.kill(int(entry.name), signal.SIGKILL)
-                    killed += 1
+        if entry.name.isdigit() and below_memory_cgroup(entry, tops):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
     if killed:
         time.sleep(0.5)  # the kernel reaps them before their cgroups can go
     return killed

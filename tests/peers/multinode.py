@@ -54,6 +54,7 @@ from tests.peers.cluster import (
     NodePeers,
     _HostChanges,
     _run,
+    below_memory_cgroup,
     node_peers,
     remove_cgroup,
     running_cluster,
@@ -111,10 +112,8 @@ class _Namespaces:
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and int(entry.name) != self.holder.pid:
                 with contextlib.suppress(OSError):
-                    if os.readlink(entry / "ns" / "net") == own or (cgroup is not None and any(
-                            line.split(":", 2)[2].startswith(f"{cgroup}/")
-                            for line in (entry / "cgroup").read_text().splitlines()
-                            if line.split(":", 2)[1] == "memory")):
+                    if os.readlink(entry / "ns" / "net") == own or (
+                            cgroup is not None and below_memory_cgroup(entry, [cgroup])):
                         pids.append(int(entry.name))
         return pids
 
