@@ -44,6 +44,11 @@ def apiserver_requests(server: KubeApiServer) -> defaultdict[tuple[str, str, str
     return out
 
 
+def settle_node_watches(server: KubeApiServer, when: str) -> None:
+    """Wait until the apiserver holds no open watch of one named Node (scope "resource": an agent's own)."""
+    eventually(lambda: node_watches(server).get("resource", 0) == 0, 30, f"no open watch of one Node {when}")
+
+
 def node_obj(server: KubeApiServer, name: str) -> dict[str, Any]:
     status, body = server.get(f"/api/v1/nodes/{name}")
     assert status == 200, body
@@ -76,6 +81,10 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
                    "[runtime]\nenabled = false\n[metrics]\naddress = \"\"\n"
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
+    # the apiserver counts a WATCH in apiserver_request_total when it ENDS: an earlier test's agent whose watch
+    # of its own Node is still closing would be counted in this test's window. Wait until no field-selected
+    # node watch is open before the baseline, and again after this agent's end before the final count.
+    settle_node_watches(kube_apiserver, "before the agent starts")
     watches0 = node_watches(kube_apiserver)
     requests0 = apiserver_requests(kube_apiserver)
     with node_root(kubelet_harness) as root, running_agent(tmp_path, root, args) as agent:
@@ -132,6 +141,7 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
 
     # over the agent's whole life: ONE list of nodes (the watch's start, field-selected to the own Node as
     # tests/integration/test_kube_audit.py shows on the wire) and that one watch, ended by SIGTERM
+    settle_node_watches(kube_apiserver, "after the agent's SIGTERM")
     final = apiserver_requests(kube_apiserver)
     verbs = Counter[str]()
     for k in final:
