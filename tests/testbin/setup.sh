@@ -98,13 +98,19 @@ build_go_binary() {
   _build_into_cache "$name" "${version:-dev}" "$hash" "" _go_build_plain "$moddir" "$pkg" "$ldflags" "$modfile" "$tags"
 }
 
+# The compiler's flags of every peer build: no DWARF. The linker's -s -w drops it from the binaries anyway, and
+# the compiler then spends about a fifth less CPU (k8s.io/client-go/informers and two packages of
+# k8s.io/kubernetes, cold: 328 against 261 CPU-seconds, 2026-11-29). The binaries are the same but for the
+# DWARF that was stripped, so the flag is not part of the cache key.
+NODEAGENT_GO_GCFLAGS="all=-dwarf=false"
+
 # _go_build_plain OUT MODDIR PKG LDFLAGS MODFILE TAGS: a static (CGO_ENABLED=0) build of PKG into OUT.
 _go_build_plain() {
   local out=$1 moddir=$2 pkg=$3 ldflags=$4 modfile=$5 tags=$6
   cd "$moddir" &&
     CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
       nice -n 10 go build ${modfile:+-modfile="$modfile"} ${tags:+-tags="$tags"} -trimpath \
-      -ldflags="-s -w $ldflags" -o "$out" "$pkg"
+      -gcflags="$NODEAGENT_GO_GCFLAGS" -ldflags="-s -w $ldflags" -o "$out" "$pkg"
 }
 
 # _go_build_cgo OUT MODDIR PKG: a cgo (gcc) build of PKG into OUT, with a private temp dir.
@@ -115,7 +121,7 @@ _go_build_cgo() {
     cd "$moddir" &&
       TMPDIR=$tmp GOTMPDIR=$tmp CGO_ENABLED=1 CGO_CFLAGS="-O2 -w" \
         GOFLAGS="-mod=mod -buildvcs=false -p=${NODEAGENT_GO_PARALLEL:-2}" \
-        nice -n 10 go build -trimpath -ldflags="-s -w" -o "$out" "$pkg"
+        nice -n 10 go build -trimpath -gcflags="$NODEAGENT_GO_GCFLAGS" -ldflags="-s -w" -o "$out" "$pkg"
   ) || rc=$?
   rm -rf "$tmp"
   return "$rc"
