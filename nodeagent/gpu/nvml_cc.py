@@ -46,8 +46,8 @@ class NvmlConfCompute(NvmlSession):
         """Let the GPUs accept client requests (or not) in CC mode."""
         self._call("nvmlSystemSetConfComputeGpusReadyState", 1 if ready else 0)
 
-    def persistence_mode(self, index: int) -> bool:
-        return as_int(self._call("nvmlDeviceGetPersistenceMode", self._handle(index), gpu=index)) == 1
+    def persistence_mode(self, index: int) -> bool | None:
+        return self._persistence(self._handle(index), gpu=index)
 
     def set_persistence_mode(self, index: int, enabled: bool) -> None:
-        self._call("nvmlDeviceSetPersistenceMode", self._handle(index), 1 if enabled else 0, gpu=index)
+        self._set_persistence(self._handle(index), enabled, gpu=index)

@@ -123,7 +123,7 @@ class NvmlDiscovery(NvmlSession):
         arch = self._try("nvmlDeviceGetArchitecture", h, gpu=index)
         minor_number = self._try("nvmlDeviceGetMinorNumber", h, gpu=index)
         mig = self._try("nvmlDeviceGetMigMode", h, gpu=index)
-        persistence = self._try("nvmlDeviceGetPersistenceMode", h, gpu=index)
+        persistence = self._persistence(h, gpu=index)
         mig_capable = mig is not None
         current = bool(as_int(mig[0])) if mig else False
         pending = bool(as_int(mig[1])) if mig else False
@@ -153,7 +153,7 @@ class NvmlDiscovery(NvmlSession):
             mig_devices=devices,
             processes=procs,
             bare_gpu_instances=bare,
-            persistence_mode=None if persistence is None else as_int(persistence) == 1,
+            persistence_mode=persistence,
             fabric=self.fabric(index),
         )
         self._last[index] = gpu

@@ -11,10 +11,7 @@ from typing import Any
 
 from nodeagent.errors import GpuLostError, NvmlError
 from nodeagent.gpu.nvml_events import FI_GPU_RECOVERY_ACTION
-from nodeagent.gpu.nvml_session import SUCCESS, NvmlSession, as_int
-
-FEATURE_DISABLED = 0
-FEATURE_ENABLED = 1
+from nodeagent.gpu.nvml_session import FEATURE_DISABLED, FEATURE_ENABLED, SUCCESS, NvmlSession, as_int
 
 
 class NvmlRemediation(NvmlSession):
@@ -26,12 +23,10 @@ class NvmlRemediation(NvmlSession):
         return len(self._call("nvmlDeviceGetComputeRunningProcesses", self._by_uuid(uuid)) or ())
 
     def persistence_mode_of(self, uuid: str) -> bool | None:
-        got = self._try("nvmlDeviceGetPersistenceMode", self._by_uuid(uuid))
-        return None if got is None else as_int(got) == FEATURE_ENABLED
+        return self._persistence(self._by_uuid(uuid))
 
     def set_persistence_mode_of(self, uuid: str, enabled: bool) -> None:
-        self._call("nvmlDeviceSetPersistenceMode", self._by_uuid(uuid),
-                   FEATURE_ENABLED if enabled else FEATURE_DISABLED)
+        self._set_persistence(self._by_uuid(uuid), enabled)
 
     def set_drain(self, uuid: str, draining: bool) -> None:
         pci = self._call("nvmlDeviceGetPciInfo", self._by_uuid(uuid))

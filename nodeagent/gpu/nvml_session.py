@@ -51,6 +51,8 @@ INSUFFICIENT_RESOURCES = 23
 NOT_READY = 27
 INVALID_STATE = 29
 NO_ID = 0xFFFFFFFF
+FEATURE_DISABLED = 0  # nvmlEnableState_t
+FEATURE_ENABLED = 1
 
 # answers that mean "this GPU / driver has no such thing" rather than a failure
 _ABSENT = (NOT_SUPPORTED, NOT_FOUND, FUNCTION_NOT_FOUND, INVALID_ARGUMENT, INVALID_STATE)
@@ -199,6 +201,14 @@ class NvmlSession:
             h = self._call("nvmlDeviceGetHandleByIndex", index, gpu=index)
             self._handles[index] = h
         return h
+
+    def _persistence(self, handle: Any, gpu: int | None = None) -> bool | None:
+        """The GPU's persistence mode (nvmlDeviceGetPersistenceMode); None where NVML does not report it."""
+        got = self._try("nvmlDeviceGetPersistenceMode", handle, gpu=gpu)
+        return None if got is None else as_int(got) == FEATURE_ENABLED
+
+    def _set_persistence(self, handle: Any, enabled: bool, gpu: int | None = None) -> None:
+        self._call("nvmlDeviceSetPersistenceMode", handle, FEATURE_ENABLED if enabled else FEATURE_DISABLED, gpu=gpu)
 
     def _forget_handle(self, index: int) -> None:
         self._handles.pop(index, None)
