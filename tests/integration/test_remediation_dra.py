@@ -7,12 +7,11 @@ held GPU's devices leave the slices instead."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from nodeagent.dra.slices import REMEDIATION_TAINT_KEY, UNHEALTHY_TAINT_KEY
 from nodeagent.gpu.health import HealthMonitorSettings
 from nodeagent.hostpaths import HostPaths
 from nodeagent.kube.client import KubeClient
-from nodeagent.kube.podresources import Assignment
 from nodeagent.nvmlsource import open_nvml
 from nodeagent.simulator import inject
 from nodeagent.simulator.machine import load_machine
@@ -35,7 +33,7 @@ from tests.integration._releases import shared_release_apiserver
 from tests.integration.test_dra_kubelet import poll
 from tests.integration.test_dra_slices import slices_of
 from tests.integration.test_dra_withdraw import Plane as WithdrawPlane
-from tests.unit.test_remediation_component import NoPlugin
+from tests.unit.test_remediation_component import FakeCtx, FakePodResources, NoPlugin
 
 pytestmark = pytest.mark.peers
 kube_apiserver = shared_release_apiserver  # every test once per Kubernetes release, on servers shared with others
@@ -52,40 +50,6 @@ class Plane(WithdrawPlane):
 
     def monitor(self) -> Any:
         return self.dra.monitor
-
-
-class NoPodResources:
-    def list_with_claims(self) -> tuple[Sequence[Assignment], Sequence[Any]]:
-        return (), ()
-
-    def close(self) -> None:
-        return None
-
-
-class Ctx:
-    """The parts of the daemon's context the remediation component uses, around the real API client."""
-
-    def __init__(self, root: Path, config: AgentConfig, gpu: Any, kube: KubeClient, node: str, dra: DraLink) -> None:
-        self.config, self.gpu, self.kube, self.node_name = config, gpu, kube, node
-        self.paths = HostPaths(root)
-        self.inventory = gpu.discover()
-        metrics = type("M", (), {"registry": lambda self: None})()
-        self.shared = type("S", (), {"device_plugin": NoPlugin(), "metrics": metrics, "dra": dra})()
-        self.tasks: list[asyncio.Task[Any]] = []
-
-    def pod_resources_client(self) -> NoPodResources:
-        return NoPodResources()
-
-    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        t = asyncio.get_running_loop().create_task(coro, name=name)
-        self.tasks.append(t)
-        return t
-
-    def request_resync(self) -> None:
-        return None
-
-    def set_status(self, component: str, text: str) -> None:
-        return None
 
 
 @pytest.fixture
@@ -127,7 +91,7 @@ async def test_dra_plane_alone_an_xid_taints_the_device_while_the_gpu_is_out(
         link.attach(Plane(dra))
         await dra.wait_published()
         assert taints_of(kube, node_name, "gpu-3") == {}
-        ctx = Ctx(root, cfg, nvml, kube, node_name, link)
+        ctx = FakeCtx(root, cfg, nvml, kube, NoPlugin(), FakePodResources([]), node=node_name, dra=link)
         comp = RemediationComponent(ctx)  # type: ignore[arg-type]
         await comp.start(ctx)  # type: ignore[arg-type]
         assert dra.monitor is not None and comp._on_xid in dra.monitor.xid_listeners

@@ -124,13 +124,16 @@ class FakeMetricsLink:
 
 
 class FakeCtx:
-    def __init__(self, tmp: Path, config: AgentConfig, gpu: Any, kube: FakeKube, plugin: FakePlugin,
-                 pod_resources: FakePodResources) -> None:
+    """The parts of the daemon's context the remediation component uses. ``kube`` and ``dra`` may be the real
+    ones (tests/integration/test_remediation_dra.py: the API client and a DraLink to a running DRA plane)."""
+
+    def __init__(self, tmp: Path, config: AgentConfig, gpu: Any, kube: Any, plugin: FakePlugin | NoPlugin,
+                 pod_resources: FakePodResources, *, node: str = "n1", dra: Any = None) -> None:
         self.config, self.gpu, self.kube = config, gpu, kube
         self.paths = HostPaths(tmp)
         self.inventory = gpu.discover()
-        self.node_name = "n1"
-        self.dra = FakeDra()
+        self.node_name = node
+        self.dra = FakeDra() if dra is None else dra
         self.shared = type("S", (), {"device_plugin": plugin, "metrics": FakeMetricsLink(), "dra": self.dra})()
         self._pr = pod_resources
         self.tasks: list[asyncio.Task[Any]] = []
@@ -260,7 +263,7 @@ def test_with_the_dra_plane_alone_its_own_monitor_feeds_the_remediation(tmp_path
         monitor.gpu_indices = frozenset(uuid)
         cfg = dataclasses.replace(AgentConfig(), simulate=SimulateSettings(machine="dgx-h100"),
                                   remediation=RemediationSettings(enabled=True, evictions="direct", step_timeout=5.0))
-        ctx = FakeCtx(tmp_path, cfg, gpu, kube, NoPlugin(), FakePodResources([]))  # type: ignore[arg-type]
+        ctx = FakeCtx(tmp_path, cfg, gpu, kube, NoPlugin(), FakePodResources([]))
         ctx.dra.own_monitor = monitor
         comp = RemediationComponent(ctx)  # type: ignore[arg-type]
         await comp.start(ctx)  # type: ignore[arg-type]
