@@ -297,6 +297,16 @@ def labels_of(scrape: str, name: str, instance: str = INSTANCE, **match: str) ->
     ]
 
 
+def promtool_unit_test(promtool: Path, path: Path, rule_files: list[str], test: dict[str, Any]) -> (
+        subprocess.CompletedProcess[str]):
+    """``promtool test rules`` on one unit-test file at ``path``: ``test`` (its series at 1-minute steps, plus
+    alert_rule_test or promql_expr_test) over ``rule_files``."""
+    spec = {"rule_files": rule_files, "evaluation_interval": "1m", "tests": [{"interval": "1m", **test}]}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return subprocess.run([str(promtool), "test", "rules", str(path)], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
 def test_every_alert_fires_on_the_agents_series(promtool: Path, scrape_text: str, tmp_path: Path) -> None:
     sick = labels_of(scrape_text, "nodeagent_device_healthy", gpu=SICK_GPU)
     fault = labels_of(scrape_text, "nodeagent_gpu_fault")
@@ -329,22 +339,8 @@ def test_every_alert_fires_on_the_agents_series(promtool: Path, scrape_text: str
         )
         if before is not None:
             alert_tests.append({"eval_time": before, "alertname": name, "exp_alerts": []})
-    spec = {
-        "rule_files": [str(RULES)],
-        "evaluation_interval": "1m",
-        "tests": [
-            {"interval": "1m", "input_series": input_series(scrape_text), "alert_rule_test": alert_tests}
-        ],
-    }
-    test_file = tmp_path / "rules-test.yaml"
-    test_file.write_text(yaml.safe_dump(spec, sort_keys=False))
-    proc = subprocess.run(
-        [str(promtool), "test", "rules", str(test_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = promtool_unit_test(promtool, tmp_path / "rules-test.yaml", [str(RULES)],
+                              {"input_series": input_series(scrape_text), "alert_rule_test": alert_tests})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout, proc.stdout
 
@@ -371,28 +367,9 @@ def test_no_alert_fires_on_a_healthy_agent(promtool: Path, scrape_text: str, tmp
                 {"series": s.selector(job="nodeagent", instance=INSTANCE), "values": f"{s.value:g}x20"}
             )
     series.append({"series": f'up{{instance="{INSTANCE}",job="nodeagent"}}', "values": "1x20"})
-    spec = {
-        "rule_files": [str(RULES)],
-        "evaluation_interval": "1m",
-        "tests": [
-            {
-                "interval": "1m",
-                "input_series": series,
-                "alert_rule_test": [
-                    {"eval_time": "20m", "alertname": name, "exp_alerts": []} for name in rules()
-                ],
-            }
-        ],
-    }
-    test_file = tmp_path / "healthy-test.yaml"
-    test_file.write_text(yaml.safe_dump(spec, sort_keys=False))
-    proc = subprocess.run(
-        [str(promtool), "test", "rules", str(test_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    quiet = [{"eval_time": "20m", "alertname": name, "exp_alerts": []} for name in rules()]
+    proc = promtool_unit_test(promtool, tmp_path / "healthy-test.yaml", [str(RULES)],
+                              {"input_series": series, "alert_rule_test": quiet})
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -441,22 +418,8 @@ def test_dashboard_queries_return_data(promtool: Path, scrape_text: str, tmp_pat
         }
         for _, expr in queries
     ]
-    spec = {
-        "rule_files": [],
-        "evaluation_interval": "1m",
-        "tests": [
-            {"interval": "1m", "input_series": input_series(scrape_text), "promql_expr_test": expr_tests}
-        ],
-    }
-    test_file = tmp_path / "dashboard-test.yaml"
-    test_file.write_text(yaml.safe_dump(spec, sort_keys=False))
-    proc = subprocess.run(
-        [str(promtool), "test", "rules", str(test_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = promtool_unit_test(promtool, tmp_path / "dashboard-test.yaml", [],
+                              {"input_series": input_series(scrape_text), "promql_expr_test": expr_tests})
     # promtool names the failing expression: map it back to the panel
     assert proc.returncode == 0, "\n".join(
         [proc.stdout + proc.stderr] + [f"{title}: {expr}" for title, expr in queries if expr in proc.stdout]
