@@ -73,16 +73,26 @@ def _conflict_series(port: int) -> list[str]:
     return _series(port, "nodeagent_conflict")
 
 
-def _device_plugin_only_config(root: Path, kubeconfig: Path) -> Path:
+def _device_plugin_only_config(root: Path, kubeconfig: Path, extra: str = "") -> Path:
     """The agent's config under ``root``: the API through ``kubeconfig``, resync every 2 s, containerd and MIG
-    left alone."""
+    left alone; ``extra`` (TOML tables) appended."""
     etc = root / "etc/nodeagent"
     etc.mkdir(parents=True)
     cfg = etc / "config.toml"
     cfg.write_text(
         f'kubeconfig = "{kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n[mig]\nenabled = false\n'
+        + extra
     )
     return cfg
+
+
+def _sim_uuids(sim: Path) -> list[str]:
+    """The UUIDs of the simulated a30x4 whose state is ``sim`` (made there on first use), sorted."""
+    nvml = open_nvml("a30x4", sim)
+    try:
+        return sorted(g.uuid for g in nvml.discover().gpus)
+    finally:
+        nvml.close()
 
 
 @pytest.fixture
@@ -138,19 +148,9 @@ def test_hand_over_from_a_plugin_on_the_same_socket_keeps_the_running_container(
     assert status == 201, body
 
     sim = root / "sim.json"  # the simulated node's state: inside its root
-    nvml = open_nvml("a30x4", sim)
-    try:
-        uuids = sorted(g.uuid for g in nvml.discover().gpus)
-    finally:
-        nvml.close()
+    uuids = _sim_uuids(sim)
     sock = harness.plugin_dir / "nvidia-gpu.sock"
-    etc = root / "etc/nodeagent"
-    etc.mkdir(parents=True)
-    cfg = etc / "config.toml"
-    cfg.write_text(
-        f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
-        "[mig]\nenabled = false\n[metrics]\ninterval = 1.0\n[adopt]\ngpu_operator = true\n"
-    )
+    cfg = _device_plugin_only_config(root, server.kubeconfig, "[metrics]\ninterval = 1.0\n[adopt]\ngpu_operator = true\n")
     port = free_port()
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim), "--node-name", node]
     try:
@@ -287,18 +287,8 @@ def test_a_plugin_under_another_socket_name_is_not_fought(
     )
     assert status == 201, body
     sim = root / "sim.json"  # the simulated node's state: inside its root
-    nvml = open_nvml("a30x4", sim)
-    try:
-        uuids = sorted(g.uuid for g in nvml.discover().gpus)
-    finally:
-        nvml.close()
-    etc = root / "etc/nodeagent"
-    etc.mkdir(parents=True)
-    cfg = etc / "config.toml"
-    cfg.write_text(
-        f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
-        "[mig]\nenabled = false\n[metrics]\ninterval = 1.0\n"
-    )
+    uuids = _sim_uuids(sim)
+    cfg = _device_plugin_only_config(root, server.kubeconfig, "[metrics]\ninterval = 1.0\n")
     port = free_port()
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim), "--node-name", node]
     registered = 'nodeagent_device_plugin_registered{resource="nvidia.com/gpu"}'
@@ -376,11 +366,7 @@ def test_another_dra_driver_and_a_mig_manager_seen_by_the_agent(
     )
     assert status == 201, body
     sim = tmp_path / "sim.json"
-    nvml = open_nvml("a30x4", sim)
-    try:
-        first = sorted(g.uuid for g in nvml.discover().gpus)[0]
-    finally:
-        nvml.close()
+    first = _sim_uuids(sim)[0]
     slice_name = f"{node}-gpu.nvidia.com"
     status, body = server.request(
         "POST",
@@ -399,13 +385,7 @@ def test_another_dra_driver_and_a_mig_manager_seen_by_the_agent(
     )
     assert status == 201, body
     with node_root() as root:
-        etc = root / "etc/nodeagent"
-        etc.mkdir(parents=True)
-        cfg = etc / "config.toml"
-        cfg.write_text(
-            f'kubeconfig = "{server.kubeconfig}"\nresync_interval = 2.0\n[runtime]\nenabled = false\n'
-            "[mig]\nenabled = false\n"
-        )
+        cfg = _device_plugin_only_config(root, server.kubeconfig)
         shutil.copyfile(sim, root / "sim.json")  # the simulated node's state: inside its root
         args = [
             "run",
