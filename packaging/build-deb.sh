@@ -83,8 +83,13 @@ if [ -z "$BUILD_PY" ]; then
 fi
 [ -x "$BUILD_PY" ] || { echo "build-deb: build python $BUILD_PY not found" >&2; exit 2; }
 
-# 1. The project's own wheel (no build isolation: setuptools comes from the build environment).
-"$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/own" "$SRC" >"$WORK/wheel.log" 2>&1 || {
+# 1. The project's own wheel (no build isolation: setuptools comes from the build environment), built from a
+# copy of what it is made of: pip builds in the source tree (setuptools' build/ and nodeagent.egg-info there),
+# so two builds of one checkout at the same time removed each other's files midway.
+mkdir -p "$WORK/src"
+cp "$SRC/pyproject.toml" "$SRC/README.md" "$WORK/src/"
+(cd "$SRC" && tar --exclude=__pycache__ -cf - nodeagent) | tar -C "$WORK/src" -xf -
+"$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/own" "$WORK/src" >"$WORK/wheel.log" 2>&1 || {
   cat "$WORK/wheel.log" >&2; exit 1; }
 OWN=$(ls "$WORK"/own/nodeagent-*.whl)
 
