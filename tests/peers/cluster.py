@@ -287,22 +287,25 @@ def undo_interrupted(journal: Path = JOURNAL) -> list[str]:
             f"cgroups, {killed} processes of its pods"]
 
 
-def below_memory_cgroup(process: Path, tops: Sequence[str]) -> bool:
-    """Whether the process (its /proc directory) is in a memory cgroup below one of ``tops`` (False when it
-    is gone)."""
+def in_memory_cgroup(process: Path, tops: Sequence[str]) -> bool:
+    """Whether the process (its /proc directory) is in one of the memory cgroups ``tops`` or below one (False
+    when it is gone)."""
     try:
         lines = (process / "cgroup").read_text().splitlines()
     except OSError:
         return False
-    return any(line.split(":", 2)[1] == "memory" and any(line.split(":", 2)[2].startswith(f"{t}/") for t in tops)
-               for line in lines)
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "memory" and any(path == t or path.startswith(f"{t}/") for t in tops):
+            return True
+    return False
 
 
 def _kill_cgroup_members(tops: Sequence[str]) -> int:
-    """SIGKILL every process in a memory cgroup below one of ``tops``; how many there were."""
+    """SIGKILL every process whose memory cgroup is one of ``tops`` or below one; how many there were."""
     killed = 0
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and below_memory_cgroup(entry, tops):
+        if entry.name.isdigit() and in_memory_cgroup(entry, tops):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed += 1

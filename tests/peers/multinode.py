@@ -54,7 +54,7 @@ from tests.peers.cluster import (
     NodePeers,
     _HostChanges,
     _run,
-    below_memory_cgroup,
+    in_memory_cgroup,
     node_peers,
     remove_cgroup,
     running_cluster,
@@ -106,14 +106,14 @@ class _Namespaces:
 
     def members(self, cgroup: str | None = None) -> list[int]:
         """The processes in the node's network namespace (the holder's excepted) and, given the node's
-        ``cgroup`` root, those in cgroups below it (its pods' containers, in network namespaces of their own)."""
+        ``cgroup`` root, those in it or in cgroups below it (its pods' containers, in network namespaces of their own)."""
         own = os.readlink(f"/proc/{self.holder.pid}/ns/net")
         pids = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and int(entry.name) != self.holder.pid:
                 with contextlib.suppress(OSError):
                     if os.readlink(entry / "ns" / "net") == own or (
-                            cgroup is not None and below_memory_cgroup(entry, [cgroup])):
+                            cgroup is not None and in_memory_cgroup(entry, [cgroup])):
                         pids.append(int(entry.name))
         return pids
 

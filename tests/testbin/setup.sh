@@ -305,8 +305,13 @@ nodeagent_peers_kube_control_plane() {
 # kube-controller-manager, dra-harness) of release 1.MINOR; TAGS are the dra-harness build tags (the kubelet
 # API of that release: k8s135, k8s136, k8s137 pick the compat_k8s1NN.go of the dra-harness).
 # Exports NODEAGENT_<COMMAND>_1_<MINOR>, e.g. NODEAGENT_KUBE_APISERVER_1_37.
+# These releases are compiled without inlining as well (-l): a quarter less compiler CPU (kube-scheduler v1.36.3,
+# cold: 528 against 390 CPU-seconds, 2026-11-29), for binaries somewhat slower that serve only the DRA tests of
+# every release; the v1.34 peers, which most of the suite runs on, keep the compiler's inlining. Like the DWARF
+# flag, -l is not part of the cache key: a binary built either way is a build of the same sources.
 _peers_k8s_release() {
   local minor=$1 tags=$2 peers_mod=$NODEAGENT_TESTBIN/peers harness_mod=$NODEAGENT_TESTBIN/dra-harness
+  local NODEAGENT_GO_GCFLAGS="$NODEAGENT_GO_GCFLAGS -l"  # seen by the builds below (bash's dynamic scope)
   shift 2
   local mf=go-1.$minor.mod v ld cmd var
   v=$(_go_mod_version "$peers_mod" k8s.io/kubernetes "$mf")
@@ -980,6 +985,27 @@ nodeagent_peers_deb_wheels() {
   done
 }
 
+# _peers_prefetch_modules: the Go modules of the builds the foreground reaches later (the v1.34 peers, the other
+# releases, the CDI, helm and kubelet modules), downloaded in the background lane at its start, in the order the
+# foreground needs them, so that a cold setup's compiles do not wait on the module proxy (about 20 s a release).
+# `go list -deps` fetches exactly the modules of those packages; the module cache is safe for two go commands at
+# once. Only a head start: a failure here is left for the build itself to report.
+_peers_prefetch_modules() {
+  local t=$NODEAGENT_TESTBIN minor
+  local -a jobs=("$t/peers|go.mod||./cmd/..." "$t/dra-harness|go.mod||./cmd/dra-harness")
+  for minor in 37 36 35; do
+    jobs+=("$t/peers|go-1.$minor.mod||./cmd/..." "$t/dra-harness|go-1.$minor.mod|k8s1$minor|./cmd/dra-harness")
+  done
+  jobs+=("$t/cdi-check|go.mod||./..." "$t/helm|go.mod||helm.sh/helm/v3/cmd/helm" "$t/node|go.mod||./cmd/...")
+  local job dir mf tags pkgs
+  for job in "${jobs[@]}"; do
+    IFS='|' read -r dir mf tags pkgs <<<"$job"
+    (cd "$dir" && GOFLAGS=-mod=readonly nice -n 10 go list -deps -modfile="$mf" ${tags:+-tags="$tags"} $pkgs >/dev/null) ||
+      _peers_log "could not fetch the modules of $dir ($mf) ahead; its build will"
+  done
+  return 0
+}
+
 # nodeagent_peers_setup: every peer the test suite uses, built (or found in the cache) BEFORE pytest
 # starts, so no test ever waits for a build; the one entry point tests/run.sh relies on. Each step prints
 # a progress line and its time. NODEAGENT_PEERS_READY=1 tells tests/peers/_resolve.py that every
@@ -1014,13 +1040,22 @@ NODEAGENT_PEERS_STEPS=(
   "nodeagent arm64 image + amd64/arm64 index (buildah --platform):nodeagent_peers_agent_image_multiarch"
 )
 
-# Steps run in the background beside the others (not in plan mode, nor with NODEAGENT_PEERS_SERIAL=1): the
-# Debian roots spend their time downloading packages, unpacking them and running maintainer scripts (under
-# qemu for arm64), while most other steps compile Go; overlapping them shortens a cold setup. They run one
-# after the other in one background job (its log: ${NODEAGENT_CACHE}/logs/background-steps.log); once it has
-# ended, each is run again in the foreground, which finds its root in the cache and only exports its path.
-NODEAGENT_PEERS_BACKGROUND=(nodeagent_peers_arm64_base_image nodeagent_peers_arm64_root nodeagent_peers_debian13_root
+# Steps run in the background beside the others (not in plan mode, nor with NODEAGENT_PEERS_SERIAL=1): these
+# spend their time on the network (pip's downloads, Debian's packages), on the disk (unpacking, buildah's layers)
+# or in maintainer scripts run under qemu for arm64, while the steps in the foreground compile Go and keep both
+# cores busy; overlapping them shortens a cold setup. They run one after the other, in this order (an image
+# after its base, the wheels before the images that install them), in one background job (its log:
+# ${NODEAGENT_CACHE}/logs/background-steps.log); once it has ended, each is run again in the foreground, in the
+# order of NODEAGENT_PEERS_STEPS, where it finds its result in the cache and only exports its path. The pause
+# image's program comes from the CDI module: whichever of the two lanes reaches it first builds it, the other
+# waits on its lock.
+# _peers_prefetch_modules, first, is no step of its own: it only gives the foreground's builds their modules.
+NODEAGENT_PEERS_BACKGROUND=(_peers_prefetch_modules nodeagent_peers_deb_wheels nodeagent_peers_base_image
+  nodeagent_peers_agent_image nodeagent_peers_pause_image nodeagent_peers_arm64_base_image
+  nodeagent_peers_agent_image_multiarch nodeagent_peers_arm64_root nodeagent_peers_debian13_root
   nodeagent_peers_debian_root)
+# Background steps that export nothing (the wheel cache is all they make): not run again in the foreground.
+NODEAGENT_PEERS_BACKGROUND_ONLY=(nodeagent_peers_deb_wheels)
 # Every Debian package a step installs, installed once before anything runs in the background (apt-get holds
 # dpkg's lock: two steps must never install at the same time).
 NODEAGENT_PEERS_DEBIAN_PACKAGES=(containerd runc openssl strace systemd util-linux dpkg gcc libc6-dev prometheus
@@ -1055,7 +1090,7 @@ nodeagent_peers_setup() {
       done
     ) >"$bg_log" 2>&1 &
     bg_pid=$!
-    _peers_log "the Debian roots are built in the background (log: $bg_log)"
+    _peers_log "the wheels, images and Debian roots are made in the background (log: $bg_log)"
   fi
   for step in "${NODEAGENT_PEERS_STEPS[@]}"; do
     n=$((n + 1))
@@ -1084,6 +1119,10 @@ nodeagent_peers_setup() {
     for step in "${deferred[@]}"; do
       n=${step%%:*}
       step=${step#*:}
+      if [[ " ${NODEAGENT_PEERS_BACKGROUND_ONLY[*]} " == *" ${step##*:} "* ]]; then
+        _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}: done in the background"
+        continue
+      fi
       t=$SECONDS
       _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}"
       "${step##*:}" || { _peers_log "step '${step%%:*}' failed"; return 1; }
