@@ -268,9 +268,10 @@ def _fleet_condition(obj: dict[str, Any]) -> dict[str, Any] | None:
 
 @pytest.fixture
 def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]]) -> Iterator[list[Cluster]]:
-    """The budget on for nodes 1 and 4: the pool's ConfigMap, ``[mig] fleet_namespace`` in the agents'
-    ConfigMap and the two agents restarted with it. Afterwards: the budget gone (the agents then hold nothing
-    back), MIG off on both nodes and their label removed, the agents' ConfigMap as it was."""
+    """The budget on for nodes 1 and 4: the fleet's Role (rbac-fleet.yaml), the pool's ConfigMap, ``[mig]
+    fleet_namespace`` in the agents' ConfigMap and the two agents restarted with it. Afterwards: the budget gone
+    (the agents then hold nothing back), MIG off on both nodes and their label removed, the agents' ConfigMap as
+    it was (the Role stays: the agents still running read the budget until they restart)."""
     first = several_nodes.first
     pair = [several_nodes.nodes[0], several_nodes.nodes[-1]]
     names = [n.node_name for n in pair]
@@ -279,6 +280,7 @@ def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]])
               "data": {"budget.yaml": (f"leaseDurationSeconds: 15\npools:\n  - name: {FLEET_POOL}\n"
                                        f"    nodeSelector: \"kubernetes.io/hostname in ({','.join(names)})\"\n"
                                        f"    maxUnavailable: 1\n    blockingPods: {HOLD_LABEL}=hold\n")}}
+    first.kubectl("apply", "-f", "packaging/kubernetes/rbac-fleet.yaml")
     first.kubectl("apply", "-f", "-", input_text=json.dumps(budget))
     configmap = _without_server_fields(before)
     configmap["data"]["config.toml"] += f'[mig]\nfleet_namespace = "{FLEET_NS}"\n'

@@ -49,6 +49,8 @@ VARIANTS: dict[str, Sequence[str]] = {
     "no-rbac-no-policy": ["rbac.create=false", "admissionPolicy.enabled=false"],
     "imex": ["imex.enabled=true"],
     "vfio": ["vfio.enabled=true"],
+    "fleet": ["fleet.enabled=true"],
+    "nodefeature": ["nodeFeature.enabled=true"],
 }
 
 
@@ -514,6 +516,42 @@ def test_remediation_controller_renders_the_plain_manifest(helm: Path) -> None:
         assert rendered[key(doc)] == doc, key(doc)
     names = {d["metadata"]["name"] for d in plain}
     assert not [key(d) for d in render(helm) if d["metadata"]["name"] in names]
+
+
+def test_fleet_and_nodefeature_render_their_plain_roles_and_config(helm: Path) -> None:
+    """fleet.enabled and nodeFeature.enabled each render their plain file (rbac-fleet.yaml, rbac-nodefeature.yaml)
+    object for object and set their keys in config.toml to the release namespace; the default renders neither
+    Role; the keys in config.agent without the value, one clear error naming both."""
+    from nodeagent.config import parse_config
+
+    for variant, name in (("fleet", "rbac-fleet.yaml"), ("nodefeature", "rbac-nodefeature.yaml")):
+        docs = render(helm, *VARIANTS[variant])
+        rendered = by_key(docs)
+        plain = [d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d]
+        assert {d["kind"] for d in plain} == {"Role", "RoleBinding"}, name
+        for doc in plain:
+            assert rendered[key(doc)] == doc, (variant, key(doc))
+        assert not [key(d) for d in render(helm) if key(d) in {key(p) for p in plain}]
+        cfg = parse_config(agent_config(docs)[0], f"{variant}/config.toml")
+        if variant == "fleet":
+            assert cfg.mig.fleet_namespace == "nodeagent"
+            assert cfg.publish.labels is True
+        else:
+            assert (cfg.publish.labels, cfg.publish.nodefeature_namespace) == ("nodefeature", "nodeagent")
+            assert cfg.mig.fleet_namespace == ""
+    default = parse_config(agent_config(render(helm))[0], "default")
+    assert (default.mig.fleet_namespace, default.publish.labels) == ("", True)
+
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "config.agent.mig.fleet_namespace=nodeagent")
+    assert proc.returncode != 0
+    assert "config.agent.mig.fleet_namespace needs the fleet's Role" in proc.stderr, proc.stderr
+    assert "set fleet.enabled=true instead" in proc.stderr, proc.stderr
+    proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", "config.agent.publish.labels=nodefeature")
+    assert proc.returncode != 0
+    assert "set nodeFeature.enabled=true instead" in proc.stderr, proc.stderr
+    for value in ("fleet", "nodeFeature"):
+        proc = run_helm(helm, "template", "nodeagent", str(CHART), "--set", f"{value}.enabled=yes")
+        assert proc.returncode != 0 and f"at '/{value}/enabled': got string, want boolean" in proc.stderr, proc.stderr
 
 
 # -- the host-managed IMEX daemon -------------------------------------------------------------------------

@@ -494,7 +494,7 @@ def cluster(server: KubeApiServer) -> dict[str, str]:
     """Both nodes, their slices and GPU objects, the RuntimeClasses and a tenant's claim; the two nodes' tokens."""
     from tests.e2e.test_run_cluster import make_node
 
-    apply_rbac(server, crd=True, dra=True)
+    apply_rbac(server, crd=True, dra=True, fleet=True, nodefeature=True)
     for n in (A, B):
         make_node(server, n)
         admin(server, "PATCH", f"{NODES}/{n}", {"metadata": {"labels": {"kubernetes.io/hostname": n}}})

@@ -145,20 +145,49 @@ def can(server: KubeApiServer, verb: str, resource: str, group: str = "", sub: s
     return bool(json.loads(body)["status"].get("allowed"))
 
 
-def apply_rbac(server: KubeApiServer, *, crd: bool = False, dra: bool = False) -> None:
-    """The ServiceAccount, ClusterRoles and admission policy of the plain manifests (``dra``: with the DRA
-    plane's rbac-dra.yaml; else its binding is deleted, as where the DRA plane is not installed)."""
-    for doc in documents((*ORDER, "rbac-dra.yaml") if dra else ORDER):
+# The roles applied beside rbac.yaml only where their feature is on: the file, its binding, and one grant of it
+# (refused again once the binding is gone).
+OPT_IN_ROLES = {
+    "dra": ("rbac-dra.yaml", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/nodeagent-dra",
+            ("create", "resourceslices", "resource.k8s.io", "", "", "")),
+    "fleet": ("rbac-fleet.yaml", "/apis/rbac.authorization.k8s.io/v1/namespaces/nodeagent/rolebindings/nodeagent-fleet",
+              ("create", "leases", "coordination.k8s.io", "", "nodeagent", "")),
+    "nodefeature": ("rbac-nodefeature.yaml",
+                    "/apis/rbac.authorization.k8s.io/v1/namespaces/nodeagent/rolebindings/nodeagent-nodefeature",
+                    ("create", "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "")),
+}
+
+
+def apply_rbac(server: KubeApiServer, *, crd: bool = False, dra: bool = False, fleet: bool = False,
+               nodefeature: bool = False) -> None:
+    """The ServiceAccount, ClusterRoles and admission policy of the plain manifests, with the opt-in roles asked
+    for (``dra``: rbac-dra.yaml, ``fleet``: rbac-fleet.yaml, ``nodefeature``: rbac-nodefeature.yaml); the
+    bindings of the others are deleted, as where those features are not installed."""
+    wanted = {"dra": dra, "fleet": fleet, "nodefeature": nodefeature}
+    for doc in documents((*ORDER, *(OPT_IN_ROLES[k][0] for k, on in wanted.items() if on))):
         if doc["kind"] in RBAC_KINDS or (crd and doc["kind"] == "CustomResourceDefinition"):
             status, body = apply(server, doc, dry_run=False)
             assert status in (200, 201), body
-    if not dra:
-        code, raw = server.request("DELETE", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/nodeagent-dra")
+    for feature in (k for k, on in wanted.items() if not on):
+        _, binding, grant = OPT_IN_ROLES[feature]
+        code, raw = server.request("DELETE", binding)
         assert code in (200, 404), raw
         deadline = time.monotonic() + 20
-        while code == 200 and can(server, "create", "resourceslices", "resource.k8s.io"):
-            assert time.monotonic() < deadline, "the DRA role's binding was deleted but still grants"
+        while code == 200 and can(server, *grant):
+            assert time.monotonic() < deadline, f"the {feature} role's binding was deleted but still grants"
             time.sleep(0.1)
+
+
+# What rbac-fleet.yaml and rbac-nodefeature.yaml grant: the fleet's budget and Leases in the agents' namespace
+# (nodeagent/fleet/leases.py); [publish] labels = "nodefeature" (nodeagent/kube/nodefeature.py), there only.
+FLEET_GRANTS = [
+    ("get", "configmaps", "", "", "nodeagent", "nodeagent-fleet"),
+    *((v, "leases", "coordination.k8s.io", "", "nodeagent", "")
+      for v in ("get", "list", "create", "update", "patch", "delete")),
+]
+NODEFEATURE_GRANTS = [
+    (v, "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "") for v in ("get", "create", "update", "delete")
+]
 
 
 def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
@@ -178,12 +207,6 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("patch", "gpus", "nodeagent.io", "status", "", ""),
         ("list", "nodefeatures", "nfd.k8s-sigs.io", "", "", ""),  # conflict detection (nodeagent/adopt)
         ("list", "resourceslices", "resource.k8s.io", "", "", ""),  # the same, for another DRA driver
-        # the fleet's budget and Leases, in the agents' namespace (nodeagent/fleet/leases.py)
-        ("get", "configmaps", "", "", "nodeagent", "nodeagent-fleet"),
-        *((v, "leases", "coordination.k8s.io", "", "nodeagent", "")
-          for v in ("get", "list", "create", "update", "patch", "delete")),
-        # [publish] labels = "nodefeature" (nodeagent/kube/nodefeature.py), in nodeagent's namespace only
-        *((v, "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "") for v in ("get", "create", "update", "delete")),
     ]
     for verb, res, group, sub, ns, name in allowed:
         assert can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
@@ -219,9 +242,39 @@ def test_cluster_role_is_least_privilege(kube_apiserver: KubeApiServer) -> None:
         ("delete", "resourceslices", "resource.k8s.io", "", "", ""),
         ("get", "resourceclaims", "resource.k8s.io", "", "default", ""),
         ("update", "resourceclaims", "resource.k8s.io", "status", "default", ""),
+        # without rbac-fleet.yaml and rbac-nodefeature.yaml: no Leases, no budget, no NodeFeature writes
+        *FLEET_GRANTS, *NODEFEATURE_GRANTS,
     ]
     for verb, res, group, sub, ns, name in denied:
         assert not can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, sub, ns, name)
+
+
+def test_fleet_and_nodefeature_roles_grant_their_namespace_only(kube_apiserver: KubeApiServer) -> None:
+    """rbac-fleet.yaml and rbac-nodefeature.yaml, applied where those features are on, grant what the fleet's
+    Leases and the NodeFeature writer send, in the agents' namespace and nowhere else; each file alone grants
+    only its own."""
+    try:
+        apply_rbac(kube_apiserver, fleet=True)
+        for grant in FLEET_GRANTS:
+            assert can(kube_apiserver, *grant), grant
+        for grant in NODEFEATURE_GRANTS:
+            assert not can(kube_apiserver, *grant), grant
+        apply_rbac(kube_apiserver, nodefeature=True)
+        for grant in NODEFEATURE_GRANTS:
+            assert can(kube_apiserver, *grant), grant
+        for grant in FLEET_GRANTS:
+            assert not can(kube_apiserver, *grant), grant
+        apply_rbac(kube_apiserver, fleet=True, nodefeature=True)
+        for verb, res, group, sub, _, name in (*FLEET_GRANTS, *NODEFEATURE_GRANTS):
+            for ns in ("default", "kube-system", "kube-node-lease"):
+                assert not can(kube_apiserver, verb, res, group, sub, ns, name), (verb, res, ns)
+        denied = [("watch", "leases", "coordination.k8s.io", "", "nodeagent", ""),
+                  ("get", "configmaps", "", "", "nodeagent", "nodeagent-config"),
+                  ("patch", "nodefeatures", "nfd.k8s-sigs.io", "", "nodeagent", "")]
+        for grant in denied:
+            assert not can(kube_apiserver, *grant), grant
+    finally:
+        apply_rbac(kube_apiserver)
 
 
 def bound_token(server: KubeApiServer, node: str) -> str:

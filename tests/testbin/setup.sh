@@ -24,7 +24,8 @@
 #       nodeagent_peers_nvml_abi -> NODEAGENT_NVML_LIBRARY, NODEAGENT_NVML_VIEW, NODEAGENT_NVIDIA_CTK
 #       nodeagent_peers_debian_root -> NODEAGENT_DEBIAN_ROOT (a Debian 12 directory tree systemd boots)
 #       nodeagent_peers_debian13_root -> NODEAGENT_DEBIAN13_ROOT (the same on Debian 13, with a test venv)
-#       nodeagent_peers_arm64_root -> NODEAGENT_DEBIAN_ARM64_ROOT (Debian 13 arm64, run by qemu-user-static)
+#       nodeagent_peers_arm64_root -> NODEAGENT_DEBIAN_ARM64_ROOT (Debian 12 arm64 from the arm64 agent image, run
+#                                 by qemu-user-static)
 #       nodeagent_peers_base_image, nodeagent_peers_pause_image, nodeagent_peers_agent_image ->
 #         NODEAGENT_BASE_IMAGE, NODEAGENT_PAUSE_IMAGE, NODEAGENT_AGENT_IMAGE (OCI archives for the cluster)
 #       nodeagent_peers_arm64_base_image -> NODEAGENT_BASE_IMAGE_ARM64
@@ -500,15 +501,15 @@ nodeagent_peers_helm() {
 #   nodeagent_peers_debian13_root  -> NODEAGENT_DEBIAN13_ROOT: the same on Debian 13 (trixie, Python 3.13), plus
 #                                     /opt/nodeagent-test, a venv of the test dependencies (pyproject's [test]
 #                                     extra) in which the unit tests run under Python 3.13.
-#   nodeagent_peers_arm64_root     -> NODEAGENT_DEBIAN_ARM64_ROOT: Debian 13 for arm64
-#                                     (python3, python3-venv, procps), its programs run by Debian's
+#   nodeagent_peers_arm64_root     -> NODEAGENT_DEBIAN_ARM64_ROOT: Debian 12 for arm64, cut from the arm64
+#                                     agent image (python3, python3-venv, procps), its programs run by Debian's
 #                                     qemu-user-static (the kernel's binfmt_misc hands aarch64 ELF files to
 #                                     qemu-aarch64-static; registered here when it is not).
 NODEAGENT_DEBIAN_SUITE=${NODEAGENT_DEBIAN_SUITE:-bookworm}
 NODEAGENT_DEBIAN13_SUITE=${NODEAGENT_DEBIAN13_SUITE:-trixie}
 NODEAGENT_DEBIAN_MIRROR=${NODEAGENT_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 NODEAGENT_DEBIAN_PACKAGES="systemd,systemd-sysv,dbus,libpam-systemd,containerd,runc,python3,python3-venv,libc6,procps"
-NODEAGENT_DEBIAN_ARM64_PACKAGES="python3,python3-venv,libc6,procps"
+NODEAGENT_DEBIAN_ARM64_PACKAGES="python3-venv,procps"
 
 nodeagent_peers_debian_root() {
   _peers_install_debian mmdebstrap systemd-container || return 1
@@ -524,12 +525,43 @@ nodeagent_peers_debian13_root() {
     "$reqs"
 }
 
+# The arm64 root is cut from the arm64 agent image, whose final stage already installed python3 and
+# ca-certificates under qemu (their emulated maintainer scripts, byte-compiling the standard library and hashing
+# the certificates, are most of an emulated Debian install: 696 s of one core for a root of its own). What the
+# image adds (the agent in /opt/nodeagent, its entrypoint, its config) is removed, and the package's other
+# dependencies (python3-venv, procps) are installed by apt-get under qemu. Its cache key leaves out the agent's
+# sources: a change to nodeagent/ rebuilds the image, never this root.
+_arm64_root_build() {
+  local dir=$1 c mnt rc=0
+  c=$(_buildah_multiarch from -q --arch arm64 "oci-archive:$NODEAGENT_AGENT_IMAGE_ARM64") || return 1
+  _buildah_multiarch run --isolation chroot "$c" -- sh -ec '
+    rm -rf /opt/nodeagent /usr/local/bin/nodeagent /usr/local/bin/nodeagent-entrypoint /etc/nodeagent
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends '"${NODEAGENT_DEBIAN_ARM64_PACKAGES//,/ }"'
+    apt-get clean
+    rm -rf /var/lib/apt/lists/*' &&
+    mnt=$(_buildah_multiarch mount "$c") && mkdir -p "$dir" && cp -a "$mnt/." "$dir/" || rc=1
+  _buildah_multiarch rm "$c" >/dev/null 2>&1 || true
+  _buildah_multiarch rmi "$NODEAGENT_AGENT_IMAGE_REF" >/dev/null 2>&1 || true  # the name the archive's image took
+  return "$rc"
+}
+
 nodeagent_peers_arm64_root() {
-  _peers_install_debian mmdebstrap qemu-user-static arch-test || return 1
+  _peers_install_debian qemu-user-static buildah || return 1
   if [ -z "${NODEAGENT_PEERS_PLAN:-}" ]; then
     _peers_binfmt_aarch64 || return 1
   fi
-  _peers_debian_root NODEAGENT_DEBIAN_ARM64_ROOT "$NODEAGENT_DEBIAN13_SUITE" arm64 "$NODEAGENT_DEBIAN_ARM64_PACKAGES"
+  nodeagent_peers_arm64_base_image || return 1
+  local repo hash
+  repo=$(cd "$NODEAGENT_TESTBIN/../.." && pwd)
+  hash=$( (echo "$NODEAGENT_BASE_IMAGE_ARM64_HASH $NODEAGENT_DEBIAN_ARM64_PACKAGES" &&
+    sha256sum <"$repo/packaging/kubernetes/Containerfile" && declare -f _arm64_root_build) | sha256sum | cut -c1-12) ||
+    return 1
+  if [ ! -f "$NODEAGENT_CACHE/debian-root-$hash/etc/os-release" ]; then
+    nodeagent_peers_agent_image_arm64 || return 1
+  fi
+  _root_into_cache NODEAGENT_DEBIAN_ARM64_ROOT "$hash" "Debian $NODEAGENT_DEBIAN_SUITE arm64" \
+    _arm64_root_build
 }
 
 # _peers_test_requirements: the [test] extra and the dependencies of pyproject.toml, one per line.
@@ -563,13 +595,22 @@ _peers_binfmt_aarch64() {
 # _peers_debian_root VAR SUITE ARCH PACKAGES [TEST_REQUIREMENTS]: a cached mmdebstrap root, its path exported
 # as VAR. TEST_REQUIREMENTS (lines of pip requirements) go into a venv /opt/nodeagent-test of the root's python3.
 _peers_debian_root() {
-  local var=$1 suite=$2 arch=$3 packages=$4 reqs=${5:-} hash dest
+  local var=$1 suite=$2 arch=$3 packages=$4 reqs=${5:-} hash
   hash=$( (echo "$suite $arch $NODEAGENT_DEBIAN_MIRROR $packages" && echo "$reqs" &&
     declare -f _debian_root_build) | sha256sum | cut -c1-12) || return 1
+  _root_into_cache "$var" "$hash" "Debian $suite $arch" _debian_root_build "$suite" "$arch" "$packages" "$reqs"
+}
+
+# _root_into_cache VAR HASH LABEL BUILDER ARGS...: exports VAR=${NODEAGENT_CACHE}/debian-root-HASH, made by
+# "BUILDER TMPDIR ARGS..." (its output in the cache's logs/) in a temporary directory beside it and renamed into
+# place, unless it is there; concurrent callers wait on a lock.
+_root_into_cache() {
+  local var=$1 hash=$2 label=$3 builder=$4 dest
+  shift 4
   dest=$NODEAGENT_CACHE/debian-root-$hash
   export "$var=$dest"
   if [ -n "${NODEAGENT_PEERS_PLAN:-}" ]; then
-    _peers_log "plan: Debian $suite $arch root $([ -f "$dest/etc/os-release" ] && echo cached || echo to build)"
+    _peers_log "plan: $label root $([ -f "$dest/etc/os-release" ] && echo cached || echo to build)"
     return 0
   fi
   [ -f "$dest/etc/os-release" ] && { touch "$dest"; return 0; }
@@ -577,35 +618,31 @@ _peers_debian_root() {
   local lock=$NODEAGENT_CACHE/.debian-root-$hash.lock log=$NODEAGENT_CACHE/logs/build-debian-root-$hash.log fd
   exec {fd}>"$lock" || return 1
   if ! flock -n "$fd"; then
-    _peers_log "waiting for another build of the Debian $suite $arch root (log: $log)"
+    _peers_log "waiting for another build of the $label root (log: $log)"
     flock "$fd" || return 1
   fi
   if [ ! -f "$dest/etc/os-release" ]; then
-    _peers_log "building a Debian $suite $arch root (not in the cache; log: $log)"
+    _peers_log "building a $label root (not in the cache; log: $log)"
     local start=$SECONDS rc=0 tmp=$dest.tmp.$$
     rm -rf "$tmp"
-    _debian_root_build "$tmp" "$suite" "$arch" "$packages" "$reqs" >"$log" 2>&1 || rc=$?
+    "$builder" "$tmp" "$@" >"$log" 2>&1 || rc=$?
     if [ "$rc" -ne 0 ]; then
       # an interrupted mmdebstrap may leave its /proc, /sys and /dev mounts in the tree: never rm -rf through them
       awk -v t="$tmp/" 'index($2, t) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
       rm -rf --one-file-system "$tmp"
       exec {fd}>&-
-      _peers_log "building the Debian $suite $arch root failed (exit $rc); last lines of $log:"
+      _peers_log "building the $label root failed (exit $rc); last lines of $log:"
       tail -n 20 "$log" >&2
       return 1
     fi
     mv -T "$tmp" "$dest"
-    _peers_log "built the Debian $suite $arch root in $((SECONDS - start))s -> $dest"
+    _peers_log "built the $label root in $((SECONDS - start))s -> $dest"
     # older roots (other inputs) go once nobody has used them for a week
     find "$NODEAGENT_CACHE" -maxdepth 1 -type d -name 'debian-root-*' -mtime +7 ! -name "${dest##*/}" -exec rm -rf {} + 2>/dev/null || true
   fi
   exec {fd}>&-
 }
 
-# _debian_root_build DIR SUITE ARCH PACKAGES REQS: mmdebstrap into DIR; no machine-id (systemd makes one at
-# each boot of a copy), no getty on the console (the tests read the journal, not a login prompt), apt lists kept
-# so that `apt-get install ./x.deb` can resolve dependencies offline; REQS, when given, pip-installed into the
-# venv /opt/nodeagent-test (from PyPI, while the root is built).
 _debian_root_build() {
   local dir=$1 suite=$2 arch=$3 packages=$4 reqs=$5 hooks=()
   if [ -n "$reqs" ]; then
@@ -1030,7 +1067,7 @@ NODEAGENT_PEERS_STEPS=(
   "NVML stand-in + go-nvml view + nvidia-ctk:nodeagent_peers_nvml_abi"
   "Debian 12 root booted by systemd (mmdebstrap, systemd-nspawn):nodeagent_peers_debian_root"
   "Debian 13 root with the test dependencies (mmdebstrap):nodeagent_peers_debian13_root"
-  "Debian 13 arm64 root (mmdebstrap, qemu-user-static):nodeagent_peers_arm64_root"
+  "Debian 12 arm64 root (the arm64 agent image's, qemu-user-static):nodeagent_peers_arm64_root"
   "kubelet + kubectl v1.34:nodeagent_peers_kubelet"
   "CNI plugins + buildah (Debian):nodeagent_peers_cluster_tools"
   "Debian base image (mmdebstrap, buildah):nodeagent_peers_base_image"

@@ -142,7 +142,7 @@ def test_whole_setup_resolves_every_peer_from_empty_caches(empty_caches: dict[st
     assert len(roots) == 3, roots  # each its own cache entry
     for root in roots:
         assert root.parent == cache and root.name.startswith("debian-root-"), root
-    for suite in ("bookworm amd64", "trixie amd64", "trixie arm64"):
+    for suite in ("bookworm amd64", "trixie amd64", "bookworm arm64"):  # the last: the arm64 agent image's
         assert f"plan: Debian {suite} root to build" in proc.stderr, proc.stderr
     # the cluster's images: archives keyed by a hash of their inputs, all to build
     for name, image in IMAGES.items():

@@ -61,6 +61,12 @@ flags:
 {{- if .Values.vfio.enabled -}}
 {{- $_ := set $s "vfio" (merge (dict "enabled" true) (get $s "vfio" | default dict)) -}}
 {{- end -}}
+{{- if .Values.fleet.enabled -}}
+{{- $_ := set $s "mig" (merge (dict "fleet_namespace" .Release.Namespace) (get $s "mig" | default dict)) -}}
+{{- end -}}
+{{- if .Values.nodeFeature.enabled -}}
+{{- $_ := set $s "publish" (merge (dict "labels" "nodefeature" "nodefeature_namespace" .Release.Namespace) (get $s "publish" | default dict)) -}}
+{{- end -}}
 {{- if .Values.cdi.enabled -}}
 {{- $_ := set $s "runtime" (merge (dict "cdi" true) (get $s "runtime" | default dict)) -}}
 {{- end -}}
@@ -115,6 +121,14 @@ flags:
 {{- $agentVfio := get (.Values.config.agent | default dict) "vfio" | default dict -}}
 {{- if and (kindIs "map" $agentVfio) (get $agentVfio "enabled") (not .Values.vfio.enabled) -}}
 {{- fail "config.agent.vfio.enabled needs the node's /sys writable in the agent's container: set vfio.enabled=true instead" -}}
+{{- end -}}
+{{- $agentMig := get (.Values.config.agent | default dict) "mig" | default dict -}}
+{{- if and (kindIs "map" $agentMig) (get $agentMig "fleet_namespace") (not .Values.fleet.enabled) -}}
+{{- fail "config.agent.mig.fleet_namespace needs the fleet's Role (Leases, the budget ConfigMap): set fleet.enabled=true instead" -}}
+{{- end -}}
+{{- $agentPublish := get (.Values.config.agent | default dict) "publish" | default dict -}}
+{{- if and (kindIs "map" $agentPublish) (eq (toString (get $agentPublish "labels")) "nodefeature") (not .Values.nodeFeature.enabled) -}}
+{{- fail "config.agent.publish.labels nodefeature needs the NodeFeature Role: set nodeFeature.enabled=true instead" -}}
 {{- end -}}
 {{- if or .Values.config.toml .Values.config.name -}}
 {{- $own := list -}}
