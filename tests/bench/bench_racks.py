@@ -43,7 +43,6 @@ from tests.cluster.test_several_nodes import (
     RESYNC_S,
     TEMPLATE,
     _agent_logs,
-    _agent_on,
     _domain_pod,
     _imex_ok,
     _in_agent,
@@ -52,6 +51,7 @@ from tests.cluster.test_several_nodes import (
     _rack_nodes,
     _sim,
     deploy_agents,
+    restart_agents,
 )
 from tests.cluster.test_whole_node import _packaged_configmap
 from tests.peers.hostlock import host_owned
@@ -144,13 +144,8 @@ def cluster_figures(args: argparse.Namespace) -> dict[str, Any]:
         switched_s = time.monotonic() - began
 
         # a restart of the rack nodes' agents: the pods deleted, their daemons die with them
-        old = {n.node_name: (_agent_on(first, n.node_name) or {})["metadata"]["name"] for n in rack}
         began = time.monotonic()
-        first.kubectl("delete", "pod", "-n", "nodeagent", "--wait=false", *old.values())
-        for node in rack:
-            first.wait_for(f"{node.node_name}: a new agent", lambda n=node: (
-                lambda p: p is not None and p["metadata"]["name"] != old[n.node_name])(
-                _agent_on(first, n.node_name)), timeout=240)
+        restart_agents(first, rack, "a new agent")
         _wait_ready(nodes, rack, clique, peers, "IMEX READY again after the restart")
         restart_s = time.monotonic() - began
         assert all(_labels(n).get(CLIQUE_LABEL) == clique for n in rack)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,24 @@ def _agent_on(first: Cluster, node: str) -> dict[str, Any] | None:
             result: dict[str, Any] = pod
             return result
     return None
+
+
+def restart_agents(first: Cluster, nodes: Sequence[Cluster], what: str,
+                   ready: Callable[[Cluster], bool] = lambda _: True, timeout: float = 240) -> dict[str, dict[str, Any]]:
+    """Delete the agent pod of each of ``nodes`` (the DaemonSet's new pod mounts its ConfigMap as it is now) and
+    wait, node by node, for a new ready agent there and for ``ready(node)``; node name -> the new agent pod."""
+    old = {n.node_name: _agent_on(first, n.node_name) for n in nodes}
+    first.kubectl("delete", "pod", "-n", "nodeagent", "--wait=false",
+                  *(p["metadata"]["name"] for p in old.values() if p is not None))
+
+    def restarted(node: Cluster) -> dict[str, Any] | None:
+        pod, before = _agent_on(first, node.node_name), old[node.node_name]
+        if pod is None or (before is not None and pod["metadata"]["uid"] == before["metadata"]["uid"]):
+            return None
+        return pod if ready(node) else None
+
+    return {n.node_name: first.wait_for(f"{n.node_name}: {what}", lambda n=n: restarted(n), timeout=timeout)
+            for n in nodes}
 
 
 def deploy_agents(several_nodes: SeveralNodes) -> dict[str, dict[str, Any]]:
@@ -285,15 +303,9 @@ def fleet_budget(several_nodes: SeveralNodes, agents: dict[str, dict[str, Any]])
     configmap = _without_server_fields(before)
     configmap["data"]["config.toml"] += f'[mig]\nfleet_namespace = "{FLEET_NS}"\n'
     first.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
-    old = {n: _agent_on(first, n) for n in names}
-    first.kubectl("delete", "pod", "-n", "nodeagent", "--wait=false",
-                  *(p["metadata"]["name"] for p in old.values() if p is not None))
-    for node in pair:
-        n, want = node.node_name, len(load_machine(several_nodes.machines[node.node_name]).gpus)
-        first.wait_for(f"{n}: the agent restarted with the fleet's budget, allocatable {RESOURCE} {want}", lambda n=n,
-                       node=node, want=want: (lambda p: p is not None and p["metadata"]["uid"] != (old[n] or {}).get(
-                           "metadata", {}).get("uid"))(_agent_on(first, n)) and int(node.node()["status"].get(
-                               "allocatable", {}).get(RESOURCE, "0")) == want, timeout=120)
+    restart_agents(first, pair, "the agent restarted with the fleet's budget, its GPUs allocatable",
+                   lambda n: int(n.node()["status"].get("allocatable", {}).get(RESOURCE, "0")) == len(
+                       load_machine(several_nodes.machines[n.node_name]).gpus), timeout=120)
     try:
         yield pair
     finally:

@@ -697,12 +697,8 @@ def test_cdi_cri_with_time_slicing_containerd_injects_the_devices(cluster: Clust
     configmap = yaml.safe_load((MANIFESTS / "configmap.yaml").read_text())
     configmap["data"]["config.toml"] += '[device_plugin]\nconfig = "/etc/nodeagent/device-plugin.yaml"\n'
     configmap["data"]["device-plugin.yaml"] = DEVICE_PLUGIN_CONFIG
-    cluster.kubectl("apply", "-f", "-", input_text=json.dumps(configmap))
-    old = running_agent(cluster)
-    assert old is not None
-    cluster.kubectl("delete", "pod", "-n", "nodeagent", old["metadata"]["name"], "--wait=true")
-    cluster.wait_for("allocatable 16 (8 GPUs x 2 replicas)", lambda: allocatable(cluster) == 2 * GPU_COUNT
-                     and running_agent(cluster) is not None, timeout=180)
+    _restart_agent_with(cluster, configmap, f"allocatable {2 * GPU_COUNT} ({GPU_COUNT} GPUs x 2 replicas)",
+                        lambda: allocatable(cluster) == 2 * GPU_COUNT)
     obj, log, devices = run_probe(cluster, _gpu_pod("cdi-two", 2, PROBE))
     assert obj["status"]["phase"] == "Succeeded", (obj["status"], log)
     assert len(devices) == 2 and all("::" in d for d in devices), devices
