@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ from tests.e2e.test_run_cluster import eventually, make_node, node_obj, set_labe
 from tests.e2e.test_run_conditions import wire_containerd
 from tests.peers.apiserver import KubeApiServer, start_apiserver
 from tests.peers.harness import running_harness
+from tests.peers._ports import free_port
 
 DP_CONFIG = """version: v1
 flags:
@@ -62,13 +62,6 @@ sharing:
 """
 
 IDLE_WINDOW_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 HOUR_S = 3600.0
@@ -118,7 +111,7 @@ def idle_hour(window: float) -> dict[str, Any]:
             wire_containerd(root)
             args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(root / "sim.json")]
             _, offset = server.audit_writes()
-            port = _free_port()
+            port = free_port()
             with running_agent(work, root, args, metrics=f"127.0.0.1:{port}") as agent:
                 agent.wait_notify("READY=1", timeout=60)
                 eventually(lambda: server.get(
@@ -210,7 +203,7 @@ def main() -> None:
             args = ["run", "--config", str(cfg), "--sim-state", str(root / "sim.json")]
             t_start = time.time()
             # Measured as deployed by default: with the metrics endpoint listening on localhost.
-            with running_agent(work, root, args, metrics=f"127.0.0.1:{_free_port()}") as agent:
+            with running_agent(work, root, args, metrics=f"127.0.0.1:{free_port()}") as agent:
                 resource = "nvidia.com/mig-1g.10gb"
                 agent.wait_notify("READY=1", timeout=60)
                 t_ready = time.time()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -31,22 +30,17 @@ from tests._metrics_load import (
     scrape_once,
 )
 from tests.e2e._agent import eventually, node_root, running_agent
+from tests.peers._ports import free_port
 
 METRIC = "DCGM_FI_DEV_GPU_TEMP"
 SCRAPES = 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_scrapes_answered_under_connection_floods(tmp_path: Path) -> None:
     raise_fd_limit(3000 + 1024)
     cfg = tmp_path / "config.toml"
     cfg.write_text("resync_interval = 300.0\n[runtime]\nenabled = false\n[metrics]\ninterval = 60.0\n")
-    port = _free_port()
+    port = free_port()
     args = ["run", "--config", str(cfg), "--simulate", "dgx-h100", "--sim-state", str(tmp_path / "sim.json"),
             "--no-kube"]
     results: dict[str, Scrapes] = {}

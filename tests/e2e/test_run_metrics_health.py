@@ -4,7 +4,6 @@ the sampling interval is a minute."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,18 +11,13 @@ from pathlib import Path
 
 from tests._metrics import scrape_or_none
 from tests.e2e._agent import ROOT, eventually, node_root, running_agent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.peers._ports import free_port
 
 
 def test_xid_reaches_the_metrics_at_once(tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text("resync_interval = 300.0\n[runtime]\nenabled = false\n[metrics]\ninterval = 60.0\n")
-    port = _free_port()
+    port = free_port()
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", f"{ROOT}/sim.json", "--no-kube"]
     with node_root() as root, running_agent(tmp_path, root, args, metrics=f"127.0.0.1:{port}") as agent:
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,15 +14,9 @@ from pathlib import Path
 from nodeagent.hostpaths import HostPaths
 from nodeagent.imex.daemonconfig import DaemonSettings, parse_nodes
 from nodeagent.imex.supervisor import ImexSupervisor
+from tests.peers._ports import free_port
 
 A, B = "127.0.0.2", "127.0.0.3"
-
-
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def _until(what: str, cond: Callable[[], bool], timeout: float = 40.0) -> None:
@@ -42,7 +35,7 @@ def _supervisor(tmp_path: Path, name: str, ip: str, port: int, cmd_port: int) ->
 
 
 def test_two_daemons_ready_restart_partition_leave(tmp_path: Path) -> None:
-    port, cmd_port = _free_port(A), _free_port(A)
+    port, cmd_port = free_port(A), free_port(A)
 
     async def scenario() -> None:
         a = _supervisor(tmp_path, "a", A, port, cmd_port)

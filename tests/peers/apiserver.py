@@ -6,7 +6,6 @@ import base64
 import contextlib
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -18,17 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tests.peers._ports import free_port
 from tests.peers._proc import stop_process, tail
 from tests.peers._resolve import PeerMissingError, peer_binary, system_binary
 
 READY_TIMEOUT = 90.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _openssl(*args: str) -> None:
@@ -301,4 +294,4 @@ def running_apiserver(*, binary: Path | None = None,
         shutil.rmtree(server.workdir, ignore_errors=True)
 
 
-__all__ = ["KubeApiServer", "PeerMissingError", "running_apiserver", "start_apiserver"]
+__all__ = ["KubeApiServer", "PeerMissingError", "free_port", "running_apiserver", "start_apiserver"]

@@ -1099,9 +1099,11 @@ NODEAGENT_PEERS_DEBIAN_PACKAGES=(containerd runc openssl strace systemd util-lin
   mmdebstrap systemd-container qemu-user-static arch-test containernetworking-plugins buildah iptables
   docker-registry)
 
-_peers_in_background() {
-  local f
-  for f in "${NODEAGENT_PEERS_BACKGROUND[@]}"; do [ "$f" = "$1" ] && return 0; done
+# _peers_listed NAME ITEM...: whether NAME is one of the ITEMs.
+_peers_listed() {
+  local name=$1 f
+  shift
+  for f in "$@"; do [ "$f" = "$name" ] && return 0; done
   return 1
 }
 
@@ -1131,7 +1133,7 @@ nodeagent_peers_setup() {
   fi
   for step in "${NODEAGENT_PEERS_STEPS[@]}"; do
     n=$((n + 1))
-    if [ -n "$bg_pid" ] && _peers_in_background "${step##*:}"; then
+    if [ -n "$bg_pid" ] && _peers_listed "${step##*:}" "${NODEAGENT_PEERS_BACKGROUND[@]}"; then
       deferred+=("$n:$step")
       continue
     fi
@@ -1156,7 +1158,7 @@ nodeagent_peers_setup() {
     for step in "${deferred[@]}"; do
       n=${step%%:*}
       step=${step#*:}
-      if [[ " ${NODEAGENT_PEERS_BACKGROUND_ONLY[*]} " == *" ${step##*:} "* ]]; then
+      if _peers_listed "${step##*:}" "${NODEAGENT_PEERS_BACKGROUND_ONLY[@]}"; then
         _peers_log "[$n/${#NODEAGENT_PEERS_STEPS[@]}] ${step%%:*}: done in the background"
         continue
       fi
