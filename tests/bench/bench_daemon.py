@@ -47,9 +47,9 @@ from tests.e2e._agent import fresh_node_with_gpu_crd, node_root, running_agent
 from tests.e2e.test_run import restart_and_wait_registration
 from tests.e2e.test_run_cluster import eventually, make_node, node_obj, set_label
 from tests.e2e.test_run_conditions import wire_containerd
+from tests.peers._ports import free_port
 from tests.peers.apiserver import KubeApiServer, start_apiserver
 from tests.peers.harness import running_harness
-from tests.peers._ports import free_port
 
 DP_CONFIG = """version: v1
 flags:

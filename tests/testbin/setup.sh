@@ -478,6 +478,10 @@ nodeagent_peers_helm() {
   ld="-X helm.sh/helm/v3/internal/version.version=$version -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
   ld="$ld -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
   ld="$ld -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$minor"
+  # helm's module has its Kubernetes and golang.org/x modules at the versions of the v1.36 peers, which are
+  # compiled before it and without inlining: built the same way, it reuses their client-go, API types and
+  # apimachinery (a few `helm template` runs are all the suite asks of it; inlining buys nothing there)
+  local NODEAGENT_GO_GCFLAGS="$NODEAGENT_GO_GCFLAGS -l"
   build_go_binary helm "$mod" helm.sh/helm/v3/cmd/helm "$version" "$ld" || return 1
   export NODEAGENT_HELM=$NODEAGENT_GO_BINARY
   _peers_install_debian prometheus || return 1

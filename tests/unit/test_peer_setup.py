@@ -176,28 +176,44 @@ def test_fixtures_never_build_once_the_setup_said_ready(monkeypatch: pytest.Monk
         peer_binary("NODEAGENT_TEST_ONLY_PEER", "false", "a test peer")
 
 
-@pytest.mark.parametrize("modfile", ["go.mod", "go-1.35.mod", "go-1.36.mod", "go-1.37.mod"])
-def test_dra_harness_builds_on_the_packages_of_its_releases_peers(modfile: str) -> None:
-    """Every module the DRA harness of a release compiles is at the version the same release's peers module
-    uses, so the harness's build reuses the packages the API server's build compiled (in the cold run of
+# (module directory, its module file, what setup.sh builds there, build tags, the peers' module file it builds on)
+_SHARED_BUILDS = [
+    *[("dra-harness", mf, "./cmd/dra-harness", tags, mf) for mf, tags in (
+        ("go.mod", ""), ("go-1.35.mod", "k8s135"), ("go-1.36.mod", "k8s136"), ("go-1.37.mod", "k8s137"))],
+    ("etcd", "go.mod", "./cmd/etcd", "", "go.mod"),
+    ("helm", "go.mod", "helm.sh/helm/v3/cmd/helm", "", "go-1.36.mod"),
+]
+
+
+@pytest.mark.parametrize(("moddir", "modfile", "pkg", "tags", "peers_modfile"), _SHARED_BUILDS,
+                         ids=[f"{b[0]}-{b[1]}" for b in _SHARED_BUILDS])
+def test_a_build_reuses_the_packages_of_the_peers_before_it(moddir: str, modfile: str, pkg: str, tags: str,
+                                                            peers_modfile: str) -> None:
+    """Every module a build compiles is at the version the peers module it follows uses, so its build reuses the
+    packages the peers' build compiled: the DRA harness of a release and that release's peers (in the cold run of
     2026-11-29, with grpc, protobuf and x/net at other versions, the 1.35 harness recompiled them and all of
-    client-go above them: 105 s, against 11 s once aligned)."""
+    client-go above them: 105 s, against 11 s once aligned), etcd and the v1.34 API server (grpc, OpenTelemetry,
+    Prometheus' client), helm and the v1.36 peers (client-go, the API types, apimachinery; helm is compiled
+    without inlining like them)."""
     if shutil.which("go") is None:
         pytest.fail("the Go toolchain is not installed (need go on PATH)", pytrace=False)
     testbin = SETUP_SH.parent
-    tags = [] if modfile == "go.mod" else [f"-tags=k8s1{modfile.split('.')[1]}"]
 
-    def go(moddir: str, *args: str) -> str:
-        proc = subprocess.run(["go", *args[:1], f"-modfile={modfile}", *args[1:]],
-                              cwd=testbin / moddir, capture_output=True, text=True, timeout=180, check=False,
+    def go(directory: str, mf: str, *args: str) -> str:
+        proc = subprocess.run(["go", *args[:1], f"-modfile={mf}", *args[1:]],
+                              cwd=testbin / directory, capture_output=True, text=True, timeout=180, check=False,
                               env={**os.environ, "GOFLAGS": "-mod=readonly"})
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
     version = "{{.Path}} {{with .Replace}}{{.Version}}{{else}}{{.Version}}{{end}}"  # a replaced module: its target's
-    harness = dict(line.split() for line in go(
-        "dra-harness", "list", "-deps", *tags, "-f", "{{with .Module}}" + version + "{{end}}",
-        "./cmd/dra-harness").splitlines() if line.strip() and not line.startswith("nodeagent.test/"))
-    peers = dict(line.split() for line in go("peers", "list", "-m", "-f", version, "all").splitlines()[1:])
-    differ = {m: (v, peers.get(m)) for m, v in harness.items() if m in peers and peers[m] != v}
+    compiled = dict(line.split() for line in go(
+        moddir, modfile, "list", "-deps", *([f"-tags={tags}"] if tags else []),
+        "-f", "{{with .Module}}" + version + "{{end}}", pkg).splitlines()
+        if line.strip() and not line.startswith("nodeagent.test/"))
+    peers = dict(line.split() for line in go("peers", peers_modfile, "list", "-m", "-f", version,
+                                             "all").splitlines()[1:])
+    shared = {m for m in compiled if m in peers}
+    assert len(shared) > len(compiled) // 2, f"{moddir}/{modfile} shares few modules with peers/{peers_modfile}"
+    differ = {m: (v, peers.get(m)) for m, v in compiled.items() if m in shared and peers[m] != v}
     assert not differ, differ
