@@ -107,7 +107,9 @@ async def test_workload_config_both_ways(node: NodeClient, tmp_path: Path) -> No
         await follow(rec, node, WORKLOAD, "container", WORKLOAD_STATE, "container")
         assert sw.current() == "container"
     finally:
-        task.cancel()
+        task.cancel()  # its Node watch stops with it, before the fixture deletes the Node
+        with pytest.raises(asyncio.CancelledError):
+            await task
     evs = events(node)
     assert [(r, t) for r, t, _ in evs] == [("WorkloadConfigApplied", "Normal"), ("WorkloadConfigApplied", "Normal"),
                                            ("WorkloadConfigFailed", "Warning")]
