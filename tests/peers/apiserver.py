@@ -81,8 +81,12 @@ omitStages: ["RequestReceived"]
 rules:
   - level: Metadata
     verbs: ["create", "update", "patch", "delete", "deletecollection"]
+  - level: Metadata
+    verbs: ["list", "watch"]
+    resources: [{group: "", resources: ["nodes"]}]
   - level: None
 """
+_WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 AUDIT_FLUSH_S = 1.5  # the batch backend's default max wait is 1 s
 
 
@@ -143,16 +147,13 @@ class KubeApiServer:
 
     @property
     def audit_log(self) -> Path:
-        """The apiserver's audit log: one JSON line per write request (create/update/patch/delete), read
-        with ``audit_writes``."""
+        """The apiserver's audit log: one JSON line per write request (create/update/patch/delete) and per
+        list or watch of Nodes, read with ``audit_writes`` and ``audit_node_reads``."""
         return self.workdir / "audit.log"
 
-    def audit_writes(self, since: int = 0, settle: float = AUDIT_FLUSH_S) -> tuple[list[AuditWrite], int]:
-        """Write requests the apiserver has logged from byte offset ``since`` (0: all), and the offset to
-        pass next time. Waits ``settle`` s first: the log backend writes in batches (flushed every second)."""
-        if settle > 0:
+    def _audit_events(self, since: int, settle: float) -> tuple[list[dict[str, Any]], int]:
+        if settle > 0:  # the log backend writes in batches (flushed every second)
             time.sleep(settle)
-        out: list[AuditWrite] = []
         try:
             with self.audit_log.open("rb") as f:
                 f.seek(since)
@@ -160,8 +161,25 @@ class KubeApiServer:
         except FileNotFoundError:
             return [], since
         end = data.rfind(b"\n") + 1
-        for line in data[:end].splitlines():
-            ev = json.loads(line)
+        return [json.loads(line) for line in data[:end].splitlines()], since + end
+
+    def audit_node_reads(self, name: str, since: int = 0, settle: float = AUDIT_FLUSH_S) -> tuple[list[str], int]:
+        """The lists and watches of the one Node ``name`` (field-selected to it) logged from byte offset
+        ``since``, as verbs in order ("list" when it answered, "watch" when it started), and the next offset."""
+        events, end = self._audit_events(since, settle)
+        out = [str(ev["verb"]) for ev in events
+               if ev.get("verb") in ("list", "watch") and (ev.get("objectRef") or {}).get("name") == name
+               and ev.get("stage") == ("ResponseStarted" if ev["verb"] == "watch" else "ResponseComplete")]
+        return out, end
+
+    def audit_writes(self, since: int = 0, settle: float = AUDIT_FLUSH_S) -> tuple[list[AuditWrite], int]:
+        """Write requests the apiserver has logged from byte offset ``since`` (0: all), and the offset to
+        pass next time. Waits ``settle`` s first."""
+        out: list[AuditWrite] = []
+        events, end = self._audit_events(since, settle)
+        for ev in events:
+            if ev.get("verb") not in _WRITE_VERBS:
+                continue
             ref = ev.get("objectRef") or {}
             out.append(AuditWrite(
                 verb=str(ev.get("verb", "")), resource=str(ref.get("resource", "")),
@@ -169,7 +187,7 @@ class KubeApiServer:
                 name=str(ref.get("name", "")), code=int((ev.get("responseStatus") or {}).get("code", 0)),
                 user=str((ev.get("user") or {}).get("username", "")),
             ))
-        return out, since + end
+        return out, end
 
     def log_tail(self, name: str = "kube-apiserver", lines: int = 40) -> str:
         return tail(self.workdir / f"{name}.log", lines)
