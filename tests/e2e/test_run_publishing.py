@@ -81,9 +81,8 @@ def test_one_watch_zero_steady_writes_refused_labels_and_health_events(
                    "[runtime]\nenabled = false\n[metrics]\naddress = \"\"\n"
                    '[kubelet]\npod_resources_socket = "/var/lib/kubelet/pod-resources.sock"\n')
     args = ["run", "--config", str(cfg), "--simulate", "a30x4", "--sim-state", str(sim_state), "--node-name", node]
-    # the apiserver counts a WATCH in apiserver_request_total when it ENDS: an earlier test's agent whose watch
-    # of its own Node is still closing would be counted in this test's window. Wait until no field-selected
-    # node watch is open before the baseline, and again after this agent's end before the final count.
+    # an earlier test's agent whose watch of its own Node is still closing would show in the open-watch gauge
+    # as this agent's: wait until no field-selected node watch is open before taking its baseline
     settle_node_watches(kube_apiserver, "before the agent starts")
     watches0 = node_watches(kube_apiserver)
     _, audit0 = kube_apiserver.audit_node_reads(node)

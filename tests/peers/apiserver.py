@@ -75,18 +75,18 @@ def write_kubeconfig(path: Path, url: str, pki: Path) -> None:
     path.chmod(0o600)
 
 
+_WRITE_VERBS = ("create", "update", "patch", "delete", "deletecollection")
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived"]
 rules:
   - level: Metadata
-    verbs: ["create", "update", "patch", "delete", "deletecollection"]
+    verbs: """ + json.dumps(_WRITE_VERBS) + """
   - level: Metadata
     verbs: ["list", "watch"]
     resources: [{group: "", resources: ["nodes"]}]
   - level: None
 """
-_WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 AUDIT_FLUSH_S = 1.5  # the batch backend's default max wait is 1 s
 
 
